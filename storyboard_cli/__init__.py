@@ -1,0 +1,3 @@
+"""storyboard-cli: batch SDXL storyboard rendering with a persistent CUDA-graph denoising loop."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from storyboard_cli.cli import main
+
+main()

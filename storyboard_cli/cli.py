@@ -1,0 +1,163 @@
+"""`bcg`: parses options, calls one library function, prints. The only module that prints or exits."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from storyboard_cli.errors import StoryboardError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out.")
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, soft_wrap=True)
+
+JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False)]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: the job's output_dir).")]
+DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="fp16, bf16 or fp32 (default: fp16 on cuda, fp32 on cpu).")]
+EngineOpt = Annotated[str, typer.Option(help="auto (graphs on CUDA, eager on CPU), graph or eager.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")]
+
+
+def _error(e: StoryboardError) -> None:
+    err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+    raise typer.Exit(e.exit_code)
+
+
+@contextmanager
+def _domain_errors():
+    try:
+        yield
+    except StoryboardError as e:
+        _error(e)
+
+
+@app.command()
+def plan(job: JobArg, json_out: JsonOpt = False) -> None:
+    """Validate a job and print its bucket table, without loading a model."""
+    from storyboard_cli.job import load_job
+    from storyboard_cli.plan import bucket_table, make_batches, work_items
+
+    with _domain_errors():
+        j = load_job(job)
+        items = work_items(j)
+        rows = bucket_table(make_batches(items, j.buckets))
+    total_images = sum(s.candidates for s in j.shots)
+    if json_out:
+        out.print_json(json.dumps({
+            "job": str(job), "name": j.name, "model": j.model, "controlnet": j.controlnet,
+            "output_dir": str(j.output_dir), "shots": len(j.shots), "images": total_images,
+            "unique_images": len(items), "buckets": [
+                {"bucket": r.key.label, "width": r.key.width, "height": r.key.height, "steps": r.key.steps,
+                 "sampler": r.key.sampler, "control": r.key.control, "images": r.images, "unique": r.unique,
+                 "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
+                 "waste": round(r.waste, 4), "row_steps": r.row_steps} for r in rows]}))
+        return
+    table = Table(title=f"{j.name}: {len(j.shots)} shots, {total_images} images "
+                        f"({len(items)} distinct), model {j.model}", title_justify="left")
+    for col in ("size", "steps", "sampler", "control", "images", "batches", "UNet rows", "padding", "rows x steps"):
+        table.add_column(col, justify="left" if col in ("size", "sampler", "batches") else "right")
+    for r in rows:
+        k = r.key
+        batches = ", ".join(f"{n}x{b}" for b, n in sorted(_count(r.batches).items(), reverse=True))
+        table.add_row(f"{k.width}x{k.height}", str(k.steps), k.sampler, "yes" if k.control else "", str(r.images),
+                      batches, str(r.rows), f"{r.padded_rows} ({100 * r.waste:.0f}%)", f"{r.row_steps:,}")
+    table.add_section()
+    table.add_row("total", "", "", "", str(sum(r.images for r in rows)), str(sum(len(r.batches) for r in rows)),
+                  str(sum(r.rows for r in rows)), str(sum(r.padded_rows for r in rows)),
+                  f"{sum(r.row_steps for r in rows):,}")
+    out.print(table)
+    out.print(f"output: {j.output_dir}   buckets: {list(j.buckets)}   (UNet rows count CFG: 2 per image)")
+
+
+def _count(values) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return counts
+
+
+@app.command()
+def render(job: JobArg, out_dir: OutOpt = None,
+           force: Annotated[bool, typer.Option("--force", help="Render images again even if they exist.")] = False,
+           retry_failed: Annotated[bool, typer.Option("--retry-failed",
+                                                      help="Render only the images the last run failed.")] = False,
+           json_out: JsonOpt = False, device: DeviceOpt = None, dtype: DtypeOpt = None,
+           engine: EngineOpt = "auto") -> None:
+    """Render a job: every image not already on disk."""
+    from storyboard_cli.job import load_job
+    from storyboard_cli.render import RenderOptions
+    from storyboard_cli.render import render as run
+
+    with _domain_errors():
+        j = load_job(job)
+        opts = RenderOptions(out_dir, force, device, dtype, engine, retry_failed)
+        with _progress() as on_event:
+            result = run(j, opts, on_event)
+    for note in result.notes:
+        err.print(f"[dim]{escape(note)}[/]", highlight=False)
+    for f in result.failed:
+        err.print(f"[yellow]failed:[/] {escape(f['path'])}: {escape(f['reason'])}", highlight=False)
+    if json_out:
+        r = result.report
+        out.print_json(json.dumps({k: r[k] for k in ("status", "output_dir", "device", "dtype", "engine", "wall_s",
+                                                      "images_rendered", "images_skipped", "images_failed",
+                                                      "images_per_s", "steps_per_s", "peak_memory_mb", "stages_s")}
+                                  | {"report": [str(p) for p in result.report_paths or ()]}))
+    else:
+        err.print(f"{result.status}: {result.rendered} rendered, {result.skipped} skipped, {len(result.failed)} "
+                  f"failed in {result.wall_s:.1f} s on {result.device} ({result.engine}) -> {result.out_dir}",
+                  highlight=False)
+    if result.status == "interrupted":
+        raise typer.Exit(130)
+    if result.failed:
+        raise typer.Exit(3)
+
+
+@contextmanager
+def _progress():
+    """A Rich bar on stderr when it is a terminal; silence otherwise."""
+    if not err.is_terminal:
+        yield lambda event: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("[bold]{task.fields[shot]}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=err, transient=False) as bar:
+        task = bar.add_task("render", total=None, shot="loading")
+
+        def on_event(event) -> None:
+            if event.kind == "start":
+                bar.update(task, total=event.total, completed=0, shot="loading model")
+            elif event.kind in ("image", "failed"):
+                bar.update(task, completed=event.done, shot=event.shot)
+                if event.kind == "failed":
+                    bar.console.print(f"[yellow]failed:[/] {escape(event.message)}", highlight=False)
+            elif event.kind == "batch":
+                bar.update(task, shot=f"{event.shot} ({event.message})")
+
+        yield on_event
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("BCG_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

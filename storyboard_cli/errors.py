@@ -1,0 +1,51 @@
+"""The domain errors. Library code raises these; cli.py maps them to exit codes in one place."""
+
+from __future__ import annotations
+
+
+class StoryboardError(Exception):
+    """Base of every error a user can act on. `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class BadInput(StoryboardError):
+    """The job, a path, or an option is wrong. Nothing was rendered because of it."""
+
+    exit_code = 2
+
+
+class JobError(BadInput):
+    """A job-file error, located at file:line, shot and field."""
+
+    def __init__(self, file: str, line: int | None, shot: str | None, field: str | None, message: str):
+        self.file, self.line, self.shot, self.field, self.message = file, line, shot, field, message
+        where = f"{file}:{line}" if line else file
+        parts = [where]
+        if shot is not None:
+            parts.append(f"shot '{shot}'")
+        if field is not None:
+            parts.append(f"field '{field}'")
+        super().__init__(": ".join([" ".join(parts), message]))
+
+
+class ModelError(StoryboardError):
+    """A model could not be found or loaded."""
+
+    exit_code = 2
+
+
+class RenderFailure(StoryboardError):
+    """The render itself broke (not the input)."""
+
+    exit_code = 1
+
+
+class OutputLocked(BadInput):
+    """Another live render holds the output folder."""
+
+
+class Interrupted(StoryboardError):
+    """The user stopped the render (Ctrl-C); what was finished is kept."""
+
+    exit_code = 130

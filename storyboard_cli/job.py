@@ -1,0 +1,393 @@
+"""YAML job file -> frozen, validated dataclasses. No torch here.
+
+Every error names file:line, the shot id and the field, in one line (errors.JobError).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from storyboard_cli.errors import JobError
+
+NAMED_SIZES = {
+    "square": (1024, 1024),
+    "portrait": (832, 1216),
+    "landscape": (1216, 832),
+    "wide": (1344, 768),
+}
+SAMPLERS = ("euler", "euler_a", "dpmpp_2m")
+DEFAULT_BUCKETS = (1, 2, 4, 8)
+MIN_SIDE, MAX_SIDE = 64, 4096
+MAX_STEPS = 200
+MAX_CANDIDATES = 64
+MAX_BUCKET = 64
+MAX_SEED = 2**63 - 1 - MAX_CANDIDATES
+
+TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "defaults", "shots")
+SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control")
+CONTROL_KEYS = ("image", "scale")
+SHOT_DEFAULTS: dict[str, Any] = {
+    "negative": "",
+    "candidates": 1,
+    "size": "square",
+    "steps": 30,
+    "guidance": 5.0,
+    "sampler": "euler",
+}
+SHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+SAFE_NAME = SHOT_ID
+
+
+@dataclass(frozen=True)
+class Control:
+    image: Path  # absolute, resolved against the job file's folder
+    scale: float
+
+
+@dataclass(frozen=True)
+class Shot:
+    id: str
+    prompt: str
+    negative: str
+    candidates: int
+    width: int
+    height: int
+    seed: int
+    steps: int
+    guidance: float
+    sampler: str
+    control: Control | None
+    line: int
+
+
+@dataclass(frozen=True)
+class Job:
+    path: Path
+    name: str
+    model: str
+    controlnet: str | None
+    output_dir: Path
+    buckets: tuple[int, ...]
+    shots: tuple[Shot, ...]
+
+
+# ---------------------------------------------------------------- YAML with line numbers
+
+
+class _Located(dict):
+    """A mapping that remembers the line of itself and of each key."""
+
+    line: int
+    lines: dict[Any, int]
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: Any, line: int):
+        self.key, self.line = key, line
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _Located:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if not isinstance(key, (str, int, float, bool)) and key is not None:
+            raise _DuplicateKey(key, line)  # unhashable / complex key: reported as a bad key
+        if key in seen:
+            raise _DuplicateKey(key, line)
+        seen[key] = line
+    loader.flatten_mapping(node)  # merge keys (<<: *anchor); explicit keys override merged ones
+    out = _Located()
+    out.line, out.lines = node.start_mark.line + 1, {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        out[key] = loader.construct_object(value_node, deep=True)
+        out.lines[key] = key_node.start_mark.line + 1
+    return out
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: Path) -> Any:
+    file = str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise JobError(file, None, None, None, "job file not found") from None
+    except IsADirectoryError:
+        raise JobError(file, None, None, None, "is a folder, not a job file") from None
+    except OSError as e:
+        raise JobError(file, None, None, None, f"cannot read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise JobError(file, line, None, None, f"not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (SafeLoader subclass)
+    except _DuplicateKey as e:
+        raise JobError(file, e.line, None, None, f"duplicate or invalid key {e.key!r}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark else None
+        what = (e.problem or "invalid YAML").strip()
+        raise JobError(file, line, None, None, f"YAML syntax error: {what}") from None
+    except yaml.YAMLError as e:
+        raise JobError(file, None, None, None, f"YAML error: {e}") from None
+    except RecursionError:
+        raise JobError(file, None, None, None, "YAML nests too deeply") from None
+
+
+# ---------------------------------------------------------------- validation
+
+
+class _Ctx:
+    """Where we are in the file, to build located errors."""
+
+    def __init__(self, file: str):
+        self.file = file
+
+    def fail(self, line: int | None, shot: str | None, field: str | None, message: str) -> JobError:
+        return JobError(self.file, line, shot, field, message)
+
+
+def _line_of(mapping: Any, key: str, fallback: int | None = None) -> int | None:
+    if isinstance(mapping, _Located):
+        return mapping.lines.get(key, mapping.line)
+    return fallback
+
+
+def _check_keys(ctx: _Ctx, mapping: _Located, allowed: tuple[str, ...], shot: str | None, prefix: str = "") -> None:
+    for key in mapping:
+        if key in allowed:
+            continue
+        line = mapping.lines.get(key, mapping.line)
+        hint = difflib.get_close_matches(str(key), allowed, n=1)
+        tip = f"; did you mean '{hint[0]}'?" if hint else f"; known: {', '.join(allowed)}"
+        raise ctx.fail(line, shot, f"{prefix}{key}", f"unknown key{tip}")
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", type(None): "empty"}.get(type(value), "a mapping" if isinstance(value, dict) else type(value).__name__)
+
+
+def _as_int(ctx: _Ctx, value: Any, line: int | None, shot: str | None, field: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ctx.fail(line, shot, field, f"must be an integer, got {_type_name(value)} ({value!r})")
+    if not lo <= value <= hi:
+        raise ctx.fail(line, shot, field, f"must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _as_float(ctx: _Ctx, value: Any, line: int | None, shot: str | None, field: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ctx.fail(line, shot, field, f"must be a number, got {_type_name(value)} ({value!r})")
+    value = float(value)
+    if not lo <= value <= hi:  # also rejects NaN
+        raise ctx.fail(line, shot, field, f"must be between {lo:g} and {hi:g}, got {value:g}")
+    return value
+
+
+def _as_str(ctx: _Ctx, value: Any, line: int | None, shot: str | None, field: str, *, empty_ok: bool) -> str:
+    if not isinstance(value, str):
+        raise ctx.fail(line, shot, field, f"must be a string, got {_type_name(value)} ({value!r})")
+    if not empty_ok and not value.strip():
+        raise ctx.fail(line, shot, field, "must not be empty")
+    if "\x00" in value:
+        raise ctx.fail(line, shot, field, "must not contain NUL characters")
+    return value
+
+
+def parse_size(text: Any) -> tuple[int, int]:
+    """'WxH' or a named aspect -> (width, height). Raises ValueError with a reason."""
+    if not isinstance(text, str):
+        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {_type_name(text)} ({text!r})")
+    key = text.strip().lower()
+    if key in NAMED_SIZES:
+        return NAMED_SIZES[key]
+    m = re.fullmatch(r"(\d+)\s*[x×]\s*(\d+)", key)
+    if not m:
+        hint = difflib.get_close_matches(key, NAMED_SIZES, n=1)
+        tip = f"; did you mean '{hint[0]}'?" if hint else ""
+        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {text!r}{tip}")
+    width, height = int(m.group(1)), int(m.group(2))
+    for side in (width, height):
+        if side % 8:
+            raise ValueError(f"{width}x{height}: both sides must be multiples of 8")
+        if not MIN_SIDE <= side <= MAX_SIDE:
+            raise ValueError(f"{width}x{height}: each side must be between {MIN_SIDE} and {MAX_SIDE}")
+    return width, height
+
+
+def _default_seed(shot_id: str) -> int:
+    # stable across runs and machines, unlike hash()
+    return zlib.crc32(shot_id.encode())
+
+
+def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: Path, has_controlnet: bool,
+                  list_line: int) -> Shot:
+    if not isinstance(raw, _Located):
+        raise ctx.fail(list_line, f"#{index + 1}", None, f"a shot must be a mapping, got {_type_name(raw)}")
+    shot_id = raw.get("id")
+    if shot_id is None:
+        raise ctx.fail(raw.line, f"#{index + 1}", "id", "missing")
+    label = shot_id if isinstance(shot_id, str) else f"#{index + 1}"
+    id_line = _line_of(raw, "id")
+    shot_id = _as_str(ctx, shot_id, id_line, label, "id", empty_ok=False)
+    if not SHOT_ID.match(shot_id):
+        raise ctx.fail(id_line, label, "id", "must be 1-64 letters, digits, '_', '-' or '.', starting with a "
+                       "letter or digit (it names a folder)")
+    _check_keys(ctx, raw, SHOT_KEYS, shot_id)
+
+    def get(field: str) -> tuple[Any, int | None]:
+        if field in raw:
+            return raw[field], _line_of(raw, field)
+        if field in defaults:
+            return defaults[field], _line_of(defaults, field)
+        if field in SHOT_DEFAULTS:
+            return SHOT_DEFAULTS[field], raw.line
+        return None, raw.line
+
+    prompt, line = get("prompt")
+    if prompt is None:
+        raise ctx.fail(line, shot_id, "prompt", "missing")
+    prompt = _as_str(ctx, prompt, line, shot_id, "prompt", empty_ok=False)
+    negative, line = get("negative")
+    negative = "" if negative is None else _as_str(ctx, negative, line, shot_id, "negative", empty_ok=True)
+    candidates = _as_int(ctx, *get("candidates"), shot_id, "candidates", 1, MAX_CANDIDATES)
+    size, line = get("size")
+    try:
+        width, height = parse_size(size)
+    except ValueError as e:
+        raise ctx.fail(line, shot_id, "size", str(e)) from None
+    seed, line = get("seed")
+    seed = _default_seed(shot_id) if seed is None else _as_int(ctx, seed, line, shot_id, "seed", 0, MAX_SEED)
+    steps = _as_int(ctx, *get("steps"), shot_id, "steps", 1, MAX_STEPS)
+    guidance = _as_float(ctx, *get("guidance"), shot_id, "guidance", 0.0, 30.0)
+    sampler, line = get("sampler")
+    sampler = _as_str(ctx, sampler, line, shot_id, "sampler", empty_ok=False)
+    if sampler not in SAMPLERS:
+        hint = difflib.get_close_matches(sampler, SAMPLERS, n=1)
+        tip = f"; did you mean '{hint[0]}'?" if hint else ""
+        raise ctx.fail(line, shot_id, "sampler", f"unknown sampler {sampler!r} (known: {', '.join(SAMPLERS)}){tip}")
+    control, line = get("control")
+    if control is not None:
+        control = _resolve_control(ctx, control, line, shot_id, job_dir, has_controlnet)
+    return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler, control, raw.line)
+
+
+def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_dir: Path,
+                     has_controlnet: bool) -> Control:
+    if not isinstance(raw, _Located):
+        raise ctx.fail(line, shot_id, "control", f"must be a mapping with 'image' and 'scale', got {_type_name(raw)}")
+    _check_keys(ctx, raw, CONTROL_KEYS, shot_id, prefix="control.")
+    if not has_controlnet:
+        raise ctx.fail(line, shot_id, "control", "the job sets no top-level 'controlnet' model")
+    image_line = _line_of(raw, "image", line)
+    if "image" not in raw:
+        raise ctx.fail(raw.line, shot_id, "control.image", "missing")
+    rel = _as_str(ctx, raw["image"], image_line, shot_id, "control.image", empty_ok=False)
+    path = (job_dir / rel).resolve()
+    if not path.is_file():
+        raise ctx.fail(image_line, shot_id, "control.image", f"file not found: {path}")
+    _check_image(ctx, path, image_line, shot_id)
+    scale = _as_float(ctx, raw.get("scale", 1.0), _line_of(raw, "scale", line), shot_id, "control.scale", 0.0, 2.0)
+    return Control(path, scale)
+
+
+def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:
+    """Reads only the header: catches a file that is not an image before any model loads."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ctx.fail(line, shot_id, "control.image", f"not a readable image: {path} ({e.__class__.__name__})") from None
+
+
+def _top_field(ctx: _Ctx, doc: _Located, key: str, *, required: bool = False) -> tuple[Any, int | None]:
+    line = _line_of(doc, key)
+    if key not in doc or doc[key] is None:
+        if required:
+            raise ctx.fail(doc.line, None, key, "missing")
+        return None, line
+    return doc[key], line
+
+
+def load_job(path: str | Path) -> Job:
+    """Reads and validates a job file. Raises JobError (exit code 2) on any problem."""
+    path = Path(path)
+    ctx = _Ctx(str(path))
+    doc = _read_yaml(path)
+    if doc is None:
+        raise ctx.fail(1, None, None, "the job file is empty")
+    if not isinstance(doc, _Located):
+        raise ctx.fail(1, None, None, f"the top level must be a mapping, got {_type_name(doc)}")
+    _check_keys(ctx, doc, TOP_KEYS, None)
+
+    version, line = _top_field(ctx, doc, "version", required=True)
+    if version != 1 or isinstance(version, bool):
+        raise ctx.fail(line, None, "version", f"must be 1, got {version!r}")
+    name, line = _top_field(ctx, doc, "name")
+    name = path.stem if name is None else _as_str(ctx, name, line, None, "name", empty_ok=False)
+    if not SAFE_NAME.match(name):
+        raise ctx.fail(line, None, "name", "must be 1-64 letters, digits, '_', '-' or '.' (it names a folder)")
+    model, line = _top_field(ctx, doc, "model", required=True)
+    model = _as_str(ctx, model, line, None, "model", empty_ok=False)
+    controlnet, line = _top_field(ctx, doc, "controlnet")
+    if controlnet is not None:
+        controlnet = _as_str(ctx, controlnet, line, None, "controlnet", empty_ok=False)
+    output_dir, line = _top_field(ctx, doc, "output_dir")
+    output_dir = Path("outputs") / name if output_dir is None else Path(
+        _as_str(ctx, output_dir, line, None, "output_dir", empty_ok=False))
+
+    buckets, line = _top_field(ctx, doc, "buckets")
+    if buckets is None:
+        buckets = DEFAULT_BUCKETS
+    else:
+        if not isinstance(buckets, list) or not buckets:
+            raise ctx.fail(line, None, "buckets", f"must be a non-empty list of batch sizes, got {buckets!r}")
+        buckets = tuple(sorted({_as_int(ctx, b, line, None, "buckets", 1, MAX_BUCKET) for b in buckets}))
+
+    defaults, line = _top_field(ctx, doc, "defaults")
+    if defaults is None:
+        defaults = _Located()
+        defaults.line, defaults.lines = doc.line, {}
+    elif not isinstance(defaults, _Located):
+        raise ctx.fail(line, None, "defaults", f"must be a mapping, got {_type_name(defaults)}")
+    else:
+        _check_keys(ctx, defaults, tuple(k for k in SHOT_KEYS if k != "id"), None, prefix="defaults.")
+
+    shots_raw, line = _top_field(ctx, doc, "shots", required=True)
+    if not isinstance(shots_raw, list):
+        raise ctx.fail(line, None, "shots", f"must be a list of shots, got {_type_name(shots_raw)}")
+    if not shots_raw:
+        raise ctx.fail(line, None, "shots", "the job has no shots")
+    job_dir = path.resolve().parent
+    shots: list[Shot] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(shots_raw):
+        shot = _resolve_shot(ctx, raw, i, defaults, job_dir, controlnet is not None, line)
+        folded = shot.id.lower()  # case-insensitive file systems would merge 'A' and 'a'
+        if folded in seen:
+            raise ctx.fail(_line_of(raw, "id"), shot.id, "id",
+                           f"duplicate shot id (first used on line {seen[folded]})")
+        seen[folded] = _line_of(raw, "id") or 0
+        shots.append(shot)
+    return Job(path, name, model, controlnet, output_dir, buckets, tuple(shots))

@@ -1,0 +1,187 @@
+"""load_sdxl(spec) -> SdxlModels, from "tiny", "sdxl-random", a diffusers folder, a single
+.safetensors file (with SDXL configs shipped in the package), or a hub id."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from storyboard_cli.errors import ModelError
+from storyboard_cli.models.tiny import cache_root, tiny_folder
+
+log = logging.getLogger(__name__)
+SDXL_CONFIGS = Path(__file__).parent / "configs" / "sdxl-base"
+PRESETS = ("tiny", "sdxl-random")
+
+
+@dataclass
+class SdxlModels:
+    name: str
+    tokenizers: tuple[Any, Any]
+    text_encoders: tuple[Any, Any]  # CLIPTextModel, CLIPTextModelWithProjection
+    unet: Any
+    vae: Any
+    controlnet: Any | None
+    scheduler_config: dict
+    device: torch.device
+    dtype: torch.dtype  # UNet / ControlNet / text encoders
+    controlnet_name: str | None = None
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        # SDXL's VAE overflows in fp16: decode in fp32 where its config says so (as diffusers' upcast_vae)
+        if self.dtype == torch.float16 and getattr(self.vae.config, "force_upcast", False):
+            return torch.float32
+        return self.dtype
+
+
+def sdxl_config_folder() -> Path:
+    """SDXL-base configs plus real CLIP tokenizers, as a diffusers folder (for single files)."""
+    folder = cache_root() / "sdxl-base-config-v1"
+    if (folder / "tokenizer_2" / "tokenizer_config.json").is_file():
+        return folder
+    from storyboard_cli.models.tokenizers import make_tokenizer, real_clip_merges
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".cfg-", dir=folder.parent))
+    shutil.copytree(SDXL_CONFIGS, tmp, dirs_exist_ok=True)
+    merges = real_clip_merges()
+    make_tokenizer(merges).save_pretrained(tmp / "tokenizer")
+    make_tokenizer(merges, pad_token="!").save_pretrained(tmp / "tokenizer_2")
+    try:
+        tmp.rename(folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _is_pathlike(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".ckpt")) or Path(spec).exists()
+
+
+def _from_folder(source: str, device: torch.device, dtype: torch.dtype, **hub: Any) -> dict:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    vae_dtype = dtype
+    parts = {
+        "tokenizers": (CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", **hub),
+                       CLIPTokenizer.from_pretrained(source, subfolder="tokenizer_2", **hub)),
+        "text_encoders": (CLIPTextModel.from_pretrained(source, subfolder="text_encoder", dtype=dtype, **hub),
+                          CLIPTextModelWithProjection.from_pretrained(source, subfolder="text_encoder_2",
+                                                                      dtype=dtype, **hub)),
+        "unet": UNet2DConditionModel.from_pretrained(source, subfolder="unet", torch_dtype=dtype, **hub),
+        "vae": AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=vae_dtype, **hub),
+    }
+    from diffusers import EulerDiscreteScheduler
+
+    parts["scheduler_config"] = dict(EulerDiscreteScheduler.load_config(source, subfolder="scheduler", **hub))
+    return parts
+
+
+def _from_single_file(path: Path, dtype: torch.dtype) -> dict:
+    from diffusers import StableDiffusionXLPipeline
+
+    pipe = StableDiffusionXLPipeline.from_single_file(str(path), config=str(sdxl_config_folder()),
+                                                      local_files_only=True, torch_dtype=dtype)
+    return {"tokenizers": (pipe.tokenizer, pipe.tokenizer_2),
+            "text_encoders": (pipe.text_encoder, pipe.text_encoder_2),
+            "unet": pipe.unet, "vae": pipe.vae, "scheduler_config": dict(pipe.scheduler.config)}
+
+
+def _random_sdxl(device: torch.device, dtype: torch.dtype) -> dict:
+    """Full SDXL-base architecture, random weights, built straight on the device (kernel timing only)."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    folder = sdxl_config_folder()
+    torch.manual_seed(0)
+    with torch.device(device):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder / "unet")).to(dtype)
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(folder / "vae"))
+        te1 = CLIPTextModel(CLIPTextConfig.from_pretrained(folder / "text_encoder")).to(dtype)
+        te2 = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(folder / "text_encoder_2")).to(dtype)
+    return {"tokenizers": (CLIPTokenizer.from_pretrained(folder / "tokenizer"),
+                           CLIPTokenizer.from_pretrained(folder / "tokenizer_2")),
+            "text_encoders": (te1, te2), "unet": unet, "vae": vae,
+            "scheduler_config": json.loads((folder / "scheduler" / "scheduler_config.json").read_text())}
+
+
+def _load_controlnet(spec: str, unet: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    from diffusers import ControlNetModel
+
+    if spec == "tiny":
+        return ControlNetModel.from_pretrained(tiny_folder() / "controlnet", torch_dtype=dtype)
+    if spec == "sdxl-random":
+        torch.manual_seed(1)
+        with torch.device(device):
+            return ControlNetModel.from_unet(unet, load_weights_from_unet=False).to(dtype)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return ControlNetModel.from_single_file(str(path), torch_dtype=dtype)
+    if path.is_dir():
+        return ControlNetModel.from_pretrained(str(path), torch_dtype=dtype)
+    if _is_pathlike(spec):
+        raise ModelError(f"controlnet: no such file or folder: {spec}")
+    return ControlNetModel.from_pretrained(spec, torch_dtype=dtype)
+
+
+def _load_parts(spec: str, device: torch.device, dtype: torch.dtype) -> dict:
+    if spec == "tiny":
+        return _from_folder(str(tiny_folder()), device, dtype)
+    if spec == "sdxl-random":
+        return _random_sdxl(device, dtype)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return _from_single_file(path, dtype)
+    if path.is_dir():
+        if not (path / "unet").is_dir():
+            raise ModelError(f"model: {spec} is a folder but not a diffusers SDXL folder (no unet/ inside)")
+        return _from_folder(str(path), device, dtype)
+    if _is_pathlike(spec):
+        raise ModelError(f"model: no such file or folder: {spec}")
+    return _from_folder(spec, device, dtype)  # a hub id: needs the hub, or its local cache
+
+
+def _quiet_libraries() -> None:
+    """Their load-time advice (accelerate, dtype casts) is noise on a user's terminal."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()
+
+
+def load_sdxl(spec: str, controlnet: str | None, device: str | torch.device, dtype: torch.dtype) -> SdxlModels:
+    """Loads every part onto `device`. Raises ModelError (with the cause, one line) on failure."""
+    device = torch.device(device)
+    _quiet_libraries()
+    try:
+        parts = _load_parts(spec, device, dtype)
+        cn = _load_controlnet(controlnet, parts["unet"], device, dtype) if controlnet else None
+    except ModelError:
+        raise
+    except (OSError, ValueError, EnvironmentError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise ModelError(f"cannot load model {spec!r}{f' / controlnet {controlnet!r}' if controlnet else ''}: "
+                         f"{first}") from e
+    models = SdxlModels(spec, parts["tokenizers"], parts["text_encoders"], parts["unet"], parts["vae"], cn,
+                        parts["scheduler_config"], device, dtype, controlnet)
+    vae_dtype = models.vae_dtype
+    for module, dt in ((models.unet, dtype), (models.vae, vae_dtype), (models.text_encoders[0], dtype),
+                       (models.text_encoders[1], dtype), (models.controlnet, dtype)):
+        if module is None:
+            continue
+        if module.dtype != dt:
+            module.to(dtype=dt)
+        module.to(device=device).eval().requires_grad_(False)
+    return models

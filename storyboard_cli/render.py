@@ -1,0 +1,312 @@
+"""plan -> engine -> outputs. The only orchestrator. Reports progress through events; never prints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from storyboard_cli.conditioning import PromptCache, conditioning, load_control_image
+from storyboard_cli.engine.eager import Control, EagerEngine
+from storyboard_cli.errors import BadInput, Interrupted, RenderFailure
+from storyboard_cli.job import Job
+from storyboard_cli.models.loader import SdxlModels, load_sdxl
+from storyboard_cli.outputs import Manifest, OutputLock, atomic_write, check_output_dir, png_bytes, read_fingerprint
+from storyboard_cli.plan import Batch, WorkItem, make_batches, work_items
+from storyboard_cli.report import Timings, build_report, write_report
+from storyboard_cli.sampling import Schedule, draw_noise, schedule
+
+log = logging.getLogger(__name__)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+ENGINES = ("auto", "graph", "eager")
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    out_dir: Path | None = None
+    force: bool = False
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str | None = None  # None: fp16 on cuda, fp32 on cpu
+    engine: str = "auto"
+    retry_failed: bool = False
+
+
+@dataclass
+class Event:
+    kind: str  # "start" | "batch" | "image" | "failed" | "note"
+    done: int = 0
+    total: int = 0
+    shot: str = ""
+    message: str = ""
+
+
+@dataclass
+class RenderResult:
+    status: str  # "done" | "failed" (some images) | "interrupted"
+    out_dir: Path
+    rendered: int
+    skipped: int
+    failed: list[dict]
+    wall_s: float
+    device: str
+    engine: str
+    report: dict
+    report_paths: tuple[Path, Path] | None
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise BadInput(f"--device: unknown device {device!r} (use cpu or cuda)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is available here (use --device cpu)")
+    if dtype is None:
+        dtype = "fp32" if device == "cpu" else "fp16"
+    if dtype not in DTYPES:
+        raise BadInput(f"--dtype: unknown dtype {dtype!r} (use fp16, bf16 or fp32)")
+    if device == "cpu" and dtype == "fp16":
+        raise BadInput("--dtype fp16 is not supported on the CPU (use fp32 or bf16)")
+    return torch.device(device), DTYPES[dtype]
+
+
+def make_engine(models: SdxlModels, kind: str, buckets: tuple[int, ...], notes: list[str]):
+    if kind not in ENGINES:
+        raise BadInput(f"--engine: unknown engine {kind!r} (use auto, graph or eager)")
+    if models.device.type != "cuda":
+        if kind == "graph":
+            raise BadInput("--engine graph needs a CUDA device (use --engine eager or auto)")
+        if kind == "auto":
+            notes.append("engine auto: CPU device, so the eager engine (CUDA graphs need a GPU)")
+        return EagerEngine(models)
+    if kind == "eager":
+        return EagerEngine(models)
+    from storyboard_cli.engine.graphs import GraphRunner
+
+    return GraphRunner(models, max_batch=max(buckets))
+
+
+@torch.no_grad()
+def decode(models: SdxlModels, latents: torch.Tensor) -> torch.Tensor:
+    """[B, 4, h, w] latents -> uint8 [B, H, W, 3] on the CPU, as diffusers' VAE decode + postprocess."""
+    z = (latents / models.vae.config.scaling_factor).to(models.vae_dtype)
+    images = []
+    for chunk in z.split(4):  # bounds the VAE's activation memory at large sizes
+        images.append(models.vae.decode(chunk, return_dict=False)[0].float())
+    image = (torch.cat(images) / 2 + 0.5).clamp(0, 1)
+    return image, (image * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+class _StopFlag:
+    """First Ctrl-C: finish the image being written, then stop. Second: stop at once."""
+
+    def __init__(self):
+        self.requested = False
+
+    def handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+@contextmanager
+def _interruptible():
+    flag = _StopFlag()
+    try:
+        old = signal.signal(signal.SIGINT, flag.handler)
+    except ValueError:  # not the main thread: no signal handling
+        yield flag
+        return
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+class Renderer:
+    """Holds the loaded models, prompt cache and engine for one job."""
+
+    def __init__(self, job: Job, models: SdxlModels, engine, out_dir: Path, timings: Timings,
+                 on_event: Callable[[Event], None], manifest: Manifest):
+        self.job, self.models, self.engine, self.out_dir = job, models, engine, out_dir
+        self.timings, self.on_event, self.manifest = timings, on_event, manifest
+        self.prompts = PromptCache(models)
+        self.schedules: dict[tuple[str, int], Schedule] = {}
+        self.controls: dict[tuple[Path, int, int], torch.Tensor] = {}
+        self.failed: list[dict] = []
+        self.rendered = 0
+
+    def schedule(self, sampler: str, steps: int) -> Schedule:
+        key = (sampler, steps)
+        if key not in self.schedules:
+            self.schedules[key] = schedule(sampler, steps, self.models.scheduler_config)
+        return self.schedules[key]
+
+    def control(self, items: list[WorkItem]) -> Control | None:
+        if items[0].control_image is None:
+            return None
+        m = self.models
+        images = []
+        for it in items:
+            key = (it.control_image, it.width, it.height)
+            if key not in self.controls:
+                self.controls[key] = load_control_image(it.control_image, it.width, it.height)
+            images.append(self.controls[key])
+        image = torch.stack(images).to(m.device, m.dtype).repeat(2, 1, 1, 1)  # [2B, 3, H, W]
+        scale = torch.tensor([it.control_scale for it in items] * 2, device=m.device, dtype=m.dtype)
+        return Control(image, scale.view(-1, 1, 1, 1))
+
+    def run_batch(self, batch: Batch) -> list[tuple[WorkItem, torch.Tensor]]:
+        """Denoises one batch; returns (item, latents [4, h, w]) for its real rows."""
+        m, key = self.models, batch.key
+        rows = list(batch.items) + [batch.items[-1]] * batch.padding  # a padded row copies a real row
+        sched = self.schedule(key.sampler, key.steps)
+        with self.timings.stage("encode"):
+            cond = conditioning(self.prompts, [r.prompt for r in rows], [r.negative for r in rows],
+                                key.width, key.height)
+            control = self.control(rows)
+            x, noise = draw_noise([r.seed for r in rows], key.steps, (4, key.height // 8, key.width // 8), sched)
+            x = x.to(m.device)
+            noise = None if noise is None else noise.to(m.device)
+            guidance = torch.tensor([r.guidance for r in rows], device=m.device, dtype=torch.float32)
+        t0 = time.perf_counter()
+        with self.timings.stage("denoise"):
+            latents = self.engine.sample(x, sched, noise, cond, control, guidance)
+        bt = self.timings.bucket(key.label)
+        bt.batches += 1
+        bt.rows += 2 * batch.size
+        bt.steps += key.steps
+        bt.denoise_s += time.perf_counter() - t0
+        return list(zip(batch.items, latents[: len(batch.items)]))
+
+    def finish(self, done: list[tuple[WorkItem, torch.Tensor]], stop: _StopFlag, total: int) -> None:
+        """Decodes and saves; an image with NaN/inf is recorded as failed, never saved."""
+        m = self.models
+        with self.timings.stage("decode"):
+            latents = torch.stack([lat for _, lat in done])
+            finite_latents = torch.isfinite(latents).flatten(1).all(1)
+            pixels_f, pixels = decode(m, latents)
+            finite_pixels = torch.isfinite(pixels_f).flatten(1).all(1).cpu()
+            finite_latents = finite_latents.cpu()
+        for i, (item, _) in enumerate(done):
+            reason = None
+            if not finite_latents[i]:
+                reason = "NaN/inf in the denoised latents"
+            elif not finite_pixels[i]:
+                reason = "NaN/inf in the decoded pixels"
+            if reason:
+                for path in item.outputs:
+                    self.failed.append({"path": path, "shot": item.shot, "reason": reason})
+                self.on_event(Event("failed", self.rendered, total, item.shot, f"{item.outputs[0]}: {reason}"))
+                continue
+            with self.timings.stage("save"):
+                data = png_bytes(pixels[i], item, self.job.model, self.job.controlnet)
+                for path in item.outputs:
+                    atomic_write(self.out_dir / path, data)
+                    self.manifest.append({"path": path, "shot": item.shot, "candidate": item.k, "seed": item.seed,
+                                          "fingerprint": item.fingerprint(self.job.model, self.job.controlnet),
+                                          "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                    self.rendered += 1
+                    self.timings.bucket(item.key.label).images += 1
+                    self.on_event(Event("image", self.rendered, total, item.shot, path))
+            if stop.requested:
+                raise Interrupted("stopped by Ctrl-C")
+
+
+def _pending(job: Job, out_dir: Path, force: bool, only: set[str] | None) -> tuple[list[WorkItem], int, dict]:
+    """Items that still need rendering, how many outputs are already done, and manifest records for them."""
+    pending, skipped, found = [], 0, {}
+    for item in work_items(job):
+        fp = item.fingerprint(job.model, job.controlnet)
+        todo = []
+        for path in item.outputs:
+            if not force and read_fingerprint(out_dir / path) == fp:
+                skipped += 1
+                found[path] = {"path": path, "shot": item.shot, "candidate": item.k, "seed": item.seed,
+                               "fingerprint": fp}
+            elif only is None or path in only:
+                todo.append(path)
+        if todo:
+            pending.append(WorkItem(**{**item.__dict__, "outputs": tuple(todo)}))
+    return pending, skipped, found
+
+
+def _previous_failures(out_dir: Path) -> set[str]:
+    try:
+        report = json.loads((out_dir / "report.json").read_text())
+        return {f["path"] for f in report.get("failures", [])}
+    except (OSError, ValueError, TypeError, KeyError):
+        return set()
+
+
+def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[Event], None] | None = None,
+           models: SdxlModels | None = None) -> RenderResult:
+    """Renders every image of `job` that is not already done. `models` may be passed in to reuse them."""
+    on_event = on_event or (lambda e: None)
+    t_start = time.perf_counter()
+    device, dtype = (models.device, models.dtype) if models else resolve_device(opts.device, opts.dtype)
+    out_dir = Path(opts.out_dir) if opts.out_dir else job.output_dir
+    check_output_dir(out_dir)
+    notes: list[str] = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    timings = Timings(sync=sync)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    only = _previous_failures(out_dir) if opts.retry_failed else None
+    if only is not None and not only:
+        notes.append("--retry-failed: the last report lists no failed images")
+
+    with OutputLock(out_dir), _interruptible() as stop:
+        manifest = Manifest(out_dir)
+        pending, skipped, found = _pending(job, out_dir, opts.force, only)
+        manifest.reconcile(found)
+        total = sum(len(i.outputs) for i in pending)
+        on_event(Event("start", 0, total, "", f"{total} to render, {skipped} already done"))
+        engine_name = "none"
+        status = "done"
+        r = None
+        try:
+            if pending:
+                with timings.stage("load"):
+                    if models is None:
+                        models = load_sdxl(job.model, job.controlnet if any(i.control_image for i in pending)
+                                           else None, device, dtype)
+                    engine = make_engine(models, opts.engine, job.buckets, notes)
+                engine_name = engine.name
+                r = Renderer(job, models, engine, out_dir, timings, on_event, manifest)
+                for batch in make_batches(pending, job.buckets):
+                    on_event(Event("batch", r.rendered, total, batch.items[0].shot, batch.key.label))
+                    r.finish(r.run_batch(batch), stop, total)
+        except (Interrupted, KeyboardInterrupt):
+            status = "interrupted"
+        except torch.cuda.OutOfMemoryError as e:
+            raise RenderFailure(f"out of GPU memory: {str(e).splitlines()[0]}") from e
+        finally:
+            failed = r.failed if r else []
+            rendered = r.rendered if r else 0
+            if status == "done" and failed:
+                status = "failed"
+            graphs = r.engine.describe() if r else []
+            peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+            wall = time.perf_counter() - t_start
+            report = build_report(job=str(job.path), out_dir=out_dir, device=_device_name(device),
+                                  dtype=str(dtype).removeprefix("torch."), engine=engine_name, model=job.model,
+                                  timings=timings, wall_s=wall, rendered=rendered, skipped=skipped,
+                                  failed=failed, peak_mem_mb=peak, graphs=graphs, status=status, notes=notes)
+            paths = write_report(out_dir, report) if (pending or not (out_dir / "report.json").exists()) else None
+    return RenderResult(status, out_dir, rendered, skipped, failed, wall, _device_name(device), engine_name,
+                        report, paths, notes)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu"

@@ -1,0 +1,103 @@
+"""Timing report: per stage, per bucket, per graph. JSON for tools, Markdown for people."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from storyboard_cli.outputs import atomic_write
+
+STAGES = ("load", "encode", "denoise", "decode", "save")
+
+
+@dataclass
+class BucketTiming:
+    label: str
+    images: int = 0
+    batches: int = 0
+    rows: int = 0  # UNet rows including CFG and padding
+    steps: int = 0  # denoising steps run (per batch, summed)
+    denoise_s: float = 0.0
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.denoise_s / self.steps if self.steps else 0.0
+
+
+@dataclass
+class Timings:
+    sync: object = None  # callable that waits for the device, so stage times are true
+    stages: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in STAGES})
+    buckets: dict[str, BucketTiming] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str):
+        if self.sync:
+            self.sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                self.sync()
+            self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - t0
+
+    def bucket(self, label: str) -> BucketTiming:
+        return self.buckets.setdefault(label, BucketTiming(label))
+
+
+def build_report(*, job: str, out_dir: Path, device: str, dtype: str, engine: str, model: str,
+                 timings: Timings, wall_s: float, rendered: int, skipped: int, failed: list[dict],
+                 peak_mem_mb: float | None, graphs: list[dict], status: str, notes: list[str]) -> dict:
+    total_steps = sum(b.steps for b in timings.buckets.values())
+    return {
+        "job": job, "output_dir": str(out_dir), "status": status, "device": device, "dtype": dtype,
+        "engine": engine, "model": model, "wall_s": round(wall_s, 3),
+        "images_rendered": rendered, "images_skipped": skipped, "images_failed": len(failed),
+        "images_per_s": round(rendered / wall_s, 4) if wall_s else 0.0,
+        "steps_per_s": round(total_steps / timings.stages["denoise"], 3) if timings.stages["denoise"] else 0.0,
+        "peak_memory_mb": None if peak_mem_mb is None else round(peak_mem_mb, 1),
+        "stages_s": {k: round(v, 4) for k, v in timings.stages.items()},
+        "buckets": [{"bucket": b.label, "images": b.images, "batches": b.batches, "rows": b.rows,
+                     "steps": b.steps, "denoise_s": round(b.denoise_s, 4), "ms_per_step": round(b.ms_per_step, 2)}
+                    for b in timings.buckets.values()],
+        "graphs": graphs, "failures": failed, "notes": notes,
+    }
+
+
+def markdown(report: dict) -> str:
+    r = report
+    out = [f"# Render report: {r['job']}", "",
+           f"- status: **{r['status']}**; device `{r['device']}`, dtype {r['dtype']}, engine {r['engine']}, "
+           f"model `{r['model']}`",
+           f"- {r['images_rendered']} rendered, {r['images_skipped']} skipped (already done), "
+           f"{r['images_failed']} failed in {r['wall_s']:.2f} s: {r['images_per_s']:.3f} images/s, "
+           f"{r['steps_per_s']:.2f} steps/s while denoising",
+           f"- peak device memory: {r['peak_memory_mb']} MB" if r["peak_memory_mb"] is not None else
+           "- peak device memory: n/a (CPU)", "", "## Stages", "", "| stage | s |", "|---|---:|"]
+    out += [f"| {k} | {v:.3f} |" for k, v in r["stages_s"].items()]
+    out += ["", "## Buckets", "", "| bucket | images | batches | UNet rows | steps | denoise s | ms/step |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {b['bucket']} | {b['images']} | {b['batches']} | {b['rows']} | {b['steps']} | "
+            f"{b['denoise_s']:.3f} | {b['ms_per_step']:.1f} |" for b in r["buckets"]]
+    if r["graphs"]:
+        out += ["", "## Graphs", "", "| shape | state | capture s | pool MB | replays | replay ms | note |",
+                "|---|---|---:|---:|---:|---:|---|"]
+        out += [f"| {g['shape']} | {g['state']} | {g['capture_s']:.2f} | {g['pool_mb']:.0f} | {g['replays']} | "
+                f"{g['replay_ms']:.2f} | {g.get('reason') or ''} |" for g in r["graphs"]]
+    if r["failures"]:
+        out += ["", "## Failures", "", "| image | reason |", "|---|---|"]
+        out += [f"| {f['path']} | {f['reason']} |" for f in r["failures"]]
+    if r["notes"]:
+        out += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
+    return "\n".join(out) + "\n"
+
+
+def write_report(out_dir: Path, report: dict) -> tuple[Path, Path]:
+    js, md = out_dir / "report.json", out_dir / "report.md"
+    atomic_write(js, (json.dumps(report, indent=2) + "\n").encode())
+    atomic_write(md, markdown(report).encode())
+    return js, md
