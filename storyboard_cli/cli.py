@@ -125,6 +125,68 @@ def render(job: JobArg, out_dir: OutOpt = None,
         raise typer.Exit(3)
 
 
+@app.command()
+def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes to capture (default: the named "
+                                                               "sizes at --buckets).", show_default=False)] = None,
+            warm: Annotated[bool, typer.Option("--warm", help="Capture, check and time every shape now.")] = False,
+            model: Annotated[str, typer.Option(help="Model when no job is given.")] = "sdxl-random",
+            controlnet: Annotated[Optional[str], typer.Option(help="Also capture ControlNet shapes with this "
+                                                                   "ControlNet (no job given).")] = None,
+            buckets: Annotated[str, typer.Option(help="Batch sizes when no job is given.")] = "1,2,4",
+            steps: Annotated[int, typer.Option(min=2, max=200, help="Steps per timed loop.")] = 10,
+            device: DeviceOpt = None, dtype: DtypeOpt = None, json_out: JsonOpt = False) -> None:
+    """Capture the CUDA graphs a job needs ahead of time, check them against eager, time them."""
+    from storyboard_cli.job import load_job
+    from storyboard_cli.render import capture as run
+
+    with _domain_errors():
+        try:
+            sizes = tuple(sorted({int(b) for b in buckets.split(",")}))
+        except ValueError:
+            raise typer.BadParameter(f"--buckets: expected a list like 1,2,4, got {buckets!r}") from None
+        j = load_job(job) if job else None
+        labels, rows = run(j, model, controlnet, sizes, device, dtype, warm, steps)
+    if json_out:
+        out.print_json(json.dumps({"shapes": labels, "timings": [r.__dict__ | {"speedup": r.speedup}
+                                                                 for r in rows]}))
+        return
+    if not warm:
+        out.print(f"{len(labels)} shapes (batch x width x height): {', '.join(labels)}")
+        out.print("run with --warm to capture, check and time them")
+        return
+    table = Table(title="CUDA graphs", title_justify="left")
+    for col in ("shape", "state", "capture s", "pool MB", "eager ms/step", "graph ms/step", "speedup", "note"):
+        table.add_column(col, justify="left" if col in ("shape", "state", "note") else "right")
+    for r in rows:
+        table.add_row(r.shape, r.state, f"{r.capture_s:.2f}", f"{r.pool_mb:.0f}",
+                      f"{r.eager_ms:.1f}" if r.eager_ms else "-", f"{r.graph_ms:.1f}" if r.graph_ms else "-",
+                      f"{r.speedup:.2f}x" if r.speedup else "-", escape(r.reason))
+    out.print(table)
+    pools = [r.pool_mb for r in rows if r.state == "graph"]
+    if pools:
+        out.print(f"{len(pools)} graphs share one pool: {sum(pools):.0f} MB in all, "
+                  f"{sum(pools) / max(max(pools), 1e-9):.2f}x the largest graph's {max(pools):.0f} MB")
+
+
+@app.command()
+def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jobs/bench.yaml"),
+          quick: Annotated[bool, typer.Option("--quick", help="Tiny model on the CPU, a smoke run (< 1 min).")] = False,
+          model: Annotated[Optional[str], typer.Option(help="Weights to bench (default: the job's model).")] = None,
+          parts: Annotated[str, typer.Option(help="What to run: job, micro, or job,micro.")] = "job,micro",
+          with_compile: Annotated[bool, typer.Option("--with-compile", help="Also run diffusers + torch.compile "
+                                                     "(compiles per shape: many minutes).")] = False,
+          results: Annotated[Path, typer.Option(help="Folder for the JSON and Markdown results.")] = Path("bench/results"),
+          ) -> None:
+    """Measure bcg against the plain diffusers loop (and torch.compile) on one job, in one run."""
+    from storyboard_cli.bench import markdown, run
+
+    with _domain_errors():
+        rec = run(job, model, quick, tuple(p.strip() for p in parts.split(",")), with_compile, results,
+                  log=lambda line: err.print(escape(line), highlight=False))
+    out.print(markdown(rec))
+    out.print(f"written: {', '.join(rec['written'])}")
+
+
 @contextmanager
 def _progress():
     """A Rich bar on stderr when it is a terminal; silence otherwise."""

@@ -78,7 +78,9 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device,
     return torch.device(device), DTYPES[dtype]
 
 
-def make_engine(models: SdxlModels, kind: str, buckets: tuple[int, ...], notes: list[str]):
+def make_engine(models: SdxlModels, kind: str, batches: list[Batch], notes: list[str]):
+    """The engine for `kind`; a GraphRunner gets its static buffers sized for `batches` and captures
+    their shapes up front, largest first (one shared pool)."""
     if kind not in ENGINES:
         raise BadInput(f"--engine: unknown engine {kind!r} (use auto, graph or eager)")
     if models.device.type != "cuda":
@@ -91,7 +93,10 @@ def make_engine(models: SdxlModels, kind: str, buckets: tuple[int, ...], notes: 
         return EagerEngine(models)
     from storyboard_cli.engine.graphs import GraphRunner
 
-    return GraphRunner(models, max_batch=max(buckets))
+    runner = GraphRunner(models, max_batch=max(b.size for b in batches),
+                         max_hw=(max(b.key.height for b in batches), max(b.key.width for b in batches)))
+    runner.prepare([runner.shape_key(b.size, b.key.height, b.key.width, b.key.control) for b in batches])
+    return runner
 
 
 @torch.no_grad()
@@ -248,8 +253,10 @@ def _previous_failures(out_dir: Path) -> set[str]:
 
 
 def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[Event], None] | None = None,
-           models: SdxlModels | None = None) -> RenderResult:
-    """Renders every image of `job` that is not already done. `models` may be passed in to reuse them."""
+           models: SdxlModels | None = None, engine=None) -> RenderResult:
+    """Renders every image of `job` that is not already done.
+
+    `models` and `engine` may be passed in to reuse loaded weights and captured graphs (bench, tests)."""
     on_event = on_event or (lambda e: None)
     t_start = time.perf_counter()
     device, dtype = (models.device, models.dtype) if models else resolve_device(opts.device, opts.dtype)
@@ -279,10 +286,16 @@ def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[
                     if models is None:
                         models = load_sdxl(job.model, job.controlnet if any(i.control_image for i in pending)
                                            else None, device, dtype)
-                    engine = make_engine(models, opts.engine, job.buckets, notes)
+                batches = make_batches(pending, job.buckets)
+                with timings.stage("capture"):
+                    if engine is None:
+                        engine = make_engine(models, opts.engine, batches, notes)
+                    elif hasattr(engine, "prepare"):
+                        engine.prepare([engine.shape_key(b.size, b.key.height, b.key.width, b.key.control)
+                                        for b in batches])
                 engine_name = engine.name
                 r = Renderer(job, models, engine, out_dir, timings, on_event, manifest)
-                for batch in make_batches(pending, job.buckets):
+                for batch in batches:
                     on_event(Event("batch", r.rendered, total, batch.items[0].shot, batch.key.label))
                     r.finish(r.run_batch(batch), stop, total)
         except (Interrupted, KeyboardInterrupt):
@@ -310,3 +323,101 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     return "cpu"
+
+
+# ---------------------------------------------------------------- ahead-of-time capture and step timing
+
+
+@dataclass
+class ShapeTiming:
+    shape: str
+    state: str
+    reason: str
+    capture_s: float
+    pool_mb: float
+    eager_ms: float | None  # per denoising step (CFG batched), median of `repeats` timed loops
+    graph_ms: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.eager_ms / self.graph_ms if self.eager_ms and self.graph_ms else None
+
+
+def _timed_loop(engine, x, sched, cond, control, guidance, repeats: int) -> float:
+    """Median ms per step over `repeats` loops of sched.steps steps, timed with CUDA events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.sample(x, sched, None, cond, control, guidance)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / sched.steps)
+    return sorted(times)[len(times) // 2]
+
+
+def synthetic_inputs(models: SdxlModels, batch: int, width: int, height: int, control: bool,
+                     cache: PromptCache | None = None):
+    """Inputs of the right shapes for timing (values do not change kernel times)."""
+    cache = cache or PromptCache(models)
+    cond = conditioning(cache, ["a storyboard frame, ink"] * batch, [""] * batch, width, height)
+    ctl = None
+    if control:
+        g = torch.Generator("cpu").manual_seed(0)
+        image = torch.rand((batch, 3, height, width), generator=g).to(models.device, models.dtype).repeat(2, 1, 1, 1)
+        ctl = Control(image, torch.ones(2 * batch, 1, 1, 1, device=models.device, dtype=models.dtype))
+    x = torch.randn((batch, 4, height // 8, width // 8), generator=torch.Generator("cpu").manual_seed(0))
+    guidance = torch.full((batch,), 5.0, device=models.device)
+    return x.to(models.device), cond, ctl, guidance
+
+
+def time_shapes(models: SdxlModels, runner, keys: list, steps: int = 10, repeats: int = 2,
+                eager: bool = True, on_row: Callable[[ShapeTiming], None] | None = None) -> list[ShapeTiming]:
+    """Captures `keys` (largest first), checks each, and times eager vs graph ms/step side by side."""
+    runner.prepare(keys)
+    cache = PromptCache(models)
+    sched = schedule("euler", steps, models.scheduler_config)
+    warm = schedule("euler", 2, models.scheduler_config)
+    eager_engine = EagerEngine(models)
+    rows = []
+    for key in sorted(set(keys), reverse=True):
+        x, cond, ctl, guidance = synthetic_inputs(models, key.batch, key.width, key.height, key.control, cache)
+        x = x * sched.init_sigma
+        eager_ms = None
+        if eager:
+            eager_engine.sample(x, warm, None, cond, ctl, guidance)  # warm-up
+            eager_ms = _timed_loop(eager_engine, x, sched, cond, ctl, guidance, repeats)
+        runner.sample(x, sched, None, cond, ctl, guidance)  # first replay: checked against eager
+        st = runner.stats[key]
+        graph_ms = _timed_loop(runner, x, sched, cond, ctl, guidance, repeats) if st.state == "graph" else None
+        rows.append(ShapeTiming(key.label, st.state, st.reason, st.capture_s, st.pool_mb, eager_ms, graph_ms))
+        if on_row:
+            on_row(rows[-1])
+    return rows
+
+
+def capture(job: Job | None, model: str, controlnet: str | None, buckets: tuple[int, ...], device: str | None,
+            dtype: str | None, warm: bool, steps: int = 10) -> tuple[list[str], list[ShapeTiming]]:
+    """The shapes a job (or the named sizes x buckets) needs; with `warm`, captures, checks and times them."""
+    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.job import NAMED_SIZES
+
+    dev, dt = resolve_device(device, dtype)
+    if job is not None:
+        model, controlnet = job.model, job.controlnet
+        shapes = sorted({(b.size, b.key.height, b.key.width, b.key.control)
+                         for b in make_batches(work_items(job), job.buckets)}, reverse=True)
+    else:
+        flags = (False, True) if controlnet else (False,)
+        shapes = sorted({(n, h, w, c) for (w, h) in NAMED_SIZES.values() for n in buckets for c in flags},
+                        reverse=True)
+    labels = [f"{n}x{w}x{h}{' +control' if c else ''}" for n, h, w, c in shapes]
+    if not warm:
+        return labels, []
+    if dev.type != "cuda":
+        raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
+    models = load_sdxl(model, controlnet, dev, dt)
+    runner = GraphRunner(models, max_batch=max(s[0] for s in shapes),
+                         max_hw=(max(s[1] for s in shapes), max(s[2] for s in shapes)))
+    keys = [runner.shape_key(n, h, w, c) for n, h, w, c in shapes]
+    return labels, time_shapes(models, runner, keys, steps=steps)

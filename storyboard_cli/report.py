@@ -10,7 +10,7 @@ from pathlib import Path
 
 from storyboard_cli.outputs import atomic_write
 
-STAGES = ("load", "encode", "denoise", "decode", "save")
+STAGES = ("load", "capture", "encode", "denoise", "decode", "save")
 
 
 @dataclass

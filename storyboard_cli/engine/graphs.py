@@ -1,0 +1,256 @@
+"""GraphRunner: the whole denoising step (CFG doubling, ControlNet, UNet, guidance, sampler update)
+captured as one CUDA graph per shape, replayed once per step. The only file that touches CUDA graphs.
+
+- Static input buffers are allocated once, at the largest batch and latent size the job needs, and
+  sliced per shape (`self.x[: n].view(...)`); every value that changes between steps or batches
+  (latents, sigma/timestep and sampler coefficients, embeds, time ids, guidance, control image and
+  scale) lives in them. Nothing that varies is baked into a graph.
+- The step index is a device tensor the graph itself increments, and the sampler's coefficients are
+  a device table the graph indexes, so a 30-step loop is 30 replays and nothing else (plus one
+  noise copy per step for ancestral samplers). No host sync inside the loop.
+- Graphs are captured lazily (or ahead, by `prepare`), largest first, into ONE shared memory pool,
+  after a warm-up on a side stream. The first replay of each is checked against the eager step on
+  the same inputs; a capture failure or a mismatch marks that shape eager, with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from storyboard_cli.conditioning import Cond
+from storyboard_cli.engine.eager import Control, EagerEngine, sample_step
+from storyboard_cli.job import MAX_STEPS
+from storyboard_cli.models.loader import SdxlModels
+from storyboard_cli.sampling import Schedule
+
+log = logging.getLogger(__name__)
+CHECK_RTOL = 2e-2  # relative L2 error allowed between replay and eager (fp16 kernels may differ in order)
+
+
+@dataclass(frozen=True, order=True)
+class ShapeKey:
+    """A graph's identity: everything that changes a tensor shape or the captured kernels."""
+
+    batch: int
+    height: int
+    width: int
+    control: bool
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.batch}x{self.width}x{self.height}{' +control' if self.control else ''} {self.dtype}"
+
+
+@dataclass
+class GraphStats:
+    key: ShapeKey
+    state: str = "pending"  # "graph" | "eager"
+    reason: str = ""
+    capture_s: float = 0.0
+    pool_mb: float = 0.0
+    replays: int = 0
+    events: list = field(default_factory=list)  # (start, end, steps) CUDA events, read lazily
+
+    @property
+    def replay_ms(self) -> float:
+        done = [(s.elapsed_time(e), n) for s, e, n in self.events if e.query()]
+        steps = sum(n for _, n in done)
+        return sum(ms for ms, _ in done) / steps if steps else 0.0
+
+
+class _Views:
+    """The static buffers sliced and shaped for one ShapeKey."""
+
+    def __init__(self, r: GraphRunner, key: ShapeKey):
+        b, h, w = key.batch, key.height // 8, key.width // 8
+        n = b * 4 * h * w
+        self.x = r.x[:n].view(b, 4, h, w)
+        self.prev = r.prev[:n].view(b, 4, h, w)
+        self.noise = r.noise[:n].view(b, 4, h, w)
+        self.guidance = r.guidance[:b]
+        self.cond = Cond(r.embeds[: 2 * b], r.pooled[: 2 * b], r.time_ids[: 2 * b])
+        self.control = None
+        if key.control:
+            self.control = Control(r.control_image[: 2 * b * 3 * key.height * key.width]
+                                   .view(2 * b, 3, key.height, key.width), r.control_scale[: 2 * b])
+
+
+class GraphRunner:
+    name = "graph"
+
+    def __init__(self, models: SdxlModels, max_batch: int, max_hw: tuple[int, int] = (1024, 1024)):
+        if models.device.type != "cuda":
+            raise RuntimeError("GraphRunner needs a CUDA device")
+        self.models = models
+        self.eager = EagerEngine(models)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
+        self.stats: dict[ShapeKey, GraphStats] = {}
+        self.capture_failure: str | None = None  # test hook: a reason to fail every capture with
+        self._allocate(max_batch, max_hw[0] * max_hw[1])
+
+    def _allocate(self, max_batch: int, max_pixels: int) -> None:
+        """Static buffers at the largest batch and size; graphs hold pointers into them."""
+        m, dev = self.models, self.models.device
+        self.max_batch, self.max_pixels = max_batch, max_pixels
+        b, rows = max_batch, 2 * max_batch
+        latent = b * 4 * max_pixels // 64
+        text_dim = m.unet.config.cross_attention_dim
+        pooled_dim = m.text_encoders[1].config.projection_dim
+        self.x = torch.zeros(latent, device=dev)  # float32: the sampler state
+        self.prev = torch.zeros(latent, device=dev)
+        self.noise = torch.zeros(latent, device=dev)
+        self.table = torch.zeros(MAX_STEPS, 6, device=dev)
+        self.index = torch.zeros(1, dtype=torch.long, device=dev)
+        self.guidance = torch.zeros(b, device=dev)
+        self.embeds = torch.zeros(rows, 77, text_dim, device=dev, dtype=m.dtype)
+        self.pooled = torch.zeros(rows, pooled_dim, device=dev, dtype=m.dtype)
+        self.time_ids = torch.zeros(rows, 6, device=dev, dtype=m.dtype)
+        has_control = m.controlnet is not None
+        self.control_image = torch.zeros(rows * 3 * max_pixels if has_control else 0, device=dev, dtype=m.dtype)
+        self.control_scale = torch.zeros(rows, 1, 1, 1, device=dev, dtype=m.dtype)
+
+    def _fits(self, key: ShapeKey) -> bool:
+        return key.batch <= self.max_batch and key.height * key.width <= self.max_pixels
+
+    def shape_key(self, batch: int, height: int, width: int, control: bool) -> ShapeKey:
+        return ShapeKey(batch, height, width, control, str(self.models.dtype).removeprefix("torch."))
+
+    # ------------------------------------------------------------------ the captured step
+
+    def _step(self, v: _Views) -> None:
+        row = self.table.index_select(0, self.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
+        x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance)
+        v.x.copy_(x_next)
+        v.prev.copy_(denoised)
+        self.index.add_(1)
+
+    def _load(self, v: _Views, x: torch.Tensor, sched: Schedule, cond: Cond, control: Control | None,
+              guidance: torch.Tensor) -> None:
+        v.x.copy_(x)
+        v.prev.zero_()
+        v.noise.zero_()
+        self.table[: sched.steps].copy_(sched.table, non_blocking=True)
+        self.index.zero_()
+        v.cond.embeds.copy_(cond.embeds)
+        v.cond.pooled.copy_(cond.pooled)
+        v.cond.time_ids.copy_(cond.time_ids)
+        v.guidance.copy_(guidance)
+        if control is not None:
+            v.control.image.copy_(control.image)
+            v.control.scale.copy_(control.scale)
+
+    def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
+        v = _Views(self, key)
+        stats = self.stats.setdefault(key, GraphStats(key))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too: measure the pool from there
+        reserved = torch.cuda.memory_reserved()
+        t0 = time.perf_counter()
+        if self.capture_failure:
+            raise RuntimeError(self.capture_failure)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: lazy inits, autotuning, allocator state, outside the graph
+            for _ in range(2):
+                self.index.zero_()
+                self._step(v)
+        torch.cuda.current_stream().wait_stream(side)
+        self.index.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._step(v)
+        torch.cuda.synchronize()
+        stats.capture_s = time.perf_counter() - t0
+        stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
+        stats.state = "graph"
+        return graph
+
+    def _mark_eager(self, key: ShapeKey, reason: str) -> None:
+        stats = self.stats.setdefault(key, GraphStats(key))
+        stats.state, stats.reason = "eager", reason
+        self.graphs.pop(key, None)
+        log.warning("graph %s falls back to eager: %s", key.label, reason)
+
+    def graph(self, key: ShapeKey) -> torch.cuda.CUDAGraph | None:
+        """The graph for `key`, captured on first use; None if this shape runs eager."""
+        if key in self.graphs:
+            return self.graphs[key]
+        if self.stats.get(key) and self.stats[key].state == "eager":
+            return None
+        if not self._fits(key):
+            self._mark_eager(key, f"larger than the static buffers ({self.max_batch} images, "
+                                  f"{self.max_pixels} pixels)")
+            return None
+        try:
+            self.graphs[key] = self._capture(key)
+        except Exception as e:  # noqa: BLE001 - any capture failure: run this shape eager, keep going
+            torch.cuda.synchronize()
+            self._mark_eager(key, f"capture failed: {e.__class__.__name__}: {str(e).splitlines()[0][:200]}")
+            return None
+        return self.graphs[key]
+
+    def prepare(self, keys: list[ShapeKey]) -> None:
+        """Captures ahead of time, largest first, so smaller graphs reuse the pool's blocks."""
+        for key in sorted(set(keys), key=lambda k: (k.batch * k.height * k.width, k.control), reverse=True):
+            self.graph(key)
+
+    # ------------------------------------------------------------------ running
+
+    def _check(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: _Views, x: torch.Tensor, sched: Schedule,
+               cond: Cond, control: Control | None, guidance: torch.Tensor) -> bool:
+        """First replay vs the eager step on the same inputs (then the buffers are reloaded by the caller)."""
+        self._load(v, x, sched, cond, control, guidance)
+        graph.replay()
+        replayed = v.x.clone()  # clone: the next replay overwrites the static buffer
+        row = sched.table[0].to(x.device)
+        expect, _ = sample_step(self.models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, control,
+                                guidance)
+        finite = torch.isfinite(expect)
+        if not torch.equal(finite, torch.isfinite(replayed)):
+            self._mark_eager(key, "replay check failed: NaN/inf pattern differs from eager")
+            return False
+        diff = torch.linalg.vector_norm((replayed - expect)[finite])
+        scale = torch.linalg.vector_norm(expect[finite]).clamp_min(1e-6)
+        err = (diff / scale).item()
+        if err > CHECK_RTOL:
+            self._mark_eager(key, f"replay check failed: relative error {err:.2e} > {CHECK_RTOL:.0e}")
+            return False
+        self.stats[key].reason = f"checked: rel. error {err:.1e}"
+        return True
+
+    @torch.no_grad()
+    def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
+               control: Control | None, guidance: torch.Tensor) -> torch.Tensor:
+        """Same contract as EagerEngine.sample: initial latents [B, 4, h, w] -> final latents."""
+        b, _, h, w = x.shape
+        key = self.shape_key(b, 8 * h, 8 * w, control is not None)
+        graph = self.graph(key)
+        stats = self.stats[key]
+        if graph is not None and not stats.reason.startswith("checked"):
+            if not self._check(key, graph, _Views(self, key), x, sched, cond, control, guidance):
+                graph = None
+        if graph is None:
+            return self.eager.sample(x, sched, noise, cond, control, guidance)
+        v = _Views(self, key)
+        self._load(v, x, sched, cond, control, guidance)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(sched.steps):
+            if noise is not None:
+                v.noise.copy_(noise[i])
+            graph.replay()
+        end.record()
+        stats.replays += sched.steps
+        stats.events.append((start, end, sched.steps))
+        return v.x.clone()  # clone: the next batch overwrites the static buffer
+
+    def describe(self) -> list[dict]:
+        return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
+                 "pool_mb": round(s.pool_mb, 1), "replays": s.replays, "replay_ms": round(s.replay_ms, 3)}
+                for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
