@@ -64,19 +64,22 @@ class DiffusersLoop:
         m = models
         # users load SDXL's VAE in the pipeline's dtype; the pipeline upcasts it around each decode
         vae = m.vae if m.vae.dtype == m.dtype else copy.deepcopy(m.vae).to(m.dtype)
+        # own copies of the same weights: bcg changes its modules' memory layout in place
+        self.unet = copy.deepcopy(m.unet)
+        controlnet = copy.deepcopy(m.controlnet) if m.controlnet is not None else None
         parts = dict(vae=vae, text_encoder=m.text_encoders[0], text_encoder_2=m.text_encoders[1],
-                     tokenizer=m.tokenizers[0], tokenizer_2=m.tokenizers[1], unet=m.unet,
+                     tokenizer=m.tokenizers[0], tokenizer_2=m.tokenizers[1], unet=self.unet,
                      scheduler=diffusers.EulerDiscreteScheduler.from_config(m.scheduler_config))
         self.pipe = diffusers.StableDiffusionXLPipeline(**parts)
         self.pipe.set_progress_bar_config(disable=True)
         self.cpipe = None
         if m.controlnet is not None:
-            self.cpipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=m.controlnet)
+            self.cpipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=controlnet)
             self.cpipe.set_progress_bar_config(disable=True)
 
     def compile_unet(self) -> None:
         """diffusers' documented speed-up."""
-        compiled = torch.compile(self.models.unet, mode="reduce-overhead")
+        compiled = torch.compile(self.unet, mode="reduce-overhead")
         self.pipe.unet = compiled
         if self.cpipe is not None:
             self.cpipe.unet = compiled
@@ -255,10 +258,11 @@ def layout_variants(models: SdxlModels, log: Callable[[str], None]) -> list[dict
     from storyboard_cli.render import time_shapes
 
     rows = []
-    for name, change in (("channels_last", lambda u: u.to(memory_format=torch.channels_last)),
+    for name, change in (("NCHW", lambda u: u.to(memory_format=torch.contiguous_format)),
+                         ("channels_last", lambda u: u.to(memory_format=torch.channels_last)),
                          ("channels_last + fused QKV", lambda u: u.fuse_qkv_projections())):
         change(models.unet)
-        runner = GraphRunner(models, max_batch=4, max_hw=(1024, 1024))
+        runner = GraphRunner(models, max_batch=4, max_hw=(1024, 1024), channels_last=False)
         keys = [runner.shape_key(b, 1024, 1024, False) for b in (1, 4)]
         for t in time_shapes(models, runner, keys, steps=10, repeats=3, eager=False):
             rows.append({"variant": name, "shape": t.shape, "graph_ms": t.graph_ms, "state": t.state,

@@ -83,10 +83,16 @@ class _Views:
 class GraphRunner:
     name = "graph"
 
-    def __init__(self, models: SdxlModels, max_batch: int, max_hw: tuple[int, int] = (1024, 1024)):
+    def __init__(self, models: SdxlModels, max_batch: int, max_hw: tuple[int, int] = (1024, 1024),
+                 channels_last: bool = True):
         if models.device.type != "cuda":
             raise RuntimeError("GraphRunner needs a CUDA device")
         self.models = models
+        if channels_last:
+            # NHWC lets cuDNN run the convolutions without layout transposes (measured: docs/PERFORMANCE.md)
+            for module in (models.unet, models.controlnet):
+                if module is not None:
+                    module.to(memory_format=torch.channels_last)
         self.eager = EagerEngine(models)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
