@@ -8,6 +8,7 @@ Model loading is done once and excluded from every contender's wall time; everyt
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import traceback
 import platform
@@ -106,7 +107,8 @@ class DiffusersLoop:
                     num_images_per_prompt=shot.candidates, generator=generators, output_type=output_type,
                     **kwargs).images
 
-    def run_job(self, job: Job) -> dict:
+    def run_job(self, job: Job, out_dir: Path) -> dict:
+        """Every shot, saving its PNGs as the user's loop would (PIL's defaults)."""
         device = self.models.device
         _peak_reset(device)
         per_bucket: dict[str, list[float]] = {}
@@ -115,6 +117,9 @@ class DiffusersLoop:
         for shot in job.shots:
             events: list = []
             out = self.shot(shot, step_events=events)
+            (out_dir / shot.id).mkdir(parents=True, exist_ok=True)
+            for k, image in enumerate(out):
+                image.save(out_dir / shot.id / f"{shot.id}_{k}.png")
             images += len(out)
             if len(events) > 1:
                 _sync(device)
@@ -302,7 +307,7 @@ def run(job_path: Path, model: str | None = None, quick: bool = False, parts: tu
     loop.shot(replace(job.shots[0], candidates=1, steps=2), output_type="latent")
     with tempfile.TemporaryDirectory() as tmp:
         if "job" in parts:
-            _part(rec, "a_diffusers", log, lambda: loop.run_job(job))
+            _part(rec, "a_diffusers", log, lambda: loop.run_job(job, Path(tmp) / "a"))
             _part(rec, "c_bcg_cold", log, lambda: _bcg(job, models, Path(tmp) / "c"))
             if device.type == "cuda":
                 def warm():
@@ -311,8 +316,8 @@ def run(job_path: Path, model: str | None = None, quick: bool = False, parts: tu
                 _part(rec, "d_bcg_warm", log, warm)
             if with_compile:
                 loop.compile_unet()
-                _part(rec, "b_compile_first", log, lambda: loop.run_job(job))
-                _part(rec, "b_compile_steady", log, lambda: loop.run_job(job))
+                _part(rec, "b_compile_first", log, lambda: loop.run_job(job, Path(tmp) / "b1"))
+                _part(rec, "b_compile_steady", log, lambda: loop.run_job(job, Path(tmp) / "b2"))
             for k in ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "b_compile_first", "b_compile_steady"):
                 if k in rec:
                     log(f"{k}: {json.dumps(rec[k])}")
@@ -343,6 +348,9 @@ def _part(rec: dict, key: str, log: Callable[[str], None], fn: Callable[[], obje
     """Runs one measurement; a failure is recorded with its reason and the others still run."""
     try:
         rec[key] = fn()
+        gc.collect()  # drop the part's graphs and pools before the next one
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001 - a broken contender must not hide the other results
         rec.setdefault("errors", {})[key] = f"{e.__class__.__name__}: {e}"
         log(f"{key} failed: {traceback.format_exc()}")

@@ -147,7 +147,10 @@ class Renderer:
         self.schedules: dict[tuple[str, int], Schedule] = {}
         self.controls: dict[tuple[Path, int, int], torch.Tensor] = {}
         self.failed: list[dict] = []
+        self.notes: list[str] = []
         self.rendered = 0
+        self.eager = engine if isinstance(engine, EagerEngine) else EagerEngine(models)
+        self.writer = _Writer()
 
     def schedule(self, sampler: str, steps: int) -> Schedule:
         key = (sampler, steps)
@@ -192,8 +195,15 @@ class Renderer:
         bt.denoise_s += time.perf_counter() - t0
         return list(zip(batch.items, latents[: len(batch.items)]))
 
-    def finish(self, done: list[tuple[WorkItem, torch.Tensor]], stop: _StopFlag, total: int) -> None:
-        """Decodes and saves; an image with NaN/inf is recorded as failed, never saved."""
+    def fail(self, items, reason: str, total: int) -> None:
+        for item in items:
+            for path in item.outputs:
+                self.failed.append({"path": path, "shot": item.shot, "reason": reason})
+            self.on_event(Event("failed", self.rendered, total, item.shot, f"{item.outputs[0]}: {reason}"))
+
+    def finish(self, done: list[tuple[WorkItem, torch.Tensor]], total: int) -> None:
+        """Decodes, then hands the PNGs to the writer thread (which overlaps them with the next batch's
+        denoising). An image with NaN/inf is recorded as failed, never saved."""
         m = self.models
         with self.timings.stage("decode"):
             latents = torch.stack([lat for _, lat in done])
@@ -202,28 +212,85 @@ class Renderer:
             finite_pixels = torch.isfinite(pixels_f).flatten(1).all(1).cpu()
             finite_latents = finite_latents.cpu()
         for i, (item, _) in enumerate(done):
-            reason = None
             if not finite_latents[i]:
-                reason = "NaN/inf in the denoised latents"
+                self.fail([item], "NaN/inf in the denoised latents", total)
             elif not finite_pixels[i]:
-                reason = "NaN/inf in the decoded pixels"
-            if reason:
-                for path in item.outputs:
-                    self.failed.append({"path": path, "shot": item.shot, "reason": reason})
-                self.on_event(Event("failed", self.rendered, total, item.shot, f"{item.outputs[0]}: {reason}"))
-                continue
-            with self.timings.stage("save"):
-                data = png_bytes(pixels[i], item, self.job.model, self.job.controlnet)
-                for path in item.outputs:
-                    atomic_write(self.out_dir / path, data)
-                    self.manifest.append({"path": path, "shot": item.shot, "candidate": item.k, "seed": item.seed,
-                                          "fingerprint": item.fingerprint(self.job.model, self.job.controlnet),
-                                          "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
-                    self.rendered += 1
-                    self.timings.bucket(item.key.label).images += 1
-                    self.on_event(Event("image", self.rendered, total, item.shot, path))
-            if stop.requested:
-                raise Interrupted("stopped by Ctrl-C")
+                self.fail([item], "NaN/inf in the decoded pixels", total)
+            else:
+                self.writer.submit(self._save, item, pixels[i], total)
+
+    def _save(self, item: WorkItem, pixels: torch.Tensor, total: int) -> None:
+        """Runs on the writer thread: atomic PNG writes, then their manifest lines."""
+        t0 = time.perf_counter()
+        data = png_bytes(pixels, item, self.job.model, self.job.controlnet)
+        for path in item.outputs:
+            try:
+                atomic_write(self.out_dir / path, data)
+            except OSError as e:
+                raise RenderFailure(f"cannot write {self.out_dir / path}: {e.strerror or e}") from e
+            self.manifest.append({"path": path, "shot": item.shot, "candidate": item.k, "seed": item.seed,
+                                  "fingerprint": item.fingerprint(self.job.model, self.job.controlnet),
+                                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            self.rendered += 1
+            self.timings.bucket(item.key.label).images += 1
+            self.on_event(Event("image", self.rendered, total, item.shot, path))
+        self.timings.stages["save"] += time.perf_counter() - t0
+
+    def process(self, batch: Batch, total: int, buckets: tuple[int, ...]) -> None:
+        """One batch, end to end. Out of GPU memory: split it into smaller buckets, down to 1, then eager.
+        Any other failure of this batch is recorded against its images and the job goes on."""
+        try:
+            self.finish(self.run_batch(batch), total)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            smaller = tuple(b for b in buckets if b < batch.size)
+            if batch.size > 1 and smaller:
+                self.notes.append(f"out of GPU memory at {batch.size} x {batch.key.label}: retried in buckets "
+                                  f"of at most {max(smaller)}")
+                for sub in make_batches(list(batch.items), smaller):
+                    self.process(sub, total, smaller)
+            elif not isinstance(self.engine, EagerEngine):
+                self.notes.append(f"out of GPU memory at {batch.size} x {batch.key.label}: retried eager")
+                graph_engine, self.engine = self.engine, self.eager
+                try:
+                    self.process(batch, total, (1,))
+                finally:
+                    self.engine = graph_engine
+            else:
+                self.fail(batch.items, "out of GPU memory even for one image", total)
+        except (Interrupted, RenderFailure):
+            raise
+        except Exception as e:  # noqa: BLE001 - one bad batch (unreadable control image, decode error) must not stop the job
+            log.exception("batch %s failed", batch.key.label)
+            self.fail(batch.items, f"{e.__class__.__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}",
+                      total)
+
+
+class _Writer:
+    """One background thread that writes PNGs in order; errors surface on the next submit or at close."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcg-writer")
+        self.futures: list = []
+
+    def submit(self, fn, *args) -> None:
+        self._reap()
+        if len(self.futures) > 16:  # bound the pixels held in memory
+            self.futures[0].result()
+        self.futures.append(self.pool.submit(fn, *args))
+
+    def _reap(self) -> None:
+        while self.futures and self.futures[0].done():
+            self.futures.pop(0).result()
+
+    def close(self, cancel: bool = False) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
+        for f in self.futures:
+            if not f.cancelled():
+                f.result()
+        self.futures = []
 
 
 def _pending(job: Job, out_dir: Path, force: bool, only: set[str] | None) -> tuple[list[WorkItem], int, dict]:
@@ -297,12 +364,24 @@ def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[
                 r = Renderer(job, models, engine, out_dir, timings, on_event, manifest)
                 for batch in batches:
                     on_event(Event("batch", r.rendered, total, batch.items[0].shot, batch.key.label))
-                    r.finish(r.run_batch(batch), stop, total)
-        except (Interrupted, KeyboardInterrupt):
+                    r.process(batch, total, job.buckets)
+                    if stop.requested:
+                        raise Interrupted("stopped by Ctrl-C")
+                r.writer.close()
+        except (Interrupted, KeyboardInterrupt) as e:
             status = "interrupted"
-        except torch.cuda.OutOfMemoryError as e:
-            raise RenderFailure(f"out of GPU memory: {str(e).splitlines()[0]}") from e
+            if r:  # finished images are written out; a second Ctrl-C drops the queued ones
+                try:
+                    r.writer.close(cancel=isinstance(e, KeyboardInterrupt))
+                except KeyboardInterrupt:
+                    pass
+        except BaseException:
+            if r:
+                r.writer.close(cancel=True)
+            raise
         finally:
+            if r:
+                notes.extend(r.notes)
             failed = r.failed if r else []
             rendered = r.rendered if r else 0
             if status == "done" and failed:

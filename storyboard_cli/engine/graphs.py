@@ -84,12 +84,12 @@ class GraphRunner:
     name = "graph"
 
     def __init__(self, models: SdxlModels, max_batch: int, max_hw: tuple[int, int] = (1024, 1024),
-                 channels_last: bool = True):
+                 channels_last: bool = False):
         if models.device.type != "cuda":
             raise RuntimeError("GraphRunner needs a CUDA device")
         self.models = models
         if channels_last:
-            # NHWC lets cuDNN run the convolutions without layout transposes (measured: docs/PERFORMANCE.md)
+            # off by default: measured 5-7% slower than NCHW for the SDXL UNet on an H200 (docs/PERFORMANCE.md)
             for module in (models.unet, models.controlnet):
                 if module is not None:
                     module.to(memory_format=torch.channels_last)
