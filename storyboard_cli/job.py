@@ -330,6 +330,11 @@ def _top_field(ctx: _Ctx, doc: _Located, key: str, *, required: bool = False) ->
     return doc[key], line
 
 
+def _first_content_line(path: Path) -> int:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return next((i + 1 for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")), 1)
+
+
 def load_job(path: str | Path) -> Job:
     """Reads and validates a job file. Raises JobError (exit code 2) on any problem."""
     path = Path(path)
@@ -338,7 +343,7 @@ def load_job(path: str | Path) -> Job:
     if doc is None:
         raise ctx.fail(1, None, None, "the job file is empty")
     if not isinstance(doc, _Located):
-        raise ctx.fail(1, None, None, f"the top level must be a mapping, got {_type_name(doc)}")
+        raise ctx.fail(_first_content_line(path), None, None, f"the top level must be a mapping, got {_type_name(doc)}")
     _check_keys(ctx, doc, TOP_KEYS, None)
 
     version, line = _top_field(ctx, doc, "version", required=True)

@@ -121,6 +121,20 @@ class Manifest:
             os.fsync(f.fileno())
 
 
+def remove_stale_temps(folder: Path) -> int:
+    """Deletes temp files left by a killed writer (`.<name>.<pid>.tmp` whose pid is gone)."""
+    removed = 0
+    for tmp in folder.glob("**/.*.tmp"):
+        try:
+            pid = int(tmp.name.rsplit(".", 2)[-2])
+        except (ValueError, IndexError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            tmp.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

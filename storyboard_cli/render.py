@@ -18,7 +18,8 @@ from storyboard_cli.engine.eager import Control, EagerEngine
 from storyboard_cli.errors import BadInput, Interrupted, RenderFailure
 from storyboard_cli.job import Job
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.outputs import Manifest, OutputLock, atomic_write, check_output_dir, png_bytes, read_fingerprint
+from storyboard_cli.outputs import (Manifest, OutputLock, atomic_write, check_output_dir, png_bytes, read_fingerprint,
+                                    remove_stale_temps)
 from storyboard_cli.plan import Batch, WorkItem, make_batches, work_items
 from storyboard_cli.report import Timings, build_report, write_report
 from storyboard_cli.sampling import Schedule, draw_noise, schedule
@@ -339,6 +340,7 @@ def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[
         notes.append("--retry-failed: the last report lists no failed images")
 
     with OutputLock(out_dir), _interruptible() as stop:
+        remove_stale_temps(out_dir)
         manifest = Manifest(out_dir)
         pending, skipped, found = _pending(job, out_dir, opts.force, only)
         manifest.reconcile(found)

@@ -85,8 +85,6 @@ class GraphRunner:
 
     def __init__(self, models: SdxlModels, max_batch: int, max_hw: tuple[int, int] = (1024, 1024),
                  channels_last: bool = False):
-        if models.device.type != "cuda":
-            raise RuntimeError("GraphRunner needs a CUDA device")
         self.models = models
         if channels_last:
             # off by default: measured 5-7% slower than NCHW for the SDXL UNet on an H200 (docs/PERFORMANCE.md)
@@ -94,7 +92,7 @@ class GraphRunner:
                 if module is not None:
                     module.to(memory_format=torch.channels_last)
         self.eager = EagerEngine(models)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.capture_failure: str | None = None  # test hook: a reason to fail every capture with
@@ -152,14 +150,18 @@ class GraphRunner:
             v.control.scale.copy_(control.scale)
 
     def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
+        if self.capture_failure:
+            raise RuntimeError(self.capture_failure)
+        if self.models.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         v = _Views(self, key)
         stats = self.stats.setdefault(key, GraphStats(key))
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too: measure the pool from there
         reserved = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        if self.capture_failure:
-            raise RuntimeError(self.capture_failure)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits, autotuning, allocator state, outside the graph
@@ -196,7 +198,8 @@ class GraphRunner:
         try:
             self.graphs[key] = self._capture(key)
         except Exception as e:  # noqa: BLE001 - any capture failure: run this shape eager, keep going
-            torch.cuda.synchronize()
+            if self.models.device.type == "cuda":
+                torch.cuda.synchronize()
             self._mark_eager(key, f"capture failed: {e.__class__.__name__}: {str(e).splitlines()[0][:200]}")
             return None
         return self.graphs[key]
