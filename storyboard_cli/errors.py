@@ -26,6 +26,7 @@ class JobError(BadInput):
             parts.append(f"shot '{shot}'")
         if field is not None:
             parts.append(f"field '{field}'")
+        message = " ".join(str(message).splitlines())  # one line, always: it is printed as one
         super().__init__(": ".join([" ".join(parts), message]))
 
 

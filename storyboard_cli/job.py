@@ -146,6 +146,9 @@ def _read_yaml(path: Path) -> Any:
         line = mark.line + 1 if mark else None
         what = (e.problem or "invalid YAML").strip()
         raise JobError(file, line, None, None, f"YAML syntax error: {what}") from None
+    except yaml.reader.ReaderError as e:
+        line = text[: e.position].count("\n") + 1
+        raise JobError(file, line, None, None, f"YAML cannot contain the character {e.character!r}") from None
     except yaml.YAMLError as e:
         raise JobError(file, None, None, None, f"YAML error: {e}") from None
     except RecursionError:

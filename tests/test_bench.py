@@ -1,0 +1,22 @@
+"""The bench harness runs end to end (quick mode: tiny model, CPU) so it cannot rot."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import ROOT
+from storyboard_cli.cli import app
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_quick(tmp_path):
+    result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml"), "--quick", "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (record,) = tmp_path.glob("*.json")
+    rec = json.loads(record.read_text())
+    assert rec["quick"] and rec["model"] == "tiny"
+    assert rec["a_diffusers"]["images"] == rec["c_bcg_cold"]["images"] == rec["images"] > 0
+    assert rec["ratios_vs_a"]["c_bcg_cold"] > 0
+    assert "(a) diffusers pipeline loop" in (tmp_path / record.name.replace(".json", ".md")).read_text()

@@ -1,0 +1,94 @@
+"""Real processes, real signals: kill -9 and Ctrl-C mid-render lose nothing and leave no broken file."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import ROOT, write_job
+from storyboard_cli.cli import app
+from storyboard_cli.outputs import read_fingerprint
+
+pytestmark = pytest.mark.slow
+N = 40
+JOB = f"version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {{id: a, prompt: x, steps: 6, size: 64x64, candidates: {N}}}\n"
+
+
+def _start(job_path, out):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "storyboard_cli", "render", str(job_path), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def _wait_for_images(out, n, proc, timeout=120):
+    manifest = out / "manifest.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if manifest.exists() and len(manifest.read_text().splitlines()) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError("render made no progress")
+
+
+def _check_consistent(out):
+    pngs = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
+    assert all(read_fingerprint(out / p) for p in pngs), "a broken PNG"
+    lines = [json.loads(l) for l in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(l["path"] for l in lines) == pngs  # no duplicate line, no line without its file
+    return pngs
+
+
+def test_kill_9_then_rerun_finishes_what_is_missing(tmp_path):
+    job = write_job(tmp_path, JOB)
+    out = tmp_path / "out"
+    proc = _start(job, out)
+    _wait_for_images(out, 3, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = {p: p.stat().st_mtime_ns for p in out.rglob("*.png") if read_fingerprint(p)}
+    assert 3 <= len(done_before) < N
+    result = CliRunner().invoke(app, ["render", str(job), "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["images_rendered"] + summary["images_skipped"] == N
+    assert summary["images_skipped"] >= len(done_before) - 1  # at most the one being renamed at the kill
+    assert len(_check_consistent(out)) == N
+    assert not list(out.rglob("*.tmp")) and not (out / ".bcg.lock").exists()
+    assert all(p.stat().st_mtime_ns == t for p, t in done_before.items())  # nothing finished was redone
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_keeps_finished_images_and_exits_130(tmp_path, presses):
+    job = write_job(tmp_path, JOB)
+    out = tmp_path / "out"
+    proc = _start(job, out)
+    _wait_for_images(out, 2, proc)
+    for _ in range(presses):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    pngs = _check_consistent(out)
+    assert 2 <= len(pngs) < N
+    assert json.loads((out / "report.json").read_text())["status"] == "interrupted"
+    assert not list(out.rglob("*.tmp")) and not (out / ".bcg.lock").exists()
+
+
+def test_second_render_into_the_same_folder_is_refused(tmp_path):
+    job = write_job(tmp_path, JOB)
+    out = tmp_path / "out"
+    proc = _start(job, out)
+    try:
+        _wait_for_images(out, 1, proc)
+        result = CliRunner().invoke(app, ["render", str(job), "--out", str(out)])
+        assert result.exit_code == 2 and f"(pid {proc.pid})" in result.output, result.output
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,78 @@
+"""Property-based: random mutations of a good job never produce a traceback, only a JobError."""
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from storyboard_cli.errors import JobError
+from storyboard_cli.job import SHOT_KEYS, TOP_KEYS, load_job
+from storyboard_cli.plan import make_batches, work_items
+
+GOOD = {
+    "version": 1, "name": "prop", "model": "tiny",
+    "defaults": {"steps": 4, "size": "128x128", "guidance": 5.0},
+    "shots": [{"id": "a", "prompt": "a castle", "candidates": 2, "seed": 3},
+              {"id": "b", "prompt": "a boat", "size": "portrait", "sampler": "dpmpp_2m"}],
+}
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=True) | st.text(max_size=20)
+    | st.sampled_from(["square", "64x64", "1024x1000", "euler", "../x", "control/x.png", "tiny", ""]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6)
+keys = st.sampled_from(sorted(set(TOP_KEYS) | set(SHOT_KEYS) | {"image", "scale", "bogus"}))
+
+
+def _mutations(doc, draw):
+    """Set, delete or retype one field somewhere in the document."""
+    import copy
+
+    doc = copy.deepcopy(doc)
+    target = draw(st.sampled_from(["top", "defaults", "shot0", "shot1", "shots"]))
+    shots = doc.get("shots") if isinstance(doc.get("shots"), list) else []
+    candidates = {"top": doc, "defaults": doc.get("defaults"), "shot0": shots[0] if shots else None,
+                  "shot1": shots[1] if len(shots) > 1 else None}
+    container = candidates.get(target)
+    if not isinstance(container, dict):
+        container = doc
+    if target == "shots":
+        doc["shots"] = draw(st.lists(values, max_size=3)) if draw(st.booleans()) else shots * 2
+        return doc
+    key = draw(keys)
+    if draw(st.booleans()) and key in container:
+        del container[key]
+    else:
+        container[key] = draw(values)
+    return doc
+
+
+def _check(path):
+    try:
+        job = load_job(path)
+    except JobError as e:
+        assert "\n" not in str(e) and str(e).startswith(str(path))
+        return
+    make_batches(work_items(job), job.buckets)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_documents(tmp_path, data):
+    doc = GOOD
+    for _ in range(data.draw(st.integers(1, 3))):
+        doc = _mutations(doc, data.draw)
+    path = tmp_path / "job.yaml"
+    try:
+        text = yaml.safe_dump(doc, allow_unicode=True)
+    except (yaml.YAMLError, ValueError):
+        return
+    path.write_text(text, encoding="utf-8")
+    _check(path)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(0, 400), junk=st.binary(max_size=12))
+def test_mangled_bytes(tmp_path, cut, junk):
+    raw = yaml.safe_dump(GOOD).encode()
+    path = tmp_path / "job.yaml"
+    path.write_bytes(raw[:cut] + junk + raw[cut:])
+    _check(path)
