@@ -262,10 +262,12 @@ def layout_variants(models: SdxlModels, log: Callable[[str], None]) -> list[dict
     from storyboard_cli.engine.graphs import GraphRunner
     from storyboard_cli.render import time_shapes
 
+    def cudnn_benchmark(u):
+        torch.backends.cudnn.benchmark = True
+
     rows = []
-    for name, change in (("NCHW", lambda u: u.to(memory_format=torch.contiguous_format)),
-                         ("channels_last", lambda u: u.to(memory_format=torch.channels_last)),
-                         ("channels_last + fused QKV", lambda u: u.fuse_qkv_projections())):
+    for name, change in (("baseline", lambda u: None), ("cudnn.benchmark", cudnn_benchmark),
+                         ("cudnn.benchmark + fused QKV", lambda u: u.fuse_qkv_projections())):
         change(models.unet)
         runner = GraphRunner(models, max_batch=4, max_hw=(1024, 1024), channels_last=False)
         keys = [runner.shape_key(b, 1024, 1024, False) for b in (1, 4)]
@@ -298,6 +300,15 @@ def run(job_path: Path, model: str | None = None, quick: bool = False, parts: tu
     import diffusers
 
     rec["diffusers"] = diffusers.__version__
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{rec['date']}-{_slug(rec['device'])}{'-quick' if quick else ''}"
+
+    def save() -> None:
+        data = {k: v for k, v in rec.items() if not k.startswith("_")}
+        (results_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+        (results_dir / f"{stem}.md").write_text(markdown(data))
+
+    rec["_save"] = save
     loop = DiffusersLoop(models)
     log(f"loaded {job.model} on {rec['device']} in {rec['load_s']:.1f} s")
     if device.type == "cuda":
@@ -336,18 +347,19 @@ def run(job_path: Path, model: str | None = None, quick: bool = False, parts: tu
         _part(rec, "single_shot", log, lambda: single_shot(models, loop, job, log))
     if "variants" in parts and device.type == "cuda":
         _part(rec, "variants", log, lambda: layout_variants(models, log))
-    results_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{rec['date']}-{_slug(rec['device'])}{'-quick' if quick else ''}"
-    (results_dir / f"{stem}.json").write_text(json.dumps(rec, indent=2) + "\n")
-    (results_dir / f"{stem}.md").write_text(markdown(rec))
+    save()
+    del rec["_save"]
     rec["written"] = [str(results_dir / f"{stem}.json"), str(results_dir / f"{stem}.md")]
     return rec
 
 
 def _part(rec: dict, key: str, log: Callable[[str], None], fn: Callable[[], object]) -> None:
-    """Runs one measurement; a failure is recorded with its reason and the others still run."""
+    """Runs one measurement; a failure is recorded with its reason and the others still run.
+    The record is written after each part, so a run cut short keeps what it measured."""
     try:
         rec[key] = fn()
+        if "_save" in rec:
+            rec["_save"]()
         gc.collect()  # drop the part's graphs and pools before the next one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -399,4 +411,12 @@ def markdown(rec: dict) -> str:
                            f"{f(r['speedup'], '.2f')}x | {f(r['graph_ms_per_image'], '.1f')} | "
                            f"{r['tflop_per_step']:.2f} | {f(r['matmul_share'] and 100 * r['matmul_share'], '.0f')}% |")
             out.append("")
+    if rec.get("variants"):
+        out += ["Engine variants (graph ms/step, 1024x1024, applied cumulatively):", "",
+                "| variant | shape | graph ms | state |", "|---|---|---:|---|"]
+        out += [f"| {v['variant']} | {v['shape']} | {v['graph_ms'] or float('nan'):.1f} | {v['state']} |"
+                for v in rec["variants"]]
+        out.append("")
+    if rec.get("errors"):
+        out += ["Parts that failed:", ""] + [f"- {k}: {v}" for k, v in rec["errors"].items()] + [""]
     return "\n".join(out) + "\n"

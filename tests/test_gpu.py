@@ -124,3 +124,46 @@ def test_render_graph_equals_eager(tmp_path):
         a = np.asarray(Image.open(png), dtype=np.int16)
         b = np.asarray(Image.open(tmp_path / "g" / png.relative_to(tmp_path / "e")), dtype=np.int16)
         assert np.abs(a - b).max() <= 2, png.name
+
+
+def test_out_of_memory_splits_the_bucket(tmp_path):
+    """With the process capped between the memory one image and eight images need, a bucket of 8 at
+    1024x1024 runs out of memory and is retried in smaller buckets; every image still lands."""
+    import gc
+
+    from storyboard_cli.job import load_job
+    from storyboard_cli.models.loader import load_sdxl
+    from storyboard_cli.outputs import read_fingerprint
+    from storyboard_cli.render import RenderOptions, render
+
+    models = load_sdxl("tiny", None, "cuda", torch.float16)
+
+    def job(n, buckets):
+        path = tmp_path / f"j{n}-{buckets}.yaml"
+        path.write_text(f"version: 1\nmodel: tiny\nbuckets: {buckets}\nshots:\n"
+                        f"  - {{id: a, prompt: x, steps: 3, size: 1024x1024, candidates: {n}, seed: 5}}\n")
+        return load_job(path)
+
+    def peak(n):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        render(job(n, [n]), RenderOptions(out_dir=tmp_path / f"peak{n}", engine="eager"), models=models)
+        return base, torch.cuda.max_memory_allocated() - base
+
+    base, one = peak(1)
+    _, eight = peak(8)
+    assert eight > 2 * one
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((base + (one + eight) / 2) / total)
+    try:
+        result = render(job(8, [1, 2, 4, 8]), RenderOptions(out_dir=tmp_path / "capped"), models=models)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert result.status == "done" and result.rendered == 8, result.report
+    assert any("out of GPU memory" in n for n in result.notes) or any(
+        "out of memory" in g["reason"].lower() for g in result.report["graphs"]), result.report
+    assert all(read_fingerprint(p) for p in (tmp_path / "capped").rglob("*.png"))
