@@ -150,6 +150,7 @@ class Renderer:
         self.failed: list[dict] = []
         self.notes: list[str] = []
         self.rendered = 0
+        self.oom_at = 1 << 30  # the smallest batch size that ran out of memory
         self.eager = engine if isinstance(engine, EagerEngine) else EagerEngine(models)
         self.writer = _Writer()
 
@@ -238,12 +239,23 @@ class Renderer:
         self.timings.stages["save"] += time.perf_counter() - t0
 
     def process(self, batch: Batch, total: int, buckets: tuple[int, ...]) -> None:
-        """One batch, end to end. Out of GPU memory: split it into smaller buckets, down to 1, then eager.
-        Any other failure of this batch is recorded against its images and the job goes on."""
+        """One batch, end to end. Out of GPU memory: free the captured graphs, split the batch into
+        smaller buckets (down to 1, then eager), and remember the size that failed so later batches
+        are split before they run. Any other failure of this batch is recorded against its images
+        and the job goes on."""
+        smaller = tuple(b for b in buckets if b < min(batch.size, self.oom_at))
+        if batch.size >= self.oom_at and smaller:
+            for sub in make_batches(list(batch.items), smaller):
+                self.process(sub, total, smaller)
+            return
         try:
             self.finish(self.run_batch(batch), total)
         except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
+            self.oom_at = min(self.oom_at, batch.size)
+            if hasattr(self.engine, "release"):
+                self.engine.release()
+            elif torch.cuda.is_available():
+                torch.cuda.empty_cache()
             smaller = tuple(b for b in buckets if b < batch.size)
             if batch.size > 1 and smaller:
                 self.notes.append(f"out of GPU memory at {batch.size} x {batch.key.label}: retried in buckets "

@@ -139,8 +139,8 @@ def test_out_of_memory_splits_the_bucket(tmp_path):
     models = load_sdxl("tiny", None, "cuda", torch.float16)
 
     def job(n, buckets):
-        path = tmp_path / f"j{n}-{buckets}.yaml"
-        path.write_text(f"version: 1\nmodel: tiny\nbuckets: {buckets}\nshots:\n"
+        path = tmp_path / f"job{n}_{len(buckets)}.yaml"
+        path.write_text(f"version: 1\nname: oom\nmodel: tiny\nbuckets: {buckets}\nshots:\n"
                         f"  - {{id: a, prompt: x, steps: 3, size: 1024x1024, candidates: {n}, seed: 5}}\n")
         return load_job(path)
 

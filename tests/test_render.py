@@ -157,3 +157,19 @@ def test_out_of_memory_splits_the_batch(job, tmp_path, tiny_cpu, monkeypatch):
     result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=tiny_cpu)
     assert result.status == "done" and result.rendered == 6
     assert any("out of GPU memory at 4 x" in n for n in result.notes)
+
+
+def test_out_of_memory_at_capture_frees_graphs_and_splits(job, tmp_path, tiny_cpu, monkeypatch):
+    """Capture runs out of memory at every size: the batch is split down to one image, then eager."""
+    from storyboard_cli.engine.graphs import GraphRunner
+
+    runner = GraphRunner(tiny_cpu, max_batch=4, max_hw=(128, 128))
+    runner.capture_failure = torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+    released = []
+    monkeypatch.setattr(runner, "release", lambda: released.append(1))
+    result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=tiny_cpu, engine=runner)
+    assert result.status == "done" and result.rendered == 6
+    assert released and any("retried eager" in n for n in result.notes)
+    assert any("at 4 x" in n for n in result.notes)
+    # after the first failure, later batches of that size or larger are split before they run
+    assert sum("at 4 x" in n for n in result.notes) == 1

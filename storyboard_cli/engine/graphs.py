@@ -15,6 +15,7 @@ captured as one CUDA graph per shape, replayed once per step. The only file that
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class GraphRunner:
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
-        self.capture_failure: str | None = None  # test hook: a reason to fail every capture with
+        self.capture_failure: str | BaseException | None = None  # test hook: fail every capture with this
         self._allocate(max_batch, max_hw[0] * max_hw[1])
 
     def _allocate(self, max_batch: int, max_pixels: int) -> None:
@@ -150,8 +151,9 @@ class GraphRunner:
             v.control.scale.copy_(control.scale)
 
     def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
-        if self.capture_failure:
-            raise RuntimeError(self.capture_failure)
+        if self.capture_failure:  # a message, or an exception to raise (tests inject out-of-memory)
+            raise (self.capture_failure if isinstance(self.capture_failure, BaseException)
+                   else RuntimeError(self.capture_failure))
         if self.models.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         if self.pool is None:
@@ -197,17 +199,40 @@ class GraphRunner:
             return None
         try:
             self.graphs[key] = self._capture(key)
+        except torch.cuda.OutOfMemoryError:
+            # not this shape's fault: the caller frees memory and splits the batch (render.Renderer.process)
+            self._settle()
+            self.stats.setdefault(key, GraphStats(key)).reason = "out of memory at capture"
+            raise
         except Exception as e:  # noqa: BLE001 - any capture failure: run this shape eager, keep going
-            if self.models.device.type == "cuda":
-                torch.cuda.synchronize()
+            self._settle()
             self._mark_eager(key, f"capture failed: {e.__class__.__name__}: {str(e).splitlines()[0][:200]}")
             return None
         return self.graphs[key]
 
+    def _settle(self) -> None:
+        if self.models.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
     def prepare(self, keys: list[ShapeKey]) -> None:
-        """Captures ahead of time, largest first, so smaller graphs reuse the pool's blocks."""
+        """Captures ahead of time, largest first, so smaller graphs reuse the pool's blocks. Out of memory
+        stops it: the shapes left are captured on first use (and their batches split if they must be)."""
         for key in sorted(set(keys), key=lambda k: (k.batch * k.height * k.width, k.control), reverse=True):
-            self.graph(key)
+            try:
+                self.graph(key)
+            except torch.cuda.OutOfMemoryError:
+                log.warning("out of memory capturing %s ahead of time; the rest is captured on use", key.label)
+                return
+
+    def release(self) -> None:
+        """Frees every graph and the shared pool (after an out-of-memory); shapes are captured again on use."""
+        for key in self.graphs:
+            self.stats[key].state, self.stats[key].reason = "released", "freed after an out-of-memory"
+        self.graphs.clear()
+        self.pool = None
+        gc.collect()
+        self._settle()
 
     # ------------------------------------------------------------------ running
 

@@ -1,0 +1,30 @@
+# bcg: the usual entry points. `make install render` renders the example job on a laptop CPU.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+
+.PHONY: install test render plan bench bench-quick capture gpu-test
+
+install:
+	$(PYTHON) -m pip install "$(TORCH)" -e '.[test]'
+
+test:
+	$(PYTHON) -m pytest -q
+
+render:
+	bcg render jobs/episode1.yaml
+
+plan:
+	bcg plan jobs/episode1.yaml
+
+# On a CUDA machine: sdxl-random weights, (a) diffusers, (c) bcg cold, (d) bcg after capture, microbenchmarks.
+bench:
+	bcg bench jobs/bench.yaml
+
+bench-quick:
+	bcg bench jobs/bench.yaml --quick
+
+capture:
+	bcg capture --warm
+
+gpu-test:
+	$(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
