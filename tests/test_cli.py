@@ -90,3 +90,21 @@ def test_python_dash_m_works_like_bcg():
     proc = subprocess.run([sys.executable, "-m", "storyboard_cli", "plan", str(DATA / "bad_jobs" / "unknown_sampler.yaml")],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "did you mean 'euler'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_failed_images_exit_3_and_are_listed(job_dir, tmp_path, monkeypatch):
+    from storyboard_cli.engine.eager import EagerEngine
+
+    real = EagerEngine.sample
+
+    def poisoned(self, x, *args):
+        latents = real(self, x, *args)
+        latents[0] = float("inf")
+        return latents
+
+    monkeypatch.setattr(EagerEngine, "sample", poisoned)
+    path = write_job(job_dir, "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x, steps: 2, size: 64x64}\n")
+    result = runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 3, result.output
+    assert "failed: a/a_c0_s" in result.output and "NaN/inf" in result.output
+    assert not list((tmp_path / "o").rglob("*.png"))

@@ -130,7 +130,7 @@ def _load_controlnet(spec: str, unet: Any, device: torch.device, dtype: torch.dt
         return ControlNetModel.from_pretrained(str(path), torch_dtype=dtype)
     if _is_pathlike(spec):
         raise ModelError(f"controlnet: no such file or folder: {spec}")
-    return ControlNetModel.from_pretrained(spec, torch_dtype=dtype)
+    return _from_hub(spec, lambda **hub: ControlNetModel.from_pretrained(spec, torch_dtype=dtype, **hub))
 
 
 def _load_parts(spec: str, device: torch.device, dtype: torch.dtype) -> dict:
@@ -147,7 +147,34 @@ def _load_parts(spec: str, device: torch.device, dtype: torch.dtype) -> dict:
         return _from_folder(str(path), device, dtype)
     if _is_pathlike(spec):
         raise ModelError(f"model: no such file or folder: {spec}")
-    return _from_folder(spec, device, dtype)  # a hub id: needs the hub, or its local cache
+    return _from_hub(spec, lambda **hub: _from_folder(spec, device, dtype, **hub))
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A fast check, so that an offline machine fails in seconds instead of waiting on retries."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _from_hub(spec: str, load):
+    """A hub id: the local cache first; the hub only if it can be reached."""
+    try:
+        return load(local_files_only=True)
+    except Exception as cached_error:  # noqa: BLE001 - not (fully) in the cache
+        if not _hub_reachable():
+            raise ModelError(f"model: {spec!r} is not in the local hub cache and the hub cannot be reached "
+                             f"(point model: at a folder or a .safetensors file)") from cached_error
+    return load()
 
 
 def _quiet_libraries() -> None:
@@ -170,8 +197,10 @@ def load_sdxl(spec: str, controlnet: str | None, device: str | torch.device, dty
         cn = _load_controlnet(controlnet, parts["unet"], device, dtype) if controlnet else None
     except ModelError:
         raise
-    except (OSError, ValueError, EnvironmentError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to read user-provided weights is reported in one line
+        first = f"{e.__class__.__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         raise ModelError(f"cannot load model {spec!r}{f' / controlnet {controlnet!r}' if controlnet else ''}: "
                          f"{first}") from e
     models = SdxlModels(spec, parts["tokenizers"], parts["text_encoders"], parts["unet"], parts["vae"], cn,

@@ -1,0 +1,53 @@
+"""The loader: the tiny preset on disk through the folder path, and clean errors for bad weights."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import write_job
+from storyboard_cli.cli import app
+from storyboard_cli.errors import ModelError
+from storyboard_cli.models.loader import load_sdxl
+from storyboard_cli.models.tiny import tiny_folder
+
+
+def test_tiny_preset_is_a_diffusers_folder_loaded_by_from_pretrained(tiny_cpu):
+    folder = tiny_folder()
+    for part in ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler",
+                 "controlnet"):
+        assert (folder / part).is_dir(), part
+    assert (folder / "model_index.json").is_file()
+    by_path = load_sdxl(str(folder), str(folder / "controlnet"), "cpu", torch.float32)
+    for a, b in zip(by_path.unet.parameters(), tiny_cpu.unet.parameters()):
+        assert torch.equal(a, b)
+    assert by_path.controlnet is not None
+    assert by_path.tokenizers[0]("a castle").input_ids == tiny_cpu.tokenizers[0]("a castle").input_ids
+
+
+def test_tiny_build_is_deterministic(tmp_path, monkeypatch, tiny_cpu):
+    monkeypatch.setenv("BCG_CACHE", str(tmp_path))
+    again = load_sdxl("tiny", None, "cpu", torch.float32)
+    for a, b in zip(again.unet.parameters(), tiny_cpu.unet.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model,message", [
+    ("./missing/folder", "no such file or folder"),
+    ("broken.safetensors", "cannot load model"),
+    ("emptydir", "not a diffusers SDXL folder"),
+    ("someone/not-on-this-machine", "not in the local hub cache"),
+])
+def test_bad_weights_give_one_clean_line(job_dir, tmp_path, monkeypatch, model, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (job_dir / "broken.safetensors").write_bytes(b"not a checkpoint")
+    (job_dir / "emptydir").mkdir()
+    monkeypatch.chdir(job_dir)
+    path = write_job(job_dir, f"version: 1\nmodel: {model}\nshots:\n  - {{id: a, prompt: x, steps: 2, size: 64x64}}\n")
+    result = CliRunner().invoke(app, ["render", str(path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1, result.output
+    assert "Traceback" not in result.output
+
+
+def test_model_error_is_bad_input():
+    assert ModelError.exit_code == 2
