@@ -51,3 +51,23 @@ def test_bad_weights_give_one_clean_line(job_dir, tmp_path, monkeypatch, model, 
 
 def test_model_error_is_bad_input():
     assert ModelError.exit_code == 2
+
+
+def test_packaged_sdxl_configs_and_real_clip_tokenizer():
+    """What single files and sdxl-random are built from: SDXL-base shapes and CLIP's own BPE."""
+    from diffusers import ControlNetModel, UNet2DConditionModel
+    from transformers import CLIPTokenizer
+
+    from storyboard_cli.models.loader import sdxl_config_folder
+
+    folder = sdxl_config_folder()
+    tok = CLIPTokenizer.from_pretrained(folder / "tokenizer")
+    assert len(tok) == 49408
+    assert tok("a photograph of an astronaut riding a horse").input_ids == [
+        49406, 320, 8853, 539, 550, 18376, 6765, 320, 4558, 49407]
+    assert CLIPTokenizer.from_pretrained(folder / "tokenizer_2").pad_token == "!"
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder / "unet"))
+        controlnet = ControlNetModel.from_unet(unet, load_weights_from_unet=False)
+    assert abs(sum(p.numel() for p in unet.parameters()) / 1e9 - 2.567) < 0.01
+    assert 1.2 < sum(p.numel() for p in controlnet.parameters()) / 1e9 < 1.3
