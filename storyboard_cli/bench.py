@@ -393,6 +393,12 @@ def markdown(rec: dict) -> str:
             out.append(f"| {names[k]} | {r['wall_s']:.2f} | {r['images_per_s']:.3f} | "
                        f"{r['images_per_s'] / base:.2f}x | {peak} |")
         out.append("")
+        out += ["Mean denoise ms per step, per bucket (diffusers: per call, `images x W x H`; bcg: per bucket):", ""]
+        for k in rows:
+            steps = rec[k].get("ms_per_step") or {}
+            if steps:
+                out.append(f"- {names[k]}: " + ", ".join(f"{b} {ms:.1f}" for b, ms in steps.items()))
+        out.append("")
     if "single_shot" in rec:
         s = rec["single_shot"]
         out += [f"Single-shot re-render ({s['shape']}, {s['steps']} steps, denoise + decode, median of 3): "

@@ -190,12 +190,16 @@ class Renderer:
         t0 = time.perf_counter()
         with self.timings.stage("denoise"):
             latents = self.engine.sample(x, sched, noise, cond, control, guidance)
-        bt = self.timings.bucket(key.label)
+        bt = self.timings.bucket(self.bucket_label(batch))
         bt.batches += 1
         bt.rows += 2 * batch.size
         bt.steps += key.steps
         bt.denoise_s += time.perf_counter() - t0
         return list(zip(batch.items, latents[: len(batch.items)]))
+
+    @staticmethod
+    def bucket_label(batch: Batch) -> str:
+        return f"{batch.size} x {batch.key.label}"
 
     def fail(self, items, reason: str, total: int) -> None:
         for item in items:
@@ -203,7 +207,7 @@ class Renderer:
                 self.failed.append({"path": path, "shot": item.shot, "reason": reason})
             self.on_event(Event("failed", self.rendered, total, item.shot, f"{item.outputs[0]}: {reason}"))
 
-    def finish(self, done: list[tuple[WorkItem, torch.Tensor]], total: int) -> None:
+    def finish(self, done: list[tuple[WorkItem, torch.Tensor]], total: int, label: str) -> None:
         """Decodes, then hands the PNGs to the writer thread (which overlaps them with the next batch's
         denoising). An image with NaN/inf is recorded as failed, never saved."""
         m = self.models
@@ -219,9 +223,9 @@ class Renderer:
             elif not finite_pixels[i]:
                 self.fail([item], "NaN/inf in the decoded pixels", total)
             else:
-                self.writer.submit(self._save, item, pixels[i], total)
+                self.writer.submit(self._save, item, pixels[i], total, label)
 
-    def _save(self, item: WorkItem, pixels: torch.Tensor, total: int) -> None:
+    def _save(self, item: WorkItem, pixels: torch.Tensor, total: int, label: str) -> None:
         """Runs on the writer thread: atomic PNG writes, then their manifest lines."""
         t0 = time.perf_counter()
         data = png_bytes(pixels, item, self.job.model, self.job.controlnet)
@@ -234,7 +238,7 @@ class Renderer:
                                   "fingerprint": item.fingerprint(self.job.model, self.job.controlnet),
                                   "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
             self.rendered += 1
-            self.timings.bucket(item.key.label).images += 1
+            self.timings.bucket(label).images += 1
             self.on_event(Event("image", self.rendered, total, item.shot, path))
         self.timings.stages["save"] += time.perf_counter() - t0
 
@@ -249,7 +253,7 @@ class Renderer:
                 self.process(sub, total, smaller)
             return
         try:
-            self.finish(self.run_batch(batch), total)
+            self.finish(self.run_batch(batch), total, self.bucket_label(batch))
         except torch.cuda.OutOfMemoryError:
             self.oom_at = min(self.oom_at, batch.size)
             if hasattr(self.engine, "release"):
