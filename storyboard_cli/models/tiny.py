@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_VERSION = "tiny-v1"
+TINY_VERSION = "tiny-v2"
 TOKENIZER_MERGES: list[str] = []  # byte-level only: 514 tokens, no hub needed
 
 UNET = dict(
@@ -23,7 +23,7 @@ UNET = dict(
     attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
     addition_time_embed_dim=8, transformer_layers_per_block=(1, 1),
     projection_class_embeddings_input_dim=6 * 8 + 32,  # 6 time ids x 8 + pooled text (32)
-    cross_attention_dim=64, norm_num_groups=8,  # 32 + 32: both text encoders' hidden states concatenated
+    cross_attention_dim=32 + 48, norm_num_groups=8,  # both text encoders' hidden states, concatenated
 )
 VAE = dict(
     block_out_channels=(8, 16, 16, 16), in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1,
@@ -32,9 +32,11 @@ VAE = dict(
 )
 TEXT = dict(
     bos_token_id=512, eos_token_id=2, pad_token_id=513, hidden_size=32, intermediate_size=37, layer_norm_eps=1e-5,
-    num_attention_heads=4, num_hidden_layers=3, vocab_size=514, hidden_act="gelu", projection_dim=32,
+    num_attention_heads=4, num_hidden_layers=3, vocab_size=514, hidden_act="quick_gelu", projection_dim=32,
     max_position_embeddings=77,
 )
+# the second encoder is wider, as OpenCLIP-bigG is wider than CLIP-L: single-file loading tells them apart by width
+TEXT_2 = {**TEXT, "hidden_size": 48, "intermediate_size": 53, "hidden_act": "gelu"}
 CONTROLNET_EMBEDDING = (8, 16, 16, 32)  # four stages: the control image enters at 1/8 size, like the latents
 
 SCHEDULER_CONFIG = Path(__file__).parent / "configs" / "sdxl-base" / "scheduler" / "scheduler_config.json"
@@ -58,7 +60,7 @@ def _build(folder: Path) -> None:
     torch.manual_seed(2)
     text_encoder = CLIPTextModel(CLIPTextConfig(**TEXT))
     torch.manual_seed(3)
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**TEXT))
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**TEXT_2))
     torch.manual_seed(4)
     controlnet = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=CONTROLNET_EMBEDDING)
     # from_unet copies the UNet's weights; perturb so the control branch is not a no-op copy
