@@ -132,7 +132,7 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
             model: Annotated[str, typer.Option(help="Model when no job is given.")] = "sdxl-random",
             controlnet: Annotated[Optional[str], typer.Option(help="Also capture ControlNet shapes with this "
                                                                    "ControlNet (no job given).")] = None,
-            buckets: Annotated[str, typer.Option(help="Batch sizes when no job is given.")] = "1,2,4",
+            buckets: Annotated[str, typer.Option(help="Batch sizes when no job is given.")] = "1,2,4,8",
             steps: Annotated[int, typer.Option(min=2, max=200, help="Steps per timed loop.")] = 10,
             device: DeviceOpt = None, dtype: DtypeOpt = None, json_out: JsonOpt = False) -> None:
     """Capture the CUDA graphs a job needs ahead of time, check them against eager, time them."""

@@ -394,6 +394,7 @@ def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[
                 except KeyboardInterrupt:
                     pass
         except BaseException:
+            status = "error"
             if r:
                 r.writer.close(cancel=True)
             raise
@@ -411,7 +412,9 @@ def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[
                                   dtype=str(dtype).removeprefix("torch."), engine=engine_name, model=job.model,
                                   timings=timings, wall_s=wall, rendered=rendered, skipped=skipped,
                                   failed=failed, peak_mem_mb=peak, graphs=graphs, status=status, notes=notes)
-            paths = write_report(out_dir, report) if (pending or not (out_dir / "report.json").exists()) else None
+            # a run that rendered nothing keeps the last report (and its failure list for --retry-failed)
+            keep_last = (r is None or (status == "error" and not rendered)) and (out_dir / "report.json").exists()
+            paths = None if keep_last else write_report(out_dir, report)
     return RenderResult(status, out_dir, rendered, skipped, failed, wall, _device_name(device), engine_name,
                         report, paths, notes)
 

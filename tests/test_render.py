@@ -173,3 +173,17 @@ def test_out_of_memory_at_capture_frees_graphs_and_splits(job, tmp_path, tiny_cp
     assert any("at 4 x" in n for n in result.notes)
     # after the first failure, later batches of that size or larger are split before they run
     assert sum("at 4 x" in n for n in result.notes) == 1
+
+
+def test_a_failed_model_load_keeps_the_last_report(job_dir, tmp_path, tiny_cpu):
+    from storyboard_cli.errors import ModelError
+
+    out = tmp_path / "out"
+    render(load_job(write_job(job_dir, JOB)), RenderOptions(out_dir=out), models=tiny_cpu)
+    before = (out / "report.json").read_text()
+    broken = load_job(write_job(job_dir, JOB.replace("model: tiny", "model: ./nowhere").replace(
+        "a castle on a hill", "a changed prompt")))
+    with pytest.raises(ModelError):
+        render(broken, RenderOptions(out_dir=out))
+    assert (out / "report.json").read_text() == before
+    assert len(list(out.rglob("*.png"))) == 6  # nothing rendered is lost
