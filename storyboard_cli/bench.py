@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Job, load_job
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.plan import make_batches, work_items
@@ -284,7 +285,10 @@ def layout_variants(models: SdxlModels, log: Callable[[str], None]) -> list[dict
 def run(job_path: Path, model: str | None = None, quick: bool = False, parts: tuple[str, ...] = ("job", "micro"),
         with_compile: bool = False, results_dir: Path = Path("bench/results"),
         log: Callable[[str], None] = print) -> dict:
-    device = torch.device("cpu" if quick or not torch.cuda.is_available() else "cuda")
+    if not quick and not torch.cuda.is_available():
+        raise BadInput("bcg bench: the full run measures CUDA graphs and needs a CUDA device; "
+                       "use --quick for the CPU smoke run")
+    device = torch.device("cpu" if quick else "cuda")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     job = load_job(job_path)
     if quick:

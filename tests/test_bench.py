@@ -20,3 +20,12 @@ def test_bench_quick(tmp_path):
     assert rec["a_diffusers"]["images"] == rec["c_bcg_cold"]["images"] == rec["images"] > 0
     assert rec["ratios_vs_a"]["c_bcg_cold"] > 0
     assert "(a) diffusers pipeline loop" in (tmp_path / record.name.replace(".json", ".md")).read_text()
+
+
+def test_full_bench_needs_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml")])
+    assert result.exit_code == 2 and "--quick" in result.output
