@@ -2,7 +2,7 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 
-.PHONY: install test render plan bench bench-quick capture gpu-test
+.PHONY: install test render plan bench bench-fast bench-quick capture gpu-test
 
 install:
 	$(PYTHON) -m pip install "$(TORCH)" -e '.[test]'
@@ -16,8 +16,13 @@ render:
 plan:
 	bcg plan jobs/episode1.yaml
 
-# On a CUDA machine: sdxl-random weights, (a) diffusers, (c) bcg cold, (d) bcg after capture, microbenchmarks.
+# On a CUDA machine, sdxl-random weights: (a) diffusers, (b) diffusers + torch.compile (compiles per
+# shape: expect many minutes), (c) bcg cold, (d) bcg after capture, microbenchmarks.
 bench:
+	bcg bench jobs/bench.yaml --with-compile
+
+# The same without (b).
+bench-fast:
 	bcg bench jobs/bench.yaml
 
 bench-quick:
