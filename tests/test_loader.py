@@ -18,7 +18,7 @@ def test_tiny_preset_is_a_diffusers_folder_loaded_by_from_pretrained(tiny_cpu):
         assert (folder / part).is_dir(), part
     assert (folder / "model_index.json").is_file()
     by_path = load_sdxl(str(folder), str(folder / "controlnet"), "cpu", torch.float32)
-    for a, b in zip(by_path.unet.parameters(), tiny_cpu.unet.parameters()):
+    for a, b in zip(by_path.unet.parameters(), tiny_cpu.unet.parameters(), strict=True):
         assert torch.equal(a, b)
     assert by_path.controlnet is not None
     assert by_path.tokenizers[0]("a castle").input_ids == tiny_cpu.tokenizers[0]("a castle").input_ids
@@ -27,7 +27,7 @@ def test_tiny_preset_is_a_diffusers_folder_loaded_by_from_pretrained(tiny_cpu):
 def test_tiny_build_is_deterministic(tmp_path, monkeypatch, tiny_cpu):
     monkeypatch.setenv("BCG_CACHE", str(tmp_path))
     again = load_sdxl("tiny", None, "cpu", torch.float32)
-    for a, b in zip(again.unet.parameters(), tiny_cpu.unet.parameters()):
+    for a, b in zip(again.unet.parameters(), tiny_cpu.unet.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -92,7 +92,7 @@ def test_single_safetensors_file_loads_through_from_single_file(tiny_cpu, tmp_pa
         assert got.keys() == want.keys()
         for k in want:
             assert torch.equal(got[k], want[k]), f"{name}.{k}"
-    for a, b in zip(single.text_encoders, tiny_cpu.text_encoders):
+    for a, b in zip(single.text_encoders, tiny_cpu.text_encoders, strict=True):
         want, got = b.state_dict(), a.state_dict()
         for k in want:
             if "position_ids" not in k:
