@@ -149,13 +149,9 @@ def _bcg(job: Job, models: SdxlModels, out_dir: Path, engine=None) -> dict:
 
 def _warm_runner(job: Job, models: SdxlModels):
     """What `bcg capture --warm` does for this job: every shape captured and checked."""
-    from storyboard_cli.engine.graphs import GraphRunner
-    from storyboard_cli.render import time_shapes
+    from storyboard_cli.render import batch_shapes, graph_runner, time_shapes
 
-    batches = make_batches(work_items(job), job.buckets)
-    runner = GraphRunner(models, max_batch=max(b.size for b in batches),
-                         max_hw=(max(b.key.height for b in batches), max(b.key.width for b in batches)))
-    keys = [runner.shape_key(b.size, b.key.height, b.key.width, b.key.control) for b in batches]
+    runner, keys = graph_runner(models, batch_shapes(make_batches(work_items(job), job.buckets)))
     t0 = time.perf_counter()
     time_shapes(models, runner, keys, steps=2, repeats=1, eager=False)
     return runner, time.perf_counter() - t0

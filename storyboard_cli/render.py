@@ -92,12 +92,23 @@ def make_engine(models: SdxlModels, kind: str, batches: list[Batch], notes: list
         return EagerEngine(models)
     if kind == "eager":
         return EagerEngine(models)
+    runner, keys = graph_runner(models, batch_shapes(batches))
+    runner.prepare(keys)
+    return runner
+
+
+def batch_shapes(batches: list[Batch]) -> list[tuple[int, int, int, bool]]:
+    """(bucket size, height, width, control) of each batch: what a graph is captured for."""
+    return [(b.size, b.key.height, b.key.width, b.key.control) for b in batches]
+
+
+def graph_runner(models: SdxlModels, shapes: list[tuple[int, int, int, bool]]):
+    """A GraphRunner whose static buffers fit every shape, and the shapes' graph keys."""
     from storyboard_cli.engine.graphs import GraphRunner
 
-    runner = GraphRunner(models, max_batch=max(b.size for b in batches),
-                         max_hw=(max(b.key.height for b in batches), max(b.key.width for b in batches)))
-    runner.prepare([runner.shape_key(b.size, b.key.height, b.key.width, b.key.control) for b in batches])
-    return runner
+    runner = GraphRunner(models, max_batch=max(s[0] for s in shapes),
+                         max_hw=(max(s[1] for s in shapes), max(s[2] for s in shapes)))
+    return runner, [runner.shape_key(*s) for s in shapes]
 
 
 @torch.no_grad()
@@ -376,8 +387,7 @@ def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[
                     if engine is None:
                         engine = make_engine(models, opts.engine, batches, notes)
                     elif hasattr(engine, "prepare"):
-                        engine.prepare([engine.shape_key(b.size, b.key.height, b.key.width, b.key.control)
-                                        for b in batches])
+                        engine.prepare([engine.shape_key(*shape) for shape in batch_shapes(batches)])
                 engine_name = engine.name
                 r = Renderer(job, models, engine, out_dir, timings, on_event, manifest)
                 for batch in batches:
@@ -499,14 +509,12 @@ def time_shapes(models: SdxlModels, runner, keys: list, steps: int = 10, repeats
 def capture(job: Job | None, model: str, controlnet: str | None, buckets: tuple[int, ...], device: str | None,
             dtype: str | None, warm: bool, steps: int = 10) -> tuple[list[str], list[ShapeTiming]]:
     """The shapes a job (or the named sizes x buckets) needs; with `warm`, captures, checks and times them."""
-    from storyboard_cli.engine.graphs import GraphRunner
     from storyboard_cli.job import NAMED_SIZES
 
     dev, dt = resolve_device(device, dtype)
     if job is not None:
         model, controlnet = job.model, job.controlnet
-        shapes = sorted({(b.size, b.key.height, b.key.width, b.key.control)
-                         for b in make_batches(work_items(job), job.buckets)}, reverse=True)
+        shapes = sorted(set(batch_shapes(make_batches(work_items(job), job.buckets))), reverse=True)
     else:
         flags = (False, True) if controlnet else (False,)
         shapes = sorted({(n, h, w, c) for (w, h) in NAMED_SIZES.values() for n in buckets for c in flags},
@@ -517,7 +525,5 @@ def capture(job: Job | None, model: str, controlnet: str | None, buckets: tuple[
     if dev.type != "cuda":
         raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
     models = load_sdxl(model, controlnet, dev, dt)
-    runner = GraphRunner(models, max_batch=max(s[0] for s in shapes),
-                         max_hw=(max(s[1] for s in shapes), max(s[2] for s in shapes)))
-    keys = [runner.shape_key(n, h, w, c) for n, h, w, c in shapes]
+    runner, keys = graph_runner(models, shapes)
     return labels, time_shapes(models, runner, keys, steps=steps)

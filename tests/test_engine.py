@@ -60,3 +60,19 @@ def test_schedules_end_at_zero_and_are_finite(tiny_cpu, sampler):
     assert sched.sigmas[-1] == 0 and sched.steps == 30 and torch.isfinite(sched.table).all()
     assert sched.ancestral == (sampler == "euler_a")
     assert sched.table[0, 0] > sched.table[-1, 0] > 0
+
+
+def test_graph_runner_buffers_fit_every_batch_of_a_job(tiny_cpu, job_dir):
+    from conftest import write_job
+    from storyboard_cli.job import load_job
+    from storyboard_cli.plan import make_batches, work_items
+    from storyboard_cli.render import batch_shapes, graph_runner
+
+    job = load_job(write_job(job_dir, "version: 1\nmodel: tiny\nshots:\n"
+                                      "  - {id: a, prompt: x, candidates: 5, size: 128x64}\n"
+                                      "  - {id: b, prompt: y, candidates: 2, size: 64x192}\n"))
+    shapes = batch_shapes(make_batches(work_items(job), job.buckets))
+    assert sorted(shapes) == [(1, 64, 128, False), (2, 192, 64, False), (4, 64, 128, False)]
+    runner, keys = graph_runner(tiny_cpu, shapes)
+    assert (runner.max_batch, runner.max_pixels) == (4, 192 * 128)
+    assert all(runner._fits(k) for k in keys) and [k.batch for k in keys] == [s[0] for s in shapes]
