@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from storyboard_cli.job import Job
@@ -95,7 +95,7 @@ def work_items(job: Job) -> list[WorkItem]:
             if twin is None:
                 items[item.identity] = item
             else:
-                items[item.identity] = WorkItem(**{**twin.__dict__, "outputs": twin.outputs + item.outputs})
+                items[item.identity] = replace(twin, outputs=twin.outputs + item.outputs)
     return list(items.values())
 
 

@@ -7,7 +7,7 @@ import logging
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -335,7 +335,7 @@ def _pending(job: Job, out_dir: Path, force: bool, only: set[str] | None) -> tup
             elif only is None or path in only:
                 todo.append(path)
         if todo:
-            pending.append(WorkItem(**{**item.__dict__, "outputs": tuple(todo)}))
+            pending.append(replace(item, outputs=tuple(todo)))
     return pending, skipped, found
 
 
