@@ -1,0 +1,707 @@
+"""The contact sheet: `<out>/index.html`, one row per shot, its candidates side by side as thumbnails.
+
+Built only from what is on disk (PNGs and their `bcg` chunk, manifest.jsonl, report.json, picks.json)
+and, when given, the Job (for job order and for images that are missing or failed). One page, no
+network, no library: thumbnails are small JPEGs next to the PNGs (`<shot>/thumbs/<name>.jpg`),
+charts are hand-written SVG, picking is a few lines of inline JavaScript. Everything lands through
+atomic_write, so a reader (a browser reloading during a long render) sees an old or a new page,
+never half of one; and no file bcg did not write is replaced.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+from storyboard_cli.errors import BadInput, StoryboardError
+from storyboard_cli.job import Job
+from storyboard_cli.outputs import LOCK, MANIFEST, atomic_write
+from storyboard_cli.plan import work_items
+
+INDEX = "index.html"
+PICKS_JSON = "picks.json"
+SELECTS = "selects"
+THUMBS = "thumbs"  # inside each shot's folder: a shot id cannot name a nested folder there
+THUMB_PX = 256  # longest side of a thumbnail
+CONTROL_THUMB = "control.jpg"
+GENERATOR = "bcg contact sheet"  # marks the files bcg wrote (index.html meta, JPEG comment)
+CANDIDATE = re.compile(r"^(?P<shot>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})_c(?P<k>\d+)_s(?P<seed>\d+)\.png$")
+PALETTE = ("#3b6ea5", "#d0703a", "#4f9a5b", "#9b59b6", "#c0392b", "#7f8c8d")
+
+
+def esc(value: object) -> str:
+    """Text or attribute value, HTML-escaped (quotes too)."""
+    return html.escape(str(value), quote=True)
+
+
+def href(rel: str) -> str:
+    """A relative file path as an escaped URL: works from file:// and through any static server."""
+    return esc(quote(rel, safe="/"))
+
+
+# ---------------------------------------------------------------- reading the folder
+
+
+def read_meta(path: Path) -> dict | None:
+    """The `bcg` JSON chunk of a PNG (header only, no pixel decode); None when absent or unreadable."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            meta = json.loads(im.info.get("bcg", "null") or "null")
+    except Exception:  # noqa: BLE001 - a foreign or broken file is simply "not a bcg image"
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+@dataclass
+class Candidate:
+    path: str  # relative to the output folder, posix
+    shot: str
+    k: int
+    seed: int
+    mtime_ns: int = 0
+    meta: dict | None = None  # the bcg chunk; None for an image that is expected but not on disk
+    thumb: str | None = None
+    thumb_size: tuple[int, int] = (0, 0)
+    state: str = "ok"  # ok | stale | failed | missing
+    reason: str = ""
+
+
+@dataclass
+class ShotRow:
+    id: str
+    settings: dict  # prompt, negative, size, ... (from the Job, else from a candidate's bcg chunk)
+    candidates: list[Candidate] = field(default_factory=list)
+    control_thumb: str | None = None
+    control_note: str = ""
+
+
+def parse_candidate(rel: str) -> tuple[str, int, int] | None:
+    """'shot/shot_c3_s1004.png' -> ('shot', 3, 1004); None for any other name."""
+    folder, _, name = rel.partition("/")
+    m = CANDIDATE.match(name)
+    if not m or m["shot"] != folder:
+        return None
+    return m["shot"], int(m["k"]), int(m["seed"])
+
+
+def candidate_files(out_dir: Path, shot: str) -> list[tuple[str, int, int, os.stat_result]]:
+    """(rel path, k, seed, stat) of every file in `<out>/<shot>/` named as a candidate of `shot`."""
+    found = []
+    try:
+        entries = list(os.scandir(out_dir / shot))
+    except OSError:
+        return found
+    for e in entries:
+        parsed = parse_candidate(f"{shot}/{e.name}")
+        if parsed and e.is_file():
+            found.append((f"{shot}/{e.name}", parsed[1], parsed[2], e.stat()))
+    return sorted(found, key=lambda f: f[1])
+
+
+def read_manifest(out_dir: Path) -> list[dict]:
+    """manifest.jsonl's records in file order; a line cut short by a crash is skipped."""
+    records = []
+    try:
+        text = (out_dir / MANIFEST).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return records
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("path"), str) and isinstance(rec.get("shot"), str):
+            records.append(rec)
+    return records
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def job_of_report(report: dict | None) -> Job | None:
+    """The job that report.json names, if that file still loads."""
+    from storyboard_cli.job import load_job
+
+    if not report or not isinstance(report.get("job"), str):
+        return None
+    try:
+        return load_job(report["job"])
+    except StoryboardError:
+        return None
+
+
+def shot_order(out_dir: Path, job: Job | None = None) -> list[str]:
+    """Shot ids in job order; without a job, report.json's job's order, else manifest order, then any
+    other folder holding candidate images (sorted)."""
+    job = job or job_of_report(read_json(out_dir / "report.json"))
+    ids = list(dict.fromkeys(s.id for s in job.shots)) if job else []
+    ids += [r["shot"] for r in read_manifest(out_dir)]
+    try:
+        folders = sorted(e.name for e in os.scandir(out_dir) if e.is_dir() and e.name != SELECTS)
+    except OSError:
+        folders = []
+    ids += [f for f in folders if candidate_files(out_dir, f)]
+    return list(dict.fromkeys(ids))
+
+
+def recorded_picks(out_dir: Path) -> dict:
+    """picks.json (written by `bcg pick`) as {"picks": {shot: path}, "reroll": [shot]}."""
+    data = read_json(out_dir / PICKS_JSON) or {}
+    picks = {p["shot"]: p["path"] for p in data.get("picks", []) if isinstance(p, dict) and "shot" in p}
+    return {"picks": picks, "reroll": [s for s in data.get("reroll", []) if isinstance(s, str)]}
+
+
+# ---------------------------------------------------------------- thumbnails
+
+
+def thumb_size(width: int, height: int, box: int = THUMB_PX) -> tuple[int, int]:
+    scale = min(1.0, box / max(width, height, 1))
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def _ours_jpeg(path: Path) -> bool:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return im.info.get("comment") == GENERATOR.encode()
+    except Exception:  # noqa: BLE001 - unreadable: not ours
+        return False
+
+
+def make_thumb(src: Path, dst: Path, src_mtime_ns: int) -> tuple[int, int]:
+    """A JPEG of `src` fitting THUMB_PX, written only when missing or older than `src`. Returns its size.
+    Raises BadInput if `dst` exists and is not a thumbnail bcg wrote."""
+    from PIL import Image
+
+    try:
+        st = dst.stat()
+    except FileNotFoundError:
+        st = None
+    if st is not None and st.st_mtime_ns >= src_mtime_ns:
+        with Image.open(dst) as im:
+            return im.size
+    if st is not None and not _ours_jpeg(dst):
+        raise BadInput(f"{dst}: exists and was not written by bcg; move it away so the contact sheet can "
+                       "write its thumbnail there")
+    with Image.open(src) as im:
+        im = im.convert("RGB")
+        size = thumb_size(*im.size)
+        small = im.resize(size, Image.Resampling.LANCZOS)
+    import io
+
+    buf = io.BytesIO()
+    small.save(buf, format="JPEG", quality=82, optimize=True, comment=GENERATOR)
+    atomic_write(dst, buf.getvalue())
+    return size
+
+
+# ---------------------------------------------------------------- SVG charts (hand-written)
+
+
+def _num(v: float) -> str:
+    return f"{v:.1f}".rstrip("0").rstrip(".")
+
+
+def _fmt(v: float) -> str:
+    if v == 0:
+        return "0"
+    digits = max(0, 2 - int(math.floor(math.log10(abs(v)))))
+    return f"{v:,.{min(digits, 4)}f}"
+
+
+def _svg(title: str, width: int, height: int, body: list[str]) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {width} {height}" '
+            f'width="{width}" height="{height}" role="img" aria-label="{esc(title)}" '
+            f'font-family="system-ui, sans-serif" font-size="12"><title>{esc(title)}</title>'
+            f'<text x="0" y="14" font-weight="bold" font-size="13">{esc(title)}</text>' + "".join(body) + "</svg>")
+
+
+def hbar_svg(title: str, rows: list[tuple[str, float, str]], width: int = 560) -> str:
+    """Horizontal bars: (label, value, value text) per row, scaled to the largest value."""
+    bar, gap, top = 16, 6, 26
+    label_w = min(300, 12 + 7 * max((len(r[0]) for r in rows), default=4))
+    room = width - label_w - 70
+    vmax = max((r[1] for r in rows if r[1] > 0), default=1.0)
+    body = []
+    for i, (label, value, text) in enumerate(rows):
+        y = top + i * (bar + gap)
+        w = room * max(value, 0) / vmax
+        body.append(f'<text x="{label_w - 6}" y="{_num(y + 12)}" text-anchor="end">{esc(label)}</text>'
+                    f'<rect x="{label_w}" y="{y}" width="{_num(w)}" height="{bar}" fill="{PALETTE[0]}"/>'
+                    f'<text x="{_num(label_w + w + 4)}" y="{_num(y + 12)}">{esc(text)}</text>')
+    return _svg(title, width, top + len(rows) * (bar + gap) + 4, body)
+
+
+def line_svg(title: str, xs: list[str], series: list[tuple[str, list[float | None]]], y_label: str,
+             width: int = 560, height: int = 260) -> str:
+    """One line per series over categorical x positions; a None point is left out."""
+    left, right, top, bottom = 64, 16, 40, 36
+    values = [v for _, vs in series for v in vs if v is not None]
+    vmax = max(values, default=1.0) * 1.1 or 1.0
+    pw, ph = width - left - right, height - top - bottom
+
+    def px(i: int) -> float:
+        return left + (pw * (i + 0.5) / max(len(xs), 1))
+
+    def py(v: float) -> float:
+        return top + ph * (1 - v / vmax)
+
+    body = [f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="#444"/>',
+            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="#444"/>',
+            f'<text x="12" y="{_num(top + ph / 2)}" transform="rotate(-90 12 {_num(top + ph / 2)})" '
+            f'text-anchor="middle">{esc(y_label)}</text>']
+    for t in range(5):
+        v = vmax * t / 4
+        body.append(f'<line x1="{left - 4}" y1="{_num(py(v))}" x2="{left + pw}" y2="{_num(py(v))}" '
+                    f'stroke="#ddd"/><text x="{left - 6}" y="{_num(py(v) + 4)}" text-anchor="end">{_fmt(v)}</text>')
+    for i, x in enumerate(xs):
+        body.append(f'<text x="{_num(px(i))}" y="{top + ph + 16}" text-anchor="middle">{esc(x)}</text>')
+    for n, (name, vs) in enumerate(series):
+        color = PALETTE[n % len(PALETTE)]
+        pts = [(px(i), py(v), v) for i, v in enumerate(vs) if v is not None]
+        if pts:
+            body.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
+                        + " ".join(f"{_num(x)},{_num(y)}" for x, y, _ in pts) + '"/>')
+        for x, y, v in pts:
+            body.append(f'<circle cx="{_num(x)}" cy="{_num(y)}" r="3" fill="{color}"/>'
+                        f'<text x="{_num(x)}" y="{_num(y - 7)}" text-anchor="middle" fill="{color}">{_fmt(v)}</text>')
+        lx = left + 8 + n * 150
+        body.append(f'<rect x="{lx}" y="22" width="10" height="10" fill="{color}"/>'
+                    f'<text x="{lx + 14}" y="31">{esc(name)}</text>')
+    return _svg(title, width, height, body)
+
+
+def report_svgs(report: dict) -> list[str]:
+    """The run's figures: images/s (the run and each bucket's denoising), stage seconds, ms/step per bucket."""
+    charts = []
+    buckets = [b for b in report.get("buckets", []) if isinstance(b, dict)]
+    rate = [("whole run (wall)", float(report.get("images_per_s") or 0), f"{report.get('images_per_s', 0):.3g}")]
+    rate += [(str(b.get("bucket")), b["images"] / b["denoise_s"], f"{b['images'] / b['denoise_s']:.3g}")
+             for b in buckets if b.get("denoise_s") and b.get("images")]
+    charts.append(hbar_svg("images/s (buckets: while denoising)", rate))
+    stages = report.get("stages_s") or {}
+    if stages:
+        charts.append(hbar_svg(f"stages, s (wall {report.get('wall_s', 0):.1f} s)",
+                               [(str(k), float(v or 0), f"{float(v or 0):.2f}") for k, v in stages.items()]))
+    if buckets:
+        charts.append(hbar_svg("denoise ms/step per bucket",
+                               [(str(b.get("bucket")), float(b.get("ms_per_step") or 0),
+                                 f"{float(b.get('ms_per_step') or 0):.1f}") for b in buckets]))
+    return charts
+
+
+def bench_svgs(rec: dict, names: dict[str, str] | None = None) -> dict[str, str]:
+    """SVGs for a bench record: `contenders` (images/s of every contender in the record) and, per step
+    curve measured (`step_curve`, `step_curve_control`), throughput against batch size."""
+    names = names or {}
+    out = {}
+    contenders = sorted(k for k, v in rec.items() if isinstance(v, dict) and isinstance(v.get("images_per_s"),
+                                                                                         (int, float)))
+    if contenders:
+        out["contenders"] = hbar_svg(f"images/s on {rec.get('device', '?')}, {rec.get('images', '?')} images",
+                                     [(names.get(k, k.replace("_", " ")), float(rec[k]["images_per_s"]),
+                                       f"{rec[k]['images_per_s']:.3f}") for k in contenders])
+    for key in ("step_curve", "step_curve_control"):
+        rows = [r for r in rec.get(key) or [] if isinstance(r, dict) and r.get("batch")]
+        if not rows:
+            continue
+
+        def per_s(ms, b):  # image-steps per second: images in the batch over the step's time
+            return 1000 * b / ms if ms else None
+
+        out[key] = line_svg(f"UNet throughput vs batch ({key.replace('_', ' ')})", [str(r["batch"]) for r in rows],
+                            [("graph", [per_s(r.get("graph_ms"), r["batch"]) for r in rows]),
+                             ("eager", [per_s(r.get("eager_ms"), r["batch"]) for r in rows])],
+                            "image-steps/s")
+    return out
+
+
+# ---------------------------------------------------------------- the page
+
+STYLE = """
+:root { color-scheme: light dark; --fg: #222; --bg: #fafafa; --card: #fff; --line: #ddd; --pick: #2e8b57;
+  --bad: #c0392b; --warn: #b9770e; }
+@media (prefers-color-scheme: dark) { :root { --fg: #eee; --bg: #1b1b1b; --card: #262626; --line: #444; } }
+body { font: 14px/1.4 system-ui, sans-serif; color: var(--fg); background: var(--bg); margin: 0 1.5rem 4rem; }
+header { position: sticky; top: 0; background: var(--bg); padding: .6rem 0; border-bottom: 1px solid var(--line);
+  z-index: 1; display: flex; gap: 1rem; align-items: center; flex-wrap: wrap; }
+header h1 { font-size: 1.2rem; margin: 0; }
+.running { color: var(--warn); font-weight: bold; }
+.figures { display: flex; flex-wrap: wrap; gap: 1rem; margin: 1rem 0; align-items: flex-start; }
+.figures svg { background: var(--card); border: 1px solid var(--line); padding: 6px; max-width: 100%; height: auto; }
+.figures svg text { fill: var(--fg); }
+.shot { display: grid; grid-template-columns: minmax(16rem, 24rem) 1fr; gap: 1rem; padding: 1rem 0;
+  border-bottom: 1px solid var(--line); }
+.shot h2 { font-size: 1rem; margin: 0 0 .3rem; font-family: ui-monospace, monospace; }
+.prompt { margin: .2rem 0; white-space: pre-wrap; overflow-wrap: anywhere; }
+.negative { color: #888; white-space: pre-wrap; overflow-wrap: anywhere; }
+dl { display: grid; grid-template-columns: auto 1fr; gap: 0 .6rem; margin: .4rem 0; font-size: 12px; }
+dt { color: #888; } dd { margin: 0; overflow-wrap: anywhere; }
+.control img { border: 1px solid var(--line); }
+.cands { display: flex; flex-wrap: wrap; gap: .8rem; align-items: flex-start; }
+.cand { margin: 0; padding: 4px; border: 3px solid transparent; background: var(--card); border-radius: 4px; }
+.cand:has(input:checked) { border-color: var(--pick); }
+.cand img { display: block; }
+.cand figcaption { font-size: 12px; display: flex; justify-content: space-between; gap: .5rem; }
+.hole { width: 10rem; height: 8rem; display: flex; align-items: center; justify-content: center; text-align: center; padding: .5rem;
+  box-sizing: border-box; border: 2px dashed var(--line); font-size: 12px; overflow-wrap: anywhere; }
+.failed .hole { border-color: var(--bad); color: var(--bad); }
+.stale { color: var(--warn); font-size: 12px; }
+.choice { display: flex; gap: 1rem; font-size: 12px; margin-top: .4rem; }
+.shot:has(.reroll:checked) .cands { opacity: .45; }
+textarea { width: 100%; max-width: 48rem; height: 8rem; font-family: ui-monospace, monospace; }
+"""
+
+# The picking script. It reads the recorded picks from the JSON island, keeps no state of its own
+# (the radio buttons are the state), and writes picks.yaml with JSON-quoted scalars: valid YAML,
+# and a shot id like 001 or true stays a string.
+SCRIPT = """
+(function () {
+  "use strict";
+  var state = JSON.parse(document.getElementById("bcg-state").textContent);
+  var shots = Array.prototype.slice.call(document.querySelectorAll("section.shot"));
+  var out = document.getElementById("picks-yaml");
+  var count = document.getElementById("picks-count");
+  shots.forEach(function (sec) {
+    var id = sec.dataset.shot, want = state.picks[id];
+    var reroll = state.reroll.indexOf(id) >= 0;
+    sec.querySelectorAll("input[type=radio]").forEach(function (r) {
+      if ((reroll && r.classList.contains("reroll")) || (!reroll && want && r.value === want)) r.checked = true;
+    });
+  });
+  function yaml() {
+    var picks = [], rerolls = [];
+    shots.forEach(function (sec) {
+      var c = sec.querySelector("input[type=radio]:checked");
+      if (!c || c.classList.contains("none")) return;
+      if (c.classList.contains("reroll")) rerolls.push(sec.dataset.shot);
+      else picks.push([sec.dataset.shot, c.value]);
+    });
+    var lines = ["# bcg picks for " + JSON.stringify(state.out),
+                 "# apply: bcg pick OUT_DIR picks.yaml    reroll: bcg render JOB --reroll picks.yaml"];
+    lines.push(picks.length ? "picks:" : "picks: {}");
+    picks.forEach(function (p) { lines.push("  " + JSON.stringify(p[0]) + ": " + JSON.stringify(p[1])); });
+    lines.push(rerolls.length ? "reroll:" : "reroll: []");
+    rerolls.forEach(function (s) { lines.push("  - " + JSON.stringify(s)); });
+    count.textContent = picks.length + " of " + shots.length + " shots picked, " + rerolls.length + " to reroll";
+    return lines.join("\\n") + "\\n";
+  }
+  function refresh() { out.value = yaml(); }
+  document.addEventListener("change", refresh);
+  document.getElementById("save-picks").addEventListener("click", function () {
+    refresh();
+    var url = URL.createObjectURL(new Blob([out.value], {type: "text/yaml"}));
+    var a = document.createElement("a");
+    a.href = url; a.download = "picks.yaml";
+    document.body.appendChild(a); a.click(); a.remove();
+    setTimeout(function () { URL.revokeObjectURL(url); }, 1000);
+  });
+  refresh();
+})();
+"""
+
+
+def _csp_hash(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+# Only our own script and style run: an injected <script> would be blocked even if escaping failed.
+CSP = (f"default-src 'none'; img-src 'self' file: data:; style-src {_csp_hash(STYLE)}; "
+       f"script-src {_csp_hash(SCRIPT)}; base-uri 'none'; form-action 'none'")
+
+
+def _json_island(data: object) -> str:
+    # inside <script type=application/json>: '<' escaped so no text can close the element
+    return json.dumps(data, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _settings_of_shot(shot) -> dict:
+    s = {"prompt": shot.prompt, "negative": shot.negative, "size": f"{shot.width}x{shot.height}",
+         "steps": shot.steps, "sampler": shot.sampler, "guidance": f"{shot.guidance:g}", "seed": shot.seed,
+         "candidates": shot.candidates}
+    if shot.control:
+        s["control"] = f"{shot.control.image.name} (scale {shot.control.scale:g})"
+        s["control_image"] = str(shot.control.image)
+    for name in ("loras", "lora"):
+        if getattr(shot, name, None):
+            s["loras"] = getattr(shot, name)
+    return s
+
+
+def _settings_of_meta(meta: dict) -> dict:
+    s = {"prompt": meta.get("prompt", ""), "negative": meta.get("negative", ""),
+         "size": f"{meta.get('width', '?')}x{meta.get('height', '?')}", "steps": meta.get("steps", "?"),
+         "sampler": meta.get("sampler", "?"), "guidance": meta.get("guidance", "?")}
+    if meta.get("control_image"):
+        s["control"] = f"{Path(str(meta['control_image'])).name} (scale {meta.get('control_scale', '?')})"
+        s["control_image"] = str(meta["control_image"])
+    return s
+
+
+def _loras_text(loras: object) -> str:
+    """A LoRA list as 'name 0.8, other 1': accepts a list of mappings, a mapping or plain text."""
+    if isinstance(loras, dict):
+        return ", ".join(f"{k} {v}" for k, v in loras.items())
+    if isinstance(loras, (list, tuple)):
+        parts = []
+        for x in loras:
+            if isinstance(x, dict):
+                name = x.get("name") or Path(str(x.get("path") or x.get("file") or "?")).name
+                scale = x.get("scale", x.get("weight"))
+                parts.append(f"{name} {scale}" if scale is not None else str(name))
+            else:
+                parts.append(str(getattr(x, "name", None) or x))
+        return ", ".join(parts)
+    return str(loras)
+
+
+class SheetWriter:
+    """Keeps what it has read (PNG chunks, thumbnail sizes, finished rows) between updates, so a call
+    after each shot only opens the new files. One instance per output folder and process."""
+
+    def __init__(self, out_dir: Path, job: Job | None = None, min_interval_s: float = 2.0):
+        self.out_dir = Path(out_dir)
+        self.job = job
+        self.min_interval_s = min_interval_s
+        self.path = self.out_dir / INDEX
+        self._meta: dict[str, tuple[int, int, dict | None]] = {}  # rel -> (mtime_ns, size, chunk)
+        self._thumbs: dict[str, tuple[int, tuple[int, int]]] = {}  # rel -> (png mtime_ns, thumb size)
+        self._rows: dict[str, tuple[object, str]] = {}  # shot -> (inputs, html)
+        self._written: str | None = None  # the last page written, to skip identical rewrites
+        self._last = 0.0
+        self._report_job: Job | bool | None = None  # without a job: report.json's, read once
+
+    # -------------------------------------------------------- public
+
+    def update(self, failures: list[dict] | None = None, running: bool = False) -> Path:
+        """Rebuilds index.html from the disk now. `failures` (path, shot, reason) overrides report.json's
+        list (a render passes its own while it runs); `running` marks the page as a render in progress."""
+        self._last = time.monotonic()
+        self._check_index()
+        page = self._page(failures, running)
+        if page != self._written:
+            atomic_write(self.path, page.encode("utf-8"))
+            self._written = page
+        return self.path
+
+    def shot_done(self, failures: list[dict] | None = None) -> None:
+        """For a render: after each shot completes. Rebuilds at most every `min_interval_s` seconds
+        (the render's final update() catches up), so thousands of small shots cost little."""
+        if time.monotonic() - self._last >= self.min_interval_s:
+            self.update(failures, running=True)
+
+    # -------------------------------------------------------- gathering
+
+    def _check_index(self) -> None:
+        if self._written is not None:
+            return
+        try:
+            with open(self.path, "rb") as f:
+                head = f.read(2048)
+        except FileNotFoundError:
+            return
+        except IsADirectoryError:
+            raise BadInput(f"{self.path}: is a folder; the contact sheet cannot be written there") from None
+        if f'<meta name="generator" content="{GENERATOR}">'.encode() not in head:
+            raise BadInput(f"{self.path}: exists and was not written by bcg; move it away so the contact sheet "
+                           "can be written")
+
+    def _chunk(self, rel: str, st: os.stat_result) -> dict | None:
+        cached = self._meta.get(rel)
+        if cached and cached[0] == st.st_mtime_ns and cached[1] == st.st_size:
+            return cached[2]
+        meta = read_meta(self.out_dir / rel)
+        self._meta[rel] = (st.st_mtime_ns, st.st_size, meta)
+        return meta
+
+    def _thumb(self, c: Candidate) -> None:
+        cached = self._thumbs.get(c.path)
+        rel = f"{c.shot}/{THUMBS}/{Path(c.path).stem}.jpg"
+        if not cached or cached[0] != c.mtime_ns:
+            size = make_thumb(self.out_dir / c.path, self.out_dir / rel, c.mtime_ns)
+            self._thumbs[c.path] = cached = (c.mtime_ns, size)
+        c.thumb, c.thumb_size = rel, cached[1]
+
+    def _control_thumb(self, row: ShotRow) -> None:
+        src = row.settings.get("control_image")
+        if not src:
+            return
+        src = Path(src)
+        try:
+            mtime = src.stat().st_mtime_ns
+        except OSError:
+            row.control_note = f"control image not found: {src}"
+            return
+        rel = f"{row.id}/{THUMBS}/{CONTROL_THUMB}"
+        key = f"control:{row.id}:{src}"
+        cached = self._thumbs.get(key)
+        if not cached or cached[0] != mtime:
+            try:
+                size = make_thumb(src, self.out_dir / rel, mtime)
+            except (OSError, ValueError) as e:
+                row.control_note = f"control image unreadable: {src.name} ({e.__class__.__name__})"
+                return
+            self._thumbs[key] = cached = (mtime, size)
+        row.control_thumb = rel
+
+    def _gather(self, report: dict | None, job: Job | None, failures: list[dict] | None,
+                running: bool) -> list[ShotRow]:
+        if failures is None:
+            failures = [f for f in (report or {}).get("failures", []) if isinstance(f, dict)]
+        failed = {f["path"]: str(f.get("reason", "")) for f in failures if isinstance(f.get("path"), str)}
+        expected: dict[str, str] = {}  # path -> fingerprint the job wants there
+        settings: dict[str, dict] = {}
+        if job:
+            for item in work_items(job):
+                fp = item.fingerprint(job.model, job.controlnet)
+                expected.update((p, fp) for p in item.outputs)
+            for shot in job.shots:
+                settings.setdefault(shot.id, _settings_of_shot(shot))
+        rows = []
+        for shot_id in shot_order(self.out_dir, job):
+            cands: dict[str, Candidate] = {}
+            for rel, k, seed, st in candidate_files(self.out_dir, shot_id):
+                meta = self._chunk(rel, st)
+                if meta is None or meta.get("shot") != shot_id:
+                    continue  # not an image bcg wrote for this shot
+                c = Candidate(rel, shot_id, k, seed, st.st_mtime_ns, meta)
+                if rel in expected and meta.get("fingerprint") != expected[rel]:
+                    c.state, c.reason = "stale", "settings changed since; bcg render redoes it"
+                self._thumb(c)
+                cands[rel] = c
+            for rel in [p for p in expected if p.startswith(f"{shot_id}/")] + list(failed):
+                parsed = parse_candidate(rel)
+                if rel in cands or not parsed or parsed[0] != shot_id:
+                    continue
+                if rel in failed:
+                    cands[rel] = Candidate(rel, shot_id, parsed[1], parsed[2], state="failed", reason=failed[rel])
+                else:
+                    cands[rel] = Candidate(rel, shot_id, parsed[1], parsed[2], state="missing",
+                                           reason="not rendered yet" if running else "missing: not on disk")
+            first = next((c.meta for c in sorted(cands.values(), key=lambda c: c.k) if c.meta), None)
+            s = dict(settings.get(shot_id) or (_settings_of_meta(first) if first else {}))
+            if first and first.get("loras"):
+                s["loras"] = first["loras"]
+            row = ShotRow(shot_id, s, sorted(cands.values(), key=lambda c: (c.k, c.seed)))
+            self._control_thumb(row)
+            rows.append(row)
+        return rows
+
+    # -------------------------------------------------------- rendering
+
+    def _page(self, failures: list[dict] | None, running: bool) -> str:
+        report = read_json(self.out_dir / "report.json")
+        if self.job is None and self._report_job is None:
+            self._report_job = job_of_report(report) or False  # False: looked, none loads
+        job = self.job or self._report_job or None
+        rows = self._gather(report, job, failures, running)
+        picks = recorded_picks(self.out_dir)
+        title = job.name if job else (Path(str(report["job"])).stem if report and report.get("job")
+                                      else self.out_dir.resolve().name)
+        n_img = sum(1 for r in rows for c in r.candidates if c.meta)
+        n_bad = sum(1 for r in rows for c in r.candidates if c.state in ("failed", "missing"))
+        summary = f"{len(rows)} shots, {n_img} images on disk" + (f", {n_bad} missing or failed" if n_bad else "")
+        if report:
+            summary += (f"; last run: {report.get('status', '?')}, {report.get('images_rendered', 0)} rendered in "
+                        f"{float(report.get('wall_s') or 0):.1f} s on {report.get('device', '?')} "
+                        f"({report.get('engine', '?')})")
+        lock = (self.out_dir / LOCK).exists()
+        parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+                 f'<meta name="generator" content="{GENERATOR}">',
+                 f'<meta http-equiv="Content-Security-Policy" content="{esc(CSP)}">',
+                 '<meta name="viewport" content="width=device-width, initial-scale=1">',
+                 '<link rel="icon" href="data:,">',
+                 f"<title>{esc(title)}: contact sheet</title><style>{STYLE}</style></head><body>",
+                 f"<header><h1>{esc(title)}</h1><span>{esc(summary)}</span>"]
+        if running or lock:
+            parts.append('<span class="running">render in progress: reload to see new images</span>')
+        parts.append('<button id="save-picks" type="button">save picks</button>'
+                     '<span id="picks-count"></span></header>')
+        if report:
+            parts.append('<section class="figures">' + "".join(report_svgs(report)) + "</section>")
+        for i, row in enumerate(rows):
+            parts.append(self._row_html(i, row, picks))
+        parts.append('<section class="picks-out"><h2>picks.yaml</h2><p>"save picks" downloads this file; '
+                     "or copy it from here.</p>"
+                     '<textarea id="picks-yaml" readonly spellcheck="false"></textarea></section>')
+        state = {"out": str(self.out_dir), "picks": picks["picks"], "reroll": picks["reroll"]}
+        parts.append(f'<script type="application/json" id="bcg-state">{_json_island(state)}</script>')
+        parts.append(f"<script>{SCRIPT}</script></body></html>\n")
+        return "\n".join(parts)
+
+    def _row_html(self, index: int, row: ShotRow, picks: dict) -> str:
+        key = (repr(row), picks["picks"].get(row.id), row.id in picks["reroll"])
+        cached = self._rows.get(row.id)
+        if cached and cached[0] == key:
+            return cached[1]
+        s = row.settings
+        group = f"pick-{index}"
+        h = [f'<section class="shot" id="shot-{esc(row.id)}" data-shot="{esc(row.id)}"><div class="meta">',
+             f"<h2>{esc(row.id)}</h2>"]
+        if s.get("prompt"):
+            h.append(f'<p class="prompt">{esc(s["prompt"])}</p>')
+        if s.get("negative"):
+            h.append(f'<p class="negative">negative: {esc(s["negative"])}</p>')
+        h.append("<dl>")
+        for name in ("size", "steps", "sampler", "guidance", "seed", "candidates", "control"):
+            if s.get(name) not in (None, ""):
+                h.append(f"<dt>{name}</dt><dd>{esc(s[name])}</dd>")
+        if s.get("loras"):
+            h.append(f"<dt>LoRAs</dt><dd>{esc(_loras_text(s['loras']))}</dd>")
+        h.append("</dl>")
+        if row.control_thumb:
+            h.append(f'<div class="control"><a href="{href(row.control_thumb)}"><img src="{href(row.control_thumb)}" '
+                     f'alt="control image of {esc(row.id)}" height="96"></a></div>')
+        elif row.control_note:
+            h.append(f'<p class="stale">{esc(row.control_note)}</p>')
+        h.append(f'<div class="choice"><label><input type="radio" class="none" name="{group}" value="" checked> '
+                 f'undecided</label><label><input type="radio" class="reroll" name="{group}" value=""> '
+                 "reroll</label></div>")
+        if picks["picks"].get(row.id):
+            h.append(f'<p>picked: {esc(picks["picks"][row.id])}</p>')
+        h.append('</div><div class="cands">')
+        for c in row.candidates:
+            label = f"c{c.k} · seed {c.seed}"
+            if c.meta is not None:
+                w, ht = c.thumb_size
+                h.append(f'<figure class="cand {c.state}"><a href="{href(c.path)}" target="_blank">'
+                         f'<img src="{href(c.thumb)}" width="{w}" height="{ht}" loading="lazy" '
+                         f'alt="{esc(row.id)} candidate {c.k}"></a><figcaption><span>{esc(label)}</span>'
+                         f'<label><input type="radio" class="pick" name="{group}" value="{esc(c.path)}"> pick'
+                         "</label></figcaption>")
+                if c.state == "stale":
+                    h.append(f'<div class="stale">{esc(c.reason)}</div>')
+                h.append("</figure>")
+            else:
+                h.append(f'<figure class="cand {c.state}"><div class="hole">'
+                         f"{esc(c.state)}: {esc(c.reason)}</div><figcaption><span>{esc(label)}</span>"
+                         "</figcaption></figure>")
+        h.append("</div></section>")
+        text = "".join(h)
+        self._rows[row.id] = (key, text)
+        return text
+
+
+def write_sheet(out_dir: Path, job: Job | None = None) -> Path:
+    """`bcg sheet OUT_DIR`: (re)builds `<out>/index.html` from what is on disk. Returns its path."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise BadInput(f"{out_dir}: no such output folder")
+    return SheetWriter(out_dir, job).update()
