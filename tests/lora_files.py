@@ -1,0 +1,147 @@
+"""LoRA files for the tiny preset, written as trainers write them, from random low-rank factors.
+
+- Kohya / A1111 (sd-scripts' SDXL networks): `lora_unet_<sgm block name>` and `lora_te1_` / `lora_te2_`
+  keys, `.lora_down.weight`, `.lora_up.weight` and `.alpha` per layer; LoCon adds the resnets' convolutions.
+- PEFT (diffusers' save_lora_weights): `unet.<module>.lora_A.weight` / `.lora_B.weight`, optionally
+  with diffusers' `lora_adapter_metadata` (the LoraConfig: r, lora_alpha).
+
+The factors are recorded by the model's own module names, so a test can check where they land.
+`python tests/lora_files.py OUT.safetensors` writes the committed example (jobs/loras/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+TE_LAYERS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+CONV_LAYERS = ("conv1", "conv2")
+Factors = dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]  # (component, module) -> (down, up)
+
+
+def unet_targets(unet, convs: bool = False) -> list[str]:
+    """Every linear layer of the transformer blocks (as sd-scripts' default LoRA), plus the resnets'
+    3x3 convolutions for LoCon."""
+    names = [n for n, m in unet.named_modules()
+             if ".attentions." in n and isinstance(m, torch.nn.Linear)]
+    if convs:
+        names += [n for n, m in unet.named_modules()
+                  if ".resnets." in n and n.endswith(CONV_LAYERS) and isinstance(m, torch.nn.Conv2d)]
+    return names
+
+
+def te_targets(encoder) -> list[str]:
+    return [n for n, m in encoder.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith(TE_LAYERS)]
+
+
+def random_factors(models, seed: int, rank: int = 4, text_encoders: bool = True, convs: bool = False,
+                   std: float = 0.15) -> Factors:
+    g = torch.Generator().manual_seed(seed)
+    parts = [("unet", models.unet, unet_targets(models.unet, convs))]
+    if text_encoders:
+        parts += [("text_encoder", models.text_encoders[0], te_targets(models.text_encoders[0])),
+                  ("text_encoder_2", models.text_encoders[1], te_targets(models.text_encoders[1]))]
+    out: Factors = {}
+    for component, root, names in parts:
+        for name in names:
+            w = root.get_submodule(name).weight
+            down_shape = (rank, *w.shape[1:])
+            up_shape = (w.shape[0], rank, 1, 1) if w.dim() == 4 else (w.shape[0], rank)
+            out[(component, name)] = (torch.randn(down_shape, generator=g) * std,
+                                      torch.randn(up_shape, generator=g) * std)
+    return out
+
+
+def sgm_name(module: str, layers_per_block: int) -> str:
+    """A diffusers UNet module name as sd-scripts' SDXL UNet (sgm / LDM layout) names it."""
+    per = layers_per_block + 1
+    resnet = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
+              "conv_shortcut": "skip_connection"}
+
+    def inner(kind: str, rest: str) -> str:
+        if kind == "resnets":
+            return "0." + resnet[rest]
+        return "1." + rest
+
+    m = re.match(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", module)
+    if m:
+        b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
+        return f"input_blocks.{1 + b * per + j}.{inner(kind, rest)}"
+    m = re.match(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", module)
+    if m:
+        b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
+        return f"output_blocks.{b * per + j}.{inner(kind, rest)}"
+    m = re.match(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)", module)
+    if m:
+        kind, j, rest = m[1], int(m[2]), m[3]
+        index = 1 if kind == "attentions" else 2 * j
+        return f"middle_block.{index}.{resnet[rest] if kind == 'resnets' else rest}"
+    raise ValueError(f"no sgm name for {module}")
+
+
+def kohya_state(factors: Factors, layers_per_block: int, alpha: float,
+                conv_alpha: float | None = None) -> dict[str, torch.Tensor]:
+    prefix = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+    state = {}
+    for (component, module), (down, up) in factors.items():
+        if component == "unet":
+            name = sgm_name(module, layers_per_block)
+        else:  # sd-scripts names CLIP layers from text_model (transformers' flattened te1 has none)
+            name = module if module.startswith("text_model.") else f"text_model.{module}"
+        key = prefix[component] + name.replace(".", "_")
+        state[f"{key}.lora_down.weight"] = down.contiguous()
+        state[f"{key}.lora_up.weight"] = up.contiguous()
+        a = conv_alpha if (conv_alpha is not None and down.dim() == 4) else alpha
+        state[f"{key}.alpha"] = torch.tensor(float(a))
+    return state
+
+
+def save_kohya(path: Path, factors: Factors, layers_per_block: int, alpha: float,
+               conv_alpha: float | None = None, metadata: dict | None = None) -> Path:
+    save_file(kohya_state(factors, layers_per_block, alpha, conv_alpha), str(path), metadata=metadata)
+    return path
+
+
+def save_peft(path: Path, factors: Factors, lora_alpha: float | None = None) -> Path:
+    """diffusers' layout; with lora_alpha, its `lora_adapter_metadata` as save_lora_weights writes it."""
+    state, targets = {}, {}
+    for (component, module), (down, up) in factors.items():
+        name = module
+        if component != "unet" and not name.startswith("text_model."):
+            name = f"text_model.{name}"  # as files written before transformers flattened CLIPTextModel
+        state[f"{component}.{name}.lora_A.weight"] = down.contiguous()
+        state[f"{component}.{name}.lora_B.weight"] = up.contiguous()
+        targets.setdefault(component, set()).add(module)
+    metadata = None
+    if lora_alpha is not None:
+        rank = next(iter(factors.values()))[0].shape[0]
+        config = {}
+        for component, names in targets.items():
+            config.update({f"{component}.r": rank, f"{component}.lora_alpha": lora_alpha,
+                           f"{component}.target_modules": sorted(names)})
+        metadata = {"lora_adapter_metadata": json.dumps(config), "format": "pt"}
+    save_file(state, str(path), metadata=metadata)
+    return path
+
+
+def main(out: str) -> None:
+    """The committed example: a rank-4 "character" LoRA on the tiny preset, UNet + both text encoders,
+    in sd-scripts' format, stored in fp16 (as trainers save)."""
+    from storyboard_cli.models.loader import load_sdxl
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    factors = random_factors(models, seed=10, rank=4, text_encoders=True)
+    factors = {k: (d.half(), u.half()) for k, (d, u) in factors.items()}
+    metadata = {"ss_network_module": "networks.lora", "ss_network_dim": "4", "ss_network_alpha": "4",
+                "ss_base_model_version": "sdxl_base_v1-0", "ss_output_name": "mei",
+                "bcg_note": "random factors for the tiny preset: tests/lora_files.py, seed 10"}
+    save_kohya(Path(out), factors, models.unet.config.layers_per_block, alpha=4.0, metadata=metadata)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
