@@ -143,5 +143,39 @@ def main(out: str) -> None:
     save_kohya(Path(out), factors, models.unet.config.layers_per_block, alpha=4.0, metadata=metadata)
 
 
+def time_swaps(spec: str, device: str, rank: int, rounds: int = 5) -> dict:
+    """Median seconds of a swap between two LoRAs (UNet + both text encoders) and back to none."""
+    import statistics
+    import tempfile
+
+    from storyboard_cli.models.loader import load_sdxl
+    from storyboard_cli.models.lora import LoraApplier, read_lora
+
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    models = load_sdxl(spec, None, device, dtype)
+    lpb = models.unet.config.layers_per_block
+    with tempfile.TemporaryDirectory() as tmp:
+        loras = {}
+        for name, seed in (("a", 1), ("b", 2)):
+            factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, seed, rank).items()}
+            path = save_kohya(Path(tmp) / f"{name}.safetensors", factors, lpb, alpha=rank)
+            loras[name] = read_lora(name, path, models.unet.config)
+        applier = LoraApplier(models)
+        for w in loras.values():
+            applier.register(w)
+        for _ in range(rounds):
+            applier.apply({"a": (loras["a"], 0.8)})
+            applier.apply({"b": (loras["b"], 0.6)})
+            applier.apply({"a": (loras["a"], 0.5), "b": (loras["b"], 0.5)})
+            applier.apply({})
+    swaps = applier.swaps[4:]  # the first round warms up
+    return {"model": spec, "device": device, "rank": rank, "layers": len(loras["a"].layers),
+            "median_s": statistics.median(s.seconds for s in swaps), "max_s": max(s.seconds for s in swaps),
+            "swaps": len(swaps), "w0_bytes": applier.resident_bytes()}
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--time":  # python tests/lora_files.py --time tiny cpu 4
+        print(json.dumps(time_swaps(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+    else:
+        main(sys.argv[1])
