@@ -344,17 +344,20 @@ def _peft_names(component: str, keys: list[str]) -> dict[str, str]:
     return convert_state_dict_to_peft(convert_state_dict_to_diffusers(names))
 
 
+def _pattern_key(patterns, module: str) -> str:
+    # as peft.utils.other.get_pattern_key (peft is not needed at run time for this one regex)
+    return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", module)), module)
+
+
 def _alpha_rule(component: str, alphas: dict, metadata: dict | None):
     """module name, down key (lora_state_dict naming), rank -> alpha, as diffusers + PEFT scale a layer."""
-    from peft.utils.other import get_pattern_key
-
     if metadata:  # a PEFT/diffusers file that carries its LoraConfig (diffusers' lora_adapter_metadata)
         config = {k.removeprefix(f"{component}."): v for k, v in metadata.items() if k.startswith(f"{component}.")}
         alpha_pattern, lora_alpha = config.get("alpha_pattern") or {}, config.get("lora_alpha")
         rslora = bool(config.get("use_rslora"))
 
         def rule(module: str, down_key: str, rank: int) -> float:
-            alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), lora_alpha)
+            alpha = alpha_pattern.get(_pattern_key(alpha_pattern, module), lora_alpha)
             alpha = rank if alpha is None else alpha
             # PEFT's rsLoRA scales by alpha/sqrt(r): return the alpha that gives that under alpha/r
             return alpha * math.sqrt(rank) if rslora else alpha
