@@ -1,0 +1,256 @@
+"""Picks: the candidate chosen for each shot (and the shots to reroll), from the contact sheet's picks.yaml.
+
+    picks:
+      "s01-cold-open": "s01-cold-open/s01-cold-open_c1_s1002.png"
+    reroll:
+      - "s03-stairs"
+
+`load_picks` validates it (one-line errors naming file:line, shot and field); `apply_picks` copies the
+picks, in shot order, to `<out>/selects/NNN_<shot>.png` and records them in `<out>/picks.json`;
+`reroll_shots` / `with_rerolls` turn the reroll list into new candidates for `bcg render --reroll`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePosixPath
+
+import yaml
+
+from storyboard_cli.errors import BadInput, JobError
+from storyboard_cli.job import Job, Shot
+from storyboard_cli.outputs import atomic_write, read_fingerprint
+from storyboard_cli.sheet import PICKS_JSON, SELECTS, candidate_files, parse_candidate, read_meta, shot_order
+
+PICK_KEYS = ("picks", "reroll")
+SELECT_NAME = re.compile(r"^\d{3,}_(?P<shot>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.png$")
+PICKS_GENERATOR = "bcg pick"  # marks picks.json as ours
+
+
+@dataclass(frozen=True)
+class Picks:
+    path: Path
+    picks: dict[str, str]  # shot -> candidate PNG, relative to the output folder (posix), in file order
+    reroll: tuple[str, ...]
+
+
+# ---------------------------------------------------------------- reading picks.yaml
+
+
+def _compose(path: Path):
+    """The YAML node tree (nodes carry their line numbers; scalars stay text, so `001` is a shot id)."""
+    file = str(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise JobError(file, None, None, None, "picks file not found") from None
+    except IsADirectoryError:
+        raise JobError(file, None, None, None, "is a folder, not a picks file") from None
+    except OSError as e:
+        raise JobError(file, None, None, None, f"cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise JobError(file, None, None, None, "not UTF-8 text") from None
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        raise JobError(file, mark.line + 1 if mark else None, None, None,
+                       f"YAML syntax error: {(e.problem or 'invalid YAML').strip()}") from None
+    except yaml.YAMLError as e:
+        raise JobError(file, None, None, None, f"YAML error: {e}") from None
+
+
+def _line(node) -> int:
+    return node.start_mark.line + 1
+
+
+def _text(file: str, node, shot: str | None, field: str) -> str:
+    if not isinstance(node, yaml.ScalarNode):
+        kind = "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"
+        what = "one candidate file, not several" if field == "picks" else "a shot id"
+        raise JobError(file, _line(node), shot, field, f"must be {what}, got {kind}")
+    if not node.value.strip():
+        raise JobError(file, _line(node), shot, field, "empty")
+    return node.value.strip()
+
+
+def _unknown(file: str, line: int, shot: str, field: str, known: list[str], where: str) -> JobError:
+    hint = difflib.get_close_matches(shot, known, n=1)
+    tip = f"; did you mean '{hint[0]}'?" if hint else ""
+    return JobError(file, line, shot, field, f"unknown shot (not in {where}){tip}")
+
+
+def _check_file(file: str, line: int, shot: str, rel: str, out_dir: Path) -> str:
+    """`rel` must name a bcg candidate image of `shot` inside the output folder. Returns it normalised."""
+    p = PurePosixPath(rel.replace("\\", "/"))
+    if p.is_absolute() or ".." in p.parts:
+        raise JobError(file, line, shot, "picks", f"{rel!r}: give the path relative to the output folder {out_dir}")
+    rel = p.as_posix()
+    path = out_dir / rel
+    if not path.is_file():
+        raise JobError(file, line, shot, "picks", f"missing file: {path}")
+    parsed = parse_candidate(rel)
+    meta = read_meta(path)
+    if parsed is None or parsed[0] != shot or meta is None or meta.get("shot") != shot:
+        raise JobError(file, line, shot, "picks", f"{rel} is not a candidate image bcg rendered for this shot")
+    return rel
+
+
+def load_picks(path: str | Path, out_dir: str | Path, job: Job | None = None) -> Picks:
+    """Reads and checks picks.yaml against the output folder (and the job, when given): every shot known,
+    every picked file a candidate of its shot on disk, one pick per shot, no shot both picked and rerolled.
+    Raises JobError (a BadInput: exit 2) naming file:line, shot and field."""
+    path, out_dir = Path(path), Path(out_dir)
+    file = str(path)
+    root = _compose(path)
+    if root is None:
+        raise JobError(file, 1, None, None, "the picks file is empty")
+    if not isinstance(root, yaml.MappingNode):
+        raise JobError(file, _line(root), None, None, "the top level must be a mapping with 'picks' and 'reroll'")
+    known = [s.id for s in job.shots] if job else shot_order(out_dir)
+    where = f"the job {job.path}" if job else f"the output folder {out_dir}"
+    sections: dict[str, object] = {}
+    for key_node, value_node in root.value:
+        key = _text(file, key_node, None, "key")
+        if key not in PICK_KEYS:
+            hint = difflib.get_close_matches(key, PICK_KEYS, n=1)
+            tip = f"; did you mean '{hint[0]}'?" if hint else f"; known: {', '.join(PICK_KEYS)}"
+            raise JobError(file, _line(key_node), None, key, f"unknown key{tip}")
+        if key in sections:
+            raise JobError(file, _line(key_node), None, key, "given twice")
+        sections[key] = value_node
+
+    picks: dict[str, str] = {}
+    lines: dict[str, int] = {}
+    node = sections.get("picks")
+    if node is not None and not (isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null")):
+        if not isinstance(node, yaml.MappingNode):
+            raise JobError(file, _line(node), None, "picks", "must be a mapping of shot: candidate file")
+        for key_node, value_node in node.value:
+            shot = _text(file, key_node, None, "picks")
+            line = _line(key_node)
+            if shot in picks:
+                raise JobError(file, line, shot, "picks",
+                               f"two picks for one shot (first on line {lines[shot]}); keep one")
+            if shot not in known:
+                raise _unknown(file, line, shot, "picks", known, where)
+            picks[shot] = _check_file(file, _line(value_node), shot, _text(file, value_node, shot, "picks"), out_dir)
+            lines[shot] = line
+
+    reroll: list[str] = []
+    node = sections.get("reroll")
+    if node is not None and not (isinstance(node, yaml.ScalarNode) and node.tag.endswith(":null")):
+        if not isinstance(node, yaml.SequenceNode):
+            raise JobError(file, _line(node), None, "reroll", "must be a list of shot ids")
+        for item in node.value:
+            shot = _text(file, item, None, "reroll")
+            if shot in reroll:
+                raise JobError(file, _line(item), shot, "reroll", "listed twice")
+            if shot not in known:
+                raise _unknown(file, _line(item), shot, "reroll", known, where)
+            if shot in picks:
+                raise JobError(file, _line(item), shot, "reroll",
+                               f"both picked (line {lines[shot]}) and marked reroll; choose one")
+            reroll.append(shot)
+    return Picks(path, picks, tuple(reroll))
+
+
+# ---------------------------------------------------------------- applying them
+
+
+def select_name(index: int, shot: str, count: int) -> str:
+    """`selects/003_<shot>.png`: numbered by the shot's place in the job, so a name stays put when a
+    shot picked later fills a gap."""
+    return f"{SELECTS}/{index:0{max(3, len(str(count)))}d}_{shot}.png"
+
+
+def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> list[Path]:
+    """Copies each pick, in shot order, to `<out>/selects/NNN_<shot>.png` (byte for byte: the PNG keeps its
+    parameters), removes selects bcg wrote earlier that are no longer picked, and records the picks in
+    `<out>/picks.json`. Never replaces a file bcg did not write: it checks every target before copying."""
+    out_dir = Path(out_dir)
+    order = shot_order(out_dir, job)
+    missing = [s for s in picks.picks if s not in order]
+    if missing:
+        raise BadInput(f"{picks.path}: shot '{missing[0]}' is not in {out_dir}'s job")
+    plan = [(out_dir / select_name(order.index(s) + 1, s, len(order)), s) for s in order if s in picks.picks]
+    targets = {dst for dst, _ in plan}
+    stale = []
+    sel_dir = out_dir / SELECTS
+    if sel_dir.is_dir():
+        for f in sorted(sel_dir.iterdir()):
+            if f not in targets and SELECT_NAME.match(f.name) and read_fingerprint(f) is not None:
+                stale.append(f)  # an earlier pick of ours
+    for dst, _ in plan:
+        if dst.exists() and read_fingerprint(dst) is None:
+            raise BadInput(f"{dst}: exists and was not written by bcg; move it away before picking")
+    record_path = out_dir / PICKS_JSON
+    if record_path.exists():
+        try:
+            ours = json.loads(record_path.read_text(encoding="utf-8")).get("generator") == PICKS_GENERATOR
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise BadInput(f"{record_path}: exists and was not written by bcg; move it away before picking")
+
+    records, written = [], []
+    for dst, shot in plan:
+        src = out_dir / picks.picks[shot]
+        data = src.read_bytes()
+        if not (dst.is_file() and dst.stat().st_size == len(data) and dst.read_bytes() == data):
+            atomic_write(dst, data)
+        meta = read_meta(src) or {}
+        records.append({"shot": shot, "path": picks.picks[shot], "select": dst.relative_to(out_dir).as_posix(),
+                        "candidate": meta.get("candidate"), "seed": meta.get("seed"),
+                        "fingerprint": meta.get("fingerprint")})
+        written.append(dst)
+    for f in stale:
+        f.unlink(missing_ok=True)
+    record = {"generator": PICKS_GENERATOR, "version": 1, "source": str(picks.path),
+              "applied": time.strftime("%Y-%m-%dT%H:%M:%S"), "picks": records, "reroll": list(picks.reroll)}
+    atomic_write(record_path, (json.dumps(record, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    return written
+
+
+# ---------------------------------------------------------------- reroll
+
+
+def reroll_shots(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[str]) -> tuple[Shot, ...]:
+    """The extra work for `bcg render --reroll`: per rerolled shot, `candidates` new candidates whose
+    indices continue after every candidate the job names or the folder holds, with seeds no image of
+    that shot has used. Pure apart from listing `<out>/<shot>/`; existing images are never touched.
+
+    Candidate k of a Shot has seed `seed + k` (plan.work_items), so a new Shot with
+    `first_candidate=k0` keeps the job's seeds running on (seed + k0, seed + k0 + 1, ...) unless one
+    of those is taken (the job's seed was changed since), then it starts after the largest seed used."""
+    out_dir = Path(out_dir)
+    by_id: dict[str, list[Shot]] = {}
+    for s in job.shots:
+        by_id.setdefault(s.id, []).append(s)
+    extra = []
+    for shot_id in dict.fromkeys(shots):
+        if shot_id not in by_id:
+            hint = difflib.get_close_matches(shot_id, list(by_id), n=1)
+            raise BadInput(f"--reroll: shot '{shot_id}' is not in {job.path}"
+                           + (f"; did you mean '{hint[0]}'?" if hint else ""))
+        same = by_id[shot_id]
+        base = same[0]
+        on_disk = candidate_files(out_dir, shot_id)
+        first = max([s.first_candidate + s.candidates for s in same] + [k + 1 for _, k, _, _ in on_disk])
+        used = {s.seed + k for s in same for k in range(s.first_candidate, s.first_candidate + s.candidates)}
+        used |= {seed for _, _, seed, _ in on_disk}
+        seed = base.seed
+        if any(seed + k in used for k in range(first, first + base.candidates)):
+            seed = max(used) + 1 - first
+        extra.append(replace(base, first_candidate=first, seed=seed))
+    return tuple(extra)
+
+
+def with_rerolls(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[str]) -> Job:
+    """The job plus its rerolled shots' new candidates: rendering it skips every image already done and
+    renders only the new ones."""
+    return replace(job, shots=job.shots + reroll_shots(job, out_dir, shots))
