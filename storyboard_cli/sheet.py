@@ -439,9 +439,6 @@ def _settings_of_shot(shot) -> dict:
     if shot.control:
         s["control"] = f"{shot.control.image.name} (scale {shot.control.scale:g})"
         s["control_image"] = str(shot.control.image)
-    for name in ("loras", "lora"):
-        if getattr(shot, name, None):
-            s["loras"] = getattr(shot, name)
     return s
 
 

@@ -141,6 +141,19 @@ def test_failed_and_missing_images_are_shown_with_their_reason(job, out):
     assert "not rendered yet" in text and "render in progress" in text and "NaN/inf" not in text
 
 
+def test_loras_in_the_png_chunk_are_listed(job, out):
+    from PIL import PngImagePlugin
+
+    png = out / "b/b_c0_s30.png"
+    with Image.open(png) as im:
+        meta = json.loads(im.info["bcg"]) | {"loras": [{"name": "ink<style>", "scale": 0.7}, {"path": "/l/pose.safetensors"}]}
+        info = PngImagePlugin.PngInfo()
+        info.add_text("bcg", json.dumps(meta))
+        im.save(png, pnginfo=info)
+    write_sheet(out, job)
+    assert "<dt>LoRAs</dt><dd>ink&lt;style&gt; 0.7, pose.safetensors</dd>" in _page(out)
+
+
 def test_without_the_job_order_comes_from_the_report_then_the_manifest(job, out):
     write_sheet(out)  # report.json names the job file, which still loads
     assert Page(_page(out)).shots == ["a", "b", "c"]
