@@ -254,3 +254,12 @@ def with_rerolls(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[st
     """The job plus its rerolled shots' new candidates: rendering it skips every image already done and
     renders only the new ones."""
     return replace(job, shots=job.shots + reroll_shots(job, out_dir, shots))
+
+
+def rerolled(job: Job, out_dir: str | Path, picks_path: str | Path) -> Job:
+    """`bcg render JOB --reroll picks.yaml`: checks the picks file against the job and the folder, then
+    returns the job with new candidates for every shot on its reroll list."""
+    picks = load_picks(picks_path, out_dir, job)
+    if not picks.reroll:
+        raise BadInput(f"{picks_path}: --reroll: the file marks no shot to reroll")
+    return with_rerolls(job, out_dir, picks.reroll)

@@ -16,7 +16,7 @@ from conftest import ROOT, write_job
 from storyboard_cli import outputs, sheet
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Shot, load_job
-from storyboard_cli.picks import apply_picks, load_picks, reroll_shots, with_rerolls
+from storyboard_cli.picks import apply_picks, load_picks, reroll_shots, rerolled, with_rerolls
 from storyboard_cli.render import RenderOptions, render
 from storyboard_cli.sheet import SCRIPT, SheetWriter, bench_svgs, write_sheet
 
@@ -328,9 +328,12 @@ def test_reroll_adds_candidates_after_the_existing_ones_with_new_seeds(job, out)
 
 
 @needs_first_candidate
-def test_reroll_render_keeps_every_image_and_the_sheet_shows_the_new_ones(job, out, tiny_cpu):
+def test_reroll_render_keeps_every_image_and_the_sheet_shows_the_new_ones(job, out, tiny_cpu, tmp_path):
     before = {p: p.read_bytes() for p in out.rglob("*.png")}
-    result = render(with_rerolls(job, out, ["a"]), RenderOptions(out_dir=out), models=tiny_cpu)
+    with pytest.raises(BadInput, match="marks no shot to reroll"):
+        rerolled(job, out, _picks(tmp_path, "picks:\n  a: a/a_c0_s7.png\n"))
+    again = rerolled(job, out, _picks(tmp_path, "picks:\n  c: c/c_c0_s20.png\nreroll: [a]\n"))
+    result = render(again, RenderOptions(out_dir=out), models=tiny_cpu)
     assert result.rendered == 2 and result.skipped == 5
     assert all(p.read_bytes() == data for p, data in before.items())
     assert (out / "a/a_c2_s9.png").is_file() and (out / "a/a_c3_s10.png").is_file()
