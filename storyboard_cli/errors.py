@@ -1,4 +1,4 @@
-"""The domain errors. Library code raises these; cli.py maps them to exit codes in one place."""
+"""The domain errors and every exit code. Library code raises these; cli.py exits with the codes here."""
 
 from __future__ import annotations
 
@@ -50,3 +50,7 @@ class Interrupted(StoryboardError):
     """The user stopped the render (Ctrl-C); what was finished is kept."""
 
     exit_code = 130
+
+
+# A finished render's status -> the CLI's exit code ("error" never finishes: it raises).
+STATUS_EXIT_CODES = {"done": 0, "failed": 3, "interrupted": Interrupted.exit_code}

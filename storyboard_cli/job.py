@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from storyboard_cli.errors import JobError
+from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 
 NAMED_SIZES = {
     "square": (1024, 1024),
@@ -22,10 +23,8 @@ NAMED_SIZES = {
     "landscape": (1216, 832),
     "wide": (1344, 768),
 }
-SAMPLERS = ("euler", "euler_a", "dpmpp_2m")
 DEFAULT_BUCKETS = (1, 2, 4, 8)
 MIN_SIDE, MAX_SIDE = 64, 4096
-MAX_STEPS = 200
 MAX_CANDIDATES = 64
 MAX_BUCKET = 64
 MAX_SEED = 2**63 - 1 - MAX_CANDIDATES

@@ -1,4 +1,5 @@
-"""File naming, atomic writes, PNG metadata, the manifest, the output-folder lock, skip-what-exists."""
+"""File naming, atomic writes, PNG metadata, the manifest, the output-folder lock, skip-what-exists,
+and the writer thread."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import io
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from storyboard_cli.job import Job
 
 from storyboard_cli.errors import BadInput, OutputLocked
-from storyboard_cli.plan import WorkItem
+from storyboard_cli.plan import WorkItem, work_items
+from storyboard_cli.samplers import SAMPLERS
 
-SAMPLER_NAMES = {"euler": "Euler", "euler_a": "Euler a", "dpmpp_2m": "DPM++ 2M"}  # as A1111 writes them
 MANIFEST = "manifest.jsonl"
 LOCK = ".bcg.lock"
 
@@ -50,7 +57,7 @@ def parameters_text(item: WorkItem, model: str) -> str:
     lines = [item.prompt]
     if item.negative:
         lines.append(f"Negative prompt: {item.negative}")
-    fields = [f"Steps: {item.steps}", f"Sampler: {SAMPLER_NAMES[item.sampler]}", f"CFG scale: {item.guidance:g}",
+    fields = [f"Steps: {item.steps}", f"Sampler: {SAMPLERS[item.sampler].label}", f"CFG scale: {item.guidance:g}",
               f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}"]
     if item.control_image is not None:
         fields.append(f"ControlNet: {item.control_image.name} (scale {item.control_scale:g})")
@@ -85,6 +92,14 @@ def read_fingerprint(path: Path) -> str | None:
     except Exception:  # noqa: BLE001 - any unreadable file is simply "not done"
         return None
     return meta.get("fingerprint") if isinstance(meta, dict) else None
+
+
+def manifest_record(item: WorkItem, path: str, fingerprint: str, finished: bool = False) -> dict:
+    """The one manifest line format; `finished` stamps the time the file landed."""
+    record = {"path": path, "shot": item.shot, "candidate": item.k, "seed": item.seed, "fingerprint": fingerprint}
+    if finished:
+        record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return record
 
 
 class Manifest:
@@ -191,3 +206,56 @@ class OutputLock:
 def check_output_dir(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
         raise BadInput(f"output_dir: {folder} exists and is not a folder")
+
+
+def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None
+                  ) -> tuple[list[WorkItem], int, dict[str, dict]]:
+    """Items that still need rendering (only the paths in `only`, when given), how many outputs are
+    already done (a PNG with the same fingerprint), and manifest records for those."""
+    pending, skipped, found = [], 0, {}
+    for item in work_items(job):
+        fp = item.fingerprint(job.model, job.controlnet)
+        todo = []
+        for path in item.outputs:
+            if not force and read_fingerprint(out_dir / path) == fp:
+                skipped += 1
+                found[path] = manifest_record(item, path, fp)
+            elif only is None or path in only:
+                todo.append(path)
+        if todo:
+            pending.append(replace(item, outputs=tuple(todo)))
+    return pending, skipped, found
+
+
+def previous_failures(out_dir: Path) -> set[str]:
+    """The image paths the last report lists as failed (none when there is no readable report)."""
+    try:
+        report = json.loads((out_dir / "report.json").read_text())
+        return {f["path"] for f in report.get("failures", [])}
+    except (OSError, ValueError, TypeError, KeyError):
+        return set()
+
+
+class Writer:
+    """One background thread that writes PNGs in order; errors surface on the next submit or at close."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcg-writer")
+        self.futures: list = []
+
+    def submit(self, fn, *args) -> None:
+        self._reap()
+        if len(self.futures) > 16:  # bound the pixels held in memory
+            self.futures[0].result()
+        self.futures.append(self.pool.submit(fn, *args))
+
+    def _reap(self) -> None:
+        while self.futures and self.futures[0].done():
+            self.futures.pop(0).result()
+
+    def close(self, cancel: bool = False) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=cancel)
+        for f in self.futures:
+            if not f.cancelled():
+                f.result()
+        self.futures = []

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from storyboard_cli.samplers import SAMPLERS
+
 # columns of Schedule.table
 SIGMA, TIMESTEP, A, B, C, S = range(6)
 
@@ -38,11 +40,9 @@ class Schedule:
 
 def _diffusers_schedule(sampler: str, steps: int, scheduler_config: dict):
     """sigmas and timesteps exactly as diffusers' scheduler for this sampler computes them."""
-    from diffusers import DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler, EulerDiscreteScheduler
+    import diffusers
 
-    cls = {"euler": EulerDiscreteScheduler, "euler_a": EulerAncestralDiscreteScheduler,
-           "dpmpp_2m": DPMSolverMultistepScheduler}[sampler]
-    sched = cls.from_config(scheduler_config)
+    sched = getattr(diffusers, SAMPLERS[sampler].scheduler).from_config(scheduler_config)
     sched.set_timesteps(steps, device="cpu")
     return sched, sched.sigmas.double(), sched.timesteps.double()
 
