@@ -21,6 +21,21 @@ class Cond:
     time_ids: torch.Tensor  # [2B, 6]
 
 
+@dataclass
+class Control:
+    """ControlNet inputs for one batch, CFG-doubled like Cond (build with `control`)."""
+
+    image: torch.Tensor  # [2B, 3, H, W] in [0, 1], negative rows first
+    scale: torch.Tensor  # [2B, 1, 1, 1]
+
+
+def control(images: torch.Tensor, scales: list[float], device: torch.device, dtype: torch.dtype) -> Control:
+    """images [B, 3, H, W], one scale per image -> the CFG-doubled Control (the same image on both halves)."""
+    image = images.to(device, dtype).repeat(2, 1, 1, 1)  # [2B, 3, H, W]
+    scale = torch.tensor(list(scales) * 2, device=device, dtype=dtype)
+    return Control(image, scale.view(-1, 1, 1, 1))
+
+
 @torch.no_grad()
 def encode_text(models: SdxlModels, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, 77, C1 + C2] penultimate hidden states and [N, P] pooled embeds."""

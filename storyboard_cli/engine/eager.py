@@ -6,58 +6,89 @@ The graph engine captures exactly these functions; the eager engine calls them d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 
-from storyboard_cli.conditioning import Cond
+from storyboard_cli.conditioning import Cond, Control
+from storyboard_cli.engine.base import Shape
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.sampling import SIGMA, TIMESTEP, Schedule, update
 
+__all__ = ["Control", "EagerEngine", "StepCalls", "controlnet_call", "denoise", "sample_step", "unet_call"]
 
-@dataclass
-class Control:
-    image: torch.Tensor  # [2B, 3, H, W] in [0, 1], negative rows first
-    scale: torch.Tensor  # [2B, 1, 1, 1]
+
+def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down) -> torch.Tensor:
+    """The UNet as a function of tensors: latents [2B, 4, h, w], t [2B], embeds [2B, 77, C], pooled [2B, P],
+    time_ids [2B, 6], ControlNet residuals (mid, down) or None -> eps [2B, 4, h, w] in the model dtype."""
+    added = {"text_embeds": pooled, "time_ids": time_ids}
+    return unet(latents, t, encoder_hidden_states=embeds, added_cond_kwargs=added,
+                down_block_additional_residuals=down, mid_block_additional_residual=mid, return_dict=False)[0]
+
+
+def controlnet_call(controlnet, latents, t, embeds, pooled, time_ids, image, scale) -> tuple[torch.Tensor, ...]:
+    """The ControlNet as a function of tensors: image [2B, 3, H, W], scale [2B, 1, 1, 1] -> (mid, *down)."""
+    down, mid = controlnet(latents, t, encoder_hidden_states=embeds, controlnet_cond=image, conditioning_scale=scale,
+                           added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}, return_dict=False)
+    return (mid, *down)
+
+
+@dataclass(eq=False)
+class StepCalls:
+    """The two module calls inside the step: the one seam where compiled kernels replace the modules.
+
+    unet(latents, t, embeds, pooled, time_ids, mid, down) -> eps;
+    controlnet(latents, t, embeds, pooled, time_ids, image, scale) -> (mid, *down).
+    The default (`eager`) is `unet_call` / `controlnet_call` on the loaded modules."""
+
+    unet: Callable
+    controlnet: Callable | None
+
+    @classmethod
+    def eager(cls, models: SdxlModels) -> StepCalls:
+        controlnet = None if models.controlnet is None else partial(controlnet_call, models.controlnet)
+        return cls(partial(unet_call, models.unet), controlnet)
 
 
 def denoise(models: SdxlModels, x: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor, cond: Cond,
-            control: Control | None, guidance: torch.Tensor) -> torch.Tensor:
+            control: Control | None, guidance: torch.Tensor, calls: StepCalls | None = None) -> torch.Tensor:
     """x [B, 4, h, w] float32 (VE form), sigma/timestep [] -> denoised [B, 4, h, w] float32.
 
     CFG doubles the batch inside the step (negative rows first, as diffusers does).
     """
+    calls = calls or StepCalls.eager(models)
     rows = 2 * x.shape[0]
     c_in = torch.rsqrt(sigma * sigma + 1)  # as diffusers' EulerDiscreteScheduler.scale_model_input
     latents = (x * c_in).to(models.dtype).repeat(2, 1, 1, 1)  # [2B, 4, h, w]
     t = timestep.expand(rows)
-    added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids}
-    down = mid = None
+    mid = down = None
     if control is not None:
-        down, mid = models.controlnet(latents, t, encoder_hidden_states=cond.embeds, controlnet_cond=control.image,
-                                      conditioning_scale=control.scale, added_cond_kwargs=added, return_dict=False)
-    eps = models.unet(latents, t, encoder_hidden_states=cond.embeds, added_cond_kwargs=added,
-                      down_block_additional_residuals=down, mid_block_additional_residual=mid,
-                      return_dict=False)[0].float()
+        mid, *down = calls.controlnet(latents, t, cond.embeds, cond.pooled, cond.time_ids, control.image,
+                                      control.scale)
+    eps = calls.unet(latents, t, cond.embeds, cond.pooled, cond.time_ids, mid, down).float()
     eps_neg, eps_pos = eps.chunk(2)
     eps = eps_neg + guidance.view(-1, 1, 1, 1) * (eps_pos - eps_neg)
     return x - sigma * eps
 
 
 def sample_step(models: SdxlModels, x: torch.Tensor, denoised_prev: torch.Tensor, noise: torch.Tensor,
-                row: torch.Tensor, cond: Cond, control: Control | None, guidance: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                row: torch.Tensor, cond: Cond, control: Control | None, guidance: torch.Tensor,
+                calls: StepCalls | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One whole step: denoise, then the sampler update. Returns (x_next, denoised)."""
-    denoised = denoise(models, x, row[SIGMA], row[TIMESTEP], cond, control, guidance)
+    denoised = denoise(models, x, row[SIGMA], row[TIMESTEP], cond, control, guidance, calls)
     return update(x, denoised, denoised_prev, noise, row), denoised
 
 
 class EagerEngine:
-    """Runs the loop in plain PyTorch, one launch per kernel. Works on any device."""
+    """Runs the loop in plain PyTorch, one launch per kernel. Works on any device: it can run every shape,
+    prepares nothing and holds nothing to release but the allocator's cache."""
 
     name = "eager"
 
-    def __init__(self, models: SdxlModels):
+    def __init__(self, models: SdxlModels, calls: StepCalls | None = None):
         self.models = models
+        self.calls = calls
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
@@ -68,8 +99,18 @@ class EagerEngine:
         zero = torch.zeros_like(x)
         for i in range(sched.steps):
             x, prev = sample_step(self.models, x, prev, zero if noise is None else noise[i], table[i], cond,
-                                  control, guidance)
+                                  control, guidance, self.calls)
         return x
+
+    def prepare(self, shapes: list[Shape]) -> None:
+        pass
+
+    def release(self) -> None:
+        if self.models.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def can_run(self, shape: Shape) -> bool:
+        return True
 
     def describe(self) -> list[dict]:
         return []

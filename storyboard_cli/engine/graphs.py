@@ -11,6 +11,8 @@ captured as one CUDA graph per shape, replayed once per step. The only file that
 - Graphs are captured lazily (or ahead, by `prepare`), largest first, into ONE shared memory pool,
   after a warm-up on a side stream. The first replay of each is checked against the eager step on
   the same inputs; a capture failure or a mismatch marks that shape eager, with the reason.
+- A shape larger than the buffers grows them (`ensure_capacity`); that drops the graphs captured so
+  far, which are captured again on use.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from storyboard_cli.conditioning import Cond
-from storyboard_cli.engine.eager import Control, EagerEngine, sample_step
-from storyboard_cli.job import MAX_STEPS
+from storyboard_cli.conditioning import Cond, Control
+from storyboard_cli.engine.base import Shape, shape_label
+from storyboard_cli.engine.build import dtype_name
+from storyboard_cli.engine.eager import EagerEngine, StepCalls, sample_step
 from storyboard_cli.models.loader import SdxlModels
+from storyboard_cli.samplers import MAX_STEPS
 from storyboard_cli.sampling import Schedule
 
 log = logging.getLogger(__name__)
@@ -41,18 +45,22 @@ class ShapeKey:
     width: int
     control: bool
     dtype: str
+    variant: str = "plain"  # "plain": the eager modules captured; "compiled": compiled kernels captured
 
     @property
     def label(self) -> str:
-        return f"{self.batch}x{self.width}x{self.height}{' +control' if self.control else ''} {self.dtype}"
+        variant = "" if self.variant == "plain" else f" {self.variant}"
+        return f"{shape_label(self.batch, self.width, self.height, self.control)} {self.dtype}{variant}"
 
 
 @dataclass
 class GraphStats:
     key: ShapeKey
-    state: str = "pending"  # "graph" | "eager"
+    state: str = "pending"  # "graph" | "eager" | "released"
     reason: str = ""
+    checked: bool = False  # the first replay matched the eager step
     capture_s: float = 0.0
+    compile_s: float = 0.0  # building compiled kernels for this shape (variant "compiled")
     pool_mb: float = 0.0
     replays: int = 0
     events: list = field(default_factory=list)  # (start, end, steps) CUDA events, read lazily
@@ -84,19 +92,13 @@ class _Views:
 class GraphRunner:
     name = "graph"
 
-    def __init__(self, models: SdxlModels, max_batch: int, max_hw: tuple[int, int] = (1024, 1024),
-                 channels_last: bool = False):
-        self.models = models
-        if channels_last:
-            # off by default: measured 5-7% slower than NCHW for the SDXL UNet on an H200 (docs/PERFORMANCE.md)
-            for module in (models.unet, models.controlnet):
-                if module is not None:
-                    module.to(memory_format=torch.channels_last)
-        self.eager = EagerEngine(models)
+    def __init__(self, models: SdxlModels, max_batch: int = 1, max_hw: tuple[int, int] = (64, 64),
+                 calls: StepCalls | None = None, variant: str = "plain"):
+        self.models, self.calls, self.variant = models, calls, variant
+        self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
-        self.capture_failure: str | BaseException | None = None  # test hook: fail every capture with this
         self._allocate(max_batch, max_hw[0] * max_hw[1])
 
     def _allocate(self, max_batch: int, max_pixels: int) -> None:
@@ -120,17 +122,34 @@ class GraphRunner:
         self.control_image = torch.zeros(rows * 3 * max_pixels if has_control else 0, device=dev, dtype=m.dtype)
         self.control_scale = torch.zeros(rows, 1, 1, 1, device=dev, dtype=m.dtype)
 
-    def _fits(self, key: ShapeKey) -> bool:
-        return key.batch <= self.max_batch and key.height * key.width <= self.max_pixels
+    def ensure_capacity(self, shapes: list[Shape]) -> None:
+        """Grows the static buffers to fit every shape. Graphs hold pointers into the old buffers, so
+        growing drops every graph captured so far (and the pool): they are captured again on use."""
+        if all(self._fits(s) for s in shapes):
+            return
+        if self.graphs:
+            log.info("static buffers grow: %d captured graphs are dropped and captured again", len(self.graphs))
+            self.release("dropped: the static buffers grew")
+        self._allocate(max([self.max_batch] + [s.batch for s in shapes]),
+                       max([self.max_pixels] + [s.height * s.width for s in shapes]))
+
+    def _fits(self, shape: Shape | ShapeKey) -> bool:
+        return shape.batch <= self.max_batch and shape.height * shape.width <= self.max_pixels
 
     def shape_key(self, batch: int, height: int, width: int, control: bool) -> ShapeKey:
-        return ShapeKey(batch, height, width, control, str(self.models.dtype).removeprefix("torch."))
+        return ShapeKey(batch, height, width, control, dtype_name(self.models.dtype), self.variant)
+
+    def can_run(self, shape: Shape) -> bool:
+        """Whether `shape` replays a graph (it has not fallen back to eager)."""
+        stats = self.stats.get(self.shape_key(*shape))
+        return self.models.device.type == "cuda" and (stats is None or stats.state != "eager")
 
     # ------------------------------------------------------------------ the captured step
 
     def _step(self, v: _Views) -> None:
         row = self.table.index_select(0, self.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
-        x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance)
+        x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance,
+                                       self.calls)
         v.x.copy_(x_next)
         v.prev.copy_(denoised)
         self.index.add_(1)
@@ -151,9 +170,6 @@ class GraphRunner:
             v.control.scale.copy_(control.scale)
 
     def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
-        if self.capture_failure:  # a message, or an exception to raise (tests inject out-of-memory)
-            raise (self.capture_failure if isinstance(self.capture_failure, BaseException)
-                   else RuntimeError(self.capture_failure))
         if self.models.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         if self.pool is None:
@@ -173,8 +189,12 @@ class GraphRunner:
         torch.cuda.current_stream().wait_stream(side)
         self.index.zero_()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._step(v)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._step(v)
+        except BaseException:
+            del graph  # now: the exception's traceback keeps this frame, and would keep the graph's memory
+            raise
         torch.cuda.synchronize()
         stats.capture_s = time.perf_counter() - t0
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
@@ -193,15 +213,11 @@ class GraphRunner:
             return self.graphs[key]
         if self.stats.get(key) and self.stats[key].state == "eager":
             return None
-        if not self._fits(key):
-            self._mark_eager(key, f"larger than the static buffers ({self.max_batch} images, "
-                                  f"{self.max_pixels} pixels)")
-            return None
+        self.ensure_capacity([key])
         try:
             self.graphs[key] = self._capture(key)
         except torch.cuda.OutOfMemoryError:
-            # not this shape's fault: the caller frees memory and splits the batch (render.Renderer.process)
-            self._settle()
+            # not this shape's fault: the caller releases memory and splits the batch (render's OOM policy)
             self.stats.setdefault(key, GraphStats(key)).reason = "out of memory at capture"
             raise
         except Exception as e:  # noqa: BLE001 - any capture failure: run this shape eager, keep going
@@ -215,20 +231,25 @@ class GraphRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def prepare(self, keys: list[ShapeKey]) -> None:
-        """Captures ahead of time, largest first, so smaller graphs reuse the pool's blocks. Out of memory
-        stops it: the shapes left are captured on first use (and their batches split if they must be)."""
-        for key in sorted(set(keys), key=lambda k: (k.batch * k.height * k.width, k.control), reverse=True):
+    def prepare(self, shapes: list[Shape]) -> None:
+        """Sizes the buffers, then captures ahead of time, largest first, so smaller graphs reuse the pool's
+        blocks. Out of memory stops it: the shapes left are captured on first use (and their batches
+        split if they must be)."""
+        self.ensure_capacity(shapes)
+        keys = {self.shape_key(*s) for s in shapes}
+        for key in sorted(keys, key=lambda k: (k.batch * k.height * k.width, k.control), reverse=True):
             try:
                 self.graph(key)
             except torch.cuda.OutOfMemoryError:
                 log.warning("out of memory capturing %s ahead of time; the rest is captured on use", key.label)
-                return
+                break
+        self._settle()  # outside the handler: the failed capture's memory is free by now
 
-    def release(self) -> None:
-        """Frees every graph and the shared pool (after an out-of-memory); shapes are captured again on use."""
+    def release(self, reason: str = "freed after an out-of-memory") -> None:
+        """Frees every graph and the shared pool; shapes are captured (and checked) again on use."""
         for key in self.graphs:
-            self.stats[key].state, self.stats[key].reason = "released", "freed after an out-of-memory"
+            stats = self.stats[key]
+            stats.state, stats.reason, stats.checked = "released", reason, False
         self.graphs.clear()
         self.pool = None
         gc.collect()
@@ -255,7 +276,7 @@ class GraphRunner:
         if err > CHECK_RTOL:
             self._mark_eager(key, f"replay check failed: relative error {err:.2e} > {CHECK_RTOL:.0e}")
             return False
-        self.stats[key].reason = f"checked: rel. error {err:.1e}"
+        self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}"
         return True
 
     @torch.no_grad()
@@ -266,7 +287,7 @@ class GraphRunner:
         key = self.shape_key(b, 8 * h, 8 * w, control is not None)
         graph = self.graph(key)
         stats = self.stats[key]
-        if graph is not None and not stats.reason.startswith("checked"):
+        if graph is not None and not stats.checked:
             if not self._check(key, graph, _Views(self, key), x, sched, cond, control, guidance):
                 graph = None
         if graph is None:
@@ -286,5 +307,5 @@ class GraphRunner:
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
-                 "pool_mb": round(s.pool_mb, 1), "replays": s.replays, "replay_ms": round(s.replay_ms, 3)}
+                 "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays, "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]

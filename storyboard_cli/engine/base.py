@@ -1,0 +1,60 @@
+"""The Engine protocol: what render, capture and bench may ask of any engine (eager, graph, compiled).
+
+Callers never probe an engine's type: an engine with nothing to do for a call does nothing.
+No torch at import time: the shape label is shared with torch-free code.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from storyboard_cli.conditioning import Cond, Control
+    from storyboard_cli.sampling import Schedule
+
+
+class Shape(NamedTuple):
+    """What one denoising loop's tensors look like: a batch (bucket size) of images at one size."""
+
+    batch: int
+    height: int
+    width: int
+    control: bool
+
+    @property
+    def label(self) -> str:
+        """The one shape label format: `images x width x height`, `+control` with a ControlNet."""
+        return shape_label(self.batch, self.width, self.height, self.control)
+
+
+def shape_label(batch: int, width: int, height: int, control: bool) -> str:
+    return f"{batch}x{width}x{height}{' +control' if control else ''}"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str  # "eager" | "graph": what the report calls it
+
+    def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
+               control: Control | None, guidance: torch.Tensor) -> torch.Tensor:
+        """Initial latents x [B, 4, h, w] -> final latents [B, 4, h, w] float32. `noise`: per-step noise
+        [steps, B, 4, h, w] for ancestral samplers, else None; `guidance` [B]."""
+        ...
+
+    def prepare(self, shapes: list[Shape]) -> None:
+        """Get ready for these shapes ahead of the first batch (a graph engine sizes and captures)."""
+        ...
+
+    def release(self) -> None:
+        """Give back the memory held for speed (after an out-of-memory); later batches still run."""
+        ...
+
+    def can_run(self, shape: Shape) -> bool:
+        """Whether this engine runs `shape` on its own fast path (not through a fallback)."""
+        ...
+
+    def describe(self) -> list[dict]:
+        """One row per prepared shape, for the report (empty when there is nothing to say)."""
+        ...
