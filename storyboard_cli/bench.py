@@ -15,20 +15,23 @@ import platform
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from storyboard_cli.batch import BatchRunner, batch_shapes, decode
+from storyboard_cli.capture import synthetic_inputs, time_shapes
+from storyboard_cli.engine.base import Shape, shape_label
+from storyboard_cli.engine.build import device_name, dtype_name, graph_runner
+from storyboard_cli.engine.eager import EagerEngine, denoise
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Job, load_job
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.plan import make_batches, work_items
-
-SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
-              "dpmpp_2m": "DPMSolverMultistepScheduler"}
+from storyboard_cli.samplers import SAMPLERS
 
 
 def quick_job(job: Job) -> Job:
@@ -66,22 +69,20 @@ class DiffusersLoop:
         m = models
         # users load SDXL's VAE in the pipeline's dtype; the pipeline upcasts it around each decode
         vae = m.vae if m.vae.dtype == m.dtype else copy.deepcopy(m.vae).to(m.dtype)
-        # own copies of the same weights: bcg changes its modules' memory layout in place
-        self.unet = copy.deepcopy(m.unet)
-        controlnet = copy.deepcopy(m.controlnet) if m.controlnet is not None else None
+        # the very modules bcg runs: neither side changes a weight or a memory layout
         parts = dict(vae=vae, text_encoder=m.text_encoders[0], text_encoder_2=m.text_encoders[1],
-                     tokenizer=m.tokenizers[0], tokenizer_2=m.tokenizers[1], unet=self.unet,
+                     tokenizer=m.tokenizers[0], tokenizer_2=m.tokenizers[1], unet=m.unet,
                      scheduler=diffusers.EulerDiscreteScheduler.from_config(m.scheduler_config))
         self.pipe = diffusers.StableDiffusionXLPipeline(**parts)
         self.pipe.set_progress_bar_config(disable=True)
         self.cpipe = None
         if m.controlnet is not None:
-            self.cpipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=controlnet)
+            self.cpipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=m.controlnet)
             self.cpipe.set_progress_bar_config(disable=True)
 
     def compile_unet(self) -> None:
         """diffusers' documented speed-up."""
-        compiled = torch.compile(self.unet, mode="reduce-overhead")
+        compiled = torch.compile(self.models.unet, mode="reduce-overhead")  # wraps it: bcg's module is untouched
         self.pipe.unet = compiled
         if self.cpipe is not None:
             self.cpipe.unet = compiled
@@ -90,7 +91,7 @@ class DiffusersLoop:
         from PIL import Image
 
         pipe = self.cpipe if shot.control else self.pipe
-        pipe.scheduler = getattr(self.diffusers, SCHEDULERS[shot.sampler]).from_config(self.models.scheduler_config)
+        pipe.scheduler = getattr(self.diffusers, SAMPLERS[shot.sampler].scheduler).from_config(self.models.scheduler_config)
         kwargs = {}
         if shot.control:
             kwargs = dict(image=Image.open(shot.control.image).convert("RGB"),
@@ -125,7 +126,7 @@ class DiffusersLoop:
             if len(events) > 1:
                 _sync(device)
                 ms = events[0].elapsed_time(events[-1]) / (len(events) - 1)
-                label = f"{shot.candidates}x{shot.width}x{shot.height}{' +control' if shot.control else ''}"
+                label = shape_label(shot.candidates, shot.width, shot.height, shot.control is not None)
                 per_bucket.setdefault(label, []).append(ms)
         _sync(device)
         wall = time.perf_counter() - t0
@@ -149,11 +150,10 @@ def _bcg(job: Job, models: SdxlModels, out_dir: Path, engine=None) -> dict:
 
 def _warm_runner(job: Job, models: SdxlModels):
     """What `bcg capture --warm` does for this job: every shape captured and checked."""
-    from storyboard_cli.render import batch_shapes, graph_runner, time_shapes
-
-    runner, keys = graph_runner(models, batch_shapes(make_batches(work_items(job), job.buckets)))
+    shapes = batch_shapes(make_batches(work_items(job), job.buckets))
     t0 = time.perf_counter()
-    time_shapes(models, runner, keys, steps=2, repeats=1, eager=False)
+    runner = graph_runner(models, shapes)
+    time_shapes(models, runner, shapes, steps=2, repeats=1, eager=False)
     return runner, time.perf_counter() - t0
 
 
@@ -177,9 +177,6 @@ def step_flops(models: SdxlModels, batch: int, width: int, height: int, control:
     """FLOPs of one CFG-batched denoising step (ControlNet + UNet), counted by torch's FlopCounterMode."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from storyboard_cli.engine.eager import denoise
-    from storyboard_cli.render import synthetic_inputs
-
     x, cond, ctl, guidance = synthetic_inputs(models, batch, width, height, control)
     one = torch.ones((), device=models.device)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -190,13 +187,10 @@ def step_flops(models: SdxlModels, batch: int, width: int, height: int, control:
 def step_curve(models: SdxlModels, batches: tuple[int, ...], width: int, height: int, control: bool,
                matmul_rate: float, log: Callable[[str], None]) -> list[dict]:
     """Eager vs graph ms/step per batch size, FLOPs per step and the share of the matmul rate reached."""
-    from storyboard_cli.engine.graphs import GraphRunner
-    from storyboard_cli.render import time_shapes
-
-    runner = GraphRunner(models, max_batch=max(batches), max_hw=(height, width))
-    keys = [runner.shape_key(b, height, width, control) for b in batches]
+    shapes = [Shape(b, height, width, control) for b in batches]
     rows = []
-    for t in sorted(time_shapes(models, runner, keys, steps=10, repeats=3), key=lambda t: t.shape):
+    for t in sorted(time_shapes(models, graph_runner(models, shapes), shapes, steps=10, repeats=3),
+                    key=lambda t: t.shape):
         b = int(t.shape.split("x")[0])
         flops = step_flops(models, b, width, height, control)
         row = {"shape": t.shape, "batch": b, "eager_ms": t.eager_ms, "graph_ms": t.graph_ms,
@@ -211,11 +205,6 @@ def step_curve(models: SdxlModels, batches: tuple[int, ...], width: int, height:
 def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable[[str], None],
                 repeats: int = 3) -> dict:
     """The artist's edit-and-rerender loop: 1 image, model loaded; denoise + decode, median of `repeats`."""
-    from storyboard_cli.engine.eager import EagerEngine
-    from storyboard_cli.engine.graphs import GraphRunner
-    from storyboard_cli.render import Renderer, decode
-    from storyboard_cli.report import Timings
-
     shot = next(s for s in job.shots if not s.control)
     shot = replace(shot, candidates=1)
     one = replace(job, shots=(shot,))
@@ -223,10 +212,10 @@ def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable
     batch = make_batches([item], (1,))[0]
 
     def bcg_once(engine) -> float:
-        r = Renderer(one, models, engine, Path("."), Timings(), lambda e: None, None)
+        runner = BatchRunner(models, engine)  # a fresh prompt cache: the prompt is encoded each time
         _sync(models.device)
         t0 = time.perf_counter()
-        ((_, latents),) = r.run_batch(batch)
+        ((_, latents),) = runner.run_batch(batch)
         decode(models, latents[None])
         _sync(models.device)
         return time.perf_counter() - t0
@@ -245,7 +234,7 @@ def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable
     bcg_once(eager)
     out["bcg_eager_s"] = statistics.median(bcg_once(eager) for _ in range(repeats))
     if models.device.type == "cuda":
-        runner = GraphRunner(models, max_batch=1, max_hw=(shot.height, shot.width))
+        runner = graph_runner(models, batch_shapes([batch]))
         out["bcg_graph_first_s"] = bcg_once(runner)  # includes capture + the replay check
         out["bcg_graph_s"] = statistics.median(bcg_once(runner) for _ in range(repeats))
         out["speedup_vs_diffusers"] = out["diffusers_s"] / out["bcg_graph_s"]
@@ -256,9 +245,6 @@ def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable
 
 def layout_variants(models: SdxlModels, log: Callable[[str], None]) -> list[dict]:
     """Graph ms/step at 1024x1024 for UNet layout variants (run last: it changes the loaded UNet)."""
-    from storyboard_cli.engine.graphs import GraphRunner
-    from storyboard_cli.render import time_shapes
-
     def cudnn_benchmark(u):
         torch.backends.cudnn.benchmark = True
 
@@ -266,9 +252,8 @@ def layout_variants(models: SdxlModels, log: Callable[[str], None]) -> list[dict
     for name, change in (("baseline", lambda u: None), ("cudnn.benchmark", cudnn_benchmark),
                          ("cudnn.benchmark + fused QKV", lambda u: u.fuse_qkv_projections())):
         change(models.unet)
-        runner = GraphRunner(models, max_batch=4, max_hw=(1024, 1024), channels_last=False)
-        keys = [runner.shape_key(b, 1024, 1024, False) for b in (1, 4)]
-        for t in time_shapes(models, runner, keys, steps=10, repeats=3, eager=False):
+        shapes = [Shape(b, 1024, 1024, False) for b in (1, 4)]
+        for t in time_shapes(models, graph_runner(models, shapes), shapes, steps=10, repeats=3, eager=False):
             rows.append({"variant": name, "shape": t.shape, "graph_ms": t.graph_ms, "state": t.state,
                          "reason": t.reason})
             log(json.dumps(rows[-1]))
@@ -278,7 +263,24 @@ def layout_variants(models: SdxlModels, log: Callable[[str], None]) -> list[dict
 # ---------------------------------------------------------------- the harness
 
 
-def run(job_path: Path, model: str | None = None, quick: bool = False, parts: tuple[str, ...] = ("job", "micro"),
+@dataclass(frozen=True)
+class Results:
+    """Where one run's record goes: written after every part, so a run cut short keeps what it measured."""
+
+    folder: Path
+    stem: str
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.folder / f"{self.stem}.json", self.folder / f"{self.stem}.md"]
+
+    def save(self, rec: dict) -> None:
+        js, md = self.paths
+        js.write_text(json.dumps(rec, indent=2) + "\n")
+        md.write_text(markdown(rec))
+
+
+def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts: tuple[str, ...] = ("job", "micro"),
         with_compile: bool = False, results_dir: Path = Path("bench/results"),
         log: Callable[[str], None] = print) -> dict:
     if not quick and not torch.cuda.is_available():
@@ -293,22 +295,14 @@ def run(job_path: Path, model: str | None = None, quick: bool = False, parts: tu
         job = replace(job, model=model)
     t0 = time.perf_counter()
     models = load_sdxl(job.model, job.controlnet, device, dtype)
-    rec: dict = {"date": date.today().isoformat(), "device": _device_name(device), "dtype": str(dtype)[6:],
-                 "torch": torch.__version__, "python": platform.python_version(), "job": str(job_path),
-                 "model": job.model, "quick": quick, "load_s": time.perf_counter() - t0,
-                 "images": sum(s.candidates for s in job.shots)}
     import diffusers
 
-    rec["diffusers"] = diffusers.__version__
+    rec: dict = {"date": date.today().isoformat(), "device": device_name(device), "dtype": dtype_name(dtype),
+                 "torch": torch.__version__, "diffusers": diffusers.__version__,
+                 "python": platform.python_version(), "job": str(job_path), "model": job.model, "quick": quick,
+                 "load_s": time.perf_counter() - t0, "images": sum(s.candidates for s in job.shots)}
     results_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{rec['date']}-{_slug(rec['device'])}{'-quick' if quick else ''}"
-
-    def save() -> None:
-        data = {k: v for k, v in rec.items() if not k.startswith("_")}
-        (results_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
-        (results_dir / f"{stem}.md").write_text(markdown(data))
-
-    rec["_save"] = save
+    results = Results(results_dir, f"{rec['date']}-{_slug(rec['device'])}{'-quick' if quick else ''}")
     loop = DiffusersLoop(models)
     log(f"loaded {job.model} on {rec['device']} in {rec['load_s']:.1f} s")
     if device.type == "cuda":
@@ -316,60 +310,64 @@ def run(job_path: Path, model: str | None = None, quick: bool = False, parts: tu
         log(f"fp16 matmul rate: {rec['matmul_tflops']:.0f} TFLOP/s")
     # warm-up outside every contender: CUDA context, cuDNN/cuBLAS handles, first-call lazy inits
     loop.shot(replace(job.shots[0], candidates=1, steps=2), output_type="latent")
-    with tempfile.TemporaryDirectory() as tmp:
-        if "job" in parts:
-            _part(rec, "a_diffusers", log, lambda: loop.run_job(job, Path(tmp) / "a"))
-            _part(rec, "c_bcg_cold", log, lambda: _bcg(job, models, Path(tmp) / "c"))
-            if device.type == "cuda":
-                def warm():
-                    runner, warm_s = _warm_runner(job, models)
-                    return _bcg(job, models, Path(tmp) / "d", engine=runner) | {"capture_warm_s": warm_s}
-                _part(rec, "d_bcg_warm", log, warm)
-            if with_compile:
-                loop.compile_unet()
-                _part(rec, "b_compile_first", log, lambda: loop.run_job(job, Path(tmp) / "b1"))
-                _part(rec, "b_compile_steady", log, lambda: loop.run_job(job, Path(tmp) / "b2"))
-            for k in ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "b_compile_first", "b_compile_steady"):
-                if k in rec:
-                    log(f"{k}: {json.dumps(rec[k])}")
-            base = rec["a_diffusers"]["images_per_s"] if "a_diffusers" in rec else float("nan")
-            rec["ratios_vs_a"] = {k: rec[k]["images_per_s"] / base for k in
-                                  ("c_bcg_cold", "d_bcg_warm", "b_compile_first", "b_compile_steady") if k in rec}
-            if "b_compile_first" in rec and "d_bcg_warm" in rec:
-                rec["d_vs_b_first"] = rec["d_bcg_warm"]["images_per_s"] / rec["b_compile_first"]["images_per_s"]
-                rec["d_vs_b_steady"] = rec["d_bcg_warm"]["images_per_s"] / rec["b_compile_steady"]["images_per_s"]
+    part = lambda key, fn: _part(rec, key, log, fn, results)  # noqa: E731
+    if "job" in parts:
+        _job_parts(job, models, loop, with_compile, part)
+        _ratios(rec, log)
     if "micro" in parts and device.type == "cuda":
-        _part(rec, "step_curve", log, lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False,
-                                                         rec["matmul_tflops"], log))
+        part("step_curve", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log))
         if models.controlnet is not None:
-            _part(rec, "step_curve_control", log, lambda: step_curve(models, (1, 2), 1024, 1024, True,
-                                                                     rec["matmul_tflops"], log))
-        _part(rec, "single_shot", log, lambda: single_shot(models, loop, job, log))
+            part("step_curve_control",
+                 lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log))
+        part("single_shot", lambda: single_shot(models, loop, job, log))
     if "variants" in parts and device.type == "cuda":
-        _part(rec, "variants", log, lambda: layout_variants(models, log))
-    save()
-    del rec["_save"]
-    rec["written"] = [str(results_dir / f"{stem}.json"), str(results_dir / f"{stem}.md")]
+        part("variants", lambda: layout_variants(models, log))
+    results.save(rec)
+    rec["written"] = [str(p) for p in results.paths]
     return rec
 
 
-def _part(rec: dict, key: str, log: Callable[[str], None], fn: Callable[[], object]) -> None:
+def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: bool,
+               part: Callable[[str, Callable[[], object]], None]) -> None:
+    """(a) diffusers, (c) bcg cold, (d) bcg after capture, (b) diffusers + torch.compile, in that order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        part("a_diffusers", lambda: loop.run_job(job, Path(tmp) / "a"))
+        part("c_bcg_cold", lambda: _bcg(job, models, Path(tmp) / "c"))
+        if models.device.type == "cuda":
+            def warm():
+                runner, warm_s = _warm_runner(job, models)
+                return _bcg(job, models, Path(tmp) / "d", engine=runner) | {"capture_warm_s": warm_s}
+            part("d_bcg_warm", warm)
+        if with_compile:
+            loop.compile_unet()
+            part("b_compile_first", lambda: loop.run_job(job, Path(tmp) / "b1"))
+            part("b_compile_steady", lambda: loop.run_job(job, Path(tmp) / "b2"))
+
+
+def _ratios(rec: dict, log: Callable[[str], None]) -> None:
+    for k in ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "b_compile_first", "b_compile_steady"):
+        if k in rec:
+            log(f"{k}: {json.dumps(rec[k])}")
+    base = rec["a_diffusers"]["images_per_s"] if "a_diffusers" in rec else float("nan")
+    rec["ratios_vs_a"] = {k: rec[k]["images_per_s"] / base for k in
+                          ("c_bcg_cold", "d_bcg_warm", "b_compile_first", "b_compile_steady") if k in rec}
+    if "b_compile_first" in rec and "d_bcg_warm" in rec:
+        rec["d_vs_b_first"] = rec["d_bcg_warm"]["images_per_s"] / rec["b_compile_first"]["images_per_s"]
+        rec["d_vs_b_steady"] = rec["d_bcg_warm"]["images_per_s"] / rec["b_compile_steady"]["images_per_s"]
+
+
+def _part(rec: dict, key: str, log: Callable[[str], None], fn: Callable[[], object], results: Results) -> None:
     """Runs one measurement; a failure is recorded with its reason and the others still run.
     The record is written after each part, so a run cut short keeps what it measured."""
     try:
         rec[key] = fn()
-        if "_save" in rec:
-            rec["_save"]()
+        results.save(rec)
         gc.collect()  # drop the part's graphs and pools before the next one
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001 - a broken contender must not hide the other results
         rec.setdefault("errors", {})[key] = f"{e.__class__.__name__}: {e}"
         log(f"{key} failed: {traceback.format_exc()}")
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
 
 
 def _slug(text: str) -> str:

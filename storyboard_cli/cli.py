@@ -15,19 +15,40 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from storyboard_cli.errors import StoryboardError
+from storyboard_cli import __version__
+from storyboard_cli.errors import STATUS_EXIT_CODES, Interrupted, StoryboardError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out.")
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, soft_wrap=True)
 
+
+
+def _flag(name: str, help: str):
+    """A boolean option shown as a bare flag (`--force`, not `--force <bool>`)."""
+    return typer.Option(name, metavar="", help=help)
+
+
 JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False)]
 OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: the job's output_dir).")]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="fp16, bf16 or fp32 (default: fp16 on cuda, fp32 on cpu).")]
 EngineOpt = Annotated[str, typer.Option(help="auto (graphs on CUDA, eager on CPU), graph or eager.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON summary object on stdout.")]
+CompileOpt = Annotated[str, typer.Option(help="Compiled kernels inside the CUDA graphs: auto, on or off.")]
+JsonOpt = Annotated[bool, _flag("--json", "Print one JSON summary object on stdout.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"bcg {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", metavar="", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out."""
 
 
 def _error(e: StoryboardError) -> None:
@@ -90,21 +111,20 @@ def _count(values) -> dict[int, int]:
 
 @app.command()
 def render(job: JobArg, out_dir: OutOpt = None,
-           force: Annotated[bool, typer.Option("--force", help="Render images again even if they exist.")] = False,
-           retry_failed: Annotated[bool, typer.Option("--retry-failed",
-                                                      help="Render only the images the last run failed.")] = False,
+           force: Annotated[bool, _flag("--force", "Render images again even if they exist.")] = False,
+           retry_failed: Annotated[bool, _flag("--retry-failed", "Render only the images the last run failed.")] = False,
            json_out: JsonOpt = False, device: DeviceOpt = None, dtype: DtypeOpt = None,
-           engine: EngineOpt = "auto") -> None:
+           engine: EngineOpt = "auto", compile: CompileOpt = "auto") -> None:
     """Render a job: every image not already on disk."""
+    from storyboard_cli import render as rendering
     from storyboard_cli.job import load_job
-    from storyboard_cli.render import RenderOptions
-    from storyboard_cli.render import render as run
 
     with _domain_errors():
         j = load_job(job)
-        opts = RenderOptions(out_dir, force, device, dtype, engine, retry_failed)
+        opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
+                                       retry_failed=retry_failed, compile=compile)
         with _progress() as on_event:
-            result = run(j, opts, on_event)
+            result = rendering.render(job=j, opts=opts, on_event=on_event)
     for note in result.notes:
         err.print(f"[dim]{escape(note)}[/]", highlight=False)
     for f in result.failed:
@@ -119,25 +139,24 @@ def render(job: JobArg, out_dir: OutOpt = None,
         err.print(f"{result.status}: {result.rendered} rendered, {result.skipped} skipped, {len(result.failed)} "
                   f"failed in {result.wall_s:.1f} s on {result.device} ({result.engine}) -> {result.out_dir}",
                   highlight=False)
-    if result.status == "interrupted":
-        raise typer.Exit(130)
-    if result.failed:
-        raise typer.Exit(3)
+    if STATUS_EXIT_CODES[result.status]:
+        raise typer.Exit(STATUS_EXIT_CODES[result.status])
 
 
 @app.command()
 def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes to capture (default: the named "
                                                                "sizes at --buckets).", show_default=False)] = None,
-            warm: Annotated[bool, typer.Option("--warm", help="Capture, check and time every shape now.")] = False,
+            warm: Annotated[bool, _flag("--warm", "Capture, check and time every shape now.")] = False,
             model: Annotated[str, typer.Option(help="Model when no job is given.")] = "sdxl-random",
             controlnet: Annotated[Optional[str], typer.Option(help="Also capture ControlNet shapes with this "
                                                                    "ControlNet (no job given).")] = None,
             buckets: Annotated[str, typer.Option(help="Batch sizes when no job is given.")] = "1,2,4,8",
             steps: Annotated[int, typer.Option(min=2, max=200, help="Steps per timed loop.")] = 10,
-            device: DeviceOpt = None, dtype: DtypeOpt = None, json_out: JsonOpt = False) -> None:
+            device: DeviceOpt = None, dtype: DtypeOpt = None, compile: CompileOpt = "auto",
+            json_out: JsonOpt = False) -> None:
     """Capture the CUDA graphs a job needs ahead of time, check them against eager, time them."""
+    from storyboard_cli import capture as capturing
     from storyboard_cli.job import load_job
-    from storyboard_cli.render import capture as run
 
     with _domain_errors():
         try:
@@ -145,7 +164,8 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
         except ValueError:
             raise typer.BadParameter(f"--buckets: expected a list like 1,2,4, got {buckets!r}") from None
         j = load_job(job) if job else None
-        labels, rows = run(j, model, controlnet, sizes, device, dtype, warm, steps)
+        labels, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes, device=device,
+                                         dtype=dtype, warm=warm, steps=steps, compile=compile)
     if json_out:
         out.print_json(json.dumps({"shapes": labels, "timings": [r.__dict__ | {"speedup": r.speedup}
                                                                  for r in rows]}))
@@ -170,20 +190,21 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
 
 @app.command()
 def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jobs/bench.yaml"),
-          quick: Annotated[bool, typer.Option("--quick", help="Tiny model on the CPU, a smoke run (< 1 min).")] = False,
+          quick: Annotated[bool, _flag("--quick", "Tiny model on the CPU, a smoke run (< 1 min).")] = False,
           model: Annotated[Optional[str], typer.Option(help="Weights to bench (default: the job's model).")] = None,
           parts: Annotated[str, typer.Option(help="What to run: job, micro, or job,micro.")] = "job,micro",
-          with_compile: Annotated[bool, typer.Option("--with-compile", help="Also run diffusers + torch.compile "
-                                                     "(compiles per shape: many minutes).")] = False,
+          with_compile: Annotated[bool, _flag("--with-compile", "Also run diffusers + torch.compile "
+                                              "(compiles per shape: many minutes).")] = False,
           results: Annotated[Path, typer.Option(help="Folder for the JSON and Markdown results.")] = Path("bench/results"),
           ) -> None:
     """Measure bcg against the plain diffusers loop (and torch.compile) on one job, in one run."""
-    from storyboard_cli.bench import markdown, run
+    from storyboard_cli import bench as benchmark
 
     with _domain_errors():
-        rec = run(job, model, quick, tuple(p.strip() for p in parts.split(",")), with_compile, results,
-                  log=lambda line: err.print(escape(line), highlight=False))
-    out.print(markdown(rec))
+        rec = benchmark.run(job_path=job, model=model, quick=quick, parts=tuple(p.strip() for p in parts.split(",")),
+                            with_compile=with_compile, results_dir=results,
+                            log=lambda line: err.print(escape(line), highlight=False))
+    out.print(benchmark.markdown(rec))
     out.print(f"written: {', '.join(rec['written'])}")
 
 
@@ -218,7 +239,7 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         err.print("interrupted")
-        sys.exit(130)
+        sys.exit(Interrupted.exit_code)
 
 
 if __name__ == "__main__":

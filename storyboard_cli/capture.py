@@ -1,0 +1,117 @@
+"""`bcg capture`: the shapes a job needs; with `warm`, captured (and compiled), checked and timed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from storyboard_cli.batch import batch_shapes
+from storyboard_cli.conditioning import PromptCache, conditioning, control
+from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.build import check_engine, graph_runner, resolve_device
+from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.graphs import GraphRunner
+from storyboard_cli.errors import BadInput
+from storyboard_cli.job import NAMED_SIZES, Job
+from storyboard_cli.models.loader import SdxlModels, load_sdxl
+from storyboard_cli.plan import make_batches, work_items
+from storyboard_cli.sampling import schedule
+
+
+@dataclass
+class ShapeTiming:
+    shape: str
+    state: str
+    reason: str
+    capture_s: float
+    pool_mb: float
+    eager_ms: float | None  # per denoising step (CFG batched), median of `repeats` timed loops
+    graph_ms: float | None
+    compile_s: float = 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        return self.eager_ms / self.graph_ms if self.eager_ms and self.graph_ms else None
+
+
+def _timed_loop(engine, x, sched, cond, ctl, guidance, repeats: int) -> float:
+    """Median ms per step over `repeats` loops of sched.steps steps, timed with CUDA events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.sample(x, sched, None, cond, ctl, guidance)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / sched.steps)
+    return sorted(times)[len(times) // 2]
+
+
+def synthetic_inputs(models: SdxlModels, batch: int, width: int, height: int, with_control: bool,
+                     cache: PromptCache | None = None):
+    """Inputs of the right shapes for timing (values do not change kernel times): x, cond, control, guidance."""
+    cache = cache or PromptCache(models)
+    cond = conditioning(cache, ["a storyboard frame, ink"] * batch, [""] * batch, width, height)
+    ctl = None
+    if with_control:
+        images = torch.rand((batch, 3, height, width), generator=torch.Generator("cpu").manual_seed(0))
+        ctl = control(images, [1.0] * batch, models.device, models.dtype)
+    x = torch.randn((batch, 4, height // 8, width // 8), generator=torch.Generator("cpu").manual_seed(0))
+    guidance = torch.full((batch,), 5.0, device=models.device)
+    return x.to(models.device), cond, ctl, guidance
+
+
+def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], steps: int = 10, repeats: int = 2,
+                eager: bool = True, on_row: Callable[[ShapeTiming], None] | None = None) -> list[ShapeTiming]:
+    """Captures `shapes` (largest first), checks each, and times eager vs graph ms/step side by side."""
+    runner.prepare(shapes)
+    cache = PromptCache(models)
+    sched = schedule("euler", steps, models.scheduler_config)
+    warm = schedule("euler", 2, models.scheduler_config)
+    eager_engine = EagerEngine(models)
+    rows = []
+    for shape in sorted(set(shapes), reverse=True):
+        x, cond, ctl, guidance = synthetic_inputs(models, shape.batch, shape.width, shape.height, shape.control,
+                                                  cache)
+        x = x * sched.init_sigma
+        eager_ms = None
+        if eager:
+            eager_engine.sample(x, warm, None, cond, ctl, guidance)  # warm-up
+            eager_ms = _timed_loop(eager_engine, x, sched, cond, ctl, guidance, repeats)
+        runner.sample(x, sched, None, cond, ctl, guidance)  # first replay: checked against eager
+        st = runner.stats[runner.shape_key(*shape)]
+        graph_ms = _timed_loop(runner, x, sched, cond, ctl, guidance, repeats) if runner.can_run(shape) else None
+        rows.append(ShapeTiming(st.key.label, st.state, st.reason, st.capture_s, st.pool_mb, eager_ms, graph_ms,
+                                st.compile_s))
+        if on_row:
+            on_row(rows[-1])
+    return rows
+
+
+def job_shapes(job: Job | None, controlnet: str | None, buckets: tuple[int, ...]) -> list[Shape]:
+    """A job's batch shapes, or (no job) every named size at every bucket, largest first."""
+    if job is not None:
+        return sorted(set(batch_shapes(make_batches(work_items(job), job.buckets))), reverse=True)
+    flags = (False, True) if controlnet else (False,)
+    return sorted({Shape(n, h, w, c) for (w, h) in NAMED_SIZES.values() for n in buckets for c in flags},
+                  reverse=True)
+
+
+def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: str | None = None,
+            buckets: tuple[int, ...] = (1, 2, 4, 8), device: str | None = None, dtype: str | None = None,
+            warm: bool = False, steps: int = 10, compile: str = "auto") -> tuple[list[str], list[ShapeTiming]]:
+    """The shapes a job (or the named sizes x buckets) needs; with `warm`, captures, checks and times them."""
+    dev, dt = resolve_device(device, dtype)
+    if warm and dev.type != "cuda":
+        raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
+    check_engine("graph" if warm else "auto", compile, dev)
+    if job is not None:
+        model, controlnet = job.model, job.controlnet
+    shapes = job_shapes(job, controlnet, buckets)
+    labels = [s.label for s in shapes]
+    if not warm:
+        return labels, []
+    models = load_sdxl(model, controlnet, dev, dt)
+    return labels, time_shapes(models, graph_runner(models, shapes, compile), shapes, steps=steps)
