@@ -22,7 +22,8 @@ def test_bad_job_exit_2_one_line_no_traceback(path, command):
     lines = [l for l in result.output.splitlines() if l.strip()]
     assert len(lines) == 1, result.output
     assert lines[0].startswith(f"error: {path}:")
-    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
 
 
 def test_plan_prints_the_bucket_table():
@@ -84,6 +85,29 @@ def test_capture_without_cuda(tmp_path):
     assert listed.exit_code == 0 and "8x320x192" in listed.output
     warm = runner.invoke(app, ["capture", "--warm", "--model", "tiny"])
     assert warm.exit_code == 2 and "needs a CUDA device" in warm.output
+
+
+def test_version_and_flags_shown_as_flags():
+    from storyboard_cli import __version__
+
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.output.strip() == f"bcg {__version__}"
+    help_text = runner.invoke(app, ["render", "--help"], terminal_width=200).output
+    for flag in ("--force", "--retry-failed", "--json"):
+        (line,) = [l for l in help_text.splitlines() if f" {flag} " in l]
+        assert "<bool>" not in line, line
+    assert "--compile" in help_text
+
+
+def test_compile_on_without_cuda_is_bad_input(job_dir, tmp_path):
+    path = write_job(job_dir, "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x, steps: 2, size: 64x64}\n")
+    result = runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "o"), "--device", "cpu",
+                                 "--compile", "on"])
+    assert result.exit_code == 2 and "--compile on needs a CUDA device" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+    listed = runner.invoke(app, ["capture", str(ROOT / "jobs" / "episode1.yaml"), "--device", "cpu",
+                                 "--compile", "on"])
+    assert listed.exit_code == 2 and "--compile on needs a CUDA device" in listed.output, listed.output
 
 
 def test_python_dash_m_works_like_bcg():

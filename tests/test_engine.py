@@ -3,10 +3,12 @@
 import pytest
 import torch
 
+from storyboard_cli.capture import synthetic_inputs
+from storyboard_cli.engine import Engine, Shape
+from storyboard_cli.engine.build import build_engine, check_engine, graph_runner
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.graphs import GraphRunner, ShapeKey
+from storyboard_cli.engine.graphs import GraphRunner, GraphStats, ShapeKey
 from storyboard_cli.errors import BadInput
-from storyboard_cli.render import make_engine, synthetic_inputs
 from storyboard_cli.sampling import ancestral_split, dpmpp_2m_coeffs, euler_coeffs, schedule
 
 
@@ -15,21 +17,44 @@ def test_shape_key_identity_and_order():
     assert a == ShapeKey(4, 1024, 1024, False, "float16")
     assert a != ShapeKey(4, 1024, 1024, True, "float16")
     assert sorted([ShapeKey(1, 1024, 1024, False, "f"), a])[-1] == a
-    assert a.label == "4x1024x1024 float16"
+    assert a.label == "4x1024x1024 float16" and a.variant == "plain"
+    compiled = ShapeKey(4, 1024, 1024, False, "float16", "compiled")
+    assert compiled != a and compiled.label == "4x1024x1024 float16 compiled"
+    assert Shape(4, 1024, 1024, True).label == "4x1024x1024 +control"
+
+
+def test_both_engines_implement_the_protocol(tiny_cpu):
+    for engine in (EagerEngine(tiny_cpu), GraphRunner(tiny_cpu)):
+        assert isinstance(engine, Engine)
+    eager = EagerEngine(tiny_cpu)
+    eager.prepare([Shape(8, 64, 64, True)])
+    eager.release()
+    assert eager.can_run(Shape(8, 64, 64, True)) and eager.describe() == []
 
 
 def test_auto_engine_on_cpu_is_eager_with_a_note(tiny_cpu):
     notes = []
-    assert isinstance(make_engine(tiny_cpu, "auto", [], notes), EagerEngine)
+    assert build_engine(tiny_cpu, "auto", [], notes).name == "eager"
     assert "eager" in notes[0] and "GPU" in notes[0]
+    assert build_engine(tiny_cpu, "auto", [], [], compile="off").name == "eager"
     with pytest.raises(BadInput, match="needs a CUDA device"):
-        make_engine(tiny_cpu, "graph", [], [])
+        build_engine(tiny_cpu, "graph", [], [])
+
+
+@pytest.mark.parametrize("kind,compile,message", [
+    ("warp", "auto", "unknown engine"), ("auto", "maybe", "unknown value"), ("graph", "off", "--engine graph needs"),
+    ("auto", "on", "--compile on needs a CUDA device"), ("eager", "on", "--compile on needs a CUDA device"),
+])
+def test_engine_options_are_checked_on_the_cpu(kind, compile, message):
+    with pytest.raises(BadInput, match=message):
+        check_engine(kind, compile, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("failure,reason", [(None, "CUDA graphs need a CUDA device"), ("injected", "injected")])
-def test_capture_failure_falls_back_to_eager_with_the_reason(tiny_cpu, failure, reason):
+def test_capture_failure_falls_back_to_eager_with_the_reason(tiny_cpu, monkeypatch, failure, reason):
     runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(64, 64))
-    runner.capture_failure = failure
+    if failure:
+        monkeypatch.setattr(runner, "_capture", lambda key: (_ for _ in ()).throw(RuntimeError(failure)))
     x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 2, 64, 64, True)
     sched = schedule("euler", 3, tiny_cpu.scheduler_config)
     got = runner.sample(x, sched, None, cond, ctl, guidance)
@@ -37,12 +62,29 @@ def test_capture_failure_falls_back_to_eager_with_the_reason(tiny_cpu, failure, 
     torch.testing.assert_close(got, want)
     (row,) = runner.describe()
     assert row["state"] == "eager" and reason in row["reason"] and row["shape"].startswith("2x64x64 +control")
+    assert not runner.can_run(Shape(2, 64, 64, True))
 
 
-def test_shape_larger_than_the_buffers_runs_eager(tiny_cpu):
+def test_a_larger_shape_grows_the_buffers_and_drops_the_graphs(tiny_cpu, monkeypatch):
     runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(64, 64))
-    assert runner.graph(runner.shape_key(2, 64, 64, False)) is None
-    assert "larger than the static buffers" in runner.describe()[0]["reason"]
+    captured = []
+
+    def fake_capture(key):  # the bookkeeping of a capture, without a GPU
+        captured.append(key)
+        runner.stats.setdefault(key, GraphStats(key)).state = "graph"
+        runner.stats[key].checked = True
+        return object()
+
+    monkeypatch.setattr(runner, "_capture", fake_capture)
+    small, large = runner.shape_key(1, 64, 64, False), runner.shape_key(2, 128, 64, False)
+    assert runner.graph(small) is not None and (runner.max_batch, runner.max_pixels) == (1, 64 * 64)
+    assert runner.graph(large) is not None  # grown, not run eager
+    assert (runner.max_batch, runner.max_pixels) == (2, 128 * 64) and runner.x.numel() == 2 * 4 * 16 * 8
+    # the graphs captured before the buffers grew point into the old ones: dropped, re-captured (and checked) on use
+    assert small not in runner.graphs and runner.stats[small].state == "released"
+    assert not runner.stats[small].checked
+    runner.graph(small)
+    assert captured == [small, large, small]
 
 
 def test_sampler_coefficients():
@@ -66,13 +108,14 @@ def test_graph_runner_buffers_fit_every_batch_of_a_job(tiny_cpu, job_dir):
     from conftest import write_job
     from storyboard_cli.job import load_job
     from storyboard_cli.plan import make_batches, work_items
-    from storyboard_cli.render import batch_shapes, graph_runner
+    from storyboard_cli.batch import batch_shapes
 
     job = load_job(write_job(job_dir, "version: 1\nmodel: tiny\nshots:\n"
                                       "  - {id: a, prompt: x, candidates: 5, size: 128x64}\n"
                                       "  - {id: b, prompt: y, candidates: 2, size: 64x192}\n"))
     shapes = batch_shapes(make_batches(work_items(job), job.buckets))
     assert sorted(shapes) == [(1, 64, 128, False), (2, 192, 64, False), (4, 64, 128, False)]
-    runner, keys = graph_runner(tiny_cpu, shapes)
-    assert (runner.max_batch, runner.max_pixels) == (4, 192 * 128)
-    assert all(runner._fits(k) for k in keys) and [k.batch for k in keys] == [s[0] for s in shapes]
+    runner = graph_runner(tiny_cpu, shapes)
+    assert (runner.max_batch, runner.max_pixels) == (4, 192 * 64)  # the largest batch, the largest image
+    assert all(runner._fits(s) for s in shapes)
+    assert not runner._fits(Shape(8, 64, 64, False)) and not runner._fits(Shape(1, 256, 64, False))

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from storyboard_cli.capture import synthetic_inputs
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.render import synthetic_inputs
 from storyboard_cli.sampling import draw_noise, schedule
 
 pytestmark = pytest.mark.gpu
@@ -73,8 +73,7 @@ def test_pool_sharing_after_capture_in_another_shape(setup):
 
 
 def test_padding_rows_do_not_change_real_rows(setup):
-    from storyboard_cli.conditioning import Cond
-    from storyboard_cli.engine.eager import Control
+    from storyboard_cli.conditioning import Cond, Control
 
     models, runner, eager, rtol = setup
     x, sched, noise, cond, ctl, guidance = _inputs(models, 1, 256, 256, True, seed=6)
@@ -90,16 +89,50 @@ def test_padding_rows_do_not_change_real_rows(setup):
     _close(padded[3:], alone, tol)
 
 
-def test_injected_capture_failure_falls_back_to_eager(setup):
+def test_injected_capture_failure_falls_back_to_eager(setup, monkeypatch):
     from storyboard_cli.engine.graphs import GraphRunner
 
     models, _, eager, rtol = setup
     runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
-    runner.capture_failure = "injected for the test"
+
+    def failing(key):
+        raise RuntimeError("injected for the test")
+
+    monkeypatch.setattr(runner, "_capture", failing)
     args = _inputs(models, 2, 256, 256, False)
     _close(runner.sample(*args), eager.sample(*args), 1e-6)
     st = runner.stats[runner.shape_key(2, 256, 256, False)]
     assert st.state == "eager" and "injected" in st.reason
+
+
+def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(setup):
+    """LoRA swaps weights with param.data.copy_ after the graphs exist: a replay must use the new values."""
+    from storyboard_cli.engine.graphs import GraphRunner
+
+    models, _, eager, rtol = setup
+    runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
+    args = _inputs(models, 2, 256, 256, True, sampler="euler", seed=7)
+    before = runner.sample(*args)
+    key = runner.shape_key(2, 256, 256, True)
+    assert runner.stats[key].state == "graph" and runner.stats[key].checked
+    weight = models.unet.conv_in.weight  # every step reads it; same storage before and after
+    control_weight = models.controlnet.controlnet_cond_embedding.conv_in.weight
+    saved, saved_control = weight.detach().clone(), control_weight.detach().clone()
+    pointers = weight.data_ptr(), control_weight.data_ptr()
+    try:
+        with torch.no_grad():
+            weight.mul_(1.5)
+            control_weight.mul_(0.5)
+        assert (weight.data_ptr(), control_weight.data_ptr()) == pointers
+        after = runner.sample(*args)  # a replay of the graph captured before the update: no new capture
+        assert runner.stats[key].replays == 2 * args[1].steps
+        _close(after, eager.sample(*args), rtol)
+        assert not torch.allclose(after, before)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+            control_weight.copy_(saved_control)
+    _close(runner.sample(*args), before, rtol / 10 if rtol > 1e-3 else 1e-6)
 
 
 def test_render_graph_equals_eager(tmp_path):

@@ -49,8 +49,15 @@ def test_bad_weights_give_one_clean_line(job_dir, tmp_path, monkeypatch, model, 
     assert "Traceback" not in result.output
 
 
-def test_model_error_is_bad_input():
-    assert ModelError.exit_code == 2
+def test_a_missing_controlnet_is_a_model_error_and_exits_2(job_dir, tmp_path):
+    with pytest.raises(ModelError, match="controlnet: no such file or folder"):
+        load_sdxl("tiny", "./no/such/controlnet", "cpu", torch.float32)
+    path = write_job(job_dir, "version: 1\nmodel: tiny\ncontrolnet: ./no/such/controlnet\nshots:\n"
+                              "  - {id: a, prompt: x, steps: 2, size: 64x64, control: {image: control/hero_pose.png, "
+                              "scale: 1.0}}\n")
+    result = CliRunner().invoke(app, ["render", str(path), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "controlnet: no such file or folder" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_packaged_sdxl_configs_and_real_clip_tokenizer():

@@ -5,15 +5,14 @@ import torch
 from PIL import Image
 
 from conftest import ROOT
-from storyboard_cli.conditioning import PromptCache, conditioning, load_control_image
-from storyboard_cli.engine.eager import Control, EagerEngine
+from storyboard_cli.conditioning import Control, PromptCache, conditioning, load_control_image
+from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.samplers import SAMPLERS
 from storyboard_cli.sampling import draw_noise, schedule
 
 RTOL = 1e-4  # relative L2 error of the final latents, fp32 on the CPU
 W, H, STEPS, GUIDANCE = 128, 96, 8, 6.5
 PROMPT, NEGATIVE = "a lighthouse in a storm, ink drawing", "blurry"
-SCHEDULERS = {"euler": "EulerDiscreteScheduler", "euler_a": "EulerAncestralDiscreteScheduler",
-              "dpmpp_2m": "DPMSolverMultistepScheduler"}
 
 
 def _pipeline(models, sampler, control):
@@ -21,7 +20,7 @@ def _pipeline(models, sampler, control):
 
     parts = dict(vae=models.vae, text_encoder=models.text_encoders[0], text_encoder_2=models.text_encoders[1],
                  tokenizer=models.tokenizers[0], tokenizer_2=models.tokenizers[1], unet=models.unet,
-                 scheduler=getattr(diffusers, SCHEDULERS[sampler]).from_config(models.scheduler_config))
+                 scheduler=getattr(diffusers, SAMPLERS[sampler].scheduler).from_config(models.scheduler_config))
     if control:
         pipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=models.controlnet)
     else:

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from storyboard_cli.errors import JobError
 from storyboard_cli.job import SHOT_KEYS, TOP_KEYS, load_job
-from storyboard_cli.plan import make_batches, work_items
+from storyboard_cli.plan import make_batches, output_name, work_items
 
 GOOD = {
     "version": 1, "name": "prop", "model": "tiny",
@@ -51,7 +51,26 @@ def _check(path):
     except JobError as e:
         assert "\n" not in str(e) and str(e).startswith(str(path))
         return
-    make_batches(work_items(job), job.buckets)
+    _assert_plan_invariants(job)
+
+
+def _assert_plan_invariants(job):
+    """A valid job's plan: every image once, image k of a shot at seed + k, batches of a bucket size
+    whose rows share a bucket key, padding only where the bucket is larger than what is left."""
+    items = work_items(job)
+    wanted = {output_name(s.id, k, s.seed + k) for s in job.shots for k in range(s.candidates)}
+    outputs = [path for item in items for path in item.outputs]
+    assert len(outputs) == len(set(outputs)) == len(wanted) and set(outputs) == wanted
+    for item in items:
+        assert item.outputs[0] == output_name(item.shot, item.k, item.seed)
+    batches = make_batches(items, job.buckets)
+    planned = [item for b in batches for item in b.items]
+    assert sorted(map(id, planned)) == sorted(map(id, items))  # every item in exactly one batch
+    for b in batches:
+        assert b.size in job.buckets and 1 <= len(b.items) <= b.size
+        assert all(item.key == b.key for item in b.items)
+        if b.padding:  # only the last batch of its group, and only when no bucket fits what is left
+            assert b is [x for x in batches if x.key == b.key][-1] and len(b.items) < min(job.buckets)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -67,6 +86,12 @@ def test_mutated_documents(tmp_path, data):
         return
     path.write_text(text, encoding="utf-8")
     _check(path)
+
+
+def test_the_good_job_meets_the_plan_invariants(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    _assert_plan_invariants(load_job(path))  # the mutations start from a job that reaches the invariants
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -164,7 +164,11 @@ def test_out_of_memory_at_capture_frees_graphs_and_splits(job, tmp_path, tiny_cp
     from storyboard_cli.engine.graphs import GraphRunner
 
     runner = GraphRunner(tiny_cpu, max_batch=4, max_hw=(128, 128))
-    runner.capture_failure = torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    def no_memory(key):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(runner, "_capture", no_memory)
     released = []
     monkeypatch.setattr(runner, "release", lambda: released.append(1))
     result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=tiny_cpu, engine=runner)
