@@ -31,5 +31,6 @@ bench-quick:
 capture:
 	bcg capture --warm
 
+# Every test marked gpu (graph replay vs eager, in-place weight updates, the out-of-memory split).
 gpu-test:
-	$(PYTHON) -m pytest -q -m gpu tests/test_gpu.py
+	$(PYTHON) -m pytest -q -m gpu
