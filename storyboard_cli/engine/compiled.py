@@ -1,0 +1,194 @@
+"""Compiled denoiser kernels: the UNet and ControlNet calls of the step, exported once with dynamic
+rows and latent size, compiled ahead of time by AOTInductor, kept under $BCG_CACHE and loaded in
+seconds. They run inside GraphRunner's graphs (ShapeKey.variant = "compiled").
+
+- One artifact per module (UNet, ControlNet), not per shape: rows (2 x images, CFG) and the latent
+  height/width are dynamic, so a job's 10-13 shapes cost two compiles, and a new job's shapes none.
+- Weights stay outside the artifact (`package_constants_in_so=False`) and are handed over as the
+  eager modules' own tensors (`load_constants(user_managed=True)`): one copy of the weights in memory,
+  and an in-place weight update (LoRA) is seen by the compiled kernels as by the eager ones.
+- The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros
+  (a few element-wise adds, measured in docs/PERFORMANCE.md), so one UNet artifact serves both.
+- An artifact's key covers everything that changes the generated code: module class and config,
+  parameter names/shapes/dtypes (not values: weights are passed in), torch/triton/CUDA versions,
+  GPU name and capability, the dynamic ranges and the compile options. A stale key is never
+  looked up; a corrupt file fails to load and the caller falls back to the plain graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from storyboard_cli.models.tiny import cache_root
+
+log = logging.getLogger(__name__)
+FORMAT = 1  # bump when the export wrappers or options below change what is compiled
+MAX_ROWS = 16  # 2 x the largest bucket (8 images, CFG doubled)
+LATENT_RANGE = (2, 32)  # latent side / 8, i.e. images of 128..2048 pixels a side, multiples of 64
+INDUCTOR_OPTIONS = {
+    "aot_inductor.package_constants_in_so": False,  # weights come from the eager modules at load
+    "conv_1x1_as_mm": True,
+}
+
+
+class UNetCall(torch.nn.Module):
+    """The step's UNet call with tensor inputs: (latents, t, embeds, pooled, time_ids, mid, down: tuple)."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, latents, t, embeds, pooled, time_ids, mid, down):
+        return self.unet(latents, t, encoder_hidden_states=embeds,
+                         added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
+                         down_block_additional_residuals=list(down), mid_block_additional_residual=mid,
+                         return_dict=False)[0]
+
+
+class ControlNetCall(torch.nn.Module):
+    """The step's ControlNet call: (latents, t, embeds, pooled, time_ids, image, scale) -> (mid, *down)."""
+
+    def __init__(self, controlnet: torch.nn.Module):
+        super().__init__()
+        self.controlnet = controlnet
+
+    def forward(self, latents, t, embeds, pooled, time_ids, image, scale):
+        down, mid = self.controlnet(latents, t, encoder_hidden_states=embeds, controlnet_cond=image,
+                                    conditioning_scale=scale,
+                                    added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
+                                    return_dict=False)
+        return (mid, *down)
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """Shapes of the UNet's ControlNet residual inputs, as multiples of the latent side: (channels, divisor)."""
+
+    down: tuple[tuple[int, int], ...]
+    mid: tuple[int, int]
+
+    @classmethod
+    def of(cls, unet: torch.nn.Module) -> Residuals:
+        # as diffusers' ControlNetModel: conv_in, then each down block's resnets and downsampler
+        cfg = unet.config
+        chans, divisor = [(cfg.block_out_channels[0], 1)], 1
+        for i, c in enumerate(cfg.block_out_channels):
+            chans += [(c, divisor)] * cfg.layers_per_block
+            if i < len(cfg.block_out_channels) - 1:
+                divisor *= 2
+                chans.append((c, divisor))
+        return cls(tuple(chans), (cfg.block_out_channels[-1], divisor))
+
+    def zeros(self, rows: int, h: int, w: int, dtype: torch.dtype, device: torch.device):
+        mid = torch.zeros(rows, self.mid[0], h // self.mid[1], w // self.mid[1], dtype=dtype, device=device)
+        return mid, [torch.zeros(rows, c, h // d, w // d, dtype=dtype, device=device) for c, d in self.down]
+
+
+def example_inputs(module: str, unet: torch.nn.Module, rows: int, h: int, w: int, dtype, device,
+                   text_dim: int, pooled_dim: int) -> tuple:
+    """Inputs of the exported call, at one concrete shape (values do not matter)."""
+    latents = torch.randn(rows, 4, h, w, dtype=dtype, device=device)
+    t = torch.tensor(500.0, device=device)
+    embeds = torch.randn(rows, 77, text_dim, dtype=dtype, device=device)
+    pooled = torch.randn(rows, pooled_dim, dtype=dtype, device=device)
+    time_ids = torch.tensor([8 * h, 8 * w, 0, 0, 8 * h, 8 * w], dtype=dtype, device=device).expand(rows, 6).clone()
+    if module == "controlnet":
+        image = torch.rand(rows, 3, 8 * h, 8 * w, dtype=dtype, device=device)
+        return latents, t, embeds, pooled, time_ids, image, torch.ones(rows, 1, 1, 1, dtype=dtype, device=device)
+    mid, down = Residuals.of(unet).zeros(rows, h, w, dtype, device)
+    return latents, t, embeds, pooled, time_ids, mid, tuple(down)
+
+
+def dynamic_shapes(module: str, unet: torch.nn.Module) -> tuple:
+    """torch.export Dims: rows 2..MAX_ROWS, latent h and w multiples of 8 in LATENT_RANGE."""
+    from torch.export import Dim
+
+    rows = Dim("rows", min=2, max=MAX_ROWS)
+    h8, w8 = Dim("h8", min=LATENT_RANGE[0], max=LATENT_RANGE[1]), Dim("w8", min=LATENT_RANGE[0], max=LATENT_RANGE[1])
+    latents = {0: rows, 2: 8 * h8, 3: 8 * w8}
+    common = (latents, None, {0: rows}, {0: rows}, {0: rows})
+    if module == "controlnet":
+        return (*common, {0: rows, 2: 64 * h8, 3: 64 * w8}, {0: rows})
+    res = Residuals.of(unet)
+    mid = {0: rows, 2: (8 // res.mid[1]) * h8, 3: (8 // res.mid[1]) * w8}
+    return (*common, mid, tuple({0: rows, 2: (8 // d) * h8, 3: (8 // d) * w8} for _, d in res.down))
+
+
+def fits(batch: int, height: int, width: int) -> str | None:
+    """None if a shape is inside the compiled ranges, else why not."""
+    lo, hi = 64 * LATENT_RANGE[0], 64 * LATENT_RANGE[1]
+    if 2 * batch > MAX_ROWS:
+        return f"{batch} images exceed the compiled range (at most {MAX_ROWS // 2})"
+    if height % 64 or width % 64 or not (lo <= height <= hi and lo <= width <= hi):
+        return f"{width}x{height} is outside the compiled sizes (multiples of 64, {lo}-{hi})"
+    return None
+
+
+def artifact_key(module: str, model: torch.nn.Module) -> str:
+    """Everything that changes the generated code (not the weight values, which are passed in)."""
+    import triton
+
+    dev = next(model.parameters()).device
+    facts = {
+        "format": FORMAT, "module": module, "class": type(model).__name__,
+        "config": {k: v for k, v in dict(model.config).items() if not k.startswith("_")},
+        "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in model.state_dict().items()],
+        "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(dev),
+        "capability": torch.cuda.get_device_capability(dev), "rows": MAX_ROWS, "latent": LATENT_RANGE,
+        "options": INDUCTOR_OPTIONS,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def artifact_path(module: str, model: torch.nn.Module, root: Path | None = None) -> Path:
+    return (root or cache_root() / "compiled") / f"{module}-{artifact_key(module, model)}.pt2"
+
+
+def build(module: str, models: Any, path: Path) -> float:
+    """Exports and compiles `module` ("unet" or "controlnet") of `models` to `path`; returns seconds.
+    Minutes of work: `bcg capture --warm` does it, a render never does."""
+    from torch._inductor import aoti_compile_and_package
+
+    unet = models.unet
+    wrapper = UNetCall(unet) if module == "unet" else ControlNetCall(models.controlnet)
+    text_dim = unet.config.cross_attention_dim
+    pooled_dim = models.text_encoders[1].config.projection_dim
+    args = example_inputs(module, unet, 2, 128, 128, models.dtype, models.device, text_dim, pooled_dim)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(module, unet), strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    try:
+        aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=dict(INDUCTOR_OPTIONS))
+        os.replace(tmp, path)  # atomic: a killed compile leaves no half artifact under the real name
+    finally:
+        tmp.unlink(missing_ok=True)
+    return time.perf_counter() - t0
+
+
+def load(module: str, models: Any, path: Path) -> Callable:
+    """The compiled call, its constants bound to the eager module's own parameter tensors."""
+    from torch._inductor import aoti_load_package
+
+    model = models.unet if module == "unet" else models.controlnet
+    prefix = "unet." if module == "unet" else "controlnet."
+    compiled = aoti_load_package(str(path))
+    tensors = {prefix + n: t for n, t in model.state_dict(keep_vars=True).items()}
+    wanted = compiled.get_constant_fqns()
+    missing = [n for n in wanted if n not in tensors]
+    if missing:
+        raise RuntimeError(f"artifact wants {len(missing)} constants the model lacks, e.g. {missing[0]}")
+    # detach: the same storage, without autograd state (the compiled code only reads them)
+    compiled.load_constants({n: tensors[n].detach() for n in wanted}, check_full_update=True, user_managed=True)
+    return compiled
