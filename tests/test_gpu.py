@@ -135,6 +135,22 @@ def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(setup):
     _close(runner.sample(*args), before, rtol / 10 if rtol > 1e-3 else 1e-6)
 
 
+def test_growing_the_buffers_recaptures_and_still_matches_eager(setup):
+    from storyboard_cli.engine.graphs import GraphRunner
+
+    models, _, eager, rtol = setup
+    runner = GraphRunner(models, max_batch=1, max_hw=(192, 192))
+    small = _inputs(models, 1, 192, 192, False, seed=8)
+    _close(runner.sample(*small), eager.sample(*small), rtol)
+    large = _inputs(models, 4, 256, 256, True, seed=9)
+    _close(runner.sample(*large), eager.sample(*large), rtol)  # grown, not run eager
+    assert runner.stats[runner.shape_key(4, 256, 256, True)].state == "graph"
+    assert runner.stats[runner.shape_key(1, 192, 192, False)].state == "released"
+    _close(runner.sample(*small), eager.sample(*small), rtol)  # captured again into the new buffers
+    st = runner.stats[runner.shape_key(1, 192, 192, False)]
+    assert st.state == "graph" and st.checked
+
+
 def test_render_graph_equals_eager(tmp_path):
     """A whole job through render(): graph engine vs eager engine give the same pixels (within fp32 rounding)."""
     from PIL import Image

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -170,10 +171,13 @@ def test_out_of_memory_at_capture_frees_graphs_and_splits(job, tmp_path, tiny_cp
 
     monkeypatch.setattr(runner, "_capture", no_memory)
     released = []
-    monkeypatch.setattr(runner, "release", lambda: released.append(1))
+    # released outside the handler: an exception being handled keeps the failed capture's frames (and on a
+    # GPU its graph's memory) alive, and the eager retry needs that memory
+    monkeypatch.setattr(runner, "release", lambda: released.append(sys.exc_info()[0]))
     result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=tiny_cpu, engine=runner)
     assert result.status == "done" and result.rendered == 6
-    assert released and any("retried eager" in n for n in result.notes)
+    assert released and released == [None] * len(released)
+    assert any("retried eager" in n for n in result.notes)
     assert any("at 4 x" in n for n in result.notes)
     # after the first failure, later batches of that size or larger are split before they run
     assert sum("at 4 x" in n for n in result.notes) == 1
@@ -191,3 +195,14 @@ def test_a_failed_model_load_keeps_the_last_report(job_dir, tmp_path, tiny_cpu):
         render(broken, RenderOptions(out_dir=out))
     assert (out / "report.json").read_text() == before
     assert len(list(out.rglob("*.png"))) == 6  # nothing rendered is lost
+
+
+def test_a_bug_of_ours_aborts_the_render_instead_of_failing_every_image(job, tmp_path, tiny_cpu, monkeypatch):
+    def buggy(self, x, *args):
+        raise TypeError("sample() got an unexpected keyword argument (simulated)")
+
+    monkeypatch.setattr(EagerEngine, "sample", buggy)
+    with pytest.raises(TypeError, match="simulated"):
+        render(job, RenderOptions(out_dir=tmp_path / "o"), models=tiny_cpu)
+    assert json.loads((tmp_path / "o" / "report.json").read_text())["status"] == "error"
+    assert not list((tmp_path / "o").rglob("*.png"))

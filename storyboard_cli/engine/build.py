@@ -57,20 +57,21 @@ def check_engine(kind: str, compile: str, device: torch.device) -> None:
         raise BadInput("--compile on runs compiled kernels inside the CUDA graphs (use --engine graph or auto)")
 
 
-def step_calls(models: SdxlModels, compile: str, notes: list[str]) -> tuple[StepCalls | None, str]:
-    """The one place that chooses the step's module calls and the graphs' variant: the eager modules
-    ("plain") for now. Compiled kernels ("compiled") plug in here."""
+def step_calls(compile: str) -> tuple[StepCalls | None, str]:
+    """The one place that chooses the step's module calls and the graphs' ShapeKey.variant: the eager
+    modules ("plain") for now; compiled kernels ("compiled") plug in here (they will want the models,
+    and notes to say why `auto` fell back)."""
     if compile == "on":
         raise BadInput("--compile on: compiled kernels are not available in this version (use --compile auto "
                        "or off)")
     return None, "plain"
 
 
-def graph_runner(models: SdxlModels, shapes: list[Shape], compile: str = "auto", notes: list[str] | None = None):
+def graph_runner(models: SdxlModels, shapes: list[Shape], compile: str = "auto"):
     """A GraphRunner with static buffers that fit every shape (nothing captured yet)."""
     from storyboard_cli.engine.graphs import GraphRunner
 
-    calls, variant = step_calls(models, compile, notes if notes is not None else [])
+    calls, variant = step_calls(compile)
     runner = GraphRunner(models, calls=calls, variant=variant)
     runner.ensure_capacity(shapes)
     return runner
@@ -86,4 +87,4 @@ def build_engine(models: SdxlModels, kind: str, shapes: list[Shape], notes: list
         return EagerEngine(models)
     if kind == "eager":
         return EagerEngine(models)
-    return graph_runner(models, shapes, compile, notes)
+    return graph_runner(models, shapes, compile)

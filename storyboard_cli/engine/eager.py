@@ -86,9 +86,8 @@ class EagerEngine:
 
     name = "eager"
 
-    def __init__(self, models: SdxlModels, calls: StepCalls | None = None):
+    def __init__(self, models: SdxlModels):
         self.models = models
-        self.calls = calls
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
@@ -99,7 +98,7 @@ class EagerEngine:
         zero = torch.zeros_like(x)
         for i in range(sched.steps):
             x, prev = sample_step(self.models, x, prev, zero if noise is None else noise[i], table[i], cond,
-                                  control, guidance, self.calls)
+                                  control, guidance)
         return x
 
     def prepare(self, shapes: list[Shape]) -> None:
