@@ -189,6 +189,7 @@ def load(module: str, models: Any, path: Path) -> Callable:
     missing = [n for n in wanted if n not in tensors]
     if missing:
         raise RuntimeError(f"artifact wants {len(missing)} constants the model lacks, e.g. {missing[0]}")
-    # detach: the same storage, without autograd state (the compiled code only reads them)
-    compiled.load_constants({n: tensors[n].detach() for n in wanted}, check_full_update=True, user_managed=True)
+    constants = {n: tensors[n].detach() for n in wanted}  # the same storages, without autograd state
+    compiled.load_constants(constants, check_full_update=True, user_managed=True)
+    compiled.bcg_constants = constants  # user-managed: the loader keeps pointers, we keep the tensors alive
     return compiled
