@@ -167,13 +167,16 @@ def build(module: str, models: Any, path: Path) -> float:
     t0 = time.perf_counter()
     with torch.no_grad():
         exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(module, unet), strict=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")
+    # the archive's root folder is named after the file: build under the final name in a private
+    # folder, then move it into place (atomic: a killed compile leaves no half artifact behind)
+    tmp = path.parent / f".build-{os.getpid()}" / path.name
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=dict(INDUCTOR_OPTIONS))
-        os.replace(tmp, path)  # atomic: a killed compile leaves no half artifact under the real name
+        os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+        tmp.parent.rmdir()
     return time.perf_counter() - t0
 
 
