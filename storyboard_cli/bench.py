@@ -137,11 +137,11 @@ class DiffusersLoop:
 # ---------------------------------------------------------------- (c)/(d): bcg
 
 
-def _bcg(job: Job, models: SdxlModels, out_dir: Path, engine=None) -> dict:
+def _bcg(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile: str = "off") -> dict:
     from storyboard_cli.render import RenderOptions, render
 
     _peak_reset(models.device)
-    result = render(job, RenderOptions(out_dir=out_dir, force=True), models=models, engine=engine)
+    result = render(job, RenderOptions(out_dir=out_dir, force=True, compile=compile), models=models, engine=engine)
     r = result.report
     return {"wall_s": result.wall_s, "images": result.rendered, "images_per_s": result.rendered / result.wall_s,
             "peak_mb": _peak_mb(models.device), "engine": result.engine, "stages_s": r["stages_s"],
@@ -152,7 +152,7 @@ def _warm_runner(job: Job, models: SdxlModels):
     """What `bcg capture --warm` does for this job: every shape captured and checked."""
     shapes = batch_shapes(make_batches(work_items(job), job.buckets))
     t0 = time.perf_counter()
-    runner = graph_runner(models, shapes)
+    runner = graph_runner(models, shapes, compile="off")
     time_shapes(models, runner, shapes, steps=2, repeats=1, eager=False)
     return runner, time.perf_counter() - t0
 
@@ -185,11 +185,12 @@ def step_flops(models: SdxlModels, batch: int, width: int, height: int, control:
 
 
 def step_curve(models: SdxlModels, batches: tuple[int, ...], width: int, height: int, control: bool,
-               matmul_rate: float, log: Callable[[str], None]) -> list[dict]:
-    """Eager vs graph ms/step per batch size, FLOPs per step and the share of the matmul rate reached."""
+               matmul_rate: float, log: Callable[[str], None], compile: str = "off") -> list[dict]:
+    """Eager vs graph ms/step per batch size, FLOPs per step and the share of the matmul rate reached
+    (compile "auto": the graphs run the cached compiled kernels)."""
     shapes = [Shape(b, height, width, control) for b in batches]
     rows = []
-    for t in sorted(time_shapes(models, graph_runner(models, shapes), shapes, steps=10, repeats=3),
+    for t in sorted(time_shapes(models, graph_runner(models, shapes, compile), shapes, steps=10, repeats=3),
                     key=lambda t: t.shape):
         b = int(t.shape.split("x")[0])
         flops = step_flops(models, b, width, height, control)
@@ -234,7 +235,7 @@ def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable
     bcg_once(eager)
     out["bcg_eager_s"] = statistics.median(bcg_once(eager) for _ in range(repeats))
     if models.device.type == "cuda":
-        runner = graph_runner(models, batch_shapes([batch]))
+        runner = graph_runner(models, batch_shapes([batch]), compile="off")
         out["bcg_graph_first_s"] = bcg_once(runner)  # includes capture + the replay check
         out["bcg_graph_s"] = statistics.median(bcg_once(runner) for _ in range(repeats))
         out["speedup_vs_diffusers"] = out["diffusers_s"] / out["bcg_graph_s"]
@@ -253,7 +254,8 @@ def layout_variants(models: SdxlModels, log: Callable[[str], None]) -> list[dict
                          ("cudnn.benchmark + fused QKV", lambda u: u.fuse_qkv_projections())):
         change(models.unet)
         shapes = [Shape(b, 1024, 1024, False) for b in (1, 4)]
-        for t in time_shapes(models, graph_runner(models, shapes), shapes, steps=10, repeats=3, eager=False):
+        for t in time_shapes(models, graph_runner(models, shapes, compile="off"), shapes, steps=10, repeats=3,
+                             eager=False):
             rows.append({"variant": name, "shape": t.shape, "graph_ms": t.graph_ms, "state": t.state,
                          "reason": t.reason})
             log(json.dumps(rows[-1]))
@@ -311,8 +313,9 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
     # warm-up outside every contender: CUDA context, cuDNN/cuBLAS handles, first-call lazy inits
     loop.shot(replace(job.shots[0], candidates=1, steps=2), output_type="latent")
     part = lambda key, fn: _part(rec, key, log, fn, results)  # noqa: E731
-    if "job" in parts:
-        _job_parts(job, models, loop, with_compile, part)
+    contenders = set(CONTENDERS) if "job" in parts else set(parts) & set(CONTENDERS)
+    if contenders:
+        _job_parts(job, models, loop, with_compile, part, contenders)
         _ratios(rec, log)
     if "micro" in parts and device.type == "cuda":
         part("step_curve", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log))
@@ -320,6 +323,12 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
             part("step_curve_control",
                  lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log))
         part("single_shot", lambda: single_shot(models, loop, job, log))
+    if "micro_compiled" in parts and device.type == "cuda":
+        part("step_curve_compiled",
+             lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log, "auto"))
+        if models.controlnet is not None:
+            part("step_curve_control_compiled",
+                 lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, "auto"))
     if "variants" in parts and device.type == "cuda":
         part("variants", lambda: layout_variants(models, log))
     results.save(rec)
@@ -327,17 +336,27 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
     return rec
 
 
+CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled")
+
+
 def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: bool,
-               part: Callable[[str, Callable[[], object]], None]) -> None:
-    """(a) diffusers, (c) bcg cold, (d) bcg after capture, (b) diffusers + torch.compile, in that order."""
+               part: Callable[[str, Callable[[], object]], None], contenders: set[str]) -> None:
+    """(a) diffusers, (c) bcg cold, (d) bcg after capture, (e) bcg with the compiled kernels from the
+    cache (a new render: loading them, checking and capturing is counted), (b) diffusers +
+    torch.compile, in that order."""
+    cuda = models.device.type == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
-        part("a_diffusers", lambda: loop.run_job(job, Path(tmp) / "a"))
-        part("c_bcg_cold", lambda: _bcg(job, models, Path(tmp) / "c"))
-        if models.device.type == "cuda":
+        if "a_diffusers" in contenders:
+            part("a_diffusers", lambda: loop.run_job(job, Path(tmp) / "a"))
+        if "c_bcg_cold" in contenders:
+            part("c_bcg_cold", lambda: _bcg(job, models, Path(tmp) / "c"))
+        if cuda and "d_bcg_warm" in contenders:
             def warm():
                 runner, warm_s = _warm_runner(job, models)
                 return _bcg(job, models, Path(tmp) / "d", engine=runner) | {"capture_warm_s": warm_s}
             part("d_bcg_warm", warm)
+        if cuda and "e_bcg_compiled" in contenders:
+            part("e_bcg_compiled", lambda: _bcg(job, models, Path(tmp) / "e", compile="auto"))
         if with_compile:
             loop.compile_unet()
             part("b_compile_first", lambda: loop.run_job(job, Path(tmp) / "b1"))
@@ -345,15 +364,17 @@ def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: 
 
 
 def _ratios(rec: dict, log: Callable[[str], None]) -> None:
-    for k in ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "b_compile_first", "b_compile_steady"):
+    ours = ("c_bcg_cold", "d_bcg_warm", "e_bcg_compiled")
+    for k in ("a_diffusers", *ours, "b_compile_first", "b_compile_steady"):
         if k in rec:
             log(f"{k}: {json.dumps(rec[k])}")
     base = rec["a_diffusers"]["images_per_s"] if "a_diffusers" in rec else float("nan")
     rec["ratios_vs_a"] = {k: rec[k]["images_per_s"] / base for k in
-                          ("c_bcg_cold", "d_bcg_warm", "b_compile_first", "b_compile_steady") if k in rec}
-    if "b_compile_first" in rec and "d_bcg_warm" in rec:
-        rec["d_vs_b_first"] = rec["d_bcg_warm"]["images_per_s"] / rec["b_compile_first"]["images_per_s"]
-        rec["d_vs_b_steady"] = rec["d_bcg_warm"]["images_per_s"] / rec["b_compile_steady"]["images_per_s"]
+                          (*ours, "b_compile_first", "b_compile_steady") if k in rec}
+    for k in ("d_bcg_warm", "e_bcg_compiled"):
+        for b in ("b_compile_first", "b_compile_steady"):
+            if k in rec and b in rec:
+                rec[f"{k[:1]}_vs_{b[0]}_{b.rsplit('_', 1)[1]}"] = rec[k]["images_per_s"] / rec[b]["images_per_s"]
 
 
 def _part(rec: dict, key: str, log: Callable[[str], None], fn: Callable[[], object], results: Results) -> None:
@@ -380,7 +401,8 @@ def markdown(rec: dict) -> str:
            "model loading excluded from every wall time", ""]
     names = {"a_diffusers": "(a) diffusers pipeline loop", "b_compile_first": "(b) + torch.compile, first pass",
              "b_compile_steady": "(b) + torch.compile, steady state", "c_bcg_cold": "(c) bcg render, cold",
-             "d_bcg_warm": "(d) bcg render after capture --warm"}
+             "d_bcg_warm": "(d) bcg render after capture --warm",
+             "e_bcg_compiled": "(e) bcg render, compiled kernels from the cache"}
     rows = [k for k in names if k in rec]
     if rows:
         out += ["| contender | wall s | images/s | vs (a) | peak GPU MB |", "|---|---:|---:|---:|---:|"]
@@ -404,7 +426,7 @@ def markdown(rec: dict) -> str:
                 f"bcg graph {s.get('bcg_graph_s', float('nan')):.3f} s "
                 f"({s.get('speedup_vs_diffusers', float('nan')):.2f}x); first render with capture "
                 f"{s.get('bcg_graph_first_s', float('nan')):.3f} s", ""]
-    for key in ("step_curve", "step_curve_control"):
+    for key in ("step_curve", "step_curve_control", "step_curve_compiled", "step_curve_control_compiled"):
         if key in rec:
             out += [f"Step microbenchmark ({key.replace('_', ' ')}), matmul rate {rec['matmul_tflops']:.0f} TFLOP/s:",
                     "", "| shape | eager ms | graph ms | speedup | graph ms/image | TFLOP/step | share of matmul rate |",

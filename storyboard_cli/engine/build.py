@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from storyboard_cli.engine.base import Engine, Shape
-from storyboard_cli.engine.eager import EagerEngine, StepCalls
+from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.errors import BadInput
 from storyboard_cli.models.loader import SdxlModels
 
@@ -57,28 +59,35 @@ def check_engine(kind: str, compile: str, device: torch.device) -> None:
         raise BadInput("--compile on runs compiled kernels inside the CUDA graphs (use --engine graph or auto)")
 
 
-def step_calls(compile: str) -> tuple[StepCalls | None, str]:
-    """The one place that chooses the step's module calls and the graphs' ShapeKey.variant: the eager
-    modules ("plain") for now; compiled kernels ("compiled") plug in here (they will want the models,
-    and notes to say why `auto` fell back)."""
-    if compile == "on":
-        raise BadInput("--compile on: compiled kernels are not available in this version (use --compile auto "
-                       "or off)")
-    return None, "plain"
+def compiled_calls(models: SdxlModels, compile: str, notes: list[str], on_event: Callable | None = None):
+    """The one place that chooses compiled kernels for the graphs (engine/compiled.py): "off" never;
+    "auto" when the cache has them for this model, GPU and torch (else a note on what `bcg capture
+    --warm` would buy); "on" builds what is missing first (minutes, with progress events)."""
+    if compile == "off" or models.device.type != "cuda":
+        return None
+    from storyboard_cli.engine import compiled
+
+    if compile == "on" and compiled.missing(models):
+        notes.extend(compiled.build_missing(models, models.name, models.controlnet_name, dtype_name(models.dtype),
+                                            on_event))
+    calls, why = compiled.load_calls(models)
+    if calls is None:
+        notes.extend(why if compile == "on" else [compiled.advice()])
+    return calls
 
 
-def graph_runner(models: SdxlModels, shapes: list[Shape], compile: str = "auto"):
+def graph_runner(models: SdxlModels, shapes: list[Shape], compile: str = "auto", notes: list[str] | None = None,
+                 on_event: Callable | None = None):
     """A GraphRunner with static buffers that fit every shape (nothing captured yet)."""
     from storyboard_cli.engine.graphs import GraphRunner
 
-    calls, variant = step_calls(compile)
-    runner = GraphRunner(models, calls=calls, variant=variant)
+    runner = GraphRunner(models, compiled=compiled_calls(models, compile, [] if notes is None else notes, on_event))
     runner.ensure_capacity(shapes)
     return runner
 
 
 def build_engine(models: SdxlModels, kind: str, shapes: list[Shape], notes: list[str],
-                 compile: str = "auto") -> Engine:
+                 compile: str = "auto", on_event: Callable | None = None) -> Engine:
     """The engine for `kind` on the models' device. Nothing is captured here: `Engine.prepare` does it."""
     check_engine(kind, compile, models.device)
     if models.device.type != "cuda":
@@ -87,4 +96,4 @@ def build_engine(models: SdxlModels, kind: str, shapes: list[Shape], notes: list
         return EagerEngine(models)
     if kind == "eager":
         return EagerEngine(models)
-    return graph_runner(models, shapes, compile)
+    return graph_runner(models, shapes, compile, notes, on_event)

@@ -21,17 +21,23 @@ import hashlib
 import json
 import logging
 import os
+import platform
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from storyboard_cli.engine.eager import StepCalls, controlnet_call
 from storyboard_cli.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
 FORMAT = 1  # bump when the export wrappers or options below change what is compiled
+MODULES = ("unet", "controlnet")
 MAX_ROWS = 16  # 2 x the largest bucket (8 images, CFG doubled)
 LATENT_RANGE = (2, 32)  # latent side / 8, i.e. images of 128..2048 pixels a side, multiples of 64
 INDUCTOR_OPTIONS = {
@@ -135,17 +141,20 @@ def fits(batch: int, height: int, width: int) -> str | None:
 
 def artifact_key(module: str, model: torch.nn.Module) -> str:
     """Everything that changes the generated code (not the weight values, which are passed in)."""
-    import triton
-
     dev = next(model.parameters()).device
+    if dev.type == "cuda":
+        import triton
+
+        target = {"triton": triton.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(dev),
+                  "capability": torch.cuda.get_device_capability(dev)}
+    else:
+        target = {"cpu": platform.machine(), "compiler": platform.python_compiler()}
     facts = {
         "format": FORMAT, "module": module, "class": type(model).__name__,
         "config": {k: v for k, v in dict(model.config).items() if not k.startswith("_")},
         "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in model.state_dict().items()],
-        "torch": torch.__version__, "triton": triton.__version__,
-        "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(dev),
-        "capability": torch.cuda.get_device_capability(dev), "rows": MAX_ROWS, "latent": LATENT_RANGE,
-        "options": INDUCTOR_OPTIONS,
+        "torch": torch.__version__, "rows": MAX_ROWS, "latent": LATENT_RANGE, "options": INDUCTOR_OPTIONS,
+        **target,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -196,3 +205,167 @@ def load(module: str, models: Any, path: Path) -> Callable:
     compiled.load_constants(constants, check_full_update=True, user_managed=True)
     compiled.bcg_constants = constants  # user-managed: the loader keeps pointers, we keep the tensors alive
     return compiled
+
+
+def loads_here(path: Path) -> bool:
+    """Whether the artifact loads on this machine, tried once in a child process (a broken or foreign
+    shared library can take the loading process down, which must never be a render); remembered in a
+    marker file next to it."""
+    marker = path.with_suffix(".ok")
+    if marker.is_file() and marker.stat().st_mtime >= path.stat().st_mtime:
+        return True
+    code = "import sys, torch._inductor as i; i.aoti_load_package(sys.argv[1])"
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False
+    if done.returncode != 0:
+        log.warning("compiled artifact %s does not load here (exit %s)", path.name, done.returncode)
+        return False
+    marker.write_text("loaded\n")
+    return True
+
+
+class CompiledCalls(StepCalls):
+    """The step's module calls on compiled kernels (see StepCalls), for shapes inside the compiled ranges.
+
+    A shape without ControlNet feeds the UNet's residual inputs from one zero buffer (read-only views:
+    the compiled code never writes its inputs); without a ControlNet artifact the ControlNet runs as
+    the plain module inside the same graph."""
+
+    def __init__(self, models: Any, unet: Callable, controlnet: Callable | None):
+        self.models, self.residuals = models, Residuals.of(models.unet)
+        self._compiled_unet, self._compiled_cn = unet, controlnet
+        plain_cn = None if models.controlnet is None else partial(controlnet_call, models.controlnet)
+        super().__init__(self._unet, self._controlnet if controlnet is not None else plain_cn)
+        self.zeros = torch.zeros(0, dtype=models.dtype, device=models.device)
+
+    def reserve(self, max_batch: int, max_pixels: int) -> None:
+        """The zero residuals for the largest shape, allocated before any capture (graphs keep the pointer)."""
+        rows, latent = 2 * max_batch, max_pixels // 64
+        need = rows * max(c * latent // (d * d) for c, d in (*self.residuals.down, self.residuals.mid))
+        if self.zeros.numel() < need:
+            self.zeros = torch.zeros(need, dtype=self.models.dtype, device=self.models.device)
+
+    def _zero_residuals(self, rows: int, h: int, w: int):
+        def view(c: int, d: int) -> torch.Tensor:
+            return self.zeros[: rows * c * (h // d) * (w // d)].view(rows, c, h // d, w // d)
+        return view(*self.residuals.mid), tuple(view(c, d) for c, d in self.residuals.down)
+
+    def _unet(self, latents, t, embeds, pooled, time_ids, mid, down):
+        if mid is None:
+            mid, down = self._zero_residuals(latents.shape[0], latents.shape[2], latents.shape[3])
+        # the exported call takes the timestep as a scalar: the step passes it expanded to [2B]
+        return self._compiled_unet(latents, t.reshape(-1)[0], embeds, pooled, time_ids, mid, tuple(down))
+
+    def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):
+        return self._compiled_cn(latents, t.reshape(-1)[0], embeds, pooled, time_ids, image, scale)
+
+    def fits(self, batch: int, height: int, width: int) -> str | None:
+        return fits(batch, height, width)
+
+
+@dataclass
+class CompileEvent:
+    module: str
+    state: str  # "compiling" | "done" | "failed"
+    elapsed_s: float
+    estimate_s: float
+    message: str = ""
+
+
+def missing(models: Any, root: Path | None = None) -> list[str]:
+    """The modules of `models` without a usable artifact in the cache."""
+    todo = []
+    for module in (m for m in MODULES if m == "unet" or models.controlnet is not None):
+        path = artifact_path(module, _module(models, module), root)
+        if path.is_file() and not loads_here(path):
+            path.unlink()  # corrupt or foreign: rebuilt
+        if not path.is_file():
+            todo.append(module)
+    return todo
+
+
+def _module(models: Any, module: str) -> torch.nn.Module:
+    return models.unet if module == "unet" else models.controlnet
+
+
+def build_missing(models: Any, model_spec: str, controlnet_spec: str | None, dtype: str,
+                  on_event: Callable[[CompileEvent], None] | None = None, root: Path | None = None) -> list[str]:
+    """Builds every missing artifact, one child process per module, in parallel; returns failure notes.
+    Children load the weights themselves (their compile holds memory the parent's render would want)."""
+    on_event = on_event or (lambda e: None)
+    todo = missing(models, root)
+    procs = {}
+    for module in todo:
+        path = artifact_path(module, _module(models, module), root)
+        cmd = [sys.executable, "-m", "storyboard_cli.engine.compiled", module, model_spec, controlnet_spec or "-",
+               dtype, str(path)]
+        procs[module] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), path)
+    t0, notes = time.perf_counter(), []
+    while procs:
+        for module, (proc, path) in list(procs.items()):
+            elapsed = time.perf_counter() - t0
+            if proc.poll() is None:
+                on_event(CompileEvent(module, "compiling", elapsed, ESTIMATE_S[module]))
+                continue
+            del procs[module]
+            out, err = proc.communicate()
+            if proc.returncode == 0 and path.is_file() and loads_here(path):
+                on_event(CompileEvent(module, "done", elapsed, ESTIMATE_S[module]))
+            else:
+                last = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]
+                notes.append(f"compiling the {module} failed: {last}")
+                on_event(CompileEvent(module, "failed", elapsed, ESTIMATE_S[module], last))
+        time.sleep(0.5)
+    return notes
+
+
+def load_calls(models: Any, root: Path | None = None) -> tuple[CompiledCalls | None, list[str]]:
+    """CompiledCalls from the cache, or None with the reason. Never raises: a missing, stale (other key),
+    corrupt or foreign artifact means the plain graphs."""
+    path = artifact_path("unet", models.unet, root)
+    if not path.is_file():
+        return None, ["no compiled kernels for this model, GPU and torch in the cache"]
+    loaded = {}
+    for module in ("unet", "controlnet"):
+        if module == "controlnet" and models.controlnet is None:
+            continue
+        p = artifact_path(module, _module(models, module), root)
+        if not p.is_file():
+            continue
+        try:
+            if not loads_here(p):
+                raise RuntimeError("it does not load on this machine")
+            loaded[module] = load(module, models, p)
+        except Exception as e:  # noqa: BLE001 - any broken artifact: plain graphs, and say why
+            if module == "unet":
+                return None, [f"compiled kernels not used: {p.name}: {str(e).splitlines()[0][:200]}"]
+    return CompiledCalls(models, loaded["unet"], loaded.get("controlnet")), []
+
+
+# Measured on one H200 (docs/PERFORMANCE.md, "Compiled kernels"): cold compile seconds per module,
+# for the progress estimate and the advice below.
+ESTIMATE_S = {"unet": 365.0, "controlnet": 210.0}
+
+
+def advice() -> str:
+    minutes = max(ESTIMATE_S.values()) / 60
+    return (f"compiled kernels are not in the cache: `bcg capture JOB --warm` compiles them once (about "
+            f"{minutes:.0f} minutes on an H200; docs/PERFORMANCE.md has the speed-up) and every later render "
+            f"loads them in seconds")
+
+
+def _main(argv: list[str]) -> None:
+    """Child process of build_missing: MODULE MODEL CONTROLNET DTYPE PATH."""
+    from storyboard_cli.engine.build import resolve_device
+    from storyboard_cli.models.loader import load_sdxl
+
+    module, model_spec, controlnet_spec, dtype, path = argv
+    device, dt = resolve_device("cuda" if torch.cuda.is_available() else "cpu", dtype)
+    models = load_sdxl(model_spec, None if controlnet_spec == "-" else controlnet_spec, device, dt)
+    build(module, models, Path(path))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

@@ -76,6 +76,7 @@ class _Views:
     """The static buffers sliced and shaped for one ShapeKey."""
 
     def __init__(self, r: GraphRunner, key: ShapeKey):
+        self.key = key
         b, h, w = key.batch, key.height // 8, key.width // 8
         n = b * 4 * h * w
         self.x = r.x[:n].view(b, 4, h, w)
@@ -93,8 +94,11 @@ class GraphRunner:
     name = "graph"
 
     def __init__(self, models: SdxlModels, max_batch: int = 1, max_hw: tuple[int, int] = (64, 64),
-                 calls: StepCalls | None = None, variant: str = "plain"):
-        self.models, self.calls, self.variant = models, calls, variant
+                 compiled: StepCalls | None = None):
+        """`compiled`: compiled module calls (engine/compiled.py CompiledCalls) for the shapes they fit;
+        those shapes get ShapeKey.variant "compiled", the rest (and any that fails its check) "plain"."""
+        self.models, self.compiled = models, compiled
+        self.demoted: set[tuple[int, int, int, bool]] = set()  # compiled shapes that fell back to plain
         self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
@@ -121,6 +125,8 @@ class GraphRunner:
         has_control = m.controlnet is not None
         self.control_image = torch.zeros(rows * 3 * max_pixels if has_control else 0, device=dev, dtype=m.dtype)
         self.control_scale = torch.zeros(rows, 1, 1, 1, device=dev, dtype=m.dtype)
+        if self.compiled is not None:
+            self.compiled.reserve(max_batch, max_pixels)
 
     def ensure_capacity(self, shapes: list[Shape]) -> None:
         """Grows the static buffers to fit every shape. Graphs hold pointers into the old buffers, so
@@ -137,7 +143,10 @@ class GraphRunner:
         return shape.batch <= self.max_batch and shape.height * shape.width <= self.max_pixels
 
     def shape_key(self, batch: int, height: int, width: int, control: bool) -> ShapeKey:
-        return ShapeKey(batch, height, width, control, dtype_name(self.models.dtype), self.variant)
+        compiled = (self.compiled is not None and (batch, height, width, control) not in self.demoted
+                    and self.compiled.fits(batch, height, width) is None)
+        return ShapeKey(batch, height, width, control, dtype_name(self.models.dtype),
+                        "compiled" if compiled else "plain")
 
     def can_run(self, shape: Shape) -> bool:
         """Whether `shape` replays a graph (it has not fallen back to eager)."""
@@ -148,8 +157,9 @@ class GraphRunner:
 
     def _step(self, v: _Views) -> None:
         row = self.table.index_select(0, self.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
+        calls = self.compiled if v.key.variant == "compiled" else None
         x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance,
-                                       self.calls)
+                                       calls)
         v.x.copy_(x_next)
         v.prev.copy_(denoised)
         self.index.add_(1)
@@ -202,10 +212,13 @@ class GraphRunner:
         return graph
 
     def _mark_eager(self, key: ShapeKey, reason: str) -> None:
+        """A plain shape runs eager from now on; a compiled one falls back to the plain graph."""
         stats = self.stats.setdefault(key, GraphStats(key))
-        stats.state, stats.reason = "eager", reason
+        stats.state, stats.reason = ("plain" if key.variant == "compiled" else "eager"), reason
         self.graphs.pop(key, None)
-        log.warning("graph %s falls back to eager: %s", key.label, reason)
+        if key.variant == "compiled":
+            self.demoted.add((key.batch, key.height, key.width, key.control))
+        log.warning("graph %s falls back to %s: %s", key.label, stats.state, reason)
 
     def graph(self, key: ShapeKey) -> torch.cuda.CUDAGraph | None:
         """The graph for `key`, captured on first use; None if this shape runs eager."""
@@ -291,6 +304,8 @@ class GraphRunner:
             if not self._check(key, graph, _Views(self, key), x, sched, cond, control, guidance):
                 graph = None
         if graph is None:
+            if key.variant == "compiled":  # fell back: the plain graph for this shape
+                return self.sample(x, sched, noise, cond, control, guidance)
             return self.eager.sample(x, sched, noise, cond, control, guidance)
         v = _Views(self, key)
         self._load(v, x, sched, cond, control, guidance)
