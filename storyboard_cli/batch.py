@@ -1,27 +1,34 @@
 """BatchRunner: one batch of work items -> latents -> pixels. Compute only: no files, no policy.
 
-Owns what the batches of one job share: sigma schedules, the prompt cache, the control images (a
-bounded cache), the engine it denoises with and the eager engine it falls back to when told.
+Owns what the batches of one job share: sigma schedules, the prompt cache and the control images (both
+bounded), the LoRA weights (swapped in place before a batch that needs another set), the engine it
+denoises with and the eager engine it falls back to when told.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import OrderedDict
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
-from storyboard_cli.conditioning import Control, PromptCache, conditioning, control, load_control_image
+from storyboard_cli.conditioning import (BoundedCache, Control, PromptCache, conditioning, control, control_pixels,
+                                         guided_rows, read_control_image)
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.errors import ModelError
+from storyboard_cli.job import LoraFile
 from storyboard_cli.models.loader import SdxlModels
+from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
 from storyboard_cli.plan import Batch, WorkItem
 from storyboard_cli.report import Timings
 from storyboard_cli.sampling import Schedule, draw_noise, schedule
 
-CONTROL_CACHE = 32  # control images kept decoded (a 1024x1024 one is 12 MB as float32)
+CONTROL_CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x1024 one is 3 MB)
 
 
 def batch_shapes(batches: list[Batch]) -> list[Shape]:
@@ -52,14 +59,72 @@ class Decoded:
     failure: str = ""
 
 
+class Denoised(list):
+    """run_batch's result: (item, latents [4, h, w]) for each row that was denoised, and in `failed` the
+    images that could not be (their control image broke since `plan`), each with its reason."""
+
+    def __init__(self, done: Iterable[tuple[WorkItem, torch.Tensor]] = (), failed: Iterable[Decoded] = ()):
+        super().__init__(done)
+        self.failed = list(failed)
+
+
+# what PIL raises for a control image it cannot decode
+CONTROL_ERRORS = (OSError, ValueError, SyntaxError, EOFError, zlib.error)
+
+
 class BatchRunner:
-    def __init__(self, models: SdxlModels, engine: Engine, timings: Timings | None = None):
+    """`loras`: every LoRA file the job uses, read and registered now (before the engine captures or
+    compiles anything, where the caller creates the runner first): a bad file fails before any batch,
+    and the pristine weights are copied before any write. A file not given here is read when first needed."""
+
+    def __init__(self, models: SdxlModels, engine: Engine, timings: Timings | None = None,
+                 loras: Iterable[LoraFile] = ()):
         self.models, self.engine = models, engine
         self.fallback: Engine = EagerEngine(models)  # for the out-of-memory policy's last retry
         self.timings = timings or Timings()
         self.prompts = PromptCache(models)
         self.schedules: dict[tuple[str, int], Schedule] = {}
-        self.controls: OrderedDict[tuple[Path, int, int], torch.Tensor] = OrderedDict()
+        self.controls = BoundedCache(CONTROL_CACHE_BYTES)
+        self.lora = LoraApplier(models)
+        self._lora_weights: dict[tuple[Path, str], LoraWeights] = {}
+        for f in loras:
+            self.lora_weights(f)
+
+    def lora_weights(self, f: LoraFile) -> LoraWeights:
+        """The LoRA's layers, read through diffusers' converters once and registered with the applier."""
+        key = (f.path, f.sha256)
+        if key not in self._lora_weights:
+            weights = read_lora(f.name, f.path, self.models.unet.config)
+            if weights.hash != f.sha256:  # the outputs would record the other file's hash
+                raise ModelError(f"LoRA '{f.name}' ({f.path}) changed since the job was read; run again")
+            self.lora.register(weights)
+            self._lora_weights[key] = weights
+        return self._lora_weights[key]
+
+    def apply_loras(self, item: WorkItem) -> tuple:
+        """Puts the item's LoRA set into the weights (in place; nothing when it is already there). Returns
+        the prompt cache's part of the set: the LoRAs that change the text encoders."""
+        active = {f.name: (self.lora_weights(f), scale) for f, scale in item.loras}
+        if set_key(active) != self.lora.active_key:
+            with self.timings.stage("lora"):
+                self.lora.apply(active)
+        return set_key(active, text_only=True)
+
+    def lora_swaps(self) -> list[Swap]:
+        """Every change of LoRA set so far (the first one from the model's own weights included)."""
+        return list(self.lora.swaps)
+
+    def lora_summary(self) -> dict:
+        """For the report: swaps, their time, and the memory the pristine copies hold."""
+        swaps = self.lora.swaps
+        return {"swaps": len(swaps), "swap_s": round(sum(s.seconds for s in swaps), 4),
+                "median_swap_s": round(statistics.median(s.seconds for s in swaps), 4) if swaps else 0.0,
+                "layers_per_swap": max((s.layers for s in swaps), default=0),
+                "pristine_bytes": self.lora.resident_bytes()}
+
+    def close(self) -> None:
+        """The models' own weights back (bit for bit), so whoever holds the models next sees them unchanged."""
+        self.lora.restore()
 
     def schedule(self, sampler: str, steps: int) -> Schedule:
         key = (sampler, steps)
@@ -68,34 +133,51 @@ class BatchRunner:
         return self.schedules[key]
 
     def control_image(self, path: Path, width: int, height: int) -> torch.Tensor:
+        """uint8 [3, H, W], decoded once while it stays in the bounded cache."""
         key = (path, width, height)
-        if key not in self.controls:
-            self.controls[key] = load_control_image(path, width, height)
-            if len(self.controls) > CONTROL_CACHE:
-                self.controls.popitem(last=False)
-        self.controls.move_to_end(key)
-        return self.controls[key]
+        found = self.controls.lookup(key)
+        return found if found is not None else self.controls.put(key, read_control_image(path, width, height))
 
     def control(self, items: list[WorkItem]) -> Control | None:
         if items[0].control_image is None:
             return None
         images = torch.stack([self.control_image(it.control_image, it.width, it.height) for it in items])
-        return control(images, [it.control_scale for it in items], self.models.device, self.models.dtype)
+        return control(control_pixels(images), [it.control_scale for it in items], self.models.device,
+                       self.models.dtype)
 
-    def run_batch(self, batch: Batch, fallback: bool = False) -> list[tuple[WorkItem, torch.Tensor]]:
+    def readable(self, items: Iterable[WorkItem]) -> tuple[list[WorkItem], list[Decoded]]:
+        """The items whose control image decodes, and a failure naming the file for each other one: a
+        file that broke after `plan` fails only the images that use it."""
+        ok, failed = [], []
+        for it in items:
+            try:
+                if it.control_image is not None:
+                    self.control_image(it.control_image, it.width, it.height)
+                ok.append(it)
+            except CONTROL_ERRORS as e:
+                why = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
+                failed.append(Decoded(it, None, f"control image {it.control_image} cannot be read: {why}"))
+        return ok, failed
+
+    def run_batch(self, batch: Batch, fallback: bool = False) -> Denoised:
         """Denoises one batch (on the fallback engine if told); returns (item, latents [4, h, w]) for its
-        real rows."""
+        real rows, and the rows it could not run in `.failed`."""
         m, key = self.models, batch.key
-        rows = list(batch.items) + [batch.items[-1]] * batch.padding  # a padded row copies a real row
+        items, failed = self.readable(batch.items)
+        if not items:
+            return Denoised((), failed)
+        rows = items + [items[-1]] * (batch.size - len(items))  # a padded row copies a real row
         sched = self.schedule(key.sampler, key.steps)
+        text_loras = self.apply_loras(items[0])  # one set per batch: it is in the bucket key
         with self.timings.stage("encode"):
-            cond = conditioning(self.prompts, [r.prompt for r in rows], [r.negative for r in rows],
-                                key.width, key.height)
+            prompts = [r.prompt for r in rows]
+            negatives, guidance = guided_rows(prompts, [r.negative for r in rows], [r.guidance for r in rows])
+            cond = conditioning(self.prompts, prompts, negatives, key.width, key.height, text_loras)
             ctl = self.control(rows)
             x, noise = draw_noise([r.seed for r in rows], key.steps, (4, key.height // 8, key.width // 8), sched)
             x = x.to(m.device)
             noise = None if noise is None else noise.to(m.device)
-            guidance = torch.tensor([r.guidance for r in rows], device=m.device, dtype=torch.float32)
+            guidance = torch.tensor(guidance, device=m.device, dtype=torch.float32)
         engine = self.fallback if fallback else self.engine
         t0 = time.perf_counter()
         with self.timings.stage("denoise"):
@@ -105,10 +187,13 @@ class BatchRunner:
         bt.rows += 2 * batch.size
         bt.steps += key.steps
         bt.denoise_s += time.perf_counter() - t0
-        return list(zip(batch.items, latents[: len(batch.items)]))
+        return Denoised(zip(items, latents[: len(items)]), failed)
 
-    def decode(self, done: list[tuple[WorkItem, torch.Tensor]]) -> list[Decoded]:
-        """Latents -> PNG-ready pixels; an image with NaN/inf in its latents or pixels is a failure."""
+    def decode(self, done: Denoised) -> list[Decoded]:
+        """Latents -> PNG-ready pixels; an image with NaN/inf in its latents or pixels is a failure, and so
+        is every image run_batch could not run (`Denoised.failed`)."""
+        if not done:
+            return list(done.failed)
         with self.timings.stage("decode"):
             latents = torch.stack([lat for _, lat in done])
             finite_latents = torch.isfinite(latents).flatten(1).all(1)
@@ -123,7 +208,7 @@ class BatchRunner:
                 out.append(Decoded(item, None, "NaN/inf in the decoded pixels"))
             else:
                 out.append(Decoded(item, pixels[i]))
-        return out
+        return out + done.failed
 
     def release(self) -> None:
         """After an out-of-memory: the engine gives back what it holds for speed."""

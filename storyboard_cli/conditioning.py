@@ -6,8 +6,10 @@ zeros for an empty negative prompt (force_zeros_for_empty_prompt); add_time_ids.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Hashable
 
 import torch
 
@@ -49,25 +51,77 @@ def encode_text(models: SdxlModels, prompts: list[str]) -> tuple[torch.Tensor, t
     return torch.cat(hidden, dim=-1), pooled
 
 
+class BoundedCache(OrderedDict):
+    """Least recently used entries go first once the tensors held pass `max_bytes`: memory stays flat
+    however many distinct prompts or control images a job has."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__()
+        self.max_bytes, self.nbytes = max_bytes, 0
+
+    @staticmethod
+    def _size(value) -> int:
+        tensors = value if isinstance(value, tuple) else (value,)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def lookup(self, key: Hashable):
+        """The value (now the most recently used), or None."""
+        if key not in self:
+            return None
+        self.move_to_end(key)
+        return self[key]
+
+    def put(self, key: Hashable, value):
+        self[key] = value
+        self.nbytes += self._size(value)
+        while self.nbytes > self.max_bytes and len(self) > 1:
+            _, old = self.popitem(last=False)
+            self.nbytes -= self._size(old)
+        return value
+
+
+PROMPT_CACHE_BYTES = 256 << 20  # ~800 SDXL prompts (77 x 2048 fp16 + pooled)
+
+
 class PromptCache:
-    """Encodes each distinct prompt once per job."""
+    """Encodes each distinct prompt once per job (per text-encoder LoRA set: those change the embeddings),
+    keeping the most recently used within PROMPT_CACHE_BYTES."""
 
-    def __init__(self, models: SdxlModels):
+    def __init__(self, models: SdxlModels, max_bytes: int = PROMPT_CACHE_BYTES):
         self.models = models
-        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache = BoundedCache(max_bytes)
 
-    def get(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        todo = sorted({p for p in prompts if p and p not in self._cache})
+    def get(self, prompts: list[str], lora_key: Hashable = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 77, C] embeds and [N, P] pooled for these prompts; "" gives zeros (diffusers'
+        force_zeros_for_empty_prompt: only negative prompts are ever empty). `lora_key` names the
+        text-encoder LoRAs applied now (models.lora.set_key(active, text_only=True))."""
+        rows = {}  # held here for this call: the cache may drop some as it fills
+        for p in {p for p in prompts if p}:
+            found = self._cache.lookup((lora_key, p))
+            if found is not None:
+                rows[p] = found
+        todo = sorted({p for p in prompts if p and p not in rows})
         if todo:
             embeds, pooled = encode_text(self.models, todo)
-            for i, p in enumerate(todo):
-                self._cache[p] = (embeds[i], pooled[i])
-        some = next(iter(self._cache.values()), None)
+            for i, p in enumerate(todo):  # clones: a cached row must not hold the whole batch's tensor
+                rows[p] = self._cache.put((lora_key, p), (embeds[i].clone(), pooled[i].clone()))
+        some = next(iter(rows.values()), None)
         if some is None:  # every prompt empty: shapes from one encode of ""
             e, p = encode_text(self.models, [""])
             some = (e[0], p[0])
-        rows = [self._cache[p] if p else (torch.zeros_like(some[0]), torch.zeros_like(some[1])) for p in prompts]
-        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+        zeros = (torch.zeros_like(some[0]), torch.zeros_like(some[1]))
+        picked = [rows[p] if p else zeros for p in prompts]
+        return torch.stack([r[0] for r in picked]), torch.stack([r[1] for r in picked])
+
+
+def guided_rows(prompts: list[str], negatives: list[str], guidance: list[float]
+                ) -> tuple[list[str], list[float]]:
+    """(negative prompts, guidance) for the CFG-doubled step, as diffusers decides: guidance_scale <= 1
+    means no classifier-free guidance, the prompt alone. Such a row's negative half repeats its prompt
+    with guidance 1, so eps_neg == eps_pos and the combine gives the prompt's eps exactly."""
+    cfg = [g > 1 for g in guidance]
+    return ([n if on else p for p, n, on in zip(prompts, negatives, cfg)],
+            [g if on else 1.0 for g, on in zip(guidance, cfg)])
 
 
 def time_ids(width: int, height: int, rows: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -76,15 +130,17 @@ def time_ids(width: int, height: int, rows: int, dtype: torch.dtype, device: tor
     return ids.expand(rows, 6)
 
 
-def conditioning(cache: PromptCache, positives: list[str], negatives: list[str], width: int, height: int) -> Cond:
+def conditioning(cache: PromptCache, positives: list[str], negatives: list[str], width: int, height: int,
+                 lora_key: Hashable = ()) -> Cond:
     """CFG-doubled conditioning for one batch: [negatives..., positives...]."""
-    embeds, pooled = cache.get(list(negatives) + list(positives))
+    embeds, pooled = cache.get(list(negatives) + list(positives), lora_key)
     m = cache.models
     return Cond(embeds, pooled, time_ids(width, height, embeds.shape[0], m.dtype, m.device))
 
 
-def load_control_image(path: Path, width: int, height: int) -> torch.Tensor:
-    """[3, H, W] in [0, 1], as diffusers' ControlNet image processor (RGB, resized, not normalised)."""
+def read_control_image(path: Path, width: int, height: int) -> torch.Tensor:
+    """uint8 [3, H, W]: RGB, resized as diffusers' ControlNet image processor (a quarter of the float's
+    memory while cached). Raises what PIL raises for a file it cannot decode."""
     from PIL import Image
 
     with Image.open(path) as im:
@@ -92,4 +148,14 @@ def load_control_image(path: Path, width: int, height: int) -> torch.Tensor:
         if im.size != (width, height):
             im = im.resize((width, height), Image.LANCZOS)
         data = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
-    return data.view(height, width, 3).permute(2, 0, 1).float() / 255.0
+    return data.view(height, width, 3).permute(2, 0, 1)
+
+
+def control_pixels(image: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 3, H, W] -> float in [0, 1], not normalised (as diffusers' ControlNet image processor)."""
+    return image.float() / 255.0
+
+
+def load_control_image(path: Path, width: int, height: int) -> torch.Tensor:
+    """[3, H, W] in [0, 1], as diffusers' ControlNet image processor (RGB, resized, not normalised)."""
+    return control_pixels(read_control_image(path, width, height))

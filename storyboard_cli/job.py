@@ -6,15 +6,18 @@ Every error names file:line, the shot id and the field, in one line (errors.JobE
 from __future__ import annotations
 
 import difflib
+import io
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from storyboard_cli.digests import relative_to_job, remember_sha256
 from storyboard_cli.errors import JobError
+from storyboard_cli.models.lora import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 
 NAMED_SIZES = {
@@ -29,8 +32,9 @@ MAX_CANDIDATES = 64
 MAX_BUCKET = 64
 MAX_SEED = 2**63 - 1 - MAX_CANDIDATES
 
-TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "defaults", "shots")
-SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control")
+TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots")
+SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control",
+             "lora")
 CONTROL_KEYS = ("image", "scale")
 SHOT_DEFAULTS: dict[str, Any] = {
     "negative": "",
@@ -40,14 +44,32 @@ SHOT_DEFAULTS: dict[str, Any] = {
     "guidance": 5.0,
     "sampler": "euler",
 }
-SHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+SHOT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: '$' lets a trailing newline in
 SAFE_NAME = SHOT_ID
+SAFE_NAME_RULE = "must be 1-64 letters, digits, '_', '-' or '.', starting with a letter or digit"
+# what bcg itself keeps in an output folder (report.py, outputs.py, sheet.py, picks.py): a shot's folder
+# must not take one of these names (compared case-folded: case-insensitive file systems)
+RESERVED_IDS = ("report.json", "report.md", "manifest.jsonl", "index.html", "selects", "thumbs", "picks.json",
+                "picks.yaml")
 
 
 @dataclass(frozen=True)
 class Control:
     image: Path  # absolute, resolved against the job file's folder
     scale: float
+    file: str = ""  # the image as seen from the job file's folder: what the outputs record
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    """One entry of the job's `loras:`, checked (format, architecture) and hashed at load time."""
+
+    name: str
+    path: Path  # absolute, resolved against the job file's folder
+    file: str  # as seen from the job file's folder: what the outputs record
+    sha256: str  # of the tensor bytes (A1111's addnet hash): a changed file re-renders its shots
+    shorthash: str  # what A1111 writes in `Lora hashes`
+    text_encoders: bool  # whether it changes the prompt embeddings
 
 
 @dataclass(frozen=True)
@@ -64,6 +86,8 @@ class Shot:
     sampler: str
     control: Control | None
     line: int
+    first_candidate: int = 0  # > 0 only for candidates added later (bcg render --reroll)
+    loras: tuple[tuple[str, float], ...] = ()  # (name in Job.loras, scale), sorted by name, no zero scales
 
 
 @dataclass(frozen=True)
@@ -75,6 +99,7 @@ class Job:
     output_dir: Path
     buckets: tuple[int, ...]
     shots: tuple[Shot, ...]
+    loras: dict[str, LoraFile] = field(default_factory=dict)  # the top-level `loras:`, by name
 
 
 # ---------------------------------------------------------------- YAML with line numbers
@@ -162,6 +187,7 @@ class _Ctx:
 
     def __init__(self, file: str):
         self.file = file
+        self.images_checked: set[Path] = set()  # control images decoded once per job, however many shots use them
 
     def fail(self, line: int | None, shot: str | None, field: str | None, message: str) -> JobError:
         return JobError(self.file, line, shot, field, message)
@@ -242,7 +268,7 @@ def _default_seed(shot_id: str) -> int:
 
 
 def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: Path, has_controlnet: bool,
-                  list_line: int) -> Shot:
+                  list_line: int, loras: dict[str, LoraFile]) -> Shot:
     if not isinstance(raw, _Located):
         raise ctx.fail(list_line, f"#{index + 1}", None, f"a shot must be a mapping, got {_type_name(raw)}")
     shot_id = raw.get("id")
@@ -251,9 +277,11 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     label = shot_id if isinstance(shot_id, str) else f"#{index + 1}"
     id_line = _line_of(raw, "id")
     shot_id = _as_str(ctx, shot_id, id_line, label, "id", empty_ok=False)
-    if not SHOT_ID.match(shot_id):
-        raise ctx.fail(id_line, label, "id", "must be 1-64 letters, digits, '_', '-' or '.', starting with a "
-                       "letter or digit (it names a folder)")
+    if not SHOT_ID.fullmatch(shot_id):
+        raise ctx.fail(id_line, label, "id", f"{SAFE_NAME_RULE} (it names a folder)")
+    if shot_id.lower() in RESERVED_IDS:
+        raise ctx.fail(id_line, label, "id", f"'{shot_id}' is a name bcg uses in the output folder "
+                       f"({', '.join(RESERVED_IDS)}); choose another")
     _check_keys(ctx, raw, SHOT_KEYS, shot_id)
 
     def get(field: str) -> tuple[Any, int | None]:
@@ -269,8 +297,12 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     if prompt is None:
         raise ctx.fail(line, shot_id, "prompt", "missing")
     prompt = _as_str(ctx, prompt, line, shot_id, "prompt", empty_ok=False)
+    prompt, lora_scales = _shot_loras(ctx, prompt, line, *get("lora"), shot_id, loras)
     negative, line = get("negative")
     negative = "" if negative is None else _as_str(ctx, negative, line, shot_id, "negative", empty_ok=True)
+    if LORA_TAG.search(negative):
+        raise ctx.fail(line, shot_id, "negative", "a <lora:...> tag cannot go in the negative prompt; "
+                       "put it in the prompt or in 'lora:'")
     candidates = _as_int(ctx, *get("candidates"), shot_id, "candidates", 1, MAX_CANDIDATES)
     size, line = get("size")
     try:
@@ -290,7 +322,77 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     control, line = get("control")
     if control is not None:
         control = _resolve_control(ctx, control, line, shot_id, job_dir, has_controlnet)
-    return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler, control, raw.line)
+    return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler, control, raw.line,
+                loras=lora_scales)
+
+
+def _known_lora(ctx: _Ctx, name: Any, line: int | None, shot_id: str, field: str, loras: dict[str, LoraFile]) -> str:
+    if isinstance(name, str) and name in loras:
+        return name
+    if not loras:
+        raise ctx.fail(line, shot_id, field, f"unknown LoRA {name!r}: the job has no top-level 'loras:' "
+                       f"(name: file.safetensors)")
+    hint = difflib.get_close_matches(str(name), loras, n=1)
+    tip = f"; did you mean '{hint[0]}'?" if hint else ""
+    raise ctx.fail(line, shot_id, field, f"unknown LoRA {name!r} (the job's loras: {', '.join(loras)}){tip}")
+
+
+def _shot_loras(ctx: _Ctx, prompt: str, prompt_line: int | None, raw: Any, line: int | None, shot_id: str,
+                loras: dict[str, LoraFile]) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """The shot's `lora:` mapping and the prompt's A1111 `<lora:name:scale>` tags, merged: (the prompt
+    without its tags, ((name, scale), ...) sorted, zero scales left out). Both ways give the same image."""
+    lo, hi = SCALE_RANGE
+    scales: dict[str, float] = {}
+    if raw is not None:
+        if not isinstance(raw, dict):
+            raise ctx.fail(line, shot_id, "lora", f"must be a mapping of LoRA name: scale, like {{mei: 0.8}}, "
+                           f"got {_type_name(raw)}")
+        for name, scale in raw.items():
+            name_line = _line_of(raw, name, line)
+            name = _known_lora(ctx, name, name_line, shot_id, "lora", loras)
+            scales[name] = _as_float(ctx, scale, name_line, shot_id, f"lora.{name}", lo, hi)
+    try:
+        text, tags = split_lora_tags(prompt)
+    except ValueError as e:
+        raise ctx.fail(prompt_line, shot_id, "prompt", str(e)) from None
+    for name, scale in tags:
+        tag = f"<lora:{name}:{scale:g}>"
+        _known_lora(ctx, name, prompt_line, shot_id, "prompt", loras)
+        if not lo <= scale <= hi:
+            raise ctx.fail(prompt_line, shot_id, "prompt", f"{tag}: the weight must be between {lo:g} and {hi:g}")
+        if scales.get(name, scale) != scale:
+            raise ctx.fail(prompt_line, shot_id, "prompt", f"{tag} disagrees with the scale {scales[name]:g} "
+                           f"given for '{name}' (in 'lora:' or another tag); give it once")
+        scales[name] = scale
+    if tags and not text.strip():
+        raise ctx.fail(prompt_line, shot_id, "prompt", "nothing is left once its <lora:...> tags are removed")
+    return text, tuple(sorted((n, s) for n, s in scales.items() if s != 0))
+
+
+def _resolve_loras(ctx: _Ctx, raw: Any, line: int | None, job_dir: Path, model: str) -> dict[str, LoraFile]:
+    """The top-level `loras: {name: file.safetensors}`: every file read (header and hash, no torch) and
+    checked against the job's model, so `bcg plan` finds a bad one before any model loads."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, _Located):
+        raise ctx.fail(line, None, "loras", f"must be a mapping of name: file.safetensors, got {_type_name(raw)}")
+    out = {}
+    for name, rel in raw.items():
+        name_line = _line_of(raw, name, line)
+        if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
+            raise ctx.fail(name_line, None, f"loras.{name}", f"a LoRA name {SAFE_NAME_RULE}")
+        field_name = f"loras.{name}"
+        rel = _as_str(ctx, rel, name_line, None, field_name, empty_ok=False)
+        path = (job_dir / Path(rel).expanduser()).resolve()
+        if not path.exists():
+            raise ctx.fail(name_line, None, field_name, f"file not found: {path}")
+        problem = lora_problem(path, model)
+        if problem:
+            raise ctx.fail(name_line, None, field_name, problem)
+        info = inspect_lora(path)
+        out[name] = LoraFile(name, path, relative_to_job(path, job_dir), info.hash, info.shorthash,
+                             info.text_encoders)
+    return out
 
 
 def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_dir: Path,
@@ -307,20 +409,34 @@ def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_di
     path = (job_dir / rel).resolve()
     if not path.is_file():
         raise ctx.fail(image_line, shot_id, "control.image", f"file not found: {path}")
-    _check_image(ctx, path, image_line, shot_id)
+    if path not in ctx.images_checked:
+        _check_image(ctx, path, image_line, shot_id)
+        ctx.images_checked.add(path)
     scale = _as_float(ctx, raw.get("scale", 1.0), _line_of(raw, "scale", line), shot_id, "control.scale", 0.0, 2.0)
-    return Control(path, scale)
+    return Control(path, scale, relative_to_job(path, job_dir))
 
 
 def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:
-    """Reads only the header: catches a file that is not an image before any model loads."""
+    """Decodes every pixel, so a truncated file or a broken PNG stream fails here, before any model loads,
+    not in the middle of a render; the bytes read are hashed for the skip check on the way."""
     from PIL import Image, UnidentifiedImageError
 
+    def bad(why: str) -> JobError:
+        return ctx.fail(line, shot_id, "control.image", f"not a readable image: {path} ({why})")
+
     try:
-        with Image.open(path) as im:
-            im.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ctx.fail(line, shot_id, "control.image", f"not a readable image: {path} ({e.__class__.__name__})") from None
+        data = path.read_bytes()
+    except OSError as e:
+        raise bad(e.strerror or e.__class__.__name__) from None
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except Image.DecompressionBombError as e:
+        raise bad(f"too many pixels: {e}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, zlib.error) as e:
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise bad(f"{e.__class__.__name__}: {text}" if text else e.__class__.__name__) from None
+    remember_sha256(path, data)
 
 
 def _top_field(ctx: _Ctx, doc: _Located, key: str, *, required: bool = False) -> tuple[Any, int | None]:
@@ -352,9 +468,12 @@ def load_job(path: str | Path) -> Job:
     if version != 1 or isinstance(version, bool):
         raise ctx.fail(line, None, "version", f"must be 1, got {version!r}")
     name, line = _top_field(ctx, doc, "name")
-    name = path.stem if name is None else _as_str(ctx, name, line, None, "name", empty_ok=False)
-    if not SAFE_NAME.match(name):
-        raise ctx.fail(line, None, "name", "must be 1-64 letters, digits, '_', '-' or '.' (it names a folder)")
+    if name is None:
+        name = _name_from_file(ctx, path, doc.line)
+    else:
+        name = _as_str(ctx, name, line, None, "name", empty_ok=False)
+        if not SAFE_NAME.fullmatch(name):
+            raise ctx.fail(line, None, "name", f"{SAFE_NAME_RULE} (it names a folder)")
     model, line = _top_field(ctx, doc, "model", required=True)
     model = _as_str(ctx, model, line, None, "model", empty_ok=False)
     controlnet, line = _top_field(ctx, doc, "controlnet")
@@ -362,7 +481,7 @@ def load_job(path: str | Path) -> Job:
         controlnet = _as_str(ctx, controlnet, line, None, "controlnet", empty_ok=False)
     output_dir, line = _top_field(ctx, doc, "output_dir")
     output_dir = Path("outputs") / name if output_dir is None else Path(
-        _as_str(ctx, output_dir, line, None, "output_dir", empty_ok=False))
+        _as_str(ctx, output_dir, line, None, "output_dir", empty_ok=False)).expanduser()  # as the model path
 
     buckets, line = _top_field(ctx, doc, "buckets")
     if buckets is None:
@@ -381,20 +500,31 @@ def load_job(path: str | Path) -> Job:
     else:
         _check_keys(ctx, defaults, tuple(k for k in SHOT_KEYS if k != "id"), None, prefix="defaults.")
 
+    job_dir = path.resolve().parent
+    loras = _resolve_loras(ctx, *_top_field(ctx, doc, "loras"), job_dir, model)
+
     shots_raw, line = _top_field(ctx, doc, "shots", required=True)
     if not isinstance(shots_raw, list):
         raise ctx.fail(line, None, "shots", f"must be a list of shots, got {_type_name(shots_raw)}")
     if not shots_raw:
         raise ctx.fail(line, None, "shots", "the job has no shots")
-    job_dir = path.resolve().parent
     shots: list[Shot] = []
     seen: dict[str, int] = {}
     for i, raw in enumerate(shots_raw):
-        shot = _resolve_shot(ctx, raw, i, defaults, job_dir, controlnet is not None, line)
+        shot = _resolve_shot(ctx, raw, i, defaults, job_dir, controlnet is not None, line, loras)
         folded = shot.id.lower()  # case-insensitive file systems would merge 'A' and 'a'
         if folded in seen:
             raise ctx.fail(_line_of(raw, "id"), shot.id, "id",
                            f"duplicate shot id (first used on line {seen[folded]})")
         seen[folded] = _line_of(raw, "id") or 0
         shots.append(shot)
-    return Job(path, name, model, controlnet, output_dir, buckets, tuple(shots))
+    return Job(path, name, model, controlnet, output_dir, buckets, tuple(shots), loras)
+
+
+def _name_from_file(ctx: _Ctx, path: Path, line: int) -> str:
+    """A job without `name:` is named after its file, made safe for a folder name: `ep 1 (v2).yaml` -> `ep-1-v2`."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", path.stem).lstrip("-_.").rstrip("-")[:64]
+    if not name:
+        raise ctx.fail(line, None, None, f"the file name {path.name!r} cannot name the output folder: "
+                       f"add a top-level 'name:' ({SAFE_NAME_RULE})")
+    return name

@@ -7,22 +7,33 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from storyboard_cli.job import Job
+from storyboard_cli.digests import SHORT, file_sha256, weights_digest
+from storyboard_cli.job import Job, LoraFile
+
+LoraScales = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name: one LoRA set
+
+
+def lora_set_label(loras: LoraScales) -> str:
+    """"mei 0.8 + ink 0.4", or "none"."""
+    return " + ".join(f"{name} {scale:g}" for name, scale in loras) or "none"
 
 
 @dataclass(frozen=True, order=True)
 class BucketKey:
-    """Everything that changes the shape or the schedule of a denoising loop."""
+    """Everything that changes the shape or the schedule of a denoising loop, and the LoRA set (a batch
+    runs under one set of weights)."""
 
     width: int
     height: int
     steps: int
     sampler: str
     control: bool
+    loras: LoraScales = ()
 
     @property
     def label(self) -> str:
-        return f"{self.width}x{self.height} {self.steps} steps {self.sampler}{' +control' if self.control else ''}"
+        lora = f" lora {lora_set_label(self.loras)}" if self.loras else ""
+        return f"{self.width}x{self.height} {self.steps} steps {self.sampler}{' +control' if self.control else ''}{lora}"
 
 
 @dataclass(frozen=True)
@@ -42,28 +53,63 @@ class WorkItem:
     control_image: Path | None
     control_scale: float
     outputs: tuple[str, ...]  # paths relative to the output folder; the first is the item's own
+    control_file: str = ""  # the control image as seen from the job file's folder
+    loras: tuple[tuple[LoraFile, float], ...] = ()  # sorted by name, no zero scales
+
+    @property
+    def lora_scales(self) -> LoraScales:
+        return tuple((f.name, scale) for f, scale in self.loras)
 
     @property
     def key(self) -> BucketKey:
-        return BucketKey(self.width, self.height, self.steps, self.sampler, self.control_image is not None)
+        return BucketKey(self.width, self.height, self.steps, self.sampler, self.control_image is not None,
+                         self.lora_scales)
 
     @property
     def identity(self) -> tuple:
         return (self.prompt, self.negative, self.width, self.height, self.seed, self.steps, self.guidance,
-                self.sampler, str(self.control_image), self.control_scale)
+                self.sampler, str(self.control_image), self.control_scale,
+                tuple((f.sha256, scale) for f, scale in self.loras))
 
     def settings(self, model: str, controlnet: str | None) -> dict:
-        """What decides the pixels: written into each PNG and used to tell a stale file from a done one."""
+        """What decides the pixels: written into each PNG and the manifest, and used to tell a stale file
+        from a done one. Files are recorded by content (a control image's sha256, a LoRA's hash, weights
+        given as a path by size + mtime + header); keys appear only where they apply, so an image without
+        them keeps its fingerprint."""
         s = {"prompt": self.prompt, "negative": self.negative, "width": self.width, "height": self.height,
              "seed": self.seed, "steps": self.steps, "guidance": self.guidance, "sampler": self.sampler,
              "model": model}
+        _put_weights(s, "model_weights", model)
         if self.control_image is not None:
-            s.update(controlnet=controlnet, control_image=str(self.control_image), control_scale=self.control_scale)
+            s.update(controlnet=controlnet, control_image=self.control_file or str(self.control_image),
+                     control_scale=self.control_scale, control_sha256=_content(self.control_image))
+            _put_weights(s, "controlnet_weights", controlnet)
+        if self.loras:
+            s["loras"] = [{"name": f.name, "scale": scale, "file": f.file, "sha256": f.sha256,
+                           "shorthash": f.shorthash} for f, scale in self.loras]
         return s
 
     def fingerprint(self, model: str, controlnet: str | None) -> str:
-        blob = json.dumps(self.settings(model, controlnet), sort_keys=True).encode()
+        s = self.settings(model, controlnet)
+        # where the files live does not decide the pixels: a moved project folder keeps its images
+        s.pop("control_image", None)
+        for lora in s.get("loras", ()):
+            lora.pop("file")
+        blob = json.dumps(s, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _content(path: Path) -> str:
+    try:
+        return file_sha256(path)[:SHORT]
+    except OSError as e:  # gone since the job was loaded: the render fails this image and names the file
+        return f"unreadable: {e.strerror or e.__class__.__name__}"
+
+
+def _put_weights(settings: dict, key: str, spec: str | None) -> None:
+    digest = weights_digest(spec)
+    if digest is not None:
+        settings[key] = digest
 
 
 @dataclass(frozen=True)
@@ -85,12 +131,14 @@ def work_items(job: Job) -> list[WorkItem]:
     """One item per image; image k of a shot has seed + k. Identical requests are merged."""
     items: dict[tuple, WorkItem] = {}
     for shot in job.shots:
-        for k in range(shot.candidates):
+        loras = tuple((job.loras[name], scale) for name, scale in shot.loras)
+        for k in range(shot.first_candidate, shot.first_candidate + shot.candidates):
             seed = shot.seed + k
             control = shot.control
             item = WorkItem(shot.id, k, seed, shot.prompt, shot.negative, shot.width, shot.height, shot.steps,
                             shot.guidance, shot.sampler, control.image if control else None,
-                            control.scale if control else 0.0, (output_name(shot.id, k, seed),))
+                            control.scale if control else 0.0, (output_name(shot.id, k, seed),),
+                            control.file if control else "", loras)
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
@@ -116,12 +164,17 @@ def cut(n: int, buckets: tuple[int, ...]) -> list[int]:
 
 
 def make_batches(items: list[WorkItem], buckets: tuple[int, ...]) -> list[Batch]:
-    """Groups items by bucket key (in order of first appearance) and cuts each group into batches."""
+    """Groups items by bucket key and cuts each group into batches. Groups follow their first appearance,
+    gathered by LoRA set (no LoRA first, then each set in one run): the fewest swaps a job can have, one
+    per distinct set (see `lora_swaps`)."""
     groups: dict[BucketKey, list[WorkItem]] = {}
     for item in items:
         groups.setdefault(item.key, []).append(item)
+    sets: dict[LoraScales, int] = {(): 0}
+    for key in groups:
+        sets.setdefault(key.loras, len(sets))
     batches = []
-    for key, group in groups.items():
+    for key, group in sorted(groups.items(), key=lambda kv: sets[kv[0].loras]):  # stable: appearance order within a set
         start = 0
         for size in cut(len(group), buckets):
             chunk = tuple(group[start:start + size])
@@ -155,4 +208,34 @@ def bucket_table(batches: list[Batch]) -> list[BucketRow]:
         rows[b.key] = BucketRow(b.key, prev.images + sum(len(i.outputs) for i in b.items),
                                 prev.unique + len(b.items), prev.batches + (b.size,),
                                 prev.rows + 2 * b.size, prev.padded_rows + 2 * b.padding)
+    return list(rows.values())
+
+
+def lora_swaps(batches: list[Batch]) -> int:
+    """How many times the weights change running these batches in order, starting from the model's own."""
+    swaps, active = 0, ()
+    for b in batches:
+        if b.key.loras != active:
+            swaps, active = swaps + 1, b.key.loras
+    return swaps
+
+
+@dataclass(frozen=True)
+class LoraSetRow:
+    loras: LoraScales
+    images: int  # files written under this set
+    batches: int
+
+    @property
+    def label(self) -> str:
+        return lora_set_label(self.loras)
+
+
+def lora_table(batches: list[Batch]) -> list[LoraSetRow]:
+    """One row per LoRA set, in the order the batches run them (what `bcg plan` shows, with `lora_swaps`)."""
+    rows: dict[LoraScales, LoraSetRow] = {}
+    for b in batches:
+        prev = rows.get(b.key.loras) or LoraSetRow(b.key.loras, 0, 0)
+        rows[b.key.loras] = LoraSetRow(b.key.loras, prev.images + sum(len(i.outputs) for i in b.items),
+                                       prev.batches + 1)
     return list(rows.values())
