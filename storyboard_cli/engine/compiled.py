@@ -226,6 +226,12 @@ def loads_here(path: Path) -> bool:
     return True
 
 
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    """The exported calls take the timestep as a scalar; the step passes a row of its coefficient table
+    expanded to [2B]. Cloned: a view into the table is not 16-byte aligned, which compiled kernels assume."""
+    return t.reshape(-1)[0].clone()
+
+
 class CompiledCalls(StepCalls):
     """The step's module calls on compiled kernels (see StepCalls), for shapes inside the compiled ranges.
 
@@ -255,11 +261,10 @@ class CompiledCalls(StepCalls):
     def _unet(self, latents, t, embeds, pooled, time_ids, mid, down):
         if mid is None:
             mid, down = self._zero_residuals(latents.shape[0], latents.shape[2], latents.shape[3])
-        # the exported call takes the timestep as a scalar: the step passes it expanded to [2B]
-        return self._compiled_unet(latents, t.reshape(-1)[0], embeds, pooled, time_ids, mid, tuple(down))
+        return self._compiled_unet(latents, _scalar(t), embeds, pooled, time_ids, mid, tuple(down))
 
     def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):
-        return self._compiled_cn(latents, t.reshape(-1)[0], embeds, pooled, time_ids, image, scale)
+        return self._compiled_cn(latents, _scalar(t), embeds, pooled, time_ids, image, scale)
 
     def fits(self, batch: int, height: int, width: int) -> str | None:
         return fits(batch, height, width)
