@@ -12,17 +12,23 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from storyboard_cli import __version__
-from storyboard_cli.errors import STATUS_EXIT_CODES, Interrupted, StoryboardError
+from storyboard_cli.errors import Interrupted, StoryboardError, exit_code
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out.")
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, soft_wrap=True)
+# markup off: paths, prompts and ids are printed as they are (`[wip]` stays, `[/]` cannot break a line);
+# styled words go through _styled
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160, markup=False, highlight=False)
+err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
 
+
+def _styled(label: str, style: str, text: str = "") -> Text:
+    """`label` in `style`, then `text` verbatim (never read as markup)."""
+    return Text.assemble((label, style), (f" {text}" if text else ""))
 
 
 def _flag(name: str, help: str):
@@ -37,11 +43,13 @@ DtypeOpt = Annotated[Optional[str], typer.Option(help="fp16, bf16 or fp32 (defau
 EngineOpt = Annotated[str, typer.Option(help="auto (graphs on CUDA, eager on CPU), graph or eager.")]
 CompileOpt = Annotated[str, typer.Option(help="Compiled kernels inside the CUDA graphs: auto, on or off.")]
 JsonOpt = Annotated[bool, _flag("--json", "Print one JSON summary object on stdout.")]
+JobOpt = Annotated[Optional[Path], typer.Option("--job", help="The job that rendered the folder (default: the "
+                                                                "one its report names).")]
 
 
 def _version(value: bool) -> None:
     if value:
-        out.print(f"bcg {__version__}", highlight=False)
+        out.print(f"bcg {__version__}")
         raise typer.Exit()
 
 
@@ -52,7 +60,7 @@ def _main(version: Annotated[bool, typer.Option("--version", metavar="", callbac
 
 
 def _error(e: StoryboardError) -> None:
-    err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+    err.print(_styled("error:", "bold red", str(e)))
     raise typer.Exit(e.exit_code)
 
 
@@ -69,9 +77,13 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
     from storyboard_cli.job import load_job
     from storyboard_cli.plan import bucket_table, make_batches, work_items
+    from storyboard_cli.preflight import check_destination, check_model_path
 
     with _domain_errors():
         j = load_job(job)
+        check_model_path(j.model, "model")
+        check_model_path(j.controlnet, "controlnet")
+        check_destination(j.output_dir)
         items = work_items(j)
         rows = bucket_table(make_batches(items, j.buckets))
     total_images = sum(s.candidates for s in j.shots)
@@ -111,9 +123,15 @@ def _count(values) -> dict[int, int]:
 
 @app.command()
 def render(job: JobArg, out_dir: OutOpt = None,
-           force: Annotated[bool, _flag("--force", "Render images again even if they exist.")] = False,
+           force: Annotated[bool, _flag("--force", "Render images again even if they exist (edited ones are "
+                                                   "moved to <out>/.replaced/ first).")] = False,
            retry_failed: Annotated[bool, _flag("--retry-failed", "Render only the images the last run failed.")] = False,
-           json_out: JsonOpt = False, device: DeviceOpt = None, dtype: DtypeOpt = None,
+           shot: Annotated[Optional[list[str]], typer.Option("--shot", help="Only this shot (an id or a glob "
+                                                                           "like 'ep1_*'); repeatable.")] = None,
+           reroll: Annotated[Optional[Path], typer.Option("--reroll", help="A picks.yaml: new candidates for the "
+                                                                          "shots it marks for reroll.")] = None,
+           json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
+           device: DeviceOpt = None, dtype: DtypeOpt = None,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto") -> None:
     """Render a job: every image not already on disk."""
     from storyboard_cli import render as rendering
@@ -121,26 +139,63 @@ def render(job: JobArg, out_dir: OutOpt = None,
 
     with _domain_errors():
         j = load_job(job)
+        if reroll is not None:
+            from storyboard_cli.picks import rerolled
+
+            j = rerolled(j, out_dir or j.output_dir, reroll)
         opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
-                                       retry_failed=retry_failed, compile=compile)
-        with _progress() as on_event:
+                                       retry_failed=retry_failed, compile=compile, shots=tuple(shot or ()))
+        with _progress(quiet) as on_event:
             result = rendering.render(job=j, opts=opts, on_event=on_event)
     for note in result.notes:
-        err.print(f"[dim]{escape(note)}[/]", highlight=False)
+        err.print(Text(note, style="dim"))
     for f in result.failed:
-        err.print(f"[yellow]failed:[/] {escape(f['path'])}: {escape(f['reason'])}", highlight=False)
+        err.print(_styled("failed:", "yellow", f"{f['path']}: {f['reason']}"))
     if json_out:
         r = result.report
         out.print_json(json.dumps({k: r[k] for k in ("status", "output_dir", "device", "dtype", "engine", "wall_s",
                                                       "images_rendered", "images_skipped", "images_failed",
-                                                      "images_per_s", "steps_per_s", "peak_memory_mb", "stages_s")}
-                                  | {"report": [str(p) for p in result.report_paths or ()]}))
+                                                      "images_per_s", "steps_per_s", "peak_memory_mb", "stages_s",
+                                                      "run", "stopped_by")}
+                                  | {"report": [str(p) for p in result.report_paths or ()],
+                                     "sheet": str(result.sheet) if result.sheet else None}))
     else:
         err.print(f"{result.status}: {result.rendered} rendered, {result.skipped} skipped, {len(result.failed)} "
-                  f"failed in {result.wall_s:.1f} s on {result.device} ({result.engine}) -> {result.out_dir}",
-                  highlight=False)
-    if STATUS_EXIT_CODES[result.status]:
-        raise typer.Exit(STATUS_EXIT_CODES[result.status])
+                  f"failed in {result.wall_s:.1f} s on {result.device} ({result.engine}) -> {result.out_dir}")
+    code = exit_code(result.status, result.signal)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def sheet(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False)],
+          job: JobOpt = None) -> None:
+    """(Re)build the contact sheet, <out>/index.html, from what is on disk."""
+    from storyboard_cli.job import load_job
+    from storyboard_cli.sheet import write_sheet
+
+    with _domain_errors():
+        path = write_sheet(out_dir, load_job(job) if job else None)
+    out.print(str(path))
+
+
+@app.command()
+def pick(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False)],
+         picks: Annotated[Path, typer.Argument(help="The picks.yaml saved from the contact sheet.",
+                                               show_default=False)],
+         job: JobOpt = None) -> None:
+    """Copy the picked candidates, in shot order, to <out>/selects/NNN_<shot>.png."""
+    from storyboard_cli.job import load_job
+    from storyboard_cli.picks import apply_picks, load_picks
+    from storyboard_cli.sheet import write_sheet
+
+    with _domain_errors():
+        j = load_job(job) if job else None
+        written = apply_picks(out_dir, load_picks(picks, out_dir, j), j)
+        write_sheet(out_dir, j)
+    for path in written:
+        out.print(str(path))
+    err.print(f"{len(written)} selects in {Path(out_dir) / 'selects'}")
 
 
 @app.command()
@@ -159,10 +214,7 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
     from storyboard_cli.job import load_job
 
     with _domain_errors():
-        try:
-            sizes = tuple(sorted({int(b) for b in buckets.split(",")}))
-        except ValueError:
-            raise typer.BadParameter(f"--buckets: expected a list like 1,2,4, got {buckets!r}") from None
+        sizes = _bucket_sizes(buckets)
         j = load_job(job) if job else None
         labels, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes, device=device,
                                          dtype=dtype, warm=warm, steps=steps, compile=compile)
@@ -180,12 +232,25 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
     for r in rows:
         table.add_row(r.shape, r.state, f"{r.capture_s:.2f}", f"{r.pool_mb:.0f}",
                       f"{r.eager_ms:.1f}" if r.eager_ms else "-", f"{r.graph_ms:.1f}" if r.graph_ms else "-",
-                      f"{r.speedup:.2f}x" if r.speedup else "-", escape(r.reason))
+                      f"{r.speedup:.2f}x" if r.speedup else "-", r.reason)
     out.print(table)
     pools = [r.pool_mb for r in rows if r.state == "graph"]
     if pools:
         out.print(f"{len(pools)} graphs share one pool: {sum(pools):.0f} MB in all, "
                   f"{sum(pools) / max(max(pools), 1e-9):.2f}x the largest graph's {max(pools):.0f} MB")
+
+
+def _bucket_sizes(text: str) -> tuple[int, ...]:
+    from storyboard_cli.errors import BadInput
+    from storyboard_cli.job import MAX_BUCKET
+
+    try:
+        sizes = tuple(sorted({int(b) for b in text.split(",")}))
+    except ValueError:
+        sizes = ()
+    if not sizes or not all(1 <= b <= MAX_BUCKET for b in sizes):
+        raise BadInput(f"--buckets: expected batch sizes from 1 to {MAX_BUCKET} like 1,2,4, got {text!r}")
+    return sizes
 
 
 @app.command()
@@ -203,20 +268,21 @@ def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jo
     with _domain_errors():
         rec = benchmark.run(job_path=job, model=model, quick=quick, parts=tuple(p.strip() for p in parts.split(",")),
                             with_compile=with_compile, results_dir=results,
-                            log=lambda line: err.print(escape(line), highlight=False))
+                            log=lambda line: err.print(line))
     out.print(benchmark.markdown(rec))
     out.print(f"written: {', '.join(rec['written'])}")
 
 
 @contextmanager
-def _progress():
-    """A Rich bar on stderr when it is a terminal; silence otherwise."""
-    if not err.is_terminal:
-        yield lambda event: None
+def _progress(quiet: bool = False):
+    """A Rich bar on stderr when it is a terminal; elsewhere (CI, nohup, a pod's log) one plain line per
+    batch; nothing with --quiet. A stop request is answered at once in every case."""
+    if quiet or not err.is_terminal:
+        yield _ProgressLines(quiet).on_event
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    with Progress(TextColumn("[bold]{task.fields[shot]}"), BarColumn(), MofNCompleteColumn(),
+    with Progress(TextColumn("{task.fields[shot]}", markup=False, style="bold"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=err, transient=False) as bar:
         task = bar.add_task("render", total=None, shot="loading")
 
@@ -226,11 +292,35 @@ def _progress():
             elif event.kind in ("image", "failed"):
                 bar.update(task, completed=event.done, shot=event.shot)
                 if event.kind == "failed":
-                    bar.console.print(f"[yellow]failed:[/] {escape(event.message)}", highlight=False)
+                    bar.console.print(_styled("failed:", "yellow", event.message))
             elif event.kind == "batch":
                 bar.update(task, shot=f"{event.shot} ({event.message})")
+            elif event.kind == "stopping":
+                bar.console.print(_styled(event.message, "bold yellow"))
 
         yield on_event
+
+
+class _ProgressLines:
+    """Progress for a log: `bcg: 12/40 images, 1.52 images/s, ETA 21 s` after each batch."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.t0: float | None = None
+
+    def on_event(self, event) -> None:
+        import time
+
+        if event.kind == "stopping":
+            err.print(_styled(event.message, "bold yellow"))
+        elif self.quiet:
+            return
+        elif event.kind == "batch" and self.t0 is None:
+            self.t0 = time.perf_counter()
+        elif event.kind == "progress" and self.t0 is not None:
+            rate = event.done / max(time.perf_counter() - self.t0, 1e-9)
+            eta = f"{(event.total - event.done) / rate:.0f} s" if rate > 0 else "?"
+            err.print(f"bcg: {event.done}/{event.total} images, {rate:.2f} images/s, ETA {eta}")
 
 
 def main() -> None:

@@ -49,8 +49,15 @@ class OutputLocked(BadInput):
 class Interrupted(StoryboardError):
     """The user stopped the render (Ctrl-C); what was finished is kept."""
 
-    exit_code = 130
+    exit_code = 128 + 2  # as a shell reports a process ended by SIGINT
 
 
 # A finished render's status -> the CLI's exit code ("error" never finishes: it raises).
 STATUS_EXIT_CODES = {"done": 0, "failed": 3, "interrupted": Interrupted.exit_code}
+
+
+def exit_code(status: str, signum: int | None = None) -> int:
+    """The exit code of a finished render: a render stopped by a signal exits 128 + that signal."""
+    if status == "interrupted" and signum:
+        return 128 + signum
+    return STATUS_EXIT_CODES[status]

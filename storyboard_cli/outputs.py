@@ -3,24 +3,30 @@ and the writer thread."""
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import io
 import json
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from storyboard_cli.job import Job
 
-from storyboard_cli.errors import BadInput, OutputLocked
+from storyboard_cli.errors import BadInput
+from storyboard_cli.lock import LOCK, OutputLock  # noqa: F401 - the folder's files are named here too
 from storyboard_cli.plan import WorkItem, work_items
 from storyboard_cli.samplers import SAMPLERS
 
 MANIFEST = "manifest.jsonl"
-LOCK = ".bcg.lock"
+REPLACED = ".replaced"  # edited files that --force rendered again, by run: <out>/.replaced/<stamp>/<path>
+# inverse of plan.output_name: which shot and candidate a file is
+OUTPUT_NAME = re.compile(r"(?P<folder>[^/]+)/(?P<shot>.+)_c(?P<k>[0-9]+)_s(?P<seed>[0-9]+)\.png")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -52,29 +58,49 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def parameters_text(item: WorkItem, model: str) -> str:
-    """The A1111-style `parameters` chunk that image tools read."""
-    lines = [item.prompt]
+def owner(item: WorkItem, path: str) -> WorkItem:
+    """The item as output `path` asks for it: a deduplicated image is one item for several shots, but
+    each file's metadata and manifest line name its own shot and candidate."""
+    m = OUTPUT_NAME.fullmatch(path)
+    if not m or m["shot"] != m["folder"]:
+        return replace(item, outputs=(path,))
+    return replace(item, shot=m["shot"], k=int(m["k"]), outputs=(path,))
+
+
+def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
+    """The A1111-style `parameters` chunk that image tools read (LoRAs as A1111 writes them)."""
+    loras = settings.get("loras") or []
+    prompt = item.prompt
+    if loras:
+        from storyboard_cli.models.lora import lora_tags
+
+        prompt = f"{prompt} {lora_tags({l['name']: l['scale'] for l in loras})}".strip()
+    lines = [prompt]
     if item.negative:
         lines.append(f"Negative prompt: {item.negative}")
     fields = [f"Steps: {item.steps}", f"Sampler: {SAMPLERS[item.sampler].label}", f"CFG scale: {item.guidance:g}",
               f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}"]
     if item.control_image is not None:
         fields.append(f"ControlNet: {item.control_image.name} (scale {item.control_scale:g})")
+    if loras:
+        from storyboard_cli.models.lora import a1111_lora_hashes
+
+        # quoted as A1111's infotext_utils.quote: the value holds ':' and ','
+        fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")
     lines.append(", ".join(fields))
     return "\n".join(lines)
 
 
 def png_bytes(pixels, item: WorkItem, model: str, controlnet: str | None) -> bytes:
-    """pixels: uint8 [H, W, 3] (numpy or torch on CPU)."""
+    """pixels: uint8 [H, W, 3] (numpy or torch on CPU); `item` as `owner` gives it for one output."""
     from PIL import Image, PngImagePlugin
 
     array = pixels.numpy() if hasattr(pixels, "numpy") else pixels
     image = Image.fromarray(array, "RGB")
+    settings = item.settings(model, controlnet)
     info = PngImagePlugin.PngInfo()
-    info.add_text("parameters", parameters_text(item, model))
-    meta = {"fingerprint": item.fingerprint(model, controlnet), **item.settings(model, controlnet),
-            "shot": item.shot, "candidate": item.k}
+    info.add_text("parameters", parameters_text(item, settings, model))
+    meta = {"fingerprint": item.fingerprint(model, controlnet), **settings, "shot": item.shot, "candidate": item.k}
     info.add_text("bcg", json.dumps(meta, sort_keys=True))
     buf = io.BytesIO()
     image.save(buf, format="PNG", pnginfo=info, compress_level=4)
@@ -94,22 +120,37 @@ def read_fingerprint(path: Path) -> str | None:
     return meta.get("fingerprint") if isinstance(meta, dict) else None
 
 
-def manifest_record(item: WorkItem, path: str, fingerprint: str, finished: bool = False) -> dict:
-    """The one manifest line format; `finished` stamps the time the file landed."""
-    record = {"path": path, "shot": item.shot, "candidate": item.k, "seed": item.seed, "fingerprint": fingerprint}
-    if finished:
-        record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+def sha256_of(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
+def manifest_record(item: WorkItem, path: str, fingerprint: str, sha256: str | None = None,
+                    run: str | None = None, settings: dict | None = None) -> dict:
+    """The one manifest line format. A file bcg wrote carries its `sha256` (a file whose bytes differ
+    was edited by someone else) and the time it landed; `settings` (the item's) adds its LoRAs."""
+    it = owner(item, path)
+    record = {"path": path, "shot": it.shot, "candidate": it.k, "seed": it.seed, "fingerprint": fingerprint}
+    loras = (settings or {}).get("loras")
+    if loras:
+        record["loras"] = loras
+    if sha256 is not None:
+        record |= {"sha256": sha256, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if run is not None:
+        record["run"] = run
     return record
 
 
 class Manifest:
-    """manifest.jsonl: one line per finished image, appended and fsynced as each image lands.
-
-    On open it is rewritten (atomically) to the lines whose files still exist, one per path, so it
-    agrees with the disk even after a crash between an image's rename and its manifest line.
-    """
+    """manifest.jsonl: one line per image bcg wrote, appended and fsynced as each image lands; a later
+    line for a path replaces an earlier one. Rewritten whole (atomically, never truncated first) at the
+    start and the end of a render, to one line per file still on disk, whatever job wrote it."""
 
     def __init__(self, folder: Path):
+        self.folder = folder
         self.path = folder / MANIFEST
         self.records: dict[str, dict] = {}
         if self.path.is_file():
@@ -122,10 +163,13 @@ class Manifest:
                     self.records[rec["path"]] = rec
 
     def reconcile(self, found: dict[str, dict]) -> None:
-        """Rewrites the manifest to exactly the images verified done on disk (`found`), keeping their
-        earlier records where it has them: it then agrees with the disk even after a crash between an
-        image's rename and its manifest line, and a re-rendered image never appears twice."""
-        self.records = {p: self.records.get(p, r) for p, r in found.items()}
+        """Keeps the lines whose file is still on disk (other jobs', other shots'), adds `found` (images
+        verified done that it had no line for: a crash between an image's rename and its line)."""
+        kept = {p: r for p, r in self.records.items() if (self.folder / p).is_file()}
+        self.records = kept | {p: r for p, r in found.items() if p not in kept}
+        self.compact()
+
+    def compact(self) -> None:
         atomic_write(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records.values()).encode())
 
     def append(self, record: dict) -> None:
@@ -160,71 +204,89 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class OutputLock:
-    """One render per output folder. A lock left by a dead process is taken over."""
-
-    def __init__(self, folder: Path):
-        self.path = folder / LOCK
-        self.held = False
-
-    def __enter__(self) -> OutputLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    pid = int(self.path.read_text().split()[0])
-                except (OSError, ValueError, IndexError):
-                    pid = None
-                if pid is not None and pid != os.getpid() and _pid_alive(pid):
-                    raise OutputLocked(f"{self.path.parent}: another render (pid {pid}) is writing here; "
-                                       f"wait for it or remove {self.path} if that process is gone") from None
-                if pid is None and time.time() - self._mtime() < 5:
-                    time.sleep(0.2)  # its owner is writing its pid right now
-                    continue
-                self.path.unlink(missing_ok=True)  # stale: its process is dead
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(f"{os.getpid()}\n")
-            self.held = True
-            return self
-        raise OutputLocked(f"{self.path.parent}: could not take the lock {self.path}")
-
-    def _mtime(self) -> float:
-        try:
-            return self.path.stat().st_mtime
-        except OSError:
-            return 0.0
-
-    def __exit__(self, *exc) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
+def select_shots(job: Job, patterns: tuple[str, ...]) -> set[str] | None:
+    """`--shot` patterns (ids or globs) -> the shot ids they name; None when there are none."""
+    if not patterns:
+        return None
+    ids = [s.id for s in job.shots]
+    chosen = set()
+    for pattern in patterns:
+        hits = fnmatch.filter(ids, pattern)
+        if not hits:
+            raise BadInput(f"--shot {pattern}: no shot of {job.path} matches (shots: {', '.join(ids[:12])}"
+                           f"{', ...' if len(ids) > 12 else ''})")
+        chosen.update(hits)
+    return chosen
 
 
-def check_output_dir(folder: Path) -> None:
-    if folder.exists() and not folder.is_dir():
-        raise BadInput(f"output_dir: {folder} exists and is not a folder")
+@dataclass
+class Pending:
+    """What a render finds in its folder before it starts."""
+
+    items: list[WorkItem] = field(default_factory=list)  # to render, with only the outputs still to write
+    skipped: int = 0  # outputs already done (a PNG with the same fingerprint)
+    found: dict[str, dict] = field(default_factory=dict)  # manifest records of the done outputs
+    kept: list[str] = field(default_factory=list)  # edited by someone else: left alone (no --force)
+    moved: set[str] = field(default_factory=set)  # edited and --force: set aside, then rendered again
+
+    @property
+    def outputs(self) -> int:
+        return sum(len(i.outputs) for i in self.items)
 
 
-def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None
-                  ) -> tuple[list[WorkItem], int, dict[str, dict]]:
-    """Items that still need rendering (only the paths in `only`, when given), how many outputs are
-    already done (a PNG with the same fingerprint), and manifest records for those."""
-    pending, skipped, found = [], 0, {}
+def _written_by_us(path: Path, record: dict | None, fingerprint: str | None) -> bool:
+    """True when the file is as bcg wrote it: its bytes hash to the manifest's sha256 (a manifest from
+    before hashes were recorded: its bcg chunk still holds the recorded fingerprint)."""
+    if record is None:
+        return False
+    if "sha256" in record:
+        return sha256_of(path) == record["sha256"]
+    return fingerprint is not None and fingerprint == record.get("fingerprint")
+
+
+def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = None,
+                  shots: set[str] | None = None, records: dict[str, dict] | None = None) -> Pending:
+    """Sorts every output of the job: done (skipped), to render, or edited by someone else (kept, or with
+    `force` set aside and rendered again). `only` limits the render to those paths, `shots` to those
+    shots; `records` is the manifest's (path -> record)."""
+    records = records or {}
+    p = Pending()
     for item in work_items(job):
         fp = item.fingerprint(job.model, job.controlnet)
         todo = []
         for path in item.outputs:
-            if not force and read_fingerprint(out_dir / path) == fp:
-                skipped += 1
-                found[path] = manifest_record(item, path, fp)
-            elif only is None or path in only:
+            wanted = (only is None or path in only) and (shots is None or owner(item, path).shot in shots)
+            file, record = out_dir / path, records.get(path)
+            if not file.exists():
+                if wanted:
+                    todo.append(path)
+                continue
+            on_disk = read_fingerprint(file)
+            ours = _written_by_us(file, record, on_disk)
+            if on_disk == fp and not (force and wanted):
+                p.skipped += 1
+                # no line for it: a crash between its rename and its line (the bcg chunk is intact)
+                p.found[path] = record or manifest_record(item, path, fp, sha256_of(file))
+            elif not wanted:
+                continue
+            elif ours:
                 todo.append(path)
+            elif force:
+                p.moved.add(path)
+                todo.append(path)
+            else:
+                p.kept.append(path)
         if todo:
-            pending.append(replace(item, outputs=tuple(todo)))
-    return pending, skipped, found
+            p.items.append(replace(item, outputs=tuple(todo)))
+    return p
+
+
+def set_aside(out_dir: Path, path: str, stamp: str) -> Path:
+    """Moves an edited file to `<out>/.replaced/<stamp>/<path>` before it is rendered again: never deleted."""
+    dst = out_dir / REPLACED / stamp / path
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(out_dir / path, dst)
+    return dst
 
 
 def previous_failures(out_dir: Path) -> set[str]:

@@ -8,9 +8,8 @@ points (a multi-GPU worker claims its batches in `work`, the contact sheet is wr
 from __future__ import annotations
 
 import logging
-import signal
 import time
-from contextlib import contextmanager
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
@@ -20,13 +19,17 @@ import torch
 from storyboard_cli.batch import BatchRunner, Decoded, batch_shapes, bucket_label
 from storyboard_cli.engine.base import Engine
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
-from storyboard_cli.errors import Interrupted, RenderFailure
+from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Job
+from storyboard_cli.lock import OutputLock, folder_error
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.outputs import (Manifest, OutputLock, Writer, atomic_write, check_output_dir, manifest_record,
-                                    pending_items, png_bytes, previous_failures, remove_stale_temps)
+from storyboard_cli.outputs import (REPLACED, Manifest, Pending, pending_items, previous_failures,
+                                    remove_stale_temps, select_shots)
 from storyboard_cli.plan import Batch, make_batches
+from storyboard_cli.preflight import check_destination, check_model_path
 from storyboard_cli.report import Timings, build_report, write_report
+from storyboard_cli.signals import StopFlag, Stopped, stop_signals
+from storyboard_cli.sink import ContactSheet, OutputSink
 
 log = logging.getLogger(__name__)
 # What one bad batch may raise (an unreadable control image, a decode error) and the job goes on.
@@ -43,11 +46,12 @@ class RenderOptions:
     engine: str = "auto"  # auto | graph | eager
     retry_failed: bool = False
     compile: str = "auto"  # auto | on | off: compiled kernels inside the graphs
+    shots: tuple[str, ...] = ()  # only these shots (ids or glob patterns); () for all
 
 
 @dataclass
 class Event:
-    kind: str  # "start" | "batch" | "image" | "failed" | "note"
+    kind: str  # "start" | "batch" | "progress" (a batch delivered) | "image" | "failed" | "stopping" | "note"
     done: int = 0
     total: int = 0
     shot: str = ""
@@ -56,7 +60,7 @@ class Event:
 
 @dataclass
 class RenderResult:
-    status: str  # "done" | "failed" (some images) | "interrupted"
+    status: str  # "done" | "failed" (some images) | "interrupted" | "error" (never returned: it raises)
     out_dir: Path
     rendered: int
     skipped: int
@@ -67,80 +71,27 @@ class RenderResult:
     report: dict
     report_paths: tuple[Path, Path] | None
     notes: list[str] = field(default_factory=list)
-
-
-class _StopFlag:
-    """First Ctrl-C: finish the image being written, then stop. Second: stop at once."""
-
-    def __init__(self):
-        self.requested = False
-
-    def handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-
-@contextmanager
-def _interruptible():
-    flag = _StopFlag()
-    try:
-        old = signal.signal(signal.SIGINT, flag.handler)
-    except ValueError:  # not the main thread: no signal handling
-        yield flag
-        return
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, old)
+    signal: int | None = None  # what stopped an interrupted render
+    sheet: Path | None = None  # index.html, when it could be written
 
 
 class Renderer:
-    """Runs batches through a BatchRunner and writes what comes out, with the out-of-memory policy:
-    free the engine's memory, split the batch into smaller buckets (down to 1, then the eager
-    fallback), and remember the size that failed so later batches are split before they run."""
+    """Runs batches through a BatchRunner and hands what comes out to the OutputSink, with the
+    out-of-memory policy: free the engine's memory, split the batch into smaller buckets (down to 1,
+    then the eager fallback), and remember the size that failed so later batches are split before they run."""
 
-    def __init__(self, runner: BatchRunner, job: Job, out_dir: Path, manifest: Manifest, total: int,
-                 on_event: Callable[[Event], None]):
-        self.runner, self.job, self.out_dir, self.manifest = runner, job, out_dir, manifest
-        self.total, self.on_event = total, on_event
-        self.failed: list[dict] = []
+    def __init__(self, runner: BatchRunner, sink: OutputSink):
+        self.runner, self.sink = runner, sink
         self.notes: list[str] = []
-        self.rendered = 0
         self.oom_at = 1 << 30  # the smallest batch size that ran out of memory
-        self.writer = Writer()
-
-    def fail(self, items, reason: str) -> None:
-        for item in items:
-            for path in item.outputs:
-                self.failed.append({"path": path, "shot": item.shot, "reason": reason})
-            self.on_event(Event("failed", self.rendered, self.total, item.shot, f"{item.outputs[0]}: {reason}"))
 
     def deliver(self, decoded: list[Decoded], label: str) -> None:
-        """Hands the PNGs to the writer thread (it overlaps them with the next batch's denoising);
-        an image with NaN/inf is recorded as failed, never saved."""
+        """An image with NaN/inf is recorded as failed, never saved."""
         for d in decoded:
             if d.pixels is None:
-                self.fail([d.item], d.failure)
+                self.sink.fail([d.item], d.failure)
             else:
-                self.writer.submit(self._save, d, label)
-
-    def _save(self, d: Decoded, label: str) -> None:
-        """Runs on the writer thread: atomic PNG writes, then their manifest lines."""
-        t0 = time.perf_counter()
-        model, controlnet = self.job.model, self.job.controlnet
-        data = png_bytes(d.pixels, d.item, model, controlnet)
-        fingerprint = d.item.fingerprint(model, controlnet)
-        for path in d.item.outputs:
-            try:
-                atomic_write(self.out_dir / path, data)
-            except OSError as e:
-                raise RenderFailure(f"cannot write {self.out_dir / path}: {e.strerror or e}") from e
-            self.manifest.append(manifest_record(d.item, path, fingerprint, finished=True))
-            self.rendered += 1
-            self.runner.timings.bucket(label).images += 1
-            self.on_event(Event("image", self.rendered, self.total, d.item.shot, path))
-        self.runner.timings.stages["save"] += time.perf_counter() - t0
+                self.sink.submit(d.item, d.pixels, label)
 
     def process(self, batch: Batch, buckets: tuple[int, ...], fallback: bool = False) -> None:
         """One batch, end to end, under the out-of-memory policy."""
@@ -160,7 +111,7 @@ class Renderer:
         except BATCH_ERRORS as e:
             log.exception("batch %s failed", batch.key.label)
             text = str(e).strip()
-            self.fail(batch.items, f"{e.__class__.__name__}: {text.splitlines()[0][:200] if text else ''}")
+            self.sink.fail(batch.items, f"{e.__class__.__name__}: {text.splitlines()[0][:200] if text else ''}")
         return True
 
     def _out_of_memory(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
@@ -175,11 +126,12 @@ class Renderer:
             self.notes.append(f"{where}: retried eager")
             self.process(batch, (1,), fallback=True)
         else:
-            self.fail(batch.items, "out of GPU memory even for one image")
+            self.sink.fail(batch.items, "out of GPU memory even for one image")
 
     def _split(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
         for sub in make_batches(list(batch.items), buckets):
             self.process(sub, buckets, fallback)
+
 
 
 class RenderSession:
@@ -187,107 +139,183 @@ class RenderSession:
 
     def __init__(self, job: Job, opts: RenderOptions, on_event: Callable[[Event], None] | None = None,
                  models: SdxlModels | None = None, engine: Engine | None = None):
-        self.t_start = time.perf_counter()
+        self.t_start, self.started = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         self.job, self.opts, self.models, self.engine = job, opts, models, engine
         self.on_event = on_event or (lambda e: None)
         self.device, self.dtype = (models.device, models.dtype) if models else resolve_device(opts.device, opts.dtype)
-        if engine is None:
-            check_engine(opts.engine, opts.compile, self.device)
+        check_engine(opts.engine, opts.compile, self.device)  # even when nothing turns out to be pending
         self.out_dir = Path(opts.out_dir) if opts.out_dir else job.output_dir
-        check_output_dir(self.out_dir)
+        check_destination(self.out_dir)
+        if models is None:
+            check_model_path(job.model, "model")
+        self.shots = select_shots(job, opts.shots)
         self.timings = Timings(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
         self.notes: list[str] = []
-        self.skipped = self.total = 0
+        self.pending = Pending()
         self.batches: list[Batch] = []
+        self.sheet = ContactSheet(self.out_dir, job, self.notes)
+        self.sink: OutputSink | None = None
         self.renderer: Renderer | None = None
 
     def execute(self) -> RenderResult:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with OutputLock(self.out_dir), _interruptible() as stop:
-            status = "error"
+        with self.lock(), stop_signals(self._stopping) as stop:
+            status, error = "error", None
             try:
-                self.prepare()
+                self.prepare(stop)
                 status = self.run(stop)
-            except (Interrupted, KeyboardInterrupt) as e:
-                status = "interrupted"  # finished images are written out; a second Ctrl-C drops the queued ones
+            except (Stopped, KeyboardInterrupt) as e:
+                status = "interrupted"  # decoded images are written out; a second Ctrl-C drops the queued ones
                 self._close_writer(cancel=isinstance(e, KeyboardInterrupt))
-            except BaseException:
+            except BaseException as e:
+                error = f"{e.__class__.__name__}: {e}"
                 self._close_writer(cancel=True)
                 raise
             finally:
-                result = self.finish(status)
+                stop.finishing = True
+                result = self.finish(status, stop.signum if status == "interrupted" else None, error)
         return result
 
-    def prepare(self) -> None:
-        """Reconciles the folder and its manifest, finds the images left to render and plans them; loads
-        the models and prepares the engine only when there is something to render."""
+    def _stopping(self, message: str) -> None:
+        self.on_event(Event("stopping", message=message))
+
+    # hooks: a multi-GPU worker takes the lock on one rank only, shares what is pending, publishes a
+    # merged report
+
+    def lock(self):
+        """The folder lock, held for the whole render."""
+        return OutputLock(self.out_dir)
+
+    def find_pending(self) -> tuple[Pending, Manifest]:
+        """Reconciles the folder and its manifest; returns what is left to render (and what was kept or
+        is to be set aside) and the manifest the new lines go to."""
         remove_stale_temps(self.out_dir)
         manifest = Manifest(self.out_dir)
         only = previous_failures(self.out_dir) if self.opts.retry_failed else None
         if only is not None and not only:
             self.notes.append("--retry-failed: the last report lists no failed images")
-        pending, self.skipped, found = pending_items(self.job, self.out_dir, self.opts.force, only)
-        manifest.reconcile(found)
-        self.total = sum(len(i.outputs) for i in pending)
-        self.on_event(Event("start", 0, self.total, "", f"{self.total} to render, {self.skipped} already done"))
-        if not pending:
+        pending = pending_items(self.job, self.out_dir, self.opts.force, only, self.shots, manifest.records)
+        manifest.reconcile(pending.found)
+        return pending, manifest
+
+    def publish(self, report: dict, keep_last: bool) -> tuple[dict, tuple[Path, Path] | None]:
+        """Writes the report (unless the last one is kept); returns the report and its paths."""
+        return report, None if keep_last else write_report(self.out_dir, report)
+
+    # phases
+
+    def prepare(self, stop: StopFlag | None = None) -> None:
+        """Reconciles the folder and its manifest and finds the images left to render; then (only when
+        there is something to render) plans them, loads the models and prepares the engine."""
+        stop = stop or StopFlag()
+        try:
+            self.pending, manifest = self.find_pending()
+        except OSError as e:
+            raise folder_error(self.out_dir, e) from None
+        self._note_edited()
+        self.sheet.update([], running=True)
+        total = self.pending.outputs
+        self.on_event(Event("start", 0, total, "", f"{total} to render, {self.pending.skipped} already done"))
+        if not self.pending.items:
             return
-        self.batches = make_batches(pending, self.job.buckets)
+        self.batches = make_batches(self.pending.items, self.job.buckets)
         shapes = batch_shapes(self.batches)
         with self.timings.stage("load"):
             if self.models is None:
-                controlnet = self.job.controlnet if any(i.control_image for i in pending) else None
+                controlnet = self.job.controlnet if any(i.control_image for i in self.pending.items) else None
                 self.models = load_sdxl(self.job.model, controlnet, self.device, self.dtype)
+        stop.check()
         with self.timings.stage("capture"):
             if self.engine is None:
                 self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile)
             self.engine.prepare(shapes)
-        runner = BatchRunner(self.models, self.engine, self.timings)
-        self.renderer = Renderer(runner, self.job, self.out_dir, manifest, self.total, self.on_event)
+        stop.check()
+        emit = lambda kind, done, shot, message: self.on_event(Event(kind, done, total, shot, message))  # noqa: E731
+        self.sink = OutputSink(self.job, self.out_dir, manifest, self.pending, self.run_id,
+                               self.sheet, self.timings, emit)
+        runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
+        self.renderer = Renderer(runner, self.sink)
+
+    def _note_edited(self) -> None:
+        kept, moved = len(self.pending.kept), len(self.pending.moved)
+        aside = self.out_dir / REPLACED / self.run_id
+        if kept:
+            self.notes.append(f"kept {kept} edited image{'s' * (kept != 1)}; --force re-renders them, moving the "
+                              f"edited files to {aside}/")
+        if moved:
+            self.notes.append(f"{moved} edited image{'s' * (moved != 1)} rendered again; the edited files are "
+                              f"moved to {aside}/")
 
     def work(self) -> Iterable[Batch]:
         return self.batches  # the batches this session renders, in order
 
-    def run(self, stop: _StopFlag) -> str:
-        """Batches -> images on disk. Returns the status so far ("done"); Ctrl-C raises Interrupted."""
-        r = self.renderer
+    def run(self, stop: StopFlag | None = None) -> str:
+        """Batches -> images on disk. Returns "done"; a stop request raises Stopped at a batch boundary."""
+        r, stop = self.renderer, stop or StopFlag()
         if r is None:
             return "done"
+        total = self.pending.outputs
         for batch in self.work():
-            self.on_event(Event("batch", r.rendered, self.total, batch.items[0].shot, batch.key.label))
+            stop.check()
+            self.on_event(Event("batch", self.sink.delivered, total, batch.items[0].shot, batch.key.label))
             r.process(batch, self.job.buckets)
-            if stop.requested:
-                raise Interrupted("stopped by Ctrl-C")
-        r.writer.close()
+            self.on_event(Event("progress", self.sink.delivered, total, batch.items[-1].shot, batch.key.label))
+        stop.check()
+        self.sink.close()
         return "done"
 
-    def finish(self, status: str) -> RenderResult:
-        """The report (a run that rendered nothing keeps the last one, and its failure list for
-        --retry-failed) and the result."""
-        r = self.renderer
-        failed, rendered = (r.failed, r.rendered) if r else ([], 0)
-        self.notes.extend(r.notes if r else [])
+    def finish(self, status: str, signum: int | None = None, error: str | None = None) -> RenderResult:
+        """The manifest compacted, the report (a run that rendered nothing keeps the last one, and its
+        failure list for --retry-failed), the contact sheet, and the result."""
+        s = self.sink
+        failed, rendered = (s.failed, s.rendered) if s else ([], 0)
+        self.notes.extend(self.renderer.notes if self.renderer else [])
         if status == "done" and failed:
             status = "failed"
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+        if s:
+            try:
+                s.manifest.compact()
+            except OSError as e:
+                self.notes.append(f"manifest not compacted: {e}")
         wall = time.perf_counter() - self.t_start
-        engine = self.engine.name if r else "none"
-        report = build_report(job=str(self.job.path), out_dir=self.out_dir, device=device_name(self.device),
-                              dtype=dtype_name(self.dtype), engine=engine, model=self.job.model,
-                              timings=self.timings, wall_s=wall, rendered=rendered, skipped=self.skipped,
-                              failed=failed, peak_mem_mb=peak, graphs=self.engine.describe() if r else [],
-                              status=status, notes=self.notes)
-        keep_last = (r is None or (status == "error" and not rendered)) and (self.out_dir / "report.json").exists()
-        paths = None if keep_last else write_report(self.out_dir, report)
-        return RenderResult(status, self.out_dir, rendered, skipped=self.skipped, failed=failed, wall_s=wall,
-                            device=device_name(self.device), engine=engine, report=report, report_paths=paths,
-                            notes=self.notes)
+        report = self._report(status, rendered, failed, wall, signum, error)
+        keep_last = ((s is None and status == "done") or (status == "error" and not rendered)) \
+            and (self.out_dir / "report.json").exists()
+        paths = None
+        try:
+            report, paths = self.publish(report, keep_last)
+        except OSError as e:
+            if status != "error":  # else the error being raised says more than this one
+                raise folder_error(self.out_dir, e) from None
+        self.sheet.update(failed)
+        if self.renderer:
+            self.renderer.runner.close()  # the models' own weights back (after LoRAs)
+        return RenderResult(report["status"], self.out_dir, report["images_rendered"], skipped=self.pending.skipped,
+                            failed=report["failures"], wall_s=wall, device=device_name(self.device),
+                            engine=report["engine"], report=report, report_paths=paths, notes=report["notes"],
+                            signal=signum, sheet=self.sheet.path)
+
+    def _report(self, status: str, rendered: int, failed: list[dict], wall: float, signum: int | None,
+                error: str | None) -> dict:
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
+        ran = self.renderer is not None
+        return build_report(job=str(self.job.path), out_dir=self.out_dir, device=device_name(self.device),
+                            dtype=dtype_name(self.dtype), engine=self.engine.name if ran else "none",
+                            model=self.job.model, timings=self.timings, wall_s=wall, rendered=rendered,
+                            skipped=self.pending.skipped, failed=failed, peak_mem_mb=peak,
+                            graphs=self.engine.describe() if ran else [], status=status, notes=self.notes,
+                            run={"id": self.run_id, "started": self.started,
+                                 "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                            stopped_by=signum, error=error,
+                            lora_swaps=[(w.before, w.after, w.layers, w.seconds)
+                                        for w in self.renderer.runner.lora_swaps()] if ran else None)
 
     def _close_writer(self, cancel: bool) -> None:
         try:
-            if self.renderer:
-                self.renderer.writer.close(cancel=cancel)
+            if self.sink:
+                self.sink.close(cancel=cancel)
         except KeyboardInterrupt:
             pass
 

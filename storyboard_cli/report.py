@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,12 +51,36 @@ class Timings:
         return self.buckets.setdefault(label, BucketTiming(label))
 
 
+def lora_section(swaps: list | None) -> dict | None:
+    """LoRA swaps as the batch runner did them: (before, after, layers, seconds) each; None without any."""
+    if not swaps:
+        return None
+    seconds = [float(s[3]) for s in swaps]
+    return {"swaps": len(swaps), "total_s": round(sum(seconds), 4), "median_s": round(statistics.median(seconds), 4),
+            "layers": [int(s[2]) for s in swaps],
+            "sets": [[_lora_set(s[0]), _lora_set(s[1])] for s in swaps]}
+
+
+def _lora_set(active) -> str:
+    """A LoRA set (a mapping or pairs of name -> scale, or a label) as `mei:0.8 ink:0.4` ('' for none)."""
+    if isinstance(active, str):
+        return active
+    pairs = active.items() if isinstance(active, dict) else (active or ())
+    return " ".join(f"{p[0]}:{p[1]:g}" if isinstance(p, (tuple, list)) and len(p) == 2 else str(p) for p in pairs)
+
+
 def build_report(*, job: str, out_dir: Path, device: str, dtype: str, engine: str, model: str,
                  timings: Timings, wall_s: float, rendered: int, skipped: int, failed: list[dict],
-                 peak_mem_mb: float | None, graphs: list[dict], status: str, notes: list[str]) -> dict:
+                 peak_mem_mb: float | None, graphs: list[dict], status: str, notes: list[str],
+                 run: dict | None = None, stopped_by: int | None = None, error: str | None = None,
+                 lora_swaps: list | None = None) -> dict:
+    """`run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted render; `error`:
+    what ended a failed one."""
     total_steps = sum(b.steps for b in timings.buckets.values())
+    extra = {"run": run or {}, "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
+             "error": error, "lora": lora_section(lora_swaps)}
     return {
-        "job": job, "output_dir": str(out_dir), "status": status, "device": device, "dtype": dtype,
+        "job": job, "output_dir": str(out_dir), "status": status, **extra, "device": device, "dtype": dtype,
         "engine": engine, "model": model, "wall_s": round(wall_s, 3),
         "images_rendered": rendered, "images_skipped": skipped, "images_failed": len(failed),
         "images_per_s": round(rendered / wall_s, 4) if wall_s else 0.0,
@@ -70,8 +96,10 @@ def build_report(*, job: str, out_dir: Path, device: str, dtype: str, engine: st
 
 def markdown(report: dict) -> str:
     r = report
+    run = r.get("run") or {}
     out = [f"# Render report: {r['job']}", "",
-           f"- status: **{r['status']}**; device `{r['device']}`, dtype {r['dtype']}, engine {r['engine']}, "
+           f"- run {run.get('id', '?')}: {run.get('started', '?')} -> {run.get('finished', '?')}",
+           f"- status: **{r['status']}**{_why(r)}; device `{r['device']}`, dtype {r['dtype']}, engine {r['engine']}, "
            f"model `{r['model']}`",
            f"- {r['images_rendered']} rendered, {r['images_skipped']} skipped (already done), "
            f"{r['images_failed']} failed in {r['wall_s']:.2f} s: {r['images_per_s']:.3f} images/s, "
@@ -88,12 +116,23 @@ def markdown(report: dict) -> str:
                 "|---|---|---:|---:|---:|---:|---|"]
         out += [f"| {g['shape']} | {g['state']} | {g['capture_s']:.2f} | {g['pool_mb']:.0f} | {g['replays']} | "
                 f"{g['replay_ms']:.2f} | {g.get('reason') or ''} |" for g in r["graphs"]]
+    if r.get("lora"):
+        lo = r["lora"]
+        out += ["", "## LoRA", "", f"- {lo['swaps']} swaps, {lo['total_s']:.3f} s in all, median {lo['median_s']:.3f} s",
+                "", "| from | to | layers |", "|---|---|---:|"]
+        out += [f"| {a or '(none)'} | {b or '(none)'} | {n} |" for (a, b), n in zip(lo["sets"], lo["layers"])]
     if r["failures"]:
         out += ["", "## Failures", "", "| image | reason |", "|---|---|"]
         out += [f"| {f['path']} | {f['reason']} |" for f in r["failures"]]
     if r["notes"]:
         out += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     return "\n".join(out) + "\n"
+
+
+def _why(r: dict) -> str:
+    if r.get("stopped_by"):
+        return f" (stopped by {r['stopped_by']})"
+    return f" ({r['error']})" if r.get("error") else ""
 
 
 def write_report(out_dir: Path, report: dict) -> tuple[Path, Path]:

@@ -88,7 +88,7 @@ def test_second_render_into_the_same_folder_is_refused(tmp_path):
     try:
         _wait_for_images(out, 1, proc)
         result = CliRunner().invoke(app, ["render", str(job), "--out", str(out)])
-        assert result.exit_code == 2 and f"(pid {proc.pid})" in result.output, result.output
+        assert result.exit_code == 2 and f"(pid {proc.pid} on " in result.output, result.output
     finally:
         proc.kill()
         proc.wait()

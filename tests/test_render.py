@@ -1,7 +1,6 @@
 """CPU end-to-end tests on the tiny preset: render, rerun, batch invariance, failures, the lock."""
 
 import json
-import os
 import sys
 
 import numpy as np
@@ -11,9 +10,8 @@ from PIL import Image
 
 from conftest import write_job
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.errors import OutputLocked
 from storyboard_cli.job import load_job
-from storyboard_cli.outputs import LOCK, read_fingerprint
+from storyboard_cli.outputs import read_fingerprint
 from storyboard_cli.render import RenderOptions, render
 
 JOB = """version: 1
@@ -132,17 +130,6 @@ def test_unreadable_control_image_fails_that_shot_only(job_dir, tmp_path, tiny_c
     result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=tiny_cpu)
     assert result.status == "failed" and result.rendered == 5
     assert [f["shot"] for f in result.failed] == ["c"]
-
-
-def test_live_lock_refuses_and_stale_lock_is_taken_over(job, tmp_path, tiny_cpu):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / LOCK).write_text(f"{os.getppid()}\n")  # a live process that is not us
-    with pytest.raises(OutputLocked, match="another render"):
-        render(job, RenderOptions(out_dir=out), models=tiny_cpu)
-    (out / LOCK).write_text("999999999\n")  # no such process
-    assert render(job, RenderOptions(out_dir=out), models=tiny_cpu).status == "done"
-    assert not (out / LOCK).exists()
 
 
 def test_out_of_memory_splits_the_batch(job, tmp_path, tiny_cpu, monkeypatch):

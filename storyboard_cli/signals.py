@@ -1,0 +1,75 @@
+"""How a render stops: Ctrl-C, SIGTERM, SIGHUP.
+
+- First Ctrl-C: says at once what will happen (an event; the CLI prints it), then the render stops at
+  the next batch boundary, or right after loading or capture when it comes during those.
+- Second Ctrl-C: stops now (KeyboardInterrupt); the images already handed to the writer are dropped.
+- SIGTERM / SIGHUP (docker stop, an eviction, a preemption, `timeout`, a closed ssh session): stop now,
+  without waiting for the batch: `Stopped` is raised from the handler, between two Python bytecodes
+  of the denoising loop (so after the running kernel, well within a second); the batch in flight is
+  dropped and rendered next time, the images already decoded are written. Exit status 128 + signal.
+
+Either way the render then writes what is finished, the manifest and a partial report, and releases
+the folder's lock. Once stopping, further signals only mark the stop (a second Ctrl-C still forces).
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+from typing import Callable
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SOFT_STOP = "stopping after this batch; Ctrl-C again to stop now"
+
+
+class Stopped(BaseException):
+    """Raised from a signal handler: not an Exception, so no `except Exception` of a batch swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class StopFlag:
+    def __init__(self, on_request: Callable[[str], None] | None = None):
+        self.signum: int | None = None  # the first stop signal received
+        self.on_request = on_request or (lambda message: None)
+        self.finishing = False  # writing the report: signals are recorded, never raised
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def handler(self, signum, frame) -> None:
+        first = self.signum is None
+        if first:
+            self.signum = signum
+        if signum == signal.SIGINT:
+            if first:
+                self.on_request(SOFT_STOP)
+            elif not self.finishing:
+                raise KeyboardInterrupt
+        elif first and not self.finishing:
+            raise Stopped(signum)
+
+    def check(self) -> None:
+        """At a boundary (a batch, the end of loading or capture): stops if asked to."""
+        if self.signum is not None:
+            raise Stopped(self.signum)
+
+
+@contextmanager
+def stop_signals(on_request: Callable[[str], None] | None = None):
+    """Installs the handlers for the block (main thread only; elsewhere the flag is never set)."""
+    flag = StopFlag(on_request)
+    old = {}
+    try:
+        for sig in STOP_SIGNALS:
+            old[sig] = signal.signal(sig, flag.handler)
+    except ValueError:  # not the main thread: no signal handling
+        pass
+    try:
+        yield flag
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

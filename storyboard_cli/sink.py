@@ -1,0 +1,112 @@
+"""Where a render's images go: PNG + manifest line per output file on the writer thread, failures, the
+edited files --force sets aside, and the contact sheet after each shot completes. No torch, no policy."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+from storyboard_cli.errors import RenderFailure
+from storyboard_cli.job import Job
+from storyboard_cli.outputs import (Manifest, Pending, Writer, atomic_write, manifest_record, owner, png_bytes,
+                                    set_aside)
+from storyboard_cli.plan import WorkItem
+from storyboard_cli.report import Timings
+
+Emit = Callable[[str, int, str, str], None]  # (event kind, images done, shot, message)
+
+log = logging.getLogger(__name__)
+
+
+class ContactSheet:
+    """index.html kept up to date during a render. Never fails the render: the first error becomes a
+    note and the sheet is left as it was. Call it from one thread at a time (the writer thread while
+    the render runs)."""
+
+    def __init__(self, out_dir: Path, job: Job, notes: list[str]):
+        self.out_dir, self.job, self.notes = out_dir, job, notes
+        self.writer = None
+        self.path: Path | None = None
+        self.broken = False
+
+    def update(self, failures: list[dict], running: bool = False, final: bool = True) -> None:
+        if self.broken:
+            return
+        try:
+            if self.writer is None:
+                from storyboard_cli.sheet import SheetWriter
+
+                self.writer = SheetWriter(self.out_dir, self.job)
+            if final:
+                self.path = self.writer.update(failures=list(failures), running=running)
+            else:
+                self.writer.shot_done(list(failures))
+        except Exception as e:  # noqa: BLE001 - the page is a view of the folder; the images are what matters
+            log.warning("contact sheet not updated", exc_info=True)
+            self.notes.append(f"contact sheet not updated: {e}")
+            self.broken = True
+
+
+class OutputSink:
+    def __init__(self, job: Job, out_dir: Path, manifest: Manifest, pending: Pending, run_id: str,
+                 sheet: ContactSheet, timings: Timings, emit: Emit):
+        self.job, self.out_dir, self.manifest, self.sheet, self.timings = job, out_dir, manifest, sheet, timings
+        self.run_id = run_id  # in each manifest line; also names the folder edited files are set aside in
+        self.moved = set(pending.moved)  # edited files to set aside just before their replacement lands
+        self.remaining = Counter(owner(i, p).shot for i in pending.items for p in i.outputs)
+        self.emit = emit
+        self.failed: list[dict] = []
+        self.rendered = 0  # files landed (writer thread)
+        self.delivered = 0  # outputs handed over or failed (main thread)
+        self.writer = Writer()
+
+    def fail(self, items: list[WorkItem], reason: str) -> None:
+        for item in items:
+            for path in item.outputs:
+                self.failed.append({"path": path, "shot": owner(item, path).shot, "reason": reason})
+            self.delivered += len(item.outputs)
+            self.emit("failed", self.rendered, item.shot, f"{item.outputs[0]}: {reason}")
+            self.writer.submit(self._shots_done, item)
+
+    def submit(self, item: WorkItem, pixels, bucket: str) -> None:
+        """Hands the pixels to the writer thread (it overlaps them with the next batch's denoising)."""
+        self.delivered += len(item.outputs)
+        self.writer.submit(self._save, item, pixels, bucket)
+
+    def _save(self, item: WorkItem, pixels, bucket: str) -> None:
+        """Runs on the writer thread: per output file (its own shot and candidate in the metadata), an
+        atomic PNG write, then its manifest line with the bytes' sha256."""
+        t0 = time.perf_counter()
+        model, controlnet = self.job.model, self.job.controlnet
+        fingerprint, settings = item.fingerprint(model, controlnet), item.settings(model, controlnet)
+        for path in item.outputs:
+            data = png_bytes(pixels, owner(item, path), model, controlnet)
+            try:
+                if path in self.moved:
+                    set_aside(self.out_dir, path, self.run_id)
+                    self.moved.discard(path)
+                atomic_write(self.out_dir / path, data)
+            except OSError as e:
+                raise RenderFailure(f"cannot write {self.out_dir / path}: {e.strerror or e}") from e
+            self.manifest.append(manifest_record(item, path, fingerprint, hashlib.sha256(data).hexdigest(), self.run_id,
+                                                 settings))
+            self.rendered += 1
+            self.timings.bucket(bucket).images += 1
+            self.emit("image", self.rendered, owner(item, path).shot, path)
+        self.timings.stages["save"] += time.perf_counter() - t0
+        self._shots_done(item)
+
+    def _shots_done(self, item: WorkItem) -> None:
+        """Writer thread: a shot whose every output has landed or failed updates the sheet."""
+        for path in item.outputs:
+            shot = owner(item, path).shot
+            self.remaining[shot] -= 1
+            if self.remaining[shot] == 0:
+                self.sheet.update(self.failed, final=False)
+
+    def close(self, cancel: bool = False) -> None:
+        self.writer.close(cancel=cancel)
