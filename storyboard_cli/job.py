@@ -278,7 +278,8 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     id_line = _line_of(raw, "id")
     shot_id = _as_str(ctx, shot_id, id_line, label, "id", empty_ok=False)
     if not SHOT_ID.fullmatch(shot_id):
-        raise ctx.fail(id_line, label, "id", f"{SAFE_NAME_RULE} (it names a folder)")
+        label = shot_id if shot_id.isprintable() else f"#{index + 1}"  # the message stays one line
+        raise ctx.fail(id_line, label, "id", f"{SAFE_NAME_RULE} (it names a folder), got {shot_id!r}")
     if shot_id.lower() in RESERVED_IDS:
         raise ctx.fail(id_line, label, "id", f"'{shot_id}' is a name bcg uses in the output folder "
                        f"({', '.join(RESERVED_IDS)}); choose another")
@@ -473,7 +474,7 @@ def load_job(path: str | Path) -> Job:
     else:
         name = _as_str(ctx, name, line, None, "name", empty_ok=False)
         if not SAFE_NAME.fullmatch(name):
-            raise ctx.fail(line, None, "name", f"{SAFE_NAME_RULE} (it names a folder)")
+            raise ctx.fail(line, None, "name", f"{SAFE_NAME_RULE} (it names a folder), got {name!r}")
     model, line = _top_field(ctx, doc, "model", required=True)
     model = _as_str(ctx, model, line, None, "model", empty_ok=False)
     controlnet, line = _top_field(ctx, doc, "controlnet")

@@ -1,5 +1,7 @@
 """Pure tests for job parsing and validation (no torch, milliseconds)."""
 
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -101,3 +103,73 @@ def test_job_module_does_not_import_torch():
 
     code = "import sys, storyboard_cli.job, storyboard_cli.plan; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# ---------------------------------------------------------------- LoRAs, names, paths
+
+MEI = ROOT / "jobs" / "loras" / "mei.safetensors"
+
+
+def _lora_job(tmp_path, shots: str, defaults: str = "") -> str:
+    return (f"version: 1\nname: t\nmodel: tiny\nloras:\n  mei: {MEI}\n  ink: {MEI}\n{defaults}shots:\n{shots}")
+
+
+def test_loras_by_field_by_tag_and_from_defaults(tmp_path):
+    job = load_job(write_job(tmp_path, _lora_job(tmp_path, (
+        "  - {id: a, prompt: 'mei walks <lora:mei:0.8> at night'}\n"
+        "  - {id: b, prompt: mei walks at night, lora: {mei: 0.8, ink: 0.25}}\n"
+        "  - {id: c, prompt: 'a boat <lora:ink>', lora: {mei: 0}}\n"
+        "  - {id: d, prompt: 'a boat <lora:mei:0.8>', lora: {mei: 0.8, ink: -0.5}}\n"
+        "  - {id: e, prompt: a hut}\n"), "defaults:\n  lora: {ink: 0.25}\n")))
+    a, b, c, d, e = job.shots
+    assert (a.prompt, a.loras) == ("mei walks at night", (("ink", 0.25), ("mei", 0.8)))  # a tag adds to defaults
+    assert (b.prompt, b.loras) == (a.prompt, a.loras)  # the tag and the field are the same request
+    assert (c.prompt, c.loras) == ("a boat", (("ink", 1.0),))  # a zero scale applies nothing
+    assert d.loras == (("ink", -0.5), ("mei", 0.8))
+    assert e.loras == (("ink", 0.25),)
+    mei = job.loras["mei"]
+    assert mei.path == MEI and mei.sha256.startswith(mei.shorthash) and len(mei.shorthash) == 12
+    assert mei.text_encoders and mei.file == os.path.relpath(MEI, tmp_path)
+
+
+def test_lora_path_is_relative_to_the_job_file(tmp_path):
+    (tmp_path / "loras").mkdir()
+    shutil.copy(MEI, tmp_path / "loras" / "mei.safetensors")
+    sub = tmp_path / "jobs"
+    sub.mkdir()
+    job = load_job(write_job(sub, "version: 1\nmodel: tiny\nloras: {mei: ../loras/mei.safetensors}\n"
+                                  "shots:\n  - {id: a, prompt: x, lora: {mei: 1}}\n"))
+    assert job.loras["mei"].path == tmp_path / "loras" / "mei.safetensors"
+    assert job.loras["mei"].file == "../loras/mei.safetensors"
+
+
+def test_a_job_named_by_a_file_with_spaces_gets_a_safe_name(tmp_path):
+    text = "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x}\n"
+    job = load_job(write_job(tmp_path, text, "ep 1 (final v2).yaml"))
+    assert job.name == "ep-1-final-v2" and job.output_dir == Path("outputs") / "ep-1-final-v2"
+    with pytest.raises(JobError) as info:
+        load_job(write_job(tmp_path, text, "(((.yaml"))
+    assert "add a top-level 'name:'" in str(info.value) and "field 'name'" not in str(info.value)
+
+
+def test_output_dir_expands_the_home_folder(tmp_path):
+    job = load_job(write_job(tmp_path, "version: 1\nmodel: tiny\noutput_dir: ~/renders/x\nshots:\n"
+                                       "  - {id: a, prompt: x}\n"))
+    assert job.output_dir == Path.home() / "renders" / "x"
+
+
+@pytest.mark.parametrize("shot_id", ["index.html", "manifest.jsonl", "report.md", "selects", "Thumbs", "picks.json"])
+def test_shot_ids_that_name_bcgs_own_files_are_refused(tmp_path, shot_id):
+    with pytest.raises(JobError, match="is a name bcg uses in the output folder"):
+        load_job(write_job(tmp_path, f"version: 1\nmodel: tiny\nshots:\n  - {{id: {shot_id}, prompt: x}}\n"))
+
+
+def test_a_control_image_shared_by_shots_is_decoded_once(job_dir, monkeypatch):
+    import storyboard_cli.job as job_module
+
+    loads = []
+    real = job_module._check_image
+    monkeypatch.setattr(job_module, "_check_image", lambda *a: loads.append(a) or real(*a))
+    load_job(write_job(job_dir, "version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n" + "".join(
+        f"  - {{id: s{i}, prompt: x, control: {{image: control/hero_pose.png}}}}\n" for i in range(5))))
+    assert len(loads) == 1

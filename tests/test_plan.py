@@ -53,3 +53,122 @@ def test_control_is_part_of_the_bucket_key(tmp_path, job_dir):
                                       "  - {id: b, prompt: y, control: {image: control/hero_pose.png}}\n"))
     keys = {b.key for b in make_batches(work_items(job), job.buckets)}
     assert {k.control for k in keys} == {False, True}
+
+
+# ---------------------------------------------------------------- LoRA sets, fingerprints by content
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from conftest import ROOT
+from storyboard_cli.digests import weights_digest
+from storyboard_cli.plan import lora_swaps, lora_table
+
+MEI = ROOT / "jobs" / "loras" / "mei.safetensors"
+
+
+def _lora_job(folder, shots: str, lora_path=MEI):
+    return load_job(write_job(folder, f"version: 1\nmodel: tiny\nloras:\n  mei: {lora_path}\n  ink: {MEI}\n"
+                                      f"defaults: {{size: 64x64, steps: 4}}\nshots:\n{shots}"))
+
+
+def test_batches_are_gathered_by_lora_set_for_the_fewest_swaps(tmp_path):
+    job = _lora_job(tmp_path, "  - {id: a, prompt: x, lora: {mei: 1}}\n"
+                              "  - {id: b, prompt: y}\n"
+                              "  - {id: c, prompt: z, lora: {ink: 0.5}, size: 128x64}\n"
+                              "  - {id: d, prompt: w, lora: {mei: 1}, size: 128x64}\n"
+                              "  - {id: e, prompt: v, lora: {ink: 0.5}}\n"
+                              "  - {id: f, prompt: u, size: 128x64}\n", )
+    batches = make_batches(work_items(job), job.buckets)
+    order = [b.key.loras for b in batches]
+    assert order == [(), (), (("mei", 1.0),), (("mei", 1.0),), (("ink", 0.5),), (("ink", 0.5),)]
+    assert lora_swaps(batches) == 2  # one per distinct set: the fewest possible
+    assert [(r.label, r.images, r.batches) for r in lora_table(batches)] == \
+        [("none", 2, 2), ("mei 1", 2, 2), ("ink 0.5", 2, 2)]
+    assert all(len({i.key for i in b.items}) == 1 for b in batches)
+    assert "lora mei 1" in batches[2].key.label
+    # in the order the shots came, a set would be entered again and again
+    assert lora_swaps(sorted(batches, key=lambda b: [i.shot for i in b.items])) == 6
+
+
+def test_the_same_request_with_and_without_a_lora_is_two_images(tmp_path):
+    job = _lora_job(tmp_path, "  - {id: a, prompt: x, seed: 1}\n  - {id: b, prompt: x, seed: 1, lora: {mei: 1}}\n"
+                              "  - {id: c, prompt: 'x <lora:mei:1>', seed: 1}\n")
+    items = work_items(job)
+    assert len(items) == 2 and items[1].outputs == ("b/b_c0_s1.png", "c/c_c0_s1.png")
+
+
+def test_settings_record_each_lora_by_name_scale_file_and_hash(tmp_path):
+    job = _lora_job(tmp_path, "  - {id: a, prompt: x, lora: {mei: 0.8, ink: -1}}\n")
+    s = work_items(job)[0].settings(job.model, job.controlnet)
+    mei = job.loras["mei"]
+    assert s["loras"][1] == {"name": "mei", "scale": 0.8, "file": mei.file, "sha256": mei.sha256,
+                             "shorthash": mei.shorthash}
+    assert [l["name"] for l in s["loras"]] == ["ink", "mei"]
+    plain = _lora_job(tmp_path, "  - {id: a, prompt: x}\n")
+    assert "loras" not in work_items(plain)[0].settings("tiny", None)
+
+
+def test_a_changed_lora_file_changes_the_fingerprint_a_moved_one_does_not(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "mine.safetensors"
+    shutil.copy(MEI, copy)
+    shots = "  - {id: a, prompt: x, lora: {mei: 0.8}}\n  - {id: b, prompt: y}\n"
+    before = [i.fingerprint("tiny", None) for i in work_items(_lora_job(tmp_path, shots, copy))]
+    moved = tmp_path / "elsewhere" / "mei.safetensors"
+    moved.parent.mkdir()
+    shutil.copy(copy, moved)
+    assert [i.fingerprint("tiny", None) for i in work_items(_lora_job(tmp_path, shots, moved))] == before
+    state = load_file(str(copy))
+    key = sorted(state)[0]
+    state[key] = state[key] + 0.01  # retrained: other weights in the same file
+    save_file(state, str(copy))
+    after = [i.fingerprint("tiny", None) for i in work_items(_lora_job(tmp_path, shots, copy))]
+    assert after[0] != before[0] and after[1] == before[1]
+
+
+def test_control_images_count_by_content_not_by_path(job_dir, tmp_path):
+    from PIL import Image
+
+    text = ("version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n"
+            "  - {id: a, prompt: x, control: {image: control/hero_pose.png}}\n")
+    first = work_items(load_job(write_job(job_dir, text)))[0]
+    s = first.settings("tiny", "tiny")
+    assert s["control_image"] == "control/hero_pose.png" and len(s["control_sha256"]) == 16
+    moved = tmp_path / "moved project"
+    shutil.copytree(job_dir, moved)
+    again = work_items(load_job(moved / "job.yaml"))[0]
+    assert again.fingerprint("tiny", "tiny") == first.fingerprint("tiny", "tiny")
+    with Image.open(moved / "control/hero_pose.png") as im:  # the pose guide redrawn, same name
+        im.convert("RGB").rotate(90).save(moved / "control/hero_pose.png")
+    redrawn = work_items(load_job(moved / "job.yaml"))[0]
+    assert redrawn.fingerprint("tiny", "tiny") != first.fingerprint("tiny", "tiny")
+
+
+def test_weights_given_as_a_path_count_by_size_mtime_and_header(tmp_path):
+    import os
+
+    folder = tmp_path / "model"
+    (folder / "unet").mkdir(parents=True)
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(b"h" * 100 + b"w" * (2 << 20))
+    (folder / "unet" / "config.json").write_text("{}")
+    one = weights_digest(str(folder))
+    assert one == weights_digest(str(folder)) and len(one) == 16
+    assert weights_digest("tiny") is None and weights_digest("stabilityai/sdxl-base") is None
+    job = load_job(write_job(tmp_path, f"version: 1\nmodel: {folder}\nshots:\n  - {{id: a, prompt: x}}\n"))
+    item = work_items(job)[0]
+    assert item.settings(job.model, None)["model_weights"] == one
+    fp = item.fingerprint(job.model, None)
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # replaced (same bytes, new time)
+    assert weights_digest(str(folder)) != one and item.fingerprint(job.model, None) != fp
+
+
+def test_first_candidate_continues_a_shots_candidates(tmp_path):
+    job = _job(tmp_path, "  - {id: a, prompt: x, seed: 10, candidates: 2}\n")
+    more = replace(job, shots=(replace(job.shots[0], first_candidate=2),))
+    assert [(i.k, i.seed, i.outputs) for i in work_items(more)] == [
+        (2, 12, ("a/a_c2_s12.png",)), (3, 13, ("a/a_c3_s13.png",))]

@@ -1,0 +1,82 @@
+"""Prompts longer than CLIP reads: the words the text encoders will never see, found before any model
+loads, so `bcg plan` and the report can say so per shot (two shots that differ only past the limit
+give the same image).
+
+The tokenizer is the model's own where the job names a folder with one, the tiny preset's byte-level
+one for `tiny`, else CLIP's (both SDXL encoders use CLIP's vocabulary). transformers, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from storyboard_cli.digests import weights_path
+from storyboard_cli.job import Job
+
+CLIP_TOKENS = 77  # what CLIP's position embeddings hold: start + 75 + end
+
+
+@dataclass(frozen=True)
+class LongPrompt:
+    shot: str
+    field: str  # "prompt" | "negative"
+    line: int  # the shot's line in the job file
+    tokens: int  # with the start and end tokens, as the encoders count
+    dropped: str  # the text cut off, as the tokenizer decodes it
+
+    def __str__(self) -> str:
+        return (f"shot '{self.shot}' (line {self.line}): the {self.field} is {self.tokens} tokens, CLIP reads "
+                f"{CLIP_TOKENS}; dropped: \"{self.dropped}\"")
+
+
+@lru_cache(maxsize=4)
+def tokenizer_for(model: str):
+    from storyboard_cli.models.tokenizers import make_tokenizer, real_clip_merges
+
+    if model == "tiny":
+        from storyboard_cli.models.tiny import TOKENIZER_MERGES
+
+        return make_tokenizer(TOKENIZER_MERGES)
+    folder = weights_path(model)
+    if folder is not None and (folder / "tokenizer" / "vocab.json").is_file():
+        from transformers import CLIPTokenizer
+
+        return CLIPTokenizer.from_pretrained(str(folder), subfolder="tokenizer")
+    return make_tokenizer(real_clip_merges())
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, truncation=False, verbose=False).input_ids)  # with the start and end tokens
+
+
+def dropped_text(prompt: str, tokenizer) -> tuple[int, str]:
+    """(tokens, the words past the limit, from the first one cut even in part) for one prompt; "" when it
+    fits. Words as the artist wrote them: CLIP's decode would print `detail 3 9` for `detail39`."""
+    limit = tokenizer.model_max_length
+    tokens = _count(tokenizer, prompt)
+    if tokens <= limit:
+        return tokens, ""
+    # CLIP splits words at whitespace first, so the tokens of the first k words are a prefix of the
+    # prompt's: the longest prefix that fits, by bisection
+    words = prompt.split()
+    lo, hi = 0, len(words)  # words[:lo] fits, words[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _count(tokenizer, " ".join(words[:mid])) <= limit else (lo, mid)
+    return tokens, " ".join(words[lo:])
+
+
+def long_prompts(job: Job) -> list[LongPrompt]:
+    """Every shot's prompt or negative prompt that the text encoders will cut, with the words they drop."""
+    found = []
+    tokenizer = None
+    for shot in job.shots:
+        for field, text in (("prompt", shot.prompt), ("negative", shot.negative)):
+            if len("".join(text.split()).encode()) <= CLIP_TOKENS - 2:
+                continue  # a token is at least one byte of a word: this fits without asking the tokenizer
+            tokenizer = tokenizer or tokenizer_for(job.model)
+            tokens, dropped = dropped_text(text, tokenizer)
+            if dropped:
+                found.append(LongPrompt(shot.id, field, shot.line, tokens, dropped))
+    return found
