@@ -1,0 +1,343 @@
+"""torchrun integration: one job's batches shared by N workers, one GPU each, one output folder.
+
+    torchrun --nproc-per-node 2 -m storyboard_cli render job.yaml          (or: bcg render job.yaml --gpus 2)
+
+Each worker runs the same `RenderSession` phases. Rank 0 holds the folder lock, reconciles the folder
+and sends the items left to render through the process group's store; every worker cuts them into
+the same batches (plan.py is deterministic) and claims them one at a time with `store.add`, largest
+first, so a slow or late worker never holds the job back. A worker appends its manifest lines to a
+shard of its own (shards.py); at the end every worker posts its figures to the store and rank 0
+merges the shards and writes one report. Only the store is used, never a collective: a worker that
+was stopped (Ctrl-C, SIGTERM) can never leave another blocked in one.
+
+Data parallel, not pipeline parallel: an image never leaves its GPU, so there is no traffic during
+a step, and an image is computed exactly as a single process computes it (same batch, same rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import socket
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from storyboard_cli import render as rendering
+from storyboard_cli.batch import batch_shapes
+from storyboard_cli.errors import BadInput, Interrupted
+from storyboard_cli.job import Job
+from storyboard_cli.outputs import Manifest, Pending
+from storyboard_cli.plan import Batch
+from storyboard_cli.shards import merge_shards, shard_manifest
+
+MODULE = "storyboard_cli"  # what a launched worker runs: python -m storyboard_cli render ...
+TIMEOUT = timedelta(minutes=30)  # the process group's and the store's (rank 0 may scan a big folder first)
+STOP_WAIT_S = 3.0  # after a stop, how long rank 0 waits for the others' figures (a SIGTERM stops them at once)
+POLL_S = 0.02
+STATUS_ORDER = ("done", "failed", "interrupted")  # the merged status is the worst of the workers'
+
+
+@dataclass(frozen=True)
+class Worker:
+    """This process's place in a torchrun job (torchrun's environment variables)."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def worker() -> Worker | None:
+    """The torchrun worker this process is, or None when torchrun did not start it."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return Worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def leader() -> bool:
+    """Whether this process speaks for the job (prints, writes the report): rank 0, or no torchrun."""
+    w = worker()
+    return w is None or w.leader
+
+
+def worker_device(device: str | None, w: Worker) -> str:
+    """One GPU per worker: any cuda device becomes `cuda:LOCAL_RANK`; the CPU stays the CPU."""
+    if device == "cpu" or (device is None and not torch.cuda.is_available()):
+        return "cpu"
+    if w.local_rank >= torch.cuda.device_count():
+        raise BadInput(f"worker {w.rank} has LOCAL_RANK {w.local_rank} but this machine has "
+                       f"{torch.cuda.device_count()} GPU(s): start at most that many workers per machine")
+    return f"cuda:{w.local_rank}"
+
+
+def connect(w: Worker, device: torch.device) -> dist.Store:
+    """Joins the process group (nccl on CUDA, gloo on the CPU) through torchrun's rendezvous and returns
+    the store this job coordinates through (the group's store, under a prefix of its own)."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=TIMEOUT))
+    store.set_timeout(TIMEOUT)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore("pg", store),
+                            rank=rank, world_size=world, timeout=TIMEOUT)
+    return dist.PrefixStore("bcg", store)
+
+
+# --- claiming work -------------------------------------------------------------------------------
+
+def cost(batch: Batch) -> int:
+    """What a batch costs to render: rows x steps x pixels (CFG doubles every row alike)."""
+    k = batch.key
+    return batch.size * k.steps * k.width * k.height
+
+
+def claim_queues(batches: list[Batch]) -> list[list[list[int]]]:
+    """Batch indices in tiers of equal cost, largest first; in each tier one queue per shape."""
+    shapes = batch_shapes(batches)
+    tiers: dict[int, dict] = {}
+    for i in sorted(range(len(batches)), key=lambda i: -cost(batches[i])):  # stable: plan order within a tier
+        tiers.setdefault(cost(batches[i]), {}).setdefault(shapes[i], []).append(i)
+    return [list(queues.values()) for queues in tiers.values()]
+
+
+def claim(store, batches: list[Batch], rank: int = 0) -> Iterator[Batch]:
+    """The batches this worker renders, claimed one at a time: `store.add` hands out each queue's next
+    index exactly once across all workers. Within a tier a worker asks first for the shapes it has
+    already run (their graphs are captured, their kernels warm); else it starts at the queue its rank
+    points to, so that workers new to a tier spread over its shapes."""
+    shapes = batch_shapes(batches)
+    warm: set = set()
+    for t, queues in enumerate(claim_queues(batches)):
+        start = rank % len(queues)
+        left = list(range(start, len(queues))) + list(range(start))
+        while left:
+            left.sort(key=lambda q: shapes[queues[q][0]] not in warm)  # stable: warm shapes first
+            q = left[0]
+            n = store.add(f"claim/{t}/{q}", 1)
+            if n > len(queues[q]):
+                left.pop(0)  # every batch of this queue is taken
+                continue
+            i = queues[q][n - 1]
+            warm.add(shapes[i])
+            yield batches[i]
+
+
+# --- the merged report ---------------------------------------------------------------------------
+
+def merge_reports(reports: list[dict]) -> dict:
+    """Every worker's report (rank order) -> the job's: counts summed, stage seconds summed over
+    workers, buckets merged, and a `workers` table (busy, idle, images/s per GPU). A worker's idle
+    time is how long before the last one it finished (`arrived_s`: seconds since the plan was shared,
+    each by its own clock: no clocks are compared across machines)."""
+    first = reports[0]
+    end = max(r["arrived_s"] for r in reports)
+    idle_s = [end - r["arrived_s"] for r in reports]
+    rendered = sum(r["images_rendered"] for r in reports)
+    wall = first["wall_s"] + idle_s[0]  # rank 0 is the last to finish: it waited for the others
+    buckets: dict[str, dict] = {}
+    for r in reports:
+        for b in r["buckets"]:
+            m = buckets.setdefault(b["bucket"], {"bucket": b["bucket"], "images": 0, "batches": 0, "rows": 0,
+                                                 "steps": 0, "denoise_s": 0.0})
+            for k in ("images", "batches", "rows", "steps", "denoise_s"):
+                m[k] += b[k]
+    for m in buckets.values():
+        m["denoise_s"] = round(m["denoise_s"], 4)
+        m["ms_per_step"] = round(1000 * m["denoise_s"] / m["steps"], 2) if m["steps"] else 0.0
+    workers = [{"rank": r["rank"], "host": r["host"], "device": r["device"], "images": r["images_rendered"],
+                "failed": r["images_failed"], "load_s": r["stages_s"]["load"], "capture_s": r["stages_s"]["capture"],
+                "busy_s": round(r["busy_s"], 3), "idle_s": round(idle, 3),
+                "images_per_s": round(r["images_rendered"] / r["busy_s"], 4) if r["busy_s"] else 0.0}
+               for r, idle in zip(reports, idle_s)]
+    render_s = max(w["capture_s"] + w["busy_s"] + w["idle_s"] for w in workers)  # weight loading excluded
+    statuses = [r["status"] for r in reports]
+    status = max(statuses, key=lambda s: STATUS_ORDER.index(s) if s in STATUS_ORDER else len(STATUS_ORDER))
+    peaks = [r["peak_memory_mb"] for r in reports if r["peak_memory_mb"] is not None]
+    return {
+        **{k: v for k, v in first.items() if k not in ("rank", "host", "busy_s", "arrived_s")},
+        "status": status if status in STATUS_ORDER else "interrupted",
+        "wall_s": round(wall, 3),
+        "images_rendered": rendered,
+        "images_failed": sum(r["images_failed"] for r in reports),
+        "images_per_s": round(rendered / wall, 4) if wall else 0.0,
+        "render_s": round(render_s, 3),
+        "render_images_per_s": round(rendered / render_s, 4) if render_s else 0.0,
+        "steps_per_s": round(sum(r["steps_per_s"] for r in reports), 3),
+        "peak_memory_mb": max(peaks) if peaks else None,
+        "stages_s": {k: round(sum(r["stages_s"].get(k, 0.0) for r in reports), 4) for k in first["stages_s"]},
+        "buckets": list(buckets.values()),
+        "failures": [f for r in reports for f in r["failures"]],
+        "notes": list(dict.fromkeys(n for r in reports for n in r["notes"])),
+        "workers": workers,
+    }
+
+
+@contextmanager
+def _wakeable():
+    """While waiting on the store, a stop signal ends the wait at once (KeyboardInterrupt)."""
+    def wake(signum, frame):
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, wake) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+# --- the worker's session ------------------------------------------------------------------------
+
+class _NoSheet:
+    """The contact sheet of a worker other than rank 0: rank 0 alone writes index.html."""
+
+    path = None
+
+    def update(self, failures: list[dict], running: bool = False, final: bool = True) -> None:
+        pass
+
+
+class DistSession(rendering.RenderSession):
+    """A RenderSession that shares its job with the other torchrun workers through `store`."""
+
+    def __init__(self, job: Job, opts: rendering.RenderOptions, on_event, w: Worker, store):
+        super().__init__(job, opts, on_event if w.leader else None)  # one progress display: rank 0's
+        self.w, self.store = w, store
+        self.t_run = self.t_pending = None
+        if not w.leader:
+            self.sheet = _NoSheet()
+
+    def lock(self):
+        return super().lock() if self.w.leader else nullcontext()
+
+    def find_pending(self) -> tuple[Pending, Manifest]:
+        """Rank 0 reconciles the folder (merging the shards a dead run left) and sends what is pending,
+        with its run id (the manifest lines and the set-aside folder name it); every worker then appends
+        to a manifest shard of its own."""
+        if self.w.leader:
+            merge_shards(self.out_dir)
+            pending, _ = super().find_pending()
+            self.store.set("pending", pickle.dumps((pending, self.run_id)))
+        else:
+            self.store.wait(["pending"])
+            pending, self.run_id = pickle.loads(self.store.get("pending"))
+        self.t_pending = time.perf_counter()  # the moment every worker shares: idle times are measured from it
+        return pending, shard_manifest(self.out_dir, self.w.rank)
+
+    def work(self) -> Iterator[Batch]:
+        self.t_run = time.perf_counter()
+        return claim(self.store, self.batches, self.w.rank)
+
+    def publish(self, report: dict, keep_last: bool) -> tuple[dict, tuple | None]:
+        """Every worker posts its figures to the store; rank 0 waits for all of them (a few seconds at most
+        after a stop; not at all after an error of its own), merges the shards and writes the job's report."""
+        now = time.perf_counter()
+        mine = {**report, "rank": self.w.rank, "host": socket.gethostname(),
+                "busy_s": now - self.t_run if self.t_run else 0.0,
+                "arrived_s": now - self.t_pending if self.t_pending else 0.0}
+        self.store.set(f"report/{self.w.rank}", json.dumps(mine))
+        if not self.w.leader:
+            # rank 0 speaks for the job (the report, the exit code): a worker whose share is finished exits
+            # 0, so that torchrun never stops rank 0 while it merges (a failed image is in the report)
+            return report | {"status": "done" if report["status"] == "failed" else report["status"]}, None
+        if report["status"] == "error":
+            return super().publish(report, keep_last)
+        seen = self._gather(stopped=report["status"] == "interrupted")
+        merged = merge_reports([json.loads(self.store.get(f"report/{r}")) for r in seen])
+        if len(seen) < self.w.world:
+            merged["status"] = "interrupted"
+            merged["notes"].append(f"{self.w.world - len(seen)} of {self.w.world} workers sent no figures; "
+                                   f"the next run merges their manifest lines")
+        else:
+            merge_shards(self.out_dir)
+        return super().publish(merged, keep_last and not merged["images_rendered"])
+
+    def _gather(self, stopped: bool) -> list[int]:
+        """The ranks whose figures have come in: all of them, unless stopped (then what came in time)."""
+        keys = [f"report/{r}" for r in range(self.w.world)]
+        deadline = time.perf_counter() + STOP_WAIT_S if stopped else None
+        try:
+            with _wakeable():
+                while not self.store.check(keys) and (deadline is None or time.perf_counter() < deadline):
+                    time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            pass  # stopped while waiting: report what has come in
+        return [r for r, key in enumerate(keys) if self.store.check([key])]
+
+
+# --- entry points --------------------------------------------------------------------------------
+
+def render(job: Job, opts: rendering.RenderOptions = rendering.RenderOptions(),
+           on_event: Callable[[rendering.Event], None] | None = None) -> rendering.RenderResult:
+    """Renders `job` as one torchrun worker of many; a plain render when torchrun did not start this
+    process (or started it alone)."""
+    w = worker()
+    if w is None or w.world == 1:
+        return rendering.render(job, opts, on_event)
+    opts = replace(opts, device=worker_device(opts.device, w))
+    store = connect(w, torch.device(opts.device))
+    try:
+        return DistSession(job, opts, on_event, w, store).execute()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(n: int, argv: list[str], module: str = MODULE) -> int:
+    """`bcg render JOB --gpus N`: starts N workers on this machine through torchrun's own launcher
+    (`python -m <module> <argv>` each; a worker sees it runs under torchrun and ignores --gpus).
+    Returns the exit code: 0, or the first failed worker's (130 when stopped by a signal)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if n < 1:
+        raise BadInput(f"--gpus: expected at least 1, got {n}")
+    if torch.cuda.is_available() and n > torch.cuda.device_count():
+        raise BadInput(f"--gpus {n}: this machine has {torch.cuda.device_count()} GPU(s)")
+    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={n}", "--module", module, *argv])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = [f.exitcode for _, f in sorted(e.failures.items())]
+        return next((c for c in codes if c > 0), Interrupted.exit_code)
+    except SignalException:
+        return Interrupted.exit_code
+    return 0
+
+
+def _main(argv: list[str] | None = None) -> None:
+    """`python -m storyboard_cli.dist render JOB [--out DIR] [--device D] [--force] [--gpus N]`: the render
+    command's multi-worker path without the CLI (no output; the report is in the folder)."""
+    import argparse
+    import sys
+
+    from storyboard_cli.job import load_job
+
+    p = argparse.ArgumentParser(prog="python -m storyboard_cli.dist")
+    p.add_argument("command", choices=["render"])
+    p.add_argument("job")
+    p.add_argument("--out")
+    p.add_argument("--device")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--gpus", type=int, default=1)
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.gpus > 1 and worker() is None:
+        launch(a.gpus, sys.argv[1:] if argv is None else argv, module="storyboard_cli.dist")
+        return
+    render(load_job(Path(a.job)), rendering.RenderOptions(out_dir=Path(a.out) if a.out else None,
+                                                          device=a.device, force=a.force))
+
+
+if __name__ == "__main__":
+    _main()

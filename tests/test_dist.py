@@ -1,0 +1,269 @@
+"""One job over several torchrun workers (gloo, CPU): the same files as one process, one manifest, one
+report; two "machines" on one host; a worker killed and a launcher stopped lose nothing."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import ROOT, write_job
+from storyboard_cli import dist
+from storyboard_cli.outputs import Manifest, read_fingerprint
+from storyboard_cli.plan import Batch, BucketKey, WorkItem
+from storyboard_cli.shards import SHARDS, merge_shards, shard_manifest
+
+# What the workers run. Until `bcg render` calls dist.render, the same phases are reached through
+# dist.py's own entry point; then this becomes "storyboard_cli".
+MODULE = "storyboard_cli.dist"
+
+JOB = """version: 1
+model: tiny
+controlnet: tiny
+buckets: [1, 2]
+shots:
+  - {id: big, prompt: a lighthouse at night, steps: 3, size: 64x96, candidates: 3, seed: 11}
+  - {id: wide, prompt: a boat in the waves, steps: 3, size: 96x64, candidates: 3, seed: 12}
+  - {id: small, prompt: a hut, steps: 2, size: 64x64, candidates: 4, seed: 13, sampler: dpmpp_2m}
+  - {id: pose, prompt: the keeper, steps: 2, size: 64x64, candidates: 1, seed: 14,
+     control: {image: control/hero_pose.png, scale: 0.8}}
+"""
+IMAGES = 11
+LONG = f"version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {{id: a, prompt: x, steps: 6, size: 64x64, candidates: 40}}\n"
+VOLATILE = ("finished", "run")  # a manifest line's time and run id
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # torchrun's default for workers
+
+
+def _torchrun(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _render_args(job, out):
+    return ["-m", MODULE, "render", str(job), "--out", str(out), "--device", "cpu"]
+
+
+def _finish(proc, timeout=120):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _files(out: Path) -> dict[str, np.ndarray]:
+    return {p.relative_to(out).as_posix(): np.asarray(Image.open(p)) for p in sorted(out.rglob("*.png"))}
+
+
+def _records(out: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    return sorted(({k: v for k, v in r.items() if k not in VOLATILE} for r in lines), key=lambda r: r["path"])
+
+
+def _same_as(out: Path, reference: Path) -> None:
+    got, want = _files(out), _files(reference)
+    assert sorted(got) == sorted(want)
+    for path in want:
+        assert np.array_equal(got[path], want[path]), path
+    assert _records(out) == _records(reference)  # their sha256 too: the same bytes
+    assert not (out / SHARDS).exists() or not any((out / SHARDS).iterdir())
+    assert not (out / ".bcg.lock").exists() or not (out / ".bcg.lock").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The job rendered by one plain process (what every multi-worker render must reproduce)."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("single")
+    shutil.copytree(ROOT / "jobs" / "control", folder / "control")
+    job = write_job(folder, JOB)
+    proc = subprocess.run([sys.executable, "-m", "storyboard_cli", "render", str(job), "--out", str(folder / "out"),
+                           "--device", "cpu"], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return job, folder / "out"
+
+
+def test_two_workers_render_the_same_files_and_manifest_as_one_process(one_process, tmp_path):
+    job, reference = one_process
+    out = tmp_path / "out"
+    code, log = _finish(_torchrun("--standalone", "--nproc-per-node", "2", *_render_args(job, out)))
+    assert code == 0, log
+    _same_as(out, reference)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "done" and report["images_rendered"] == IMAGES
+    assert [w["rank"] for w in report["workers"]] == [0, 1]
+    assert sum(w["images"] for w in report["workers"]) == IMAGES
+    assert all(w["busy_s"] >= 0 and w["idle_s"] >= 0 for w in report["workers"])
+    assert sum(b["images"] for b in report["buckets"]) == IMAGES
+
+
+def test_two_machines_through_a_c10d_endpoint(one_process, tmp_path):
+    job, reference = one_process
+    out = tmp_path / "out"
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", "bcg-test"]
+    nodes = [_torchrun(*rdzv, "--node-rank", str(n), *_render_args(job, out)) for n in (0, 1)]
+    results = [_finish(p) for p in nodes]
+    assert [code for code, _ in results] == [0, 0], results
+    _same_as(out, reference)
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["workers"]) == 2 and report["images_rendered"] == IMAGES
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _wait_for_lines(out: Path, n: int, proc, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        shards = list((out / SHARDS).glob("rank*/manifest.jsonl"))
+        if sum(len(s.read_text().splitlines()) for s in shards) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError("no progress")
+
+
+def _consistent(out: Path) -> list[str]:
+    """Every PNG whole, one manifest line per PNG and no line without its file, no temp file."""
+    pngs = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
+    assert all(read_fingerprint(out / p) for p in pngs), "a broken PNG"
+    merge_shards(out)  # what the next run does first
+    lines = [json.loads(line)["path"] for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert len(lines) == len(set(lines))
+    assert set(lines) <= set(pngs)
+    assert not list(out.rglob(".*.tmp"))
+    return pngs
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers through /proc")
+def test_stopped_launcher_and_killed_worker_lose_nothing(tmp_path):
+    job = write_job(tmp_path, LONG)
+    out = tmp_path / "out"
+    # SIGTERM to the launcher (`--gpus 2`, torchrun's own API): every worker stops cleanly, at once
+    launcher = subprocess.Popen([sys.executable, "-m", MODULE, "render", str(job), "--out", str(out), "--device", "cpu",
+                                 "--gpus", "2"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    _wait_for_lines(out, 3, launcher)
+    workers = _children(launcher.pid)
+    assert len(workers) == 2
+    launcher.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    _finish(launcher, timeout=60)
+    assert time.time() - t0 < 20  # well before torchrun's 30 s SIGKILL
+    assert not any(Path(f"/proc/{w}").exists() for w in workers)
+    first = _consistent(out)
+    assert 3 <= len(first) < 40
+    # one worker killed with SIGKILL: torchrun takes the group down; finished images stay
+    runner = _torchrun("--standalone", "--nproc-per-node", "2", *_render_args(job, out))
+    _wait_for_lines(out, 3, runner)
+    os.kill(_children(runner.pid)[1], signal.SIGKILL)
+    code, log = _finish(runner)
+    assert code != 0
+    second = _consistent(out)
+    assert set(first) <= set(second)
+    done = {p: (out / p).stat().st_mtime_ns for p in second}
+    # the rerun renders only what is missing: no duplicate, no missing image
+    code, log = _finish(_torchrun("--standalone", "--nproc-per-node", "2", *_render_args(job, out)))
+    assert code == 0, log
+    final = _consistent(out)
+    assert len(final) == 40
+    assert all((out / p).stat().st_mtime_ns == t for p, t in done.items())  # nothing finished was redone
+    report = json.loads((out / "report.json").read_text())
+    assert report["images_rendered"] + report["images_skipped"] == 40 and report["images_skipped"] == len(done)
+    assert len(Manifest(out).records) == 40
+
+
+# --- the pieces, without processes --------------------------------------------------------------
+
+class FakeStore:
+    def __init__(self):
+        self.counters: dict[str, int] = {}
+
+    def add(self, key: str, n: int) -> int:
+        self.counters[key] = self.counters.get(key, 0) + n
+        return self.counters[key]
+
+
+def _batch(w: int, h: int, steps: int, size: int, n: int, tag: str) -> Batch:
+    items = tuple(WorkItem(tag, k, k, "p", "", w, h, steps, 5.0, "euler", None, 0.0, (f"{tag}/{k}.png",))
+                  for k in range(n))
+    return Batch(BucketKey(w, h, steps, "euler", False), items, size)
+
+
+def test_claims_hand_out_every_batch_once_largest_first():
+    batches = [_batch(64, 64, 2, 2, 2, "s"), _batch(64, 96, 4, 2, 2, "a"), _batch(96, 64, 4, 2, 2, "b"),
+               _batch(64, 96, 4, 2, 2, "c"), _batch(64, 96, 4, 1, 1, "d"), _batch(96, 64, 4, 2, 2, "e")]
+    store = FakeStore()
+    a, b = dist.claim(store, batches, 0), dist.claim(store, batches, 1)
+    got = {"a": [], "b": []}
+    for name, it in [("a", a), ("b", b)] * 10:  # the two workers take turns
+        batch = next(it, None)
+        if batch is not None:
+            got[name].append(batch)
+    claimed = got["a"] + got["b"]
+    assert sorted(id(x) for x in claimed) == sorted(id(x) for x in batches)  # each exactly once
+    for mine in got.values():
+        costs = [dist.cost(x) for x in mine]
+        assert costs == sorted(costs, reverse=True)
+    # each starts on a shape of its own in the largest tier and keeps to it
+    assert [x.key.width for x in got["a"][:2]] == [64, 64]
+    assert [x.key.width for x in got["b"][:2]] == [96, 96]
+
+
+def test_merge_shards_keeps_the_newest_line_and_removes_the_shards(tmp_path):
+    old = {"path": "a/1.png", "shot": "a", "sha256": "old"}
+    (tmp_path / "manifest.jsonl").write_text(json.dumps(old) + "\n" + json.dumps({"path": "a/0.png"}) + "\n")
+    shard_manifest(tmp_path, 0).append({"path": "a/1.png", "shot": "a", "sha256": "new"})
+    one = shard_manifest(tmp_path, 1)
+    one.append({"path": "b/0.png", "shot": "b"})
+    with open(one.path, "a") as f:
+        f.write('{"path": "b/1.pn')  # a line cut short by a kill
+    assert merge_shards(tmp_path) == 2
+    records = Manifest(tmp_path).records
+    assert records["a/1.png"]["sha256"] == "new" and set(records) == {"a/0.png", "a/1.png", "b/0.png"}
+    assert not list((tmp_path / SHARDS).iterdir())
+    assert merge_shards(tmp_path) == 0
+
+
+def _worker_report(rank, images, busy, arrived, status="done"):
+    return {"job": "j", "status": status, "device": "cpu", "wall_s": 10.0, "images_rendered": images,
+            "images_failed": 0, "images_per_s": 0.0, "steps_per_s": 2.0, "peak_memory_mb": None,
+            "stages_s": {"load": 1.0, "capture": 0.5, "denoise": busy}, "failures": [], "notes": ["n"],
+            "buckets": [{"bucket": "1 x 64x64", "images": images, "batches": images, "rows": 2 * images,
+                         "steps": 3 * images, "denoise_s": busy, "ms_per_step": 0.0}],
+            "rank": rank, "host": "h", "busy_s": busy, "arrived_s": arrived}
+
+
+def test_merged_report_sums_workers_and_measures_idle_on_each_clock():
+    merged = dist.merge_reports([_worker_report(0, 6, 3.0, 9.0), _worker_report(1, 4, 2.0, 7.5, status="failed")])
+    assert merged["images_rendered"] == 10 and merged["status"] == "failed"
+    assert [w["idle_s"] for w in merged["workers"]] == [0.0, 1.5]
+    assert [w["images_per_s"] for w in merged["workers"]] == [2.0, 2.0]
+    assert merged["wall_s"] == 10.0 and merged["buckets"][0]["images"] == 10 and merged["notes"] == ["n"]
+    assert merged["render_s"] == 4.0 and merged["steps_per_s"] == 4.0
+    assert "rank" not in merged and "arrived_s" not in merged
+
+
+def test_the_markdown_report_has_a_workers_table():
+    from storyboard_cli.report import markdown
+
+    merged = dist.merge_reports([_worker_report(0, 6, 3.0, 9.0), _worker_report(1, 4, 2.0, 7.5)])
+    text = markdown(merged | {"dtype": "float32", "engine": "eager", "model": "tiny", "images_skipped": 0,
+                              "graphs": []})
+    assert "## Workers" in text and "| 1 | h | cpu | 4 | 0 |" in text
