@@ -3,7 +3,6 @@ diffusers' StableDiffusionXLPipeline + load_lora_weights + set_adapters on the s
 
 import copy
 
-import pytest
 import torch
 
 from conftest import ROOT, write_job
@@ -11,19 +10,12 @@ from storyboard_cli.batch import BatchRunner
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.job import load_job
 from storyboard_cli.plan import lora_swaps, make_batches, work_items
+from test_lora import models  # noqa: F401 - the fixture: our own copy of the tiny models, weights get written
 
 RTOL = 1e-4  # as test_parity / test_lora
 MEI = ROOT / "jobs" / "loras" / "mei.safetensors"
 W, H, STEPS, GUIDANCE, SEED = 64, 64, 4, 6.5, 7
 PROMPT, NEGATIVE = "a lighthouse in a storm, ink drawing", "blurry"
-
-
-@pytest.fixture(scope="module")
-def models(tiny_cpu):
-    """Our own copy: these tests write weights (and put them back, but others share tiny_cpu)."""
-    m = copy.deepcopy(tiny_cpu)
-    m.controlnet = None
-    return m
 
 
 def _job(tmp_path, shots: str, name: str = "job.yaml"):
