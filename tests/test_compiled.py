@@ -82,6 +82,7 @@ def test_an_in_place_weight_update_is_seen_by_the_compiled_kernels(artifacts):
         before = _run(calls, *inputs)
         ptr = models.unet.conv_out.weight.data_ptr()
         models.unet.conv_out.weight.mul_(3.0)  # in place, as LoRA swaps weights
+        models.unet.conv_out.bias.add_(0.5)  # 4 values: compiled code must not have inlined them
         after, expect = _run(calls, *inputs), _run(StepCalls.eager(models), *inputs)
     assert models.unet.conv_out.weight.data_ptr() == ptr
     assert _rel(after, before) > 0.1
@@ -112,6 +113,8 @@ def test_a_corrupt_artifact_is_reported_and_never_crashes(tmp_path, artifacts):
     bad.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 3])  # a truncated copy
     calls, notes = C.load_calls(models, tmp_path)
     assert calls is None and "compiled kernels not used" in notes[0]
+    assert bad.with_suffix(".bad").is_file()  # the next render does not try it again
+    assert C.load_calls(models, tmp_path)[0] is None
     assert C.missing(models, tmp_path) == ["unet"] and not bad.exists()  # capture rebuilds it
 
 

@@ -42,6 +42,11 @@ MAX_ROWS = 16  # 2 x the largest bucket (8 images, CFG doubled)
 LATENT_RANGE = (2, 32)  # latent side / 8, i.e. images of 128..2048 pixels a side, multiples of 64
 INDUCTOR_OPTIONS = {
     "aot_inductor.package_constants_in_so": False,  # weights come from the eager modules at load
+    # every weight stays a bindable constant: without it inductor inlines the VALUES of tiny ones
+    # (shape () or <= 8 elements, e.g. the UNet's conv_out.bias) into the code, and a LoRA or other
+    # weights would not reach them; no runtime folding: it would keep a second copy of the weights
+    "always_keep_tensor_constants": True,
+    "aot_inductor.use_runtime_constant_folding": False,
     "conv_1x1_as_mm": True,
 }
 
@@ -211,9 +216,10 @@ def loads_here(path: Path) -> bool:
     """Whether the artifact loads on this machine, tried once in a child process (a broken or foreign
     shared library can take the loading process down, which must never be a render); remembered in a
     marker file next to it."""
-    marker = path.with_suffix(".ok")
-    if marker.is_file() and marker.stat().st_mtime >= path.stat().st_mtime:
-        return True
+    marker, bad = path.with_suffix(".ok"), path.with_suffix(".bad")
+    for seen in (marker, bad):
+        if seen.is_file() and seen.stat().st_mtime >= path.stat().st_mtime:
+            return seen is marker
     code = "import sys, torch._inductor as i; i.aoti_load_package(sys.argv[1])"
     try:
         done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=300)
@@ -221,6 +227,7 @@ def loads_here(path: Path) -> bool:
         return False
     if done.returncode != 0:
         log.warning("compiled artifact %s does not load here (exit %s)", path.name, done.returncode)
+        bad.write_text(f"exit {done.returncode}\n")  # not tried again until the artifact is rebuilt
         return False
     marker.write_text("loaded\n")
     return True
@@ -286,6 +293,7 @@ def missing(models: Any, root: Path | None = None) -> list[str]:
         path = artifact_path(module, _module(models, module), root)
         if path.is_file() and not loads_here(path):
             path.unlink()  # corrupt or foreign: rebuilt
+            path.with_suffix(".bad").unlink(missing_ok=True)
         if not path.is_file():
             todo.append(module)
     return todo
