@@ -124,10 +124,16 @@ def test_no_artifact_means_plain_with_a_reason(tmp_path):
     assert calls is None and "no compiled kernels" in notes[0]
 
 
-def test_a_second_process_loads_from_the_cache(artifacts):
+def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None) -> str:
+    """What a second process gets from the cache folder `root`: 'loaded', or the notes."""
     code = ("import sys, torch; from pathlib import Path; from storyboard_cli.engine import compiled as C;"
             "from storyboard_cli.models.loader import load_sdxl;"
-            "m = load_sdxl('tiny', None, 'cpu', torch.float32); calls, notes = C.load_calls(m, Path(sys.argv[1]));"
-            "print('loaded' if calls is not None else notes)")
-    done = subprocess.run([sys.executable, "-c", code, str(artifacts)], capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip().endswith("loaded"), done.stderr[-2000:]
+            f"m = load_sdxl('tiny', {controlnet!r}, {device!r}, torch.{dtype});"
+            "c, n = C.load_calls(m, Path(sys.argv[1]));"
+            "print('loaded' if c is not None and (m.controlnet is None or c._compiled_cn) else n)")
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300)
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+
+
+def test_a_second_process_loads_from_the_cache(artifacts):
+    assert loads_in_a_new_process(artifacts, "cpu", "float32", None) == "loaded"

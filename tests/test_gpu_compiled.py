@@ -2,14 +2,12 @@
 ControlNet artifact are built for the session (child processes, as `bcg capture --warm` does), then
 every replay of a compiled graph is checked against the UNCOMPILED eager step."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from storyboard_cli.engine import compiled as C
 from storyboard_cli.engine.eager import EagerEngine
+from test_compiled import loads_in_a_new_process
 from test_gpu import _close, _inputs
 
 pytestmark = pytest.mark.gpu
@@ -93,9 +91,4 @@ def test_a_corrupt_artifact_falls_back(setup, tmp_path):
 
 def test_a_second_process_loads_from_the_cache(setup):
     _, _, _, root = setup
-    code = ("import sys, torch; from pathlib import Path; from storyboard_cli.engine import compiled as C;"
-            "from storyboard_cli.models.loader import load_sdxl;"
-            "m = load_sdxl('tiny', 'tiny', 'cuda', torch.float16); c, n = C.load_calls(m, Path(sys.argv[1]));"
-            "print('loaded' if c is not None and c._compiled_cn is not None else n)")
-    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip().endswith("loaded"), done.stderr[-2000:]
+    assert loads_in_a_new_process(root, "cuda", "float16", "tiny") == "loaded"
