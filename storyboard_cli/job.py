@@ -146,21 +146,27 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _Located:
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _read_yaml(path: Path) -> Any:
+def read_text(path: Path, kind: str = "job") -> str:
+    """A YAML file's text (`kind`: "job" or "picks"), or a one-line JobError saying why not."""
     file = str(path)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise JobError(file, None, None, None, "job file not found") from None
+        raise JobError(file, None, None, None, f"{kind} file not found") from None
     except IsADirectoryError:
-        raise JobError(file, None, None, None, "is a folder, not a job file") from None
+        raise JobError(file, None, None, None, f"is a folder, not a {kind} file") from None
     except OSError as e:
         raise JobError(file, None, None, None, f"cannot read: {e.strerror}") from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise JobError(file, line, None, None, f"not UTF-8 text (byte 0x{raw[e.start]:02x})") from None
+
+
+def _read_yaml(path: Path) -> Any:
+    file = str(path)
+    text = read_text(path)
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 (SafeLoader subclass)
     except _DuplicateKey as e:

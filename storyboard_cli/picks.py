@@ -22,7 +22,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from storyboard_cli.errors import BadInput, JobError
-from storyboard_cli.job import Job, Shot
+from storyboard_cli.job import Job, Shot, read_text
 from storyboard_cli.outputs import atomic_write, read_fingerprint
 from storyboard_cli.sheet import PICKS_JSON, SELECTS, candidate_files, parse_candidate, read_meta, shot_order
 
@@ -44,16 +44,7 @@ class Picks:
 def _compose(path: Path):
     """The YAML node tree (nodes carry their line numbers; scalars stay text, so `001` is a shot id)."""
     file = str(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise JobError(file, None, None, None, "picks file not found") from None
-    except IsADirectoryError:
-        raise JobError(file, None, None, None, "is a folder, not a picks file") from None
-    except OSError as e:
-        raise JobError(file, None, None, None, f"cannot read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise JobError(file, None, None, None, "not UTF-8 text") from None
+    text = read_text(path, "picks")
     try:
         return yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:

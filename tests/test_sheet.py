@@ -188,8 +188,8 @@ def test_a_file_bcg_did_not_write_is_never_replaced(job, out):
     assert (out / "index.html").read_text() == "<html>my own page</html>"
     (out / "index.html").unlink()
     thumb = out / "a/thumbs/a_c0_s7.jpg"
-    thumb.parent.mkdir(parents=True)
-    Image.new("RGB", (8, 8)).save(thumb, format="JPEG")  # someone's JPEG, older than the PNG
+    thumb.parent.mkdir(parents=True, exist_ok=True)  # the render may have made thumbnails
+    Image.new("RGB", (8, 8)).save(thumb, format="JPEG")  # replaced by someone's JPEG, older than the PNG
     os.utime(thumb, ns=(0, 0))
     with pytest.raises(BadInput, match="a_c0_s7.jpg: exists and was not written by bcg"):
         write_sheet(out, job)
