@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from storyboard_cli import render as rendering
 from storyboard_cli.batch import batch_shapes
-from storyboard_cli.errors import BadInput, Interrupted
+from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Job
 from storyboard_cli.outputs import Manifest, Pending
 from storyboard_cli.plan import Batch
@@ -43,6 +43,7 @@ MODULE = "storyboard_cli"  # what a launched worker runs: python -m storyboard_c
 TIMEOUT = timedelta(minutes=30)  # the process group's and the store's (rank 0 may scan a big folder first)
 STOP_WAIT_S = 3.0  # after a stop, how long rank 0 waits for the others' figures (a SIGTERM stops them at once)
 POLL_S = 0.02
+COUNTED = ("batch", "progress", "image", "failed")  # the events whose `done` counts outputs
 STATUS_ORDER = ("done", "failed", "interrupted")  # the merged status is the worst of the workers'
 
 
@@ -183,6 +184,16 @@ def merge_reports(reports: list[dict]) -> dict:
     }
 
 
+def _wait(store, keys: list[str], deadline: float | None = None) -> bool:
+    """Waits until `keys` are set (or the deadline passes), polling: between two polls a signal handler
+    runs, which it cannot while the store's own blocking wait is in C."""
+    while not store.check(keys):
+        if deadline is not None and time.perf_counter() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
 @contextmanager
 def _wakeable():
     """While waiting on the store, a stop signal ends the wait at once (KeyboardInterrupt)."""
@@ -212,14 +223,24 @@ class DistSession(rendering.RenderSession):
     """A RenderSession that shares its job with the other torchrun workers through `store`."""
 
     def __init__(self, job: Job, opts: rendering.RenderOptions, on_event, w: Worker, store):
-        super().__init__(job, opts, on_event if w.leader else None)  # one progress display: rank 0's
         self.w, self.store = w, store
+        self.show = on_event if w.leader else None  # one progress display: rank 0's
+        self.counted = self.delivered = 0  # outputs this worker / the job has delivered
+        super().__init__(job, opts, self._job_progress)
         self.t_run = self.t_pending = None
         if not w.leader:
             self.sheet = _NoSheet()
 
     def lock(self):
         return super().lock() if self.w.leader else nullcontext()
+
+    def _job_progress(self, e: rendering.Event) -> None:
+        """Progress counts the job's outputs, not this worker's: each batch's are added up in the store."""
+        if e.kind == "progress":  # a batch delivered (main thread)
+            self.delivered = self.store.add("delivered", e.done - self.counted)
+            self.counted = e.done
+        if self.show:
+            self.show(replace(e, done=self.delivered) if e.kind in COUNTED else e)
 
     def find_pending(self) -> tuple[Pending, Manifest]:
         """Rank 0 reconciles the folder (merging the shards a dead run left) and sends what is pending,
@@ -230,10 +251,17 @@ class DistSession(rendering.RenderSession):
             pending, _ = super().find_pending()
             self.store.set("pending", pickle.dumps((pending, self.run_id)))
         else:
-            self.store.wait(["pending"])
+            _wait(self.store, ["pending"])
             pending, self.run_id = pickle.loads(self.store.get("pending"))
         self.t_pending = time.perf_counter()  # the moment every worker shares: idle times are measured from it
         return pending, shard_manifest(self.out_dir, self.w.rank)
+
+    def capture_ahead(self, shapes: list) -> list:
+        """None: a worker captures the shapes it claims, on first use (the engine is sized for all of
+        them when it is built). Capturing every shape on every GPU would cost each worker the whole
+        job's capture time, and that time does not shrink with more GPUs; claims keep a worker on the
+        shapes it has captured."""
+        return []
 
     def work(self) -> Iterator[Batch]:
         self.t_run = time.perf_counter()
@@ -266,11 +294,9 @@ class DistSession(rendering.RenderSession):
     def _gather(self, stopped: bool) -> list[int]:
         """The ranks whose figures have come in: all of them, unless stopped (then what came in time)."""
         keys = [f"report/{r}" for r in range(self.w.world)]
-        deadline = time.perf_counter() + STOP_WAIT_S if stopped else None
         try:
             with _wakeable():
-                while not self.store.check(keys) and (deadline is None or time.perf_counter() < deadline):
-                    time.sleep(POLL_S)
+                _wait(self.store, keys, time.perf_counter() + STOP_WAIT_S if stopped else None)
         except KeyboardInterrupt:
             pass  # stopped while waiting: report what has come in
         return [r for r, key in enumerate(keys) if self.store.check([key])]
@@ -296,7 +322,7 @@ def render(job: Job, opts: rendering.RenderOptions = rendering.RenderOptions(),
 def launch(n: int, argv: list[str], module: str = MODULE) -> int:
     """`bcg render JOB --gpus N`: starts N workers on this machine through torchrun's own launcher
     (`python -m <module> <argv>` each; a worker sees it runs under torchrun and ignores --gpus).
-    Returns the exit code: 0, or the first failed worker's (130 when stopped by a signal)."""
+    Returns the exit code: 0, the first failed worker's, or 128 + the signal that stopped the launcher."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -310,15 +336,16 @@ def launch(n: int, argv: list[str], module: str = MODULE) -> int:
         run(args)
     except ChildFailedError as e:
         codes = [f.exitcode for _, f in sorted(e.failures.items())]
-        return next((c for c in codes if c > 0), Interrupted.exit_code)
-    except SignalException:
-        return Interrupted.exit_code
+        return next((c for c in codes if c > 0), 128 - codes[0])  # else the signal that killed the first
+    except SignalException as e:
+        return 128 + e.sigval  # as a single render stopped by that signal
     return 0
 
 
 def _main(argv: list[str] | None = None) -> None:
-    """`python -m storyboard_cli.dist render JOB [--out DIR] [--device D] [--force] [--gpus N]`: the render
-    command's multi-worker path without the CLI (no output; the report is in the folder)."""
+    """`python -m storyboard_cli.dist render JOB [--out DIR] [--device D] [--dtype T] [--engine E]
+    [--compile C] [--force] [--gpus N]`: the render command's multi-worker path without the CLI (no
+    output; the report is in the folder). Goes once `bcg render` calls `render` and `launch`."""
     import argparse
     import sys
 
@@ -329,14 +356,18 @@ def _main(argv: list[str] | None = None) -> None:
     p.add_argument("job")
     p.add_argument("--out")
     p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--engine", default="auto")
+    p.add_argument("--compile", default="auto")
     p.add_argument("--force", action="store_true")
     p.add_argument("--gpus", type=int, default=1)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     if a.gpus > 1 and worker() is None:
         launch(a.gpus, sys.argv[1:] if argv is None else argv, module="storyboard_cli.dist")
         return
-    render(load_job(Path(a.job)), rendering.RenderOptions(out_dir=Path(a.out) if a.out else None,
-                                                          device=a.device, force=a.force))
+    render(load_job(Path(a.job)), rendering.RenderOptions(out_dir=Path(a.out) if a.out else None, force=a.force,
+                                                          device=a.device, dtype=a.dtype, engine=a.engine,
+                                                          compile=a.compile))
 
 
 if __name__ == "__main__":

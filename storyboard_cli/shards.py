@@ -44,4 +44,8 @@ def merge_shards(folder: Path) -> int:
             shard.parent.rmdir()
         except OSError:
             pass  # something else in it: left for a person to look at
+    try:
+        (folder / SHARDS).rmdir()
+    except OSError:
+        pass
     return moved
