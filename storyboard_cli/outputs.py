@@ -233,6 +233,18 @@ class Pending:
     def outputs(self) -> int:
         return sum(len(i.outputs) for i in self.items)
 
+    def edited_notes(self, aside: Path) -> list[str]:
+        """What the run says, once, about the edited files (`aside`: where --force moves them)."""
+        kept, moved = len(self.kept), len(self.moved)
+        notes = []
+        if kept:
+            notes.append(f"kept {kept} edited image{'s' * (kept != 1)}; --force re-renders them, moving the edited "
+                         f"files to {aside}/")
+        if moved:
+            notes.append(f"{moved} edited image{'s' * (moved != 1)} rendered again; the edited files are moved to "
+                         f"{aside}/")
+        return notes
+
 
 def _written_by_us(path: Path, record: dict | None, fingerprint: str | None) -> bool:
     """True when the file is as bcg wrote it: its bytes hash to the manifest's sha256 (a manifest from

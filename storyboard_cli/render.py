@@ -214,7 +214,7 @@ class RenderSession:
             self.pending, manifest = self.find_pending()
         except OSError as e:
             raise folder_error(self.out_dir, e) from None
-        self._note_edited()
+        self.notes.extend(self.pending.edited_notes(self.out_dir / REPLACED / self.run_id))
         self.sheet.update([], running=True)
         total = self.pending.outputs
         self.on_event(Event("start", 0, total, "", f"{total} to render, {self.pending.skipped} already done"))
@@ -237,16 +237,6 @@ class RenderSession:
                                self.sheet, self.timings, emit)
         runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
         self.renderer = Renderer(runner, self.sink)
-
-    def _note_edited(self) -> None:
-        kept, moved = len(self.pending.kept), len(self.pending.moved)
-        aside = self.out_dir / REPLACED / self.run_id
-        if kept:
-            self.notes.append(f"kept {kept} edited image{'s' * (kept != 1)}; --force re-renders them, moving the "
-                              f"edited files to {aside}/")
-        if moved:
-            self.notes.append(f"{moved} edited image{'s' * (moved != 1)} rendered again; the edited files are "
-                              f"moved to {aside}/")
 
     def work(self) -> Iterable[Batch]:
         return self.batches  # the batches this session renders, in order

@@ -35,22 +35,25 @@ class StopFlag:
         self.signum: int | None = None  # the first stop signal received
         self.on_request = on_request or (lambda message: None)
         self.finishing = False  # writing the report: signals are recorded, never raised
+        self.hard = False  # stopping at once (an exception is on its way up)
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
     def handler(self, signum, frame) -> None:
-        first = self.signum is None
-        if first:
+        if signum == signal.SIGINT and self.signum is None:
             self.signum = signum
+            self.on_request(SOFT_STOP)
+            return
+        if self.hard or self.finishing:  # already stopping at once, or writing the report: let it finish
+            self.signum = self.signum or signum
+            return
+        self.hard = True
         if signum == signal.SIGINT:
-            if first:
-                self.on_request(SOFT_STOP)
-            elif not self.finishing:
-                raise KeyboardInterrupt
-        elif first and not self.finishing:
-            raise Stopped(signum)
+            raise KeyboardInterrupt
+        self.signum = signum
+        raise Stopped(signum)
 
     def check(self) -> None:
         """At a boundary (a batch, the end of loading or capture): stops if asked to."""

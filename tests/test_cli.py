@@ -132,3 +132,199 @@ def test_failed_images_exit_3_and_are_listed(job_dir, tmp_path, monkeypatch):
     assert result.exit_code == 3, result.output
     assert "failed: a/a_c0_s" in result.output and "NaN/inf" in result.output
     assert not list((tmp_path / "o").rglob("*.png"))
+
+
+# --- the output folder, the console, progress (issue: artist-safe outputs) --------------------------
+
+ONE = "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x, steps: 2, size: 64x64, candidates: 2}\n"
+
+
+def _one_error_line(result, code=2):
+    assert result.exit_code == code, result.output
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def test_output_folder_under_a_regular_file(job_dir, tmp_path):
+    path = write_job(job_dir, ONE)
+    (tmp_path / "file").write_text("x")
+    line = _one_error_line(runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "file" / "o")]))
+    assert str(tmp_path / "file" / "o") in line and "is a file, not a folder" in line
+    line = _one_error_line(runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "file")]))
+    assert "exists and is not a folder" in line
+
+
+@pytest.mark.parametrize("errno_name", ["EROFS", "EACCES"])
+def test_read_only_output_folder(job_dir, tmp_path, monkeypatch, errno_name):
+    """As the kernel answers for a read-only mount or a folder without write permission (simulated: the
+    tests may run as root, for whom permissions do not apply)."""
+    import errno
+    import os
+
+    import storyboard_cli.lock as lock
+
+    path = write_job(job_dir, ONE)
+    out = tmp_path / "ro"
+    out.mkdir()
+    real_open = os.open
+
+    def refusing(p, *a, **k):
+        if str(p).startswith(str(out)):
+            raise OSError(getattr(errno, errno_name), os.strerror(getattr(errno, errno_name)), str(p))
+        return real_open(p, *a, **k)
+
+    monkeypatch.setattr(lock.os, "open", refusing)
+    line = _one_error_line(runner.invoke(app, ["render", str(path), "--out", str(out)]))
+    assert f"output folder {out}: cannot write here" in line
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root writes into read-only folders")
+def test_read_only_output_folder_for_real(job_dir, tmp_path):
+    path = write_job(job_dir, ONE)
+    out = tmp_path / "ro"
+    out.mkdir(mode=0o555)
+    assert "cannot write here" in _one_error_line(runner.invoke(app, ["render", str(path), "--out", str(out)]))
+    assert "cannot write here" in _one_error_line(runner.invoke(app, ["render", str(path), "--out",
+                                                                      str(out / "sub")]))
+
+
+def test_disk_full_at_start_leaves_no_lock_file(job_dir, tmp_path, monkeypatch):
+    import errno
+
+    import storyboard_cli.lock as lock
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lock, "_write_all", full)
+    path = write_job(job_dir, ONE)
+    line = _one_error_line(runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "o")]))
+    assert f"output folder {tmp_path / 'o'}: No space left on device" in line
+    assert not (tmp_path / "o" / ".bcg.lock").exists()
+
+
+def test_markup_in_paths_is_printed_as_is(tmp_path):
+    folder = tmp_path / "[wip] ep1 [/]"  # '/' inside: two folders, and '[/]' in every path printed
+    folder.mkdir(parents=True)
+    path = write_job(folder, "version: 1\nname: t\nmodel: tiny\noutput_dir: out [b]x[/b]\nshots:\n"
+                             "  - {id: a, prompt: x, steps: 2, size: 64x64}\n")
+    planned = runner.invoke(app, ["plan", str(path)])
+    assert planned.exit_code == 0 and "out [b]x[/b]" in planned.output, planned.output
+    out = folder / "o [/] [wip]"
+    result = runner.invoke(app, ["render", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"-> {out}" in result.output
+    bad = runner.invoke(app, ["plan", str(folder / "[red]missing[/].yaml")])
+    assert bad.exit_code == 2 and "[red]missing[/].yaml" in bad.output, bad.output
+
+
+def test_plan_checks_the_output_folder_and_the_model_path(job_dir, tmp_path):
+    (job_dir / "file").write_text("x")
+    path = write_job(job_dir, f"version: 1\nmodel: tiny\noutput_dir: {job_dir}/file/out\nshots:\n"
+                              "  - {id: a, prompt: x, steps: 2, size: 64x64}\n")
+    assert "is a file, not a folder" in _one_error_line(runner.invoke(app, ["plan", str(path)]))
+    path = write_job(job_dir, "version: 1\nmodel: ./no/such/model.safetensors\nshots:\n"
+                              "  - {id: a, prompt: x, steps: 2, size: 64x64}\n")
+    assert "no such file or folder" in _one_error_line(runner.invoke(app, ["plan", str(path)]))
+
+
+def test_unknown_engine_is_refused_when_nothing_is_pending(job_dir, tmp_path):
+    path = write_job(job_dir, ONE)
+    assert runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "o")]).exit_code == 0
+    line = _one_error_line(runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "o"), "--engine", "foo"]))
+    assert "unknown engine 'foo'" in line
+
+
+@pytest.mark.parametrize("buckets", ["0,-1", "0", "2,x", "", "65"])
+def test_capture_rejects_bad_bucket_sizes(buckets):
+    line = _one_error_line(runner.invoke(app, ["capture", "--buckets", buckets]))
+    assert "--buckets" in line
+
+
+def test_an_error_report_records_the_error(job_dir, tmp_path, monkeypatch):
+    from storyboard_cli.engine.eager import EagerEngine
+
+    def buggy(self, x, *args):
+        raise TypeError("simulated bug")
+
+    monkeypatch.setattr(EagerEngine, "sample", buggy)
+    path = write_job(job_dir, ONE)
+    runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "o")])
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["status"] == "error" and report["error"] == "TypeError: simulated bug"
+    assert "(TypeError: simulated bug)" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal(job_dir, tmp_path):
+    path = write_job(job_dir, ONE.replace("candidates: 2", "candidates: 3").replace("model: tiny",
+                                                                                  "model: tiny\nbuckets: [1]"))
+    result = runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "o")])
+    lines = [l for l in result.output.splitlines() if l.startswith("bcg: ")]
+    assert [l.split(",")[0] for l in lines] == ["bcg: 1/3 images", "bcg: 2/3 images", "bcg: 3/3 images"], result.output
+    assert all(" images/s, ETA " in l for l in lines)
+    quiet = runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "q"), "--quiet"])
+    assert quiet.exit_code == 0 and "bcg: " not in quiet.output
+
+
+def test_shot_option_is_repeatable_and_takes_globs(job_dir, tmp_path):
+    path = write_job(job_dir, "version: 1\nmodel: tiny\ndefaults: {steps: 2, size: 64x64}\nshots:\n"
+                              "  - {id: ep1_a, prompt: x}\n  - {id: ep1_b, prompt: y}\n  - {id: ep2_a, prompt: z}\n")
+    result = runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "o"), "--shot", "ep1_*",
+                                 "--shot", "ep2_a", "--json"])
+    assert json.loads(result.stdout)["images_rendered"] == 3
+    result = runner.invoke(app, ["render", str(path), "--out", str(tmp_path / "p"), "--shot", "ep1_b", "--json"])
+    assert json.loads(result.stdout)["images_rendered"] == 1 and not (tmp_path / "p" / "ep1_a").exists()
+    assert "--shot ep3*: no shot" in _one_error_line(runner.invoke(app, ["render", str(path), "--shot", "ep3*"]))
+
+
+# --- the contact sheet and picks ---------------------------------------------------------------------
+
+@pytest.fixture
+def rendered(job_dir, tmp_path):
+    path = write_job(job_dir, "version: 1\nmodel: tiny\ndefaults: {steps: 2, size: 64x64}\nshots:\n"
+                              "  - {id: a, prompt: x, seed: 1, candidates: 2}\n  - {id: b, prompt: y, seed: 5}\n")
+    out = tmp_path / "o"
+    assert runner.invoke(app, ["render", str(path), "--out", str(out)]).exit_code == 0
+    return path, out
+
+
+def test_sheet_and_pick_commands(rendered, tmp_path):
+    path, out = rendered
+    (out / "index.html").unlink()
+    result = runner.invoke(app, ["sheet", str(out), "--job", str(path)])
+    assert result.exit_code == 0 and (out / "index.html").is_file(), result.output
+    picks = write_job(tmp_path, "picks:\n  a: a/a_c1_s2.png\n  b: b/b_c0_s5.png\n", "picks.yaml")
+    result = runner.invoke(app, ["pick", str(out), str(picks), "--job", str(path)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (out / "selects").iterdir() if p.suffix == ".png") == ["001_a.png", "002_b.png"]
+    assert (out / "selects" / "001_a.png").read_bytes() == (out / "a/a_c1_s2.png").read_bytes()
+
+
+@pytest.mark.parametrize("text,message", [
+    ("picks:\n  zz: a/a_c0_s1.png\n", "zz"),
+    ("picks:\n  a: a/a_c7_s8.png\n", "a_c7_s8.png"),
+    ("picks:\n  a: a/a_c0_s1.png\n  a: a/a_c1_s2.png\n", "'a'"),
+])
+def test_bad_picks_are_one_line_errors(rendered, tmp_path, text, message):
+    path, out = rendered
+    picks = write_job(tmp_path, text, "picks.yaml")
+    for args in (["pick", str(out), str(picks), "--job", str(path)],
+                 ["render", str(path), "--out", str(out), "--reroll", str(picks)]):
+        line = _one_error_line(runner.invoke(app, args))
+        assert str(picks) in line and message in line, line
+    assert not (out / "selects").exists()
+
+
+def test_reroll_renders_new_candidates_and_keeps_every_image(rendered, tmp_path):
+    path, out = rendered
+    before = {p: p.read_bytes() for p in out.rglob("*.png")}
+    picks = write_job(tmp_path, "picks:\n  b: b/b_c0_s5.png\nreroll: [a]\n", "picks.yaml")
+    result = runner.invoke(app, ["render", str(path), "--out", str(out), "--reroll", str(picks), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["images_rendered"] == 2
+    assert all(p.read_bytes() == data for p, data in before.items())
+    assert sorted(p.name for p in (out / "a").glob("*.png")) == ["a_c0_s1.png", "a_c1_s2.png", "a_c2_s3.png",
+                                                                "a_c3_s4.png"]

@@ -1,0 +1,174 @@
+"""What a render does to a folder people also work in: edited images, deduplicated images, other jobs'
+manifest lines, subsets of shots, LoRA metadata, the contact sheet."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import write_job
+from storyboard_cli.errors import BadInput
+from storyboard_cli.job import LoraFile, load_job
+from storyboard_cli.outputs import REPLACED, parameters_text, png_bytes
+from storyboard_cli.plan import WorkItem
+from storyboard_cli.render import RenderOptions, render
+from storyboard_cli.report import build_report, markdown, Timings
+
+JOB = """version: 1
+name: t
+model: tiny
+defaults: {steps: 2, guidance: 5.0, size: 64x64}
+shots:
+  - {id: a, prompt: a castle on a hill, seed: 7, candidates: 2}
+  - {id: b, prompt: a boat at sea, seed: 20}
+"""
+
+
+def _lines(out: Path) -> dict[str, dict]:
+    return {r["path"]: r for r in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}
+
+
+def _meta(path: Path) -> dict:
+    with Image.open(path) as im:
+        return json.loads(im.info["bcg"])
+
+
+def _edit(path: Path) -> bytes:
+    """What an image editor does: new pixels, and the bcg chunk dropped."""
+    with Image.open(path) as im:
+        im.convert("RGB").point(lambda v: 255 - v).save(path)
+    return path.read_bytes()
+
+
+@pytest.fixture
+def out(tmp_path):
+    return tmp_path / "out"
+
+
+def test_manifest_records_the_sha256_of_each_written_file(job_dir, out, tiny_cpu):
+    render(load_job(write_job(job_dir, JOB)), RenderOptions(out_dir=out), models=tiny_cpu)
+    lines = _lines(out)
+    assert len(lines) == 3
+    for path, rec in lines.items():
+        assert rec["sha256"] == hashlib.sha256((out / path).read_bytes()).hexdigest()
+        assert rec["run"] and rec["finished"]
+
+
+def test_an_edited_image_is_kept_and_reported_once(job_dir, out, tiny_cpu):
+    render(load_job(write_job(job_dir, JOB)), RenderOptions(out_dir=out), models=tiny_cpu)
+    edited = _edit(out / "a/a_c0_s7.png")
+    # the job changes too: the file is stale for bcg, but someone painted over it: it stays
+    changed = load_job(write_job(job_dir, JOB.replace("a castle on a hill", "a castle in the rain")))
+    result = render(changed, RenderOptions(out_dir=out), models=tiny_cpu)
+    assert (out / "a/a_c0_s7.png").read_bytes() == edited
+    assert result.rendered == 1  # a_c1: bcg's own stale file, replaced
+    kept = [n for n in result.notes if n.startswith("kept")]
+    assert len(kept) == 1 and kept[0].startswith("kept 1 edited image; --force re-renders them, moving the edited "
+                                                 f"files to {out / REPLACED}/")
+    assert "a/a_c0_s7.png" in _lines(out)  # still on disk: still in the manifest
+
+
+def test_force_moves_edited_images_aside_never_deletes(job_dir, out, tiny_cpu):
+    job = load_job(write_job(job_dir, JOB))
+    render(job, RenderOptions(out_dir=out), models=tiny_cpu)
+    edited = _edit(out / "b/b_c0_s20.png")
+    result = render(job, RenderOptions(out_dir=out, force=True), models=tiny_cpu)
+    assert result.rendered == 3
+    (moved,) = (out / REPLACED).rglob("*.png")
+    assert moved.read_bytes() == edited and moved.relative_to(out / REPLACED).parts[1:] == ("b", "b_c0_s20.png")
+    assert _meta(out / "b/b_c0_s20.png")["shot"] == "b"
+    assert any("1 edited image rendered again" in n for n in result.notes)
+
+
+def test_deduplicated_images_carry_their_own_shot(job_dir, out, tiny_cpu):
+    twins = JOB + "  - {id: c, prompt: a boat at sea, seed: 20}\n"
+    result = render(load_job(write_job(job_dir, twins)), RenderOptions(out_dir=out), models=tiny_cpu)
+    assert result.rendered == 4
+    assert _meta(out / "c/c_c0_s20.png")["shot"] == "c" and _meta(out / "b/b_c0_s20.png")["shot"] == "b"
+    lines = _lines(out)
+    assert lines["c/c_c0_s20.png"]["shot"] == "c" and lines["b/b_c0_s20.png"]["shot"] == "b"
+    with Image.open(out / "c/c_c0_s20.png") as c, Image.open(out / "b/b_c0_s20.png") as b:
+        assert c.tobytes() == b.tobytes()  # one image, denoised once
+
+
+def test_manifest_keeps_other_jobs_lines_and_is_never_emptied(job_dir, out, tiny_cpu):
+    render(load_job(write_job(job_dir, JOB)), RenderOptions(out_dir=out), models=tiny_cpu)
+    other = load_job(write_job(job_dir, JOB.replace("id: a,", "id: x,").replace("id: b,", "id: y,"), "other.yaml"))
+    render(other, RenderOptions(out_dir=out), models=tiny_cpu)
+    assert len(_lines(out)) == 6
+
+    seen = []
+
+    def on_event(event):  # the manifest as a --force run starts rendering: nothing dropped yet
+        if event.kind == "start":
+            seen.append(len(_lines(out)))
+
+    render(other, RenderOptions(out_dir=out, force=True), on_event, models=tiny_cpu)
+    assert seen == [6] and len(_lines(out)) == 6
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 6  # compacted: one line per file
+
+
+def test_shot_filter_with_globs(job_dir, out, tiny_cpu):
+    job = load_job(write_job(job_dir, JOB + "  - {id: a2, prompt: a tower, seed: 3}\n"))
+    result = render(job, RenderOptions(out_dir=out, shots=("a*",)), models=tiny_cpu)
+    assert result.rendered == 3 and not (out / "b").exists()
+    assert render(job, RenderOptions(out_dir=out, shots=("b",)), models=tiny_cpu).rendered == 1
+    assert len(_lines(out)) == 4
+    with pytest.raises(BadInput, match="--shot zz: no shot"):
+        render(job, RenderOptions(out_dir=out, shots=("zz",)), models=tiny_cpu)
+
+
+def test_render_writes_the_contact_sheet_and_a_sheet_failure_fails_nothing(job_dir, out, tiny_cpu, monkeypatch):
+    job = load_job(write_job(job_dir, JOB))
+    result = render(job, RenderOptions(out_dir=out), models=tiny_cpu)
+    assert result.sheet == out / "index.html" and "a_c1_s8" in result.sheet.read_text()
+    from storyboard_cli import sheet
+
+    def broken(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sheet.SheetWriter, "update", broken)
+    again = render(job, RenderOptions(out_dir=out / "2"), models=tiny_cpu)
+    assert again.status == "done" and again.rendered == 3 and again.sheet is None
+    assert [n for n in again.notes if n.startswith("contact sheet not updated")] == [
+        "contact sheet not updated: [Errno 28] No space left on device"]
+
+
+def _item(**kw) -> WorkItem:
+    base = dict(shot="a", k=0, seed=7, prompt="a castle", negative="", width=64, height=64, steps=2,
+                guidance=5.0, sampler="euler", control_image=None, control_scale=0.0, outputs=("a/a_c0_s7.png",))
+    return WorkItem(**(base | kw))
+
+
+def test_lora_tags_and_hashes_in_the_a1111_parameters():
+    mei = LoraFile("mei", Path("/x/mei.safetensors"), "loras/mei.safetensors", "f" * 64, "0123456789ab", False)
+    ink = LoraFile("ink", Path("/x/ink.safetensors"), "loras/ink.safetensors", "e" * 64, "ba9876543210", True)
+    item = _item(loras=((ink, 0.4), (mei, 0.8)))
+    settings = item.settings("tiny", None)
+    text = parameters_text(item, settings, "tiny")
+    assert text.splitlines()[0] == "a castle <lora:ink:0.4> <lora:mei:0.8>"
+    assert text.splitlines()[-1].endswith(', Lora hashes: "ink: ba9876543210, mei: 0123456789ab"')
+    import numpy as np
+
+    data = png_bytes(np.zeros((64, 64, 3), np.uint8), item, "tiny", None)
+    from io import BytesIO
+
+    with Image.open(BytesIO(data)) as im:
+        assert json.loads(im.info["bcg"])["loras"] == settings["loras"]
+    assert "Lora" not in parameters_text(_item(), _item().settings("tiny", None), "tiny")
+
+
+def test_report_lora_section():
+    swaps = [((), (("mei", "h", 0.8),), 120, 0.5), ((("mei", "h", 0.8),), (), 120, 0.25),
+             ((), (("ink", "g", 0.4),), 60, 0.1)]
+    common = dict(job="j", out_dir=Path("o"), device="cpu", dtype="float32", engine="eager", model="tiny",
+                  timings=Timings(), wall_s=1.0, rendered=1, skipped=0, failed=[], peak_mem_mb=None, graphs=[],
+                  status="done", notes=[])
+    report = build_report(**common, lora_swaps=swaps)
+    assert report["lora"] | {"sets": None} == {"swaps": 3, "total_s": 0.85, "median_s": 0.25,
+                                                "layers": [120, 120, 60], "sets": None}
+    md = markdown(report)
+    assert "## LoRA" in md and "3 swaps, 0.850 s in all, median 0.250 s" in md
+    assert build_report(**common)["lora"] is None and "## LoRA" not in markdown(build_report(**common))
