@@ -274,14 +274,14 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
                     todo.append(path)
                 continue
             on_disk = read_fingerprint(file)
-            ours = _written_by_us(file, record, on_disk)
             if on_disk == fp and not (force and wanted):
                 p.skipped += 1
                 # no line for it: a crash between its rename and its line (the bcg chunk is intact)
-                p.found[path] = record or manifest_record(item, path, fp, sha256_of(file))
+                p.found[path] = record or manifest_record(item, path, fp, sha256_of(file),
+                                                          settings=item.settings(job.model, job.controlnet))
             elif not wanted:
                 continue
-            elif ours:
+            elif _written_by_us(file, record, on_disk):  # hashed only here: a done file is not read twice
                 todo.append(path)
             elif force:
                 p.moved.add(path)

@@ -116,6 +116,12 @@ def markdown(report: dict) -> str:
                 "|---|---|---:|---:|---:|---:|---|"]
         out += [f"| {g['shape']} | {g['state']} | {g['capture_s']:.2f} | {g['pool_mb']:.0f} | {g['replays']} | "
                 f"{g['replay_ms']:.2f} | {g.get('reason') or ''} |" for g in r["graphs"]]
+    if r.get("workers"):  # a multi-GPU render (dist.merge_reports)
+        out += ["", "## Workers", "", "| rank | host | device | images | failed | load s | capture s | busy s | idle s "
+                "| images/s |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {w['rank']} | {w['host']} | {w['device']} | {w['images']} | {w['failed']} | {w['load_s']:.2f} | "
+                f"{w['capture_s']:.2f} | {w['busy_s']:.3f} | {w['idle_s']:.3f} | {w['images_per_s']:.3f} |"
+                for w in r["workers"]]
     if r.get("lora"):
         lo = r["lora"]
         out += ["", "## LoRA", "", f"- {lo['swaps']} swaps, {lo['total_s']:.3f} s in all, median {lo['median_s']:.3f} s",
