@@ -172,3 +172,27 @@ def test_report_lora_section():
     md = markdown(report)
     assert "## LoRA" in md and "3 swaps, 0.850 s in all, median 0.250 s" in md
     assert build_report(**common)["lora"] is None and "## LoRA" not in markdown(build_report(**common))
+
+
+def test_a_render_with_a_lora_writes_its_tags_hashes_and_swaps(job_dir, out, tiny_cpu):
+    import shutil
+
+    from conftest import ROOT
+
+    shutil.copytree(ROOT / "jobs" / "loras", job_dir / "loras")
+    job = load_job(write_job(job_dir, "version: 1\nmodel: tiny\nloras: {mei: loras/mei.safetensors}\n"
+                                      "defaults: {steps: 2, size: 64x64}\nshots:\n"
+                                      "  - {id: a, prompt: a keeper, lora: {mei: 0.8}}\n"
+                                      "  - {id: b, prompt: a boat}\n"))
+    result = render(job, RenderOptions(out_dir=out), models=tiny_cpu)
+    assert result.status == "done" and result.rendered == 2
+    mei = job.loras["mei"]
+    with Image.open(out / f"a/{next((out / 'a').glob('*.png')).name}") as im:
+        params, meta = im.info["parameters"], json.loads(im.info["bcg"])
+    assert params.splitlines()[0] == "a keeper <lora:mei:0.8>"
+    assert f'Lora hashes: "mei: {mei.shorthash}"' in params
+    assert meta["loras"] == [{"name": "mei", "scale": 0.8, "file": "loras/mei.safetensors", "sha256": mei.sha256,
+                              "shorthash": mei.shorthash}]
+    (rec,) = [r for r in _lines(out).values() if r["shot"] == "a"]
+    assert rec["loras"] == meta["loras"]
+    assert result.report["lora"]["swaps"] >= 1 and "## LoRA" in (out / "report.md").read_text()
