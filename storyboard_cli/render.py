@@ -230,12 +230,14 @@ class RenderSession:
         with self.timings.stage("capture"):
             if self.engine is None:
                 self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile)
+        with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
+            runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
+        with self.timings.stage("capture"):
             self.engine.prepare(shapes)
         stop.check()
         emit = lambda kind, done, shot, message: self.on_event(Event(kind, done, total, shot, message))  # noqa: E731
-        self.sink = OutputSink(self.job, self.out_dir, manifest, self.pending, self.run_id,
-                               self.sheet, self.timings, emit)
-        runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
+        self.sink = OutputSink(self.job, self.out_dir, manifest, self.pending, self.run_id, self.sheet, self.timings,
+                               emit)
         self.renderer = Renderer(runner, self.sink)
 
     def work(self) -> Iterable[Batch]:
