@@ -122,7 +122,7 @@ def _count(values) -> dict[int, int]:
 
 
 @app.command()
-def render(job: JobArg, out_dir: OutOpt = None,
+def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
            force: Annotated[bool, _flag("--force", "Render images again even if they exist (edited ones are "
                                                    "moved to <out>/.replaced/ first).")] = False,
            retry_failed: Annotated[bool, _flag("--retry-failed", "Render only the images the last run failed.")] = False,
@@ -132,11 +132,18 @@ def render(job: JobArg, out_dir: OutOpt = None,
                                                                           "shots it marks for reroll.")] = None,
            json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
            device: DeviceOpt = None, dtype: DtypeOpt = None,
-           engine: EngineOpt = "auto", compile: CompileOpt = "auto") -> None:
+           engine: EngineOpt = "auto", compile: CompileOpt = "auto",
+           gpus: Annotated[int, typer.Option(min=1, help="GPUs of this machine to render on, one worker each "
+                                                        "(started through torchrun).")] = 1) -> None:
     """Render a job: every image not already on disk."""
+    from storyboard_cli import dist
     from storyboard_cli import render as rendering
     from storyboard_cli.job import load_job
 
+    if gpus > 1 and dist.worker() is None:
+        with _domain_errors():
+            code = dist.launch(gpus, _command_line(ctx))
+        raise typer.Exit(code)
     with _domain_errors():
         j = load_job(job)
         if reroll is not None:
@@ -145,8 +152,10 @@ def render(job: JobArg, out_dir: OutOpt = None,
             j = rerolled(j, out_dir or j.output_dir, reroll)
         opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
                                        retry_failed=retry_failed, compile=compile, shots=tuple(shot or ()))
-        with _progress(quiet) as on_event:
-            result = rendering.render(job=j, opts=opts, on_event=on_event)
+        with _progress(quiet or not dist.leader()) as on_event:
+            result = dist.render(job=j, opts=opts, on_event=on_event)
+    if not dist.leader():  # rank 0 speaks for the job
+        raise typer.Exit(exit_code(result.status, result.signal))
     for note in result.notes:
         err.print(Text(note, style="dim"))
     for f in result.failed:
@@ -165,6 +174,23 @@ def render(job: JobArg, out_dir: OutOpt = None,
     code = exit_code(result.status, result.signal)
     if code:
         raise typer.Exit(code)
+
+
+def _command_line(ctx: typer.Context) -> list[str]:
+    """The command rebuilt from what was parsed, for the workers `--gpus` starts (they ignore --gpus)."""
+    argv = [ctx.info_name]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or value is False or value == ():
+            continue
+        if param.param_type_name == "argument":
+            argv.append(str(value))
+        elif param.is_flag:
+            argv.append(param.opts[0])
+        else:
+            for v in value if param.multiple else [value]:
+                argv += [param.opts[0], str(v)]
+    return argv
 
 
 @app.command()

@@ -340,35 +340,3 @@ def launch(n: int, argv: list[str], module: str = MODULE) -> int:
     except SignalException as e:
         return 128 + e.sigval  # as a single render stopped by that signal
     return 0
-
-
-def _main(argv: list[str] | None = None) -> None:
-    """`python -m storyboard_cli.dist render JOB [--out DIR] [--device D] [--dtype T] [--engine E]
-    [--compile C] [--force] [--gpus N]`: the render command's multi-worker path without the CLI (no
-    output; the report is in the folder). Goes once `bcg render` calls `render` and `launch`."""
-    import argparse
-    import sys
-
-    from storyboard_cli.job import load_job
-
-    p = argparse.ArgumentParser(prog="python -m storyboard_cli.dist")
-    p.add_argument("command", choices=["render"])
-    p.add_argument("job")
-    p.add_argument("--out")
-    p.add_argument("--device")
-    p.add_argument("--dtype")
-    p.add_argument("--engine", default="auto")
-    p.add_argument("--compile", default="auto")
-    p.add_argument("--force", action="store_true")
-    p.add_argument("--gpus", type=int, default=1)
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if a.gpus > 1 and worker() is None:
-        launch(a.gpus, sys.argv[1:] if argv is None else argv, module="storyboard_cli.dist")
-        return
-    render(load_job(Path(a.job)), rendering.RenderOptions(out_dir=Path(a.out) if a.out else None, force=a.force,
-                                                          device=a.device, dtype=a.dtype, engine=a.engine,
-                                                          compile=a.compile))
-
-
-if __name__ == "__main__":
-    _main()

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import torch
 
 from storyboard_cli.batch import BatchRunner, Decoded, batch_shapes, bucket_label
-from storyboard_cli.engine.base import Engine
+from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Job
@@ -28,6 +28,7 @@ from storyboard_cli.outputs import (REPLACED, Manifest, Pending, pending_items, 
 from storyboard_cli.plan import Batch, make_batches
 from storyboard_cli.preflight import check_destination, check_model_path
 from storyboard_cli.report import Timings, build_report, write_report
+from storyboard_cli.shards import merge_shards
 from storyboard_cli.signals import StopFlag, Stopped, stop_signals
 from storyboard_cli.sink import ContactSheet, OutputSink
 
@@ -192,6 +193,7 @@ class RenderSession:
         """Reconciles the folder and its manifest; returns what is left to render (and what was kept or
         is to be set aside) and the manifest the new lines go to."""
         remove_stale_temps(self.out_dir)
+        merge_shards(self.out_dir)  # the lines of a multi-GPU run that died (dist.py)
         manifest = Manifest(self.out_dir)
         only = previous_failures(self.out_dir) if self.opts.retry_failed else None
         if only is not None and not only:
@@ -203,6 +205,10 @@ class RenderSession:
     def publish(self, report: dict, keep_last: bool) -> tuple[dict, tuple[Path, Path] | None]:
         """Writes the report (unless the last one is kept); returns the report and its paths."""
         return report, None if keep_last else write_report(self.out_dir, report)
+
+    def capture_ahead(self, shapes: list[Shape]) -> list[Shape]:
+        """The shapes the engine captures before the first batch; the others are captured on first use."""
+        return shapes
 
     # phases
 
@@ -233,7 +239,7 @@ class RenderSession:
         with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
             runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
         with self.timings.stage("capture"):
-            self.engine.prepare(shapes)
+            self.engine.prepare(self.capture_ahead(shapes))
         stop.check()
         emit = lambda kind, done, shot, message: self.on_event(Event(kind, done, total, shot, message))  # noqa: E731
         self.sink = OutputSink(self.job, self.out_dir, manifest, self.pending, self.run_id, self.sheet, self.timings,
@@ -281,7 +287,7 @@ class RenderSession:
         except OSError as e:
             if status != "error":  # else the error being raised says more than this one
                 raise folder_error(self.out_dir, e) from None
-        self.sheet.update(failed)
+        self.sheet.update(report["failures"])  # every worker's, after a multi-GPU run
         if self.renderer:
             self.renderer.runner.close()  # the models' own weights back (after LoRAs)
         return RenderResult(report["status"], self.out_dir, report["images_rendered"], skipped=self.pending.skipped,

@@ -22,7 +22,7 @@ from storyboard_cli.shards import SHARDS, merge_shards, shard_manifest
 
 # What the workers run. Until `bcg render` calls dist.render, the same phases are reached through
 # dist.py's own entry point; then this becomes "storyboard_cli".
-MODULE = "storyboard_cli.dist"
+MODULE = "storyboard_cli"
 
 JOB = """version: 1
 model: tiny
