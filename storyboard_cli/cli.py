@@ -76,8 +76,9 @@ def _domain_errors():
 def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
     from storyboard_cli.job import load_job
-    from storyboard_cli.plan import bucket_table, make_batches, work_items
+    from storyboard_cli.plan import bucket_table, lora_set_label, lora_swaps, lora_table, make_batches, work_items
     from storyboard_cli.preflight import check_destination, check_model_path
+    from storyboard_cli.prompts import long_prompts
 
     with _domain_errors():
         j = load_job(job)
@@ -85,7 +86,8 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
         check_model_path(j.controlnet, "controlnet")
         check_destination(j.output_dir)
         items = work_items(j)
-        rows = bucket_table(make_batches(items, j.buckets))
+        batches = make_batches(items, j.buckets)
+        rows, sets, swaps, warnings = bucket_table(batches), lora_table(batches), lora_swaps(batches), long_prompts(j)
     total_images = sum(s.candidates for s in j.shots)
     if json_out:
         out.print_json(json.dumps({
@@ -95,8 +97,13 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
                 {"bucket": r.key.label, "width": r.key.width, "height": r.key.height, "steps": r.key.steps,
                  "sampler": r.key.sampler, "control": r.key.control, "images": r.images, "unique": r.unique,
                  "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
-                 "waste": round(r.waste, 4), "row_steps": r.row_steps} for r in rows]}))
+                 "waste": round(r.waste, 4), "row_steps": r.row_steps} for r in rows],
+            "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash} for n, f in j.loras.items()},
+            "lora_sets": [{"set": lora_set_label(r.loras), "images": r.images, "batches": r.batches} for r in sets],
+            "lora_swaps": swaps, "prompt_warnings": [str(w) for w in warnings]}))
         return
+    for w in warnings:
+        err.print(Text.assemble(("warning: ", "yellow"), str(w)))
     table = Table(title=f"{j.name}: {len(j.shots)} shots, {total_images} images "
                         f"({len(items)} distinct), model {j.model}", title_justify="left")
     for col in ("size", "steps", "sampler", "control", "images", "batches", "UNet rows", "padding", "rows x steps"):
@@ -112,6 +119,9 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
                   f"{sum(r.row_steps for r in rows):,}")
     out.print(table)
     out.print(f"output: {j.output_dir}   buckets: {list(j.buckets)}   (UNet rows count CFG: 2 per image)")
+    if j.loras:
+        out.print("LoRA sets, in render order: " + ", ".join(f"{lora_set_label(r.loras)} ({r.images} images)"
+                                                            for r in sets) + f"; {swaps} swaps")
 
 
 def _count(values) -> dict[int, int]:
@@ -235,15 +245,18 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
             steps: Annotated[int, typer.Option(min=2, max=200, help="Steps per timed loop.")] = 10,
             device: DeviceOpt = None, dtype: DtypeOpt = None, compile: CompileOpt = "auto",
             json_out: JsonOpt = False) -> None:
-    """Capture the CUDA graphs a job needs ahead of time, check them against eager, time them."""
+    """Compile the kernels a job needs (once per model, GPU and torch; kept under $BCG_CACHE), then
+    capture its CUDA graphs, check them against the uncompiled step and time them."""
     from storyboard_cli import capture as capturing
     from storyboard_cli.job import load_job
 
     with _domain_errors():
         sizes = _bucket_sizes(buckets)
         j = load_job(job) if job else None
-        labels, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes, device=device,
-                                         dtype=dtype, warm=warm, steps=steps, compile=compile)
+        with _compile_progress(quiet=json_out) as on_event:
+            labels, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes,
+                                             device=device, dtype=dtype, warm=warm, steps=steps, compile=compile,
+                                             on_event=on_event)
     if json_out:
         out.print_json(json.dumps({"shapes": labels, "timings": [r.__dict__ | {"speedup": r.speedup}
                                                                  for r in rows]}))
@@ -264,6 +277,35 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
     if pools:
         out.print(f"{len(pools)} graphs share one pool: {sum(pools):.0f} MB in all, "
                   f"{sum(pools) / max(max(pools), 1e-9):.2f}x the largest graph's {max(pools):.0f} MB")
+
+
+@contextmanager
+def _compile_progress(quiet: bool):
+    """One bar per module being compiled (elapsed against the measured estimate); notes as dim lines."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("compiling {task.fields[module]}"), BarColumn(), TimeElapsedColumn(),
+                  TextColumn("of about {task.fields[estimate]:.0f} s  {task.fields[state]}"), console=err,
+                  disable=quiet or not err.is_terminal) as bar:
+        tasks: dict[str, int] = {}
+
+        def on_event(event) -> None:
+            if isinstance(event, str):
+                err.print(Text(event, style="dim"))
+                return
+            if event.module not in tasks:
+                tasks[event.module] = bar.add_task("", total=event.estimate_s, module=event.module,
+                                                   estimate=event.estimate_s, state="")
+                if not err.is_terminal and not quiet:
+                    err.print(f"bcg: compiling {event.module} (about {event.estimate_s:.0f} s)")
+            done = event.state != "compiling"
+            bar.update(tasks[event.module], completed=event.estimate_s if done else min(event.elapsed_s,
+                                                                                         event.estimate_s),
+                       state="" if not done else f"{event.state} in {event.elapsed_s:.0f} s {event.message}")
+            if done and not err.is_terminal and not quiet:
+                err.print(f"bcg: {event.module} {event.state} in {event.elapsed_s:.0f} s {event.message}".rstrip())
+
+        yield on_event
 
 
 def _bucket_sizes(text: str) -> tuple[int, ...]:

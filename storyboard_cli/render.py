@@ -26,6 +26,7 @@ from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.outputs import (REPLACED, Manifest, Pending, pending_items, previous_failures,
                                     remove_stale_temps, select_shots)
 from storyboard_cli.plan import Batch, make_batches
+from storyboard_cli.prompts import long_prompts
 from storyboard_cli.preflight import check_destination, check_model_path
 from storyboard_cli.report import Timings, build_report, write_report
 from storyboard_cli.shards import merge_shards
@@ -221,6 +222,7 @@ class RenderSession:
         except OSError as e:
             raise folder_error(self.out_dir, e) from None
         self.notes.extend(self.pending.edited_notes(self.out_dir / REPLACED / self.run_id))
+        self.notes.extend(f"prompt cut: {w}" for w in long_prompts(self.job))  # the report lists them too
         self.sheet.update([], running=True)
         total = self.pending.outputs
         self.on_event(Event("start", 0, total, "", f"{total} to render, {self.pending.skipped} already done"))

@@ -328,3 +328,18 @@ def test_reroll_renders_new_candidates_and_keeps_every_image(rendered, tmp_path)
     assert all(p.read_bytes() == data for p, data in before.items())
     assert sorted(p.name for p in (out / "a").glob("*.png")) == ["a_c0_s1.png", "a_c1_s2.png", "a_c2_s3.png",
                                                                 "a_c3_s4.png"]
+
+
+def test_compile_progress_off_a_terminal_is_one_line_per_module_state(capsys):
+    from storyboard_cli import cli
+    from storyboard_cli.engine.compiled import CompileEvent
+
+    with cli._compile_progress(quiet=False) as on_event:
+        on_event(CompileEvent("unet", "compiling", 1.0, 365.0))
+        on_event(CompileEvent("unet", "compiling", 2.0, 365.0))
+        on_event("compiled kernels not used: unet-x.pt2: it does not load on this machine")
+        on_event(CompileEvent("unet", "done", 300.0, 365.0))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["bcg: compiling unet (about 365 s)",
+                     "compiled kernels not used: unet-x.pt2: it does not load on this machine",
+                     "bcg: unet done in 300 s"]
