@@ -15,7 +15,7 @@ import platform
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import date
 from pathlib import Path
 from typing import Callable
@@ -272,14 +272,22 @@ class Results:
     folder: Path
     stem: str
 
+    charts: dict[str, str] = field(default_factory=dict)  # chart name -> SVG file name, as written
+
     @property
     def paths(self) -> list[Path]:
-        return [self.folder / f"{self.stem}.json", self.folder / f"{self.stem}.md"]
+        return [self.folder / f"{self.stem}.json", self.folder / f"{self.stem}.md",
+                *(self.folder / f for f in self.charts.values())]
 
     def save(self, rec: dict) -> None:
-        js, md = self.paths
-        js.write_text(json.dumps(rec, indent=2) + "\n")
-        md.write_text(markdown(rec))
+        """The JSON record, the throughput-vs-batch curves and contenders' images/s as SVG, and the Markdown."""
+        from storyboard_cli.sheet import bench_svgs
+
+        self.folder.joinpath(f"{self.stem}.json").write_text(json.dumps(rec, indent=2) + "\n")
+        for name, svg in bench_svgs(rec, NAMES).items():
+            self.charts[name] = f"{self.stem}-{name}.svg"
+            self.folder.joinpath(self.charts[name]).write_text(svg)
+        self.folder.joinpath(f"{self.stem}.md").write_text(markdown(rec, self.charts))
 
 
 def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts: tuple[str, ...] = ("job", "micro"),
@@ -395,14 +403,20 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
-def markdown(rec: dict) -> str:
+NAMES = {"a_diffusers": "(a) diffusers pipeline loop", "b_compile_first": "(b) + torch.compile, first pass",
+         "b_compile_steady": "(b) + torch.compile, steady state", "c_bcg_cold": "(c) bcg render, cold",
+         "d_bcg_warm": "(d) bcg render after capture --warm",
+         "e_bcg_compiled": "(e) bcg render, compiled kernels from the cache"}
+
+
+def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
+    """The record as Markdown; `charts`: chart name -> SVG file name, linked at the top."""
     out = [f"# bcg bench: {rec['job']} on {rec['device']} ({rec['dtype']}), {rec['date']}", "",
            f"model `{rec['model']}`, {rec['images']} images, torch {rec['torch']}, diffusers {rec['diffusers']}; "
            "model loading excluded from every wall time", ""]
-    names = {"a_diffusers": "(a) diffusers pipeline loop", "b_compile_first": "(b) + torch.compile, first pass",
-             "b_compile_steady": "(b) + torch.compile, steady state", "c_bcg_cold": "(c) bcg render, cold",
-             "d_bcg_warm": "(d) bcg render after capture --warm",
-             "e_bcg_compiled": "(e) bcg render, compiled kernels from the cache"}
+    out += [f"![{name.replace('_', ' ')}]({file})" for name, file in (charts or {}).items()]
+    out += [""] if charts else []
+    names = NAMES
     rows = [k for k in names if k in rec]
     if rows:
         out += ["| contender | wall s | images/s | vs (a) | peak GPU MB |", "|---|---:|---:|---:|---:|"]

@@ -19,7 +19,12 @@ def test_bench_quick(tmp_path):
     assert rec["quick"] and rec["model"] == "tiny"
     assert rec["a_diffusers"]["images"] == rec["c_bcg_cold"]["images"] == rec["images"] > 0
     assert rec["ratios_vs_a"]["c_bcg_cold"] > 0
-    assert "(a) diffusers pipeline loop" in (tmp_path / record.name.replace(".json", ".md")).read_text()
+    md = (tmp_path / record.name.replace(".json", ".md")).read_text()
+    assert "(a) diffusers pipeline loop" in md
+    (svg,) = tmp_path.glob("*-contenders.svg")  # the contenders' images/s as a chart, linked from the Markdown
+    assert f"]({svg.name})" in md
+    text = svg.read_text()
+    assert text.startswith("<svg") and "(a) diffusers pipeline loop" in text and "(c) bcg render, cold" in text
 
 
 def test_full_bench_needs_cuda():
