@@ -145,7 +145,8 @@ def _bcg(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile: str 
     r = result.report
     return {"wall_s": result.wall_s, "images": result.rendered, "images_per_s": result.rendered / result.wall_s,
             "peak_mb": _peak_mb(models.device), "engine": result.engine, "stages_s": r["stages_s"],
-            "ms_per_step": {b["bucket"]: b["ms_per_step"] for b in r["buckets"]}, "graphs": r["graphs"]}
+            "ms_per_step": {b["bucket"]: b["ms_per_step"] for b in r["buckets"]}, "graphs": r["graphs"],
+            "lora": r.get("lora")}
 
 
 def _warm_runner(job: Job, models: SdxlModels):
@@ -331,6 +332,8 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
             part("step_curve_control",
                  lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log))
         part("single_shot", lambda: single_shot(models, loop, job, log))
+    if "lora" in parts:
+        part("lora", lambda: lora_part(job, models, log))
     if "micro_compiled" in parts and device.type == "cuda":
         part("step_curve_compiled",
              lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log, "auto"))
@@ -345,6 +348,38 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
 
 
 CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled")
+
+
+def lora_job(job: Job, models: SdxlModels, folder: Path, count: int = 3, rank: int = 32) -> Job:
+    """The bench job with `count` synthetic LoRAs (UNet + both text encoders, `rank`, fp16, Kohya layout)
+    given to its shots in turn, at 0.8: a job that swaps weights between its LoRA sets."""
+    from storyboard_cli.job import LoraFile
+    from storyboard_cli.models.lora import inspect_lora
+    from storyboard_cli.models.synthetic_lora import random_factors, save_kohya
+
+    loras = {}
+    for i in range(count):
+        factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, 100 + i, rank).items()}
+        path = save_kohya(folder / f"lora{i}.safetensors", factors, models.unet.config.layers_per_block, alpha=rank)
+        info = inspect_lora(path)
+        loras[f"lora{i}"] = LoraFile(f"lora{i}", path, path.name, info.hash, info.shorthash, info.text_encoders)
+    shots = tuple(replace(s, loras=((f"lora{i % count}", 0.8),)) for i, s in enumerate(job.shots))
+    return replace(job, loras=loras, shots=shots)
+
+
+def lora_part(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
+    """The same job without and with 3 rank-32 LoRAs spread over its shots, side by side (plain graphs,
+    each render capturing its own): images/s, their ratio, and the swaps' seconds from the report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with_loras = lora_job(job, models, Path(tmp))
+        plain = _bcg(job, models, Path(tmp) / "plain")
+        loras = _bcg(with_loras, models, Path(tmp) / "loras")
+    swaps = loras.pop("lora", None) or {}
+    plain.pop("lora", None)
+    rec = {"without": plain, "with": loras, "swaps": swaps,
+           "ratio": loras["images_per_s"] / plain["images_per_s"]}
+    log(f"LoRA job: {rec['ratio']:.3f}x the images/s without LoRAs; swaps {json.dumps(swaps)}")
+    return rec
 
 
 def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: bool,
@@ -433,6 +468,12 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
             if steps:
                 out.append(f"- {names[k]}: " + ", ".join(f"{b} {ms:.1f}" for b, ms in steps.items()))
         out.append("")
+    if "lora" in rec:
+        lo, sw = rec["lora"], rec["lora"]["swaps"] or {}
+        out += [f"LoRA job (3 rank-32 LoRAs over the shots, plain graphs, each render cold): "
+                f"{lo['with']['images_per_s']:.3f} images/s against {lo['without']['images_per_s']:.3f} without "
+                f"= **{lo['ratio']:.3f}x**; {sw.get('swaps', 0)} swaps, median {sw.get('median_s', float('nan')):.3f} s, "
+                f"{sw.get('total_s', float('nan')):.2f} s in all", ""]
     if "single_shot" in rec:
         s = rec["single_shot"]
         out += [f"Single-shot re-render ({s['shape']}, {s['steps']} steps, denoise + decode, median of 3): "

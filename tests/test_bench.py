@@ -34,3 +34,15 @@ def test_full_bench_needs_cuda():
         pytest.skip("this machine has CUDA")
     result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml")])
     assert result.exit_code == 2 and "--quick" in result.output
+
+
+def test_bench_quick_lora_part(tmp_path):
+    """3 synthetic LoRAs spread over the bench job: the job renders with them, swaps are timed."""
+    result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml"), "--quick", "--parts", "lora",
+                                      "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (record,) = tmp_path.glob("*.json")
+    lo = json.loads(record.read_text())["lora"]
+    assert lo["with"]["images"] == lo["without"]["images"] > 0 and lo["ratio"] > 0
+    assert lo["swaps"]["swaps"] == 3 and lo["swaps"]["median_s"] > 0
+    assert "LoRA job" in (tmp_path / record.name.replace(".json", ".md")).read_text()

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from lora_files import random_factors, save_kohya, save_peft
+from storyboard_cli.models.synthetic_lora import random_factors, save_kohya, save_peft
 from storyboard_cli.errors import ModelError
 from storyboard_cli.models.lora import (LoraApplier, LoraFileError, a1111_lora_hashes, architecture_mismatch,
                                         inspect_lora, lora_problem, lora_tags, read_lora, set_key, split_lora_tags)

@@ -1,4 +1,5 @@
-"""LoRA files for the tiny preset, written as trainers write them, from random low-rank factors.
+"""Synthetic LoRA files, written as trainers write them, from random low-rank factors: for the tests
+(tiny preset), the committed example, and the bench (SDXL-sized, to time swaps and LoRA jobs).
 
 - Kohya / A1111 (sd-scripts' SDXL networks): `lora_unet_<sgm block name>` and `lora_te1_` / `lora_te2_`
   keys, `.lora_down.weight`, `.lora_up.weight` and `.alpha` per layer; LoCon adds the resnets' convolutions.
@@ -6,7 +7,8 @@
   with diffusers' `lora_adapter_metadata` (the LoraConfig: r, lora_alpha).
 
 The factors are recorded by the model's own module names, so a test can check where they land.
-`python tests/lora_files.py OUT.safetensors` writes the committed example (jobs/loras/README.md).
+`python -m storyboard_cli.models.synthetic_lora OUT.safetensors` writes the committed example
+(jobs/loras/README.md).
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ def main(out: str) -> None:
     factors = {k: (d.half(), u.half()) for k, (d, u) in factors.items()}
     metadata = {"ss_network_module": "networks.lora", "ss_network_dim": "4", "ss_network_alpha": "4",
                 "ss_base_model_version": "sdxl_base_v1-0", "ss_output_name": "mei",
-                "bcg_note": "random factors for the tiny preset: tests/lora_files.py, seed 10"}
+                "bcg_note": "random factors for the tiny preset: storyboard_cli/models/synthetic_lora.py, seed 10"}
     save_kohya(Path(out), factors, models.unet.config.layers_per_block, alpha=4.0, metadata=metadata)
 
 
@@ -175,7 +177,7 @@ def time_swaps(spec: str, device: str, rank: int, rounds: int = 5) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--time":  # python tests/lora_files.py --time tiny cpu 4
+    if sys.argv[1] == "--time":  # python -m storyboard_cli.models.synthetic_lora --time tiny cpu 4
         print(json.dumps(time_swaps(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
     else:
         main(sys.argv[1])
