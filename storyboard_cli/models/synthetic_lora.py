@@ -7,15 +7,13 @@
   with diffusers' `lora_adapter_metadata` (the LoraConfig: r, lora_alpha).
 
 The factors are recorded by the model's own module names, so a test can check where they land.
-`python -m storyboard_cli.models.synthetic_lora OUT.safetensors` writes the committed example
-(jobs/loras/README.md).
+`python bench/loras.py example OUT.safetensors` writes the committed example (jobs/loras/README.md).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -131,7 +129,7 @@ def save_peft(path: Path, factors: Factors, lora_alpha: float | None = None) -> 
     return path
 
 
-def main(out: str) -> None:
+def write_example(out: str) -> None:
     """The committed example: a rank-4 "character" LoRA on the tiny preset, UNet + both text encoders,
     in sd-scripts' format, stored in fp16 (as trainers save)."""
     from storyboard_cli.models.loader import load_sdxl
@@ -175,9 +173,3 @@ def time_swaps(spec: str, device: str, rank: int, rounds: int = 5) -> dict:
             "median_s": statistics.median(s.seconds for s in swaps), "max_s": max(s.seconds for s in swaps),
             "swaps": len(swaps), "w0_bytes": applier.resident_bytes()}
 
-
-if __name__ == "__main__":
-    if sys.argv[1] == "--time":  # python -m storyboard_cli.models.synthetic_lora --time tiny cpu 4
-        print(json.dumps(time_swaps(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
-    else:
-        main(sys.argv[1])
