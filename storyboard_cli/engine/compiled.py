@@ -200,7 +200,9 @@ def load(module: str, models: Any, path: Path) -> Callable:
 
     model = models.unet if module == "unet" else models.controlnet
     prefix = "unet." if module == "unet" else "controlnet."
-    compiled = aoti_load_package(str(path))
+    # single-threaded: no thread synchronisation around each run, which would conflict with our CUDA
+    # graph capture (torch's own advice for CUDA graphs; huggingface/flux-fast loads its packages so)
+    compiled = aoti_load_package(str(path), run_single_threaded=True)
     tensors = {prefix + n: t for n, t in model.state_dict(keep_vars=True).items()}
     wanted = compiled.get_constant_fqns()
     missing = [n for n in wanted if n not in tensors]
@@ -220,7 +222,7 @@ def loads_here(path: Path) -> bool:
     for seen in (marker, bad):
         if seen.is_file() and seen.stat().st_mtime >= path.stat().st_mtime:
             return seen is marker
-    code = "import sys, torch._inductor as i; i.aoti_load_package(sys.argv[1])"
+    code = "import sys, torch._inductor as i; i.aoti_load_package(sys.argv[1], run_single_threaded=True)"
     try:
         done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=300)
     except subprocess.TimeoutExpired:
