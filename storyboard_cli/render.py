@@ -2,7 +2,7 @@
 
 `RenderSession` holds one render; its phases are methods, so a subclass hooks in at exactly those
 points (a multi-GPU worker claims its batches in `work`, the contact sheet is written in `finish`).
-`Renderer` is the policy and I/O around a `BatchRunner`: out of memory, the writer thread, the manifest.
+`Renderer` (oom.py) runs each batch under the out-of-memory policy; `OutputSink` (sink.py) writes.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from storyboard_cli.batch import BatchRunner, Decoded, batch_shapes, bucket_label
+from storyboard_cli.batch import BatchRunner, batch_shapes
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
-from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Job
 from storyboard_cli.lock import OutputLock, folder_error
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
+from storyboard_cli.oom import Renderer
 from storyboard_cli.outputs import (REPLACED, Manifest, Pending, pending_items, previous_failures,
                                     remove_stale_temps, select_shots)
 from storyboard_cli.plan import Batch, make_batches
@@ -34,9 +34,6 @@ from storyboard_cli.signals import StopFlag, Stopped, stop_signals
 from storyboard_cli.sink import ContactSheet, OutputSink
 
 log = logging.getLogger(__name__)
-# What one bad batch may raise (an unreadable control image, a decode error) and the job goes on.
-# Anything else (TypeError, AttributeError, ...) is a bug of ours: it aborts, with its traceback.
-BATCH_ERRORS = (OSError, ValueError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -75,65 +72,6 @@ class RenderResult:
     notes: list[str] = field(default_factory=list)
     signal: int | None = None  # what stopped an interrupted render
     sheet: Path | None = None  # index.html, when it could be written
-
-
-class Renderer:
-    """Runs batches through a BatchRunner and hands what comes out to the OutputSink, with the
-    out-of-memory policy: free the engine's memory, split the batch into smaller buckets (down to 1,
-    then the eager fallback), and remember the size that failed so later batches are split before they run."""
-
-    def __init__(self, runner: BatchRunner, sink: OutputSink):
-        self.runner, self.sink = runner, sink
-        self.notes: list[str] = []
-        self.oom_at = 1 << 30  # the smallest batch size that ran out of memory
-
-    def deliver(self, decoded: list[Decoded], label: str) -> None:
-        """An image with NaN/inf is recorded as failed, never saved."""
-        for d in decoded:
-            if d.pixels is None:
-                self.sink.fail([d.item], d.failure)
-            else:
-                self.sink.submit(d.item, d.pixels, label)
-
-    def process(self, batch: Batch, buckets: tuple[int, ...], fallback: bool = False) -> None:
-        """One batch, end to end, under the out-of-memory policy."""
-        smaller = tuple(b for b in buckets if b < min(batch.size, self.oom_at))
-        if batch.size >= self.oom_at and smaller:
-            self._split(batch, smaller, fallback)
-        elif not self._attempt(batch, fallback):
-            self._out_of_memory(batch, buckets, fallback)
-
-    def _attempt(self, batch: Batch, fallback: bool) -> bool:
-        """Runs and delivers the batch; False if it ran out of memory. A failure of this batch alone is
-        recorded against its images and the job goes on."""
-        try:
-            self.deliver(self.runner.decode(self.runner.run_batch(batch, fallback)), bucket_label(batch))
-        except torch.cuda.OutOfMemoryError:
-            return False  # handled by the caller, outside this block: the error's frames hold memory
-        except BATCH_ERRORS as e:
-            log.exception("batch %s failed", batch.key.label)
-            text = str(e).strip()
-            self.sink.fail(batch.items, f"{e.__class__.__name__}: {text.splitlines()[0][:200] if text else ''}")
-        return True
-
-    def _out_of_memory(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
-        self.oom_at = min(self.oom_at, batch.size)
-        self.runner.release()
-        smaller = tuple(b for b in buckets if b < batch.size)
-        where = f"out of GPU memory at {batch.size} x {batch.key.label}"
-        if batch.size > 1 and smaller:
-            self.notes.append(f"{where}: retried in buckets of at most {max(smaller)}")
-            self._split(batch, smaller, fallback)
-        elif not fallback:
-            self.notes.append(f"{where}: retried eager")
-            self.process(batch, (1,), fallback=True)
-        else:
-            self.sink.fail(batch.items, "out of GPU memory even for one image")
-
-    def _split(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
-        for sub in make_batches(list(batch.items), buckets):
-            self.process(sub, buckets, fallback)
-
 
 
 class RenderSession:

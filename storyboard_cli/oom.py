@@ -1,0 +1,76 @@
+"""The out-of-memory policy around a BatchRunner: free the engine's memory, split the batch into
+smaller buckets (down to 1, then the eager fallback), and remember the size that failed so later
+batches are split before they run. A failure of one batch alone is recorded against its images."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from storyboard_cli.batch import BatchRunner, Decoded, bucket_label
+from storyboard_cli.plan import Batch, make_batches
+from storyboard_cli.sink import OutputSink
+
+log = logging.getLogger(__name__)
+# What one bad batch may raise (an unreadable control image, a decode error) and the job goes on.
+# Anything else (TypeError, AttributeError, ...) is a bug of ours: it aborts, with its traceback.
+BATCH_ERRORS = (OSError, ValueError, RuntimeError)
+
+
+class Renderer:
+    """Runs batches through a BatchRunner and hands what comes out to the OutputSink, with the
+    out-of-memory policy: free the engine's memory, split the batch into smaller buckets (down to 1,
+    then the eager fallback), and remember the size that failed so later batches are split before they run."""
+
+    def __init__(self, runner: BatchRunner, sink: OutputSink):
+        self.runner, self.sink = runner, sink
+        self.notes: list[str] = []
+        self.oom_at = 1 << 30  # the smallest batch size that ran out of memory
+
+    def deliver(self, decoded: list[Decoded], label: str) -> None:
+        """An image with NaN/inf is recorded as failed, never saved."""
+        for d in decoded:
+            if d.pixels is None:
+                self.sink.fail([d.item], d.failure)
+            else:
+                self.sink.submit(d.item, d.pixels, label)
+
+    def process(self, batch: Batch, buckets: tuple[int, ...], fallback: bool = False) -> None:
+        """One batch, end to end, under the out-of-memory policy."""
+        smaller = tuple(b for b in buckets if b < min(batch.size, self.oom_at))
+        if batch.size >= self.oom_at and smaller:
+            self._split(batch, smaller, fallback)
+        elif not self._attempt(batch, fallback):
+            self._out_of_memory(batch, buckets, fallback)
+
+    def _attempt(self, batch: Batch, fallback: bool) -> bool:
+        """Runs and delivers the batch; False if it ran out of memory. A failure of this batch alone is
+        recorded against its images and the job goes on."""
+        try:
+            self.deliver(self.runner.decode(self.runner.run_batch(batch, fallback)), bucket_label(batch))
+        except torch.cuda.OutOfMemoryError:
+            return False  # handled by the caller, outside this block: the error's frames hold memory
+        except BATCH_ERRORS as e:
+            log.exception("batch %s failed", batch.key.label)
+            text = str(e).strip()
+            self.sink.fail(batch.items, f"{e.__class__.__name__}: {text.splitlines()[0][:200] if text else ''}")
+        return True
+
+    def _out_of_memory(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
+        self.oom_at = min(self.oom_at, batch.size)
+        self.runner.release()
+        smaller = tuple(b for b in buckets if b < batch.size)
+        where = f"out of GPU memory at {batch.size} x {batch.key.label}"
+        if batch.size > 1 and smaller:
+            self.notes.append(f"{where}: retried in buckets of at most {max(smaller)}")
+            self._split(batch, smaller, fallback)
+        elif not fallback:
+            self.notes.append(f"{where}: retried eager")
+            self.process(batch, (1,), fallback=True)
+        else:
+            self.sink.fail(batch.items, "out of GPU memory even for one image")
+
+    def _split(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
+        for sub in make_batches(list(batch.items), buckets):
+            self.process(sub, buckets, fallback)
