@@ -365,10 +365,12 @@ ESTIMATE_S = {"unet": 365.0, "controlnet": 210.0}
 
 
 def advice() -> str:
-    minutes = max(ESTIMATE_S.values()) / 60
-    return (f"compiled kernels are not in the cache: `bcg capture JOB --warm` compiles them once (about "
-            f"{minutes:.0f} minutes on an H200; docs/PERFORMANCE.md has the speed-up) and every later render "
-            f"loads them in seconds")
+    """What `--compile auto` says when the cache has no kernels: the compile's measured cost. (Their
+    speed-up on a job is not measured yet, so it is not promised; docs/PERFORMANCE.md.)"""
+    unet, controlnet = ESTIMATE_S["unet"] / 60, ESTIMATE_S["controlnet"] / 60
+    return (f"compiled kernels are not in the cache: `bcg capture JOB --warm` compiles them once (on an H200 "
+            f"{unet:.0f} minutes for the UNet, {controlnet:.1f} for a ControlNet, side by side) and later "
+            f"renders load them")
 
 
 def _main(argv: list[str]) -> None:
