@@ -93,3 +93,20 @@ class OutputLock:
             pass
         os.close(self.fd)
         self.fd = None
+
+
+def held(folder: Path) -> bool:
+    """Whether a live render holds `folder`'s lock (a lock file left by a killed process is not held)."""
+    try:
+        fd = os.open(Path(folder) / LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also drops the probe's own shared lock
+    return False

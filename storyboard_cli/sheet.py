@@ -24,7 +24,8 @@ from urllib.parse import quote
 
 from storyboard_cli.errors import BadInput, StoryboardError
 from storyboard_cli.job import Job
-from storyboard_cli.outputs import LOCK, MANIFEST, atomic_write
+from storyboard_cli.lock import held
+from storyboard_cli.outputs import MANIFEST, atomic_write
 from storyboard_cli.plan import work_items
 
 INDEX = "index.html"
@@ -487,12 +488,13 @@ class SheetWriter:
 
     # -------------------------------------------------------- public
 
-    def update(self, failures: list[dict] | None = None, running: bool = False) -> Path:
+    def update(self, failures: list[dict] | None = None, running: bool | None = None) -> Path:
         """Rebuilds index.html from the disk now. `failures` (path, shot, reason) overrides report.json's
-        list (a render passes its own while it runs); `running` marks the page as a render in progress."""
+        list (a render passes its own while it runs); `running` marks the page as a render in progress
+        (None: whether a live render holds the folder's lock, for `bcg sheet`)."""
         self._last = time.monotonic()
         self._check_index()
-        page = self._page(failures, running)
+        page = self._page(failures, held(self.out_dir) if running is None else running)
         if page != self._written:
             atomic_write(self.path, page.encode("utf-8"))
             self._written = page
@@ -619,7 +621,6 @@ class SheetWriter:
             summary += (f"; last run: {report.get('status', '?')}, {report.get('images_rendered', 0)} rendered in "
                         f"{float(report.get('wall_s') or 0):.1f} s on {report.get('device', '?')} "
                         f"({report.get('engine', '?')})")
-        lock = (self.out_dir / LOCK).exists()
         parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
                  f'<meta name="generator" content="{GENERATOR}">',
                  f'<meta http-equiv="Content-Security-Policy" content="{esc(CSP)}">',
@@ -627,7 +628,7 @@ class SheetWriter:
                  '<link rel="icon" href="data:,">',
                  f"<title>{esc(title)}: contact sheet</title><style>{STYLE}</style></head><body>",
                  f"<header><h1>{esc(title)}</h1><span>{esc(summary)}</span>"]
-        if running or lock:
+        if running:
             parts.append('<span class="running">render in progress: reload to see new images</span>')
         parts.append('<button id="save-picks" type="button">save picks</button>'
                      '<span id="picks-count"></span></header>')

@@ -358,3 +358,17 @@ def test_bench_svgs_from_a_real_record():
     lines = curve.findall("{http://www.w3.org/2000/svg}polyline")
     assert len(lines) == 2 and len(lines[0].get("points").split()) == len(rec["step_curve"])
     assert bench_svgs({"device": "cpu"}) == {}
+
+
+def test_the_banner_says_a_render_is_running_only_while_one_holds_the_lock(job, out):
+    from storyboard_cli.lock import LOCK, OutputLock
+
+    assert "render in progress" not in _page(out)  # as the finished render left it
+    write_sheet(out, job)
+    assert "render in progress" not in _page(out)
+    with OutputLock(out):  # a live render
+        write_sheet(out, job)
+        assert "render in progress" in _page(out)
+    (out / LOCK).write_text("pid 1 on elsewhere\n")  # left behind by a killed render: not held
+    write_sheet(out, job)
+    assert "render in progress" not in _page(out)
