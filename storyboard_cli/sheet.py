@@ -237,7 +237,8 @@ def _svg(title: str, width: int, height: int, body: list[str]) -> str:
 def hbar_svg(title: str, rows: list[tuple[str, float, str]], width: int = 560) -> str:
     """Horizontal bars: (label, value, value text) per row, scaled to the largest value."""
     bar, gap, top = 16, 6, 26
-    label_w = min(300, 12 + 7 * max((len(r[0]) for r in rows), default=4))
+    label_w = min(480, 12 + 7 * max((len(r[0]) for r in rows), default=4))
+    width = max(width, label_w + 260)  # long labels (bucket names with LoRA sets) widen the chart, never clip
     room = width - label_w - 70
     vmax = max((r[1] for r in rows if r[1] > 0), default=1.0)
     body = []
