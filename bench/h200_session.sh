@@ -11,6 +11,6 @@ step() { local limit=$1; shift; echo "== $* (at ${SECONDS}s, limit ${limit}s)"; 
 step 150 python bench/aoti_load_check.py /tmp/aoti-check cuda > $OUT/load_check.log 2>&1
 step 130 python bench/probe_compile.py time $BCG_CACHE/compiled $OUT/probe.json --profile > $OUT/probe.log 2>&1
 step 330 python -m storyboard_cli bench jobs/bench.yaml --parts a_diffusers,e_bcg_compiled,lora --results $OUT > $OUT/bench.log 2>&1
-step 80 python -m pytest -q -m gpu tests/test_gpu.py > $OUT/gpu_tests.log 2>&1
+step 90 python -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_lora.py > $OUT/gpu_tests.log 2>&1
 [ $SECONDS -lt 360 ] && step $((460 - SECONDS)) python -m pytest -q -m gpu tests/test_gpu_compiled.py > $OUT/gpu_compiled_tests.log 2>&1
 tail -3 $OUT/*.log
