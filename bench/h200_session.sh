@@ -4,6 +4,10 @@
 # compiled kernels from the cache), then the GPU tests. Artifacts built earlier are read from $ART.
 # First, a one-minute check that a compiled artifact built on this machine loads here at all.
 # Usage: ART=.art OUT=/some/dir bash bench/h200_session.sh
+# $ART holds artifacts built with the current options by an earlier call on the same kind of machine:
+#   python -m storyboard_cli capture jobs/bench.yaml --warm   (builds them side by side, then captures),
+#   then copy $BCG_CACHE/compiled/*.pt2 to $OUT to carry them. Artifacts are keyed by the compile
+#   options: ones built before an option changed are never used under the new key.
 set -uo pipefail
 export BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor PYTHONPATH=$PWD:${PYTHONPATH:-}
 mkdir -p $BCG_CACHE/compiled && cp $ART/*.pt2 $BCG_CACHE/compiled/

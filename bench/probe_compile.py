@@ -87,22 +87,6 @@ def build(module, folder):
                       "mb": round(path.stat().st_size / 2**20, 1)}), flush=True)
 
 
-def stage(m, folder: Path) -> None:
-    """Artifacts copied from another machine carry that machine's key in their name: give them this
-    machine's (the archive's root folder is renamed with the file; the compiled code is the same)."""
-    import zipfile
-
-    for module in C.MODULES:
-        want = C.artifact_path(module, m.unet if module == "unet" else m.controlnet, folder)
-        found = sorted(folder.glob(f"{module}-*.pt2"))
-        if want.exists() or not found:
-            continue
-        with zipfile.ZipFile(found[0]) as src, zipfile.ZipFile(want, "w", zipfile.ZIP_STORED) as dst:
-            for info in src.infolist():
-                dst.writestr(want.stem + "/" + info.filename.split("/", 1)[1], src.read(info))
-        print(f"staged {found[0].name} as {want.name}", flush=True)
-
-
 def top_kernels(fn, n=3, k=15):
     from torch.profiler import ProfilerActivity, profile
 
@@ -129,7 +113,6 @@ def time_all(folder, out_path, profile_it=False):
     m = models()
     rec["load_weights_s"] = round(time.perf_counter() - t0, 1)
     print("weights loaded", rec["load_weights_s"], flush=True)
-    stage(m, Path(folder))
     t0 = time.perf_counter()
     unet_c = C.load("unet", m, C.artifact_path("unet", m.unet, Path(folder)))
     rec["load_unet_artifact_s"] = round(time.perf_counter() - t0, 2)
