@@ -7,7 +7,6 @@ denoises with and the eager engine it falls back to when told.
 
 from __future__ import annotations
 
-import statistics
 import time
 import zlib
 from dataclasses import dataclass
@@ -113,14 +112,6 @@ class BatchRunner:
     def lora_swaps(self) -> list[Swap]:
         """Every change of LoRA set so far (the first one from the model's own weights included)."""
         return list(self.lora.swaps)
-
-    def lora_summary(self) -> dict:
-        """For the report: swaps, their time, and the memory the pristine copies hold."""
-        swaps = self.lora.swaps
-        return {"swaps": len(swaps), "swap_s": round(sum(s.seconds for s in swaps), 4),
-                "median_swap_s": round(statistics.median(s.seconds for s in swaps), 4) if swaps else 0.0,
-                "layers_per_swap": max((s.layers for s in swaps), default=0),
-                "pristine_bytes": self.lora.resident_bytes()}
 
     def close(self) -> None:
         """The models' own weights back (bit for bit), so whoever holds the models next sees them unchanged."""

@@ -67,7 +67,7 @@ def compiled_calls(models: SdxlModels, compile: str, notes: list[str], on_event:
         return None
     from storyboard_cli.engine import compiled
 
-    if compile == "on" and compiled.missing(models):
+    if compile == "on":  # builds only what the cache lacks
         notes.extend(compiled.build_missing(models, models.name, models.controlnet_name, dtype_name(models.dtype),
                                             on_event))
     calls, why = compiled.load_calls(models)

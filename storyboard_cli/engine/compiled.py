@@ -8,7 +8,7 @@ seconds. They run inside GraphRunner's graphs (ShapeKey.variant = "compiled").
   eager modules' own tensors (`load_constants(user_managed=True)`): one copy of the weights in memory,
   and an in-place weight update (LoRA) is seen by the compiled kernels as by the eager ones.
 - The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros
-  (a few element-wise adds, measured in docs/PERFORMANCE.md), so one UNet artifact serves both.
+  (a few element-wise adds; their cost is not measured yet), so one UNet artifact serves both.
 - An artifact's key covers everything that changes the generated code: module class and config,
   parameter names/shapes/dtypes (not values: weights are passed in), torch/triton/CUDA versions,
   GPU name and capability, the dynamic ranges and the compile options. A stale key is never
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from storyboard_cli.engine.eager import StepCalls, controlnet_call
+from storyboard_cli.engine.eager import StepCalls, controlnet_call, unet_call
 from storyboard_cli.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
@@ -52,32 +52,25 @@ INDUCTOR_OPTIONS = {
 
 
 class UNetCall(torch.nn.Module):
-    """The step's UNet call with tensor inputs: (latents, t, embeds, pooled, time_ids, mid, down: tuple)."""
+    """The step's UNet call (engine/eager.py unet_call) as a module to export: down is a tuple."""
 
     def __init__(self, unet: torch.nn.Module):
         super().__init__()
         self.unet = unet
 
     def forward(self, latents, t, embeds, pooled, time_ids, mid, down):
-        return self.unet(latents, t, encoder_hidden_states=embeds,
-                         added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
-                         down_block_additional_residuals=list(down), mid_block_additional_residual=mid,
-                         return_dict=False)[0]
+        return unet_call(self.unet, latents, t, embeds, pooled, time_ids, mid, list(down))
 
 
 class ControlNetCall(torch.nn.Module):
-    """The step's ControlNet call: (latents, t, embeds, pooled, time_ids, image, scale) -> (mid, *down)."""
+    """The step's ControlNet call (engine/eager.py controlnet_call) as a module to export."""
 
     def __init__(self, controlnet: torch.nn.Module):
         super().__init__()
         self.controlnet = controlnet
 
     def forward(self, latents, t, embeds, pooled, time_ids, image, scale):
-        down, mid = self.controlnet(latents, t, encoder_hidden_states=embeds, controlnet_cond=image,
-                                    conditioning_scale=scale,
-                                    added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
-                                    return_dict=False)
-        return (mid, *down)
+        return controlnet_call(self.controlnet, latents, t, embeds, pooled, time_ids, image, scale)
 
 
 @dataclass(frozen=True)
@@ -198,8 +191,7 @@ def load(module: str, models: Any, path: Path) -> Callable:
     """The compiled call, its constants bound to the eager module's own parameter tensors."""
     from torch._inductor import aoti_load_package
 
-    model = models.unet if module == "unet" else models.controlnet
-    prefix = "unet." if module == "unet" else "controlnet."
+    model, prefix = _module(models, module), f"{module}."
     # single-threaded: no thread synchronisation around each run, which would conflict with our CUDA
     # graph capture (torch's own advice for CUDA graphs; huggingface/flux-fast loads its packages so)
     compiled = aoti_load_package(str(path), run_single_threaded=True)
@@ -339,15 +331,12 @@ def build_missing(models: Any, model_spec: str, controlnet_spec: str | None, dty
 def load_calls(models: Any, root: Path | None = None) -> tuple[CompiledCalls | None, list[str]]:
     """CompiledCalls from the cache, or None with the reason. Never raises: a missing, stale (other key),
     corrupt or foreign artifact means the plain graphs."""
-    path = artifact_path("unet", models.unet, root)
-    if not path.is_file():
-        return None, ["no compiled kernels for this model, GPU and torch in the cache"]
     loaded = {}
-    for module in ("unet", "controlnet"):
-        if module == "controlnet" and models.controlnet is None:
-            continue
+    for module in (m for m in MODULES if m == "unet" or models.controlnet is not None):
         p = artifact_path(module, _module(models, module), root)
         if not p.is_file():
+            if module == "unet":
+                return None, ["no compiled kernels for this model, GPU and torch in the cache"]
             continue
         try:
             if not loads_here(p):
