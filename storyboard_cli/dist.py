@@ -104,26 +104,28 @@ def cost(batch: Batch) -> int:
 
 
 def claim_queues(batches: list[Batch]) -> list[list[list[int]]]:
-    """Batch indices in tiers of equal cost, largest first; in each tier one queue per shape."""
+    """Batch indices in tiers of equal cost, largest first; in each tier one queue per shape and LoRA set."""
     shapes = batch_shapes(batches)
     tiers: dict[int, dict] = {}
     for i in sorted(range(len(batches)), key=lambda i: -cost(batches[i])):  # stable: plan order within a tier
-        tiers.setdefault(cost(batches[i]), {}).setdefault(shapes[i], []).append(i)
+        tiers.setdefault(cost(batches[i]), {}).setdefault((shapes[i], batches[i].key.loras), []).append(i)
     return [list(queues.values()) for queues in tiers.values()]
 
 
 def claim(store, batches: list[Batch], rank: int = 0) -> Iterator[Batch]:
     """The batches this worker renders, claimed one at a time: `store.add` hands out each queue's next
-    index exactly once across all workers. Within a tier a worker asks first for the shapes it has
-    already run (their graphs are captured, their kernels warm); else it starts at the queue its rank
-    points to, so that workers new to a tier spread over its shapes."""
+    index exactly once across all workers. Within a tier a worker asks first for the LoRA set its
+    weights hold now (no swap), then for the shapes it has already run (their graphs are captured);
+    else it starts at the queue its rank points to, so that workers new to a tier spread over its shapes."""
     shapes = batch_shapes(batches)
     warm: set = set()
+    loras: tuple = ()  # the set the worker's weights hold: the model's own at the start
     for t, queues in enumerate(claim_queues(batches)):
         start = rank % len(queues)
         left = list(range(start, len(queues))) + list(range(start))
         while left:
-            left.sort(key=lambda q: shapes[queues[q][0]] not in warm)  # stable: warm shapes first
+            # stable: the current LoRA set first, then warm shapes
+            left.sort(key=lambda q: (batches[queues[q][0]].key.loras != loras, shapes[queues[q][0]] not in warm))
             q = left[0]
             n = store.add(f"claim/{t}/{q}", 1)
             if n > len(queues[q]):
@@ -131,6 +133,7 @@ def claim(store, batches: list[Batch], rank: int = 0) -> Iterator[Batch]:
                 continue
             i = queues[q][n - 1]
             warm.add(shapes[i])
+            loras = batches[i].key.loras
             yield batches[i]
 
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -303,3 +304,19 @@ def test_the_markdown_report_has_a_workers_table():
     text = markdown(merged | {"dtype": "float32", "engine": "eager", "model": "tiny", "images_skipped": 0,
                               "graphs": []})
     assert "## Workers" in text and "| 1 | h | cpu | 4 | 0 |" in text
+
+
+def test_a_worker_keeps_to_its_lora_set_within_a_tier():
+    """Same cost, same shape, two LoRA sets (in plan order, grouped): each worker keeps one set, so
+    neither swaps weights between its batches."""
+    sets = [(("a", 0.8),), (("a", 0.8),), (("b", 0.5),), (("b", 0.5),)]
+    batches = [replace(_batch(64, 64, 2, 2, 2, f"s{i}"), key=replace(_batch(64, 64, 2, 2, 2, "x").key, loras=s))
+               for i, s in enumerate(sets)]
+    store = FakeStore()
+    a, b = dist.claim(store, batches, 0), dist.claim(store, batches, 1)
+    got = {"a": [], "b": []}
+    for name, it in [("a", a), ("b", b)] * 3:
+        batch = next(it, None)
+        if batch is not None:
+            got[name].append(batch.key.loras)
+    assert got == {"a": [sets[0], sets[0]], "b": [sets[2], sets[2]]}
