@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -20,13 +19,11 @@ if TYPE_CHECKING:
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.lock import LOCK, OutputLock  # noqa: F401 - the folder's files are named here too
-from storyboard_cli.plan import WorkItem, work_items
+from storyboard_cli.plan import WorkItem, parse_output_name, work_items
 from storyboard_cli.samplers import SAMPLERS
 
 MANIFEST = "manifest.jsonl"
 REPLACED = ".replaced"  # edited files that --force rendered again, by run: <out>/.replaced/<stamp>/<path>
-# inverse of plan.output_name: which shot and candidate a file is
-OUTPUT_NAME = re.compile(r"(?P<folder>[^/]+)/(?P<shot>.+)_c(?P<k>[0-9]+)_s(?P<seed>[0-9]+)\.png")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -61,10 +58,10 @@ def atomic_write(path: Path, data: bytes) -> None:
 def owner(item: WorkItem, path: str) -> WorkItem:
     """The item as output `path` asks for it: a deduplicated image is one item for several shots, but
     each file's metadata and manifest line name its own shot and candidate."""
-    m = OUTPUT_NAME.fullmatch(path)
-    if not m or m["shot"] != m["folder"]:
+    parsed = parse_output_name(path)
+    if parsed is None:
         return replace(item, outputs=(path,))
-    return replace(item, shot=m["shot"], k=int(m["k"]), outputs=(path,))
+    return replace(item, shot=parsed[0], k=parsed[1], outputs=(path,))
 
 
 def parameters_text(item: WorkItem, settings: dict, model: str) -> str:

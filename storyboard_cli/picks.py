@@ -24,7 +24,8 @@ import yaml
 from storyboard_cli.errors import BadInput, JobError
 from storyboard_cli.job import Job, Shot, read_text
 from storyboard_cli.outputs import atomic_write, read_fingerprint
-from storyboard_cli.sheet import PICKS_JSON, SELECTS, candidate_files, parse_candidate, read_meta, shot_order
+from storyboard_cli.plan import parse_output_name
+from storyboard_cli.sheet import PICKS_JSON, SELECTS, candidate_files, read_meta, shot_order
 
 PICK_KEYS = ("picks", "reroll")
 SELECT_NAME = re.compile(r"^\d{3,}_(?P<shot>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.png$")
@@ -84,7 +85,7 @@ def _check_file(file: str, line: int, shot: str, rel: str, out_dir: Path) -> str
     path = out_dir / rel
     if not path.is_file():
         raise JobError(file, line, shot, "picks", f"missing file: {path}")
-    parsed = parse_candidate(rel)
+    parsed = parse_output_name(rel)
     meta = read_meta(path)
     if parsed is None or parsed[0] != shot or meta is None or meta.get("shot") != shot:
         raise JobError(file, line, shot, "picks", f"{rel} is not a candidate image bcg rendered for this shot")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -125,6 +126,17 @@ class Batch:
 
 def output_name(shot: str, k: int, seed: int) -> str:
     return f"{shot}/{shot}_c{k}_s{seed}.png"
+
+
+OUTPUT_NAME = re.compile(r"(?P<folder>[^/]+)/(?P<shot>[^/]+)_c(?P<k>[0-9]+)_s(?P<seed>[0-9]+)\.png")
+
+
+def parse_output_name(path: str) -> tuple[str, int, int] | None:
+    """The inverse of output_name: 'shot/shot_c3_s1004.png' -> ('shot', 3, 1004); None for other names."""
+    m = OUTPUT_NAME.fullmatch(path)
+    if not m or m["shot"] != m["folder"]:
+        return None
+    return m["shot"], int(m["k"]), int(m["seed"])
 
 
 def work_items(job: Job) -> list[WorkItem]:

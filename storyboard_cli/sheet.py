@@ -16,7 +16,6 @@ import html
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from storyboard_cli.errors import BadInput, StoryboardError
 from storyboard_cli.job import Job
 from storyboard_cli.lock import held
 from storyboard_cli.outputs import MANIFEST, atomic_write
-from storyboard_cli.plan import work_items
+from storyboard_cli.plan import parse_output_name, work_items
 
 INDEX = "index.html"
 PICKS_JSON = "picks.json"
@@ -35,7 +34,6 @@ THUMBS = "thumbs"  # inside each shot's folder: a shot id cannot name a nested f
 THUMB_PX = 256  # longest side of a thumbnail
 CONTROL_THUMB = "control.jpg"
 GENERATOR = "bcg contact sheet"  # marks the files bcg wrote (index.html meta, JPEG comment)
-CANDIDATE = re.compile(r"^(?P<shot>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})_c(?P<k>\d+)_s(?P<seed>\d+)\.png$")
 PALETTE = ("#3b6ea5", "#d0703a", "#4f9a5b", "#9b59b6", "#c0392b", "#7f8c8d")
 
 
@@ -87,15 +85,6 @@ class ShotRow:
     control_note: str = ""
 
 
-def parse_candidate(rel: str) -> tuple[str, int, int] | None:
-    """'shot/shot_c3_s1004.png' -> ('shot', 3, 1004); None for any other name."""
-    folder, _, name = rel.partition("/")
-    m = CANDIDATE.match(name)
-    if not m or m["shot"] != folder:
-        return None
-    return m["shot"], int(m["k"]), int(m["seed"])
-
-
 def candidate_files(out_dir: Path, shot: str) -> list[tuple[str, int, int, os.stat_result]]:
     """(rel path, k, seed, stat) of every file in `<out>/<shot>/` named as a candidate of `shot`."""
     found = []
@@ -104,7 +93,7 @@ def candidate_files(out_dir: Path, shot: str) -> list[tuple[str, int, int, os.st
     except OSError:
         return found
     for e in entries:
-        parsed = parse_candidate(f"{shot}/{e.name}")
+        parsed = parse_output_name(f"{shot}/{e.name}")
         if parsed and e.is_file():
             found.append((f"{shot}/{e.name}", parsed[1], parsed[2], e.stat()))
     return sorted(found, key=lambda f: f[1])
@@ -587,7 +576,7 @@ class SheetWriter:
                 self._thumb(c)
                 cands[rel] = c
             for rel in [p for p in expected if p.startswith(f"{shot_id}/")] + list(failed):
-                parsed = parse_candidate(rel)
+                parsed = parse_output_name(rel)
                 if rel in cands or not parsed or parsed[0] != shot_id:
                     continue
                 if rel in failed:
