@@ -25,7 +25,7 @@ def artifacts(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     events = []
-    notes = C.build_missing(models, "tiny", None, "fp32", events.append, root)
+    notes = C.build_missing(models, "tiny", None, events.append, root)
     assert notes == []
     assert [e.state for e in events][-1] == "done" and {e.module for e in events} == {"unet"}
     return root

@@ -22,7 +22,7 @@ def setup(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("compiled")
     models = load_sdxl("tiny", "tiny", "cuda", torch.float16)
-    assert C.build_missing(models, "tiny", "tiny", "fp16", root=root) == []
+    assert C.build_missing(models, "tiny", "tiny", root=root) == []
     calls, notes = C.load_calls(models, root)
     assert calls is not None, notes
     runner = GraphRunner(models, max_batch=8, max_hw=SIZE, compiled=calls)

@@ -68,8 +68,7 @@ def compiled_calls(models: SdxlModels, compile: str, notes: list[str], on_event:
     from storyboard_cli.engine import compiled
 
     if compile == "on":  # builds only what the cache lacks
-        notes.extend(compiled.build_missing(models, models.name, models.controlnet_name, dtype_name(models.dtype),
-                                            on_event))
+        notes.extend(compiled.build_missing(models, models.name, models.controlnet_name, on_event))
     calls, why = compiled.load_calls(models)
     if calls is None:
         notes.extend(why if compile == "on" else [compiled.advice()])
