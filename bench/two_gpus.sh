@@ -2,7 +2,8 @@
 # One job on 2 GPUs against 1, same machine, same run: pixels equal, images/s after loading (capture
 # included) and the workers table. On a 2-GPU machine, from the repository root:
 #   bash bench/two_gpus.sh tiny     # a small tiny-model job: the path and the pixels
-#   bash bench/two_gpus.sh bench    # jobs/bench.yaml on sdxl-random: the speed-up (goal >= 1.85x)
+#   bash bench/two_gpus.sh bench    # jobs/bench.yaml on sdxl-random: the speed-up (goal >= 1.85x), and
+#                                   # whether 1 GPU repeats itself (two 1-GPU renders at once, one per GPU)
 set -x
 source .whl/prelude.sh || exit 1
 export PYTHONPATH=$PWD:/tmp/site BCG_CACHE=/tmp/bcg NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -20,15 +21,20 @@ shots:
 YAML
 cp jobs/bench.yaml $W/bench.yaml
 cd $W
-cmp_dirs() { python3 - "$1" "$2" <<'PY'
+cmp_dirs() { python3 - "$@" <<'PY'
 import sys, numpy as np, json
 from pathlib import Path
 from PIL import Image
 a, b = Path(sys.argv[1]), Path(sys.argv[2])
 pa = sorted(p.relative_to(a).as_posix() for p in a.rglob("*.png")); pb = sorted(p.relative_to(b).as_posix() for p in b.rglob("*.png"))
 assert pa == pb, (len(pa), len(pb))
-diff = [p for p in pa if not np.array_equal(np.asarray(Image.open(a / p)), np.asarray(Image.open(b / p)))]
-print("images", len(pa), "pixel-different", len(diff), diff[:5])
+diff = {}
+for p in pa:
+    x, y = (np.asarray(Image.open(d / p), dtype=np.int16) for d in (a, b))
+    if not np.array_equal(x, y):
+        diff[p] = f"max |diff| {np.abs(x - y).max()}, {int((x != y).any(-1).sum())} pixels"
+print(a.name, "vs", b.name, "images", len(pa), "pixel-different", len(diff), diff)
+if len(sys.argv) > 3: sys.exit()
 ra, rb = json.loads((a / "report.json").read_text()), json.loads((b / "report.json").read_text())
 single = ra["images_rendered"] / (ra["wall_s"] - ra["stages_s"]["load"])
 print("1 GPU: wall", ra["wall_s"], "load", ra["stages_s"]["load"], "capture", ra["stages_s"]["capture"], "img/s excl. load", round(single, 4))
@@ -42,7 +48,11 @@ tiny)
   python3 -m storyboard_cli render tiny.yaml --out t2 --gpus 2 --quiet 2>&1 | tail -3
   cmp_dirs t1 t2; cat t2/report.md | sed -n '/Workers/,$p' ;;
 bench)
-  python3 -m storyboard_cli render bench.yaml --out b1 --device cuda --compile off --quiet 2>&1 | tail -2
+  # 1 GPU twice at once (GPU 0 and GPU 1: is one GPU's render itself repeatable?), then 2 GPUs
+  CUDA_VISIBLE_DEVICES=0 python3 -m storyboard_cli render bench.yaml --out b1 --device cuda --compile off --quiet 2>&1 | tail -2 &
+  CUDA_VISIBLE_DEVICES=1 python3 -m storyboard_cli render bench.yaml --out b1x --device cuda --compile off --quiet 2>&1 | tail -2
+  wait
   python3 -m storyboard_cli render bench.yaml --out b2 --compile off --gpus 2 --quiet 2>&1 | tail -2
+  cmp_dirs b1 b1x pixels-only
   cmp_dirs b1 b2 ;;
 esac

@@ -143,7 +143,9 @@ def _bcg(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile: str 
     _peak_reset(models.device)
     result = render(job, RenderOptions(out_dir=out_dir, force=True, compile=compile), models=models, engine=engine)
     r = result.report
-    return {"wall_s": result.wall_s, "images": result.rendered, "images_per_s": result.rendered / result.wall_s,
+    return {"wall_s": result.wall_s, "images": result.rendered, "failed": len(result.failed),
+            "failure": result.failed[0]["reason"] if result.failed else None,
+            "images_per_s": result.rendered / result.wall_s,
             "peak_mb": _peak_mb(models.device), "engine": result.engine, "stages_s": r["stages_s"],
             "ms_per_step": {b["bucket"]: b["ms_per_step"] for b in r["buckets"]}, "graphs": r["graphs"],
             "lora": r.get("lora")}
@@ -359,7 +361,7 @@ def lora_job(job: Job, models: SdxlModels, folder: Path, count: int = 3, rank: i
 
     loras = {}
     for i in range(count):
-        factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, 100 + i, rank).items()}
+        factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, 100 + i, rank, relative=0.1).items()}
         path = save_kohya(folder / f"lora{i}.safetensors", factors, models.unet.config.layers_per_block, alpha=rank)
         info = inspect_lora(path)
         loras[f"lora{i}"] = LoraFile(f"lora{i}", path, path.name, info.hash, info.shorthash, info.text_encoders)
@@ -378,6 +380,10 @@ def lora_part(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
     plain.pop("lora", None)
     rec = {"without": plain, "with": loras, "swaps": swaps,
            "ratio": loras["images_per_s"] / plain["images_per_s"]}
+    for name, r in (("without", plain), ("with", loras)):
+        if r["failed"]:  # a ratio over failed images measures nothing
+            log(f"LoRA job {name} LoRAs: {r['failed']} images failed ({r['failure']})")
+            rec["ratio"] = float("nan")
     log(f"LoRA job: {rec['ratio']:.3f}x the images/s without LoRAs; swaps {json.dumps(swaps)}")
     return rec
 

@@ -162,7 +162,8 @@ def test_render_graph_equals_eager(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    shutil.copytree(root / "jobs" / "control", tmp_path / "control")
+    for folder in ("control", "loras"):  # what the example job names, relative to it
+        shutil.copytree(root / "jobs" / folder, tmp_path / folder)
     (tmp_path / "j.yaml").write_text((root / "jobs" / "episode1.yaml").read_text())
     job = load_job(tmp_path / "j.yaml")
     g = render(job, RenderOptions(out_dir=tmp_path / "g", device="cuda", dtype="fp32", engine="graph"))

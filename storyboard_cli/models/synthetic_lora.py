@@ -40,7 +40,10 @@ def te_targets(encoder) -> list[str]:
 
 
 def random_factors(models, seed: int, rank: int = 4, text_encoders: bool = True, convs: bool = False,
-                   std: float = 0.15) -> Factors:
+                   std: float = 0.15, relative: float | None = None) -> Factors:
+    """Random (down, up) factors for every target layer, each entry N(0, std). With `relative`, std is
+    chosen per layer so that up @ down has entries of `relative` x the layer's weight std, as a trained
+    LoRA's update is small beside the weights (on SDXL's weights a fixed std would swamp them)."""
     g = torch.Generator().manual_seed(seed)
     parts = [("unet", models.unet, unet_targets(models.unet, convs))]
     if text_encoders:
@@ -52,6 +55,8 @@ def random_factors(models, seed: int, rank: int = 4, text_encoders: bool = True,
             w = root.get_submodule(name).weight
             down_shape = (rank, *w.shape[1:])
             up_shape = (w.shape[0], rank, 1, 1) if w.dim() == 4 else (w.shape[0], rank)
+            if relative is not None:  # an entry of up @ down sums `rank` products: std_u * std_d * sqrt(rank)
+                std = (relative * w.detach().float().std().item() / rank ** 0.5) ** 0.5
             out[(component, name)] = (torch.randn(down_shape, generator=g) * std,
                                       torch.randn(up_shape, generator=g) * std)
     return out
