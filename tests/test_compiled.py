@@ -6,6 +6,7 @@ kernels inside CUDA graphs) is tests/test_gpu_compiled.py."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -19,13 +20,30 @@ from storyboard_cli.models.loader import load_sdxl
 pytestmark = pytest.mark.slow
 
 
+STATIC_CXX = """#!/bin/sh
+# g++ that puts a static copy of libstdc++ into every shared library it makes, as the H200 image's does
+case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ ;; *) exec g++ "$@" ;; esac
+"""
+
+
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory):
-    """A tiny UNet artifact built the way `bcg capture --warm` builds one: a child process per module."""
+    """A tiny UNet artifact built the way `bcg capture --warm` builds one: a child process per module,
+    with a compiler that links libstdc++ statically. A library with its own copy of libstdc++ crashed
+    at load on the GPU image (AOTInductor's loader parses the device string with std::regex, which
+    reads the copy's never-initialised locale); bcg's link options must keep it loadable."""
     root = tmp_path_factory.mktemp("compiled")
+    cxx = root / "g++"
+    cxx.write_text(STATIC_CXX)
+    cxx.chmod(0o755)
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     events = []
-    notes = C.build_missing(models, "tiny", None, events.append, root)
+    before = os.environ.get("CXX")
+    os.environ["CXX"] = str(cxx)  # the build children inherit it
+    try:
+        notes = C.build_missing(models, "tiny", None, events.append, root)
+    finally:
+        os.environ.pop("CXX") if before is None else os.environ.update(CXX=before)
     assert notes == []
     assert [e.state for e in events][-1] == "done" and {e.module for e in events} == {"unet"}
     return root

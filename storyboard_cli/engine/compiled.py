@@ -36,7 +36,7 @@ from storyboard_cli.engine.eager import StepCalls, controlnet_call, unet_call
 from storyboard_cli.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
-FORMAT = 1  # bump when the export wrappers or options below change what is compiled
+FORMAT = 2  # bump when the export wrappers or options below change what is compiled
 MODULES = ("unet", "controlnet")
 MAX_ROWS = 16  # 2 x the largest bucket (8 images, CFG doubled)
 LATENT_RANGE = (2, 32)  # latent side / 8, i.e. images of 128..2048 pixels a side, multiples of 64
@@ -48,6 +48,11 @@ INDUCTOR_OPTIONS = {
     "always_keep_tensor_constants": True,
     "aot_inductor.use_runtime_constant_folding": False,
     "conv_1x1_as_mm": True,
+    # link the shared libstdc++ (the one the loading process has) ahead of the compiler's own choice:
+    # a compiler that puts a static copy of libstdc++ into the library (seen on the H200 image) gives
+    # it a private, never-initialised locale, and AOTInductor's loader (std::regex on the device
+    # string) crashes on it at load, in every process (docs/PERFORMANCE.md, "Compiled kernels")
+    "aot_inductor.custom_op_libs": [":libstdc++.so.6"] if sys.platform.startswith("linux") else None,
 }
 
 
