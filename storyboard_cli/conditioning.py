@@ -100,11 +100,12 @@ class PromptCache:
             found = self._cache.lookup((lora_key, p))
             if found is not None:
                 rows[p] = found
-        todo = sorted({p for p in prompts if p and p not in rows})
-        if todo:
-            embeds, pooled = encode_text(self.models, todo)
-            for i, p in enumerate(todo):  # clones: a cached row must not hold the whole batch's tensor
-                rows[p] = self._cache.put((lora_key, p), (embeds[i].clone(), pooled[i].clone()))
+        # each prompt encoded on its own: in a batch of prompts the matrix shapes, and so the kernels and
+        # their rounding on a GPU, depend on which other prompts were new at the time; a prompt's
+        # embedding, and its images, must not depend on the batch, the job's order or the worker
+        for p in sorted({p for p in prompts if p and p not in rows}):
+            embeds, pooled = encode_text(self.models, [p])
+            rows[p] = self._cache.put((lora_key, p), (embeds[0], pooled[0]))
         some = next(iter(rows.values()), None)
         if some is None:  # every prompt empty: shapes from one encode of ""
             e, p = encode_text(self.models, [""])

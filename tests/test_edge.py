@@ -89,6 +89,22 @@ def test_the_prompt_cache_stays_within_its_bound_and_stays_right(tiny_cpu):
     assert cache._cache.nbytes <= 3 * row_bytes
 
 
+def test_each_prompt_is_encoded_on_its_own_whatever_else_is_new(tiny_cpu, monkeypatch):
+    """A prompt's embedding must not depend on which other prompts a batch brought in at the same time
+    (on a GPU the batch's matrix shapes choose the kernels and their rounding): one encode per prompt,
+    so a worker of a multi-GPU render, a resumed run and a one-process render agree."""
+    import storyboard_cli.conditioning as cond
+
+    calls = []
+    real = cond.encode_text
+    monkeypatch.setattr(cond, "encode_text", lambda models, prompts: calls.append(list(prompts)) or real(models, prompts))
+    cache = PromptCache(tiny_cpu)
+    together, _ = cache.get(["a ship", "a storm", "", "a ship"])
+    alone, _ = PromptCache(tiny_cpu).get(["a storm"])
+    assert calls == [["a ship"], ["a storm"], ["a storm"]]
+    assert torch.equal(together[1], alone[0]) and not together[2].any()
+
+
 def test_bounded_cache_drops_the_least_recently_used():
     cache = BoundedCache(max_bytes=3 * 4)
     for k in "abc":
