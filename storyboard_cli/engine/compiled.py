@@ -356,9 +356,10 @@ def load_calls(models: Any, root: Path | None = None) -> tuple[CompiledCalls | N
     return CompiledCalls(models, loaded["unet"], loaded.get("controlnet")), []
 
 
-# Measured on one H200 (docs/PERFORMANCE.md, "Compiled kernels"): cold compile seconds per module,
-# for the progress estimate and the advice below.
-ESTIMATE_S = {"unet": 365.0, "controlnet": 210.0}
+# Measured on one H200 (docs/PERFORMANCE.md, "Compiled kernels"): cold compile seconds per module when
+# the two build side by side, as `capture --warm` builds them (alone: 365 and 209 s), for the progress
+# estimate and the advice below.
+ESTIMATE_S = {"unet": 380.0, "controlnet": 270.0}
 
 
 def advice() -> str:
