@@ -1,6 +1,7 @@
 """Does a compiled artifact build and load with this torch on this machine? Builds the tiny preset's
 UNet artifact with the options bcg uses (engine/compiled.py), then loads it in a child process, as a
-render would. A quick check of a torch build or a GPU image before paying for the SDXL compile.
+render would. A quick check of a torch build on a CPU (29-41 s); on a GPU the tiny model's compile
+took over 200 s (as many kernels as SDXL), so there bench/h200_build.sh checks the SDXL artifacts.
 
     python bench/aoti_load_check.py DIR [cpu|cuda]
 """
