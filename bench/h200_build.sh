@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # First call of a GPU session: builds the SDXL (sdxl-random, fp16) UNet and ControlNet artifacts side
 # by side, checks in a child process that the first one done loads here (while the other builds; a
-# crash gets a backtrace), then times compiled against plain inside CUDA graphs (bench/probe_compile.py)
+# crash gets a native backtrace, bench/segv_trace.c), then times compiled against plain inside CUDA graphs (bench/probe_compile.py)
 # and copies the artifacts to $OUT so that a later call can carry them (ART=... bash bench/h200_session.sh).
 # (The tiny model is no quicker check on a GPU: its compile took over 200 s, as many kernels as SDXL.)
 # Usage: OUT=/some/dir bash bench/h200_build.sh
@@ -12,10 +12,8 @@ DIR=$BCG_CACHE/compiled; mkdir -p $DIR
   p=$(ls $DIR/controlnet-*.pt2 2>/dev/null | head -1)
   [ -n "$p" ] || exit 0
   code='import sys, torch._inductor as i; i.aoti_load_package(sys.argv[1], run_single_threaded=True); print("loaded")'
-  timeout 120 python -X faulthandler -c "$code" "$p" > $OUT/load_check.log 2>&1; echo "rc=$? at ${SECONDS}s" >> $OUT/load_check.log
-  if ! grep -q "^loaded" $OUT/load_check.log && command -v gdb >/dev/null; then
-    timeout 150 gdb -batch -ex run -ex bt --args python -c "$code" "$p" > $OUT/gdb.log 2>&1
-  fi ) &
+  gcc -shared -fPIC -o /tmp/segv_trace.so bench/segv_trace.c -ldl  # a native backtrace if it crashes (no gdb there)
+  LD_PRELOAD=/tmp/segv_trace.so timeout 120 python -c "$code" "$p" > $OUT/load_check.log 2>&1; echo "rc=$? at ${SECONDS}s" >> $OUT/load_check.log ) &
 timeout 470 python bench/probe_compile.py build unet $DIR > $OUT/build_unet.log 2>&1; echo "rc=$? at ${SECONDS}s" >> $OUT/build_unet.log
 wait
 cp $DIR/*.pt2 $OUT/ 2>/dev/null

@@ -6,7 +6,6 @@ kernels inside CUDA graphs) is tests/test_gpu_compiled.py."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -38,12 +37,9 @@ def artifacts(tmp_path_factory):
     cxx.chmod(0o755)
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     events = []
-    before = os.environ.get("CXX")
-    os.environ["CXX"] = str(cxx)  # the build children inherit it
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CXX", str(cxx))  # the build children inherit it
         notes = C.build_missing(models, "tiny", None, events.append, root)
-    finally:
-        os.environ.pop("CXX") if before is None else os.environ.update(CXX=before)
     assert notes == []
     assert [e.state for e in events][-1] == "done" and {e.module for e in events} == {"unet"}
     return root

@@ -44,6 +44,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_flag(dtype: torch.dtype) -> str:
+    """The dtype as `--dtype` spells it (fp16, bf16, fp32): the inverse of DTYPES."""
+    return next(flag for flag, dt in DTYPES.items() if dt == dtype)
+
+
 def check_engine(kind: str, compile: str, device: torch.device) -> None:
     """The engine options against each other and the device, before anything is loaded."""
     if kind not in ENGINES:

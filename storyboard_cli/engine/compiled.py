@@ -306,10 +306,10 @@ def build_missing(models: Any, model_spec: str, controlnet_spec: str | None,
                   on_event: Callable[[CompileEvent], None] | None = None, root: Path | None = None) -> list[str]:
     """Builds every missing artifact, one child process per module, in parallel; returns failure notes.
     Children load the weights themselves (their compile holds memory the parent's render would want)."""
-    from storyboard_cli.engine.build import DTYPES
+    from storyboard_cli.engine.build import dtype_flag
 
     on_event = on_event or (lambda e: None)
-    dtype = next(flag for flag, dt in DTYPES.items() if dt == models.dtype)  # as --dtype spells it
+    dtype = dtype_flag(models.dtype)
     todo = missing(models, root)
     procs = {}
     for module in todo:
