@@ -10,7 +10,8 @@ import torch
 from storyboard_cli.batch import batch_shapes
 from storyboard_cli.conditioning import PromptCache, conditioning, control
 from storyboard_cli.engine.base import Shape
-from storyboard_cli.engine.build import check_engine, graph_runner, resolve_device
+from storyboard_cli.engine.build import check_engine, graph_runner
+from storyboard_cli.engine.device import resolve_device
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graphs import GraphRunner
 from storyboard_cli.errors import BadInput

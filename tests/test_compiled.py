@@ -1,22 +1,28 @@
-"""Compiled denoiser artifacts on the CPU (AOTInductor builds CPU code too): the child-process build,
-the cache key, loading with the eager modules' own weights, the zero residuals, fallbacks.
+"""Compiled denoiser artifacts on the CPU (AOTInductor builds CPU code too): the child-process builds,
+one per module and size, the cache key, the lock that keeps two processes from building one artifact,
+loading with the rendering modules' own weights (fused attention views, channels_last conv copies),
+in-place weight writes reaching them, the zero residuals, fallbacks.
 
-One tiny UNet artifact is built per session (about a minute on two cores); the GPU side (compiled
-kernels inside CUDA graphs) is tests/test_gpu_compiled.py."""
+One tiny UNet and one tiny ControlNet artifact (128x128) are built per session (about a minute on two
+cores); the GPU side (compiled kernels inside CUDA graphs) is tests/test_gpu_compiled.py."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from storyboard_cli.engine import compiled as C
+from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.builds import Builds
 from storyboard_cli.engine.eager import StepCalls
 from storyboard_cli.models.loader import load_sdxl
 
 pytestmark = pytest.mark.slow
+SIDE = 128  # pixels: latent 16 x 16
 
 
 STATIC_CXX = """#!/bin/sh
@@ -25,23 +31,34 @@ case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ ;; *) exec g++ "$@
 """
 
 
+def kernels(models, root, builds=None) -> C.CompiledKernels:
+    k = C.CompiledKernels(models, builds, root=root)
+    k.want(C.targets([Shape(4, SIDE, SIDE, True)], models.controlnet is not None))
+    return k
+
+
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory):
-    """A tiny UNet artifact built the way `bcg capture --warm` builds one: a child process per module,
-    with a compiler that links libstdc++ statically. A library with its own copy of libstdc++ crashed
-    at load on the GPU image (AOTInductor's loader parses the device string with std::regex, which
-    reads the copy's never-initialised locale); bcg's link options must keep it loadable."""
+    """A tiny UNet and ControlNet artifact built the way `bcg capture --warm` builds them: child
+    processes, side by side, with a compiler that links libstdc++ statically. A library with its own
+    copy of libstdc++ crashed at load on the GPU image (AOTInductor's loader parses the device string
+    with std::regex, which reads the copy's never-initialised locale); bcg's link options must keep it
+    loadable."""
     root = tmp_path_factory.mktemp("compiled")
     cxx = root / "g++"
     cxx.write_text(STATIC_CXX)
     cxx.chmod(0o755)
-    models = load_sdxl("tiny", None, "cpu", torch.float32)
-    events = []
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    events, notes = [], []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CXX", str(cxx))  # the build children inherit it
-        notes = C.build_missing(models, "tiny", None, events.append, root)
+        builds = Builds(models.device, events.append, notes=notes)
+        k = kernels(models, root, builds)
+        assert [t.label for t in k.waiting] == ["unet 128x128", "controlnet 128x128"]
+        k.start()
+        builds.wait()
     assert notes == []
-    assert [e.state for e in events][-1] == "done" and {e.module for e in events} == {"unet"}
+    assert {e.module for e in events if e.state == "done"} == {"unet 128x128", "controlnet 128x128"}
     return root
 
 
@@ -50,16 +67,18 @@ def models_cn():
     return load_sdxl("tiny", "tiny", "cpu", torch.float32)
 
 
-def _inputs(models, rows, h, w, control):
+def _inputs(models, rows, control, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = w = SIDE // 8
     unet = models.unet
-    args = C.example_inputs("unet", unet, rows, h, w, models.dtype, models.device, unet.config.cross_attention_dim,
-                            models.text_encoders[1].config.projection_dim)
-    latents, t, embeds, pooled, time_ids = args[:5]
-    t = t.expand(rows)  # as the step passes it
+    text_dim, pooled_dim = C.text_dims(unet)
+    latents = torch.randn(rows, 4, h, w, generator=g)
+    t = torch.full((rows,), 500.0)  # as the step passes it
+    embeds, pooled = torch.randn(rows, 77, text_dim, generator=g), torch.randn(rows, pooled_dim, generator=g)
+    time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], dtype=torch.float32).expand(rows, 6).clone()
     image = scale = None
     if control:
-        g = torch.Generator().manual_seed(1)
-        image = torch.rand(rows, 3, 8 * h, 8 * w, generator=g)
+        image = torch.rand(rows, 3, SIDE, SIDE, generator=g)
         scale = torch.full((rows, 1, 1, 1), 0.7)
     return latents, t, embeds, pooled, time_ids, image, scale
 
@@ -75,32 +94,71 @@ def _rel(a, b):
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
 
 
-@pytest.mark.parametrize("rows,h,w,control", [(2, 16, 16, False), (8, 16, 24, False), (4, 24, 16, True)])
-def test_compiled_calls_match_the_modules_at_any_shape_in_range(artifacts, models_cn, rows, h, w, control):
-    calls, notes = C.load_calls(models_cn, artifacts)
-    assert calls is not None, notes
-    calls.reserve(rows // 2, 64 * h * w)
-    inputs = _inputs(models_cn, rows, h, w, control)
+@pytest.mark.parametrize("rows,control", [(2, False), (8, False), (4, True), (16, True)])
+def test_compiled_calls_match_the_modules_at_any_row_count(artifacts, models_cn, rows, control):
+    k = kernels(models_cn, artifacts)
+    assert k.waiting == [] and k.ready(rows // 2, SIDE, SIDE, control) is None
+    k.reserve(rows // 2, SIDE * SIDE)
+    inputs = _inputs(models_cn, rows, control)
     with torch.no_grad():
-        got, expect = _run(calls, *inputs), _run(StepCalls.eager(models_cn), *inputs)
+        got, expect = _run(k, *inputs), _run(StepCalls.eager(models_cn), *inputs)
     assert got.shape == expect.shape
     assert _rel(got, expect) < 1e-4
 
 
-def test_an_in_place_weight_update_is_seen_by_the_compiled_kernels(artifacts):
+def test_the_rendering_modules_keep_their_own_attention_and_layout(artifacts):
+    """The plain step must not change by a bit: q/k/v are views into the fused weight, convolutions
+    keep their NCHW weights (the channels_last ones are copies)."""
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    calls, _ = C.load_calls(models, artifacts)
-    calls.reserve(1, 64 * 16 * 16)
-    inputs = _inputs(models, 2, 16, 16, False)
+    attn = models.unet.down_blocks[1].attentions[0].transformer_blocks[0].attn1
+    processor = type(attn.processor)
+    inputs = _inputs(models, 2, False)
     with torch.no_grad():
-        before = _run(calls, *inputs)
-        ptr = models.unet.conv_out.weight.data_ptr()
-        models.unet.conv_out.weight.mul_(3.0)  # in place, as LoRA swaps weights
-        models.unet.conv_out.bias.add_(0.5)  # 4 values: compiled code must not have inlined them
-        after, expect = _run(calls, *inputs), _run(StepCalls.eager(models), *inputs)
-    assert models.unet.conv_out.weight.data_ptr() == ptr
-    assert _rel(after, before) > 0.1
+        before = _run(StepCalls.eager(models), *inputs)
+        kernels(models, artifacts)
+        after = _run(StepCalls.eager(models), *inputs)
+    assert torch.equal(before, after)
+    assert type(attn.processor) is processor
+    assert attn.to_q.weight.data_ptr() == attn.to_qkv.weight.data_ptr()
+    assert models.unet.conv_in.weight.is_contiguous()
+
+
+def test_a_lora_swap_reaches_the_compiled_kernels(artifacts):
+    """A LoRA swap writes in place: into to_q (a view of the fused weight) and into a convolution
+    (whose channels_last copy follows); the artifact sees both, with no pointer changed, and the
+    empty set restores them bit for bit."""
+    from pathlib import Path
+
+    from storyboard_cli.models.lora import LoraApplier, LoraLayer, LoraWeights
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    k = kernels(models, artifacts)
+    k.reserve(1, SIDE * SIDE)
+    inputs = _inputs(models, 2, False, seed=3)
+    attn = "down_blocks.1.attentions.0.transformer_blocks.0.attn1"
+    conv = models.unet.down_blocks[0].resnets[0].conv1
+    g = torch.Generator().manual_seed(5)
+    q_in = models.unet.get_submodule(f"{attn}.to_q").weight.shape[1]
+    c_out, c_in = conv.weight.shape[:2]
+    layers = [LoraLayer("unet", f"{attn}.to_q", torch.randn(4, q_in, generator=g), torch.randn(q_in, 4, generator=g), 4.0),
+              LoraLayer("unet", "down_blocks.0.resnets.0.conv1", torch.randn(4, c_in, 3, 3, generator=g),
+                        torch.randn(c_out, 4, 1, 1, generator=g), 4.0)]
+    lora = LoraWeights("x", Path("x.safetensors"), "0" * 64, layers)
+    copy = models.copy_of(conv.weight, None)  # registered when the artifact was bound
+    fused = models.unet.get_submodule(attn).to_qkv.weight
+    ptrs = (fused.data_ptr(), copy.data_ptr(), conv.weight.data_ptr())
+    applier = LoraApplier(models)
+    with torch.no_grad():
+        before = _run(k, *inputs)
+        applier.apply({"x": (lora, 0.5)})
+        after, expect = _run(k, *inputs), _run(StepCalls.eager(models), *inputs)
+        assert torch.equal(copy, conv.weight) and copy.is_contiguous(memory_format=torch.channels_last)
+        applier.restore()
+        restored = _run(k, *inputs)
+    assert (fused.data_ptr(), copy.data_ptr(), conv.weight.data_ptr()) == ptrs
+    assert _rel(after, before) > 1e-3
     assert _rel(after, expect) < 1e-4
+    assert torch.equal(restored, before)
 
 
 def test_shapes_outside_the_compiled_ranges_are_named():
@@ -111,43 +169,99 @@ def test_shapes_outside_the_compiled_ranges_are_named():
     assert "outside" in C.fits(1, 4096, 1024)
 
 
+def test_one_artifact_per_module_and_size():
+    shapes = [Shape(8, 1024, 1024, False), Shape(1, 1024, 1024, True), Shape(2, 832, 1216, False),
+              Shape(4, 1000, 1000, False)]
+    assert [t.label for t in C.targets(shapes, controlnet=True)] == ["unet 1024x1024", "unet 1216x832",
+                                                                    "controlnet 1024x1024"]
+    assert [t.label for t in C.targets(shapes, controlnet=False)] == ["unet 1024x1024", "unet 1216x832"]
+
+
 def test_the_key_follows_what_changes_the_code(models_cn):
-    unet = models_cn.unet
-    key = C.artifact_key("unet", unet)
-    assert key == C.artifact_key("unet", unet)
-    assert key != C.artifact_key("controlnet", unet)
+    unet, square = models_cn.unet, C.Target("unet", 128, 128)
+    key = C.artifact_key(square, unet)
+    assert key == C.artifact_key(square, unet)
+    assert key != C.artifact_key(C.Target("unet", 128, 192), unet)
+    assert key != C.artifact_key(C.Target("controlnet", 128, 128), unet)
     half = load_sdxl("tiny", None, "cpu", torch.bfloat16).unet
-    assert C.artifact_key("unet", half) != key
+    assert C.artifact_key(square, half) != key
 
 
 def test_a_corrupt_artifact_is_reported_and_never_crashes(tmp_path, artifacts):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    good = C.artifact_path("unet", models.unet, artifacts)
-    bad = C.artifact_path("unet", models.unet, tmp_path)
+    unet = C.Target("unet", SIDE, SIDE)
+    good = C.artifact_path(unet, models.unet, artifacts)
+    bad = C.artifact_path(unet, models.unet, tmp_path)
     bad.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 3])  # a truncated copy
-    calls, notes = C.load_calls(models, tmp_path)
-    assert calls is None and "compiled kernels not used" in notes[0]
+    k = kernels(models, tmp_path)
+    assert k.ready(1, SIDE, SIDE, False) is not None and "not used" in k.notes[0]
     assert bad.with_suffix(".bad").is_file()  # the next render does not try it again
-    assert C.load_calls(models, tmp_path)[0] is None
-    assert C.missing(models, tmp_path) == ["unet"] and not bad.exists()  # capture rebuilds it
+    assert k.waiting == [unet]  # a build replaces it
 
 
 def test_no_artifact_means_plain_with_a_reason(tmp_path):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    calls, notes = C.load_calls(models, tmp_path)
-    assert calls is None and "no compiled kernels" in notes[0]
+    k = kernels(models, tmp_path)
+    assert "no compiled kernels for unet 128x128 yet" in k.ready(1, SIDE, SIDE, False)
 
 
-def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None) -> str:
+def test_a_second_build_of_one_artifact_waits_for_the_first(tmp_path):
+    """Two processes wanting one artifact: the second sees the first's lock and never starts a build."""
+    import fcntl
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    target = C.Target("unet", SIDE, SIDE)
+    path = C.artifact_path(target, models.unet, tmp_path)
+    with open(path.with_suffix(".lock"), "a+") as held:  # another process's build, in progress
+        fcntl.flock(held, fcntl.LOCK_EX)
+        builds = Builds(models.device)
+        builds.want([(target, path, models.unet)])
+        assert builds.builds[target].state == "elsewhere" and builds.builds[target].proc is None
+        path.write_bytes(b"built")  # the other build finishes...
+        assert builds.poll() == []  # ...but holds the lock until its process is done
+    (ready,) = builds.poll()
+    assert ready[0] == target and builds.active == []
+
+
+def test_a_build_that_fails_is_remembered_and_named(tmp_path):
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    target = C.Target("unet", SIDE, SIDE)
+    path = C.artifact_path(target, models.unet, tmp_path)
+    path.with_suffix(".failed").write_text("the compiler said no\n")
+    notes = []
+    builds = Builds(models.device, notes=notes)
+    builds.want([(target, path, models.unet)])
+    assert builds.active == [] and "the compiler said no" in notes[0] and "--warm" in notes[0]
+
+
+def test_a_killed_build_child_fails_with_its_signal(tmp_path, monkeypatch):
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    target = C.Target("unet", SIDE, SIDE)
+    path = C.artifact_path(target, models.unet, tmp_path)
+    notes = []
+    builds = Builds(models.device, notes=notes)
+    builds.want([(target, path, models.unet)])
+    proc = builds.builds[target].proc
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 30
+    while builds.active and time.time() < deadline:
+        builds.poll()
+    assert "killed by signal 9" in notes[0] and path.with_suffix(".failed").is_file() and not path.exists()
+
+
+def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None, side: int = SIDE) -> str:
     """What a second process gets from the cache folder `root`: 'loaded', or the notes."""
     code = ("import sys, torch; from pathlib import Path; from storyboard_cli.engine import compiled as C;"
-            "from storyboard_cli.models.loader import load_sdxl;"
+            "from storyboard_cli.engine.base import Shape; from storyboard_cli.models.loader import load_sdxl;"
             f"m = load_sdxl('tiny', {controlnet!r}, {device!r}, torch.{dtype});"
-            "c, n = C.load_calls(m, Path(sys.argv[1]));"
-            "print('loaded' if c is not None and (m.controlnet is None or c._compiled_cn) else n)")
+            "k = C.CompiledKernels(m, None, root=Path(sys.argv[1]));"
+            f"k.want(C.targets([Shape(1, {side}, {side}, m.controlnet is not None)], m.controlnet is not None));"
+            f"why = k.ready(1, {side}, {side}, m.controlnet is not None);"
+            "print('loaded' if why is None else [why, k.notes])")
     done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300)
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
 
 
 def test_a_second_process_loads_from_the_cache(artifacts):
-    assert loads_in_a_new_process(artifacts, "cpu", "float32", None) == "loaded"
+    assert loads_in_a_new_process(artifacts, "cpu", "float32", "tiny") == "loaded"

@@ -54,7 +54,7 @@ def test_engine_options_are_checked_on_the_cpu(kind, compile, message):
 def test_capture_failure_falls_back_to_eager_with_the_reason(tiny_cpu, monkeypatch, failure, reason):
     runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(64, 64))
     if failure:
-        monkeypatch.setattr(runner, "_capture", lambda key: (_ for _ in ()).throw(RuntimeError(failure)))
+        runner.capturer = lambda key: (_ for _ in ()).throw(RuntimeError(failure))
     x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 2, 64, 64, True)
     sched = schedule("euler", 3, tiny_cpu.scheduler_config)
     got = runner.sample(x, sched, None, cond, ctl, guidance)
@@ -71,15 +71,14 @@ def test_a_larger_shape_grows_the_buffers_and_drops_the_graphs(tiny_cpu, monkeyp
 
     def fake_capture(key):  # the bookkeeping of a capture, without a GPU
         captured.append(key)
-        runner.stats.setdefault(key, GraphStats(key)).state = "graph"
-        runner.stats[key].checked = True
+        runner.stats.setdefault(key, GraphStats(key)).checked = True
         return object()
 
-    monkeypatch.setattr(runner, "_capture", fake_capture)
+    runner.capturer = fake_capture
     small, large = runner.shape_key(1, 64, 64, False), runner.shape_key(2, 128, 64, False)
     assert runner.graph(small) is not None and (runner.max_batch, runner.max_pixels) == (1, 64 * 64)
     assert runner.graph(large) is not None  # grown, not run eager
-    assert (runner.max_batch, runner.max_pixels) == (2, 128 * 64) and runner.x.numel() == 2 * 4 * 16 * 8
+    assert (runner.max_batch, runner.max_pixels) == (2, 128 * 64) and runner.buf.x.numel() == 2 * 4 * 16 * 8
     # the graphs captured before the buffers grew point into the old ones: dropped, re-captured (and checked) on use
     assert small not in runner.graphs and runner.stats[small].state == "released"
     assert not runner.stats[small].checked
@@ -117,5 +116,5 @@ def test_graph_runner_buffers_fit_every_batch_of_a_job(tiny_cpu, job_dir):
     assert sorted(shapes) == [(1, 64, 128, False), (2, 192, 64, False), (4, 64, 128, False)]
     runner = graph_runner(tiny_cpu, shapes)
     assert (runner.max_batch, runner.max_pixels) == (4, 192 * 64)  # the largest batch, the largest image
-    assert all(runner._fits(s) for s in shapes)
-    assert not runner._fits(Shape(8, 64, 64, False)) and not runner._fits(Shape(1, 256, 64, False))
+    assert all(runner.buf.fits(s) for s in shapes)
+    assert not runner.buf.fits(Shape(8, 64, 64, False)) and not runner.buf.fits(Shape(1, 256, 64, False))

@@ -98,7 +98,7 @@ def test_injected_capture_failure_falls_back_to_eager(setup, monkeypatch):
     def failing(key):
         raise RuntimeError("injected for the test")
 
-    monkeypatch.setattr(runner, "_capture", failing)
+    runner.capturer = failing
     args = _inputs(models, 2, 256, 256, False)
     _close(runner.sample(*args), eager.sample(*args), 1e-6)
     st = runner.stats[runner.shape_key(2, 256, 256, False)]

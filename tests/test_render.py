@@ -156,7 +156,7 @@ def test_out_of_memory_at_capture_frees_graphs_and_splits(job, tmp_path, tiny_cp
     def no_memory(key):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(runner, "_capture", no_memory)
+    runner.capturer = no_memory
     released = []
     # released outside the handler: an exception being handled keeps the failed capture's frames (and on a
     # GPU its graph's memory) alive, and the eager retry needs that memory

@@ -1,55 +1,23 @@
-"""Device and dtype resolution, and the choice of engine (auto / graph / eager, compile auto / on / off)."""
+"""The choice of engine (auto / graph / eager) and of compiled kernels (compile auto / on / off)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
 from storyboard_cli.engine.base import Engine, Shape
+from storyboard_cli.engine.builds import Builds
+from storyboard_cli.engine.compiled import CompiledKernels, targets
+from storyboard_cli.engine.device import DTYPES, device_name, dtype_flag, dtype_name, resolve_device  # noqa: F401
 from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.graphs import GraphRunner
 from storyboard_cli.errors import BadInput
 from storyboard_cli.models.loader import SdxlModels
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 ENGINES = ("auto", "graph", "eager")
 COMPILE = ("auto", "on", "off")
 
 
-def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
-    """`--device` / `--dtype` -> torch's; None: cuda when available, fp16 there and fp32 on the CPU."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise BadInput(f"--device: unknown device {device!r} (use cpu or cuda)")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput("--device cuda: no CUDA device is available here (use --device cpu)")
-    if dtype is None:
-        dtype = "fp32" if device == "cpu" else "fp16"
-    if dtype not in DTYPES:
-        raise BadInput(f"--dtype: unknown dtype {dtype!r} (use fp16, bf16 or fp32)")
-    if device == "cpu" and dtype == "fp16":
-        raise BadInput("--dtype fp16 is not supported on the CPU (use fp32 or bf16)")
-    return torch.device(device), DTYPES[dtype]
-
-
-def device_name(device: torch.device) -> str:
-    """The device as reports and bench records name it: `cpu`, or `cuda (<GPU model>)`."""
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    return "cpu"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_flag(dtype: torch.dtype) -> str:
-    """The dtype as `--dtype` spells it (fp16, bf16, fp32): the inverse of DTYPES."""
-    return next(flag for flag, dt in DTYPES.items() if dt == dtype)
-
-
-def check_engine(kind: str, compile: str, device: torch.device) -> None:
+def check_engine(kind: str, compile: str, device) -> None:
     """The engine options against each other and the device, before anything is loaded."""
     if kind not in ENGINES:
         raise BadInput(f"--engine: unknown engine {kind!r} (use auto, graph or eager)")
@@ -64,28 +32,27 @@ def check_engine(kind: str, compile: str, device: torch.device) -> None:
         raise BadInput("--compile on runs compiled kernels inside the CUDA graphs (use --engine graph or auto)")
 
 
-def compiled_calls(models: SdxlModels, compile: str, notes: list[str], on_event: Callable | None = None):
-    """The one place that chooses compiled kernels for the graphs (engine/compiled.py): "off" never;
-    "auto" when the cache has them for this model, GPU and torch (else a note on what `bcg capture
-    --warm` would buy); "on" builds what is missing first (minutes, with progress events)."""
+def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, notes: list[str],
+                     on_event: Callable | None = None) -> CompiledKernels | None:
+    """The one place that chooses compiled kernels for the graphs (engine/compiled.py, engine/builds.py):
+    "off" never; "auto" loads what the cache has for these shapes and compiles the rest in the background
+    while the plain graphs render; "on" compiles what is missing first, side by side, with progress events."""
     if compile == "off" or models.device.type != "cuda":
         return None
-    from storyboard_cli.engine import compiled
-
-    if compile == "on":  # builds only what the cache lacks
-        notes.extend(compiled.build_missing(models, models.name, models.controlnet_name, on_event))
-    calls, why = compiled.load_calls(models)
-    if calls is None:
-        notes.extend(why if compile == "on" else [compiled.advice()])
-    return calls
+    builds = Builds(models.device, on_event, retry_failed=compile == "on", notes=notes)
+    kernels = CompiledKernels(models, builds, notes)
+    if compile == "on" and kernels.want(targets(shapes, models.controlnet is not None)):
+        kernels.start()
+        builds.wait()
+        kernels.poll()
+    return kernels
 
 
 def graph_runner(models: SdxlModels, shapes: list[Shape], compile: str = "auto", notes: list[str] | None = None,
-                 on_event: Callable | None = None):
+                 on_event: Callable | None = None) -> GraphRunner:
     """A GraphRunner with static buffers that fit every shape (nothing captured yet)."""
-    from storyboard_cli.engine.graphs import GraphRunner
-
-    runner = GraphRunner(models, compiled=compiled_calls(models, compile, [] if notes is None else notes, on_event))
+    kernels = compiled_kernels(models, shapes, compile, [] if notes is None else notes, on_event)
+    runner = GraphRunner(models, compiled=kernels)
     runner.ensure_capacity(shapes)
     return runner
 

@@ -1,18 +1,27 @@
-"""Compiled denoiser kernels: the UNet and ControlNet calls of the step, exported once with dynamic
-rows and latent size, compiled ahead of time by AOTInductor, kept under $BCG_CACHE and loaded in
-seconds. They run inside GraphRunner's graphs (ShapeKey.variant = "compiled").
+"""Compiled denoiser kernels: the step's UNet and ControlNet calls, exported once per image size with
+the rows (2 x images, CFG) dynamic, compiled ahead of time by AOTInductor, kept under $BCG_CACHE and
+loaded in well under a second. They run inside GraphRunner's graphs (ShapeKey.variant "compiled").
 
-- One artifact per module (UNet, ControlNet), not per shape: rows (2 x images, CFG) and the latent
-  height/width are dynamic, so a job's 10-13 shapes cost two compiles, and a new job's shapes none.
-- Weights stay outside the artifact (`package_constants_in_so=False`) and are handed over as the
-  eager modules' own tensors (`load_constants(user_managed=True)`): one copy of the weights in memory,
-  and an in-place weight update (LoRA) is seen by the compiled kernels as by the eager ones.
-- The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros
-  (a few element-wise adds; their cost is not measured yet), so one UNet artifact serves both.
+- One artifact per (module, image size), rows 2..16. An artifact with the image size dynamic too was
+  measured 3-8% faster than the plain graphs and took 50 s to load; with the size static the same
+  compiler gave 1.19-1.31x and loads at once (docs/PERFORMANCE.md, "Compiled kernels per size"). A
+  job uses a handful of sizes, so it costs a handful of compiles, built in the background while the
+  render runs on the plain graphs (engine/builds.py), and the next job with those sizes none.
+- What the export sees (the recipe): the attention projections fused as diffusers'
+  `fuse_qkv_projections` (one GEMM for q, k and v), every convolution weight channels_last (NHWC
+  convolutions, no layout flips), 1x1 convolutions as matmuls. The rendering process keeps its own
+  attention processors and NCHW weights, so the plain graphs and the eager step are untouched: to_q,
+  to_k and to_v become views into the fused weight, and the convolutions' channels_last weights are
+  copies that every in-place weight write refreshes (SdxlModels.written). A LoRA swap reaches the
+  compiled kernels as it reaches the plain ones, and no pointer a graph holds changes.
+- Weights stay outside the artifact (`package_constants_in_so=False`) and are bound to those tensors
+  (`load_constants(user_managed=True)`): no second copy of the weights beyond the conv copies.
+- The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros, so
+  one UNet artifact per size serves both.
 - An artifact's key covers everything that changes the generated code: module class and config,
-  parameter names/shapes/dtypes (not values: weights are passed in), torch/triton/CUDA versions,
-  GPU name and capability, the dynamic ranges and the compile options. A stale key is never
-  looked up; a corrupt file fails to load and the caller falls back to the plain graph.
+  parameter names/shapes/dtypes (not values), the size, torch/triton/CUDA versions, GPU name and
+  capability, the row range and the compile options. A stale key is never looked up; a corrupt file
+  fails to load and that size keeps its plain graph.
 """
 
 from __future__ import annotations
@@ -26,20 +35,20 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
+from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.eager import StepCalls, controlnet_call, unet_call
 from storyboard_cli.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # bump when the export wrappers or options below change what is compiled
+FORMAT = 4  # bump when the export wrappers, the recipe or the options below change what is compiled
 MODULES = ("unet", "controlnet")
 MAX_ROWS = 16  # 2 x the largest bucket (8 images, CFG doubled)
-LATENT_RANGE = (2, 32)  # latent side / 8, i.e. images of 128..2048 pixels a side, multiples of 64
+SIDES = (128, 2048)  # image side in pixels, multiples of 64 (three 2x downsamplings of the latent)
 INDUCTOR_OPTIONS = {
     "aot_inductor.package_constants_in_so": False,  # weights come from the eager modules at load
     # every weight stays a bindable constant: without it inductor inlines the VALUES of tiny ones
@@ -54,6 +63,45 @@ INDUCTOR_OPTIONS = {
     # string) crashes on it at load, in every process (docs/PERFORMANCE.md, "Compiled kernels")
     "aot_inductor.custom_op_libs": [":libstdc++.so.6"] if sys.platform.startswith("linux") else None,
 }
+RECIPE = ("fused-qkv", "channels-last-weights")  # part of the key: what build() does to the module
+
+
+@dataclass(frozen=True, order=True)
+class Target:
+    """One artifact: a module compiled for one image size (pixels), rows dynamic."""
+
+    module: str  # "unet" | "controlnet"
+    height: int
+    width: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.module} {self.width}x{self.height}"
+
+
+def fits(batch: int, height: int, width: int) -> str | None:
+    """None if compiled kernels can exist for this shape, else why not."""
+    lo, hi = SIDES
+    if 2 * batch > MAX_ROWS:
+        return f"{batch} images exceed the compiled range (at most {MAX_ROWS // 2})"
+    if height % 64 or width % 64 or not (lo <= height <= hi and lo <= width <= hi):
+        return f"{width}x{height} is outside the compiled sizes (multiples of 64, {lo}-{hi})"
+    return None
+
+
+def targets(shapes: Iterable[Shape], controlnet: bool) -> list[Target]:
+    """The artifacts these shapes use: a UNet per size, a ControlNet per size used with a control image.
+    Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size)."""
+    need = set()
+    for s in shapes:
+        if fits(s.batch, s.height, s.width) is None:
+            need.add(Target("unet", s.height, s.width))
+            if s.control and controlnet:
+                need.add(Target("controlnet", s.height, s.width))
+    return sorted(need, key=lambda t: (t.module != "unet", -t.height * t.width, t.height))
+
+
+# ------------------------------------------------------------------ what the export sees
 
 
 class UNetCall(torch.nn.Module):
@@ -102,9 +150,17 @@ class Residuals:
         return mid, [torch.zeros(rows, c, h // d, w // d, dtype=dtype, device=device) for c, d in self.down]
 
 
-def example_inputs(module: str, unet: torch.nn.Module, rows: int, h: int, w: int, dtype, device,
-                   text_dim: int, pooled_dim: int) -> tuple:
-    """Inputs of the exported call, at one concrete shape (values do not matter)."""
+def text_dims(model: torch.nn.Module) -> tuple[int, int]:
+    """(token embedding width, pooled embedding width) from a UNet's or ControlNet's own config (SDXL's
+    text_time embedding: the pooled text plus 6 time ids of addition_time_embed_dim each)."""
+    cfg = model.config
+    return cfg.cross_attention_dim, cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+
+
+def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: int) -> tuple:
+    """Inputs of the exported call for `model` at latent size h x w (values do not matter)."""
+    dtype, device = model.dtype, model.device
+    text_dim, pooled_dim = text_dims(model)
     latents = torch.randn(rows, 4, h, w, dtype=dtype, device=device)
     t = torch.tensor(500.0, device=device)
     embeds = torch.randn(rows, 77, text_dim, dtype=dtype, device=device)
@@ -113,94 +169,139 @@ def example_inputs(module: str, unet: torch.nn.Module, rows: int, h: int, w: int
     if module == "controlnet":
         image = torch.rand(rows, 3, 8 * h, 8 * w, dtype=dtype, device=device)
         return latents, t, embeds, pooled, time_ids, image, torch.ones(rows, 1, 1, 1, dtype=dtype, device=device)
-    mid, down = Residuals.of(unet).zeros(rows, h, w, dtype, device)
-    return latents, t, embeds, pooled, time_ids, mid, tuple(down)
+    mid, down = Residuals.of(model).zeros(rows, h, w, dtype, device)
+    # channels_last, as the compiled ControlNet (channels_last convolutions) hands them over
+    mid, down = _nhwc(mid), tuple(_nhwc(d) for d in down)
+    return latents, t, embeds, pooled, time_ids, mid, down
 
 
-def dynamic_shapes(module: str, unet: torch.nn.Module) -> tuple:
-    """torch.export Dims: rows 2..MAX_ROWS, latent h and w multiples of 8 in LATENT_RANGE."""
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def dynamic_shapes(args: tuple) -> tuple:
+    """torch.export Dims: the rows of every batched input dynamic (2..MAX_ROWS), everything else static."""
     from torch.export import Dim
 
     rows = Dim("rows", min=2, max=MAX_ROWS)
-    h8, w8 = Dim("h8", min=LATENT_RANGE[0], max=LATENT_RANGE[1]), Dim("w8", min=LATENT_RANGE[0], max=LATENT_RANGE[1])
-    latents = {0: rows, 2: 8 * h8, 3: 8 * w8}
-    common = (latents, None, {0: rows}, {0: rows}, {0: rows})
-    if module == "controlnet":
-        return (*common, {0: rows, 2: 64 * h8, 3: 64 * w8}, {0: rows})
-    res = Residuals.of(unet)
-    mid = {0: rows, 2: (8 // res.mid[1]) * h8, 3: (8 // res.mid[1]) * w8}
-    return (*common, mid, tuple({0: rows, 2: (8 // d) * h8, 3: (8 // d) * w8} for _, d in res.down))
+
+    def spec(a):
+        return tuple(spec(x) for x in a) if isinstance(a, tuple) else (None if a.dim() == 0 else {0: rows})
+    return tuple(spec(a) for a in args)
 
 
-def fits(batch: int, height: int, width: int) -> str | None:
-    """None if a shape is inside the compiled ranges, else why not."""
-    lo, hi = 64 * LATENT_RANGE[0], 64 * LATENT_RANGE[1]
-    if 2 * batch > MAX_ROWS:
-        return f"{batch} images exceed the compiled range (at most {MAX_ROWS // 2})"
-    if height % 64 or width % 64 or not (lo <= height <= hi and lo <= width <= hi):
-        return f"{width}x{height} is outside the compiled sizes (multiples of 64, {lo}-{hi})"
-    return None
+def fuse_projections(model: torch.nn.Module, processor: bool = False) -> None:
+    """Attention projections fused as diffusers' fuse_qkv_projections (q, k, v of self-attention; k, v of
+    cross-attention), with to_q/to_k/to_v left as views into the fused weight: one storage, so a write
+    to either (a LoRA swap) is seen by both. `processor`: also switch to diffusers' fused processor (the
+    export does; the rendering process keeps its processors, and with them the plain step's numbers)."""
+    from diffusers.models.attention_processor import Attention, FusedAttnProcessor2_0
+
+    with torch.no_grad():
+        for attn in model.modules():
+            if not isinstance(attn, Attention) or getattr(attn, "bcg_fused", False):
+                continue
+            attn.fuse_projections()
+            fused, parts = ((attn.to_kv, (attn.to_k, attn.to_v)) if attn.is_cross_attention
+                            else (attn.to_qkv, (attn.to_q, attn.to_k, attn.to_v)))
+            fused.requires_grad_(False)
+            start = 0
+            for part in parts:
+                n = part.weight.shape[0]
+                part.weight.data = fused.weight.data[start:start + n]  # a row slice: contiguous
+                if part.bias is not None:
+                    part.bias.data = fused.bias.data[start:start + n]
+                start += n
+            attn.bcg_fused = True
+    if processor:
+        model.set_attn_processor(FusedAttnProcessor2_0())
 
 
-def artifact_key(module: str, model: torch.nn.Module) -> str:
+def channels_last_weights(models: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> a channels_last copy of each 4-d weight of `model` (what the artifact's convolutions read),
+    made once and registered with `models`, whose `written` refreshes a copy after an in-place write."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 4:
+            out[name] = models.copy_of(p, lambda t: t.contiguous(memory_format=torch.channels_last))
+    return out
+
+
+# ------------------------------------------------------------------ key, path, build, load
+
+
+def artifact_key(target: Target, model: torch.nn.Module) -> str:
     """Everything that changes the generated code (not the weight values, which are passed in)."""
     dev = next(model.parameters()).device
     if dev.type == "cuda":
         import triton
 
-        target = {"triton": triton.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(dev),
-                  "capability": torch.cuda.get_device_capability(dev)}
+        where = {"triton": triton.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(dev),
+                 "capability": torch.cuda.get_device_capability(dev)}
     else:
-        target = {"cpu": platform.machine(), "compiler": platform.python_compiler()}
+        where = {"cpu": platform.machine(), "compiler": platform.python_compiler()}
     facts = {
-        "format": FORMAT, "module": module, "class": type(model).__name__,
+        "format": FORMAT, "target": [target.module, target.height, target.width], "class": type(model).__name__,
         "config": {k: v for k, v in dict(model.config).items() if not k.startswith("_")},
-        "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in model.state_dict().items()],
-        "torch": torch.__version__, "rows": MAX_ROWS, "latent": LATENT_RANGE, "options": INDUCTOR_OPTIONS,
-        **target,
+        "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in model.state_dict().items()
+                   if not n.endswith(("to_qkv.weight", "to_kv.weight"))],  # made by fuse_projections
+        "torch": torch.__version__, "rows": MAX_ROWS, "options": INDUCTOR_OPTIONS, "recipe": RECIPE, **where,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def artifact_path(module: str, model: torch.nn.Module, root: Path | None = None) -> Path:
-    return (root or cache_root() / "compiled") / f"{module}-{artifact_key(module, model)}.pt2"
+def artifact_path(target: Target, model: torch.nn.Module, root: Path | None = None) -> Path:
+    return (root or cache_root() / "compiled") / f"{target.module}-{target.width}x{target.height}-" \
+                                                 f"{artifact_key(target, model)}.pt2"
 
 
-def build(module: str, models: Any, path: Path) -> float:
-    """Exports and compiles `module` ("unet" or "controlnet") of `models` to `path`; returns seconds.
-    Minutes of work: `bcg capture --warm` does it, a render never does."""
-    from torch._inductor import aoti_compile_and_package
+def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
+    """Exports and compiles `model` (a UNet or ControlNet: its values do not matter) for `target` to
+    `path`, then loads it once in this process; returns seconds per stage. Minutes of work: a child
+    process does it (engine/builds.py), never a render."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
 
-    unet = models.unet
-    wrapper = UNetCall(unet) if module == "unet" else ControlNetCall(models.controlnet)
-    text_dim = unet.config.cross_attention_dim
-    pooled_dim = models.text_encoders[1].config.projection_dim
-    args = example_inputs(module, unet, 2, 128, 128, models.dtype, models.device, text_dim, pooled_dim)
+    fuse_projections(model, processor=True)
+    model.to(memory_format=torch.channels_last)
+    wrapper = UNetCall(model) if target.module == "unet" else ControlNetCall(model)
+    args = example_inputs(target.module, model, 2, target.height // 8, target.width // 8)
     t0 = time.perf_counter()
     with torch.no_grad():
-        exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(module, unet), strict=False)
+        exported = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(args), strict=False)
+    t1 = time.perf_counter()
     # the archive's root folder is named after the file: build under the final name in a private
-    # folder, then move it into place (atomic: a killed compile leaves no half artifact behind)
+    # folder, load it there, then move it into place (atomic: a killed or crashing build leaves nothing)
     tmp = path.parent / f".build-{os.getpid()}" / path.name
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
         aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=dict(INDUCTOR_OPTIONS))
+        t2 = time.perf_counter()
+        aoti_load_package(str(tmp), run_single_threaded=True).get_constant_fqns()
+        t3 = time.perf_counter()
         os.replace(tmp, path)
+        path.with_suffix(".ok").write_text("loaded\n")
     finally:
         tmp.unlink(missing_ok=True)
         tmp.parent.rmdir()
-    return time.perf_counter() - t0
+    return {"export_s": round(t1 - t0, 1), "compile_s": round(t2 - t1, 1), "load_s": round(t3 - t2, 2),
+            "mb": round(path.stat().st_size / 2**20, 1)}
 
 
-def load(module: str, models: Any, path: Path) -> Callable:
-    """The compiled call, its constants bound to the eager module's own parameter tensors."""
+def module_of(models: Any, module: str) -> torch.nn.Module:
+    return models.unet if module == "unet" else models.controlnet
+
+
+def load(target: Target, models: Any, path: Path) -> Callable:
+    """The compiled call, its constants bound to the rendering modules' own tensors (the fused attention
+    weights, the channels_last convolution copies, every other parameter as it is)."""
     from torch._inductor import aoti_load_package
 
-    model, prefix = _module(models, module), f"{module}."
+    model, prefix = module_of(models, target.module), f"{target.module}."
     # single-threaded: no thread synchronisation around each run, which would conflict with our CUDA
     # graph capture (torch's own advice for CUDA graphs; huggingface/flux-fast loads its packages so)
     compiled = aoti_load_package(str(path), run_single_threaded=True)
     tensors = {prefix + n: t for n, t in model.state_dict(keep_vars=True).items()}
+    tensors.update({prefix + n: t for n, t in channels_last_weights(models, model).items()})
     wanted = compiled.get_constant_fqns()
     missing = [n for n in wanted if n not in tensors]
     if missing:
@@ -212,9 +313,9 @@ def load(module: str, models: Any, path: Path) -> Callable:
 
 
 def loads_here(path: Path) -> bool:
-    """Whether the artifact loads on this machine, tried once in a child process (a broken or foreign
-    shared library can take the loading process down, which must never be a render); remembered in a
-    marker file next to it."""
+    """Whether the artifact loads on this machine. A build leaves a marker after loading it in its own
+    process; an artifact without one (copied in) is tried once in a child process (a broken or foreign
+    shared library can take the loading process down, which must never be a render)."""
     marker, bad = path.with_suffix(".ok"), path.with_suffix(".bad")
     for seen in (marker, bad):
         if seen.is_file() and seen.stat().st_mtime >= path.stat().st_mtime:
@@ -238,19 +339,68 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)[0].clone()
 
 
-class CompiledCalls(StepCalls):
-    """The step's module calls on compiled kernels (see StepCalls), for shapes inside the compiled ranges.
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
 
-    A shape without ControlNet feeds the UNet's residual inputs from one zero buffer (read-only views:
-    the compiled code never writes its inputs); without a ControlNet artifact the ControlNet runs as
-    the plain module inside the same graph."""
 
-    def __init__(self, models: Any, unet: Callable, controlnet: Callable | None):
-        self.models, self.residuals = models, Residuals.of(models.unet)
-        self._compiled_unet, self._compiled_cn = unet, controlnet
-        plain_cn = None if models.controlnet is None else partial(controlnet_call, models.controlnet)
-        super().__init__(self._unet, self._controlnet if controlnet is not None else plain_cn)
+class CompiledKernels(StepCalls):
+    """The step's module calls on compiled kernels, one artifact per module and size (see StepCalls).
+
+    Holds the artifacts loaded so far; `builds` (engine/builds.py) makes the missing ones in the
+    background, and `poll` (between batches) loads what they finished, so a size switches to its
+    compiled graph as soon as its kernels are ready. A shape without ControlNet feeds the UNet's residual
+    inputs from one zero buffer (read-only views: the compiled code never writes its inputs)."""
+
+    def __init__(self, models: Any, builds: Any = None, notes: list[str] | None = None, root: Path | None = None):
+        self.models, self.builds, self.root = models, builds, root
+        self.notes = notes if notes is not None else []
+        self.residuals = Residuals.of(models.unet)
+        self.calls: dict[Target, Callable] = {}
+        self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
+        self.waiting: list[Target] = []  # missing, handed to the builds at `start`
+        super().__init__(self._unet, self._controlnet)
         self.zeros = torch.zeros(0, dtype=models.dtype, device=models.device)
+        for module in MODULES:
+            if module_of(models, module) is not None:
+                fuse_projections(module_of(models, module))  # before any graph holds a pointer to to_q & co
+
+    def path(self, target: Target) -> Path:
+        return artifact_path(target, module_of(self.models, target.module), self.root)
+
+    def add(self, target: Target, path: Path) -> bool:
+        """Loads one artifact; False (and a note) if it cannot be used, and that size keeps its plain graph."""
+        try:
+            if not loads_here(path):
+                raise RuntimeError("it does not load on this machine")
+            self.calls[target] = load(target, self.models, path)
+            return True
+        except Exception as e:  # noqa: BLE001 - any broken artifact: plain graphs, and say why
+            self.notes.append(f"compiled kernels for {target.label} not used: {path.name}: {_first_line(e)}")
+            return False
+
+    def want(self, targets: Iterable[Target]) -> list[Target]:
+        """Loads what the cache has for `targets`; returns the ones it lacks (also kept for `start`)."""
+        for t in targets:
+            if t in self.calls or t in self.waiting:
+                continue
+            path = self.path(t)
+            if not (path.is_file() and self.add(t, path)):
+                self.waiting.append(t)
+        return list(self.waiting)
+
+    def start(self) -> None:
+        """Hands what is missing to the builds (in the background: never waits)."""
+        if self.builds is not None and self.waiting:
+            self.builds.want([(t, self.path(t), module_of(self.models, t.module)) for t in self.waiting])
+
+    def poll(self) -> None:
+        """Loads the artifacts the builds finished since the last call (a few ms when none did)."""
+        if self.builds is None:
+            return
+        for t, path, seconds in self.builds.poll():
+            if t in self.waiting and self.add(t, path):
+                self.waiting.remove(t)
+                self.built_s[t] = seconds
 
     def reserve(self, max_batch: int, max_pixels: int) -> None:
         """The zero residuals for the largest shape, allocated before any capture (graphs keep the pointer)."""
@@ -259,128 +409,36 @@ class CompiledCalls(StepCalls):
         if self.zeros.numel() < need:
             self.zeros = torch.zeros(need, dtype=self.models.dtype, device=self.models.device)
 
+    def ready(self, batch: int, height: int, width: int, control: bool) -> str | None:
+        """None if this shape can run on compiled kernels now, else why not."""
+        why = fits(batch, height, width)
+        if why:
+            return why
+        need = [Target("unet", height, width)] + ([Target("controlnet", height, width)] if control else [])
+        lacking = [t.label for t in need if t not in self.calls]
+        return f"no compiled kernels for {', '.join(lacking)} yet" if lacking else None
+
+    def describe(self) -> list[dict]:
+        return self.builds.describe() if self.builds is not None else []
+
+    def compile_s(self, height: int, width: int) -> float:
+        return self.built_s.get(Target("unet", height, width), 0.0)
+
     def _zero_residuals(self, rows: int, h: int, w: int):
-        def view(c: int, d: int) -> torch.Tensor:
-            return self.zeros[: rows * c * (h // d) * (w // d)].view(rows, c, h // d, w // d)
+        def view(c: int, d: int) -> torch.Tensor:  # channels_last views, as the artifact reads them
+            return self.zeros[: rows * c * (h // d) * (w // d)].view(rows, h // d, w // d, c).permute(0, 3, 1, 2)
         return view(*self.residuals.mid), tuple(view(c, d) for c, d in self.residuals.down)
 
     def _unet(self, latents, t, embeds, pooled, time_ids, mid, down):
+        rows, _, h, w = latents.shape
         if mid is None:
-            mid, down = self._zero_residuals(latents.shape[0], latents.shape[2], latents.shape[3])
-        return self._compiled_unet(latents, _scalar(t), embeds, pooled, time_ids, mid, tuple(down))
+            mid, down = self._zero_residuals(rows, h, w)
+        # the artifact reads its inputs with the strides it was compiled for: the compiled ControlNet's
+        # residuals are channels_last already (no copy); any other layout is made so
+        mid, down = _nhwc(mid), tuple(_nhwc(d) for d in down)
+        call = self.calls[Target("unet", 8 * h, 8 * w)]
+        return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down)
 
     def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):
-        return self._compiled_cn(latents, _scalar(t), embeds, pooled, time_ids, image, scale)
-
-    def fits(self, batch: int, height: int, width: int) -> str | None:
-        return fits(batch, height, width)
-
-
-@dataclass
-class CompileEvent:
-    module: str
-    state: str  # "compiling" | "done" | "failed"
-    elapsed_s: float
-    estimate_s: float
-    message: str = ""
-
-
-def missing(models: Any, root: Path | None = None) -> list[str]:
-    """The modules of `models` without a usable artifact in the cache."""
-    todo = []
-    for module in (m for m in MODULES if m == "unet" or models.controlnet is not None):
-        path = artifact_path(module, _module(models, module), root)
-        if path.is_file() and not loads_here(path):
-            path.unlink()  # corrupt or foreign: rebuilt
-            path.with_suffix(".bad").unlink(missing_ok=True)
-        if not path.is_file():
-            todo.append(module)
-    return todo
-
-
-def _module(models: Any, module: str) -> torch.nn.Module:
-    return models.unet if module == "unet" else models.controlnet
-
-
-def build_missing(models: Any, model_spec: str, controlnet_spec: str | None,
-                  on_event: Callable[[CompileEvent], None] | None = None, root: Path | None = None) -> list[str]:
-    """Builds every missing artifact, one child process per module, in parallel; returns failure notes.
-    Children load the weights themselves (their compile holds memory the parent's render would want)."""
-    from storyboard_cli.engine.build import dtype_flag
-
-    on_event = on_event or (lambda e: None)
-    dtype = dtype_flag(models.dtype)
-    todo = missing(models, root)
-    procs = {}
-    for module in todo:
-        path = artifact_path(module, _module(models, module), root)
-        cmd = [sys.executable, "-m", "storyboard_cli.engine.compiled", module, model_spec, controlnet_spec or "-",
-               dtype, str(path)]
-        procs[module] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), path)
-    t0, notes = time.perf_counter(), []
-    while procs:
-        for module, (proc, path) in list(procs.items()):
-            elapsed = time.perf_counter() - t0
-            if proc.poll() is None:
-                on_event(CompileEvent(module, "compiling", elapsed, ESTIMATE_S[module]))
-                continue
-            del procs[module]
-            out, err = proc.communicate()
-            if proc.returncode == 0 and path.is_file() and loads_here(path):
-                on_event(CompileEvent(module, "done", elapsed, ESTIMATE_S[module]))
-            else:
-                last = (err.strip().splitlines() or [f"exit {proc.returncode}"])[-1][:200]
-                notes.append(f"compiling the {module} failed: {last}")
-                on_event(CompileEvent(module, "failed", elapsed, ESTIMATE_S[module], last))
-        time.sleep(0.5)
-    return notes
-
-
-def load_calls(models: Any, root: Path | None = None) -> tuple[CompiledCalls | None, list[str]]:
-    """CompiledCalls from the cache, or None with the reason. Never raises: a missing, stale (other key),
-    corrupt or foreign artifact means the plain graphs."""
-    loaded = {}
-    for module in (m for m in MODULES if m == "unet" or models.controlnet is not None):
-        p = artifact_path(module, _module(models, module), root)
-        if not p.is_file():
-            if module == "unet":
-                return None, ["no compiled kernels for this model, GPU and torch in the cache"]
-            continue
-        try:
-            if not loads_here(p):
-                raise RuntimeError("it does not load on this machine")
-            loaded[module] = load(module, models, p)
-        except Exception as e:  # noqa: BLE001 - any broken artifact: plain graphs, and say why
-            if module == "unet":
-                return None, [f"compiled kernels not used: {p.name}: {str(e).splitlines()[0][:200]}"]
-    return CompiledCalls(models, loaded["unet"], loaded.get("controlnet")), []
-
-
-# Measured on one H200 (docs/PERFORMANCE.md, "Compiled kernels"): cold compile seconds per module when
-# the two build side by side, as `capture --warm` builds them (alone: 365 and 209 s), for the progress
-# estimate and the advice below.
-ESTIMATE_S = {"unet": 380.0, "controlnet": 270.0}
-
-
-def advice() -> str:
-    """What `--compile auto` says when the cache has no kernels: the compile's measured cost. (Their
-    speed-up on a job is not measured yet, so it is not promised; docs/PERFORMANCE.md.)"""
-    unet, controlnet = ESTIMATE_S["unet"] / 60, ESTIMATE_S["controlnet"] / 60
-    return (f"compiled kernels are not in the cache: `bcg capture JOB --warm` compiles them once (on an H200 "
-            f"{unet:.0f} minutes for the UNet, {controlnet:.1f} for a ControlNet, side by side) and later "
-            f"renders load them")
-
-
-def _main(argv: list[str]) -> None:
-    """Child process of build_missing: MODULE MODEL CONTROLNET DTYPE PATH."""
-    from storyboard_cli.engine.build import resolve_device
-    from storyboard_cli.models.loader import load_sdxl
-
-    module, model_spec, controlnet_spec, dtype, path = argv
-    device, dt = resolve_device("cuda" if torch.cuda.is_available() else "cpu", dtype)
-    models = load_sdxl(model_spec, None if controlnet_spec == "-" else controlnet_spec, device, dt)
-    build(module, models, Path(path))
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])
+        call = self.calls[Target("controlnet", 8 * latents.shape[2], 8 * latents.shape[3])]
+        return call(latents, _scalar(t), embeds, pooled, time_ids, image, scale)

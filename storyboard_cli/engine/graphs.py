@@ -1,16 +1,19 @@
 """GraphRunner: the whole denoising step (CFG doubling, ControlNet, UNet, guidance, sampler update)
 captured as one CUDA graph per shape, replayed once per step. The only file that touches CUDA graphs.
 
-- Static input buffers are allocated once, at the largest batch and latent size the job needs, and
-  sliced per shape (`self.x[: n].view(...)`); every value that changes between steps or batches
-  (latents, sigma/timestep and sampler coefficients, embeds, time ids, guidance, control image and
-  scale) lives in them. Nothing that varies is baked into a graph.
+- Static input buffers (`Buffers`) are allocated once, at the largest batch and latent size the job
+  needs, and sliced per shape; every value that changes between steps or batches (latents,
+  sigma/timestep and sampler coefficients, embeds, time ids, guidance, control image and scale)
+  lives in them. Nothing that varies is baked into a graph.
 - The step index is a device tensor the graph itself increments, and the sampler's coefficients are
   a device table the graph indexes, so a 30-step loop is 30 replays and nothing else (plus one
   noise copy per step for ancestral samplers). No host sync inside the loop.
 - Graphs are captured lazily (or ahead, by `prepare`), largest first, into ONE shared memory pool,
   after a warm-up on a side stream. The first replay of each is checked against the eager step on
-  the same inputs; a capture failure or a mismatch marks that shape eager, with the reason.
+  the same inputs; a capture failure or a mismatch marks that shape eager (a compiled shape: plain),
+  with the reason.
+- Compiled kernels (engine/compiled.py) are looked at between batches: a size whose kernels became
+  ready since the last batch gets a compiled graph from its next batch on.
 - A shape larger than the buffers grows them (`ensure_capacity`); that drops the graphs captured so
   far, which are captured again on use.
 """
@@ -21,16 +24,20 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from storyboard_cli.conditioning import Cond, Control
 from storyboard_cli.engine.base import Shape, shape_label
-from storyboard_cli.engine.build import dtype_name
-from storyboard_cli.engine.eager import EagerEngine, StepCalls, sample_step
+from storyboard_cli.engine.device import dtype_name
+from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.samplers import MAX_STEPS
 from storyboard_cli.sampling import Schedule
+
+if TYPE_CHECKING:
+    from storyboard_cli.engine.compiled import CompiledKernels
 
 log = logging.getLogger(__name__)
 CHECK_RTOL = 2e-2  # relative L2 error allowed between replay and eager (fp16 kernels may differ in order)
@@ -48,6 +55,10 @@ class ShapeKey:
     variant: str = "plain"  # "plain": the eager modules captured; "compiled": compiled kernels captured
 
     @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.height, self.width, self.control)
+
+    @property
     def label(self) -> str:
         variant = "" if self.variant == "plain" else f" {self.variant}"
         return f"{shape_label(self.batch, self.width, self.height, self.control)} {self.dtype}{variant}"
@@ -56,11 +67,11 @@ class ShapeKey:
 @dataclass
 class GraphStats:
     key: ShapeKey
-    state: str = "pending"  # "graph" | "eager" | "released"
+    state: str = "pending"  # "graph" | "eager" | "plain" (a compiled shape fell back) | "released"
     reason: str = ""
     checked: bool = False  # the first replay matched the eager step
     capture_s: float = 0.0
-    compile_s: float = 0.0  # building compiled kernels for this shape (variant "compiled")
+    compile_s: float = 0.0  # the background build of this size's kernels, when this run made them
     pool_mb: float = 0.0
     replays: int = 0
     events: list = field(default_factory=list)  # (start, end, steps) CUDA events, read lazily
@@ -72,42 +83,11 @@ class GraphStats:
         return sum(ms for ms, _ in done) / steps if steps else 0.0
 
 
-class _Views:
-    """The static buffers sliced and shaped for one ShapeKey."""
+class Buffers:
+    """The step's static buffers, at the largest batch and size: graphs hold pointers into them."""
 
-    def __init__(self, r: GraphRunner, key: ShapeKey):
-        self.key = key
-        b, h, w = key.batch, key.height // 8, key.width // 8
-        n = b * 4 * h * w
-        self.x = r.x[:n].view(b, 4, h, w)
-        self.prev = r.prev[:n].view(b, 4, h, w)
-        self.noise = r.noise[:n].view(b, 4, h, w)
-        self.guidance = r.guidance[:b]
-        self.cond = Cond(r.embeds[: 2 * b], r.pooled[: 2 * b], r.time_ids[: 2 * b])
-        self.control = None
-        if key.control:
-            self.control = Control(r.control_image[: 2 * b * 3 * key.height * key.width]
-                                   .view(2 * b, 3, key.height, key.width), r.control_scale[: 2 * b])
-
-
-class GraphRunner:
-    name = "graph"
-
-    def __init__(self, models: SdxlModels, max_batch: int = 1, max_hw: tuple[int, int] = (64, 64),
-                 compiled: StepCalls | None = None):
-        """`compiled`: compiled module calls (engine/compiled.py CompiledCalls) for the shapes they fit;
-        those shapes get ShapeKey.variant "compiled", the rest (and any that fails its check) "plain"."""
-        self.models, self.compiled = models, compiled
-        self.demoted: set[tuple[int, int, int, bool]] = set()  # compiled shapes that fell back to plain
-        self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
-        self.pool = None  # one memory pool shared by every graph, made at the first capture
-        self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
-        self.stats: dict[ShapeKey, GraphStats] = {}
-        self._allocate(max_batch, max_hw[0] * max_hw[1])
-
-    def _allocate(self, max_batch: int, max_pixels: int) -> None:
-        """Static buffers at the largest batch and size; graphs hold pointers into them."""
-        m, dev = self.models, self.models.device
+    def __init__(self, models: SdxlModels, max_batch: int, max_pixels: int):
+        m, dev = models, models.device
         self.max_batch, self.max_pixels = max_batch, max_pixels
         b, rows = max_batch, 2 * max_batch
         latent = b * 4 * max_pixels // 64
@@ -125,13 +105,81 @@ class GraphRunner:
         has_control = m.controlnet is not None
         self.control_image = torch.zeros(rows * 3 * max_pixels if has_control else 0, device=dev, dtype=m.dtype)
         self.control_scale = torch.zeros(rows, 1, 1, 1, device=dev, dtype=m.dtype)
+
+    def fits(self, shape: Shape | ShapeKey) -> bool:
+        return shape.batch <= self.max_batch and shape.height * shape.width <= self.max_pixels
+
+    def view(self, key: ShapeKey) -> _Views:
+        return _Views(self, key)
+
+
+class _Views:
+    """The static buffers sliced and shaped for one ShapeKey."""
+
+    def __init__(self, r: Buffers, key: ShapeKey):
+        self.key = key
+        b, h, w = key.batch, key.height // 8, key.width // 8
+        n = b * 4 * h * w
+        self.x = r.x[:n].view(b, 4, h, w)
+        self.prev = r.prev[:n].view(b, 4, h, w)
+        self.noise = r.noise[:n].view(b, 4, h, w)
+        self.guidance = r.guidance[:b]
+        self.cond = Cond(r.embeds[: 2 * b], r.pooled[: 2 * b], r.time_ids[: 2 * b])
+        self.control = None
+        if key.control:
+            self.control = Control(r.control_image[: 2 * b * 3 * key.height * key.width]
+                                   .view(2 * b, 3, key.height, key.width), r.control_scale[: 2 * b])
+
+    def load(self, buf: Buffers, x: torch.Tensor, sched: Schedule, cond: Cond, control: Control | None,
+             guidance: torch.Tensor) -> None:
+        self.x.copy_(x)
+        self.prev.zero_()
+        self.noise.zero_()
+        buf.table[: sched.steps].copy_(sched.table, non_blocking=True)
+        buf.index.zero_()
+        self.cond.embeds.copy_(cond.embeds)
+        self.cond.pooled.copy_(cond.pooled)
+        self.cond.time_ids.copy_(cond.time_ids)
+        self.guidance.copy_(guidance)
+        if control is not None:
+            self.control.image.copy_(control.image)
+            self.control.scale.copy_(control.scale)
+
+
+class GraphRunner:
+    name = "graph"
+
+    def __init__(self, models: SdxlModels, max_batch: int = 1, max_hw: tuple[int, int] = (64, 64),
+                 compiled: CompiledKernels | None = None):
+        """`compiled`: compiled module calls (engine/compiled.py) for the shapes whose kernels are ready;
+        those shapes get ShapeKey.variant "compiled", the rest (and any that fails its check) "plain"."""
+        self.models, self.compiled = models, compiled
+        self.demoted: set[Shape] = set()  # compiled shapes that fell back to plain
+        self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
+        self.pool = None  # one memory pool shared by every graph, made at the first capture
+        self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
+        self.stats: dict[ShapeKey, GraphStats] = {}
+        # the seam a test (or another capture backend) replaces: ShapeKey -> captured graph, or raises
+        self.capturer: Callable[[ShapeKey], object] = self._capture
+        self._allocate(max_batch, max_hw[0] * max_hw[1])
+
+    def _allocate(self, max_batch: int, max_pixels: int) -> None:
+        self.buf = Buffers(self.models, max_batch, max_pixels)
         if self.compiled is not None:
             self.compiled.reserve(max_batch, max_pixels)
+
+    @property
+    def max_batch(self) -> int:
+        return self.buf.max_batch
+
+    @property
+    def max_pixels(self) -> int:
+        return self.buf.max_pixels
 
     def ensure_capacity(self, shapes: list[Shape]) -> None:
         """Grows the static buffers to fit every shape. Graphs hold pointers into the old buffers, so
         growing drops every graph captured so far (and the pool): they are captured again on use."""
-        if all(self._fits(s) for s in shapes):
+        if all(self.buf.fits(s) for s in shapes):
             return
         if self.graphs:
             log.info("static buffers grow: %d captured graphs are dropped and captured again", len(self.graphs))
@@ -139,14 +187,11 @@ class GraphRunner:
         self._allocate(max([self.max_batch] + [s.batch for s in shapes]),
                        max([self.max_pixels] + [s.height * s.width for s in shapes]))
 
-    def _fits(self, shape: Shape | ShapeKey) -> bool:
-        return shape.batch <= self.max_batch and shape.height * shape.width <= self.max_pixels
-
     def shape_key(self, batch: int, height: int, width: int, control: bool) -> ShapeKey:
-        compiled = (self.compiled is not None and (batch, height, width, control) not in self.demoted
-                    and self.compiled.fits(batch, height, width) is None)
-        return ShapeKey(batch, height, width, control, dtype_name(self.models.dtype),
-                        "compiled" if compiled else "plain")
+        shape = Shape(batch, height, width, control)
+        compiled = (self.compiled is not None and shape not in self.demoted
+                    and self.compiled.ready(*shape) is None)
+        return ShapeKey(*shape, dtype_name(self.models.dtype), "compiled" if compiled else "plain")
 
     def can_run(self, shape: Shape) -> bool:
         """Whether `shape` replays a graph (it has not fallen back to eager)."""
@@ -156,35 +201,20 @@ class GraphRunner:
     # ------------------------------------------------------------------ the captured step
 
     def _step(self, v: _Views) -> None:
-        row = self.table.index_select(0, self.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
+        row = self.buf.table.index_select(0, self.buf.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
         calls = self.compiled if v.key.variant == "compiled" else None
         x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance,
                                        calls)
         v.x.copy_(x_next)
         v.prev.copy_(denoised)
-        self.index.add_(1)
-
-    def _load(self, v: _Views, x: torch.Tensor, sched: Schedule, cond: Cond, control: Control | None,
-              guidance: torch.Tensor) -> None:
-        v.x.copy_(x)
-        v.prev.zero_()
-        v.noise.zero_()
-        self.table[: sched.steps].copy_(sched.table, non_blocking=True)
-        self.index.zero_()
-        v.cond.embeds.copy_(cond.embeds)
-        v.cond.pooled.copy_(cond.pooled)
-        v.cond.time_ids.copy_(cond.time_ids)
-        v.guidance.copy_(guidance)
-        if control is not None:
-            v.control.image.copy_(control.image)
-            v.control.scale.copy_(control.scale)
+        self.buf.index.add_(1)
 
     def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
         if self.models.device.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        v = _Views(self, key)
+        v = self.buf.view(key)
         stats = self.stats.setdefault(key, GraphStats(key))
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too: measure the pool from there
@@ -194,10 +224,10 @@ class GraphRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy inits, autotuning, allocator state, outside the graph
             for _ in range(2):
-                self.index.zero_()
+                self.buf.index.zero_()
                 self._step(v)
         torch.cuda.current_stream().wait_stream(side)
-        self.index.zero_()
+        self.buf.index.zero_()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
@@ -208,35 +238,38 @@ class GraphRunner:
         torch.cuda.synchronize()
         stats.capture_s = time.perf_counter() - t0
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
-        stats.state = "graph"
         return graph
 
-    def _mark_eager(self, key: ShapeKey, reason: str) -> None:
+    def _fall_back(self, key: ShapeKey, reason: str) -> None:
         """A plain shape runs eager from now on; a compiled one falls back to the plain graph."""
         stats = self.stats.setdefault(key, GraphStats(key))
         stats.state, stats.reason = ("plain" if key.variant == "compiled" else "eager"), reason
         self.graphs.pop(key, None)
         if key.variant == "compiled":
-            self.demoted.add((key.batch, key.height, key.width, key.control))
+            self.demoted.add(key.shape)
         log.warning("graph %s falls back to %s: %s", key.label, stats.state, reason)
 
     def graph(self, key: ShapeKey) -> torch.cuda.CUDAGraph | None:
-        """The graph for `key`, captured on first use; None if this shape runs eager."""
+        """The graph for `key`, captured on first use; None if this shape has fallen back."""
         if key in self.graphs:
             return self.graphs[key]
-        if self.stats.get(key) and self.stats[key].state == "eager":
+        if self.stats.get(key) and self.stats[key].state in ("eager", "plain"):
             return None
-        self.ensure_capacity([key])
+        self.ensure_capacity([key.shape])
         try:
-            self.graphs[key] = self._capture(key)
+            self.graphs[key] = self.capturer(key)
         except torch.cuda.OutOfMemoryError:
             # not this shape's fault: the caller releases memory and splits the batch (render's OOM policy)
             self.stats.setdefault(key, GraphStats(key)).reason = "out of memory at capture"
             raise
-        except Exception as e:  # noqa: BLE001 - any capture failure: run this shape eager, keep going
+        except Exception as e:  # noqa: BLE001 - any capture failure: fall back for this shape, keep going
             self._settle()
-            self._mark_eager(key, f"capture failed: {e.__class__.__name__}: {str(e).splitlines()[0][:200]}")
+            self._fall_back(key, f"capture failed: {e.__class__.__name__}: {str(e).splitlines()[0][:200]}")
             return None
+        stats = self.stats.setdefault(key, GraphStats(key))
+        stats.state = "graph"
+        if key.variant == "compiled":
+            stats.compile_s = self.compiled.compile_s(key.height, key.width)
         return self.graphs[key]
 
     def _settle(self) -> None:
@@ -245,10 +278,15 @@ class GraphRunner:
             torch.cuda.empty_cache()
 
     def prepare(self, shapes: list[Shape]) -> None:
-        """Sizes the buffers, then captures ahead of time, largest first, so smaller graphs reuse the pool's
-        blocks. Out of memory stops it: the shapes left are captured on first use (and their batches
-        split if they must be)."""
+        """Sizes the buffers, loads the compiled kernels the cache has for these shapes, then captures ahead
+        of time, largest first, so smaller graphs reuse the pool's blocks; last, the kernels the cache
+        lacks start compiling in the background. Out of memory stops the captures: the shapes left are
+        captured on first use (and their batches split if they must be)."""
         self.ensure_capacity(shapes)
+        if self.compiled is not None:
+            from storyboard_cli.engine.compiled import targets
+
+            self.compiled.want(targets(shapes, self.models.controlnet is not None))
         keys = {self.shape_key(*s) for s in shapes}
         for key in sorted(keys, key=lambda k: (k.batch * k.height * k.width, k.control), reverse=True):
             try:
@@ -257,6 +295,8 @@ class GraphRunner:
                 log.warning("out of memory capturing %s ahead of time; the rest is captured on use", key.label)
                 break
         self._settle()  # outside the handler: the failed capture's memory is free by now
+        if self.compiled is not None:
+            self.compiled.start()
 
     def release(self, reason: str = "freed after an out-of-memory") -> None:
         """Frees every graph and the shared pool; shapes are captured (and checked) again on use."""
@@ -270,10 +310,11 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ running
 
-    def _check(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: _Views, x: torch.Tensor, sched: Schedule,
+    def _check(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, x: torch.Tensor, sched: Schedule,
                cond: Cond, control: Control | None, guidance: torch.Tensor) -> bool:
         """First replay vs the eager step on the same inputs (then the buffers are reloaded by the caller)."""
-        self._load(v, x, sched, cond, control, guidance)
+        v = self.buf.view(key)
+        v.load(self.buf, x, sched, cond, control, guidance)
         graph.replay()
         replayed = v.x.clone()  # clone: the next replay overwrites the static buffer
         row = sched.table[0].to(x.device)
@@ -281,34 +322,38 @@ class GraphRunner:
                                 guidance)
         finite = torch.isfinite(expect)
         if not torch.equal(finite, torch.isfinite(replayed)):
-            self._mark_eager(key, "replay check failed: NaN/inf pattern differs from eager")
+            self._fall_back(key, "replay check failed: NaN/inf pattern differs from eager")
             return False
         diff = torch.linalg.vector_norm((replayed - expect)[finite])
         scale = torch.linalg.vector_norm(expect[finite]).clamp_min(1e-6)
         err = (diff / scale).item()
         if err > CHECK_RTOL:
-            self._mark_eager(key, f"replay check failed: relative error {err:.2e} > {CHECK_RTOL:.0e}")
+            self._fall_back(key, f"replay check failed: relative error {err:.2e} > {CHECK_RTOL:.0e}")
             return False
         self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}"
         return True
+
+    def _checked_graph(self, key: ShapeKey, *inputs) -> torch.cuda.CUDAGraph | None:
+        """The graph for `key`, captured and checked; None when the shape has fallen back (why: stats)."""
+        graph = self.graph(key)
+        if graph is not None and not self.stats[key].checked and not self._check(key, graph, *inputs):
+            return None
+        return graph
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
                control: Control | None, guidance: torch.Tensor) -> torch.Tensor:
         """Same contract as EagerEngine.sample: initial latents [B, 4, h, w] -> final latents."""
+        if self.compiled is not None:
+            self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
         key = self.shape_key(b, 8 * h, 8 * w, control is not None)
-        graph = self.graph(key)
-        stats = self.stats[key]
-        if graph is not None and not stats.checked:
-            if not self._check(key, graph, _Views(self, key), x, sched, cond, control, guidance):
-                graph = None
-        if graph is None:
-            if key.variant == "compiled":  # fell back: the plain graph for this shape
-                return self.sample(x, sched, noise, cond, control, guidance)
-            return self.eager.sample(x, sched, noise, cond, control, guidance)
-        v = _Views(self, key)
-        self._load(v, x, sched, cond, control, guidance)
+        graph = self._checked_graph(key, x, sched, cond, control, guidance)
+        if graph is None:  # a compiled shape falls back to its plain graph, a plain one to eager
+            fallback = self.sample if key.variant == "compiled" else self.eager.sample
+            return fallback(x, sched, noise, cond, control, guidance)
+        v = self.buf.view(key)
+        v.load(self.buf, x, sched, cond, control, guidance)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for i in range(sched.steps):
@@ -316,11 +361,14 @@ class GraphRunner:
                 v.noise.copy_(noise[i])
             graph.replay()
         end.record()
+        stats = self.stats[key]
         stats.replays += sched.steps
         stats.events.append((start, end, sched.steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
 
     def describe(self) -> list[dict]:
-        return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
-                 "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays, "replay_ms": round(s.replay_ms, 3)}
+        rows = [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
+                 "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
+                 "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
+        return rows + (self.compiled.describe() if self.compiled is not None else [])

@@ -7,9 +7,9 @@ import json
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +33,22 @@ class SdxlModels:
     device: torch.device
     dtype: torch.dtype  # UNet / ControlNet / text encoders
     controlnet_name: str | None = None
+    # copies of weights in another layout that other kernels read (compiled convolutions: channels_last),
+    # id(parameter) -> (parameter, copy); `written` keeps them equal to the parameter
+    copies: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def copy_of(self, param: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The registered copy of `param` (made by `make` the first time)."""
+        if id(param) not in self.copies:
+            self.copies[id(param)] = (param, make(param.detach()))
+        return self.copies[id(param)][1]
+
+    def written(self, param: Any) -> None:
+        """After an in-place write to `param` (a LoRA swap): its copies follow, in place (their pointers,
+        which compiled kernels hold, do not change)."""
+        entry = self.copies.get(id(param))
+        if entry is not None:
+            entry[1].copy_(param.detach())
 
     @property
     def vae_dtype(self) -> torch.dtype:

@@ -542,6 +542,7 @@ class LoraApplier:
             for target in self._dirty - terms.keys():
                 t = self._targets[target]
                 t.param.data.copy_(t.w0, non_blocking=True)  # bit-exact: W0 has the parameter's dtype
+                self.models.written(t.param)
             for target, layer_terms in terms.items():
                 self._write(self._targets[target], layer_terms)
         if self.models.device.type == "cuda":
@@ -565,6 +566,7 @@ class LoraApplier:
         w0 = target.w0.to(dev, torch.float32, non_blocking=True).flatten(1)
         w = torch.addmm(w0, up, down)  # W0 + sum(scale * alpha/r * up @ down)
         param.data.copy_(w.view(param.shape))  # cast once; same storage: graphs and kernels stay valid
+        self.models.written(param)  # and the copies compiled kernels read (channels_last convolutions)
 
     def restore(self) -> float:
         """Back to W0 everywhere (the empty set)."""

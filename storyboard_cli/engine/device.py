@@ -1,0 +1,44 @@
+"""The device and the dtype: `--device` / `--dtype` resolved, and the names reports give them.
+
+Imports nothing of the engine: every engine module (and the compile children) may import it."""
+
+from __future__ import annotations
+
+import torch
+
+from storyboard_cli.errors import BadInput
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """`--device` / `--dtype` -> torch's; None: cuda when available, fp16 there and fp32 on the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise BadInput(f"--device: unknown device {device!r} (use cpu or cuda)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput("--device cuda: no CUDA device is available here (use --device cpu)")
+    if dtype is None:
+        dtype = "fp32" if device == "cpu" else "fp16"
+    if dtype not in DTYPES:
+        raise BadInput(f"--dtype: unknown dtype {dtype!r} (use fp16, bf16 or fp32)")
+    if device == "cpu" and dtype == "fp16":
+        raise BadInput("--dtype fp16 is not supported on the CPU (use fp32 or bf16)")
+    return torch.device(device), DTYPES[dtype]
+
+
+def device_name(device: torch.device) -> str:
+    """The device as reports and bench records name it: `cpu`, or `cuda (<GPU model>)`."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_flag(dtype: torch.dtype) -> str:
+    """The dtype as `--dtype` spells it (fp16, bf16, fp32): the inverse of DTYPES."""
+    return next(flag for flag, dt in DTYPES.items() if dt == dtype)
