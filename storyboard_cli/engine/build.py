@@ -42,9 +42,7 @@ def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, note
     builds = Builds(models.device, on_event, retry_failed=compile == "on", notes=notes)
     kernels = CompiledKernels(models, builds, notes)
     if compile == "on" and kernels.want(targets(shapes, models.controlnet is not None)):
-        kernels.start()
-        builds.wait()
-        kernels.poll()
+        kernels.wait()
     return kernels
 
 

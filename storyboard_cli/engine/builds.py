@@ -195,13 +195,6 @@ class Builds:
             self.notes.append(f"compiling {b.target.label} failed: {message}")
         self.on_event(CompileEvent(b.target.label, state, elapsed, ESTIMATE_S[b.target.module], message))
 
-    def describe(self) -> list[dict]:
-        """A row per build not finished, as the report lists graphs: what the next render will use."""
-        return [{"shape": b.target.label, "state": "compiling" if b.state != "queued" else "queued",
-                 "reason": "compiled kernels being built in the background; the next render uses them",
-                 "capture_s": 0.0, "compile_s": round(time.perf_counter() - b.started, 1), "pool_mb": 0.0,
-                 "replays": 0, "replay_ms": 0.0} for b in self.active]
-
 
 def _bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -42,6 +42,7 @@ import torch
 
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.eager import StepCalls, controlnet_call, unet_call
+from storyboard_cli.errors import one_line
 from storyboard_cli.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
@@ -339,10 +340,6 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1)[0].clone()
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [e.__class__.__name__])[0][:200]
-
-
 class CompiledKernels(StepCalls):
     """The step's module calls on compiled kernels, one artifact per module and size (see StepCalls).
 
@@ -375,7 +372,7 @@ class CompiledKernels(StepCalls):
             self.calls[target] = load(target, self.models, path)
             return True
         except Exception as e:  # noqa: BLE001 - any broken artifact: plain graphs, and say why
-            self.notes.append(f"compiled kernels for {target.label} not used: {path.name}: {_first_line(e)}")
+            self.notes.append(f"compiled kernels for {target.label} not used: {path.name}: {one_line(e, 200)}")
             return False
 
     def want(self, targets: Iterable[Target]) -> list[Target]:
@@ -390,17 +387,30 @@ class CompiledKernels(StepCalls):
 
     def start(self) -> None:
         """Hands what is missing to the builds (in the background: never waits)."""
-        if self.builds is not None and self.waiting:
-            self.builds.want([(t, self.path(t), module_of(self.models, t.module)) for t in self.waiting])
+        todo = [t for t in self.waiting if self.builds is not None and t not in self.builds.builds]
+        if todo:
+            self.builds.want([(t, self.path(t), module_of(self.models, t.module)) for t in todo])
+            self.notes.append(f"compiling kernels for {', '.join(t.label for t in todo)} in the background; "
+                              f"their shapes switch to them as they finish (a build still running at the end "
+                              f"goes on, for the next render)")
 
     def poll(self) -> None:
         """Loads the artifacts the builds finished since the last call (a few ms when none did)."""
-        if self.builds is None:
-            return
-        for t, path, seconds in self.builds.poll():
+        if self.builds is not None:
+            self._take(self.builds.poll())
+
+    def wait(self) -> None:
+        """Starts what is missing and loads it when built, side by side (`--compile on`, `capture --warm`)."""
+        self.start()
+        if self.builds is not None:
+            self._take(self.builds.wait())
+
+    def _take(self, ready: list[tuple[Target, Path, float]]) -> None:
+        for t, path, seconds in ready:
             if t in self.waiting and self.add(t, path):
                 self.waiting.remove(t)
                 self.built_s[t] = seconds
+                self.notes.append(f"compiled kernels for {t.label} ready after {seconds:.0f} s")
 
     def reserve(self, max_batch: int, max_pixels: int) -> None:
         """The zero residuals for the largest shape, allocated before any capture (graphs keep the pointer)."""
@@ -417,9 +427,6 @@ class CompiledKernels(StepCalls):
         need = [Target("unet", height, width)] + ([Target("controlnet", height, width)] if control else [])
         lacking = [t.label for t in need if t not in self.calls]
         return f"no compiled kernels for {', '.join(lacking)} yet" if lacking else None
-
-    def describe(self) -> list[dict]:
-        return self.builds.describe() if self.builds is not None else []
 
     def compile_s(self, height: int, width: int) -> float:
         return self.built_s.get(Target("unet", height, width), 0.0)

@@ -32,6 +32,7 @@ from storyboard_cli.conditioning import Cond, Control
 from storyboard_cli.engine.base import Shape, shape_label
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
+from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.samplers import MAX_STEPS
 from storyboard_cli.sampling import Schedule
@@ -264,7 +265,7 @@ class GraphRunner:
             raise
         except Exception as e:  # noqa: BLE001 - any capture failure: fall back for this shape, keep going
             self._settle()
-            self._fall_back(key, f"capture failed: {e.__class__.__name__}: {str(e).splitlines()[0][:200]}")
+            self._fall_back(key, f"capture failed: {one_line(e, 200)}")
             return None
         stats = self.stats.setdefault(key, GraphStats(key))
         stats.state = "graph"
@@ -367,8 +368,7 @@ class GraphRunner:
         return v.x.clone()  # clone: the next batch overwrites the static buffer
 
     def describe(self) -> list[dict]:
-        rows = [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
+        return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
                  "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
-        return rows + (self.compiled.describe() if self.compiled is not None else [])
