@@ -76,7 +76,7 @@ def _domain_errors():
 def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
     from storyboard_cli.job import load_job
-    from storyboard_cli.plan import bucket_table, lora_set_label, lora_swaps, lora_table, make_batches, work_items
+    from storyboard_cli.plan import bucket_table, lora_swaps, lora_table, make_batches, work_items
     from storyboard_cli.preflight import check_destination, check_model_path
     from storyboard_cli.prompts import long_prompts
 
@@ -99,7 +99,7 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
                  "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
                  "waste": round(r.waste, 4), "row_steps": r.row_steps} for r in rows],
             "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash} for n, f in j.loras.items()},
-            "lora_sets": [{"set": lora_set_label(r.loras), "images": r.images, "batches": r.batches} for r in sets],
+            "lora_sets": [{"set": r.label, "images": r.images, "batches": r.batches} for r in sets],
             "lora_swaps": swaps, "prompt_warnings": [str(w) for w in warnings]}))
         return
     for w in warnings:
@@ -120,8 +120,8 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     out.print(table)
     out.print(f"output: {j.output_dir}   buckets: {list(j.buckets)}   (UNet rows count CFG: 2 per image)")
     if j.loras:
-        out.print("LoRA sets, in render order: " + ", ".join(f"{lora_set_label(r.loras)} ({r.images} images)"
-                                                            for r in sets) + f"; {swaps} swaps")
+        out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({r.images} images)" for r in sets)
+                  + f"; {swaps} swaps")
 
 
 def _count(values) -> dict[int, int]:

@@ -19,7 +19,8 @@ from conftest import ROOT, write_job
 from storyboard_cli import dist
 from storyboard_cli.outputs import Manifest, read_fingerprint
 from storyboard_cli.plan import Batch, BucketKey, WorkItem
-from storyboard_cli.shards import SHARDS, merge_shards, shard_manifest
+from storyboard_cli.folder import SHARDS
+from storyboard_cli.shards import merge_shards, shard_manifest
 
 # What the workers run. Until `bcg render` calls dist.render, the same phases are reached through
 # dist.py's own entry point; then this becomes "storyboard_cli".
