@@ -17,6 +17,7 @@ from rich.text import Text
 
 from storyboard_cli import __version__
 from storyboard_cli.errors import Interrupted, StoryboardError, exit_code
+from storyboard_cli.folder import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out.")
@@ -134,7 +135,7 @@ def _count(values) -> dict[int, int]:
 @app.command()
 def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
            force: Annotated[bool, _flag("--force", "Render images again even if they exist (edited ones are "
-                                                   "moved to <out>/.replaced/ first).")] = False,
+                                                   f"moved to <out>/{REPLACED}/ first).")] = False,
            retry_failed: Annotated[bool, _flag("--retry-failed", "Render only the images the last run failed.")] = False,
            shot: Annotated[Optional[list[str]], typer.Option("--shot", help="Only this shot (an id or a glob "
                                                                            "like 'ep1_*'); repeatable.")] = None,
@@ -231,7 +232,7 @@ def pick(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.
         write_sheet(out_dir, j)
     for path in written:
         out.print(str(path))
-    err.print(f"{len(written)} selects in {Path(out_dir) / 'selects'}")
+    err.print(f"{len(written)} selects in {Path(out_dir) / SELECTS}")
 
 
 @app.command()
