@@ -19,7 +19,7 @@ from storyboard_cli.conditioning import (BoundedCache, Control, PromptCache, con
                                          guided_rows, read_control_image)
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.errors import ModelError
+from storyboard_cli.errors import ModelError, first_line
 from storyboard_cli.job import LoraFile
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
@@ -146,7 +146,7 @@ class BatchRunner:
                     self.control_image(it.control_image, it.width, it.height)
                 ok.append(it)
             except CONTROL_ERRORS as e:
-                why = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
+                why = first_line(e, 200) or e.__class__.__name__
                 failed.append(Decoded(it, None, f"control image {it.control_image} cannot be read: {why}"))
         return ok, failed
 

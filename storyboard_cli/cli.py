@@ -17,6 +17,7 @@ from rich.text import Text
 
 from storyboard_cli import __version__
 from storyboard_cli.errors import Interrupted, StoryboardError, exit_code
+from storyboard_cli.folder import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out.")
@@ -76,7 +77,7 @@ def _domain_errors():
 def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
     from storyboard_cli.job import load_job
-    from storyboard_cli.plan import bucket_table, lora_set_label, lora_swaps, lora_table, make_batches, work_items
+    from storyboard_cli.plan import bucket_table, lora_swaps, lora_table, make_batches, work_items
     from storyboard_cli.preflight import check_destination, check_model_path
     from storyboard_cli.prompts import long_prompts
 
@@ -99,7 +100,7 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
                  "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
                  "waste": round(r.waste, 4), "row_steps": r.row_steps} for r in rows],
             "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash} for n, f in j.loras.items()},
-            "lora_sets": [{"set": lora_set_label(r.loras), "images": r.images, "batches": r.batches} for r in sets],
+            "lora_sets": [{"set": r.label, "images": r.images, "batches": r.batches} for r in sets],
             "lora_swaps": swaps, "prompt_warnings": [str(w) for w in warnings]}))
         return
     for w in warnings:
@@ -120,8 +121,8 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     out.print(table)
     out.print(f"output: {j.output_dir}   buckets: {list(j.buckets)}   (UNet rows count CFG: 2 per image)")
     if j.loras:
-        out.print("LoRA sets, in render order: " + ", ".join(f"{lora_set_label(r.loras)} ({r.images} images)"
-                                                            for r in sets) + f"; {swaps} swaps")
+        out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({r.images} images)" for r in sets)
+                  + f"; {swaps} swaps")
 
 
 def _count(values) -> dict[int, int]:
@@ -134,7 +135,7 @@ def _count(values) -> dict[int, int]:
 @app.command()
 def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
            force: Annotated[bool, _flag("--force", "Render images again even if they exist (edited ones are "
-                                                   "moved to <out>/.replaced/ first).")] = False,
+                                                   f"moved to <out>/{REPLACED}/ first).")] = False,
            retry_failed: Annotated[bool, _flag("--retry-failed", "Render only the images the last run failed.")] = False,
            shot: Annotated[Optional[list[str]], typer.Option("--shot", help="Only this shot (an id or a glob "
                                                                            "like 'ep1_*'); repeatable.")] = None,
@@ -231,7 +232,7 @@ def pick(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.
         write_sheet(out_dir, j)
     for path in written:
         out.print(str(path))
-    err.print(f"{len(written)} selects in {Path(out_dir) / 'selects'}")
+    err.print(f"{len(written)} selects in {Path(out_dir) / SELECTS}")
 
 
 @app.command()

@@ -33,10 +33,11 @@ import torch.distributed as dist
 
 from storyboard_cli import render as rendering
 from storyboard_cli.batch import batch_shapes
-from storyboard_cli.errors import BadInput
+from storyboard_cli.errors import BadInput, Status
 from storyboard_cli.job import Job
 from storyboard_cli.outputs import Manifest, Pending
 from storyboard_cli.plan import Batch
+from storyboard_cli.report import Timings
 from storyboard_cli.shards import merge_shards, shard_manifest
 
 MODULE = "storyboard_cli"  # what a launched worker runs: python -m storyboard_cli render ...
@@ -44,7 +45,6 @@ TIMEOUT = timedelta(minutes=30)  # the process group's and the store's (rank 0 m
 STOP_WAIT_S = 3.0  # after a stop, how long rank 0 waits for the others' figures (a SIGTERM stops them at once)
 POLL_S = 0.02
 COUNTED = ("batch", "progress", "image", "failed")  # the events whose `done` counts outputs
-STATUS_ORDER = ("done", "failed", "interrupted")  # the merged status is the worst of the workers'
 
 
 @dataclass(frozen=True)
@@ -149,28 +149,19 @@ def merge_reports(reports: list[dict]) -> dict:
     idle_s = [end - r["arrived_s"] for r in reports]
     rendered = sum(r["images_rendered"] for r in reports)
     wall = first["wall_s"] + idle_s[0]  # rank 0 is the last to finish: it waited for the others
-    buckets: dict[str, dict] = {}
+    timings = Timings(stages={})
     for r in reports:
-        for b in r["buckets"]:
-            m = buckets.setdefault(b["bucket"], {"bucket": b["bucket"], "images": 0, "batches": 0, "rows": 0,
-                                                 "steps": 0, "denoise_s": 0.0})
-            for k in ("images", "batches", "rows", "steps", "denoise_s"):
-                m[k] += b[k]
-    for m in buckets.values():
-        m["denoise_s"] = round(m["denoise_s"], 4)
-        m["ms_per_step"] = round(1000 * m["denoise_s"] / m["steps"], 2) if m["steps"] else 0.0
+        timings.merge(Timings.from_report(r))
     workers = [{"rank": r["rank"], "host": r["host"], "device": r["device"], "images": r["images_rendered"],
                 "failed": r["images_failed"], "load_s": r["stages_s"]["load"], "capture_s": r["stages_s"]["capture"],
                 "busy_s": round(r["busy_s"], 3), "idle_s": round(idle, 3),
                 "images_per_s": round(r["images_rendered"] / r["busy_s"], 4) if r["busy_s"] else 0.0}
                for r, idle in zip(reports, idle_s)]
     render_s = max(w["capture_s"] + w["busy_s"] + w["idle_s"] for w in workers)  # weight loading excluded
-    statuses = [r["status"] for r in reports]
-    status = max(statuses, key=lambda s: STATUS_ORDER.index(s) if s in STATUS_ORDER else len(STATUS_ORDER))
     peaks = [r["peak_memory_mb"] for r in reports if r["peak_memory_mb"] is not None]
     return {
         **{k: v for k, v in first.items() if k not in ("rank", "host", "busy_s", "arrived_s")},
-        "status": status if status in STATUS_ORDER else "interrupted",
+        "status": Status.worst(r["status"] for r in reports),
         "wall_s": round(wall, 3),
         "images_rendered": rendered,
         "images_failed": sum(r["images_failed"] for r in reports),
@@ -179,8 +170,8 @@ def merge_reports(reports: list[dict]) -> dict:
         "render_images_per_s": round(rendered / render_s, 4) if render_s else 0.0,
         "steps_per_s": round(sum(r["steps_per_s"] for r in reports), 3),
         "peak_memory_mb": max(peaks) if peaks else None,
-        "stages_s": {k: round(sum(r["stages_s"].get(k, 0.0) for r in reports), 4) for k in first["stages_s"]},
-        "buckets": list(buckets.values()),
+        "stages_s": timings.stages_s(),
+        "buckets": timings.bucket_rows(),
         "failures": [f for r in reports for f in r["failures"]],
         "notes": list(dict.fromkeys(n for r in reports for n in r["notes"])),
         "workers": workers,
@@ -250,8 +241,7 @@ class DistSession(rendering.RenderSession):
         with its run id (the manifest lines and the set-aside folder name it); every worker then appends
         to a manifest shard of its own."""
         if self.w.leader:
-            merge_shards(self.out_dir)
-            pending, _ = super().find_pending()
+            pending, _ = super().find_pending()  # it merges the shards a dead run left
             self.store.set("pending", pickle.dumps((pending, self.run_id)))
         else:
             _wait(self.store, ["pending"])
@@ -281,13 +271,13 @@ class DistSession(rendering.RenderSession):
         if not self.w.leader:
             # rank 0 speaks for the job (the report, the exit code): a worker whose share is finished exits
             # 0, so that torchrun never stops rank 0 while it merges (a failed image is in the report)
-            return report | {"status": "done" if report["status"] == "failed" else report["status"]}, None
-        if report["status"] == "error":
+            return report | {"status": Status.DONE if report["status"] == Status.FAILED else report["status"]}, None
+        if report["status"] == Status.ERROR:
             return super().publish(report, keep_last)
-        seen = self._gather(stopped=report["status"] == "interrupted")
+        seen = self._gather(stopped=report["status"] == Status.INTERRUPTED)
         merged = merge_reports([json.loads(self.store.get(f"report/{r}")) for r in seen])
         if len(seen) < self.w.world:
-            merged["status"] = "interrupted"
+            merged["status"] = Status.INTERRUPTED
             merged["notes"].append(f"{self.w.world - len(seen)} of {self.w.world} workers sent no figures; "
                                    f"the next run merges their manifest lines")
         else:

@@ -1,6 +1,12 @@
-"""The domain errors and every exit code. Library code raises these; cli.py exits with the codes here."""
+"""The domain errors and every exit code, and the wording helpers their messages share. Library code
+raises these; cli.py exits with the codes here."""
 
 from __future__ import annotations
+
+import difflib
+import errno
+from pathlib import Path
+from typing import Iterable
 
 
 class StoryboardError(Exception):
@@ -52,12 +58,58 @@ class Interrupted(StoryboardError):
     exit_code = 128 + 2  # as a shell reports a process ended by SIGINT
 
 
-# A finished render's status -> the CLI's exit code ("error" never finishes: it raises).
-STATUS_EXIT_CODES = {"done": 0, "failed": 3, "interrupted": Interrupted.exit_code}
+class Status:
+    """A render's status, as its report and result carry it (plain strings: they go into JSON), and the
+    CLI's exit code for each. "error" never finishes a render: it raises."""
+
+    DONE, FAILED, INTERRUPTED, ERROR = "done", "failed", "interrupted", "error"
+    EXIT_CODES = {DONE: 0, FAILED: 3, INTERRUPTED: Interrupted.exit_code}
+    ORDER = (DONE, FAILED, INTERRUPTED)  # better to worse
+
+    @classmethod
+    def worst(cls, statuses: Iterable[str]) -> str:
+        """The status of a render made of several (the workers of a multi-GPU render): the worst of
+        theirs; a status that is none of ORDER (a worker's error) counts as interrupted."""
+        worst = max(statuses, key=lambda s: cls.ORDER.index(s) if s in cls.ORDER else len(cls.ORDER))
+        return worst if worst in cls.ORDER else cls.INTERRUPTED
 
 
 def exit_code(status: str, signum: int | None = None) -> int:
     """The exit code of a finished render: a render stopped by a signal exits 128 + that signal."""
-    if status == "interrupted" and signum:
+    if status == Status.INTERRUPTED and signum:
         return 128 + signum
-    return STATUS_EXIT_CODES[status]
+    return Status.EXIT_CODES[status]
+
+
+# ---------------------------------------------------------------- wording shared by the messages
+
+
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first line of an exception's text (cut to `limit` characters); "" when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else ""
+
+
+def one_line(e: BaseException, limit: int | None = None) -> str:
+    """An exception as one line: `OSError: its first line`, the class name alone when it has no text."""
+    text = first_line(e, limit)
+    return f"{e.__class__.__name__}: {text}" if text else e.__class__.__name__
+
+
+def did_you_mean(word: str, choices: Iterable[str], known: bool = False) -> str:
+    """"; did you mean 'seed'?" for the closest of `choices`, else "" (with `known`: the list of them)."""
+    choices = list(choices)
+    hint = difflib.get_close_matches(word, choices, n=1)
+    if hint:
+        return f"; did you mean '{hint[0]}'?"
+    return f"; known: {', '.join(choices)}" if known else ""
+
+
+def folder_error(path: Path, e: OSError) -> BadInput:
+    """An OSError about the output folder as the one line a person can act on."""
+    reason = e.strerror or str(e)
+    if e.errno == errno.ENOTDIR:
+        reason = "a part of this path is a file, not a folder"
+    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        reason = f"cannot write here ({reason})"
+    return BadInput(f"output folder {path}: {reason}")

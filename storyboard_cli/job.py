@@ -5,7 +5,6 @@ Every error names file:line, the shot id and the field, in one line (errors.JobE
 
 from __future__ import annotations
 
-import difflib
 import io
 import re
 import zlib
@@ -16,8 +15,9 @@ from typing import Any
 import yaml
 
 from storyboard_cli.digests import relative_to_job, remember_sha256
-from storyboard_cli.errors import JobError
-from storyboard_cli.models.lora import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
+from storyboard_cli.errors import JobError, StoryboardError, did_you_mean, one_line
+from storyboard_cli.folder import RESERVED, read_report
+from storyboard_cli.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 
 NAMED_SIZES = {
@@ -47,14 +47,12 @@ SHOT_DEFAULTS: dict[str, Any] = {
 SHOT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # always fullmatch: '$' lets a trailing newline in
 SAFE_NAME = SHOT_ID
 SAFE_NAME_RULE = "must be 1-64 letters, digits, '_', '-' or '.', starting with a letter or digit"
-# what bcg itself keeps in an output folder (report.py, outputs.py, sheet.py, picks.py): a shot's folder
-# must not take one of these names (compared case-folded: case-insensitive file systems)
-RESERVED_IDS = ("report.json", "report.md", "manifest.jsonl", "index.html", "selects", "thumbs", "picks.json",
-                "picks.yaml")
 
 
 @dataclass(frozen=True)
-class Control:
+class ShotControl:
+    """A shot's `control:` (the tensors a batch is conditioned on are conditioning.Control)."""
+
     image: Path  # absolute, resolved against the job file's folder
     scale: float
     file: str = ""  # the image as seen from the job file's folder: what the outputs record
@@ -84,7 +82,7 @@ class Shot:
     steps: int
     guidance: float
     sampler: str
-    control: Control | None
+    control: ShotControl | None
     line: int
     first_candidate: int = 0  # > 0 only for candidates added later (bcg render --reroll)
     loras: tuple[tuple[str, float], ...] = ()  # (name in Job.loras, scale), sorted by name, no zero scales
@@ -210,9 +208,7 @@ def _check_keys(ctx: _Ctx, mapping: _Located, allowed: tuple[str, ...], shot: st
         if key in allowed:
             continue
         line = mapping.lines.get(key, mapping.line)
-        hint = difflib.get_close_matches(str(key), allowed, n=1)
-        tip = f"; did you mean '{hint[0]}'?" if hint else f"; known: {', '.join(allowed)}"
-        raise ctx.fail(line, shot, f"{prefix}{key}", f"unknown key{tip}")
+        raise ctx.fail(line, shot, f"{prefix}{key}", f"unknown key{did_you_mean(str(key), allowed, known=True)}")
 
 
 def _type_name(value: Any) -> str:
@@ -256,9 +252,7 @@ def parse_size(text: Any) -> tuple[int, int]:
         return NAMED_SIZES[key]
     m = re.fullmatch(r"(\d+)\s*[x×]\s*(\d+)", key)
     if not m:
-        hint = difflib.get_close_matches(key, NAMED_SIZES, n=1)
-        tip = f"; did you mean '{hint[0]}'?" if hint else ""
-        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {text!r}{tip}")
+        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {text!r}{did_you_mean(key, NAMED_SIZES)}")
     width, height = int(m.group(1)), int(m.group(2))
     for side in (width, height):
         if side % 8:
@@ -286,9 +280,9 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     if not SHOT_ID.fullmatch(shot_id):
         label = shot_id if shot_id.isprintable() else f"#{index + 1}"  # the message stays one line
         raise ctx.fail(id_line, label, "id", f"{SAFE_NAME_RULE} (it names a folder), got {shot_id!r}")
-    if shot_id.lower() in RESERVED_IDS:
+    if shot_id.lower() in RESERVED:
         raise ctx.fail(id_line, label, "id", f"'{shot_id}' is a name bcg uses in the output folder "
-                       f"({', '.join(RESERVED_IDS)}); choose another")
+                       f"({', '.join(RESERVED)}); choose another")
     _check_keys(ctx, raw, SHOT_KEYS, shot_id)
 
     def get(field: str) -> tuple[Any, int | None]:
@@ -323,9 +317,8 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     sampler, line = get("sampler")
     sampler = _as_str(ctx, sampler, line, shot_id, "sampler", empty_ok=False)
     if sampler not in SAMPLERS:
-        hint = difflib.get_close_matches(sampler, SAMPLERS, n=1)
-        tip = f"; did you mean '{hint[0]}'?" if hint else ""
-        raise ctx.fail(line, shot_id, "sampler", f"unknown sampler {sampler!r} (known: {', '.join(SAMPLERS)}){tip}")
+        raise ctx.fail(line, shot_id, "sampler", f"unknown sampler {sampler!r} (known: {', '.join(SAMPLERS)})"
+                       f"{did_you_mean(sampler, SAMPLERS)}")
     control, line = get("control")
     if control is not None:
         control = _resolve_control(ctx, control, line, shot_id, job_dir, has_controlnet)
@@ -339,9 +332,8 @@ def _known_lora(ctx: _Ctx, name: Any, line: int | None, shot_id: str, field: str
     if not loras:
         raise ctx.fail(line, shot_id, field, f"unknown LoRA {name!r}: the job has no top-level 'loras:' "
                        f"(name: file.safetensors)")
-    hint = difflib.get_close_matches(str(name), loras, n=1)
-    tip = f"; did you mean '{hint[0]}'?" if hint else ""
-    raise ctx.fail(line, shot_id, field, f"unknown LoRA {name!r} (the job's loras: {', '.join(loras)}){tip}")
+    raise ctx.fail(line, shot_id, field, f"unknown LoRA {name!r} (the job's loras: {', '.join(loras)})"
+                   f"{did_you_mean(str(name), loras)}")
 
 
 def _shot_loras(ctx: _Ctx, prompt: str, prompt_line: int | None, raw: Any, line: int | None, shot_id: str,
@@ -403,7 +395,7 @@ def _resolve_loras(ctx: _Ctx, raw: Any, line: int | None, job_dir: Path, model: 
 
 
 def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_dir: Path,
-                     has_controlnet: bool) -> Control:
+                     has_controlnet: bool) -> ShotControl:
     if not isinstance(raw, _Located):
         raise ctx.fail(line, shot_id, "control", f"must be a mapping with 'image' and 'scale', got {_type_name(raw)}")
     _check_keys(ctx, raw, CONTROL_KEYS, shot_id, prefix="control.")
@@ -420,7 +412,7 @@ def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_di
         _check_image(ctx, path, image_line, shot_id)
         ctx.images_checked.add(path)
     scale = _as_float(ctx, raw.get("scale", 1.0), _line_of(raw, "scale", line), shot_id, "control.scale", 0.0, 2.0)
-    return Control(path, scale, relative_to_job(path, job_dir))
+    return ShotControl(path, scale, relative_to_job(path, job_dir))
 
 
 def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:
@@ -441,8 +433,7 @@ def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:
     except Image.DecompressionBombError as e:
         raise bad(f"too many pixels: {e}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, zlib.error) as e:
-        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise bad(f"{e.__class__.__name__}: {text}" if text else e.__class__.__name__) from None
+        raise bad(one_line(e)) from None
     remember_sha256(path, data)
 
 
@@ -526,6 +517,17 @@ def load_job(path: str | Path) -> Job:
         seen[folded] = _line_of(raw, "id") or 0
         shots.append(shot)
     return Job(path, name, model, controlnet, output_dir, buckets, tuple(shots), loras)
+
+
+def job_of_folder(out_dir: Path) -> Job | None:
+    """The job that rendered `out_dir` (its report.json names it), if that file still loads."""
+    report = read_report(out_dir)
+    if not report or not isinstance(report.get("job"), str):
+        return None
+    try:
+        return load_job(report["job"])
+    except StoryboardError:
+        return None
 
 
 def _name_from_file(ctx: _Ctx, path: Path, line: int) -> str:

@@ -8,26 +8,14 @@ across containers and get reused).
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import socket
 import time
 from pathlib import Path
 
-from storyboard_cli.errors import BadInput, OutputLocked
-
-LOCK = ".bcg.lock"
-
-
-def folder_error(path: Path, e: OSError) -> BadInput:
-    """An OSError about the output folder as the one line a person can act on."""
-    reason = e.strerror or str(e)
-    if e.errno == errno.ENOTDIR:
-        reason = "a part of this path is a file, not a folder"
-    elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        reason = f"cannot write here ({reason})"
-    return BadInput(f"output folder {path}: {reason}")
+from storyboard_cli.errors import OutputLocked, folder_error
+from storyboard_cli.folder import LOCK
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from storyboard_cli.batch import BatchRunner, Decoded, bucket_label
+from storyboard_cli.errors import one_line
 from storyboard_cli.plan import Batch, make_batches
 from storyboard_cli.sink import OutputSink
 
@@ -18,8 +19,8 @@ log = logging.getLogger(__name__)
 BATCH_ERRORS = (OSError, ValueError, RuntimeError)
 
 
-class Renderer:
-    """Runs batches through a BatchRunner and hands what comes out to the OutputSink, with the
+class OutOfMemoryPolicy:
+    """Runs batches through a BatchRunner and hands what comes out to the OutputSink, under the
     out-of-memory policy: free the engine's memory, split the batch into smaller buckets (down to 1,
     then the eager fallback), and remember the size that failed so later batches are split before they run."""
 
@@ -53,8 +54,7 @@ class Renderer:
             return False  # handled by the caller, outside this block: the error's frames hold memory
         except BATCH_ERRORS as e:
             log.exception("batch %s failed", batch.key.label)
-            text = str(e).strip()
-            self.sink.fail(batch.items, f"{e.__class__.__name__}: {text.splitlines()[0][:200] if text else ''}")
+            self.sink.fail(batch.items, one_line(e, 200))
         return True
 
     def _out_of_memory(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:

@@ -1,5 +1,5 @@
-"""File naming, atomic writes, PNG metadata, the manifest, the output-folder lock, skip-what-exists,
-and the writer thread."""
+"""Writing the output folder: atomic writes, PNG metadata, the manifest, skip-what-exists, and the writer
+thread. Its names and readers are folder.py."""
 
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ if TYPE_CHECKING:
     from storyboard_cli.job import Job
 
 from storyboard_cli.errors import BadInput
-from storyboard_cli.lock import LOCK, OutputLock  # noqa: F401 - the folder's files are named here too
-from storyboard_cli.plan import WorkItem, parse_output_name, work_items
+from storyboard_cli.folder import (MANIFEST, REPLACED, manifest_records, parse_output_name, read_fingerprint,
+                                   read_report)
+from storyboard_cli.lora_files import a1111_lora_hashes, lora_tags
+from storyboard_cli.plan import WorkItem, work_items
 from storyboard_cli.samplers import SAMPLERS
-
-MANIFEST = "manifest.jsonl"
-REPLACED = ".replaced"  # edited files that --force rendered again, by run: <out>/.replaced/<stamp>/<path>
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -69,8 +68,6 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
     loras = settings.get("loras") or []
     prompt = item.prompt
     if loras:
-        from storyboard_cli.models.lora import lora_tags
-
         prompt = f"{prompt} {lora_tags({l['name']: l['scale'] for l in loras})}".strip()
     lines = [prompt]
     if item.negative:
@@ -80,8 +77,6 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
     if item.control_image is not None:
         fields.append(f"ControlNet: {item.control_image.name} (scale {item.control_scale:g})")
     if loras:
-        from storyboard_cli.models.lora import a1111_lora_hashes
-
         # quoted as A1111's infotext_utils.quote: the value holds ':' and ','
         fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")
     lines.append(", ".join(fields))
@@ -102,19 +97,6 @@ def png_bytes(pixels, item: WorkItem, model: str, controlnet: str | None) -> byt
     buf = io.BytesIO()
     image.save(buf, format="PNG", pnginfo=info, compress_level=4)
     return buf.getvalue()
-
-
-def read_fingerprint(path: Path) -> str | None:
-    """The fingerprint in a finished PNG, or None if the file is missing, foreign or broken."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            meta = json.loads(im.info.get("bcg", "null") or "null")  # chunks before the pixels; .text would decode
-            im.verify()  # a truncated file fails here
-    except Exception:  # noqa: BLE001 - any unreadable file is simply "not done"
-        return None
-    return meta.get("fingerprint") if isinstance(meta, dict) else None
 
 
 def sha256_of(path: Path) -> str | None:
@@ -149,15 +131,7 @@ class Manifest:
     def __init__(self, folder: Path):
         self.folder = folder
         self.path = folder / MANIFEST
-        self.records: dict[str, dict] = {}
-        if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a line cut short by a crash
-                if isinstance(rec, dict) and isinstance(rec.get("path"), str):
-                    self.records[rec["path"]] = rec
+        self.records: dict[str, dict] = {r["path"]: r for r in manifest_records(folder)}
 
     def reconcile(self, found: dict[str, dict]) -> None:
         """Keeps the lines whose file is still on disk (other jobs', other shots'), adds `found` (images
@@ -301,9 +275,8 @@ def set_aside(out_dir: Path, path: str, stamp: str) -> Path:
 def previous_failures(out_dir: Path) -> set[str]:
     """The image paths the last report lists as failed (none when there is no readable report)."""
     try:
-        report = json.loads((out_dir / "report.json").read_text())
-        return {f["path"] for f in report.get("failures", [])}
-    except (OSError, ValueError, TypeError, KeyError):
+        return {f["path"] for f in (read_report(out_dir) or {}).get("failures", [])}
+    except (TypeError, KeyError):
         return set()
 
 

@@ -12,24 +12,21 @@ picks, in shot order, to `<out>/selects/NNN_<shot>.png` and records them in `<ou
 
 from __future__ import annotations
 
-import difflib
 import json
-import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 import yaml
 
-from storyboard_cli.errors import BadInput, JobError
-from storyboard_cli.job import Job, Shot, read_text
-from storyboard_cli.outputs import atomic_write, read_fingerprint
-from storyboard_cli.plan import parse_output_name
-from storyboard_cli.sheet import PICKS_JSON, SELECTS, candidate_files, read_meta, shot_order
+from storyboard_cli.errors import BadInput, JobError, did_you_mean
+from storyboard_cli.folder import (PICKS_GENERATOR, PICKS_JSON, SELECT_NAME, SELECTS, candidate_files,
+                                   parse_output_name, read_chunk, read_fingerprint, refuse_foreign,
+                                   select_name, shot_order)
+from storyboard_cli.job import Job, Shot, job_of_folder, read_text
+from storyboard_cli.outputs import atomic_write
 
 PICK_KEYS = ("picks", "reroll")
-SELECT_NAME = re.compile(r"^\d{3,}_(?P<shot>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.png$")
-PICKS_GENERATOR = "bcg pick"  # marks picks.json as ours
 
 
 @dataclass(frozen=True)
@@ -71,9 +68,7 @@ def _text(file: str, node, shot: str | None, field: str) -> str:
 
 
 def _unknown(file: str, line: int, shot: str, field: str, known: list[str], where: str) -> JobError:
-    hint = difflib.get_close_matches(shot, known, n=1)
-    tip = f"; did you mean '{hint[0]}'?" if hint else ""
-    return JobError(file, line, shot, field, f"unknown shot (not in {where}){tip}")
+    return JobError(file, line, shot, field, f"unknown shot (not in {where}){did_you_mean(shot, known)}")
 
 
 def _check_file(file: str, line: int, shot: str, rel: str, out_dir: Path) -> str:
@@ -86,7 +81,7 @@ def _check_file(file: str, line: int, shot: str, rel: str, out_dir: Path) -> str
     if not path.is_file():
         raise JobError(file, line, shot, "picks", f"missing file: {path}")
     parsed = parse_output_name(rel)
-    meta = read_meta(path)
+    meta = read_chunk(path)
     if parsed is None or parsed[0] != shot or meta is None or meta.get("shot") != shot:
         raise JobError(file, line, shot, "picks", f"{rel} is not a candidate image bcg rendered for this shot")
     return rel
@@ -103,15 +98,13 @@ def load_picks(path: str | Path, out_dir: str | Path, job: Job | None = None) ->
         raise JobError(file, 1, None, None, "the picks file is empty")
     if not isinstance(root, yaml.MappingNode):
         raise JobError(file, _line(root), None, None, "the top level must be a mapping with 'picks' and 'reroll'")
-    known = [s.id for s in job.shots] if job else shot_order(out_dir)
+    known = [s.id for s in job.shots] if job else shot_order(out_dir, job_of_folder(out_dir))
     where = f"the job {job.path}" if job else f"the output folder {out_dir}"
     sections: dict[str, object] = {}
     for key_node, value_node in root.value:
         key = _text(file, key_node, None, "key")
         if key not in PICK_KEYS:
-            hint = difflib.get_close_matches(key, PICK_KEYS, n=1)
-            tip = f"; did you mean '{hint[0]}'?" if hint else f"; known: {', '.join(PICK_KEYS)}"
-            raise JobError(file, _line(key_node), None, key, f"unknown key{tip}")
+            raise JobError(file, _line(key_node), None, key, f"unknown key{did_you_mean(key, PICK_KEYS, known=True)}")
         if key in sections:
             raise JobError(file, _line(key_node), None, key, "given twice")
         sections[key] = value_node
@@ -154,18 +147,12 @@ def load_picks(path: str | Path, out_dir: str | Path, job: Job | None = None) ->
 # ---------------------------------------------------------------- applying them
 
 
-def select_name(index: int, shot: str, count: int) -> str:
-    """`selects/003_<shot>.png`: numbered by the shot's place in the job, so a name stays put when a
-    shot picked later fills a gap."""
-    return f"{SELECTS}/{index:0{max(3, len(str(count)))}d}_{shot}.png"
-
-
 def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> list[Path]:
     """Copies each pick, in shot order, to `<out>/selects/NNN_<shot>.png` (byte for byte: the PNG keeps its
     parameters), removes selects bcg wrote earlier that are no longer picked, and records the picks in
     `<out>/picks.json`. Never replaces a file bcg did not write: it checks every target before copying."""
     out_dir = Path(out_dir)
-    order = shot_order(out_dir, job)
+    order = shot_order(out_dir, job or job_of_folder(out_dir))
     missing = [s for s in picks.picks if s not in order]
     if missing:
         raise BadInput(f"{picks.path}: shot '{missing[0]}' is not in {out_dir}'s job")
@@ -177,17 +164,9 @@ def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> li
         for f in sorted(sel_dir.iterdir()):
             if f not in targets and SELECT_NAME.match(f.name) and read_fingerprint(f) is not None:
                 stale.append(f)  # an earlier pick of ours
-    for dst, _ in plan:
-        if dst.exists() and read_fingerprint(dst) is None:
-            raise BadInput(f"{dst}: exists and was not written by bcg; move it away before picking")
     record_path = out_dir / PICKS_JSON
-    if record_path.exists():
-        try:
-            ours = json.loads(record_path.read_text(encoding="utf-8")).get("generator") == PICKS_GENERATOR
-        except (OSError, ValueError, AttributeError):
-            ours = False
-        if not ours:
-            raise BadInput(f"{record_path}: exists and was not written by bcg; move it away before picking")
+    for dst in [dst for dst, _ in plan] + [record_path]:
+        refuse_foreign(dst, "before picking")
 
     records, written = [], []
     for dst, shot in plan:
@@ -195,7 +174,7 @@ def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> li
         data = src.read_bytes()
         if not (dst.is_file() and dst.stat().st_size == len(data) and dst.read_bytes() == data):
             atomic_write(dst, data)
-        meta = read_meta(src) or {}
+        meta = read_chunk(src) or {}
         records.append({"shot": shot, "path": picks.picks[shot], "select": dst.relative_to(out_dir).as_posix(),
                         "candidate": meta.get("candidate"), "seed": meta.get("seed"),
                         "fingerprint": meta.get("fingerprint")})
@@ -226,9 +205,7 @@ def reroll_shots(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[st
     extra = []
     for shot_id in dict.fromkeys(shots):
         if shot_id not in by_id:
-            hint = difflib.get_close_matches(shot_id, list(by_id), n=1)
-            raise BadInput(f"--reroll: shot '{shot_id}' is not in {job.path}"
-                           + (f"; did you mean '{hint[0]}'?" if hint else ""))
+            raise BadInput(f"--reroll: shot '{shot_id}' is not in {job.path}{did_you_mean(shot_id, by_id)}")
         same = by_id[shot_id]
         base = same[0]
         on_disk = candidate_files(out_dir, shot_id)

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from storyboard_cli.digests import SHORT, file_sha256, weights_digest
+from storyboard_cli.folder import output_name
 from storyboard_cli.job import Job, LoraFile
+from storyboard_cli.lora_files import lora_set_label
 
 LoraScales = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name: one LoRA set
-
-
-def lora_set_label(loras: LoraScales) -> str:
-    """"mei 0.8 + ink 0.4", or "none"."""
-    return " + ".join(f"{name} {scale:g}" for name, scale in loras) or "none"
 
 
 @dataclass(frozen=True, order=True)
@@ -122,21 +118,6 @@ class Batch:
     @property
     def padding(self) -> int:
         return self.size - len(self.items)
-
-
-def output_name(shot: str, k: int, seed: int) -> str:
-    return f"{shot}/{shot}_c{k}_s{seed}.png"
-
-
-OUTPUT_NAME = re.compile(r"(?P<folder>[^/]+)/(?P<shot>[^/]+)_c(?P<k>[0-9]+)_s(?P<seed>[0-9]+)\.png")
-
-
-def parse_output_name(path: str) -> tuple[str, int, int] | None:
-    """The inverse of output_name: 'shot/shot_c3_s1004.png' -> ('shot', 3, 1004); None for other names."""
-    m = OUTPUT_NAME.fullmatch(path)
-    if not m or m["shot"] != m["folder"]:
-        return None
-    return m["shot"], int(m["k"]), int(m["seed"])
 
 
 def work_items(job: Job) -> list[WorkItem]:

@@ -7,8 +7,7 @@ import errno
 import os
 from pathlib import Path
 
-from storyboard_cli.errors import BadInput, ModelError
-from storyboard_cli.lock import folder_error
+from storyboard_cli.errors import BadInput, ModelError, folder_error
 
 PRESETS = ("tiny", "sdxl-random")  # the names models/loader.py builds itself
 

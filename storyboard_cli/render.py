@@ -2,7 +2,7 @@
 
 `RenderSession` holds one render; its phases are methods, so a subclass hooks in at exactly those
 points (a multi-GPU worker claims its batches in `work`, the contact sheet is written in `finish`).
-`Renderer` (oom.py) runs each batch under the out-of-memory policy; `OutputSink` (sink.py) writes.
+`OutOfMemoryPolicy` (oom.py) runs each batch; `OutputSink` (sink.py) writes.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import torch
 from storyboard_cli.batch import BatchRunner, batch_shapes
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
+from storyboard_cli.errors import Status, folder_error
+from storyboard_cli.folder import REPLACED, REPORT_JSON
 from storyboard_cli.job import Job
-from storyboard_cli.lock import OutputLock, folder_error
+from storyboard_cli.lock import OutputLock
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.oom import Renderer
-from storyboard_cli.outputs import (REPLACED, Manifest, Pending, pending_items, previous_failures,
-                                    remove_stale_temps, select_shots)
+from storyboard_cli.oom import OutOfMemoryPolicy
+from storyboard_cli.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
 from storyboard_cli.plan import Batch, make_batches
 from storyboard_cli.prompts import long_prompts
 from storyboard_cli.preflight import check_destination, check_model_path
@@ -50,7 +51,7 @@ class RenderOptions:
 
 @dataclass
 class Event:
-    kind: str  # "start" | "batch" | "progress" (a batch delivered) | "image" | "failed" | "stopping" | "note"
+    kind: str  # "start" | "batch" | "progress" (a batch delivered) | "image" | "failed" | "stopping"
     done: int = 0
     total: int = 0
     shot: str = ""
@@ -59,7 +60,7 @@ class Event:
 
 @dataclass
 class RenderResult:
-    status: str  # "done" | "failed" (some images) | "interrupted" | "error" (never returned: it raises)
+    status: str  # a Status: done, failed (some images), interrupted; error is never returned (it raises)
     out_dir: Path
     rendered: int
     skipped: int
@@ -96,18 +97,18 @@ class RenderSession:
         self.batches: list[Batch] = []
         self.sheet = ContactSheet(self.out_dir, job, self.notes)
         self.sink: OutputSink | None = None
-        self.renderer: Renderer | None = None
+        self.policy: OutOfMemoryPolicy | None = None
 
     def execute(self) -> RenderResult:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with self.lock(), stop_signals(self._stopping) as stop:
-            status, error = "error", None
+            status, error = Status.ERROR, None
             try:
                 self.prepare(stop)
                 status = self.run(stop)
             except (Stopped, KeyboardInterrupt) as e:
-                status = "interrupted"  # decoded images are written out; a second Ctrl-C drops the queued ones
+                status = Status.INTERRUPTED  # decoded images are written out; a second Ctrl-C drops the queued ones
                 self._close_writer(cancel=isinstance(e, KeyboardInterrupt))
             except BaseException as e:
                 error = f"{e.__class__.__name__}: {e}"
@@ -115,7 +116,7 @@ class RenderSession:
                 raise
             finally:
                 stop.finishing = True
-                result = self.finish(status, stop.signum if status == "interrupted" else None, error)
+                result = self.finish(status, stop.signum if status == Status.INTERRUPTED else None, error)
         return result
 
     def _stopping(self, message: str) -> None:
@@ -184,16 +185,16 @@ class RenderSession:
         emit = lambda kind, done, shot, message: self.on_event(Event(kind, done, total, shot, message))  # noqa: E731
         self.sink = OutputSink(self.job, self.out_dir, manifest, self.pending, self.run_id, self.sheet, self.timings,
                                emit)
-        self.renderer = Renderer(runner, self.sink)
+        self.policy = OutOfMemoryPolicy(runner, self.sink)
 
     def work(self) -> Iterable[Batch]:
         return self.batches  # the batches this session renders, in order
 
     def run(self, stop: StopFlag | None = None) -> str:
         """Batches -> images on disk. Returns "done"; a stop request raises Stopped at a batch boundary."""
-        r, stop = self.renderer, stop or StopFlag()
+        r, stop = self.policy, stop or StopFlag()
         if r is None:
-            return "done"
+            return Status.DONE
         total = self.pending.outputs
         for batch in self.work():
             stop.check()
@@ -202,16 +203,16 @@ class RenderSession:
             self.on_event(Event("progress", self.sink.delivered, total, batch.items[-1].shot, batch.key.label))
         stop.check()
         self.sink.close()
-        return "done"
+        return Status.DONE
 
     def finish(self, status: str, signum: int | None = None, error: str | None = None) -> RenderResult:
         """The manifest compacted, the report (a run that rendered nothing keeps the last one, and its
         failure list for --retry-failed), the contact sheet, and the result."""
         s = self.sink
         failed, rendered = (s.failed, s.rendered) if s else ([], 0)
-        self.notes.extend(self.renderer.notes if self.renderer else [])
-        if status == "done" and failed:
-            status = "failed"
+        self.notes.extend(self.policy.notes if self.policy else [])
+        if status == Status.DONE and failed:
+            status = Status.FAILED
         if s:
             try:
                 s.manifest.compact()
@@ -219,17 +220,17 @@ class RenderSession:
                 self.notes.append(f"manifest not compacted: {e}")
         wall = time.perf_counter() - self.t_start
         report = self._report(status, rendered, failed, wall, signum, error)
-        keep_last = ((s is None and status == "done") or (status == "error" and not rendered)) \
-            and (self.out_dir / "report.json").exists()
+        keep_last = ((s is None and status == Status.DONE) or (status == Status.ERROR and not rendered)) \
+            and (self.out_dir / REPORT_JSON).exists()
         paths = None
         try:
             report, paths = self.publish(report, keep_last)
         except OSError as e:
-            if status != "error":  # else the error being raised says more than this one
+            if status != Status.ERROR:  # else the error being raised says more than this one
                 raise folder_error(self.out_dir, e) from None
         self.sheet.update(report["failures"])  # every worker's, after a multi-GPU run
-        if self.renderer:
-            self.renderer.runner.close()  # the models' own weights back (after LoRAs)
+        if self.policy:
+            self.policy.runner.close()  # the models' own weights back (after LoRAs)
         return RenderResult(report["status"], self.out_dir, report["images_rendered"], skipped=self.pending.skipped,
                             failed=report["failures"], wall_s=wall, device=device_name(self.device),
                             engine=report["engine"], report=report, report_paths=paths, notes=report["notes"],
@@ -238,7 +239,7 @@ class RenderSession:
     def _report(self, status: str, rendered: int, failed: list[dict], wall: float, signum: int | None,
                 error: str | None) -> dict:
         peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
-        ran = self.renderer is not None
+        ran = self.policy is not None
         return build_report(job=str(self.job.path), out_dir=self.out_dir, device=device_name(self.device),
                             dtype=dtype_name(self.dtype), engine=self.engine.name if ran else "none",
                             model=self.job.model, timings=self.timings, wall_s=wall, rendered=rendered,
@@ -247,8 +248,7 @@ class RenderSession:
                             run={"id": self.run_id, "started": self.started,
                                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                             stopped_by=signum, error=error,
-                            lora_swaps=[(w.before, w.after, w.layers, w.seconds)
-                                        for w in self.renderer.runner.lora_swaps()] if ran else None)
+                            lora_swaps=self.policy.runner.lora_swaps() if ran else None)
 
     def _close_writer(self, cancel: bool) -> None:
         try:

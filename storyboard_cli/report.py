@@ -9,8 +9,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from storyboard_cli.folder import REPORT_JSON, REPORT_MD
 from storyboard_cli.outputs import atomic_write
+
+if TYPE_CHECKING:
+    from storyboard_cli.models.lora import Swap
 
 STAGES = ("load", "capture", "encode", "denoise", "decode", "save")
 
@@ -27,6 +32,20 @@ class BucketTiming:
     @property
     def ms_per_step(self) -> float:
         return 1000 * self.denoise_s / self.steps if self.steps else 0.0
+
+    def add(self, other: BucketTiming) -> None:
+        self.images, self.batches, self.rows = self.images + other.images, self.batches + other.batches, \
+            self.rows + other.rows
+        self.steps, self.denoise_s = self.steps + other.steps, self.denoise_s + other.denoise_s
+
+    def row(self) -> dict:
+        """The report's row for this bucket."""
+        return {"bucket": self.label, "images": self.images, "batches": self.batches, "rows": self.rows,
+                "steps": self.steps, "denoise_s": round(self.denoise_s, 4), "ms_per_step": round(self.ms_per_step, 2)}
+
+    @classmethod
+    def from_row(cls, row: dict) -> BucketTiming:
+        return cls(row["bucket"], row["images"], row["batches"], row["rows"], row["steps"], row["denoise_s"])
 
 
 @dataclass
@@ -50,30 +69,40 @@ class Timings:
     def bucket(self, label: str) -> BucketTiming:
         return self.buckets.setdefault(label, BucketTiming(label))
 
+    def merge(self, other: Timings) -> None:
+        """Adds another run's stage seconds and buckets (a multi-GPU render's workers)."""
+        for name, seconds in other.stages.items():
+            self.stages[name] = self.stages.get(name, 0.0) + seconds
+        for b in other.buckets.values():
+            self.bucket(b.label).add(b)
 
-def lora_section(swaps: list | None) -> dict | None:
-    """LoRA swaps as the batch runner did them: (before, after, layers, seconds) each; None without any."""
+    @classmethod
+    def from_report(cls, report: dict) -> Timings:
+        """The timings a report was built from (as rounded there)."""
+        return cls(stages=dict(report["stages_s"]),
+                   buckets={row["bucket"]: BucketTiming.from_row(row) for row in report["buckets"]})
+
+    def stages_s(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in self.stages.items()}
+
+    def bucket_rows(self) -> list[dict]:
+        return [b.row() for b in self.buckets.values()]
+
+
+def lora_section(swaps: list[Swap] | None) -> dict | None:
+    """The LoRA swaps the batch runner did, each set by its label; None without any."""
     if not swaps:
         return None
-    seconds = [float(s[3]) for s in swaps]
+    seconds = [s.seconds for s in swaps]
     return {"swaps": len(swaps), "total_s": round(sum(seconds), 4), "median_s": round(statistics.median(seconds), 4),
-            "layers": [int(s[2]) for s in swaps],
-            "sets": [[_lora_set(s[0]), _lora_set(s[1])] for s in swaps]}
-
-
-def _lora_set(active) -> str:
-    """A LoRA set (a mapping or pairs of name -> scale, or a label) as `mei:0.8 ink:0.4` ('' for none)."""
-    if isinstance(active, str):
-        return active
-    pairs = active.items() if isinstance(active, dict) else (active or ())
-    return " ".join(f"{p[0]}:{p[1]:g}" if isinstance(p, (tuple, list)) and len(p) == 2 else str(p) for p in pairs)
+            "layers": [s.layers for s in swaps], "sets": [list(s.labels) for s in swaps]}
 
 
 def build_report(*, job: str, out_dir: Path, device: str, dtype: str, engine: str, model: str,
                  timings: Timings, wall_s: float, rendered: int, skipped: int, failed: list[dict],
                  peak_mem_mb: float | None, graphs: list[dict], status: str, notes: list[str],
                  run: dict | None = None, stopped_by: int | None = None, error: str | None = None,
-                 lora_swaps: list | None = None) -> dict:
+                 lora_swaps: list[Swap] | None = None) -> dict:
     """`run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted render; `error`:
     what ended a failed one."""
     total_steps = sum(b.steps for b in timings.buckets.values())
@@ -86,10 +115,8 @@ def build_report(*, job: str, out_dir: Path, device: str, dtype: str, engine: st
         "images_per_s": round(rendered / wall_s, 4) if wall_s else 0.0,
         "steps_per_s": round(total_steps / timings.stages["denoise"], 3) if timings.stages["denoise"] else 0.0,
         "peak_memory_mb": None if peak_mem_mb is None else round(peak_mem_mb, 1),
-        "stages_s": {k: round(v, 4) for k, v in timings.stages.items()},
-        "buckets": [{"bucket": b.label, "images": b.images, "batches": b.batches, "rows": b.rows,
-                     "steps": b.steps, "denoise_s": round(b.denoise_s, 4), "ms_per_step": round(b.ms_per_step, 2)}
-                    for b in timings.buckets.values()],
+        "stages_s": timings.stages_s(),
+        "buckets": timings.bucket_rows(),
         "graphs": graphs, "failures": failed, "notes": notes,
     }
 
@@ -126,7 +153,7 @@ def markdown(report: dict) -> str:
         lo = r["lora"]
         out += ["", "## LoRA", "", f"- {lo['swaps']} swaps, {lo['total_s']:.3f} s in all, median {lo['median_s']:.3f} s",
                 "", "| from | to | layers |", "|---|---|---:|"]
-        out += [f"| {a or '(none)'} | {b or '(none)'} | {n} |" for (a, b), n in zip(lo["sets"], lo["layers"])]
+        out += [f"| {a} | {b} | {n} |" for (a, b), n in zip(lo["sets"], lo["layers"])]
     if r["failures"]:
         out += ["", "## Failures", "", "| image | reason |", "|---|---|"]
         out += [f"| {f['path']} | {f['reason']} |" for f in r["failures"]]
@@ -142,7 +169,7 @@ def _why(r: dict) -> str:
 
 
 def write_report(out_dir: Path, report: dict) -> tuple[Path, Path]:
-    js, md = out_dir / "report.json", out_dir / "report.md"
+    js, md = out_dir / REPORT_JSON, out_dir / REPORT_MD
     atomic_write(js, (json.dumps(report, indent=2) + "\n").encode())
     atomic_write(md, markdown(report).encode())
     return js, md

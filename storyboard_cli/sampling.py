@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from storyboard_cli.samplers import SAMPLERS
+# the coefficients live with each sampler's entry; tests/test_engine.py still imports these three from here
+from storyboard_cli.samplers import SAMPLERS, ancestral_split, dpmpp_2m_coeffs, euler_coeffs  # noqa: F401
 
 # columns of Schedule.table
 SIGMA, TIMESTEP, A, B, C, S = range(6)
@@ -47,48 +48,15 @@ def _diffusers_schedule(sampler: str, steps: int, scheduler_config: dict):
     return sched, sched.sigmas.double(), sched.timesteps.double()
 
 
-def euler_coeffs(sigma: float, sigma_next: float) -> tuple[float, float]:
-    # x + (x - denoised) / sigma * (sigma_next - sigma), regrouped
-    return sigma_next / sigma, 1.0 - sigma_next / sigma
-
-
-def ancestral_split(sigma: float, sigma_next: float) -> tuple[float, float]:
-    """(sigma_down, sigma_up) with eta = 1, as k-diffusion's get_ancestral_step."""
-    up = math.sqrt(sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2)
-    return math.sqrt(sigma_next**2 - up**2), up
-
-
-def dpmpp_2m_coeffs(sigma_prev: float | None, sigma: float, sigma_next: float) -> tuple[float, float, float]:
-    """DPM-Solver++(2M), as k-diffusion's sample_dpmpp_2m: first order on the first and the last step."""
-    if sigma_next == 0:
-        return 0.0, 1.0, 0.0
-    h = math.log(sigma / sigma_next)  # lambda = -log(sigma)
-    phi = -math.expm1(-h)
-    if sigma_prev is None:
-        return sigma_next / sigma, phi, 0.0
-    r = math.log(sigma_prev / sigma) / h
-    return sigma_next / sigma, phi * (1 + 1 / (2 * r)), -phi / (2 * r)
-
-
 def schedule(sampler: str, steps: int, scheduler_config: dict) -> Schedule:
     sched, sigmas, timesteps = _diffusers_schedule(sampler, steps, scheduler_config)
+    spec = SAMPLERS[sampler]
     rows = []
     for i in range(steps):
         s, sn = sigmas[i].item(), sigmas[i + 1].item()
-        if sampler == "euler":
-            a, b = euler_coeffs(s, sn)
-            rows.append((s, timesteps[i].item(), a, b, 0.0, 0.0))
-        elif sampler == "euler_a":
-            down, up = ancestral_split(s, sn)
-            a, b = euler_coeffs(s, down)
-            rows.append((s, timesteps[i].item(), a, b, 0.0, up))
-        else:
-            a, b, c = dpmpp_2m_coeffs(sigmas[i - 1].item() if i else None, s, sn)
-            rows.append((s, timesteps[i].item(), a, b, c, 0.0))
+        rows.append((s, timesteps[i].item(), *spec.coefficients(sigmas[i - 1].item() if i else None, s, sn)))
     s0 = sigmas[0].item()
-    # diffusers' Euler schedulers scale the first noise by init_noise_sigma; DPM-Solver works in the
-    # variance-preserving form, whose unit noise is sqrt(1 + sigma^2) in the form we use
-    init = float(sched.init_noise_sigma) if sampler != "dpmpp_2m" else math.sqrt(1 + s0**2)
+    init = math.sqrt(1 + s0**2) if spec.variance_preserving else float(sched.init_noise_sigma)
     return Schedule(sampler, sigmas, torch.tensor(rows, dtype=torch.float32), init)
 
 

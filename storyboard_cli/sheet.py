@@ -12,54 +12,30 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import html
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from storyboard_cli.errors import BadInput, StoryboardError
-from storyboard_cli.job import Job
+from storyboard_cli.charts import bench_svgs, esc, report_svgs  # noqa: F401 - bench.py imports bench_svgs from here
+from storyboard_cli.errors import BadInput
+from storyboard_cli.folder import (CONTROL_THUMB, INDEX, INDEX_MARK, SHEET_GENERATOR, candidate_files,
+                                   parse_output_name, read_chunk, read_report, recorded_picks, refuse_foreign,
+                                   shot_order, thumb_name)
+from storyboard_cli.job import Job, job_of_folder
 from storyboard_cli.lock import held
-from storyboard_cli.outputs import MANIFEST, atomic_write
-from storyboard_cli.plan import parse_output_name, work_items
+from storyboard_cli.lora_files import lora_set_label
+from storyboard_cli.outputs import atomic_write
+from storyboard_cli.plan import work_items
 
-INDEX = "index.html"
-PICKS_JSON = "picks.json"
-SELECTS = "selects"
-THUMBS = "thumbs"  # inside each shot's folder: a shot id cannot name a nested folder there
 THUMB_PX = 256  # longest side of a thumbnail
-CONTROL_THUMB = "control.jpg"
-GENERATOR = "bcg contact sheet"  # marks the files bcg wrote (index.html meta, JPEG comment)
-PALETTE = ("#3b6ea5", "#d0703a", "#4f9a5b", "#9b59b6", "#c0392b", "#7f8c8d")
-
-
-def esc(value: object) -> str:
-    """Text or attribute value, HTML-escaped (quotes too)."""
-    return html.escape(str(value), quote=True)
 
 
 def href(rel: str) -> str:
     """A relative file path as an escaped URL: works from file:// and through any static server."""
     return esc(quote(rel, safe="/"))
-
-
-# ---------------------------------------------------------------- reading the folder
-
-
-def read_meta(path: Path) -> dict | None:
-    """The `bcg` JSON chunk of a PNG (header only, no pixel decode); None when absent or unreadable."""
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            meta = json.loads(im.info.get("bcg", "null") or "null")
-    except Exception:  # noqa: BLE001 - a foreign or broken file is simply "not a bcg image"
-        return None
-    return meta if isinstance(meta, dict) else None
 
 
 @dataclass
@@ -85,94 +61,12 @@ class ShotRow:
     control_note: str = ""
 
 
-def candidate_files(out_dir: Path, shot: str) -> list[tuple[str, int, int, os.stat_result]]:
-    """(rel path, k, seed, stat) of every file in `<out>/<shot>/` named as a candidate of `shot`."""
-    found = []
-    try:
-        entries = list(os.scandir(out_dir / shot))
-    except OSError:
-        return found
-    for e in entries:
-        parsed = parse_output_name(f"{shot}/{e.name}")
-        if parsed and e.is_file():
-            found.append((f"{shot}/{e.name}", parsed[1], parsed[2], e.stat()))
-    return sorted(found, key=lambda f: f[1])
-
-
-def read_manifest(out_dir: Path) -> list[dict]:
-    """manifest.jsonl's records in file order; a line cut short by a crash is skipped."""
-    records = []
-    try:
-        text = (out_dir / MANIFEST).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return records
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("path"), str) and isinstance(rec.get("shot"), str):
-            records.append(rec)
-    return records
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def job_of_report(report: dict | None) -> Job | None:
-    """The job that report.json names, if that file still loads."""
-    from storyboard_cli.job import load_job
-
-    if not report or not isinstance(report.get("job"), str):
-        return None
-    try:
-        return load_job(report["job"])
-    except StoryboardError:
-        return None
-
-
-def shot_order(out_dir: Path, job: Job | None = None) -> list[str]:
-    """Shot ids in job order; without a job, report.json's job's order, else manifest order, then any
-    other folder holding candidate images (sorted)."""
-    job = job or job_of_report(read_json(out_dir / "report.json"))
-    ids = list(dict.fromkeys(s.id for s in job.shots)) if job else []
-    ids += [r["shot"] for r in read_manifest(out_dir)]
-    try:
-        folders = sorted(e.name for e in os.scandir(out_dir) if e.is_dir() and e.name != SELECTS)
-    except OSError:
-        folders = []
-    ids += [f for f in folders if candidate_files(out_dir, f)]
-    return list(dict.fromkeys(ids))
-
-
-def recorded_picks(out_dir: Path) -> dict:
-    """picks.json (written by `bcg pick`) as {"picks": {shot: path}, "reroll": [shot]}."""
-    data = read_json(out_dir / PICKS_JSON) or {}
-    picks = {p["shot"]: p["path"] for p in data.get("picks", []) if isinstance(p, dict) and "shot" in p}
-    return {"picks": picks, "reroll": [s for s in data.get("reroll", []) if isinstance(s, str)]}
-
-
 # ---------------------------------------------------------------- thumbnails
 
 
 def thumb_size(width: int, height: int, box: int = THUMB_PX) -> tuple[int, int]:
     scale = min(1.0, box / max(width, height, 1))
     return max(1, round(width * scale)), max(1, round(height * scale))
-
-
-def _ours_jpeg(path: Path) -> bool:
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            return im.info.get("comment") == GENERATOR.encode()
-    except Exception:  # noqa: BLE001 - unreadable: not ours
-        return False
 
 
 def make_thumb(src: Path, dst: Path, src_mtime_ns: int) -> tuple[int, int]:
@@ -187,9 +81,7 @@ def make_thumb(src: Path, dst: Path, src_mtime_ns: int) -> tuple[int, int]:
     if st is not None and st.st_mtime_ns >= src_mtime_ns:
         with Image.open(dst) as im:
             return im.size
-    if st is not None and not _ours_jpeg(dst):
-        raise BadInput(f"{dst}: exists and was not written by bcg; move it away so the contact sheet can "
-                       "write its thumbnail there")
+    refuse_foreign(dst, "so the contact sheet can write its thumbnail there")
     with Image.open(src) as im:
         im = im.convert("RGB")
         size = thumb_size(*im.size)
@@ -197,131 +89,9 @@ def make_thumb(src: Path, dst: Path, src_mtime_ns: int) -> tuple[int, int]:
     import io
 
     buf = io.BytesIO()
-    small.save(buf, format="JPEG", quality=82, optimize=True, comment=GENERATOR)
+    small.save(buf, format="JPEG", quality=82, optimize=True, comment=SHEET_GENERATOR)
     atomic_write(dst, buf.getvalue())
     return size
-
-
-# ---------------------------------------------------------------- SVG charts (hand-written)
-
-
-def _num(v: float) -> str:
-    return f"{v:.1f}".rstrip("0").rstrip(".")
-
-
-def _fmt(v: float) -> str:
-    if v == 0:
-        return "0"
-    digits = max(0, 2 - int(math.floor(math.log10(abs(v)))))
-    return f"{v:,.{min(digits, 4)}f}"
-
-
-def _svg(title: str, width: int, height: int, body: list[str]) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" viewBox="0 0 {width} {height}" '
-            f'width="{width}" height="{height}" role="img" aria-label="{esc(title)}" '
-            f'font-family="system-ui, sans-serif" font-size="12"><title>{esc(title)}</title>'
-            f'<text x="0" y="14" font-weight="bold" font-size="13">{esc(title)}</text>' + "".join(body) + "</svg>")
-
-
-def hbar_svg(title: str, rows: list[tuple[str, float, str]], width: int = 560) -> str:
-    """Horizontal bars: (label, value, value text) per row, scaled to the largest value."""
-    bar, gap, top = 16, 6, 26
-    label_w = min(480, 12 + 7 * max((len(r[0]) for r in rows), default=4))
-    width = max(width, label_w + 260)  # long labels (bucket names with LoRA sets) widen the chart, never clip
-    room = width - label_w - 70
-    vmax = max((r[1] for r in rows if r[1] > 0), default=1.0)
-    body = []
-    for i, (label, value, text) in enumerate(rows):
-        y = top + i * (bar + gap)
-        w = room * max(value, 0) / vmax
-        body.append(f'<text x="{label_w - 6}" y="{_num(y + 12)}" text-anchor="end">{esc(label)}</text>'
-                    f'<rect x="{label_w}" y="{y}" width="{_num(w)}" height="{bar}" fill="{PALETTE[0]}"/>'
-                    f'<text x="{_num(label_w + w + 4)}" y="{_num(y + 12)}">{esc(text)}</text>')
-    return _svg(title, width, top + len(rows) * (bar + gap) + 4, body)
-
-
-def line_svg(title: str, xs: list[str], series: list[tuple[str, list[float | None]]], y_label: str,
-             width: int = 560, height: int = 260) -> str:
-    """One line per series over categorical x positions; a None point is left out."""
-    left, right, top, bottom = 64, 16, 40, 36
-    values = [v for _, vs in series for v in vs if v is not None]
-    vmax = max(values, default=1.0) * 1.1 or 1.0
-    pw, ph = width - left - right, height - top - bottom
-
-    def px(i: int) -> float:
-        return left + (pw * (i + 0.5) / max(len(xs), 1))
-
-    def py(v: float) -> float:
-        return top + ph * (1 - v / vmax)
-
-    body = [f'<line x1="{left}" y1="{top + ph}" x2="{left + pw}" y2="{top + ph}" stroke="#444"/>',
-            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + ph}" stroke="#444"/>',
-            f'<text x="12" y="{_num(top + ph / 2)}" transform="rotate(-90 12 {_num(top + ph / 2)})" '
-            f'text-anchor="middle">{esc(y_label)}</text>']
-    for t in range(5):
-        v = vmax * t / 4
-        body.append(f'<line x1="{left - 4}" y1="{_num(py(v))}" x2="{left + pw}" y2="{_num(py(v))}" '
-                    f'stroke="#ddd"/><text x="{left - 6}" y="{_num(py(v) + 4)}" text-anchor="end">{_fmt(v)}</text>')
-    for i, x in enumerate(xs):
-        body.append(f'<text x="{_num(px(i))}" y="{top + ph + 16}" text-anchor="middle">{esc(x)}</text>')
-    for n, (name, vs) in enumerate(series):
-        color = PALETTE[n % len(PALETTE)]
-        pts = [(px(i), py(v), v) for i, v in enumerate(vs) if v is not None]
-        if pts:
-            body.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
-                        + " ".join(f"{_num(x)},{_num(y)}" for x, y, _ in pts) + '"/>')
-        for x, y, v in pts:
-            body.append(f'<circle cx="{_num(x)}" cy="{_num(y)}" r="3" fill="{color}"/>'
-                        f'<text x="{_num(x)}" y="{_num(y - 7)}" text-anchor="middle" fill="{color}">{_fmt(v)}</text>')
-        lx = left + 8 + n * 150
-        body.append(f'<rect x="{lx}" y="22" width="10" height="10" fill="{color}"/>'
-                    f'<text x="{lx + 14}" y="31">{esc(name)}</text>')
-    return _svg(title, width, height, body)
-
-
-def report_svgs(report: dict) -> list[str]:
-    """The run's figures: images/s (the run and each bucket's denoising), stage seconds, ms/step per bucket."""
-    charts = []
-    buckets = [b for b in report.get("buckets", []) if isinstance(b, dict)]
-    rate = [("whole run (wall)", float(report.get("images_per_s") or 0), f"{report.get('images_per_s', 0):.3g}")]
-    rate += [(str(b.get("bucket")), b["images"] / b["denoise_s"], f"{b['images'] / b['denoise_s']:.3g}")
-             for b in buckets if b.get("denoise_s") and b.get("images")]
-    charts.append(hbar_svg("images/s (buckets: while denoising)", rate))
-    stages = report.get("stages_s") or {}
-    if stages:
-        charts.append(hbar_svg(f"stages, s (wall {report.get('wall_s', 0):.1f} s)",
-                               [(str(k), float(v or 0), f"{float(v or 0):.2f}") for k, v in stages.items()]))
-    if buckets:
-        charts.append(hbar_svg("denoise ms/step per bucket",
-                               [(str(b.get("bucket")), float(b.get("ms_per_step") or 0),
-                                 f"{float(b.get('ms_per_step') or 0):.1f}") for b in buckets]))
-    return charts
-
-
-def bench_svgs(rec: dict, names: dict[str, str] | None = None) -> dict[str, str]:
-    """SVGs for a bench record: `contenders` (images/s of every contender in the record) and, per step
-    curve measured (`step_curve`, `step_curve_control`), throughput against batch size."""
-    names = names or {}
-    out = {}
-    contenders = sorted(k for k, v in rec.items() if isinstance(v, dict) and isinstance(v.get("images_per_s"),
-                                                                                         (int, float)))
-    if contenders:
-        out["contenders"] = hbar_svg(f"images/s on {rec.get('device', '?')}, {rec.get('images', '?')} images",
-                                     [(names.get(k, k.replace("_", " ")), float(rec[k]["images_per_s"]),
-                                       f"{rec[k]['images_per_s']:.3f}") for k in contenders])
-    for key in ("step_curve", "step_curve_control"):
-        rows = [r for r in rec.get(key) or [] if isinstance(r, dict) and r.get("batch")]
-        if not rows:
-            continue
-
-        def per_s(ms, b):  # image-steps per second: images in the batch over the step's time
-            return 1000 * b / ms if ms else None
-
-        out[key] = line_svg(f"UNet throughput vs batch ({key.replace('_', ' ')})", [str(r["batch"]) for r in rows],
-                            [("graph", [per_s(r.get("graph_ms"), r["batch"]) for r in rows]),
-                             ("eager", [per_s(r.get("eager_ms"), r["batch"]) for r in rows])],
-                            "image-steps/s")
-    return out
 
 
 # ---------------------------------------------------------------- the page
@@ -444,20 +214,11 @@ def _settings_of_meta(meta: dict) -> dict:
 
 
 def _loras_text(loras: object) -> str:
-    """A LoRA list as 'name 0.8, other 1': accepts a list of mappings, a mapping or plain text."""
-    if isinstance(loras, dict):
-        return ", ".join(f"{k} {v}" for k, v in loras.items())
-    if isinstance(loras, (list, tuple)):
-        parts = []
-        for x in loras:
-            if isinstance(x, dict):
-                name = x.get("name") or Path(str(x.get("path") or x.get("file") or "?")).name
-                scale = x.get("scale", x.get("weight"))
-                parts.append(f"{name} {scale}" if scale is not None else str(name))
-            else:
-                parts.append(str(getattr(x, "name", None) or x))
-        return ", ".join(parts)
-    return str(loras)
+    """The `loras` of a PNG's bcg chunk ([{"name", "scale", ...}]) as the one LoRA-set label; an entry
+    without a name is shown by its file's name."""
+    entries = [x for x in loras if isinstance(x, dict)] if isinstance(loras, list) else []
+    return lora_set_label((str(x.get("name") or Path(str(x.get("path") or x.get("file") or "?")).name),
+                           x["scale"] if isinstance(x.get("scale"), (int, float)) else None) for x in entries)
 
 
 class SheetWriter:
@@ -501,28 +262,21 @@ class SheetWriter:
     def _check_index(self) -> None:
         if self._written is not None:
             return
-        try:
-            with open(self.path, "rb") as f:
-                head = f.read(2048)
-        except FileNotFoundError:
-            return
-        except IsADirectoryError:
-            raise BadInput(f"{self.path}: is a folder; the contact sheet cannot be written there") from None
-        if f'<meta name="generator" content="{GENERATOR}">'.encode() not in head:
-            raise BadInput(f"{self.path}: exists and was not written by bcg; move it away so the contact sheet "
-                           "can be written")
+        if self.path.is_dir():
+            raise BadInput(f"{self.path}: is a folder; the contact sheet cannot be written there")
+        refuse_foreign(self.path, "so the contact sheet can be written")
 
     def _chunk(self, rel: str, st: os.stat_result) -> dict | None:
         cached = self._meta.get(rel)
         if cached and cached[0] == st.st_mtime_ns and cached[1] == st.st_size:
             return cached[2]
-        meta = read_meta(self.out_dir / rel)
+        meta = read_chunk(self.out_dir / rel)
         self._meta[rel] = (st.st_mtime_ns, st.st_size, meta)
         return meta
 
     def _thumb(self, c: Candidate) -> None:
         cached = self._thumbs.get(c.path)
-        rel = f"{c.shot}/{THUMBS}/{Path(c.path).stem}.jpg"
+        rel = thumb_name(c.shot, c.path)
         if not cached or cached[0] != c.mtime_ns:
             size = make_thumb(self.out_dir / c.path, self.out_dir / rel, c.mtime_ns)
             self._thumbs[c.path] = cached = (c.mtime_ns, size)
@@ -538,7 +292,7 @@ class SheetWriter:
         except OSError:
             row.control_note = f"control image not found: {src}"
             return
-        rel = f"{row.id}/{THUMBS}/{CONTROL_THUMB}"
+        rel = thumb_name(row.id, CONTROL_THUMB)
         key = f"control:{row.id}:{src}"
         cached = self._thumbs.get(key)
         if not cached or cached[0] != mtime:
@@ -596,9 +350,9 @@ class SheetWriter:
     # -------------------------------------------------------- rendering
 
     def _page(self, failures: list[dict] | None, running: bool) -> str:
-        report = read_json(self.out_dir / "report.json")
+        report = read_report(self.out_dir)
         if self.job is None and self._report_job is None:
-            self._report_job = job_of_report(report) or False  # False: looked, none loads
+            self._report_job = job_of_folder(self.out_dir) or False  # False: looked, none loads
         job = self.job or self._report_job or None
         rows = self._gather(report, job, failures, running)
         picks = recorded_picks(self.out_dir)
@@ -612,7 +366,7 @@ class SheetWriter:
                         f"{float(report.get('wall_s') or 0):.1f} s on {report.get('device', '?')} "
                         f"({report.get('engine', '?')})")
         parts = ["<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
-                 f'<meta name="generator" content="{GENERATOR}">',
+                 INDEX_MARK,
                  f'<meta http-equiv="Content-Security-Policy" content="{esc(CSP)}">',
                  '<meta name="viewport" content="width=device-width, initial-scale=1">',
                  '<link rel="icon" href="data:,">',

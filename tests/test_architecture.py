@@ -17,10 +17,16 @@ def _tree(path: Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module `path` imports, at any depth of the file (lazy imports inside functions count)."""
+def _imports(path: Path, run_time: bool = False) -> set[str]:
+    """Every module `path` imports, at any depth of the file (lazy imports inside functions count);
+    `run_time`: not those under `if TYPE_CHECKING:` (annotations only)."""
+    tree = _tree(path)
+    if run_time:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+                node.body = []
     names = set()
-    for node in ast.walk(_tree(path)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -63,20 +69,93 @@ def test_the_engine_does_not_import_the_job(path):
     assert not {m for m in _imports(path) if m == "storyboard_cli.job" or m.startswith("storyboard_cli.job.")}
 
 
-@pytest.mark.parametrize("name", ["job.py", "plan.py", "samplers.py"])
+# docs/ARCHITECTURE.md, "Who may import whom": the stages, lowest first. A module imports only from its
+# own stage or a lower one (lazy imports count; annotations under TYPE_CHECKING do not).
+STAGES = {
+    "base": {"errors.py", "samplers.py", "digests.py", "folder.py", "lora_files.py", "charts.py",
+             "models/tiny.py", "models/tokenizers.py", "models/__init__.py"},
+    "job": {"job.py", "plan.py", "prompts.py", "preflight.py"},
+    "models": {"models/loader.py", "models/lora.py", "models/synthetic_lora.py"},
+    "engine": {"conditioning.py", "sampling.py", "engine/*"},
+    "folder": {"outputs.py", "report.py", "sink.py", "sheet.py", "picks.py", "lock.py", "shards.py"},
+    "run": {"batch.py", "oom.py", "signals.py", "render.py", "dist.py"},
+    "top": {"cli.py", "__main__.py", "__init__.py", "capture.py", "bench.py"},
+}
+ORDER = list(STAGES)
+# the modules that run as torch-free code: `bcg plan`, job validation, the folder's readers and writers
+TORCH_FREE = ["errors.py", "samplers.py", "digests.py", "folder.py", "lora_files.py", "charts.py", "job.py",
+              "plan.py", "prompts.py", "preflight.py", "outputs.py", "report.py", "sheet.py", "picks.py", "lock.py",
+              "shards.py", "signals.py"]
+# who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
+# builds one; capture and bench, which time them
+ENGINE_DRIVERS = {"batch.py", "render.py", "capture.py", "bench.py"}
+
+
+def _stage(rel: str) -> str:
+    for stage, members in STAGES.items():
+        if rel in members or any(m.endswith("/*") and rel.startswith(m[:-1]) for m in members):
+            return stage
+    raise AssertionError(f"{rel} is in no stage: add it to STAGES and to docs/ARCHITECTURE.md")
+
+
+def _module_file(name: str) -> str | None:
+    """'storyboard_cli.engine.graphs' -> 'engine/graphs.py' (a package: its __init__.py); None outside."""
+    if not name.startswith("storyboard_cli."):
+        return None
+    rel = name.removeprefix("storyboard_cli.").replace(".", "/")
+    for candidate in (f"{rel}.py", f"{rel}/__init__.py", f"{rel.rsplit('/', 1)[0]}.py"):
+        if (PACKAGE / candidate).is_file():
+            return candidate
+    return None
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_rel)
+def test_no_module_imports_up_a_stage(path):
+    mine = ORDER.index(_stage(_rel(path)))
+    up = {m for m in _imports(path, run_time=True) if (f := _module_file(m)) and ORDER.index(_stage(f)) > mine}
+    assert not up, f"{_rel(path)} ({_stage(_rel(path))}) imports {sorted(up)}"
+
+
+@pytest.mark.parametrize("name", TORCH_FREE)
 def test_torch_free_modules_do_not_import_it(name):
     assert not {m for m in _imports(PACKAGE / name) if m == "torch" or m.startswith("torch.")}
 
 
-def test_job_and_plan_import_no_torch_at_run_time():
+def test_torch_free_modules_import_no_torch_at_run_time():
     import subprocess
     import sys
 
     # not even through what they import
-    code = ("import sys, storyboard_cli.job, storyboard_cli.plan, storyboard_cli.samplers; "
-            "print('torch' in sys.modules)")
+    modules = ", ".join(f"storyboard_cli.{n.removesuffix('.py').replace('/', '.')}" for n in TORCH_FREE)
+    code = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_only_the_drivers_import_the_engine():
+    importing = {_rel(p) for p in SOURCES if not _rel(p).startswith("engine/")
+                 and any(m == "storyboard_cli.engine" or m.startswith("storyboard_cli.engine.") for m in _imports(p))}
+    assert importing == ENGINE_DRIVERS
+
+
+def test_only_folder_names_the_output_folders_files():
+    """report.json, manifest.jsonl, ... are names defined once (docstrings and comments may mention them)."""
+    names = ("report.json", "report.md", "manifest.jsonl", "index.html", "picks.json", ".bcg.lock", ".shards",
+             ".replaced")
+    spelled = set()
+    for path in SOURCES:
+        tree = _tree(path)
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef,
+                ast.FunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+                    and any(n in node.value for n in names)):
+                spelled.add(_rel(path))
+    assert spelled == {"folder.py"}
+
+
+def test_picks_reads_the_folder_through_folder_not_the_sheet():
+    assert "storyboard_cli.sheet" not in _imports(PACKAGE / "picks.py")
 
 
 def test_no_engine_probing_in_render():

@@ -1,6 +1,7 @@
 """The command line: exit codes, one-line errors, no tracebacks (typer.testing.CliRunner)."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -282,13 +283,23 @@ def test_shot_option_is_repeatable_and_takes_globs(job_dir, tmp_path):
 
 # --- the contact sheet and picks ---------------------------------------------------------------------
 
-@pytest.fixture
-def rendered(job_dir, tmp_path):
-    path = write_job(job_dir, "version: 1\nmodel: tiny\ndefaults: {steps: 2, size: 64x64}\nshots:\n"
-                              "  - {id: a, prompt: x, seed: 1, candidates: 2}\n  - {id: b, prompt: y, seed: 5}\n")
-    out = tmp_path / "o"
+@pytest.fixture(scope="module")
+def rendered_once(tmp_path_factory):
+    """One render for the module; each test gets a copy of its folder (they pick, reroll, rebuild)."""
+    folder = tmp_path_factory.mktemp("rendered")
+    path = write_job(folder, "version: 1\nmodel: tiny\ndefaults: {steps: 2, size: 64x64}\nshots:\n"
+                             "  - {id: a, prompt: x, seed: 1, candidates: 2}\n  - {id: b, prompt: y, seed: 5}\n")
+    out = folder / "o"
     assert runner.invoke(app, ["render", str(path), "--out", str(out)]).exit_code == 0
     return path, out
+
+
+@pytest.fixture
+def rendered(rendered_once, tmp_path):
+    path, out = rendered_once
+    copy = tmp_path / "o"
+    shutil.copytree(out, copy)
+    return path, copy
 
 
 def test_sheet_and_pick_commands(rendered, tmp_path):

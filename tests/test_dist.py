@@ -19,7 +19,8 @@ from conftest import ROOT, write_job
 from storyboard_cli import dist
 from storyboard_cli.outputs import Manifest, read_fingerprint
 from storyboard_cli.plan import Batch, BucketKey, WorkItem
-from storyboard_cli.shards import SHARDS, merge_shards, shard_manifest
+from storyboard_cli.folder import SHARDS
+from storyboard_cli.shards import merge_shards, shard_manifest
 
 # What the workers run. Until `bcg render` calls dist.render, the same phases are reached through
 # dist.py's own entry point; then this becomes "storyboard_cli".
@@ -98,6 +99,7 @@ def one_process(tmp_path_factory):
     return job, folder / "out"
 
 
+@pytest.mark.slow  # torchrun and worker processes
 def test_two_workers_render_the_same_files_and_manifest_as_one_process(one_process, tmp_path):
     job, reference = one_process
     out = tmp_path / "out"
@@ -112,6 +114,7 @@ def test_two_workers_render_the_same_files_and_manifest_as_one_process(one_proce
     assert sum(b["images"] for b in report["buckets"]) == IMAGES
 
 
+@pytest.mark.slow  # torchrun and worker processes
 def test_two_machines_through_a_c10d_endpoint(one_process, tmp_path):
     job, reference = one_process
     out = tmp_path / "out"
@@ -157,6 +160,7 @@ def _consistent(out: Path) -> list[str]:
     return pngs
 
 
+@pytest.mark.slow  # torchrun and worker processes
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers through /proc")
 def test_stopped_launcher_and_killed_worker_lose_nothing(tmp_path):
     job = write_job(tmp_path, LONG)

@@ -15,7 +15,7 @@ from storyboard_cli.cli import app
 from storyboard_cli.outputs import read_fingerprint
 
 pytestmark = pytest.mark.slow
-N = 40
+N = 12  # enough that a render stopped after its third image is stopped mid-job
 JOB = f"version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {{id: a, prompt: x, steps: 6, size: 64x64, candidates: {N}}}\n"
 
 
@@ -45,9 +45,13 @@ def _check_consistent(out):
 
 
 def test_kill_9_then_rerun_finishes_what_is_missing(tmp_path):
+    """Also: while the first render runs, a second one into the same folder is refused, naming its holder."""
     job = write_job(tmp_path, JOB)
     out = tmp_path / "out"
     proc = _start(job, out)
+    _wait_for_images(out, 1, proc)
+    refused = CliRunner().invoke(app, ["render", str(job), "--out", str(out)])
+    assert refused.exit_code == 2 and f"(pid {proc.pid} on " in refused.output, refused.output
     _wait_for_images(out, 3, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -80,15 +84,3 @@ def test_ctrl_c_keeps_finished_images_and_exits_130(tmp_path, presses):
     assert json.loads((out / "report.json").read_text())["status"] == "interrupted"
     assert not list(out.rglob("*.tmp")) and not (out / ".bcg.lock").exists()
 
-
-def test_second_render_into_the_same_folder_is_refused(tmp_path):
-    job = write_job(tmp_path, JOB)
-    out = tmp_path / "out"
-    proc = _start(job, out)
-    try:
-        _wait_for_images(out, 1, proc)
-        result = CliRunner().invoke(app, ["render", str(job), "--out", str(out)])
-        assert result.exit_code == 2 and f"(pid {proc.pid} on " in result.output, result.output
-    finally:
-        proc.kill()
-        proc.wait()

@@ -11,7 +11,9 @@ from PIL import Image
 from conftest import write_job
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job import LoraFile, load_job
-from storyboard_cli.outputs import REPLACED, parameters_text, png_bytes
+from storyboard_cli.folder import REPLACED
+from storyboard_cli.models.lora import Swap
+from storyboard_cli.outputs import parameters_text, png_bytes
 from storyboard_cli.plan import WorkItem
 from storyboard_cli.render import RenderOptions, render
 from storyboard_cli.report import build_report, markdown, Timings
@@ -161,16 +163,18 @@ def test_lora_tags_and_hashes_in_the_a1111_parameters():
 
 
 def test_report_lora_section():
-    swaps = [((), (("mei", "h", 0.8),), 120, 0.5), ((("mei", "h", 0.8),), (), 120, 0.25),
-             ((), (("ink", "g", 0.4),), 60, 0.1)]
+    mei, both = (("mei", "h" * 64, 0.8),), (("ink", "g" * 64, 0.4), ("mei", "h" * 64, 0.8))
+    swaps = [Swap((), mei, 120, 0.5), Swap(mei, (), 120, 0.25), Swap((), both, 60, 0.1)]
     common = dict(job="j", out_dir=Path("o"), device="cpu", dtype="float32", engine="eager", model="tiny",
                   timings=Timings(), wall_s=1.0, rendered=1, skipped=0, failed=[], peak_mem_mb=None, graphs=[],
                   status="done", notes=[])
     report = build_report(**common, lora_swaps=swaps)
-    assert report["lora"] | {"sets": None} == {"swaps": 3, "total_s": 0.85, "median_s": 0.25,
-                                                "layers": [120, 120, 60], "sets": None}
+    assert report["lora"] == {"swaps": 3, "total_s": 0.85, "median_s": 0.25, "layers": [120, 120, 60],
+                              "sets": [["none", "mei 0.8"], ["mei 0.8", "none"], ["none", "ink 0.4, mei 0.8"]]}
     md = markdown(report)
     assert "## LoRA" in md and "3 swaps, 0.850 s in all, median 0.250 s" in md
+    assert "| none | mei 0.8 | 120 |\n| mei 0.8 | none | 120 |\n| none | ink 0.4, mei 0.8 | 60 |" in md
+    assert "h" * 12 not in json.dumps(report) + md  # no hashes, no tuples
     assert build_report(**common)["lora"] is None and "## LoRA" not in markdown(build_report(**common))
 
 

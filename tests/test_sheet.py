@@ -15,10 +15,11 @@ from PIL import Image
 from conftest import ROOT, write_job
 from storyboard_cli import outputs, sheet
 from storyboard_cli.errors import BadInput
-from storyboard_cli.job import Shot, load_job
+from storyboard_cli.job import load_job
 from storyboard_cli.picks import apply_picks, load_picks, reroll_shots, rerolled, with_rerolls
 from storyboard_cli.render import RenderOptions, render
-from storyboard_cli.sheet import SCRIPT, SheetWriter, bench_svgs, write_sheet
+from storyboard_cli.charts import bench_svgs
+from storyboard_cli.sheet import SCRIPT, SheetWriter, write_sheet
 
 EVIL = "<script>alert(\"x\")</script> & \"double\" 'single' é 雪"
 JOB = f"""version: 1
@@ -31,7 +32,6 @@ shots:
   - {{id: b, prompt: a keeper with a lantern, seed: 30, control: {{image: control/hero_pose.png, scale: 0.8}}}}
   - {{id: c, prompt: a boat at sea, seed: 20, size: 96x64, candidates: 2}}
 """
-HAS_FIRST_CANDIDATE = "first_candidate" in Shot.__dataclass_fields__
 
 
 class Page(HTMLParser):
@@ -221,13 +221,13 @@ def test_an_update_opens_only_new_files(job, out, monkeypatch):
     writer = SheetWriter(out, job)
     writer.update()
     calls = []
-    real = sheet.read_meta
-    monkeypatch.setattr(sheet, "read_meta", lambda p: calls.append(p) or real(p))
+    real = sheet.read_chunk
+    monkeypatch.setattr(sheet, "read_chunk", lambda p: calls.append(p) or real(p))
     monkeypatch.setattr(sheet, "make_thumb", lambda *a: pytest.fail("thumbnail remade"))
     writer.update()
     assert calls == []
     monkeypatch.undo()
-    monkeypatch.setattr(sheet, "read_meta", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(sheet, "read_chunk", lambda p: calls.append(p) or real(p))
     shutil.copy(out / "a/a_c1_s8.png", out / "a/a_c5_s12.png")  # a new image lands
     writer.update()
     assert calls == [out / "a/a_c5_s12.png"]
@@ -302,11 +302,6 @@ def test_picking_never_replaces_a_file_bcg_did_not_write(job, out, tmp_path):
 
 # ---------------------------------------------------------------- reroll
 
-needs_first_candidate = pytest.mark.skipif(not HAS_FIRST_CANDIDATE,
-                                           reason="needs Shot.first_candidate (job.py) and its use in plan.work_items")
-
-
-@needs_first_candidate
 def test_reroll_adds_candidates_after_the_existing_ones_with_new_seeds(job, out):
     from storyboard_cli.plan import work_items
 
@@ -327,7 +322,6 @@ def test_reroll_adds_candidates_after_the_existing_ones_with_new_seeds(job, out)
         reroll_shots(job, out, ["cc"])
 
 
-@needs_first_candidate
 def test_reroll_render_keeps_every_image_and_the_sheet_shows_the_new_ones(job, out, tiny_cpu, tmp_path):
     before = {p: p.read_bytes() for p in out.rglob("*.png")}
     with pytest.raises(BadInput, match="marks no shot to reroll"):
@@ -361,7 +355,8 @@ def test_bench_svgs_from_a_real_record():
 
 
 def test_the_banner_says_a_render_is_running_only_while_one_holds_the_lock(job, out):
-    from storyboard_cli.lock import LOCK, OutputLock
+    from storyboard_cli.folder import LOCK
+    from storyboard_cli.lock import OutputLock
 
     assert "render in progress" not in _page(out)  # as the finished render left it
     write_sheet(out, job)

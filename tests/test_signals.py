@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from conftest import ROOT, write_job
 from storyboard_cli.cli import app
-from storyboard_cli.outputs import LOCK, read_fingerprint
+from storyboard_cli.folder import LOCK, read_fingerprint
 
 pytestmark = pytest.mark.slow
 JOB = "version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {id: a, prompt: x, steps: 3, size: 64x64, candidates: 12}\n"

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from storyboard_cli.errors import ModelError
+from storyboard_cli.errors import ModelError, one_line
 from storyboard_cli.models.tiny import cache_root, tiny_folder
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ def load_sdxl(spec: str, controlnet: str | None, device: str | torch.device, dty
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure to read user-provided weights is reported in one line
-        first = f"{e.__class__.__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        first = one_line(e)
         raise ModelError(f"cannot load model {spec!r}{f' / controlnet {controlnet!r}' if controlnet else ''}: "
                          f"{first}") from e
     models = SdxlModels(spec, parts["tokenizers"], parts["text_encoders"], parts["unet"], parts["vae"], cn,
