@@ -25,7 +25,9 @@ import torch
 from storyboard_cli.batch import BatchRunner, batch_shapes, decode
 from storyboard_cli.capture import synthetic_inputs, time_shapes
 from storyboard_cli.engine.base import Shape, shape_label
-from storyboard_cli.engine.build import device_name, dtype_name, graph_runner
+from storyboard_cli.engine.build import compiled_kernels, graph_runner
+from storyboard_cli.engine.compiled import artifact_path, module_of, targets
+from storyboard_cli.engine.device import device_name, dtype_name
 from storyboard_cli.engine.eager import EagerEngine, denoise
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Job, load_job
@@ -148,7 +150,7 @@ def _bcg(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile: str 
             "images_per_s": result.rendered / result.wall_s,
             "peak_mb": _peak_mb(models.device), "engine": result.engine, "stages_s": r["stages_s"],
             "ms_per_step": {b["bucket"]: b["ms_per_step"] for b in r["buckets"]}, "graphs": r["graphs"],
-            "lora": r.get("lora")}
+            "lora": r.get("lora"), "notes": r["notes"]}
 
 
 def _warm_runner(job: Job, models: SdxlModels):
@@ -247,22 +249,90 @@ def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable
     return out
 
 
-def layout_variants(models: SdxlModels, log: Callable[[str], None]) -> list[dict]:
-    """Graph ms/step at 1024x1024 for UNet layout variants (run last: it changes the loaded UNet)."""
-    def cudnn_benchmark(u):
-        torch.backends.cudnn.benchmark = True
+# ---------------------------------------------------------------- compiled kernels
 
-    rows = []
-    for name, change in (("baseline", lambda u: None), ("cudnn.benchmark", cudnn_benchmark),
-                         ("cudnn.benchmark + fused QKV", lambda u: u.fuse_qkv_projections())):
-        change(models.unet)
-        shapes = [Shape(b, 1024, 1024, False) for b in (1, 4)]
-        for t in time_shapes(models, graph_runner(models, shapes, compile="off"), shapes, steps=10, repeats=3,
-                             eager=False):
-            rows.append({"variant": name, "shape": t.shape, "graph_ms": t.graph_ms, "state": t.state,
-                         "reason": t.reason})
-            log(json.dumps(rows[-1]))
-    return rows
+
+def first_render(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
+    """The first render of a job with `--compile auto` on a cache without its kernels (they compile in the
+    background while the plain graphs render) against the same render with `--compile off`, side by side
+    on the same models; off first, so the builds' CPU load cannot slow it."""
+    shapes = batch_shapes(make_batches(work_items(job), job.buckets))
+    cached = [t.label for t in targets(shapes, models.controlnet is not None)
+              if artifact_path(t, module_of(models, t.module)).is_file()]
+    with tempfile.TemporaryDirectory() as tmp:
+        off = _bcg(job, models, Path(tmp) / "off", compile="off")
+        auto = _bcg(job, models, Path(tmp) / "auto", compile="auto")
+    rec = {"cached_before": cached, "off": off, "auto": auto, "ratio": auto["images_per_s"] / off["images_per_s"]}
+    log(f"first render: auto {auto['images_per_s']:.3f} images/s, off {off['images_per_s']:.3f} "
+        f"= {rec['ratio']:.3f}x (artifacts in the cache before: {cached or 'none'})")
+    return rec
+
+
+def top_kernels(fn: Callable[[], object], n: int = 3, k: int = 15) -> list[dict]:
+    """The `k` GPU kernels that take the most time in `fn`, per call (torch.profiler, after a warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) / 1000 / n
+    return [{"kernel": "all kernels", "ms_per_step": round(total, 2), "calls": sum(e.count for e in events) // n}] + \
+        [{"kernel": e.key[:100], "ms_per_step": round(e.device_time_total / 1000 / n, 3), "calls": e.count // n}
+         for e in events[:k]]
+
+
+def kernel_profile(models: SdxlModels, log: Callable[[str], None], batch: int = 8, side: int = 1024) -> dict:
+    """Top kernels of one denoising step (CFG batched), plain modules against the compiled kernels from the
+    cache, outside any graph (a graph replay hides its kernels from the profiler)."""
+    shape = Shape(batch, side, side, False)
+    notes: list[str] = []
+    kernels = compiled_kernels(models, [shape], "auto", notes)
+    kernels.want(targets([shape], False))
+    why = kernels.ready(*shape)
+    if why:
+        raise RuntimeError(f"no compiled kernels to profile: {why} {notes}")
+    kernels.reserve(batch, side * side)
+    x, cond, _, guidance = synthetic_inputs(models, batch, side, side, False)
+    sigma, t = torch.tensor(10.0, device=models.device), torch.tensor(500.0, device=models.device)
+    with torch.no_grad():
+        rec = {"shape": shape.label,
+               "plain": top_kernels(lambda: denoise(models, x, sigma, t, cond, None, guidance)),
+               "compiled": top_kernels(lambda: denoise(models, x, sigma, t, cond, None, guidance, kernels))}
+    log(json.dumps(rec))
+    return rec
+
+
+def compile_slice(job: Job, models: SdxlModels, loop: DiffusersLoop, log: Callable[[str], None]) -> dict:
+    """(b) the diffusers loop with diffusers' regional torch.compile (`compile_repeated_blocks`: each
+    BasicTransformerBlock compiled once and reused) on the job's shots at its most common size, side by
+    side with (a) and with (e) bcg on its compiled kernels, on that slice. Run last: it compiles the shared
+    UNet's blocks (undone at the end)."""
+    sizes = [(s.width, s.height) for s in job.shots]
+    size = max(set(sizes), key=sizes.count)
+    part = replace(job, shots=tuple(s for s in job.shots if (s.width, s.height) == size))
+    torch._dynamo.config.recompile_limit = 64  # every block class x row count, until shapes turn dynamic
+    with tempfile.TemporaryDirectory() as tmp:
+        e = _bcg(part, models, Path(tmp) / "e", compile="auto")
+        a = loop.run_job(part, Path(tmp) / "a")
+        models.unet.compile_repeated_blocks(fullgraph=True)
+        try:
+            first = loop.run_job(part, Path(tmp) / "b1")
+            steady = loop.run_job(part, Path(tmp) / "b2")
+        finally:
+            for m in models.unet.modules():  # back to the plain blocks for whatever runs next
+                if getattr(m, "_compiled_call_impl", None) is not None:
+                    m._compiled_call_impl = None
+    rec = {"shots": [s.id for s in part.shots], "images": e["images"], "a": a, "e": e, "b_first": first,
+           "b_steady": steady, "b_compile_s": first["wall_s"] - steady["wall_s"],
+           "e_vs_b": e["images_per_s"] / steady["images_per_s"], "e_vs_a": e["images_per_s"] / a["images_per_s"],
+           "b_vs_a": steady["images_per_s"] / a["images_per_s"]}
+    log(f"slice {size[0]}x{size[1]} ({rec['images']} images): (e) {rec['e_vs_a']:.2f}x (a), (b) steady "
+        f"{rec['b_vs_a']:.2f}x (a), (e) {rec['e_vs_b']:.2f}x (b); (b) compile {rec['b_compile_s']:.0f} s")
+    return rec
 
 
 # ---------------------------------------------------------------- the harness
@@ -284,7 +354,7 @@ class Results:
 
     def save(self, rec: dict) -> None:
         """The JSON record, the throughput-vs-batch curves and contenders' images/s as SVG, and the Markdown."""
-        from storyboard_cli.sheet import bench_svgs
+        from storyboard_cli.charts import bench_svgs
 
         self.folder.joinpath(f"{self.stem}.json").write_text(json.dumps(rec, indent=2) + "\n")
         for name, svg in bench_svgs(rec, NAMES).items():
@@ -336,14 +406,23 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         part("single_shot", lambda: single_shot(models, loop, job, log))
     if "lora" in parts:
         part("lora", lambda: lora_part(job, models, log))
-    if "micro_compiled" in parts and device.type == "cuda":
+    if "micro_compiled" in parts and device.type == "cuda":  # the kernels built first if the cache lacks them
         part("step_curve_compiled",
-             lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log, "auto"))
+             lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log, "on"))
         if models.controlnet is not None:
             part("step_curve_control_compiled",
-                 lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, "auto"))
-    if "variants" in parts and device.type == "cuda":
-        part("variants", lambda: layout_variants(models, log))
+                 lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, "on"))
+    if "curves" in parts and device.type == "cuda":  # "micro" without the single-shot part
+        part("step_curve", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log))
+        if models.controlnet is not None:
+            part("step_curve_control",
+                 lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log))
+    if "first_render" in parts and device.type == "cuda":
+        part("first_render", lambda: first_render(job, models, log))
+    if "profile" in parts and device.type == "cuda":
+        part("profile", lambda: kernel_profile(models, log))
+    if "b_slice" in parts and device.type == "cuda":
+        part("b_slice", lambda: compile_slice(job, models, loop, log))
     results.save(rec)
     rec["written"] = [str(p) for p in results.paths]
     return rec
@@ -498,11 +577,24 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
                            f"{f(r['speedup'], '.2f')}x | {f(r['graph_ms_per_image'], '.1f')} | "
                            f"{r['tflop_per_step']:.2f} | {f(r['matmul_share'] and 100 * r['matmul_share'], '.0f')}% |")
             out.append("")
-    if rec.get("variants"):
-        out += ["Engine variants (graph ms/step, 1024x1024, applied cumulatively):", "",
-                "| variant | shape | graph ms | state |", "|---|---|---:|---|"]
-        out += [f"| {v['variant']} | {v['shape']} | {v['graph_ms'] or float('nan'):.1f} | {v['state']} |"
-                for v in rec["variants"]]
+    if "first_render" in rec:
+        f = rec["first_render"]
+        out += [f"First render on a cache without the job's kernels: `--compile auto` {f['auto']['images_per_s']:.3f} "
+                f"images/s, `--compile off` {f['off']['images_per_s']:.3f} = **{f['ratio']:.3f}x** "
+                f"(kernels in the cache before: {', '.join(f['cached_before']) or 'none'})", ""]
+    if "b_slice" in rec:
+        b = rec["b_slice"]
+        out += [f"Slice {', '.join(b['shots'])} ({b['images']} images), side by side: (a) diffusers "
+                f"{b['a']['images_per_s']:.3f} images/s, (b) + regional torch.compile steady "
+                f"{b['b_steady']['images_per_s']:.3f} (first pass {b['b_first']['images_per_s']:.3f}, compile about "
+                f"{b['b_compile_s']:.0f} s), (e) bcg compiled {b['e']['images_per_s']:.3f}: (e) = "
+                f"**{b['e_vs_a']:.2f}x (a)**, **{b['e_vs_b']:.2f}x (b)**", ""]
+    if "profile" in rec:
+        pr = rec["profile"]
+        out += [f"Top kernels of one step, {pr['shape']} (ms per step):", "", "| plain | ms | compiled | ms |",
+                "|---|---:|---|---:|"]
+        for x, y in zip(pr["plain"], pr["compiled"]):
+            out.append(f"| `{x['kernel'][:60]}` | {x['ms_per_step']:.2f} | `{y['kernel'][:60]}` | {y['ms_per_step']:.2f} |")
         out.append("")
     if rec.get("errors"):
         out += ["Parts that failed:", ""] + [f"- {k}: {v}" for k, v in rec["errors"].items()] + [""]

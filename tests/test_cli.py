@@ -343,14 +343,18 @@ def test_reroll_renders_new_candidates_and_keeps_every_image(rendered, tmp_path)
 
 def test_compile_progress_off_a_terminal_is_one_line_per_module_state(capsys):
     from storyboard_cli import cli
-    from storyboard_cli.engine.compiled import CompileEvent
+    from storyboard_cli.engine.builds import CompileEvent
 
     with cli._compile_progress(quiet=False) as on_event:
-        on_event(CompileEvent("unet", "compiling", 1.0, 365.0))
-        on_event(CompileEvent("unet", "compiling", 2.0, 365.0))
-        on_event("compiled kernels not used: unet-x.pt2: it does not load on this machine")
-        on_event(CompileEvent("unet", "done", 300.0, 365.0))
+        on_event(CompileEvent("unet 1024x1024", "compiling", 1.0, 300.0))
+        on_event(CompileEvent("controlnet 1024x1024", "compiling", 1.0, 200.0))
+        on_event(CompileEvent("unet 1024x1024", "compiling", 2.0, 300.0))
+        on_event("compiled kernels for unet 832x1216 not used: unet-x.pt2: it does not load on this machine")
+        on_event(CompileEvent("unet 1024x1024", "done", 290.0, 300.0))
+        on_event(CompileEvent("controlnet 1024x1024", "failed", 100.0, 200.0, "the compiler said no"))
     lines = capsys.readouterr().err.splitlines()
-    assert lines == ["bcg: compiling unet (about 365 s)",
-                     "compiled kernels not used: unet-x.pt2: it does not load on this machine",
-                     "bcg: unet done in 300 s"]
+    assert lines == ["bcg: compiling unet 1024x1024 (about 300 s)",
+                     "bcg: compiling controlnet 1024x1024 (about 200 s)",
+                     "compiled kernels for unet 832x1216 not used: unet-x.pt2: it does not load on this machine",
+                     "bcg: unet 1024x1024 done in 290 s",
+                     "bcg: controlnet 1024x1024 failed in 100 s the compiler said no"]

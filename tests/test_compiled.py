@@ -250,17 +250,50 @@ def test_a_killed_build_child_fails_with_its_signal(tmp_path, monkeypatch):
     assert "killed by signal 9" in notes[0] and path.with_suffix(".failed").is_file() and not path.exists()
 
 
-def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None, side: int = SIDE) -> str:
+def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None, side: int = SIDE,
+                           model: str = "tiny") -> str:
     """What a second process gets from the cache folder `root`: 'loaded', or the notes."""
     code = ("import sys, torch; from pathlib import Path; from storyboard_cli.engine import compiled as C;"
             "from storyboard_cli.engine.base import Shape; from storyboard_cli.models.loader import load_sdxl;"
-            f"m = load_sdxl('tiny', {controlnet!r}, {device!r}, torch.{dtype});"
+            f"m = load_sdxl({model!r}, {controlnet!r}, {device!r}, torch.{dtype});"
             "k = C.CompiledKernels(m, None, root=Path(sys.argv[1]));"
             f"k.want(C.targets([Shape(1, {side}, {side}, m.controlnet is not None)], m.controlnet is not None));"
             f"why = k.ready(1, {side}, {side}, m.controlnet is not None);"
             "print('loaded' if why is None else [why, k.notes])")
     done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300)
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+
+
+def test_a_size_switches_to_its_compiled_kernels_when_its_build_lands(artifacts, tmp_path):
+    """Between batches the runner looks at the builds: a size is plain until its kernels land, then
+    compiled (a graph of its own, captured and checked on its next batch)."""
+    from storyboard_cli.engine.graphs import GraphRunner
+
+    class Later:  # builds that finish at their second poll, into the session's artifacts
+        def __init__(self):
+            self.builds, self.polls = {}, 0
+
+        def want(self, wanted):
+            self.builds.update({t: artifacts / path.name for t, path, _ in wanted})
+
+        def poll(self):
+            self.polls += 1
+            return [(t, path, 12.0) for t, path in self.builds.items()] if self.polls == 2 else []
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    notes = []
+    runner = GraphRunner(models, max_batch=1, max_hw=(SIDE, SIDE),
+                         compiled=C.CompiledKernels(models, Later(), notes, root=tmp_path))
+    runner.capturer = lambda key: object()  # the bookkeeping of a capture, without a GPU
+    runner.prepare([Shape(1, SIDE, SIDE, False)])  # nothing cached: the plain graph, and a build started
+    assert runner.shape_key(1, SIDE, SIDE, False).variant == "plain" and "in the background" in notes[0]
+    runner.compiled.poll()  # not finished yet
+    assert runner.shape_key(1, SIDE, SIDE, False).variant == "plain"
+    runner.compiled.poll()
+    key = runner.shape_key(1, SIDE, SIDE, False)
+    assert key.variant == "compiled" and "ready after 12 s" in notes[-1]
+    runner.graph(key)
+    assert runner.stats[key].compile_s == 12.0
 
 
 def test_a_second_process_loads_from_the_cache(artifacts):

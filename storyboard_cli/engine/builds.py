@@ -3,8 +3,8 @@
 
 - One child per artifact (module x image size). As many run at once as the machine's cores, memory
   and free GPU memory allow; each is niced, so the render keeps the CPU it needs to feed the GPU.
-- A child makes its module from the config alone (weight values are not compiled in), so it reads
-  no weights from disk and holds one module's memory, not the pipeline's.
+- A child makes its module from the config alone, without values (they are not compiled in): it reads
+  no weights, runs nothing on the GPU but the compile's own checks, and holds one module's memory.
 - A child takes the artifact's lock file first: two renders never build the same artifact (the
   second sees the lock and waits for the first's result instead).
 - Children run in their own session: Ctrl-C, a SIGTERM of the render or its end does not stop them,
@@ -227,9 +227,11 @@ def _main(argv: list[str]) -> None:
 
     t0 = time.perf_counter()
     torch.set_default_dtype(DTYPES[dtype])  # the module is made in its dtype: no float32 copy first
-    with torch.device(device):
+    # on the meta device, then memory without values: the values are not compiled in, and no
+    # initialisation kernel runs on a GPU a render may be using
+    with torch.device("meta"):
         model = getattr(diffusers, cls_name).from_config(json.loads(Path(config).read_text()))
-    model.to(dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    model.to_empty(device=device).to(dtype=DTYPES[dtype]).eval().requires_grad_(False)
     made = time.perf_counter() - t0
     stats = compiled.build(Target(module, int(height), int(width)), model, path)
     path.with_suffix(".failed").unlink(missing_ok=True)

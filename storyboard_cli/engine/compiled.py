@@ -354,6 +354,7 @@ class CompiledKernels(StepCalls):
         self.residuals = Residuals.of(models.unet)
         self.calls: dict[Target, Callable] = {}
         self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
+        self.load_s: dict[Target, float] = {}  # seconds each load and constant binding took
         self.waiting: list[Target] = []  # missing, handed to the builds at `start`
         super().__init__(self._unet, self._controlnet)
         self.zeros = torch.zeros(0, dtype=models.dtype, device=models.device)
@@ -369,7 +370,9 @@ class CompiledKernels(StepCalls):
         try:
             if not loads_here(path):
                 raise RuntimeError("it does not load on this machine")
+            t0 = time.perf_counter()
             self.calls[target] = load(target, self.models, path)
+            self.load_s[target] = time.perf_counter() - t0
             return True
         except Exception as e:  # noqa: BLE001 - any broken artifact: plain graphs, and say why
             self.notes.append(f"compiled kernels for {target.label} not used: {path.name}: {one_line(e, 200)}")
