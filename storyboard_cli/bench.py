@@ -28,7 +28,7 @@ from storyboard_cli.engine.base import Shape, shape_label
 from storyboard_cli.engine.build import compiled_kernels, graph_runner
 from storyboard_cli.engine.compiled import artifact_path, module_of, targets
 from storyboard_cli.engine.device import device_name, dtype_name
-from storyboard_cli.engine.eager import EagerEngine, denoise
+from storyboard_cli.engine.eager import EagerEngine, StepCalls, denoise
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job import Job, load_job
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
@@ -190,16 +190,17 @@ def step_flops(models: SdxlModels, batch: int, width: int, height: int, control:
 
 
 def step_curve(models: SdxlModels, batches: tuple[int, ...], width: int, height: int, control: bool,
-               matmul_rate: float, log: Callable[[str], None], compile: str = "off") -> list[dict]:
+               matmul_rate: float, log: Callable[[str], None], compile: str = "off", eager: bool = True) -> list[dict]:
     """Eager vs graph ms/step per batch size, FLOPs per step and the share of the matmul rate reached
-    (compile "auto": the graphs run the cached compiled kernels)."""
+    (compile "on": the graphs run the compiled kernels, built first if the cache lacks them)."""
     shapes = [Shape(b, height, width, control) for b in batches]
     rows = []
-    for t in sorted(time_shapes(models, graph_runner(models, shapes, compile), shapes, steps=10, repeats=3),
-                    key=lambda t: t.shape):
+    runner = graph_runner(models, shapes, compile)
+    for t in sorted(time_shapes(models, runner, shapes, steps=10, repeats=3, eager=eager), key=lambda t: t.shape):
         b = int(t.shape.split("x")[0])
         flops = step_flops(models, b, width, height, control)
-        row = {"shape": t.shape, "batch": b, "eager_ms": t.eager_ms, "graph_ms": t.graph_ms,
+        row = {"shape": t.shape, "state": t.state, "reason": t.reason, "batch": b, "eager_ms": t.eager_ms,
+               "graph_ms": t.graph_ms,
                "speedup": t.speedup, "graph_ms_per_image": t.graph_ms / b if t.graph_ms else None,
                "tflop_per_step": flops / 1e12, "capture_s": t.capture_s, "pool_mb": t.pool_mb,
                "matmul_share": (flops / (t.graph_ms / 1000) / 1e12 / matmul_rate) if t.graph_ms else None}
@@ -298,10 +299,21 @@ def kernel_profile(models: SdxlModels, log: Callable[[str], None], batch: int = 
     kernels.reserve(batch, side * side)
     x, cond, _, guidance = synthetic_inputs(models, batch, side, side, False)
     sigma, t = torch.tensor(10.0, device=models.device), torch.tensor(500.0, device=models.device)
+    rel = lambda a, b: (torch.linalg.vector_norm((a - b).float()) / torch.linalg.vector_norm(b.float())).item()  # noqa: E731
     with torch.no_grad():
         rec = {"shape": shape.label,
                "plain": top_kernels(lambda: denoise(models, x, sigma, t, cond, None, guidance)),
                "compiled": top_kernels(lambda: denoise(models, x, sigma, t, cond, None, guidance, kernels))}
+        # how far the compiled kernels are from the plain modules: the noise prediction itself, and the
+        # denoised estimate with and without guidance (CFG amplifies the first where eps+ and eps- are close)
+        latents, tt = (x * 0.1).half().repeat(2, 1, 1, 1), t.expand(2 * batch)
+        eps = [calls.unet(latents, tt, cond.embeds, cond.pooled, cond.time_ids, None, None)
+               for calls in (StepCalls.eager(models), kernels)]
+        rec["rel_err_eps"] = rel(eps[1], eps[0])
+        for g in (1.0, 5.0):
+            full = torch.full_like(guidance, g)
+            rec[f"rel_err_denoised_g{g:g}"] = rel(denoise(models, x, sigma, t, cond, None, full, kernels),
+                                                 denoise(models, x, sigma, t, cond, None, full))
     log(json.dumps(rec))
     return rec
 
@@ -406,17 +418,20 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         part("single_shot", lambda: single_shot(models, loop, job, log))
     if "lora" in parts:
         part("lora", lambda: lora_part(job, models, log))
+    if "curves" in parts and device.type == "cuda":  # plain against compiled graphs, side by side, no eager
+        for key, compile in (("step_curve", "off"), ("step_curve_compiled", "on")):
+            part(key, lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log,
+                                         compile, eager=False))
+            if models.controlnet is not None:
+                part(key.replace("curve", "curve_control"),
+                     lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, compile,
+                                        eager=False))
     if "micro_compiled" in parts and device.type == "cuda":  # the kernels built first if the cache lacks them
         part("step_curve_compiled",
              lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log, "on"))
         if models.controlnet is not None:
             part("step_curve_control_compiled",
                  lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, "on"))
-    if "curves" in parts and device.type == "cuda":  # "micro" without the single-shot part
-        part("step_curve", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log))
-        if models.controlnet is not None:
-            part("step_curve_control",
-                 lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log))
     if "first_render" in parts and device.type == "cuda":
         part("first_render", lambda: first_render(job, models, log))
     if "profile" in parts and device.type == "cuda":
@@ -591,7 +606,9 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
                 f"**{b['e_vs_a']:.2f}x (a)**, **{b['e_vs_b']:.2f}x (b)**", ""]
     if "profile" in rec:
         pr = rec["profile"]
-        out += [f"Top kernels of one step, {pr['shape']} (ms per step):", "", "| plain | ms | compiled | ms |",
+        out += [f"Compiled against plain, relative error: noise prediction {pr['rel_err_eps']:.1e}, denoised at "
+                f"guidance 1 {pr['rel_err_denoised_g1']:.1e}, at guidance 5 {pr['rel_err_denoised_g5']:.1e}", "",
+                f"Top kernels of one step, {pr['shape']} (ms per step):", "", "| plain | ms | compiled | ms |",
                 "|---|---:|---|---:|"]
         for x, y in zip(pr["plain"], pr["compiled"]):
             out.append(f"| `{x['kernel'][:60]}` | {x['ms_per_step']:.2f} | `{y['kernel'][:60]}` | {y['ms_per_step']:.2f} |")
