@@ -199,6 +199,21 @@ def test_a_corrupt_artifact_is_reported_and_never_crashes(tmp_path, artifacts):
     assert k.waiting == [unet]  # a build replaces it
 
 
+def test_a_copied_cache_keeps_its_load_markers(tmp_path, artifacts, monkeypatch):
+    """A cache copied to another folder or machine (newer file times, markers copied first) is trusted by
+    its digests: no child-process load check per artifact (tens of seconds each on a GPU)."""
+    import shutil
+
+    for f in sorted(artifacts.glob("unet-*"), key=lambda f: f.suffix != ".ok"):  # markers first, as `cp *` does
+        shutil.copy(f, tmp_path / f.name)
+    monkeypatch.setattr(C.subprocess, "run", lambda *a, **k: pytest.fail("a load check ran"))
+    (path,) = tmp_path.glob("unet-*.pt2")
+    assert C.loads_here(path)
+    path.write_bytes(path.read_bytes()[:4096])  # not the artifact the marker vouches for
+    monkeypatch.undo()
+    assert not C.loads_here(path) and path.with_suffix(".bad").is_file()
+
+
 def test_no_artifact_means_plain_with_a_reason(tmp_path):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     k = kernels(models, tmp_path)

@@ -280,7 +280,7 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
         aoti_load_package(str(tmp), run_single_threaded=True).get_constant_fqns()
         t3 = time.perf_counter()
         os.replace(tmp, path)
-        path.with_suffix(".ok").write_text("loaded\n")
+        path.with_suffix(".ok").write_text(f"loaded {_digest(path)}\n")
     finally:
         tmp.unlink(missing_ok=True)
         tmp.parent.rmdir()
@@ -313,13 +313,19 @@ def load(target: Target, models: Any, path: Path) -> Callable:
     return compiled
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()  # a few ms for an artifact of 10 MB
+
+
 def loads_here(path: Path) -> bool:
     """Whether the artifact loads on this machine. A build leaves a marker after loading it in its own
-    process; an artifact without one (copied in) is tried once in a child process (a broken or foreign
-    shared library can take the loading process down, which must never be a render)."""
+    process; an artifact without one (copied in from elsewhere) is tried once in a child process (a broken
+    or foreign shared library can take the loading process down, which must never be a render). Markers
+    name the artifact's digest, not its time: a cache copied to another machine keeps them."""
     marker, bad = path.with_suffix(".ok"), path.with_suffix(".bad")
+    digest = _digest(path)
     for seen in (marker, bad):
-        if seen.is_file() and seen.stat().st_mtime >= path.stat().st_mtime:
+        if seen.is_file() and seen.read_text().split()[-1:] == [digest]:
             return seen is marker
     code = "import sys, torch._inductor as i; i.aoti_load_package(sys.argv[1], run_single_threaded=True)"
     try:
@@ -328,9 +334,9 @@ def loads_here(path: Path) -> bool:
         return False
     if done.returncode != 0:
         log.warning("compiled artifact %s does not load here (exit %s)", path.name, done.returncode)
-        bad.write_text(f"exit {done.returncode}\n")  # not tried again until the artifact is rebuilt
+        bad.write_text(f"exit {done.returncode} {digest}\n")  # not tried again until the artifact is rebuilt
         return False
-    marker.write_text("loaded\n")
+    marker.write_text(f"loaded {digest}\n")
     return True
 
 
