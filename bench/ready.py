@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
-from storyboard_cli.batch import batch_shapes
-from storyboard_cli.capture import synthetic_inputs
 from storyboard_cli.engine.build import graph_runner
-from storyboard_cli.job import load_job
+from storyboard_cli.engine.sampling import schedule
+from storyboard_cli.job.file import load_job
+from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.loader import load_sdxl
-from storyboard_cli.plan import make_batches, work_items
-from storyboard_cli.sampling import schedule
+from storyboard_cli.run.batch import batch_shapes
+from storyboard_cli.run.capture import synthetic_inputs
 
 
 def main(job_path: str, out: str) -> None:

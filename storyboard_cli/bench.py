@@ -22,17 +22,17 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.batch import BatchRunner, batch_shapes, decode
-from storyboard_cli.capture import synthetic_inputs, time_shapes
 from storyboard_cli.engine.base import Shape, shape_label
 from storyboard_cli.engine.build import compiled_kernels, graph_runner
 from storyboard_cli.engine.compiled import artifact_path, module_of, targets
 from storyboard_cli.engine.device import device_name, dtype_name
 from storyboard_cli.engine.eager import EagerEngine, StepCalls, denoise
 from storyboard_cli.errors import BadInput
-from storyboard_cli.job import Job, load_job
+from storyboard_cli.job.file import Job, load_job
+from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.plan import make_batches, work_items
+from storyboard_cli.run.batch import BatchRunner, batch_shapes, decode
+from storyboard_cli.run.capture import synthetic_inputs, time_shapes
 from storyboard_cli.samplers import SAMPLERS
 
 
@@ -140,7 +140,7 @@ class DiffusersLoop:
 
 
 def _bcg(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile: str = "off") -> dict:
-    from storyboard_cli.render import RenderOptions, render
+    from storyboard_cli.run.render import RenderOptions, render
 
     _peak_reset(models.device)
     result = render(job, RenderOptions(out_dir=out_dir, force=True, compile=compile), models=models, engine=engine)
@@ -366,7 +366,7 @@ class Results:
 
     def save(self, rec: dict) -> None:
         """The JSON record, the throughput-vs-batch curves and contenders' images/s as SVG, and the Markdown."""
-        from storyboard_cli.charts import bench_svgs
+        from storyboard_cli.folder.charts import bench_svgs
 
         self.folder.joinpath(f"{self.stem}.json").write_text(json.dumps(rec, indent=2) + "\n")
         for name, svg in bench_svgs(rec, NAMES).items():
@@ -449,7 +449,7 @@ CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled")
 def lora_job(job: Job, models: SdxlModels, folder: Path, count: int = 3, rank: int = 32) -> Job:
     """The bench job with `count` synthetic LoRAs (UNet + both text encoders, `rank`, fp16, Kohya layout)
     given to its shots in turn, at 0.8: a job that swaps weights between its LoRA sets."""
-    from storyboard_cli.job import LoraFile
+    from storyboard_cli.job.file import LoraFile
     from storyboard_cli.models.lora import inspect_lora
     from storyboard_cli.models.synthetic_lora import random_factors, save_kohya
 

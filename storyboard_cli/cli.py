@@ -17,7 +17,7 @@ from rich.text import Text
 
 from storyboard_cli import __version__
 from storyboard_cli.errors import Interrupted, StoryboardError, exit_code
-from storyboard_cli.folder import REPLACED, SELECTS
+from storyboard_cli.folder.layout import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out.")
@@ -76,10 +76,10 @@ def _domain_errors():
 @app.command()
 def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
-    from storyboard_cli.job import load_job
-    from storyboard_cli.plan import bucket_table, lora_swaps, lora_table, make_batches, work_items
-    from storyboard_cli.preflight import check_destination, check_model_path
-    from storyboard_cli.prompts import long_prompts
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.job.plan import bucket_table, lora_swaps, lora_table, make_batches, work_items
+    from storyboard_cli.job.preflight import check_destination, check_model_path
+    from storyboard_cli.job.prompts import long_prompts
 
     with _domain_errors():
         j = load_job(job)
@@ -147,9 +147,9 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
            gpus: Annotated[int, typer.Option(min=1, help="GPUs of this machine to render on, one worker each "
                                                         "(started through torchrun).")] = 1) -> None:
     """Render a job: every image not already on disk."""
-    from storyboard_cli import dist
-    from storyboard_cli import render as rendering
-    from storyboard_cli.job import load_job
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run import dist
+    from storyboard_cli.run import render as rendering
 
     if gpus > 1 and dist.worker() is None:
         with _domain_errors():
@@ -158,7 +158,7 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
     with _domain_errors():
         j = load_job(job)
         if reroll is not None:
-            from storyboard_cli.picks import rerolled
+            from storyboard_cli.folder.picks import rerolled
 
             j = rerolled(j, out_dir or j.output_dir, reroll)
         opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
@@ -208,8 +208,8 @@ def _command_line(ctx: typer.Context) -> list[str]:
 def sheet(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False)],
           job: JobOpt = None) -> None:
     """(Re)build the contact sheet, <out>/index.html, from what is on disk."""
-    from storyboard_cli.job import load_job
-    from storyboard_cli.sheet import write_sheet
+    from storyboard_cli.folder.sheet import write_sheet
+    from storyboard_cli.job.file import load_job
 
     with _domain_errors():
         path = write_sheet(out_dir, load_job(job) if job else None)
@@ -222,9 +222,9 @@ def pick(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.
                                                show_default=False)],
          job: JobOpt = None) -> None:
     """Copy the picked candidates, in shot order, to <out>/selects/NNN_<shot>.png."""
-    from storyboard_cli.job import load_job
-    from storyboard_cli.picks import apply_picks, load_picks
-    from storyboard_cli.sheet import write_sheet
+    from storyboard_cli.folder.picks import apply_picks, load_picks
+    from storyboard_cli.folder.sheet import write_sheet
+    from storyboard_cli.job.file import load_job
 
     with _domain_errors():
         j = load_job(job) if job else None
@@ -248,8 +248,8 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
             json_out: JsonOpt = False) -> None:
     """Compile the kernels a job needs (once per model, GPU and torch; kept under $BCG_CACHE), then
     capture its CUDA graphs, check them against the uncompiled step and time them."""
-    from storyboard_cli import capture as capturing
-    from storyboard_cli.job import load_job
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run import capture as capturing
 
     with _domain_errors():
         sizes = _bucket_sizes(buckets)
@@ -311,7 +311,7 @@ def _compile_progress(quiet: bool):
 
 def _bucket_sizes(text: str) -> tuple[int, ...]:
     from storyboard_cli.errors import BadInput
-    from storyboard_cli.job import MAX_BUCKET
+    from storyboard_cli.job.file import MAX_BUCKET
 
     try:
         sizes = tuple(sorted({int(b) for b in text.split(",")}))

@@ -1,6 +1,6 @@
 """The sampler registry: each sampler's name, its diffusers scheduler class, its A1111 label and its
 step coefficients, in one table: adding a sampler is one entry. No torch here: job validation reads it,
-and so do the PNG metadata and the bench; sampling.py turns the coefficients into a device table."""
+and so do the PNG metadata and the bench; engine/sampling.py turns the coefficients into a device table."""
 
 from __future__ import annotations
 

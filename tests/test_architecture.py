@@ -37,7 +37,20 @@ def _imports(path: Path, run_time: bool = False) -> set[str]:
 
 def test_the_checks_see_the_package():
     names = {_rel(p) for p in SOURCES}
-    assert {"cli.py", "render.py", "job.py", "plan.py", "engine/graphs.py", "engine/eager.py"} <= names
+    assert {"cli.py", "run/render.py", "job/file.py", "job/plan.py", "engine/graphs.py", "engine/eager.py"} <= names
+    named = {n for members in STAGES.values() for n in members} | set(TORCH_FREE) | ENGINE_DRIVERS
+    assert not {n for n in named if not n.endswith("/*") and n not in names}, "a table names a module that moved"
+
+
+def test_every_package_is_a_stage_and_its_init_imports_nothing():
+    """A package's __init__.py runs whenever one of its modules is imported: it must not pull in a higher stage
+    (job/file.py imports folder/layout.py, job/lora_files.py imports models/tiny.py)."""
+    packages = {p.parent.relative_to(PACKAGE).as_posix() for p in SOURCES if p.parent != PACKAGE}
+    assert packages == set(FOLDERS)
+    for name in FOLDERS:
+        init = PACKAGE / name / "__init__.py"
+        assert init.is_file(), init
+        assert not {m for m in _imports(init) if m.startswith("storyboard_cli.") and m not in REEXPORTS.get(name, ())}
 
 
 def test_only_graphs_names_cuda_graphs():
@@ -69,31 +82,44 @@ def test_the_engine_does_not_import_the_job(path):
     assert not {m for m in _imports(path) if m == "storyboard_cli.job" or m.startswith("storyboard_cli.job.")}
 
 
-# docs/ARCHITECTURE.md, "Who may import whom": the stages, lowest first. A module imports only from its
-# own stage or a lower one (lazy imports count; annotations under TYPE_CHECKING do not).
+# docs/ARCHITECTURE.md, "The rooms": one folder per stage, lowest first. A module imports only from its own
+# stage or a lower one (lazy imports count; annotations under TYPE_CHECKING do not). `folder/*`: every module of
+# that folder; a module named on its own is placed before any folder (the base modules that live in a higher
+# stage's folder because that is what they describe).
 STAGES = {
-    "base": {"errors.py", "samplers.py", "digests.py", "folder.py", "lora_files.py", "charts.py",
-             "models/tiny.py", "models/tokenizers.py", "models/__init__.py"},
-    "job": {"job.py", "plan.py", "prompts.py", "preflight.py"},
-    "models": {"models/loader.py", "models/lora.py", "models/synthetic_lora.py"},
-    "engine": {"conditioning.py", "sampling.py", "engine/*"},
-    "folder": {"outputs.py", "report.py", "sink.py", "sheet.py", "picks.py", "lock.py", "shards.py"},
-    "run": {"batch.py", "oom.py", "signals.py", "render.py", "dist.py"},
-    "top": {"cli.py", "__main__.py", "__init__.py", "capture.py", "bench.py"},
+    "base": {"errors.py", "samplers.py", "folder/layout.py", "models/tiny.py", "models/tokenizers.py",
+             "models/__init__.py"},
+    "job": {"job/*"},
+    "models": {"models/*"},
+    "engine": {"engine/*"},
+    "folder": {"folder/*"},
+    "run": {"run/*"},
+    "top": {"cli.py", "__main__.py", "__init__.py", "bench.py"},
 }
 ORDER = list(STAGES)
-# the modules that run as torch-free code: `bcg plan`, job validation, the folder's readers and writers
-TORCH_FREE = ["errors.py", "samplers.py", "digests.py", "folder.py", "lora_files.py", "charts.py", "job.py",
-              "plan.py", "prompts.py", "preflight.py", "outputs.py", "report.py", "sheet.py", "picks.py", "lock.py",
-              "shards.py", "signals.py"]
+FOLDERS = [m.removesuffix("/*") for members in STAGES.values() for m in members if m.endswith("/*")]
+# what a package's __init__.py may import: the engine's protocol (`from storyboard_cli.engine import Engine`)
+REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.base.Engine",
+                        "storyboard_cli.engine.base.Shape"}}
+# torch-free at run time, through everything they import: `bcg plan`, job validation, the folder's readers and
+# writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
+TORCH_FREE = ["errors.py", "samplers.py", "job/*", "folder/*", "run/signals.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
 # builds one; capture and bench, which time them
-ENGINE_DRIVERS = {"batch.py", "render.py", "capture.py", "bench.py"}
+ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench.py"}
+
+
+def _expand(names: list[str]) -> list[str]:
+    """'job/*' -> every module of job/, in file order."""
+    return [_rel(p) for n in names for p in SOURCES if _rel(p) == n or n.endswith("/*") and _rel(p).startswith(n[:-1])]
 
 
 def _stage(rel: str) -> str:
     for stage, members in STAGES.items():
-        if rel in members or any(m.endswith("/*") and rel.startswith(m[:-1]) for m in members):
+        if rel in members:
+            return stage
+    for stage, members in STAGES.items():
+        if any(m.endswith("/*") and rel.startswith(m[:-1]) for m in members):
             return stage
     raise AssertionError(f"{rel} is in no stage: add it to STAGES and to docs/ARCHITECTURE.md")
 
@@ -116,7 +142,7 @@ def test_no_module_imports_up_a_stage(path):
     assert not up, f"{_rel(path)} ({_stage(_rel(path))}) imports {sorted(up)}"
 
 
-@pytest.mark.parametrize("name", TORCH_FREE)
+@pytest.mark.parametrize("name", _expand(TORCH_FREE))
 def test_torch_free_modules_do_not_import_it(name):
     assert not {m for m in _imports(PACKAGE / name) if m == "torch" or m.startswith("torch.")}
 
@@ -126,7 +152,8 @@ def test_torch_free_modules_import_no_torch_at_run_time():
     import sys
 
     # not even through what they import
-    modules = ", ".join(f"storyboard_cli.{n.removesuffix('.py').replace('/', '.')}" for n in TORCH_FREE)
+    modules = ", ".join(f"storyboard_cli.{n.removesuffix('.py').removesuffix('/__init__').replace('/', '.')}"
+                        for n in _expand(TORCH_FREE))
     code = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
@@ -151,14 +178,14 @@ def test_only_folder_names_the_output_folders_files():
             if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
                     and any(n in node.value for n in names)):
                 spelled.add(_rel(path))
-    assert spelled == {"folder.py"}
+    assert spelled == {"folder/layout.py"}
 
 
 def test_picks_reads_the_folder_through_folder_not_the_sheet():
-    assert "storyboard_cli.sheet" not in _imports(PACKAGE / "picks.py")
+    assert "storyboard_cli.folder.sheet" not in _imports(PACKAGE / "folder/picks.py")
 
 
 def test_no_engine_probing_in_render():
-    text = (PACKAGE / "render.py").read_text(encoding="utf-8")
+    text = (PACKAGE / "run/render.py").read_text(encoding="utf-8")
     for probe in ("hasattr(", "isinstance(self.engine", "isinstance(engine", "GraphRunner", "EagerEngine"):
         assert probe not in text, probe

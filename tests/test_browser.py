@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from storyboard_cli.job import load_job
-from storyboard_cli.picks import apply_picks, load_picks
-from storyboard_cli.render import RenderOptions, render
-from storyboard_cli.sheet import write_sheet
+from storyboard_cli.folder.picks import apply_picks, load_picks
+from storyboard_cli.folder.sheet import write_sheet
+from storyboard_cli.job.file import load_job
+from storyboard_cli.run.render import RenderOptions, render
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

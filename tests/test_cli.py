@@ -163,7 +163,7 @@ def test_read_only_output_folder(job_dir, tmp_path, monkeypatch, errno_name):
     import errno
     import os
 
-    import storyboard_cli.lock as lock
+    import storyboard_cli.folder.lock as lock
 
     path = write_job(job_dir, ONE)
     out = tmp_path / "ro"
@@ -195,7 +195,7 @@ def test_read_only_output_folder_for_real(job_dir, tmp_path):
 def test_disk_full_at_start_leaves_no_lock_file(job_dir, tmp_path, monkeypatch):
     import errno
 
-    import storyboard_cli.lock as lock
+    import storyboard_cli.folder.lock as lock
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -16,11 +16,11 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT, write_job
-from storyboard_cli import dist
-from storyboard_cli.outputs import Manifest, read_fingerprint
-from storyboard_cli.plan import Batch, BucketKey, WorkItem
-from storyboard_cli.folder import SHARDS
-from storyboard_cli.shards import merge_shards, shard_manifest
+from storyboard_cli.folder.layout import SHARDS
+from storyboard_cli.folder.outputs import Manifest, read_fingerprint
+from storyboard_cli.folder.shards import merge_shards, shard_manifest
+from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
+from storyboard_cli.run import dist
 
 # What the workers run. Until `bcg render` calls dist.render, the same phases are reached through
 # dist.py's own entry point; then this becomes "storyboard_cli".
@@ -302,7 +302,7 @@ def test_merged_report_sums_workers_and_measures_idle_on_each_clock():
 
 
 def test_the_markdown_report_has_a_workers_table():
-    from storyboard_cli.report import markdown
+    from storyboard_cli.folder.report import markdown
 
     merged = dist.merge_reports([_worker_report(0, 6, 3.0, 9.0), _worker_report(1, 4, 2.0, 7.5)])
     text = markdown(merged | {"dtype": "float32", "engine": "eager", "model": "tiny", "images_skipped": 0,

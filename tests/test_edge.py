@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from conftest import write_job
-from storyboard_cli.batch import BatchRunner
-from storyboard_cli.conditioning import BoundedCache, PromptCache, encode_text
+from storyboard_cli.engine.conditioning import BoundedCache, PromptCache, encode_text
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.job import load_job
-from storyboard_cli.plan import make_batches, work_items
-from storyboard_cli.prompts import long_prompts
+from storyboard_cli.job.file import load_job
+from storyboard_cli.job.plan import make_batches, work_items
+from storyboard_cli.job.prompts import long_prompts
+from storyboard_cli.run.batch import BatchRunner
 
 RTOL = 1e-4  # as test_parity
 W, H, STEPS = 64, 64, 4
@@ -93,7 +93,7 @@ def test_each_prompt_is_encoded_on_its_own_whatever_else_is_new(tiny_cpu, monkey
     """A prompt's embedding must not depend on which other prompts a batch brought in at the same time
     (on a GPU the batch's matrix shapes choose the kernels and their rounding): one encode per prompt,
     so a worker of a multi-GPU render, a resumed run and a one-process render agree."""
-    import storyboard_cli.conditioning as cond
+    import storyboard_cli.engine.conditioning as cond
 
     calls = []
     real = cond.encode_text

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from storyboard_cli.capture import synthetic_inputs
 from storyboard_cli.engine import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, graph_runner
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graphs import GraphRunner, GraphStats, ShapeKey
+from storyboard_cli.engine.sampling import ancestral_split, dpmpp_2m_coeffs, euler_coeffs, schedule
 from storyboard_cli.errors import BadInput
-from storyboard_cli.sampling import ancestral_split, dpmpp_2m_coeffs, euler_coeffs, schedule
+from storyboard_cli.run.capture import synthetic_inputs
 
 
 def test_shape_key_identity_and_order():
@@ -105,9 +105,9 @@ def test_schedules_end_at_zero_and_are_finite(tiny_cpu, sampler):
 
 def test_graph_runner_buffers_fit_every_batch_of_a_job(tiny_cpu, job_dir):
     from conftest import write_job
-    from storyboard_cli.job import load_job
-    from storyboard_cli.plan import make_batches, work_items
-    from storyboard_cli.batch import batch_shapes
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.job.plan import make_batches, work_items
+    from storyboard_cli.run.batch import batch_shapes
 
     job = load_job(write_job(job_dir, "version: 1\nmodel: tiny\nshots:\n"
                                       "  - {id: a, prompt: x, candidates: 5, size: 128x64}\n"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import ROOT, write_job
 from storyboard_cli.cli import app
-from storyboard_cli.outputs import read_fingerprint
+from storyboard_cli.folder.outputs import read_fingerprint
 
 pytestmark = pytest.mark.slow
 N = 12  # enough that a render stopped after its third image is stopped mid-job

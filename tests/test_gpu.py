@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from storyboard_cli.capture import synthetic_inputs
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.sampling import draw_noise, schedule
+from storyboard_cli.engine.sampling import draw_noise, schedule
+from storyboard_cli.run.capture import synthetic_inputs
 
 pytestmark = pytest.mark.gpu
 SIZES = [(256, 256), (320, 192)]
@@ -73,7 +73,7 @@ def test_pool_sharing_after_capture_in_another_shape(setup):
 
 
 def test_padding_rows_do_not_change_real_rows(setup):
-    from storyboard_cli.conditioning import Cond, Control
+    from storyboard_cli.engine.conditioning import Cond, Control
 
     models, runner, eager, rtol = setup
     x, sched, noise, cond, ctl, guidance = _inputs(models, 1, 256, 256, True, seed=6)
@@ -156,8 +156,8 @@ def test_render_graph_equals_eager(tmp_path):
     from PIL import Image
     import numpy as np
 
-    from storyboard_cli.job import load_job
-    from storyboard_cli.render import RenderOptions, render
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.render import RenderOptions, render
     import shutil
     from pathlib import Path
 
@@ -181,10 +181,10 @@ def test_out_of_memory_splits_the_bucket(tmp_path):
     1024x1024 runs out of memory and is retried in smaller buckets; every image still lands."""
     import gc
 
-    from storyboard_cli.job import load_job
+    from storyboard_cli.folder.outputs import read_fingerprint
+    from storyboard_cli.job.file import load_job
     from storyboard_cli.models.loader import load_sdxl
-    from storyboard_cli.outputs import read_fingerprint
-    from storyboard_cli.render import RenderOptions, render
+    from storyboard_cli.run.render import RenderOptions, render
 
     models = load_sdxl("tiny", None, "cuda", torch.float16)
 

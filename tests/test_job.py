@@ -8,7 +8,7 @@ import pytest
 
 from conftest import DATA, ROOT, write_job
 from storyboard_cli.errors import JobError
-from storyboard_cli.job import NAMED_SIZES, load_job, parse_size
+from storyboard_cli.job.file import NAMED_SIZES, load_job, parse_size
 
 BAD = sorted((DATA / "bad_jobs").glob("*.yaml"))
 
@@ -157,7 +157,7 @@ def test_shot_ids_that_name_bcgs_own_files_are_refused(tmp_path, shot_id):
 
 
 def test_a_control_image_shared_by_shots_is_decoded_once(job_dir, monkeypatch):
-    import storyboard_cli.job as job_module
+    import storyboard_cli.job.file as job_module
 
     loads = []
     real = job_module._check_image

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import ROOT
-from storyboard_cli.models.synthetic_lora import random_factors, save_kohya, save_peft
 from storyboard_cli.errors import ModelError
-from storyboard_cli.lora_files import (LoraFileError, a1111_lora_hashes, architecture_mismatch, inspect_lora,
-                                       lora_problem, lora_tags, split_lora_tags)
+from storyboard_cli.job.lora_files import (LoraFileError, a1111_lora_hashes, architecture_mismatch, inspect_lora,
+                                           lora_problem, lora_tags, split_lora_tags)
 from storyboard_cli.models.lora import LoraApplier, read_lora, set_key
+from storyboard_cli.models.synthetic_lora import random_factors, save_kohya, save_peft
 
 RTOL = 1e-4  # relative L2 error of the final latents, fp32 on the CPU (as test_parity)
 W, H, STEPS, GUIDANCE = 64, 64, 4, 6.5
@@ -284,7 +284,7 @@ def test_hash_is_a1111s_addnet_hash(files, tmp_path):
 
 
 def test_inspection_does_not_import_torch(files):
-    code = ("import sys; from storyboard_cli.lora_files import lora_problem; "
+    code = ("import sys; from storyboard_cli.job.lora_files import lora_problem; "
             f"p = lora_problem({str(files[('kohya', 'a')])!r}, 'tiny'); "
             "sys.exit(2 if p else int('torch' in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

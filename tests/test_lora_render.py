@@ -6,11 +6,11 @@ import copy
 import torch
 
 from conftest import ROOT, write_job
-from storyboard_cli.batch import BatchRunner
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.job import load_job
-from storyboard_cli.plan import lora_swaps, make_batches, work_items
-from storyboard_cli.report import lora_section
+from storyboard_cli.folder.report import lora_section
+from storyboard_cli.job.file import load_job
+from storyboard_cli.job.plan import lora_swaps, make_batches, work_items
+from storyboard_cli.run.batch import BatchRunner
 from test_lora import models  # noqa: F401 - the fixture: our own copy of the tiny models, weights get written
 
 RTOL = 1e-4  # as test_parity / test_lora

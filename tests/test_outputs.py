@@ -10,13 +10,13 @@ from PIL import Image
 
 from conftest import write_job
 from storyboard_cli.errors import BadInput
-from storyboard_cli.job import LoraFile, load_job
-from storyboard_cli.folder import REPLACED
+from storyboard_cli.folder.layout import REPLACED
+from storyboard_cli.folder.outputs import parameters_text, png_bytes
+from storyboard_cli.folder.report import build_report, markdown, Timings
+from storyboard_cli.job.file import LoraFile, load_job
+from storyboard_cli.job.plan import WorkItem
 from storyboard_cli.models.lora import Swap
-from storyboard_cli.outputs import parameters_text, png_bytes
-from storyboard_cli.plan import WorkItem
-from storyboard_cli.render import RenderOptions, render
-from storyboard_cli.report import build_report, markdown, Timings
+from storyboard_cli.run.render import RenderOptions, render
 
 JOB = """version: 1
 name: t
@@ -126,7 +126,7 @@ def test_render_writes_the_contact_sheet_and_a_sheet_failure_fails_nothing(job_d
     job = load_job(write_job(job_dir, JOB))
     result = render(job, RenderOptions(out_dir=out), models=tiny_cpu)
     assert result.sheet == out / "index.html" and "a_c1_s8" in result.sheet.read_text()
-    from storyboard_cli import sheet
+    from storyboard_cli.folder import sheet
 
     def broken(self, *a, **k):
         raise OSError(28, "No space left on device")

@@ -5,10 +5,10 @@ import torch
 from PIL import Image
 
 from conftest import ROOT
-from storyboard_cli.conditioning import Control, PromptCache, conditioning, load_control_image
+from storyboard_cli.engine.conditioning import Control, PromptCache, conditioning, load_control_image
 from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.sampling import draw_noise, schedule
 from storyboard_cli.samplers import SAMPLERS
-from storyboard_cli.sampling import draw_noise, schedule
 
 RTOL = 1e-4  # relative L2 error of the final latents, fp32 on the CPU
 W, H, STEPS, GUIDANCE = 128, 96, 8, 6.5

@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import write_job
-from storyboard_cli.job import load_job
-from storyboard_cli.plan import bucket_table, cut, make_batches, work_items
+from storyboard_cli.job.file import load_job
+from storyboard_cli.job.plan import bucket_table, cut, make_batches, work_items
 
 
 @pytest.mark.parametrize("n,buckets,sizes", [
@@ -62,8 +62,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from conftest import ROOT
-from storyboard_cli.digests import weights_digest
-from storyboard_cli.plan import lora_swaps, lora_table
+from storyboard_cli.job.digests import weights_digest
+from storyboard_cli.job.plan import lora_swaps, lora_table
 
 MEI = ROOT / "jobs" / "loras" / "mei.safetensors"
 

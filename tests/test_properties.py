@@ -5,9 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from storyboard_cli.errors import JobError
-from storyboard_cli.job import SHOT_KEYS, TOP_KEYS, load_job
-from storyboard_cli.folder import output_name
-from storyboard_cli.plan import make_batches, work_items
+from storyboard_cli.folder.layout import output_name
+from storyboard_cli.job.file import SHOT_KEYS, TOP_KEYS, load_job
+from storyboard_cli.job.plan import make_batches, work_items
 
 GOOD = {
     "version": 1, "name": "prop", "model": "tiny",

@@ -10,9 +10,9 @@ from PIL import Image
 
 from conftest import write_job
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.job import load_job
-from storyboard_cli.outputs import read_fingerprint
-from storyboard_cli.render import RenderOptions, render
+from storyboard_cli.folder.outputs import read_fingerprint
+from storyboard_cli.job.file import load_job
+from storyboard_cli.run.render import RenderOptions, render
 
 JOB = """version: 1
 name: t

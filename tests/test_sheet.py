@@ -13,13 +13,13 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT, write_job
-from storyboard_cli import outputs, sheet
 from storyboard_cli.errors import BadInput
-from storyboard_cli.job import load_job
-from storyboard_cli.picks import apply_picks, load_picks, reroll_shots, rerolled, with_rerolls
-from storyboard_cli.render import RenderOptions, render
-from storyboard_cli.charts import bench_svgs
-from storyboard_cli.sheet import SCRIPT, SheetWriter, write_sheet
+from storyboard_cli.folder import outputs, sheet
+from storyboard_cli.folder.charts import bench_svgs
+from storyboard_cli.folder.picks import apply_picks, load_picks, reroll_shots, rerolled, with_rerolls
+from storyboard_cli.folder.sheet import SCRIPT, SheetWriter, write_sheet
+from storyboard_cli.job.file import load_job
+from storyboard_cli.run.render import RenderOptions, render
 
 EVIL = "<script>alert(\"x\")</script> & \"double\" 'single' é 雪"
 JOB = f"""version: 1
@@ -303,7 +303,7 @@ def test_picking_never_replaces_a_file_bcg_did_not_write(job, out, tmp_path):
 # ---------------------------------------------------------------- reroll
 
 def test_reroll_adds_candidates_after_the_existing_ones_with_new_seeds(job, out):
-    from storyboard_cli.plan import work_items
+    from storyboard_cli.job.plan import work_items
 
     (extra,) = reroll_shots(job, out, ["c"])
     assert (extra.id, extra.first_candidate, extra.candidates, extra.seed) == ("c", 2, 2, 20)
@@ -355,8 +355,8 @@ def test_bench_svgs_from_a_real_record():
 
 
 def test_the_banner_says_a_render_is_running_only_while_one_holds_the_lock(job, out):
-    from storyboard_cli.folder import LOCK
-    from storyboard_cli.lock import OutputLock
+    from storyboard_cli.folder.layout import LOCK
+    from storyboard_cli.folder.lock import OutputLock
 
     assert "render in progress" not in _page(out)  # as the finished render left it
     write_sheet(out, job)

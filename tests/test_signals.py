@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from conftest import ROOT, write_job
 from storyboard_cli.cli import app
-from storyboard_cli.folder import LOCK, read_fingerprint
+from storyboard_cli.folder.layout import LOCK, read_fingerprint
 
 pytestmark = pytest.mark.slow
 JOB = "version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {id: a, prompt: x, steps: 3, size: 64x64, candidates: 12}\n"
@@ -24,7 +24,7 @@ JOB = "version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {id: a, prompt: x, ste
 PATCH = textwrap.dedent("""
     import os, sys, time
     from storyboard_cli.engine.eager import EagerEngine
-    from storyboard_cli import render
+    from storyboard_cli.run import render
     HANG = float(os.environ.get("HANG", "60"))
     calls = [0]
     real_sample, real_load = EagerEngine.sample, render.load_sdxl
@@ -105,7 +105,7 @@ HOLD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     from storyboard_cli.errors import OutputLocked
-    from storyboard_cli.lock import OutputLock
+    from storyboard_cli.folder.lock import OutputLock
     out, go = Path(sys.argv[1]), Path(sys.argv[2])
     while not go.exists():
         time.sleep(0.001)
@@ -153,7 +153,7 @@ def test_a_killed_holder_releases_the_lock_and_a_stale_file_is_no_lock(job_dir, 
 
 
 def test_stop_flag_rules():
-    from storyboard_cli.signals import SOFT_STOP, StopFlag, Stopped
+    from storyboard_cli.run.signals import SOFT_STOP, StopFlag, Stopped
 
     said = []
     flag = StopFlag(said.append)

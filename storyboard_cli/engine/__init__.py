@@ -1,4 +1,5 @@
-"""The denoising engines behind one protocol (engine/base.py); build.py picks one."""
+"""The engine stage: the denoising loop (conditioning, sampling) and its engines behind one protocol (engine/base.py);
+build.py picks one."""
 
 from storyboard_cli.engine.base import Engine, Shape
 

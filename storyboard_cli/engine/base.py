@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from storyboard_cli.conditioning import Cond, Control
-    from storyboard_cli.sampling import Schedule
+    from storyboard_cli.engine.conditioning import Cond, Control
+    from storyboard_cli.engine.sampling import Schedule
 
 
 class Shape(NamedTuple):

@@ -11,10 +11,10 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.conditioning import Cond, Control
 from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.conditioning import Cond, Control
+from storyboard_cli.engine.sampling import SIGMA, TIMESTEP, Schedule, update
 from storyboard_cli.models.loader import SdxlModels
-from storyboard_cli.sampling import SIGMA, TIMESTEP, Schedule, update
 
 __all__ = ["Control", "EagerEngine", "StepCalls", "controlnet_call", "denoise", "sample_step", "unet_call"]
 

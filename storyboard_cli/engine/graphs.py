@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from storyboard_cli.conditioning import Cond, Control
 from storyboard_cli.engine.base import Shape, shape_label
+from storyboard_cli.engine.conditioning import Cond, Control
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
+from storyboard_cli.engine.sampling import Schedule
 from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.samplers import MAX_STEPS
-from storyboard_cli.sampling import Schedule
 
 if TYPE_CHECKING:
     from storyboard_cli.engine.compiled import CompiledKernels

@@ -1,0 +1,1 @@
+"""The models stage: SDXL weights loaded, LoRAs written into them in place; the tiny preset and the tokenizers (base)."""

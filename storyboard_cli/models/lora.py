@@ -1,5 +1,5 @@
 """LoRA weights: read through diffusers' own converters and applied IN PLACE from pristine copies of
-the layers they touch. Inspecting a file without torch (for `bcg plan`) is lora_files.py.
+the layers they touch. Inspecting a file without torch (for `bcg plan`) is job/lora_files.py.
 
 - `read_lora(path, unet_config)` -> LoraWeights: `StableDiffusionXLPipeline.lora_state_dict` (Kohya/A1111,
   PEFT and diffusers files), then diffusers' own key converters, as `load_lora_weights` does.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from storyboard_cli.errors import BadInput, ModelError, first_line
-from storyboard_cli.lora_files import COMPONENTS, SCALE_RANGE, LoraFileError, inspect_lora, lora_set_label
+from storyboard_cli.job.lora_files import COMPONENTS, SCALE_RANGE, LoraFileError, inspect_lora, lora_set_label
 
 if TYPE_CHECKING:
     import torch

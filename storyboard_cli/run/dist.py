@@ -4,9 +4,9 @@
 
 Each worker runs the same `RenderSession` phases. Rank 0 holds the folder lock, reconciles the folder
 and sends the items left to render through the process group's store; every worker cuts them into
-the same batches (plan.py is deterministic) and claims them one at a time with `store.add`, largest
+the same batches (job/plan.py is deterministic) and claims them one at a time with `store.add`, largest
 first, so a slow or late worker never holds the job back. A worker appends its manifest lines to a
-shard of its own (shards.py); at the end every worker posts its figures to the store and rank 0
+shard of its own (folder/shards.py); at the end every worker posts its figures to the store and rank 0
 merges the shards and writes one report. Only the store is used, never a collective: a worker that
 was stopped (Ctrl-C, SIGTERM) can never leave another blocked in one.
 
@@ -31,14 +31,14 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from storyboard_cli import render as rendering
-from storyboard_cli.batch import batch_shapes
 from storyboard_cli.errors import BadInput, Status
-from storyboard_cli.job import Job
-from storyboard_cli.outputs import Manifest, Pending
-from storyboard_cli.plan import Batch
-from storyboard_cli.report import Timings
-from storyboard_cli.shards import merge_shards, shard_manifest
+from storyboard_cli.folder.outputs import Manifest, Pending
+from storyboard_cli.folder.report import Timings
+from storyboard_cli.folder.shards import merge_shards, shard_manifest
+from storyboard_cli.job.file import Job
+from storyboard_cli.job.plan import Batch
+from storyboard_cli.run import render as rendering
+from storyboard_cli.run.batch import batch_shapes
 
 MODULE = "storyboard_cli"  # what a launched worker runs: python -m storyboard_cli render ...
 TIMEOUT = timedelta(minutes=30)  # the process group's and the store's (rank 0 may scan a big folder first)

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Callable
 
 from storyboard_cli.errors import RenderFailure
-from storyboard_cli.job import Job
-from storyboard_cli.outputs import (Manifest, Pending, Writer, atomic_write, manifest_record, owner, png_bytes,
-                                    set_aside)
-from storyboard_cli.plan import WorkItem
-from storyboard_cli.report import Timings
+from storyboard_cli.folder.outputs import (Manifest, Pending, Writer, atomic_write, manifest_record, owner, png_bytes,
+                                           set_aside)
+from storyboard_cli.folder.report import Timings
+from storyboard_cli.job.file import Job
+from storyboard_cli.job.plan import WorkItem
 
 Emit = Callable[[str, int, str, str], None]  # (event kind, images done, shot, message)
 
@@ -38,7 +38,7 @@ class ContactSheet:
             return
         try:
             if self.writer is None:
-                from storyboard_cli.sheet import SheetWriter
+                from storyboard_cli.folder.sheet import SheetWriter
 
                 self.writer = SheetWriter(self.out_dir, self.job)
             if final:

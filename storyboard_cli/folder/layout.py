@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from storyboard_cli.errors import BadInput
 
 if TYPE_CHECKING:
-    from storyboard_cli.job import Job
+    from storyboard_cli.job.file import Job
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 MANIFEST = "manifest.jsonl"

@@ -15,17 +15,17 @@ from typing import Iterable
 
 import torch
 
-from storyboard_cli.conditioning import (BoundedCache, Control, PromptCache, conditioning, control, control_pixels,
-                                         guided_rows, read_control_image)
 from storyboard_cli.engine.base import Engine, Shape
+from storyboard_cli.engine.conditioning import (BoundedCache, Control, PromptCache, conditioning, control,
+                                                control_pixels, guided_rows, read_control_image)
 from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
 from storyboard_cli.errors import ModelError, first_line
-from storyboard_cli.job import LoraFile
+from storyboard_cli.folder.report import Timings
+from storyboard_cli.job.file import LoraFile
+from storyboard_cli.job.plan import Batch, WorkItem
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
-from storyboard_cli.plan import Batch, WorkItem
-from storyboard_cli.report import Timings
-from storyboard_cli.sampling import Schedule, draw_noise, schedule
 
 CONTROL_CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x1024 one is 3 MB)
 

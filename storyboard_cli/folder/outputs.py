@@ -1,5 +1,5 @@
 """Writing the output folder: atomic writes, PNG metadata, the manifest, skip-what-exists, and the writer
-thread. Its names and readers are folder.py."""
+thread. Its names and readers are layout.py."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from storyboard_cli.job import Job
+    from storyboard_cli.job.file import Job
 
 from storyboard_cli.errors import BadInput
-from storyboard_cli.folder import (MANIFEST, REPLACED, manifest_records, parse_output_name, read_fingerprint,
-                                   read_report)
-from storyboard_cli.lora_files import a1111_lora_hashes, lora_tags
-from storyboard_cli.plan import WorkItem, work_items
+from storyboard_cli.folder.layout import (MANIFEST, REPLACED, manifest_records, parse_output_name, read_fingerprint,
+                                          read_report)
+from storyboard_cli.job.lora_files import a1111_lora_hashes, lora_tags
+from storyboard_cli.job.plan import WorkItem, work_items
 from storyboard_cli.samplers import SAMPLERS
 
 

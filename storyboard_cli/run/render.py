@@ -2,7 +2,7 @@
 
 `RenderSession` holds one render; its phases are methods, so a subclass hooks in at exactly those
 points (a multi-GPU worker claims its batches in `work`, the contact sheet is written in `finish`).
-`OutOfMemoryPolicy` (oom.py) runs each batch; `OutputSink` (sink.py) writes.
+`OutOfMemoryPolicy` (oom.py) runs each batch; `OutputSink` (folder/sink.py) writes.
 """
 
 from __future__ import annotations
@@ -16,23 +16,23 @@ from typing import Callable, Iterable
 
 import torch
 
-from storyboard_cli.batch import BatchRunner, batch_shapes
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
 from storyboard_cli.errors import Status, folder_error
-from storyboard_cli.folder import REPLACED, REPORT_JSON
-from storyboard_cli.job import Job
-from storyboard_cli.lock import OutputLock
+from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
+from storyboard_cli.folder.lock import OutputLock
+from storyboard_cli.folder.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
+from storyboard_cli.folder.report import Timings, build_report, write_report
+from storyboard_cli.folder.shards import merge_shards
+from storyboard_cli.folder.sink import ContactSheet, OutputSink
+from storyboard_cli.job.file import Job
+from storyboard_cli.job.plan import Batch, make_batches
+from storyboard_cli.job.preflight import check_destination, check_model_path
+from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.oom import OutOfMemoryPolicy
-from storyboard_cli.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
-from storyboard_cli.plan import Batch, make_batches
-from storyboard_cli.prompts import long_prompts
-from storyboard_cli.preflight import check_destination, check_model_path
-from storyboard_cli.report import Timings, build_report, write_report
-from storyboard_cli.shards import merge_shards
-from storyboard_cli.signals import StopFlag, Stopped, stop_signals
-from storyboard_cli.sink import ContactSheet, OutputSink
+from storyboard_cli.run.batch import BatchRunner, batch_shapes
+from storyboard_cli.run.oom import OutOfMemoryPolicy
+from storyboard_cli.run.signals import StopFlag, Stopped, stop_signals
 
 log = logging.getLogger(__name__)
 

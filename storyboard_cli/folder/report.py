@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from storyboard_cli.folder import REPORT_JSON, REPORT_MD
-from storyboard_cli.outputs import atomic_write
+from storyboard_cli.folder.layout import REPORT_JSON, REPORT_MD
+from storyboard_cli.folder.outputs import atomic_write
 
 if TYPE_CHECKING:
     from storyboard_cli.models.lora import Swap

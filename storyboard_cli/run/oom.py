@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from storyboard_cli.batch import BatchRunner, Decoded, bucket_label
 from storyboard_cli.errors import one_line
-from storyboard_cli.plan import Batch, make_batches
-from storyboard_cli.sink import OutputSink
+from storyboard_cli.folder.sink import OutputSink
+from storyboard_cli.job.plan import Batch, make_batches
+from storyboard_cli.run.batch import BatchRunner, Decoded, bucket_label
 
 log = logging.getLogger(__name__)
 # What one bad batch may raise (an unreadable control image, a decode error) and the job goes on.

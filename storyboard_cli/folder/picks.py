@@ -20,11 +20,11 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from storyboard_cli.errors import BadInput, JobError, did_you_mean
-from storyboard_cli.folder import (PICKS_GENERATOR, PICKS_JSON, SELECT_NAME, SELECTS, candidate_files,
-                                   parse_output_name, read_chunk, read_fingerprint, refuse_foreign,
-                                   select_name, shot_order)
-from storyboard_cli.job import Job, Shot, job_of_folder, read_text
-from storyboard_cli.outputs import atomic_write
+from storyboard_cli.folder.layout import (PICKS_GENERATOR, PICKS_JSON, SELECT_NAME, SELECTS, candidate_files,
+                                          parse_output_name, read_chunk, read_fingerprint, refuse_foreign, select_name,
+                                          shot_order)
+from storyboard_cli.folder.outputs import atomic_write
+from storyboard_cli.job.file import Job, Shot, job_of_folder, read_text
 
 PICK_KEYS = ("picks", "reroll")
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from storyboard_cli.folder import MANIFEST, SHARDS
-from storyboard_cli.outputs import Manifest
+from storyboard_cli.folder.layout import MANIFEST, SHARDS
+from storyboard_cli.folder.outputs import Manifest
 
 
 def shard_manifest(folder: Path, rank: int) -> Manifest:

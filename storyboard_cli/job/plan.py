@@ -7,10 +7,10 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from storyboard_cli.digests import SHORT, file_sha256, weights_digest
-from storyboard_cli.folder import output_name
-from storyboard_cli.job import Job, LoraFile
-from storyboard_cli.lora_files import lora_set_label
+from storyboard_cli.folder.layout import output_name
+from storyboard_cli.job.digests import SHORT, file_sha256, weights_digest
+from storyboard_cli.job.file import Job, LoraFile
+from storyboard_cli.job.lora_files import lora_set_label
 
 LoraScales = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name: one LoRA set
 

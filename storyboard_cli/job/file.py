@@ -14,10 +14,10 @@ from typing import Any
 
 import yaml
 
-from storyboard_cli.digests import relative_to_job, remember_sha256
 from storyboard_cli.errors import JobError, StoryboardError, did_you_mean, one_line
-from storyboard_cli.folder import RESERVED, read_report
-from storyboard_cli.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
+from storyboard_cli.folder.layout import RESERVED, read_report
+from storyboard_cli.job.digests import relative_to_job, remember_sha256
+from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 
 NAMED_SIZES = {

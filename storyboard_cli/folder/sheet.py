@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from storyboard_cli.charts import bench_svgs, esc, report_svgs  # noqa: F401 - bench.py imports bench_svgs from here
 from storyboard_cli.errors import BadInput
-from storyboard_cli.folder import (CONTROL_THUMB, INDEX, INDEX_MARK, SHEET_GENERATOR, candidate_files,
-                                   parse_output_name, read_chunk, read_report, recorded_picks, refuse_foreign,
-                                   shot_order, thumb_name)
-from storyboard_cli.job import Job, job_of_folder
-from storyboard_cli.lock import held
-from storyboard_cli.lora_files import lora_set_label
-from storyboard_cli.outputs import atomic_write
-from storyboard_cli.plan import work_items
+from storyboard_cli.folder.charts import esc, report_svgs
+from storyboard_cli.folder.layout import (CONTROL_THUMB, INDEX, INDEX_MARK, SHEET_GENERATOR, candidate_files,
+                                          parse_output_name, read_chunk, read_report, recorded_picks, refuse_foreign,
+                                          shot_order, thumb_name)
+from storyboard_cli.folder.lock import held
+from storyboard_cli.folder.outputs import atomic_write
+from storyboard_cli.job.file import Job, job_of_folder
+from storyboard_cli.job.lora_files import lora_set_label
+from storyboard_cli.job.plan import work_items
 
 THUMB_PX = 256  # longest side of a thumbnail
 

@@ -7,18 +7,18 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.batch import batch_shapes
-from storyboard_cli.conditioning import PromptCache, conditioning, control
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import check_engine, graph_runner
+from storyboard_cli.engine.conditioning import PromptCache, conditioning, control
 from storyboard_cli.engine.device import resolve_device
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graphs import GraphRunner
+from storyboard_cli.engine.sampling import schedule
 from storyboard_cli.errors import BadInput
-from storyboard_cli.job import NAMED_SIZES, Job
+from storyboard_cli.job.file import NAMED_SIZES, Job
+from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.plan import make_batches, work_items
-from storyboard_cli.sampling import schedule
+from storyboard_cli.run.batch import batch_shapes
 
 
 @dataclass

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from storyboard_cli.errors import OutputLocked, folder_error
-from storyboard_cli.folder import LOCK
+from storyboard_cli.folder.layout import LOCK
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from storyboard_cli.digests import weights_path
-from storyboard_cli.job import Job
+from storyboard_cli.job.digests import weights_path
+from storyboard_cli.job.file import Job
 
 CLIP_TOKENS = 77  # what CLIP's position embeddings hold: start + 75 + end
 
