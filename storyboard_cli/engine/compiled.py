@@ -394,14 +394,15 @@ class CompiledKernels(StepCalls):
                 self.waiting.append(t)
         return list(self.waiting)
 
-    def start(self) -> None:
-        """Hands what is missing to the builds (in the background: never waits)."""
+    def start(self, background: bool = True) -> None:
+        """Hands what is missing to the builds (never waits: `wait` does)."""
         todo = [t for t in self.waiting if self.builds is not None and t not in self.builds.builds]
         if todo:
             self.builds.want([(t, self.path(t), module_of(self.models, t.module)) for t in todo])
-            self.notes.append(f"compiling kernels for {', '.join(t.label for t in todo)} in the background; "
-                              f"their shapes switch to them as they finish (a build still running at the end "
-                              f"goes on, for the next render)")
+            if background:
+                self.notes.append(f"compiling kernels for {', '.join(t.label for t in todo)} in the background; "
+                                  f"their shapes switch to them as they finish (a build still running at the "
+                                  f"end goes on, for the next render)")
 
     def poll(self) -> None:
         """Loads the artifacts the builds finished since the last call (a few ms when none did)."""
@@ -410,7 +411,7 @@ class CompiledKernels(StepCalls):
 
     def wait(self) -> None:
         """Starts what is missing and loads it when built, side by side (`--compile on`, `capture --warm`)."""
-        self.start()
+        self.start(background=False)
         if self.builds is not None:
             self._take(self.builds.wait())
 

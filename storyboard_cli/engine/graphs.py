@@ -41,7 +41,11 @@ if TYPE_CHECKING:
     from storyboard_cli.engine.compiled import CompiledKernels
 
 log = logging.getLogger(__name__)
-CHECK_RTOL = 2e-2  # relative L2 error allowed between replay and eager (fp16 kernels may differ in order)
+# relative L2 error allowed between a first replay and the eager step. Plain graphs run the eager kernels
+# (0 measured). Compiled kernels round once where eager rounds after every op: the same kernels match the
+# eager SDXL UNet to 2.7e-6 in fp32 but differ by 2.8e-2 in fp16 on random weights (H200), while a
+# binding or stride error measured 1.5e-1 (docs/PERFORMANCE.md, "Compiled kernels per image size")
+CHECK_RTOL = {"plain": 2e-2, "compiled": 5e-2}
 
 
 @dataclass(frozen=True, order=True)
@@ -332,8 +336,9 @@ class GraphRunner:
         diff = torch.linalg.vector_norm((replayed - expect)[finite])
         scale = torch.linalg.vector_norm(expect[finite]).clamp_min(1e-6)
         err = (diff / scale).item()
-        if err > CHECK_RTOL:
-            self._fall_back(key, f"replay check failed: relative error {err:.2e} > {CHECK_RTOL:.0e}")
+        limit = CHECK_RTOL[key.variant]
+        if err > limit:
+            self._fall_back(key, f"replay check failed: relative error {err:.2e} > {limit:.0e}")
             return False
         self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}"
         return True
