@@ -2,13 +2,17 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 
-.PHONY: install test render plan bench bench-fast bench-quick capture gpu-test
+.PHONY: install test test-fast render plan bench bench-fast bench-quick capture gpu-test
 
 install:
 	$(PYTHON) -m pip install "$(TORCH)" -e '.[test]'
 
 test:
 	$(PYTHON) -m pytest -q
+
+# Without the tests that start processes (torchrun, kill -9, signals) or build compiled kernels: seconds.
+test-fast:
+	$(PYTHON) -m pytest -q -m "not slow and not gpu"
 
 render:
 	bcg render jobs/episode1.yaml

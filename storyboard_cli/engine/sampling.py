@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-# the coefficients live with each sampler's entry; tests/test_engine.py still imports these three from here
-from storyboard_cli.samplers import SAMPLERS, ancestral_split, dpmpp_2m_coeffs, euler_coeffs  # noqa: F401
+from storyboard_cli.samplers import SAMPLERS  # each sampler's coefficients live with its entry
 
 # columns of Schedule.table
 SIGMA, TIMESTEP, A, B, C, S = range(6)
