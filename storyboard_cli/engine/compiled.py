@@ -390,8 +390,11 @@ class CompiledKernels(StepCalls):
             if t in self.calls or t in self.waiting:
                 continue
             path = self.path(t)
-            if not (path.is_file() and self.add(t, path)):
-                self.waiting.append(t)
+            if path.is_file() and self.add(t, path):
+                continue
+            for f in (path, path.with_suffix(".ok"), path.with_suffix(".bad")):
+                f.unlink(missing_ok=True)  # a broken artifact is rebuilt, not tried again (a loaded copy stays mapped)
+            self.waiting.append(t)
         return list(self.waiting)
 
     def start(self, background: bool = True) -> None:
