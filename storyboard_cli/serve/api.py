@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
 from storyboard_cli.serve import metrics
-from storyboard_cli.serve.intake import plan_submission
+from storyboard_cli.serve.intake import content_hash, plan_submission
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY
 from storyboard_cli.serve.store import QueueFull, Store
 
@@ -84,9 +84,12 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         json_body = request.headers.get("content-type", "").split(";")[0].strip() in JSON_TYPES
         filename = x_job_filename or ("job.json" if json_body else "job.yaml")
         if idempotency_key is not None:
-            seen = store.find_key(idempotency_key)
-            if seen is not None:  # the first job's answer, without planning again (a key retried in a loop)
-                return await _replay(seen[0], request)
+            try:  # the first job's answer, without planning again (a key retried in a loop)
+                first = store.replay(idempotency_key, content_hash(body, filename, priority))
+            except BadInput as e:
+                return problem(422, "refused", str(e))
+            if first is not None:
+                return await _replay(first, request)
         job_id = uuid.uuid4().hex[:12]
         try:
             planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority)

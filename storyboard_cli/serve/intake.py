@@ -69,8 +69,13 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
         raise
     images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model, job.controlnet))
                    for n, i in enumerate(work_items(job)))
-    digest = hashlib.sha256(b"\0".join([body, filename.encode(), priority.encode()])).hexdigest()
-    return Planned(job_id, job.name, path, folder / OUT, priority, digest, max(job.buckets), images)
+    return Planned(job_id, job.name, path, folder / OUT, priority, content_hash(body, filename, priority),
+                   max(job.buckets), images)
+
+
+def content_hash(body: bytes, filename: str, priority: str) -> str:
+    """What an Idempotency-Key is bound to: the same key with another hash is refused."""
+    return hashlib.sha256(b"\0".join([body, filename.encode(), priority.encode()])).hexdigest()
 
 
 def _load(path: Path, filename: str) -> Job:

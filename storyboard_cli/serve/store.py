@@ -95,48 +95,59 @@ class Store:
 
     # submission
 
-    def find_key(self, key: str) -> tuple[str, str] | None:
-        """(job id, content hash) of the job first submitted with this Idempotency-Key."""
+    def replay(self, key: str, content_hash: str) -> str | None:
+        """The job first submitted with this Idempotency-Key, if any; raises IdempotencyConflict when it
+        came with another body."""
         with self.lock:
-            row = self.db.execute("SELECT id, content_hash FROM jobs WHERE idem_key = ?", (key,)).fetchone()
-        return (row["id"], row["content_hash"]) if row else None
+            return self._replay(self.db, key, content_hash)
+
+    def _replay(self, db, key: str, content_hash: str) -> str | None:
+        row = db.execute("SELECT id, content_hash FROM jobs WHERE idem_key = ?", (key,)).fetchone()
+        if row and row["content_hash"] != content_hash:
+            raise IdempotencyConflict(f"Idempotency-Key {key!r} was used for another job ({row['id']})")
+        return row["id"] if row else None
 
     def submit(self, job: Planned, key: str | None, max_queue: int, now: float) -> tuple[str, bool]:
         """Enqueues every image of the job or none. Returns (job id, created); with a key seen before, the
         first job's id (created False). Raises QueueFull, IdempotencyConflict, BadInput."""
         with self._tx() as db:
-            if key is not None:
-                row = db.execute("SELECT id, content_hash FROM jobs WHERE idem_key = ?", (key,)).fetchone()
-                if row:
-                    if row["content_hash"] != job.content_hash:
-                        raise IdempotencyConflict(f"Idempotency-Key {key!r} was used for another job ({row['id']})")
-                    return row["id"], False
-            n = len(job.images)
+            first = self._replay(db, key, job.content_hash) if key is not None else None
+            if first is not None:
+                return first, False
+            n, depth = len(job.images), self._depth(db)
             if n > max_queue:
+                refused: Exception = BadInput(f"the job has {n} images, more than the queue holds ({max_queue})")
                 self._count(db, REJECTED_INVALID)
-                raise BadInput(f"the job has {n} images, more than the queue holds ({max_queue})")
-            depth = self._depth(db)
-            if depth + n > max_queue:
+            elif depth + n > max_queue:
+                refused = QueueFull(schedule.retry_after(depth + n - max_queue, self._drain_rate(db, now)), depth)
                 self._count(db, REJECTED_FULL)
-                raise QueueFull(schedule.retry_after(depth + n - max_queue, self._drain_rate(db, now)), depth)
-            db.execute("INSERT INTO jobs (id, idem_key, content_hash, name, path, out_dir, priority, submitted, batch)"
+            else:
+                refused = None
+                self._insert(db, job, key, now)
+        if refused is not None:  # raised after the commit: the refusal is counted
+            raise refused
+        return job.id, True
+
+    def _insert(self, db, job: Planned, key: str | None, now: float) -> None:
+        db.execute("INSERT INTO jobs (id, idem_key, content_hash, name, path, out_dir, priority, submitted, batch)"
+                   " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   (job.id, key, job.content_hash, job.name, str(job.path), str(job.out_dir), job.priority, now,
+                    job.batch))
+        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state)"
                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                       (job.id, key, job.content_hash, job.name, str(job.path), str(job.out_dir), job.priority, now,
-                        job.batch))
-            db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state)"
-                           " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                           [(job.id, i.order, i.shot, i.k, i.seed, json.dumps(i.outputs), i.key, i.fingerprint,
-                             ImageState.QUEUED) for i in job.images])
-            return job.id, True
+                       [(job.id, i.order, i.shot, i.k, i.seed, json.dumps(i.outputs), i.key, i.fingerprint,
+                         ImageState.QUEUED) for i in job.images])
 
     def _depth(self, db) -> int:
         return db.execute("SELECT COUNT(*) FROM images WHERE state IN (?, ?)", ImageState.OPEN).fetchone()[0]
 
     def _drain_rate(self, db, now: float) -> float | None:
-        """Images finished per second over the last few minutes (None before two have)."""
-        n, first = db.execute("SELECT COUNT(*), MIN(done) FROM images WHERE done >= ?",
-                              (now - DRAIN_WINDOW_S,)).fetchone()
-        return n / max(now - first, 1.0) if n >= 2 else None
+        """Images finished per second over the last few minutes, or since the first job was submitted if
+        that is later (None before any has)."""
+        since = now - DRAIN_WINDOW_S
+        n = db.execute("SELECT COUNT(*) FROM images WHERE done >= ?", (since,)).fetchone()[0]
+        first = db.execute("SELECT MIN(submitted) FROM jobs").fetchone()[0]
+        return n / max(now - max(since, first), 1.0) if n else None
 
     # leases
 
