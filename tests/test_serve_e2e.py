@@ -118,8 +118,8 @@ def test_a_job_through_serve_equals_bcg_render_and_sigterm_exits_0(server, tmp_p
 
 
 def test_kill_9_of_everything_mid_job_then_a_restart_completes_the_job(server, tmp_path):
-    path = write_job(tmp_path, JOB.replace("buckets: [1, 2]", "buckets: [1]"))
-    server.start()
+    path = write_job(tmp_path, JOB.replace("buckets: [1, 2]", "buckets: [1]").replace("candidates: 3", "candidates: 2"))
+    server.start(lease_s=2)
     r = httpx.post(server.url + "/v1/jobs", content=path.read_bytes(), headers={"Content-Type": "application/yaml"})
     assert r.status_code == 202
     job_id = r.json()["id"]
