@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from storyboard_cli import __version__
-from storyboard_cli.errors import Interrupted, StoryboardError, exit_code
+from storyboard_cli.errors import Interrupted, Status, StoryboardError, exit_code
 from storyboard_cli.folder.layout import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -340,6 +340,80 @@ def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jo
                             log=lambda line: err.print(line))
     out.print(benchmark.markdown(rec))
     out.print(f"written: {', '.join(rec['written'])}")
+
+
+
+ServerOpt = Annotated[str, typer.Option("--server", help="The bcg serve URL, e.g. http://gpu-box:8188.")]
+TokenOpt = Annotated[Optional[str], typer.Option("--token", envvar="BCG_TOKEN", show_envvar=True,
+                                                 help="Bearer token of the server (needed off loopback).")]
+PriorityOpt = Annotated[str, typer.Option(help="urgent, normal or bulk (bulk jobs age into urgent over 30 min).")]
+
+
+@app.command()
+def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) and the job folders.")] = Path(
+              "bcg-serve"),
+          host: Annotated[str, typer.Option(help="Address to bind (not loopback: needs --token).")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8188,
+          gpus: Annotated[str, typer.Option(help="One worker per entry: GPU indices (0,1), cpu, or auto.")] = "auto",
+          max_queue_images: Annotated[int, typer.Option(min=1, help="Refuse submissions (503) above this many "
+                                                                    "queued images.")] = 1000,
+          lease_s: Annotated[float, typer.Option(min=1, help="Seconds a batch stays leased without a heartbeat.")] = 60.0,
+          grace_s: Annotated[float, typer.Option(min=0, help="On SIGTERM, seconds the running batches get to "
+                                                              "finish.")] = 60.0,
+          token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
+          compile: CompileOpt = "auto") -> None:
+    """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
+    from storyboard_cli.serve.server import ServeOptions
+    from storyboard_cli.serve.server import serve as serving
+
+    with _domain_errors():
+        opts = ServeOptions(root=root, host=host, port=port, gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
+                            max_queue_images=max_queue_images, lease_s=lease_s, grace_s=grace_s, token=token,
+                            dtype=dtype, engine=engine, compile=compile)
+        err.print(f"bcg serve: http://{host}:{port} (docs at /docs), root {root}, workers: {', '.join(opts.gpus)}")
+        code = serving(opts)
+    raise typer.Exit(code)
+
+
+@app.command()
+def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worker's name in the server's "
+                                                                     "leases (default: host and process).")] = "",
+           gpu: Annotated[Optional[str], typer.Option(help="GPU index to render on (sets CUDA_VISIBLE_DEVICES).")] = None,
+           token: TokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
+           compile: CompileOpt = "auto") -> None:
+    """Render the server's queue on this machine (job folders on a filesystem shared with the server)."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    from storyboard_cli.serve.worker import WorkerOptions, run_worker
+
+    with _domain_errors():
+        run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
+                                 compile=compile, token=token))
+
+
+@app.command()
+def submit(job: JobArg, server: ServerOpt, priority: PriorityOpt = "normal",
+           key: Annotated[Optional[str], typer.Option("--key", help="Idempotency-Key: a retry with the same key "
+                                                                    "returns the same job.")] = None,
+           wait: Annotated[bool, _flag("--wait", "Wait until the job is done; exit as `bcg render` would.")] = False,
+           token: TokenOpt = None, json_out: JsonOpt = False) -> None:
+    """Submit a job to a bcg serve server; print its id and URL (with --wait, its outcome)."""
+    from storyboard_cli.serve import client
+
+    with _domain_errors():
+        j = client.submit(job, server, priority=priority, key=key, token=token)
+        err.print(f"{j['id']}: {j['state']} ({len(j['images'])} images) {j['url']}")
+        if wait:
+            j = client.wait(server, j["id"], token=token)
+    if json_out:
+        out.print_json(json.dumps(j))
+    else:
+        out.print(j["id"])
+    if wait:
+        failed = sum(i["state"] == "failed" for i in j["images"])
+        err.print(f"{j['state']}: {len(j['images']) - failed} images done, {failed} failed -> {j['sheet_url']}")
+        if j["state"] != client.JobState.SUCCEEDED:
+            raise typer.Exit(exit_code(Status.FAILED))
 
 
 @contextmanager

@@ -94,6 +94,7 @@ STAGES = {
     "engine": {"engine/*"},
     "folder": {"folder/*"},
     "run": {"run/*"},
+    "serve": {"serve/*"},
     "top": {"cli.py", "__main__.py", "__init__.py", "bench.py"},
 }
 ORDER = list(STAGES)
@@ -103,7 +104,9 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
                         "storyboard_cli.engine.base.Shape"}}
 # torch-free at run time, through everything they import: `bcg plan`, job validation, the folder's readers and
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
-TORCH_FREE = ["errors.py", "samplers.py", "job/*", "folder/*", "run/signals.py"]
+TORCH_FREE = ["errors.py", "samplers.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
+              "serve/intake.py", "serve/store.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
+              "serve/server.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
 # builds one; capture and bench, which time them
 ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench.py"}

@@ -1,0 +1,190 @@
+"""The HTTP API (FastAPI): jobs in, their state out, the workers' lease protocol, /metrics. Torch-free:
+validation and planning run here without a model; rendering happens in the workers (worker.py).
+
+Errors are RFC 9457 problem+json. A bad job is a 422 whose `detail` is the line `bcg plan` prints
+(file:line, shot, field); a full queue a 503 with an integer Retry-After from the measured drain rate.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from fastapi import FastAPI, Header, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from storyboard_cli.errors import BadInput
+from storyboard_cli.folder.layout import INDEX, REPORT_JSON
+from storyboard_cli.serve import metrics
+from storyboard_cli.serve.intake import content_hash, plan_submission
+from storyboard_cli.serve.schedule import DEFAULT_PRIORITY
+from storyboard_cli.serve.store import QueueFull, Store
+
+PROBLEM = "application/problem+json"
+JSON_TYPES = ("application/json",)
+DRAINING_RETRY_S = 30
+
+
+@dataclass
+class Settings:
+    root: Path
+    max_queue_images: int = 1000
+    lease_s: float = 60.0
+    token: str | None = None  # required as `Authorization: Bearer <token>` when set
+
+
+def problem(status: int, title: str, detail: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"type": "about:blank", "title": title, "status": status, "detail": detail},
+                        status_code=status, media_type=PROBLEM, headers=headers)
+
+
+def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
+    store = store or Store(settings.root)
+    app = FastAPI(title="bcg serve", version="1", description="SDXL storyboard jobs: queue, state, outputs.")
+    app.state.store, app.state.draining, app.state.settings = store, False, settings
+    registry = metrics.registry(store)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        open_paths = ("/healthz", "/readyz", "/metrics")
+        if settings.token and request.url.path not in open_paths \
+                and request.headers.get("authorization") != f"Bearer {settings.token}":
+            return problem(401, "unauthorized", "this server needs `Authorization: Bearer <token>`")
+        return await call_next(request)
+
+    def view(job_id: str, request: Request) -> dict | None:
+        job = store.job(job_id, clock())
+        if job is None:
+            return None
+        base = str(request.base_url).rstrip("/") + f"/v1/jobs/{job_id}"
+        job["url"] = base
+        files = base + "/files/"
+        for image in job["images"]:
+            image["urls"] = [files + p for p in image["outputs"]] if image["state"] == "done" else []
+        job["report_url"], job["sheet_url"] = files + REPORT_JSON, files + INDEX
+        del job["out_dir"]
+        return job
+
+    def not_found(job_id: str) -> JSONResponse:
+        return problem(404, "no such job", f"no job {job_id!r}")
+
+    @app.post("/v1/jobs", status_code=202)
+    async def submit(request: Request, priority: str = DEFAULT_PRIORITY,
+                     idempotency_key: str | None = Header(None),
+                     x_job_filename: str | None = Header(None)):
+        if app.state.draining:
+            return problem(503, "shutting down", "the server is stopping; submit to another or retry",
+                           {"Retry-After": str(DRAINING_RETRY_S)})
+        body = await request.body()
+        json_body = request.headers.get("content-type", "").split(";")[0].strip() in JSON_TYPES
+        filename = x_job_filename or ("job.json" if json_body else "job.yaml")
+        if idempotency_key is not None:
+            try:  # the first job's answer, without planning again (a key retried in a loop)
+                first = store.replay(idempotency_key, content_hash(body, filename, priority))
+            except BadInput as e:
+                return problem(422, "refused", str(e))
+            if first is not None:
+                return await _replay(first, request)
+        job_id = uuid.uuid4().hex[:12]
+        try:
+            planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority)
+        except BadInput as e:
+            return problem(422, "invalid job", str(e))
+        try:
+            new_id, created = await run_in_threadpool(store.submit, planned, idempotency_key,
+                                                      settings.max_queue_images, clock())
+        except QueueFull as e:
+            _discard(planned.path.parent)
+            return problem(503, "queue full", str(e), {"Retry-After": str(e.retry_after)})
+        except BadInput as e:  # an idempotency conflict, or larger than the queue
+            _discard(planned.path.parent)
+            return problem(422, "refused", str(e))
+        if not created:
+            _discard(planned.path.parent)
+            return await _replay(new_id, request)
+        return JSONResponse(view(new_id, request), status_code=202, headers={"Location": f"/v1/jobs/{new_id}"})
+
+    async def _replay(job_id: str, request: Request) -> JSONResponse:
+        return JSONResponse(view(job_id, request), status_code=200,
+                            headers={"Location": f"/v1/jobs/{job_id}", "Idempotent-Replayed": "true"})
+
+    @app.get("/v1/jobs/{job_id}")
+    def get_job(job_id: str, request: Request):
+        job = view(job_id, request)
+        return job if job is not None else not_found(job_id)
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel(job_id: str, request: Request):
+        if not store.cancel(job_id, clock()):
+            return not_found(job_id)
+        return view(job_id, request)
+
+    @app.patch("/v1/jobs/{job_id}")
+    async def reprioritise(job_id: str, request: Request):
+        body = await request.json()
+        try:
+            found = store.set_priority(job_id, str(body.get("priority")) if isinstance(body, dict) else "")
+        except BadInput as e:
+            return problem(422, "invalid priority", str(e))
+        return view(job_id, request) if found else not_found(job_id)
+
+    @app.get("/v1/jobs/{job_id}/files/{path:path}")
+    def job_file(job_id: str, path: str):
+        job = store.job(job_id, clock())
+        if job is None:
+            return not_found(job_id)
+        folder = Path(job["out_dir"]).resolve()
+        target = (folder / path).resolve()
+        if not target.is_relative_to(folder) or not target.is_file():
+            return problem(404, "no such file", f"{path} is not in the job's folder")
+        return FileResponse(target)
+
+    # the workers' protocol: lease a batch, heartbeat while rendering it, complete it
+
+    @app.post("/v1/leases")
+    async def lease(request: Request):
+        body = await request.json()
+        if app.state.draining:
+            return Response(status_code=204)
+        got = store.lease(str(body.get("worker", "?")), clock(), settings.lease_s)
+        return got if got is not None else Response(status_code=204)
+
+    @app.post("/v1/leases/{lease_id}/heartbeat")
+    def heartbeat(lease_id: str):
+        if not store.heartbeat(lease_id, clock(), settings.lease_s):
+            return problem(410, "lease lost", "the lease expired; its images went back to the queue")
+        return {"lease": lease_id}
+
+    @app.post("/v1/leases/{lease_id}/complete")
+    async def complete(lease_id: str, request: Request):
+        body = await request.json()
+        ok = store.complete(lease_id, [int(i) for i in body.get("done", [])], [int(i) for i in body.get("cached", [])],
+                            {int(k): str(v) for k, v in body.get("failed", {}).items()}, clock())
+        if not ok:
+            return problem(410, "lease lost", "the lease expired before this completion; it is ignored")
+        return {"lease": lease_id}
+
+    @app.get("/metrics")
+    def scrape():
+        return Response(metrics.exposition(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/healthz")
+    def healthz():
+        return {"ok": True}
+
+    @app.get("/readyz")
+    def readyz():
+        if app.state.draining:
+            return problem(503, "draining", "the server is stopping")
+        return {"ready": True}
+
+    return app
+
+
+def _discard(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,90 @@
+"""A submitted job, validated and planned as `bcg plan` does, without a model. Torch-free.
+
+The body is saved as the job file in its job folder (`<root>/jobs/<id>/<file name>`), so the workers load
+exactly what was validated; relative paths in it are read from that folder. Errors name the client's file
+name, not the server's copy, so they read as `bcg plan` prints them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from storyboard_cli.errors import BadInput, JobError, StoryboardError
+from storyboard_cli.job.file import Job, load_job
+from storyboard_cli.job.plan import work_items
+from storyboard_cli.job.preflight import check_model_path
+from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, TIERS
+
+JOBS = "jobs"  # <root>/jobs/<id>/: the job file and its output folder
+OUT = "out"
+SAFE_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+@dataclass(frozen=True)
+class PlannedImage:
+    order: int
+    shot: str
+    k: int
+    seed: int
+    outputs: tuple[str, ...]
+    key: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Planned:
+    id: str
+    name: str
+    path: Path  # the saved job file
+    out_dir: Path
+    priority: str
+    content_hash: str  # body, file name and priority: what an Idempotency-Key is checked against
+    batch: int
+    images: tuple[PlannedImage, ...]
+
+
+def job_folder(root: Path, job_id: str) -> Path:
+    return root / JOBS / job_id
+
+
+def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priority: str = DEFAULT_PRIORITY) -> Planned:
+    """Saves and validates the job. Raises BadInput (a JobError at file:line, shot, field) and leaves nothing
+    behind when the job is refused."""
+    if priority not in TIERS:
+        raise BadInput(f"priority must be one of {', '.join(TIERS)}, got {priority!r}")
+    if not SAFE_FILE.fullmatch(filename):
+        raise BadInput(f"file name must be letters, digits, '_', '.', '-', got {filename!r}")
+    folder = job_folder(root, job_id)
+    folder.mkdir(parents=True)
+    path = folder / filename
+    path.write_bytes(body)
+    try:
+        job = _load(path, filename)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model, job.controlnet))
+                   for n, i in enumerate(work_items(job)))
+    return Planned(job_id, job.name, path, folder / OUT, priority, content_hash(body, filename, priority),
+                   max(job.buckets), images)
+
+
+def content_hash(body: bytes, filename: str, priority: str) -> str:
+    """What an Idempotency-Key is bound to: the same key with another hash is refused."""
+    return hashlib.sha256(b"\0".join([body, filename.encode(), priority.encode()])).hexdigest()
+
+
+def _load(path: Path, filename: str) -> Job:
+    try:
+        job = load_job(path)
+        check_model_path(job.model, "model")
+        check_model_path(job.controlnet, "controlnet")
+        return job
+    except JobError as e:
+        raise JobError(filename if e.file == str(path) else e.file, e.line, e.shot, e.field, e.message) from None
+    except StoryboardError as e:
+        raise BadInput(str(e).replace(str(path), filename)) from None

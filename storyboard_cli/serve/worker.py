@@ -1,0 +1,213 @@
+"""A worker: leases batches from the server, renders them with the model (and its engine) kept hot across
+jobs, writes them into the job's folder exactly as `bcg render` does, reports back. The only serve module
+that renders; it drives the engine through `RenderSession` (run/render.py), never directly.
+
+Each lease is one `LeaseSession`: a RenderSession on the job's folder (its lock, reconcile, OutputSink,
+OOM policy, report, contact sheet) whose pending images are cut to the leased ones. Images whose twin
+(same fingerprint) was rendered before are read from that PNG and written through the same sink, with
+this job's metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from storyboard_cli.errors import Status, StoryboardError, one_line
+from storyboard_cli.job.file import Job, load_job
+from storyboard_cli.run.render import RenderOptions, RenderSession
+from storyboard_cli.serve.client import LeaseClient
+
+log = logging.getLogger(__name__)
+CACHED_BUCKET = "cached"  # the report's bucket row for copied twins
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    server: str
+    name: str = ""
+    device: str | None = None
+    dtype: str | None = None
+    engine: str = "auto"
+    compile: str = "auto"
+    token: str | None = None
+    poll_s: float = 0.5
+    max_leases: int | None = None  # stop after this many (tests); None: until stopped
+
+
+@dataclass
+class Hot:
+    """The loaded models and engine, kept between leases while the model stays the same."""
+
+    spec: tuple | None = None
+    models: object = None
+    engine: object = None
+
+    def for_job(self, job: Job) -> None:
+        spec = (job.model, job.controlnet)
+        lacking = job.controlnet is not None and self.models is not None and self.models.controlnet is None
+        if spec != self.spec or lacking:  # another model, or a ControlNet the first job did not need
+            self.spec, self.models, self.engine = spec, None, None
+
+
+@dataclass
+class Outcome:
+    done: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    stopped: bool = False
+
+
+class LeaseSession(RenderSession):
+    def __init__(self, job: Job, opts: RenderOptions, lease: dict, hot: Hot):
+        super().__init__(job, opts, None, hot.models, hot.engine)
+        self.mine = {p for image in lease["images"] for p in image["outputs"]}
+        self.twins = {image["outputs"][0]: image["twin"] for image in lease["images"] if image["twin"]}
+        self.copied: set[str] = set()
+
+    def find_pending(self):
+        pending, manifest = super().find_pending()
+        pending.items = [replace(i, outputs=tuple(p for p in i.outputs if p in self.mine))
+                         for i in pending.items if self.mine.intersection(i.outputs)]
+        return pending, manifest
+
+    def work(self):
+        for batch in self.batches:
+            rest = []
+            for item in batch.items:
+                pixels = _pixels(self.twins.get(item.outputs[0]))
+                if pixels is None:
+                    rest.append(item)
+                else:
+                    self.sink.submit(item, pixels, CACHED_BUCKET)
+                    self.copied.update(item.outputs)
+            if rest:
+                yield replace(batch, items=tuple(rest))
+
+
+def _pixels(path: str | None) -> np.ndarray | None:
+    """The twin's pixels (uint8 [H, W, 3]); None when there is none or it is gone."""
+    if path is None:
+        return None
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"))
+    except OSError:
+        return None
+
+
+def render_lease(lease: dict, hot: Hot, opts: WorkerOptions) -> Outcome:
+    """Renders one lease into its job's folder; which of its images landed, failed or are left."""
+    images, out = lease["images"], Outcome()
+    try:
+        job = load_job(lease["path"])
+        hot.for_job(job)
+        ropts = RenderOptions(out_dir=Path(lease["out_dir"]), device=opts.device, dtype=opts.dtype,
+                              engine=opts.engine, compile=opts.compile)
+        session = LeaseSession(job, ropts, lease, hot)
+        result = session.execute()
+    except StoryboardError as e:
+        out.failed = {image["id"]: one_line(e) for image in images}
+        return out
+    if session.models is not None:
+        hot.models, hot.engine = session.models, session.engine
+    failed = {f["path"]: f["reason"] for f in result.failed}
+    for image in images:
+        paths = image["outputs"]
+        reason = next((failed[p] for p in paths if p in failed), None)
+        if reason is not None:
+            out.failed[image["id"]] = reason
+        elif all((result.out_dir / p).is_file() for p in paths):
+            out.done.append(image["id"])
+            if session.copied.issuperset(paths):
+                out.cached.append(image["id"])
+    out.stopped = result.status == Status.INTERRUPTED
+    return out
+
+
+class Heartbeat:
+    """Renews a lease every third of its time to live while the lease renders (a thread: the render holds
+    the main thread, and its signals)."""
+
+    def __init__(self, client: LeaseClient, lease: dict):
+        self.client, self.lease, self.done = client, lease, threading.Event()
+        self.lost = False
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+    def _beat(self) -> None:
+        while not self.done.wait(self.lease["ttl"] / 3):
+            try:
+                if not self.client.heartbeat(self.lease["lease"]):
+                    self.lost = True
+            except httpx.HTTPError as e:
+                log.warning("heartbeat failed: %s", e)
+
+
+class _Stop:
+    """SIGINT or SIGTERM between leases: stop before taking the next one."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        self.requested = True
+
+
+def run_worker(opts: WorkerOptions) -> int:
+    """The worker loop: lease, render, complete, until stopped (SIGINT/SIGTERM: the running batch finishes,
+    the rest of the lease goes back to the queue). Returns how many leases it rendered."""
+    name = opts.name or f"{socket.gethostname()}-{id(opts):x}"
+    client, hot, stop = LeaseClient(opts.server, opts.token), Hot(), _Stop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    rendered, backoff = 0, opts.poll_s
+    try:
+        while not stop.requested and (opts.max_leases is None or rendered < opts.max_leases):
+            try:
+                lease = client.lease(name)
+            except httpx.HTTPError as e:  # the server is restarting, or gone for a while
+                log.info("no lease from %s: %s", opts.server, e)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            backoff = opts.poll_s
+            if lease is None:
+                time.sleep(opts.poll_s)
+                continue
+            with Heartbeat(client, lease):
+                outcome = render_lease(lease, hot, opts)
+            rendered += 1
+            _report(client, lease, outcome)
+            stop.requested = stop.requested or outcome.stopped
+    finally:
+        client.close()
+    return rendered
+
+
+def _report(client: LeaseClient, lease: dict, outcome: Outcome, tries: int = 5) -> None:
+    for attempt in range(tries):
+        try:
+            if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed):
+                log.warning("lease %s was lost before it completed: the server ignored its results", lease["lease"])
+            return
+        except httpx.HTTPError as e:
+            log.warning("completing lease %s: %s", lease["lease"], e)
+            time.sleep(min(2 ** attempt, 10))

@@ -1,0 +1,137 @@
+"""`bcg serve` as a real process on 127.0.0.1 with one CPU worker and the tiny model: a job through the
+service gives what `bcg render` gives; kill -9 of everything mid-job, a restart, and the job completes;
+SIGTERM drains and exits 0."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from storyboard_cli.cli import app
+from storyboard_cli.folder.layout import MANIFEST
+from storyboard_cli.job.file import load_job
+from storyboard_cli.run.render import RenderOptions, render
+
+from conftest import ROOT, write_job
+
+pytestmark = pytest.mark.slow
+JOB = """version: 1
+model: tiny
+buckets: [1, 2]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, seed: 1, candidates: 3}
+  - {id: b, prompt: a tower, seed: 7, candidates: 2}
+"""
+DEADLINE_S = 90
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root, port):
+        self.root, self.port, self.url = root, port, f"http://127.0.0.1:{port}"
+        self.proc = None
+
+    def start(self, lease_s=3):
+        self.proc = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "serve", "--root", str(self.root),
+                                      "--port", str(self.port), "--gpus", "cpu", "--lease-s", str(lease_s),
+                                      "--grace-s", "30"], cwd=ROOT, start_new_session=True, env=dict(os.environ))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError("the server did not answer within 30 s")
+
+    def job(self, job_id):
+        return httpx.get(f"{self.url}/v1/jobs/{job_id}", timeout=10).json()
+
+    def wait(self, job_id, until):
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if until(job):
+                return job
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} stuck: {job}")
+
+    def kill_everything(self):
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path / "root", _free_port())
+    yield s
+    if s.proc and s.proc.poll() is None:
+        s.kill_everything()
+
+
+def _pixels(path):
+    return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
+
+
+def test_a_job_through_serve_equals_bcg_render_and_sigterm_exits_0(server, tmp_path, tiny_cpu):
+    path = write_job(tmp_path, JOB)
+    server.start()
+    submitted = CliRunner().invoke(app, ["submit", str(path), "--server", server.url, "--wait", "--json"])
+    assert submitted.exit_code == 0, submitted.output
+    job = json.loads(submitted.stdout)
+    assert job["state"] == "succeeded" and len(job["images"]) == 5
+    served = server.root / "jobs" / job["id"] / "out"
+    ref = render(load_job(path), RenderOptions(out_dir=tmp_path / "ref"), models=tiny_cpu).out_dir
+    names = sorted(p.relative_to(ref).as_posix() for p in ref.rglob("*.png"))
+    assert names == sorted(p.relative_to(served).as_posix() for p in served.rglob("*.png"))
+    for name in names:
+        assert np.abs(_pixels(served / name) - _pixels(ref / name)).max() == 0, name
+    records = [json.loads(line) for line in (served / MANIFEST).read_text().splitlines()]
+    assert sorted(r["path"] for r in records) == sorted(n for n in names if "/thumbs/" not in n)
+    png = httpx.get(job["images"][0]["urls"][0]).content
+    assert png == (served / job["images"][0]["outputs"][0]).read_bytes()
+    assert httpx.get(job["sheet_url"]).status_code == 200 and httpx.get(job["report_url"]).json()["status"] == "done"
+
+    again = CliRunner().invoke(app, ["submit", str(path), "--server", server.url, "--wait", "--json"])
+    assert all(i["cached"] for i in json.loads(again.stdout)["images"])  # identical images rendered once
+
+    os.kill(server.proc.pid, signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    refused = subprocess.run([sys.executable, "-m", "storyboard_cli", "submit", str(path), "--server", server.url],
+                             capture_output=True, text=True)
+    assert refused.returncode != 0  # it is gone
+
+
+def test_kill_9_of_everything_mid_job_then_a_restart_completes_the_job(server, tmp_path):
+    path = write_job(tmp_path, JOB.replace("buckets: [1, 2]", "buckets: [1]").replace("candidates: 3", "candidates: 2"))
+    server.start(lease_s=2)
+    r = httpx.post(server.url + "/v1/jobs", content=path.read_bytes(), headers={"Content-Type": "application/yaml"})
+    assert r.status_code == 202
+    job_id = r.json()["id"]
+    server.wait(job_id, lambda j: j["images_by_state"].get("done", 0) >= 1)
+    server.kill_everything()
+
+    server.start()
+    job = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"))
+    assert job["state"] == "succeeded"
+    out = server.root / "jobs" / job_id / "out"
+    lines = [json.loads(line)["path"] for line in (out / MANIFEST).read_text().splitlines()]
+    assert sorted(lines) == sorted(p for i in job["images"] for p in i["outputs"])  # each image exactly once
+    assert all((out / p).is_file() for p in lines)
+    os.kill(server.proc.pid, signal.SIGTERM)
+    assert server.proc.wait(60) == 0

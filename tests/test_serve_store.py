@@ -1,0 +1,162 @@
+"""The queue without HTTP or torch: the scheduler's picks, and the store's leases, expiry, three strikes,
+late completions, dedup twins, idempotency and backpressure (milliseconds each)."""
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from storyboard_cli.errors import BadInput
+from storyboard_cli.serve import schedule
+from storyboard_cli.serve.intake import Planned, PlannedImage
+from storyboard_cli.serve.schedule import ImageState, JobState, Waiting
+from storyboard_cli.serve.store import IdempotencyConflict, QueueFull, Store
+
+KEY = "64x64 2 steps euler"
+
+
+def planned(job_id, n=2, priority="normal", key=KEY, fingerprint=None, batch=4, content="c") -> Planned:
+    images = tuple(PlannedImage(i, "a", i, 10 + i, (f"a/a_c{i}_s{10 + i}.png",), key,
+                                (fingerprint or job_id) + str(i)) for i in range(n))
+    return Planned(job_id, job_id, Path("/j") / job_id / "job.yaml", Path("/j") / job_id / "out", priority, content,
+                   batch, images)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path)
+    yield s
+    s.close()
+
+
+def w(image, job, priority="normal", submitted=0.0, key=KEY, order=0, batch=4, fp=None):
+    return Waiting(image, job, priority, submitted, key, fp or f"{job}{image}", order, batch)
+
+
+def test_pick_takes_the_best_ranked_job_and_its_images_of_one_key_up_to_its_bucket():
+    waiting = [w(1, "late", submitted=100), w(2, "early", order=1), w(3, "early", order=0),
+               w(4, "early", key="other", order=2), w(5, "early", order=3), w(6, "early", order=4, batch=2)]
+    assert [x.image for x in schedule.pick(waiting, set(), set())] == [3, 2, 5, 6]
+    assert [x.image for x in schedule.pick(waiting, {"early"}, set())] == [1]  # one lease per job folder
+    assert [x.image for x in schedule.pick(waiting, set(), {"early3", "early2", "early5", "early6"})] == [4]
+
+
+def test_urgent_jumps_the_queue_and_bulk_ages_into_it():
+    assert schedule.pick([w(1, "n", submitted=0), w(2, "u", "urgent", submitted=200)], set(), set())[0].job == "u"
+    old_bulk, new_urgent = w(1, "b", "bulk", submitted=0), w(2, "u", "urgent", submitted=1801)
+    assert schedule.pick([old_bulk, new_urgent], set(), set())[0].job == "b"  # nothing starves
+
+
+def test_retry_after_is_a_whole_number_of_seconds_from_the_drain_rate():
+    assert schedule.retry_after(10, 4.0) == 3
+    assert schedule.retry_after(1, 100.0) == 1
+    assert schedule.retry_after(5, None) == schedule.UNKNOWN_DRAIN_S
+
+
+def test_job_state_from_image_states():
+    s = schedule.job_state
+    assert s(Counter(queued=2), False) == JobState.QUEUED
+    assert s(Counter(queued=1, done=1), False) == JobState.RUNNING
+    assert s(Counter(done=2), False) == JobState.SUCCEEDED
+    assert s(Counter(done=1, failed=1), False) == JobState.FAILED
+    assert s(Counter(queued=2), True) == JobState.CANCELED
+
+
+def test_lease_complete_and_job_state(store):
+    store.submit(planned("j1"), None, 100, now=0)
+    lease = store.lease("w", now=1, ttl=10)
+    assert [i["id"] for i in lease["images"]] == [1, 2] and lease["out_dir"] == "/j/j1/out"
+    assert store.lease("w2", now=1, ttl=10) is None  # the job's folder has one writer
+    assert store.job("j1", 1)["state"] == JobState.RUNNING
+    assert store.complete(lease["lease"], done=[1], cached=[], failed={2: "NaN"}, now=2)
+    job = store.job("j1", 2)
+    assert job["state"] == JobState.FAILED and job["images"][1]["reason"] == "NaN" and job["finished"] == 2
+
+
+def test_expired_lease_goes_back_to_the_queue_and_its_late_completion_is_ignored(store):
+    store.submit(planned("j1"), None, 100, now=0)
+    lost = store.lease("w1", now=0, ttl=5)
+    assert store.heartbeat(lost["lease"], now=4, ttl=5)  # renewed until 9
+    assert store.lease("w2", now=8, ttl=5) is None
+    again = store.lease("w2", now=10, ttl=5)
+    assert again and [i["id"] for i in again["images"]] == [1, 2]
+    assert not store.heartbeat(lost["lease"], now=10, ttl=5)
+    assert not store.complete(lost["lease"], done=[1, 2], cached=[], failed={}, now=11)
+    assert store.job("j1", 11)["images_by_state"] == {ImageState.LEASED: 2}
+    assert store.complete(again["lease"], done=[1, 2], cached=[], failed={}, now=12)
+    counters = store.stats()["counters"]
+    assert counters["lease_expiries"] == 1 and counters["late_completions"] == 1 and counters["images_rendered"] == 2
+
+
+def test_an_image_whose_worker_dies_three_times_fails(store):
+    store.submit(planned("j1", n=1), None, 100, now=0)
+    for t in (0, 10, 20):
+        assert store.lease("w", now=t, ttl=5)
+    store.expire(now=30)
+    job = store.job("j1", 30)
+    assert job["state"] == JobState.FAILED and job["images"][0]["attempts"] == 3
+    assert "lost 3 times" in job["images"][0]["reason"]
+
+
+def test_a_stopping_worker_returns_its_images_without_a_strike(store):
+    store.submit(planned("j1"), None, 100, now=0)
+    lease = store.lease("w", now=0, ttl=5)
+    assert store.complete(lease["lease"], done=[1], cached=[], failed={}, now=1)
+    image = store.job("j1", 1)["images"][1]
+    assert image["state"] == ImageState.QUEUED and image["attempts"] == 0
+
+
+def test_a_twin_waits_for_the_first_render_then_is_leased_with_its_png(store):
+    store.submit(planned("j1", n=1, fingerprint="same"), None, 100, now=0)
+    store.submit(planned("j2", n=1, fingerprint="same"), None, 100, now=1)
+    first = store.lease("w1", now=2, ttl=5)
+    assert first["job"] == "j1" and first["images"][0]["twin"] is None
+    assert store.lease("w2", now=2, ttl=5) is None  # rendering it twice at once would waste a GPU
+    store.complete(first["lease"], done=[1], cached=[], failed={}, now=3)
+    second = store.lease("w2", now=3, ttl=5)
+    assert second["images"][0]["twin"] == "/j/j1/out/a/a_c0_s10.png"
+    store.complete(second["lease"], done=[2], cached=[2], failed={}, now=4)
+    assert store.job("j2", 4)["images"][0]["cached"] and store.stats()["counters"]["images_cached"] == 1
+
+
+def test_idempotency_key_returns_the_first_job_and_refuses_another_body(store):
+    assert store.submit(planned("j1"), "k", 100, now=0) == ("j1", True)
+    assert store.submit(planned("j2"), "k", 100, now=1) == ("j1", False)
+    with pytest.raises(IdempotencyConflict):
+        store.submit(planned("j3", content="other"), "k", 100, now=2)
+
+
+def test_a_full_queue_refuses_a_job_whole_with_the_drain_rate(store):
+    store.submit(planned("j1", n=6), None, 8, now=0)
+    with pytest.raises(QueueFull) as e:
+        store.submit(planned("j2", n=3), None, 8, now=1)
+    assert e.value.retry_after == schedule.UNKNOWN_DRAIN_S and store.job("j2", 1) is None
+    lease = store.lease("w", now=0, ttl=60)
+    store.complete(lease["lease"], done=[1, 2, 3, 4], cached=[], failed={}, now=10)  # 4 images in 10 s
+    store.submit(planned("j2", n=3), None, 8, now=10)
+    with pytest.raises(QueueFull) as e:
+        store.submit(planned("j3", n=4), None, 8, now=10)
+    assert e.value.retry_after == 3  # 1 image too many at 0.4 images/s
+    with pytest.raises(BadInput):
+        store.submit(planned("big", n=9), None, 8, now=10)  # could never fit
+
+
+def test_priorities_cancel_and_queue_position(store):
+    store.submit(planned("n", batch=1), None, 100, now=0)
+    store.submit(planned("u", priority="urgent", batch=1), None, 100, now=5)
+    assert store.job("n", 5)["queue_position"] == 2 and store.job("u", 5)["queue_position"] == 0
+    assert store.lease("w", now=6, ttl=5)["job"] == "u"
+    assert store.set_priority("n", "urgent") and store.job("n", 6)["queue_position"] == 0
+    with pytest.raises(BadInput):
+        store.set_priority("n", "asap")
+    assert store.cancel("n", now=7)
+    assert store.job("n", 7)["state"] == JobState.CANCELED and store.stats()["jobs"]["canceled"] == 1
+
+
+def test_the_queue_survives_reopening(tmp_path):
+    s = Store(tmp_path)
+    s.submit(planned("j1"), "k", 100, now=0)
+    s.close()
+    again = Store(tmp_path)
+    assert again.job("j1", 1)["state"] == JobState.QUEUED and again.replay("k", "c") == "j1"
+    again.close()
