@@ -48,6 +48,12 @@ class RenderFailure(StoryboardError):
     exit_code = 1
 
 
+class DiskFull(StoryboardError):
+    """The output disk (or its quota) filled up mid-render; what was written before is kept."""
+
+    exit_code = 2
+
+
 class OutputLocked(BadInput):
     """Another live render holds the output folder."""
 
@@ -103,6 +109,13 @@ def did_you_mean(word: str, choices: Iterable[str], known: bool = False) -> str:
     if hint:
         return f"; did you mean '{hint[0]}'?"
     return f"; known: {', '.join(choices)}" if known else ""
+
+
+def write_error(path: Path, e: OSError) -> StoryboardError:
+    """An OSError writing an output file: a full disk (exit 2, as a bad destination) or a failed render."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); free some space and run again")
+    return RenderFailure(f"cannot write {path}: {e.strerror or e}")
 
 
 def folder_error(path: Path, e: OSError) -> BadInput:
