@@ -179,6 +179,7 @@ class RenderSession:
                 self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile)
         with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
             runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
+        self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())
         with self.timings.stage("capture"):
             self.engine.prepare(self.capture_ahead(shapes))
         stop.check()
