@@ -153,7 +153,7 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
 
     if gpus > 1 and dist.worker() is None:
         with _domain_errors():
-            code = dist.launch(gpus, _command_line(ctx))
+            code = dist.launch(gpus, _command_line(ctx), out_dir or load_job(job).output_dir)
         raise typer.Exit(code)
     with _domain_errors():
         j = load_job(job)

@@ -203,6 +203,33 @@ def test_stopped_launcher_and_killed_worker_lose_nothing(tmp_path):
     assert all(records[p] == r for p, r in left.items())  # the dead run's lines, merged as they were
 
 
+def _rank_of(pid: int) -> int:
+    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    return int(env["RANK"])
+
+
+@pytest.mark.slow  # torchrun and worker processes
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers through /proc")
+def test_a_worker_killed_under_gpus_is_a_failure_and_the_launcher_merges_the_shards(tmp_path):
+    job = write_job(tmp_path, LONG)
+    out = tmp_path / "out"
+    launcher = subprocess.Popen([sys.executable, "-m", MODULE, "render", str(job), "--out", str(out), "--device", "cpu",
+                                 "--gpus", "2"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    _wait_for_lines(out, 3, launcher)
+    victim = next(w for w in _children(launcher.pid) if _rank_of(w) == 1)
+    os.kill(victim, signal.SIGKILL)
+    code, log = _finish(launcher)
+    assert code == 1, log  # a crash, not a stop (143): a farm's retry logic must tell them apart
+    assert f"error: worker rank 1 (pid {victim}) died from SIGKILL" in log and "Traceback" not in log
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "error" and report["error"].startswith(f"worker rank 1 (pid {victim}) died from SIGKILL")
+    pngs = _consistent(out)
+    assert not (out / SHARDS).exists()  # merged by the launcher, not left for the next run
+    assert sorted(Manifest(out).records) == pngs and len(pngs) >= 3
+    assert not any(n.endswith(dist.SHARDS_LEFT) for n in report["notes"])
+
+
 @pytest.mark.gpu
 def test_two_gpus_render_the_bench_job_faster_with_the_same_pixels(tmp_path):
     """On a 2-GPU machine: 2 workers >= 1.85x one GPU's images/s (weight loading excluded, capture
