@@ -358,3 +358,19 @@ def test_compile_progress_off_a_terminal_is_one_line_per_module_state(capsys):
                      "compiled kernels for unet 832x1216 not used: unet-x.pt2: it does not load on this machine",
                      "bcg: unet 1024x1024 done in 290 s",
                      "bcg: controlnet 1024x1024 failed in 100 s the compiler said no"]
+
+
+def test_the_same_reroll_request_gives_the_same_candidates_a_new_round_new_ones(rendered, tmp_path):
+    path, out = rendered
+    picks = write_job(tmp_path, "reroll: [a]\n", "picks.yaml")
+    args = ["render", str(path), "--out", str(out), "--reroll", str(picks), "--json"]
+    rendered_by = [json.loads(runner.invoke(app, args).stdout)["images_rendered"] for _ in range(3)]
+    assert rendered_by == [2, 0, 0]  # a retried reroll step finds its candidates done
+    names = sorted(p.name for p in (out / "a").glob("*.png"))
+    assert names == ["a_c0_s1.png", "a_c1_s2.png", "a_c2_s3.png", "a_c3_s4.png"]
+    (picks).write_text("reroll: [a]\nround: 2\n")
+    assert json.loads(runner.invoke(app, args).stdout)["images_rendered"] == 2
+    assert sorted(p.name for p in (out / "a").glob("*.png"))[4:] == ["a_c4_s5.png", "a_c5_s6.png"]
+    (out / "a" / "a_c5_s6.png").unlink()  # a killed round resumed: the same candidates, only the missing one
+    assert json.loads(runner.invoke(app, args).stdout)["images_rendered"] == 1
+    assert len(list((out / "a").glob("*.png"))) == 6

@@ -4,6 +4,7 @@
       "s01-cold-open": "s01-cold-open/s01-cold-open_c1_s1002.png"
     reroll:
       - "s03-stairs"
+    round: 2          # optional: the same reroll list again asks for new candidates only with a new round
 
 `load_picks` validates it (one-line errors naming file:line, shot and field); `apply_picks` copies the
 picks, in shot order, to `<out>/selects/NNN_<shot>.png` and records them in `<out>/picks.json`;
@@ -16,17 +17,18 @@ import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
+from typing import Iterable
 
 import yaml
 
 from storyboard_cli.errors import BadInput, JobError, did_you_mean
-from storyboard_cli.folder.layout import (PICKS_GENERATOR, PICKS_JSON, SELECT_NAME, SELECTS, candidate_files,
-                                          parse_output_name, read_chunk, read_fingerprint, refuse_foreign, select_name,
-                                          shot_order)
+from storyboard_cli.folder.layout import (PICKS_GENERATOR, PICKS_JSON, REROLLS, SELECT_NAME, SELECTS,
+                                          candidate_files, parse_output_name, read_chunk, read_fingerprint, read_json,
+                                          refuse_foreign, select_name, shot_order)
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import Job, Shot, job_of_folder, read_text
 
-PICK_KEYS = ("picks", "reroll")
+PICK_KEYS = ("picks", "reroll", "round")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Picks:
     path: Path
     picks: dict[str, str]  # shot -> candidate PNG, relative to the output folder (posix), in file order
     reroll: tuple[str, ...]
+    round: int = 1  # the reroll request's round: the same list and round give the same candidates
 
 
 # ---------------------------------------------------------------- reading picks.yaml
@@ -141,7 +144,14 @@ def load_picks(path: str | Path, out_dir: str | Path, job: Job | None = None) ->
                 raise JobError(file, _line(item), shot, "reroll",
                                f"both picked (line {lines[shot]}) and marked reroll; choose one")
             reroll.append(shot)
-    return Picks(path, picks, tuple(reroll))
+    round_ = 1
+    node = sections.get("round")
+    if node is not None:
+        text = _text(file, node, None, "round")
+        if not text.isdigit() or int(text) < 1:
+            raise JobError(file, _line(node), None, "round", f"must be a whole number from 1, got {text!r}")
+        round_ = int(text)
+    return Picks(path, picks, tuple(reroll), round_)
 
 
 # ---------------------------------------------------------------- applying them
@@ -190,10 +200,13 @@ def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> li
 # ---------------------------------------------------------------- reroll
 
 
-def reroll_shots(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[str]) -> tuple[Shot, ...]:
+def reroll_shots(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[str],
+                 asked: Iterable[tuple[str, int, int, int]] = ()) -> tuple[Shot, ...]:
     """The extra work for `bcg render --reroll`: per rerolled shot, `candidates` new candidates whose
     indices continue after every candidate the job names or the folder holds, with seeds no image of
-    that shot has used. Pure apart from listing `<out>/<shot>/`; existing images are never touched.
+    that shot has used. `asked`: (shot, first candidate, seed, count) of earlier reroll rounds, used even
+    where their images are not on disk yet. Pure apart from listing `<out>/<shot>/`; existing images are
+    never touched.
 
     Candidate k of a Shot has seed `seed + k` (plan.work_items), so a new Shot with
     `first_candidate=k0` keeps the job's seeds running on (seed + k0, seed + k0 + 1, ...) unless one
@@ -209,9 +222,12 @@ def reroll_shots(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[st
         same = by_id[shot_id]
         base = same[0]
         on_disk = candidate_files(out_dir, shot_id)
-        first = max([s.first_candidate + s.candidates for s in same] + [k + 1 for _, k, _, _ in on_disk])
+        earlier = [(k0, seed0, n) for s, k0, seed0, n in asked if s == shot_id]
+        first = max([s.first_candidate + s.candidates for s in same] + [k + 1 for _, k, _, _ in on_disk]
+                    + [k0 + n for k0, _, n in earlier])
         used = {s.seed + k for s in same for k in range(s.first_candidate, s.first_candidate + s.candidates)}
-        used |= {seed for _, _, seed, _ in on_disk}
+        used |= {seed for _, _, seed, _ in on_disk} | {seed0 + k for k0, seed0, n in earlier
+                                                        for k in range(k0, k0 + n)}
         seed = base.seed
         if any(seed + k in used for k in range(first, first + base.candidates)):
             seed = max(used) + 1 - first
@@ -231,4 +247,26 @@ def rerolled(job: Job, out_dir: str | Path, picks_path: str | Path) -> Job:
     picks = load_picks(picks_path, out_dir, job)
     if not picks.reroll:
         raise BadInput(f"{picks_path}: --reroll: the file marks no shot to reroll")
-    return with_rerolls(job, out_dir, picks.reroll)
+    return replace(job, shots=job.shots + reroll_round(job, Path(out_dir), picks))
+
+
+def reroll_round(job: Job, out_dir: Path, picks: Picks) -> tuple[Shot, ...]:
+    """The new candidates of a reroll request, recorded in `<out>/rerolls.json` the first time it is seen:
+    the same request (reroll list and round) gives the same candidates however often it runs (a retry,
+    a killed reroll resumed); a new round asks for new ones."""
+    record = read_json(out_dir / REROLLS) or {}
+    rounds = [r for r in record.get("rounds", []) if isinstance(r, dict)]
+    request = {"reroll": list(picks.reroll), "round": picks.round}
+    by_id = {s.id: s for s in reversed(job.shots)}  # the job's first shot of each id
+    for r in rounds:
+        if r.get("request") == request and all(s in by_id for s in r.get("shots", {})):
+            return tuple(replace(by_id[s], first_candidate=k0, seed=seed, candidates=n)
+                         for s, (k0, seed, n) in r["shots"].items())
+    asked = [(s, *v) for r in rounds for s, v in r.get("shots", {}).items()]
+    extra = reroll_shots(job, out_dir, picks.reroll, asked)
+    rounds.append({"request": request, "shots": {s.id: [s.first_candidate, s.seed, s.candidates] for s in extra},
+                   "asked": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    refuse_foreign(out_dir / REROLLS, "before recording the reroll")
+    atomic_write(out_dir / REROLLS, (json.dumps({"generator": PICKS_GENERATOR, "rounds": rounds}, indent=2,
+                                                ensure_ascii=False) + "\n").encode("utf-8"))
+    return extra
