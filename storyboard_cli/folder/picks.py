@@ -24,7 +24,7 @@ import yaml
 from storyboard_cli.errors import BadInput, JobError, did_you_mean
 from storyboard_cli.folder.layout import (PICKS_GENERATOR, PICKS_JSON, REROLLS, SELECT_NAME, SELECTS,
                                           candidate_files, parse_output_name, read_chunk, read_fingerprint, read_json,
-                                          refuse_foreign, select_name, shot_order)
+                                          refuse_foreign, select_name, shot_order, written_by_bcg)
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import Job, Shot, job_of_folder, read_text
 
@@ -84,8 +84,8 @@ def _check_file(file: str, line: int, shot: str, rel: str, out_dir: Path) -> str
     if not path.is_file():
         raise JobError(file, line, shot, "picks", f"missing file: {path}")
     parsed = parse_output_name(rel)
-    meta = read_chunk(path)
-    if parsed is None or parsed[0] != shot or meta is None or meta.get("shot") != shot:
+    meta = read_chunk(path)  # None: an artist's edit of the candidate (its tool dropped bcg's chunk)
+    if parsed is None or parsed[0] != shot or (meta is not None and meta.get("shot") != shot):
         raise JobError(file, line, shot, "picks", f"{rel} is not a candidate image bcg rendered for this shot")
     return rel
 
@@ -168,14 +168,17 @@ def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> li
         raise BadInput(f"{picks.path}: shot '{missing[0]}' is not in {out_dir}'s job")
     plan = [(out_dir / select_name(order.index(s) + 1, s, len(order)), s) for s in order if s in picks.picks]
     targets = {dst for dst, _ in plan}
+    record_path = out_dir / PICKS_JSON
+    # an edited pick's select has no bcg chunk: the last picks.json says it is ours
+    copied = {out_dir / p["select"] for p in (read_json(record_path) or {}).get("picks", [])
+              if isinstance(p, dict) and isinstance(p.get("select"), str)} if written_by_bcg(record_path) else set()
     stale = []
     sel_dir = out_dir / SELECTS
     if sel_dir.is_dir():
         for f in sorted(sel_dir.iterdir()):
-            if f not in targets and SELECT_NAME.match(f.name) and read_fingerprint(f) is not None:
+            if f not in targets and SELECT_NAME.match(f.name) and (f in copied or read_fingerprint(f) is not None):
                 stale.append(f)  # an earlier pick of ours
-    record_path = out_dir / PICKS_JSON
-    for dst in [dst for dst, _ in plan] + [record_path]:
+    for dst in [dst for dst, _ in plan if dst not in copied] + [record_path]:
         refuse_foreign(dst, "before picking")
 
     records, written = [], []
@@ -184,10 +187,11 @@ def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> li
         data = src.read_bytes()
         if not (dst.is_file() and dst.stat().st_size == len(data) and dst.read_bytes() == data):
             atomic_write(dst, data)
-        meta = read_chunk(src) or {}
+        meta = read_chunk(src)
+        _, k, seed = parse_output_name(picks.picks[shot])
         records.append({"shot": shot, "path": picks.picks[shot], "select": dst.relative_to(out_dir).as_posix(),
-                        "candidate": meta.get("candidate"), "seed": meta.get("seed"),
-                        "fingerprint": meta.get("fingerprint")})
+                        "candidate": k, "seed": seed, "fingerprint": (meta or {}).get("fingerprint"),
+                        "edited": meta is None})
         written.append(dst)
     for f in stale:
         f.unlink(missing_ok=True)

@@ -31,6 +31,7 @@ from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.plan import work_items
 
 THUMB_PX = 256  # longest side of a thumbnail
+EDITED = "edited outside bcg: kept as it is (render --force renders it again)"
 
 
 def href(rel: str) -> str:
@@ -45,10 +46,10 @@ class Candidate:
     k: int
     seed: int
     mtime_ns: int = 0
-    meta: dict | None = None  # the bcg chunk; None for an image that is expected but not on disk
+    meta: dict | None = None  # the bcg chunk ({} for an edited file that lost it); None: not on disk
     thumb: str | None = None
     thumb_size: tuple[int, int] = (0, 0)
-    state: str = "ok"  # ok | stale | failed | missing
+    state: str = "ok"  # ok | stale | edited | failed | missing
     reason: str = ""
 
 
@@ -322,12 +323,17 @@ class SheetWriter:
             cands: dict[str, Candidate] = {}
             for rel, k, seed, st in candidate_files(self.out_dir, shot_id):
                 meta = self._chunk(rel, st)
-                if meta is None or meta.get("shot") != shot_id:
-                    continue  # not an image bcg wrote for this shot
-                c = Candidate(rel, shot_id, k, seed, st.st_mtime_ns, meta)
-                if rel in expected and meta.get("fingerprint") != expected[rel]:
+                if meta is not None and meta.get("shot") != shot_id:
+                    continue  # an image bcg wrote for another shot
+                c = Candidate(rel, shot_id, k, seed, st.st_mtime_ns, meta or {})
+                if meta is None:  # painted over in another tool, which dropped bcg's chunk: the artist's frame
+                    c.state, c.reason = "edited", EDITED
+                elif rel in expected and meta.get("fingerprint") != expected[rel]:
                     c.state, c.reason = "stale", "settings changed since; bcg render redoes it"
-                self._thumb(c)
+                try:
+                    self._thumb(c)
+                except (OSError, ValueError):
+                    continue  # not an image PIL reads: nothing to show
                 cands[rel] = c
             for rel in [p for p in expected if p.startswith(f"{shot_id}/")] + list(failed):
                 parsed = parse_output_name(rel)
@@ -337,7 +343,7 @@ class SheetWriter:
                     cands[rel] = Candidate(rel, shot_id, parsed[1], parsed[2], state="failed", reason=failed[rel])
                 else:
                     cands[rel] = Candidate(rel, shot_id, parsed[1], parsed[2], state="missing",
-                                           reason="not rendered yet" if running else "missing: not on disk")
+                                           reason="not rendered yet" if running else "not on disk")
             first = next((c.meta for c in sorted(cands.values(), key=lambda c: c.k) if c.meta), None)
             s = dict(settings.get(shot_id) or (_settings_of_meta(first) if first else {}))
             if first and first.get("loras"):
@@ -358,7 +364,7 @@ class SheetWriter:
         picks = recorded_picks(self.out_dir)
         title = job.name if job else (Path(str(report["job"])).stem if report and report.get("job")
                                       else self.out_dir.resolve().name)
-        n_img = sum(1 for r in rows for c in r.candidates if c.meta)
+        n_img = sum(1 for r in rows for c in r.candidates if c.meta is not None)
         n_bad = sum(1 for r in rows for c in r.candidates if c.state in ("failed", "missing"))
         summary = f"{len(rows)} shots, {n_img} images on disk" + (f", {n_bad} missing or failed" if n_bad else "")
         if report:
@@ -428,7 +434,7 @@ class SheetWriter:
                          f'alt="{esc(row.id)} candidate {c.k}"></a><figcaption><span>{esc(label)}</span>'
                          f'<label><input type="radio" class="pick" name="{group}" value="{esc(c.path)}"> pick'
                          "</label></figcaption>")
-                if c.state == "stale":
+                if c.state in ("stale", "edited"):
                     h.append(f'<div class="stale">{esc(c.reason)}</div>')
                 h.append("</figure>")
             else:
