@@ -37,15 +37,21 @@ def _flag(name: str, help: str):
     return typer.Option(name, metavar="", help=help)
 
 
-JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False)]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: the job's output_dir).")]
+def _user_path(value: Path | None) -> Path | None:
+    """`~` expanded in every path a user gives (`--out=~/x` and a script's quoted '~/x' reach us unexpanded)."""
+    return value.expanduser() if value is not None else None
+
+
+JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False, callback=_user_path)]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: the job's output_dir).",
+                                                callback=_user_path)]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="fp16, bf16 or fp32 (default: fp16 on cuda, fp32 on cpu).")]
 EngineOpt = Annotated[str, typer.Option(help="auto (graphs on CUDA, eager on CPU), graph or eager.")]
 CompileOpt = Annotated[str, typer.Option(help="Compiled kernels inside the CUDA graphs: auto, on or off.")]
 JsonOpt = Annotated[bool, _flag("--json", "Print one JSON summary object on stdout.")]
 JobOpt = Annotated[Optional[Path], typer.Option("--job", help="The job that rendered the folder (default: the "
-                                                                "one its report names).")]
+                                                                "one its report names).", callback=_user_path)]
 
 
 def _version(value: bool) -> None:
@@ -140,7 +146,8 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
            shot: Annotated[Optional[list[str]], typer.Option("--shot", help="Only this shot (an id or a glob "
                                                                            "like 'ep1_*'); repeatable.")] = None,
            reroll: Annotated[Optional[Path], typer.Option("--reroll", help="A picks.yaml: new candidates for the "
-                                                                          "shots it marks for reroll.")] = None,
+                                                                          "shots it marks for reroll.",
+                                                                          callback=_user_path)] = None,
            json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
            device: DeviceOpt = None, dtype: DtypeOpt = None,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto",
@@ -204,8 +211,11 @@ def _command_line(ctx: typer.Context) -> list[str]:
     return argv
 
 
+FolderArg = Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False, callback=_user_path)]
+
+
 @app.command()
-def sheet(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False)],
+def sheet(out_dir: FolderArg,
           job: JobOpt = None) -> None:
     """(Re)build the contact sheet, <out>/index.html, from what is on disk."""
     from storyboard_cli.folder.sheet import write_sheet
@@ -217,9 +227,9 @@ def sheet(out_dir: Annotated[Path, typer.Argument(help="A render's output folder
 
 
 @app.command()
-def pick(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False)],
+def pick(out_dir: FolderArg,
          picks: Annotated[Path, typer.Argument(help="The picks.yaml saved from the contact sheet.",
-                                               show_default=False)],
+                                               show_default=False, callback=_user_path)],
          job: JobOpt = None) -> None:
     """Copy the picked candidates, in shot order, to <out>/selects/NNN_<shot>.png."""
     from storyboard_cli.folder.picks import apply_picks, load_picks
@@ -237,7 +247,8 @@ def pick(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.
 
 @app.command()
 def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes to capture (default: the named "
-                                                               "sizes at --buckets).", show_default=False)] = None,
+                                                               "sizes at --buckets).", show_default=False,
+                                                               callback=_user_path)] = None,
             warm: Annotated[bool, _flag("--warm", "Capture, check and time every shape now.")] = False,
             model: Annotated[str, typer.Option(help="Model when no job is given.")] = "sdxl-random",
             controlnet: Annotated[Optional[str], typer.Option(help="Also capture ControlNet shapes with this "

@@ -374,3 +374,20 @@ def test_the_same_reroll_request_gives_the_same_candidates_a_new_round_new_ones(
     (out / "a" / "a_c5_s6.png").unlink()  # a killed round resumed: the same candidates, only the missing one
     assert json.loads(runner.invoke(app, args).stdout)["images_rendered"] == 1
     assert len(list((out / "a").glob("*.png"))) == 6
+
+
+def test_tilde_is_expanded_in_cli_paths_and_job_fields(tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    (home / "ctl").mkdir(parents=True)
+    cwd.mkdir()
+    shutil.copy(ROOT / "jobs" / "control" / "hero_pose.png", home / "ctl" / "pose.png")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    write_job(home, "version: 1\nmodel: tiny\ncontrolnet: tiny\noutput_dir: ~/from-job\nbuckets: [1]\nshots:\n"
+                    "  - {id: a, prompt: x, steps: 2, size: 64x64, control: {image: ~/ctl/pose.png}}\n")
+    result = runner.invoke(app, ["render", "~/job.yaml", "--out=~/renders", "--device", "cpu", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert len(list((home / "renders" / "a").glob("*.png"))) == 1
+    assert not (cwd / "~").exists()
+    assert runner.invoke(app, ["sheet", "~/renders", "--job", "~/job.yaml"]).exit_code == 0
+    assert runner.invoke(app, ["plan", "~/job.yaml", "--json"]).stdout.count(str(home / "from-job")) == 1

@@ -405,7 +405,7 @@ def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_di
     if "image" not in raw:
         raise ctx.fail(raw.line, shot_id, "control.image", "missing")
     rel = _as_str(ctx, raw["image"], image_line, shot_id, "control.image", empty_ok=False)
-    path = (job_dir / rel).resolve()
+    path = (job_dir / Path(rel).expanduser()).resolve()
     if not path.is_file():
         raise ctx.fail(image_line, shot_id, "control.image", f"file not found: {path}")
     if path not in ctx.images_checked:
@@ -453,7 +453,7 @@ def _first_content_line(path: Path) -> int:
 
 def load_job(path: str | Path) -> Job:
     """Reads and validates a job file. Raises JobError (exit code 2) on any problem."""
-    path = Path(path)
+    path = Path(path).expanduser()
     ctx = _Ctx(str(path))
     doc = _read_yaml(path)
     if doc is None:
