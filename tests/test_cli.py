@@ -391,3 +391,37 @@ def test_tilde_is_expanded_in_cli_paths_and_job_fields(tmp_path, monkeypatch):
     assert not (cwd / "~").exists()
     assert runner.invoke(app, ["sheet", "~/renders", "--job", "~/job.yaml"]).exit_code == 0
     assert runner.invoke(app, ["plan", "~/job.yaml", "--json"]).stdout.count(str(home / "from-job")) == 1
+
+
+@pytest.fixture
+def read_only(rendered):
+    """The rendered folder, read-only for real: a read-only tmpfs where root may mount one, else chmod."""
+    import os
+
+    path, out = rendered
+    if os.geteuid() != 0:
+        for d in [out, *(p for p in out.rglob("*") if p.is_dir())]:
+            d.chmod(0o555)
+        yield path, out
+        for d in [out, *(p for p in out.rglob("*") if p.is_dir())]:
+            d.chmod(0o755)
+        return
+    mnt = out.parent / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        shutil.copytree(out, mnt, dirs_exist_ok=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        yield path, mnt
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_sheet_and_pick_on_a_read_only_folder_are_one_line_exit_2(read_only, tmp_path):
+    path, out = read_only
+    for args in (["sheet", str(out)], ["pick", str(out), str(write_job(tmp_path, "picks:\n  b: b/b_c0_s5.png\n",
+                                                                      "picks.yaml"))]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert _one_error_line(result).startswith(f"error: output folder {out}: cannot write here"), result.output

@@ -21,7 +21,7 @@ from typing import Iterable
 
 import yaml
 
-from storyboard_cli.errors import BadInput, JobError, did_you_mean
+from storyboard_cli.errors import BadInput, JobError, did_you_mean, folder_error
 from storyboard_cli.folder.layout import (PICKS_GENERATOR, PICKS_JSON, REROLLS, SELECT_NAME, SELECTS,
                                           candidate_files, parse_output_name, read_chunk, read_fingerprint, read_json,
                                           refuse_foreign, select_name, shot_order, written_by_bcg)
@@ -158,6 +158,14 @@ def load_picks(path: str | Path, out_dir: str | Path, job: Job | None = None) ->
 
 
 def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> list[Path]:
+    """`_apply_picks`, with a folder that cannot be written as the one line a person can act on."""
+    try:
+        return _apply_picks(Path(out_dir), picks, job)
+    except OSError as e:
+        raise folder_error(Path(out_dir), e) from None
+
+
+def _apply_picks(out_dir: Path, picks: Picks, job: Job | None = None) -> list[Path]:
     """Copies each pick, in shot order, to `<out>/selects/NNN_<shot>.png` (byte for byte: the PNG keeps its
     parameters), removes selects bcg wrote earlier that are no longer picked, and records the picks in
     `<out>/picks.json`. Never replaces a file bcg did not write: it checks every target before copying."""

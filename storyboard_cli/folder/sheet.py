@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from storyboard_cli.errors import BadInput
+from storyboard_cli.errors import BadInput, folder_error
 from storyboard_cli.folder.charts import esc, report_svgs
 from storyboard_cli.folder.layout import (CONTROL_THUMB, INDEX, INDEX_MARK, SHEET_GENERATOR, candidate_files,
                                           parse_output_name, read_chunk, read_report, recorded_picks, refuse_foreign,
@@ -452,4 +452,7 @@ def write_sheet(out_dir: Path, job: Job | None = None) -> Path:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise BadInput(f"{out_dir}: no such output folder")
-    return SheetWriter(out_dir, job).update()
+    try:
+        return SheetWriter(out_dir, job).update()
+    except OSError as e:
+        raise folder_error(out_dir, e) from None
