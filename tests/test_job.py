@@ -165,3 +165,8 @@ def test_a_control_image_shared_by_shots_is_decoded_once(job_dir, monkeypatch):
     load_job(write_job(job_dir, "version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n" + "".join(
         f"  - {{id: s{i}, prompt: x, control: {{image: control/hero_pose.png}}}}\n" for i in range(5))))
     assert len(loads) == 1
+
+
+def test_a_job_named_by_a_file_with_accents_keeps_its_letters(tmp_path):
+    job = load_job(write_job(tmp_path, "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x}\n", "épisode.yaml"))
+    assert job.name == "episode"

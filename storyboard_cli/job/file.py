@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import re
+import unicodedata
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -531,8 +532,10 @@ def job_of_folder(out_dir: Path) -> Job | None:
 
 
 def _name_from_file(ctx: _Ctx, path: Path, line: int) -> str:
-    """A job without `name:` is named after its file, made safe for a folder name: `ep 1 (v2).yaml` -> `ep-1-v2`."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", path.stem).lstrip("-_.").rstrip("-")[:64]
+    """A job without `name:` is named after its file, made safe for a folder name: `ep 1 (v2).yaml` -> `ep-1-v2`,
+    `épisode.yaml` -> `episode` (accents dropped, as NFKD decomposes them)."""
+    ascii_stem = unicodedata.normalize("NFKD", path.stem).encode("ascii", "ignore").decode()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", ascii_stem).lstrip("-_.").rstrip("-")[:64]
     if not name:
         raise ctx.fail(line, None, None, f"the file name {path.name!r} cannot name the output folder: "
                        f"add a top-level 'name:' ({SAFE_NAME_RULE})")
