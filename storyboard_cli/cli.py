@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from storyboard_cli import __version__
-from storyboard_cli.errors import Interrupted, StoryboardError, exit_code
+from storyboard_cli.errors import Interrupted, StoryboardError, exit_code, plural
 from storyboard_cli.folder.layout import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -111,7 +111,7 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
         return
     for w in warnings:
         err.print(Text.assemble(("warning: ", "yellow"), str(w)))
-    table = Table(title=f"{j.name}: {len(j.shots)} shots, {total_images} images "
+    table = Table(title=f"{j.name}: {plural(len(j.shots), 'shot')}, {plural(total_images, 'image')} "
                         f"({len(items)} distinct), model {j.model}", title_justify="left")
     for col in ("size", "steps", "sampler", "control", "images", "batches", "UNet rows", "padding", "rows x steps"):
         table.add_column(col, justify="left" if col in ("size", "sampler", "batches") else "right")
@@ -127,8 +127,8 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     out.print(table)
     out.print(f"output: {j.output_dir}   buckets: {list(j.buckets)}   (UNet rows count CFG: 2 per image)")
     if j.loras:
-        out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({r.images} images)" for r in sets)
-                  + f"; {swaps} swaps")
+        out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({plural(r.images, 'image')})" for r in sets)
+                  + f"; {plural(swaps, 'swap')}")
 
 
 def _count(values) -> dict[int, int]:

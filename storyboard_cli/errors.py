@@ -102,6 +102,11 @@ def one_line(e: BaseException, limit: int | None = None) -> str:
     return f"{e.__class__.__name__}: {text}" if text else e.__class__.__name__
 
 
+def plural(n: int, word: str) -> str:
+    """"1 image", "2 images", "0 images"."""
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def did_you_mean(word: str, choices: Iterable[str], known: bool = False) -> str:
     """"; did you mean 'seed'?" for the closest of `choices`, else "" (with `known`: the list of them)."""
     choices = list(choices)

@@ -425,3 +425,20 @@ def test_sheet_and_pick_on_a_read_only_folder_are_one_line_exit_2(read_only, tmp
         result = runner.invoke(app, args)
         assert result.exit_code == 2, result.output
         assert _one_error_line(result).startswith(f"error: output folder {out}: cannot write here"), result.output
+
+
+@pytest.mark.parametrize("model, hint", [("Tiny", "tiny"), ("sdxl_random", "sdxl-random")])
+def test_a_misspelt_preset_gets_a_did_you_mean(tmp_path, model, hint):
+    path = write_job(tmp_path, f"version: 1\nmodel: {model}\nshots:\n  - {{id: a, prompt: x}}\n")
+    line = _one_error_line(runner.invoke(app, ["plan", str(path)]))
+    assert line == f"error: model: unknown model '{model}'; did you mean '{hint}'?"
+
+
+def test_plan_counts_in_the_singular_where_there_is_one(tmp_path):
+    lora = ROOT / "jobs" / "loras" / "mei.safetensors"
+    path = write_job(tmp_path, f"version: 1\nmodel: tiny\nloras: {{mei: {lora}}}\n"
+                               "shots:\n  - {id: a, prompt: x, lora: {mei: 0.5}}\n")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    assert ": 1 shot, 1 image (1 distinct)" in result.output
+    assert "mei 0.5 (1 image); 1 swap" in result.output

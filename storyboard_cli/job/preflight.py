@@ -7,7 +7,7 @@ import errno
 import os
 from pathlib import Path
 
-from storyboard_cli.errors import BadInput, ModelError, folder_error
+from storyboard_cli.errors import BadInput, ModelError, did_you_mean, folder_error
 
 PRESETS = ("tiny", "sdxl-random")  # the names models/loader.py builds itself
 
@@ -36,3 +36,6 @@ def check_model_path(spec: str | None, field: str) -> None:
     pathlike = spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".ckpt"))
     if pathlike and not path.exists():
         raise ModelError(f"{field}: no such file or folder: {spec}")
+    hint = did_you_mean(spec.lower(), PRESETS) if "/" not in spec and not path.exists() else ""
+    if hint:  # `Tiny`: not a hub id (owner/name) nor a path, a preset misspelt
+        raise ModelError(f"{field}: unknown model {spec!r}{hint}")
