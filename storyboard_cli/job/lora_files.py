@@ -296,8 +296,9 @@ def lora_problem(path: str | Path, model: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # The A1111 prompt syntax and infotext (no torch)
 
-# as A1111 modules/extra_networks.re_extra_net, for the one network kind bcg reads
-LORA_TAG = re.compile(r"<lora:([^:>]+)((?::[^:>]*)*)>")
+# as A1111 modules/extra_networks.re_extra_net, for the one network kind bcg reads; prompts copied from
+# model sites also write it <LORA:...> or, for LyCORIS' LoCon files, <lyco:...>
+LORA_TAG = re.compile(r"<(?:lora|lyco):([^:>]+)((?::[^:>]*)*)>", re.IGNORECASE)
 
 
 def split_lora_tags(prompt: str) -> tuple[str, list[tuple[str, float]]]:
