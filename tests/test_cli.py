@@ -442,3 +442,12 @@ def test_plan_counts_in_the_singular_where_there_is_one(tmp_path):
     assert result.exit_code == 0, result.output
     assert ": 1 shot, 1 image (1 distinct)" in result.output
     assert "mei 0.5 (1 image); 1 swap" in result.output
+
+
+def test_a_shot_run_counts_only_its_shots_as_skipped(job_dir, tmp_path):
+    path = write_job(job_dir, "version: 1\nmodel: tiny\ndefaults: {steps: 2, size: 64x64}\nshots:\n"
+                              "  - {id: a, prompt: x, candidates: 2}\n  - {id: b, prompt: y, candidates: 3}\n")
+    out = str(tmp_path / "o")
+    assert runner.invoke(app, ["render", str(path), "--out", out]).exit_code == 0
+    summary = json.loads(runner.invoke(app, ["render", str(path), "--out", out, "--shot", "a", "--json"]).stdout)
+    assert (summary["images_rendered"], summary["images_skipped"]) == (0, 2)
