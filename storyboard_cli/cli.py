@@ -159,6 +159,9 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
     from storyboard_cli.run import render as rendering
 
     if gpus > 1 and dist.worker() is None:
+        note = dist.launch_note(gpus, device)
+        if note and not quiet:
+            err.print(Text(note, style="dim"))
         with _domain_errors():
             code = dist.launch(gpus, _command_line(ctx), out_dir or load_job(job).output_dir)
         raise typer.Exit(code)

@@ -222,12 +222,21 @@ def test_a_worker_killed_under_gpus_is_a_failure_and_the_launcher_merges_the_sha
     code, log = _finish(launcher)
     assert code == 1, log  # a crash, not a stop (143): a farm's retry logic must tell them apart
     assert f"error: worker rank 1 (pid {victim}) died from SIGKILL" in log and "Traceback" not in log
+    assert "--gpus 2: --device cpu, so 2 workers render on the CPU" in log
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "error" and report["error"].startswith(f"worker rank 1 (pid {victim}) died from SIGKILL")
     pngs = _consistent(out)
     assert not (out / SHARDS).exists()  # merged by the launcher, not left for the next run
     assert sorted(Manifest(out).records) == pngs and len(pngs) >= 3
     assert not any(n.endswith(dist.SHARDS_LEFT) for n in report["notes"])
+
+
+def test_gpus_without_gpus_says_the_workers_render_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(dist.torch.cuda, "is_available", lambda: False)
+    assert dist.launch_note(2, None) == "--gpus 2: this machine has no GPU, so 2 workers render on the CPU"
+    monkeypatch.setattr(dist.torch.cuda, "is_available", lambda: True)
+    assert dist.launch_note(2, None) is None and dist.launch_note(2, "cuda") is None
+    assert dist.launch_note(3, "cpu") == "--gpus 3: --device cpu, so 3 workers render on the CPU"
 
 
 @pytest.mark.gpu

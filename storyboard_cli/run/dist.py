@@ -316,6 +316,14 @@ def render(job: Job, opts: rendering.RenderOptions = rendering.RenderOptions(),
         dist.destroy_process_group()
 
 
+def launch_note(n: int, device: str | None) -> str | None:
+    """What `--gpus N` will do when it is not N GPUs: CPU workers (no GPU here, or --device cpu)."""
+    if device == "cpu" or (device is None and not torch.cuda.is_available()):
+        why = "--device cpu" if device == "cpu" else "this machine has no GPU"
+        return f"--gpus {n}: {why}, so {n} workers render on the CPU"
+    return None
+
+
 def launch(n: int, argv: list[str], out_dir: Path, module: str = MODULE) -> int:
     """`bcg render JOB --gpus N`: starts N workers on this machine through torchrun's own launcher
     (`python -m <module> <argv>` each; a worker sees it runs under torchrun and ignores --gpus), and
