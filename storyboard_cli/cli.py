@@ -224,8 +224,11 @@ def sheet(out_dir: FolderArg,
     from storyboard_cli.folder.sheet import write_sheet
     from storyboard_cli.job.file import load_job
 
+    notes: list[str] = []
     with _domain_errors():
-        path = write_sheet(out_dir, load_job(job) if job else None)
+        path = write_sheet(out_dir, load_job(job) if job else None, notes)
+    for note in notes:
+        err.print(Text.assemble(("warning: ", "yellow"), note))
     out.print(str(path))
 
 

@@ -451,3 +451,17 @@ def test_a_shot_run_counts_only_its_shots_as_skipped(job_dir, tmp_path):
     assert runner.invoke(app, ["render", str(path), "--out", out]).exit_code == 0
     summary = json.loads(runner.invoke(app, ["render", str(path), "--out", out, "--shot", "a", "--json"]).stdout)
     assert (summary["images_rendered"], summary["images_skipped"]) == (0, 2)
+
+
+def test_sheet_of_an_empty_folder_or_with_another_job_says_so(rendered, tmp_path):
+    path, out = rendered
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["sheet", str(empty)])
+    assert result.exit_code == 0 and f"warning: {empty}: no image of a render is here; is it a render's output " \
+                                      "folder?" in result.output
+    other = write_job(tmp_path, "version: 1\nmodel: tiny\nshots:\n  - {id: zz, prompt: x, candidates: 49}\n",
+                      "other.yaml")
+    result = runner.invoke(app, ["sheet", str(out), "--job", str(other)])
+    assert result.exit_code == 0 and f"is {other} the job that rendered this folder?" in result.output
+    assert "warning" not in runner.invoke(app, ["sheet", str(out)]).output

@@ -237,6 +237,7 @@ class SheetWriter:
         self._written: str | None = None  # the last page written, to skip identical rewrites
         self._last = 0.0
         self._report_job: Job | bool | None = None  # without a job: report.json's, read once
+        self.images_on_disk = 0  # the job's images on the last page written
 
     # -------------------------------------------------------- public
 
@@ -366,6 +367,9 @@ class SheetWriter:
                                       else self.out_dir.resolve().name)
         n_img = sum(1 for r in rows for c in r.candidates if c.meta is not None)
         n_bad = sum(1 for r in rows for c in r.candidates if c.state in ("failed", "missing"))
+        ids = {s.id for s in job.shots} if job else None
+        self.images_on_disk = sum(1 for r in rows if ids is None or r.id in ids for c in r.candidates
+                                  if c.meta is not None)  # the job's, when there is one
         summary = f"{len(rows)} shots, {n_img} images on disk" + (f", {n_bad} missing or failed" if n_bad else "")
         if report:
             summary += (f"; last run: {report.get('status', '?')}, {report.get('images_rendered', 0)} rendered in "
@@ -447,12 +451,18 @@ class SheetWriter:
         return text
 
 
-def write_sheet(out_dir: Path, job: Job | None = None) -> Path:
-    """`bcg sheet OUT_DIR`: (re)builds `<out>/index.html` from what is on disk. Returns its path."""
+def write_sheet(out_dir: Path, job: Job | None = None, notes: list[str] | None = None) -> Path:
+    """`bcg sheet OUT_DIR`: (re)builds `<out>/index.html` from what is on disk. Returns its path; `notes`
+    gets a warning when the folder holds none of the job's images (an empty folder, another job's)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise BadInput(f"{out_dir}: no such output folder")
+    writer = SheetWriter(out_dir, job)
     try:
-        return SheetWriter(out_dir, job).update()
+        path = writer.update()
     except OSError as e:
         raise folder_error(out_dir, e) from None
+    if notes is not None and not writer.images_on_disk:
+        notes.append(f"{out_dir}: no image of {'this job' if job else 'a render'} is here" + (
+            f"; is {job.path} the job that rendered this folder?" if job else "; is it a render's output folder?"))
+    return path
