@@ -83,8 +83,8 @@ def _domain_errors():
 def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
     from storyboard_cli.job.file import load_job
-    from storyboard_cli.job.plan import bucket_table, lora_swaps, lora_table, make_batches, work_items
-    from storyboard_cli.job.preflight import check_destination, check_model_path
+    from storyboard_cli.job.plan import bucket_table, disk_estimate, lora_swaps, lora_table, make_batches, work_items
+    from storyboard_cli.job.preflight import check_destination, check_model_path, free_bytes
     from storyboard_cli.job.prompts import long_prompts
 
     with _domain_errors():
@@ -96,11 +96,14 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
         batches = make_batches(items, j.buckets)
         rows, sets, swaps, warnings = bucket_table(batches), lora_table(batches), lora_swaps(batches), long_prompts(j)
     total_images = sum(s.candidates for s in j.shots)
+    disk, free = disk_estimate(j), free_bytes(j.output_dir)
+    if free is not None and disk > free:
+        warnings.append(f"the images need about {_size(disk)} on disk, {j.output_dir} has {_size(free)} free")
     if json_out:
         out.print_json(json.dumps({
             "job": str(job), "name": j.name, "model": j.model, "controlnet": j.controlnet,
             "output_dir": str(j.output_dir), "shots": len(j.shots), "images": total_images,
-            "unique_images": len(items), "buckets": [
+            "unique_images": len(items), "disk_bytes_estimate": disk, "buckets": [
                 {"bucket": r.key.label, "width": r.key.width, "height": r.key.height, "steps": r.key.steps,
                  "sampler": r.key.sampler, "control": r.key.control, "images": r.images, "unique": r.unique,
                  "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
@@ -125,10 +128,20 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
                   str(sum(r.rows for r in rows)), str(sum(r.padded_rows for r in rows)),
                   f"{sum(r.row_steps for r in rows):,}")
     out.print(table)
-    out.print(f"output: {j.output_dir}   buckets: {list(j.buckets)}   (UNet rows count CFG: 2 per image)")
+    out.print(f"output: {j.output_dir} (about {_size(disk)} of PNGs)   buckets: {list(j.buckets)}   "
+              "(UNet rows count CFG: 2 per image)")
     if j.loras:
         out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({plural(r.images, 'image')})" for r in sets)
                   + f"; {plural(swaps, 'swap')}")
+
+
+def _size(nbytes: float) -> str:
+    """1.5 MB, 2.0 TB: decimal units, as disks are sold and `df -H` shows them."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return ""
 
 
 def _count(values) -> dict[int, int]:

@@ -465,3 +465,17 @@ def test_sheet_of_an_empty_folder_or_with_another_job_says_so(rendered, tmp_path
     result = runner.invoke(app, ["sheet", str(out), "--job", str(other)])
     assert result.exit_code == 0 and f"is {other} the job that rendered this folder?" in result.output
     assert "warning" not in runner.invoke(app, ["sheet", str(out)]).output
+
+
+def test_plan_estimates_the_disk_and_warns_when_it_will_not_fit(tmp_path, monkeypatch):
+    from storyboard_cli.job import preflight
+
+    shots = "".join(f"  - {{id: s{i}, prompt: x, size: 1024x1024, candidates: 50}}\n" for i in range(20))
+    path = write_job(tmp_path, f"version: 1\nmodel: tiny\nshots:\n{shots}")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0 and "(about 1.6 GB of PNGs)" in result.output and "warning" not in result.output
+    assert json.loads(runner.invoke(app, ["plan", str(path), "--json"]).stdout)["disk_bytes_estimate"] == 1572864000
+    monkeypatch.setattr(preflight, "free_bytes", lambda folder: 10**9)
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0
+    assert "warning: the images need about 1.6 GB on disk, " in result.output and "has 1.0 GB free" in result.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 from storyboard_cli.errors import BadInput, ModelError, did_you_mean, folder_error
@@ -26,6 +27,17 @@ def check_destination(folder: Path) -> None:
         raise folder_error(folder, OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
     if not os.access(existing, os.W_OK | os.X_OK):
         raise folder_error(folder, OSError(errno.EACCES, f"{existing} is not writable"))
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Free space where `folder` is (or would be created); None when it cannot be told."""
+    existing = Path(folder)
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    try:
+        return shutil.disk_usage(existing).free
+    except OSError:
+        return None
 
 
 def check_model_path(spec: str | None, field: str) -> None:
