@@ -128,6 +128,17 @@ def test_two_machines_through_a_c10d_endpoint(one_process, tmp_path):
     assert len(report["workers"]) == 2 and report["images_rendered"] == IMAGES
 
 
+def _gpus_under_way(tmp_path: Path):
+    """`bcg render LONG --gpus 2` on the CPU (torchrun's launcher in a child, its workers below it), once its
+    workers have written 3 manifest lines: (job, out, launcher)."""
+    job, out = write_job(tmp_path, LONG), tmp_path / "out"
+    launcher = subprocess.Popen([sys.executable, "-m", MODULE, "render", str(job), "--out", str(out), "--device",
+                                 "cpu", "--gpus", "2"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    _wait_for_lines(out, 3, launcher)
+    return job, out, launcher
+
+
 def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
@@ -163,13 +174,8 @@ def _consistent(out: Path) -> list[str]:
 @pytest.mark.slow  # torchrun and worker processes
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers through /proc")
 def test_stopped_launcher_and_killed_worker_lose_nothing(tmp_path):
-    job = write_job(tmp_path, LONG)
-    out = tmp_path / "out"
+    job, out, launcher = _gpus_under_way(tmp_path)
     # SIGTERM to the launcher (`--gpus 2`, torchrun's own API): every worker stops cleanly, at once
-    launcher = subprocess.Popen([sys.executable, "-m", MODULE, "render", str(job), "--out", str(out), "--device", "cpu",
-                                 "--gpus", "2"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    _wait_for_lines(out, 3, launcher)
     workers = _children(launcher.pid)
     assert len(workers) == 2
     launcher.send_signal(signal.SIGTERM)
@@ -211,12 +217,7 @@ def _rank_of(pid: int) -> int:
 @pytest.mark.slow  # torchrun and worker processes
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers through /proc")
 def test_a_worker_killed_under_gpus_is_a_failure_and_the_launcher_merges_the_shards(tmp_path):
-    job = write_job(tmp_path, LONG)
-    out = tmp_path / "out"
-    launcher = subprocess.Popen([sys.executable, "-m", MODULE, "render", str(job), "--out", str(out), "--device", "cpu",
-                                 "--gpus", "2"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    _wait_for_lines(out, 3, launcher)
+    _, out, launcher = _gpus_under_way(tmp_path)
     victim = next(w for w in _children(launcher.pid) if _rank_of(w) == 1)
     os.kill(victim, signal.SIGKILL)
     code, log = _finish(launcher)
