@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -424,6 +425,8 @@ class _ProgressLines:
 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("BCG_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
+    # a large control image is the artist's, not an attack: the job file says so once (job/file.py)
+    warnings.filterwarnings("ignore", message=r"Image size \(\d+ pixels\) exceeds limit", module="PIL")
     try:
         app()
     except KeyboardInterrupt:

@@ -6,8 +6,10 @@ Every error names file:line, the shot id and the field, in one line (errors.JobE
 from __future__ import annotations
 
 import io
+import logging
 import re
 import unicodedata
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,8 @@ from storyboard_cli.folder.layout import RESERVED, read_report
 from storyboard_cli.job.digests import relative_to_job, remember_sha256
 from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
+
+log = logging.getLogger(__name__)
 
 NAMED_SIZES = {
     "square": (1024, 1024),
@@ -429,8 +433,15 @@ def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:
     except OSError as e:
         raise bad(e.strerror or e.__class__.__name__) from None
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                im.load()
+                pixels = im.width * im.height
+        if any(issubclass(w.category, Image.DecompressionBombWarning) for w in caught):
+            # said once, in our words (the process ignores PIL's own warning: cli.main)
+            log.warning("control image %s is %.0f megapixels: each shot resizes it to its own size; a smaller "
+                        "file loads faster", path, pixels / 1e6)
     except Image.DecompressionBombError as e:
         raise bad(f"too many pixels: {e}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, zlib.error) as e:
