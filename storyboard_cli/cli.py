@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from storyboard_cli import __version__
-from storyboard_cli.errors import Interrupted, Status, StoryboardError, exit_code
+from storyboard_cli.errors import Interrupted, Status, StoryboardError, exit_code, plural
 from storyboard_cli.folder.layout import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -37,15 +38,21 @@ def _flag(name: str, help: str):
     return typer.Option(name, metavar="", help=help)
 
 
-JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False)]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: the job's output_dir).")]
+def _user_path(value: Path | None) -> Path | None:
+    """`~` expanded in every path a user gives (`--out=~/x` and a script's quoted '~/x' reach us unexpanded)."""
+    return value.expanduser() if value is not None else None
+
+
+JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False, callback=_user_path)]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: the job's output_dir).",
+                                                callback=_user_path)]
 DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")]
 DtypeOpt = Annotated[Optional[str], typer.Option(help="fp16, bf16 or fp32 (default: fp16 on cuda, fp32 on cpu).")]
 EngineOpt = Annotated[str, typer.Option(help="auto (graphs on CUDA, eager on CPU), graph or eager.")]
 CompileOpt = Annotated[str, typer.Option(help="Compiled kernels inside the CUDA graphs: auto, on or off.")]
 JsonOpt = Annotated[bool, _flag("--json", "Print one JSON summary object on stdout.")]
 JobOpt = Annotated[Optional[Path], typer.Option("--job", help="The job that rendered the folder (default: the "
-                                                                "one its report names).")]
+                                                                "one its report names).", callback=_user_path)]
 
 
 def _version(value: bool) -> None:
@@ -77,8 +84,8 @@ def _domain_errors():
 def plan(job: JobArg, json_out: JsonOpt = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
     from storyboard_cli.job.file import load_job
-    from storyboard_cli.job.plan import bucket_table, lora_swaps, lora_table, make_batches, work_items
-    from storyboard_cli.job.preflight import check_destination, check_model_path
+    from storyboard_cli.job.plan import bucket_table, disk_estimate, lora_swaps, lora_table, make_batches, work_items
+    from storyboard_cli.job.preflight import check_destination, check_model_path, free_bytes
     from storyboard_cli.job.prompts import long_prompts
 
     with _domain_errors():
@@ -90,11 +97,14 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
         batches = make_batches(items, j.buckets)
         rows, sets, swaps, warnings = bucket_table(batches), lora_table(batches), lora_swaps(batches), long_prompts(j)
     total_images = sum(s.candidates for s in j.shots)
+    disk, free = disk_estimate(j), free_bytes(j.output_dir)
+    if free is not None and disk > free:
+        warnings.append(f"the images need about {_size(disk)} on disk, {j.output_dir} has {_size(free)} free")
     if json_out:
         out.print_json(json.dumps({
             "job": str(job), "name": j.name, "model": j.model, "controlnet": j.controlnet,
             "output_dir": str(j.output_dir), "shots": len(j.shots), "images": total_images,
-            "unique_images": len(items), "buckets": [
+            "unique_images": len(items), "disk_bytes_estimate": disk, "buckets": [
                 {"bucket": r.key.label, "width": r.key.width, "height": r.key.height, "steps": r.key.steps,
                  "sampler": r.key.sampler, "control": r.key.control, "images": r.images, "unique": r.unique,
                  "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
@@ -105,7 +115,7 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
         return
     for w in warnings:
         err.print(Text.assemble(("warning: ", "yellow"), str(w)))
-    table = Table(title=f"{j.name}: {len(j.shots)} shots, {total_images} images "
+    table = Table(title=f"{j.name}: {plural(len(j.shots), 'shot')}, {plural(total_images, 'image')} "
                         f"({len(items)} distinct), model {j.model}", title_justify="left")
     for col in ("size", "steps", "sampler", "control", "images", "batches", "UNet rows", "padding", "rows x steps"):
         table.add_column(col, justify="left" if col in ("size", "sampler", "batches") else "right")
@@ -119,10 +129,20 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
                   str(sum(r.rows for r in rows)), str(sum(r.padded_rows for r in rows)),
                   f"{sum(r.row_steps for r in rows):,}")
     out.print(table)
-    out.print(f"output: {j.output_dir}   buckets: {list(j.buckets)}   (UNet rows count CFG: 2 per image)")
+    out.print(f"output: {j.output_dir} (about {_size(disk)} of PNGs)   buckets: {list(j.buckets)}   "
+              "(UNet rows count CFG: 2 per image)")
     if j.loras:
-        out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({r.images} images)" for r in sets)
-                  + f"; {swaps} swaps")
+        out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({plural(r.images, 'image')})" for r in sets)
+                  + f"; {plural(swaps, 'swap')}")
+
+
+def _size(nbytes: float) -> str:
+    """1.5 MB, 2.0 TB: decimal units, as disks are sold and `df -H` shows them."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return ""
 
 
 def _count(values) -> dict[int, int]:
@@ -140,7 +160,8 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
            shot: Annotated[Optional[list[str]], typer.Option("--shot", help="Only this shot (an id or a glob "
                                                                            "like 'ep1_*'); repeatable.")] = None,
            reroll: Annotated[Optional[Path], typer.Option("--reroll", help="A picks.yaml: new candidates for the "
-                                                                          "shots it marks for reroll.")] = None,
+                                                                          "shots it marks for reroll.",
+                                                                          callback=_user_path)] = None,
            json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
            device: DeviceOpt = None, dtype: DtypeOpt = None,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto",
@@ -152,8 +173,11 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
     from storyboard_cli.run import render as rendering
 
     if gpus > 1 and dist.worker() is None:
+        note = dist.launch_note(gpus, device)
+        if note and not quiet:
+            err.print(Text(note, style="dim"))
         with _domain_errors():
-            code = dist.launch(gpus, _command_line(ctx))
+            code = dist.launch(gpus, _command_line(ctx), out_dir or load_job(job).output_dir)
         raise typer.Exit(code)
     with _domain_errors():
         j = load_job(job)
@@ -204,22 +228,28 @@ def _command_line(ctx: typer.Context) -> list[str]:
     return argv
 
 
+FolderArg = Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False, callback=_user_path)]
+
+
 @app.command()
-def sheet(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False)],
+def sheet(out_dir: FolderArg,
           job: JobOpt = None) -> None:
     """(Re)build the contact sheet, <out>/index.html, from what is on disk."""
     from storyboard_cli.folder.sheet import write_sheet
     from storyboard_cli.job.file import load_job
 
+    notes: list[str] = []
     with _domain_errors():
-        path = write_sheet(out_dir, load_job(job) if job else None)
+        path = write_sheet(out_dir, load_job(job) if job else None, notes)
+    for note in notes:
+        err.print(Text.assemble(("warning: ", "yellow"), note))
     out.print(str(path))
 
 
 @app.command()
-def pick(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.", show_default=False)],
+def pick(out_dir: FolderArg,
          picks: Annotated[Path, typer.Argument(help="The picks.yaml saved from the contact sheet.",
-                                               show_default=False)],
+                                               show_default=False, callback=_user_path)],
          job: JobOpt = None) -> None:
     """Copy the picked candidates, in shot order, to <out>/selects/NNN_<shot>.png."""
     from storyboard_cli.folder.picks import apply_picks, load_picks
@@ -237,7 +267,8 @@ def pick(out_dir: Annotated[Path, typer.Argument(help="A render's output folder.
 
 @app.command()
 def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes to capture (default: the named "
-                                                               "sizes at --buckets).", show_default=False)] = None,
+                                                               "sizes at --buckets).", show_default=False,
+                                                               callback=_user_path)] = None,
             warm: Annotated[bool, _flag("--warm", "Capture, check and time every shape now.")] = False,
             model: Annotated[str, typer.Option(help="Model when no job is given.")] = "sdxl-random",
             controlnet: Annotated[Optional[str], typer.Option(help="Also capture ControlNet shapes with this "
@@ -468,6 +499,8 @@ class _ProgressLines:
 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("BCG_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
+    # a large control image is the artist's, not an attack: the job file says so once (job/file.py)
+    warnings.filterwarnings("ignore", message=r"Image size \(\d+ pixels\) exceeds limit", module="PIL")
     try:
         app()
     except KeyboardInterrupt:

@@ -48,6 +48,12 @@ class RenderFailure(StoryboardError):
     exit_code = 1
 
 
+class DiskFull(StoryboardError):
+    """The output disk (or its quota) filled up mid-render; what was written before is kept."""
+
+    exit_code = 2
+
+
 class OutputLocked(BadInput):
     """Another live render holds the output folder."""
 
@@ -96,6 +102,11 @@ def one_line(e: BaseException, limit: int | None = None) -> str:
     return f"{e.__class__.__name__}: {text}" if text else e.__class__.__name__
 
 
+def plural(n: int, word: str) -> str:
+    """"1 image", "2 images", "0 images"."""
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def did_you_mean(word: str, choices: Iterable[str], known: bool = False) -> str:
     """"; did you mean 'seed'?" for the closest of `choices`, else "" (with `known`: the list of them)."""
     choices = list(choices)
@@ -103,6 +114,13 @@ def did_you_mean(word: str, choices: Iterable[str], known: bool = False) -> str:
     if hint:
         return f"; did you mean '{hint[0]}'?"
     return f"; known: {', '.join(choices)}" if known else ""
+
+
+def write_error(path: Path, e: OSError) -> StoryboardError:
+    """An OSError writing an output file: a full disk (exit 2, as a bad destination) or a failed render."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); free some space and run again")
+    return RenderFailure(f"cannot write {path}: {e.strerror or e}")
 
 
 def folder_error(path: Path, e: OSError) -> BadInput:

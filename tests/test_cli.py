@@ -358,3 +358,124 @@ def test_compile_progress_off_a_terminal_is_one_line_per_module_state(capsys):
                      "compiled kernels for unet 832x1216 not used: unet-x.pt2: it does not load on this machine",
                      "bcg: unet 1024x1024 done in 290 s",
                      "bcg: controlnet 1024x1024 failed in 100 s the compiler said no"]
+
+
+def test_the_same_reroll_request_gives_the_same_candidates_a_new_round_new_ones(rendered, tmp_path):
+    path, out = rendered
+    picks = write_job(tmp_path, "reroll: [a]\n", "picks.yaml")
+    args = ["render", str(path), "--out", str(out), "--reroll", str(picks), "--json"]
+    rendered_by = [json.loads(runner.invoke(app, args).stdout)["images_rendered"] for _ in range(3)]
+    assert rendered_by == [2, 0, 0]  # a retried reroll step finds its candidates done
+    names = sorted(p.name for p in (out / "a").glob("*.png"))
+    assert names == ["a_c0_s1.png", "a_c1_s2.png", "a_c2_s3.png", "a_c3_s4.png"]
+    (picks).write_text("reroll: [a]\nround: 2\n")
+    assert json.loads(runner.invoke(app, args).stdout)["images_rendered"] == 2
+    assert sorted(p.name for p in (out / "a").glob("*.png"))[4:] == ["a_c4_s5.png", "a_c5_s6.png"]
+    (out / "a" / "a_c5_s6.png").unlink()  # a killed round resumed: the same candidates, only the missing one
+    assert json.loads(runner.invoke(app, args).stdout)["images_rendered"] == 1
+    assert len(list((out / "a").glob("*.png"))) == 6
+
+
+def test_tilde_is_expanded_in_cli_paths_and_job_fields(tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    (home / "ctl").mkdir(parents=True)
+    cwd.mkdir()
+    shutil.copy(ROOT / "jobs" / "control" / "hero_pose.png", home / "ctl" / "pose.png")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    write_job(home, "version: 1\nmodel: tiny\ncontrolnet: tiny\noutput_dir: ~/from-job\nbuckets: [1]\nshots:\n"
+                    "  - {id: a, prompt: x, steps: 2, size: 64x64, control: {image: ~/ctl/pose.png}}\n")
+    result = runner.invoke(app, ["render", "~/job.yaml", "--out=~/renders", "--device", "cpu", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert len(list((home / "renders" / "a").glob("*.png"))) == 1
+    assert not (cwd / "~").exists()
+    assert runner.invoke(app, ["sheet", "~/renders", "--job", "~/job.yaml"]).exit_code == 0
+    assert runner.invoke(app, ["plan", "~/job.yaml", "--json"]).stdout.count(str(home / "from-job")) == 1
+
+
+@pytest.fixture
+def read_only(rendered):
+    """The rendered folder, read-only for real: a read-only tmpfs where root may mount one, else chmod."""
+    import os
+
+    path, out = rendered
+    if os.geteuid() != 0:
+        for d in [out, *(p for p in out.rglob("*") if p.is_dir())]:
+            d.chmod(0o555)
+        yield path, out
+        for d in [out, *(p for p in out.rglob("*") if p.is_dir())]:
+            d.chmod(0o755)
+        return
+    mnt = out.parent / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        shutil.copytree(out, mnt, dirs_exist_ok=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        yield path, mnt
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_sheet_and_pick_on_a_read_only_folder_are_one_line_exit_2(read_only, tmp_path):
+    path, out = read_only
+    for args in (["sheet", str(out)], ["pick", str(out), str(write_job(tmp_path, "picks:\n  b: b/b_c0_s5.png\n",
+                                                                      "picks.yaml"))]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert _one_error_line(result).startswith(f"error: output folder {out}: cannot write here"), result.output
+
+
+@pytest.mark.parametrize("model, hint", [("Tiny", "tiny"), ("sdxl_random", "sdxl-random")])
+def test_a_misspelt_preset_gets_a_did_you_mean(tmp_path, model, hint):
+    path = write_job(tmp_path, f"version: 1\nmodel: {model}\nshots:\n  - {{id: a, prompt: x}}\n")
+    line = _one_error_line(runner.invoke(app, ["plan", str(path)]))
+    assert line == f"error: model: unknown model '{model}'; did you mean '{hint}'?"
+
+
+def test_plan_counts_in_the_singular_where_there_is_one(tmp_path):
+    lora = ROOT / "jobs" / "loras" / "mei.safetensors"
+    path = write_job(tmp_path, f"version: 1\nmodel: tiny\nloras: {{mei: {lora}}}\n"
+                               "shots:\n  - {id: a, prompt: x, lora: {mei: 0.5}}\n")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    assert ": 1 shot, 1 image (1 distinct)" in result.output
+    assert "mei 0.5 (1 image); 1 swap" in result.output
+
+
+def test_a_shot_run_counts_only_its_shots_as_skipped(job_dir, tmp_path):
+    path = write_job(job_dir, "version: 1\nmodel: tiny\ndefaults: {steps: 2, size: 64x64}\nshots:\n"
+                              "  - {id: a, prompt: x, candidates: 2}\n  - {id: b, prompt: y, candidates: 3}\n")
+    out = str(tmp_path / "o")
+    assert runner.invoke(app, ["render", str(path), "--out", out]).exit_code == 0
+    summary = json.loads(runner.invoke(app, ["render", str(path), "--out", out, "--shot", "a", "--json"]).stdout)
+    assert (summary["images_rendered"], summary["images_skipped"]) == (0, 2)
+
+
+def test_sheet_of_an_empty_folder_or_with_another_job_says_so(rendered, tmp_path):
+    path, out = rendered
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(app, ["sheet", str(empty)])
+    assert result.exit_code == 0 and f"warning: {empty}: no image of a render is here; is it a render's output " \
+                                      "folder?" in result.output
+    other = write_job(tmp_path, "version: 1\nmodel: tiny\nshots:\n  - {id: zz, prompt: x, candidates: 49}\n",
+                      "other.yaml")
+    result = runner.invoke(app, ["sheet", str(out), "--job", str(other)])
+    assert result.exit_code == 0 and f"is {other} the job that rendered this folder?" in result.output
+    assert "warning" not in runner.invoke(app, ["sheet", str(out)]).output
+
+
+def test_plan_estimates_the_disk_and_warns_when_it_will_not_fit(tmp_path, monkeypatch):
+    from storyboard_cli.job import preflight
+
+    shots = "".join(f"  - {{id: s{i}, prompt: x, size: 1024x1024, candidates: 50}}\n" for i in range(20))
+    path = write_job(tmp_path, f"version: 1\nmodel: tiny\nshots:\n{shots}")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0 and "(about 1.6 GB of PNGs)" in result.output and "warning" not in result.output
+    assert json.loads(runner.invoke(app, ["plan", str(path), "--json"]).stdout)["disk_bytes_estimate"] == 1572864000
+    monkeypatch.setattr(preflight, "free_bytes", lambda folder: 10**9)
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0
+    assert "warning: the images need about 1.6 GB on disk, " in result.output and "has 1.0 GB free" in result.output

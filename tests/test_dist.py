@@ -128,6 +128,17 @@ def test_two_machines_through_a_c10d_endpoint(one_process, tmp_path):
     assert len(report["workers"]) == 2 and report["images_rendered"] == IMAGES
 
 
+def _gpus_under_way(tmp_path: Path):
+    """`bcg render LONG --gpus 2` on the CPU (torchrun's launcher in a child, its workers below it), once its
+    workers have written 3 manifest lines: (job, out, launcher)."""
+    job, out = write_job(tmp_path, LONG), tmp_path / "out"
+    launcher = subprocess.Popen([sys.executable, "-m", MODULE, "render", str(job), "--out", str(out), "--device",
+                                 "cpu", "--gpus", "2"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    _wait_for_lines(out, 3, launcher)
+    return job, out, launcher
+
+
 def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
@@ -163,13 +174,8 @@ def _consistent(out: Path) -> list[str]:
 @pytest.mark.slow  # torchrun and worker processes
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers through /proc")
 def test_stopped_launcher_and_killed_worker_lose_nothing(tmp_path):
-    job = write_job(tmp_path, LONG)
-    out = tmp_path / "out"
+    job, out, launcher = _gpus_under_way(tmp_path)
     # SIGTERM to the launcher (`--gpus 2`, torchrun's own API): every worker stops cleanly, at once
-    launcher = subprocess.Popen([sys.executable, "-m", MODULE, "render", str(job), "--out", str(out), "--device", "cpu",
-                                 "--gpus", "2"], env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    _wait_for_lines(out, 3, launcher)
     workers = _children(launcher.pid)
     assert len(workers) == 2
     launcher.send_signal(signal.SIGTERM)
@@ -201,6 +207,37 @@ def test_stopped_launcher_and_killed_worker_lose_nothing(tmp_path):
     records = Manifest(out).records
     assert len(records) == 40 and not (out / SHARDS).exists()
     assert all(records[p] == r for p, r in left.items())  # the dead run's lines, merged as they were
+
+
+def _rank_of(pid: int) -> int:
+    env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+    return int(env["RANK"])
+
+
+@pytest.mark.slow  # torchrun and worker processes
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers through /proc")
+def test_a_worker_killed_under_gpus_is_a_failure_and_the_launcher_merges_the_shards(tmp_path):
+    _, out, launcher = _gpus_under_way(tmp_path)
+    victim = next(w for w in _children(launcher.pid) if _rank_of(w) == 1)
+    os.kill(victim, signal.SIGKILL)
+    code, log = _finish(launcher)
+    assert code == 1, log  # a crash, not a stop (143): a farm's retry logic must tell them apart
+    assert f"error: worker rank 1 (pid {victim}) died from SIGKILL" in log and "Traceback" not in log
+    assert "--gpus 2: --device cpu, so 2 workers render on the CPU" in log
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "error" and report["error"].startswith(f"worker rank 1 (pid {victim}) died from SIGKILL")
+    pngs = _consistent(out)
+    assert not (out / SHARDS).exists()  # merged by the launcher, not left for the next run
+    assert sorted(Manifest(out).records) == pngs and len(pngs) >= 3
+    assert not any(n.endswith(dist.SHARDS_LEFT) for n in report["notes"])
+
+
+def test_gpus_without_gpus_says_the_workers_render_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(dist.torch.cuda, "is_available", lambda: False)
+    assert dist.launch_note(2, None) == "--gpus 2: this machine has no GPU, so 2 workers render on the CPU"
+    monkeypatch.setattr(dist.torch.cuda, "is_available", lambda: True)
+    assert dist.launch_note(2, None) is None and dist.launch_note(2, "cuda") is None
+    assert dist.launch_note(3, "cpu") == "--gpus 3: --device cpu, so 3 workers render on the CPU"
 
 
 @pytest.mark.gpu

@@ -129,3 +129,13 @@ def test_long_prompts_are_reported_with_the_words_dropped(tmp_path):
                                         + "abcd " * 20 + "end'}\n", "tiny.yaml"))
     (cut,) = long_prompts(tiny)
     assert cut.dropped.endswith("end")
+
+
+def test_a_long_cut_is_warned_by_its_first_words_and_a_count(tmp_path):
+    words = " ".join(f"w{i}" for i in range(3000))  # a pasted wall of text: the warning stays one short line
+    job = load_job(write_job(tmp_path, f"version: 1\nmodel: tiny\nshots:\n  - {{id: a, prompt: '{words}'}}\n"))
+    (cut,) = long_prompts(job)
+    text = str(cut)
+    first = cut.dropped.split()[0]
+    assert len(text) < 300 and f'dropped: "{first} ' in text and text.endswith(" more words")
+    assert f"and {len(cut.dropped.split()) - 12} more words" in text

@@ -84,3 +84,18 @@ def test_ctrl_c_keeps_finished_images_and_exits_130(tmp_path, presses):
     assert json.loads((out / "report.json").read_text())["status"] == "interrupted"
     assert not list(out.rglob("*.tmp")) and not (out / ".bcg.lock").exists()
 
+
+
+def test_a_huge_control_image_is_one_line_of_ours_not_pils_warning(tmp_path):
+    from PIL import Image
+
+    Image.new("L", (10000, 9000)).save(tmp_path / "huge.png")  # 90 megapixels: past PIL's warning limit
+    job = write_job(tmp_path, "version: 1\nmodel: tiny\ncontrolnet: tiny\nbuckets: [1]\nshots:\n"
+                              "  - {id: a, prompt: x, steps: 2, size: 64x64, control: {image: huge.png}}\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args in (["plan", str(job)], ["render", str(job), "--out", str(tmp_path / "out"), "--quiet"]):
+        proc = subprocess.run([sys.executable, "-m", "storyboard_cli", *args], capture_output=True, text=True,
+                              env=env, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "DecompressionBomb" not in proc.stderr and "could be decompression bomb" not in proc.stderr
+        assert proc.stderr.count(f"control image {tmp_path / 'huge.png'} is 90 megapixels") == 1, proc.stderr

@@ -165,3 +165,18 @@ def test_a_control_image_shared_by_shots_is_decoded_once(job_dir, monkeypatch):
     load_job(write_job(job_dir, "version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n" + "".join(
         f"  - {{id: s{i}, prompt: x, control: {{image: control/hero_pose.png}}}}\n" for i in range(5))))
     assert len(loads) == 1
+
+
+def test_a_job_named_by_a_file_with_accents_keeps_its_letters(tmp_path):
+    job = load_job(write_job(tmp_path, "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x}\n", "épisode.yaml"))
+    assert job.name == "episode"
+
+
+def test_lora_tags_as_model_sites_write_them_are_applied(tmp_path):
+    job = load_job(write_job(tmp_path, _lora_job(tmp_path, (
+        "  - {id: a, prompt: 'mei walks <lora:mei:0.8> at night'}\n"
+        "  - {id: b, prompt: 'mei walks <LORA:mei:0.8> at night'}\n"
+        "  - {id: c, prompt: 'mei walks <lyco:mei:0.8> at night'}\n"))))
+    a, b, c = job.shots
+    assert (a.prompt, a.loras) == (b.prompt, b.loras) == (c.prompt, c.loras) == ("mei walks at night",
+                                                                                (("mei", 0.8),))

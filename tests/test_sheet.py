@@ -131,7 +131,7 @@ def test_failed_and_missing_images_are_shown_with_their_reason(job, out):
     write_sheet(out, job)
     text = _page(out)
     assert "failed: NaN/inf in the decoded &lt;pixels&gt;" in text
-    assert "missing: missing: not on disk" in text
+    assert "missing: not on disk" in text and "missing: missing" not in text
     page = Page(text)
     picks = sorted(r["value"] for r in page.radios if r.get("class") == "pick")
     assert picks == ["a/a_c1_s8.png", "b/b_c0_s30.png", "c/c_c0_s20.png"]  # nothing to pick where nothing is
@@ -367,3 +367,23 @@ def test_the_banner_says_a_render_is_running_only_while_one_holds_the_lock(job, 
     (out / LOCK).write_text("pid 1 on elsewhere\n")  # left behind by a killed render: not held
     write_sheet(out, job)
     assert "render in progress" not in _page(out)
+
+
+def test_the_artists_edited_frame_is_shown_marked_pickable_and_copied_as_it_is(job, out, tmp_path):
+    from storyboard_cli.folder.sheet import EDITED
+
+    edited = out / "a/a_c1_s8.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(edited)  # painted over: the editor drops bcg's chunk
+    data = edited.read_bytes()
+    write_sheet(out, job)
+    text = _page(out)
+    page = Page(text)
+    assert "a/a_c1_s8.png" in {r["value"] for r in page.radios if r.get("class") == "pick"}
+    assert 'class="cand edited"' in text and sheet.esc(EDITED) in text and "missing" not in text
+    assert any("a_c1_s8" in img["src"] and "thumbs" in img["src"] for img in page.imgs)
+    picks = _picks(tmp_path, "picks:\n  a: a/a_c1_s8.png\n")
+    for _ in range(2):  # a second pick replaces its own select (it has no bcg chunk either)
+        (select,) = [p for p in apply_picks(out, load_picks(picks, out, job), job) if "_a" in p.name]
+        assert select.read_bytes() == data
+    record = json.loads((out / "picks.json").read_text())
+    assert record["picks"][0]["edited"] is True and record["picks"][0]["candidate"] == 1

@@ -35,8 +35,9 @@ CONTROL_THUMB = "control.jpg"
 REPLACED = ".replaced"  # edited files that --force rendered again, by run: <out>/.replaced/<stamp>/<path>
 SHARDS = ".shards"
 LOCK = ".bcg.lock"
+REROLLS = "rerolls.json"  # every `--reroll` request and the candidates it asked for: a retry asks for the same
 # the names a shot's folder must not take (compared case-folded: case-insensitive file systems)
-RESERVED = (REPORT_JSON, REPORT_MD, MANIFEST, INDEX, SELECTS, THUMBS, PICKS_JSON, PICKS_YAML)
+RESERVED = (REPORT_JSON, REPORT_MD, MANIFEST, INDEX, SELECTS, THUMBS, PICKS_JSON, PICKS_YAML, REROLLS)
 
 # what marks the files bcg wrote: index.html's meta and the thumbnails' JPEG comment; picks.json's
 # `generator`; a candidate or a select by its `bcg` PNG chunk
@@ -173,7 +174,7 @@ def written_by_bcg(path: Path) -> bool:
     if path.name == INDEX:
         with open(path, "rb") as f:
             return INDEX_MARK.encode() in f.read(2048)
-    if path.name == PICKS_JSON:
+    if path.name in (PICKS_JSON, REROLLS):
         return (read_json(path) or {}).get("generator") == PICKS_GENERATOR
     if path.suffix == ".png":
         return read_fingerprint(path) is not None

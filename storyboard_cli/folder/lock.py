@@ -17,10 +17,28 @@ from pathlib import Path
 from storyboard_cli.errors import OutputLocked, folder_error
 from storyboard_cli.folder.layout import LOCK
 
+# `held()` takes a shared lock for a moment: a render that finds the lock taken tries again for this
+# long before it refuses, so a probe (the contact sheet's) never makes it give up; a render holds it
+# for its whole run
+PROBE_GRACE_S, PROBE_POLL_S = 0.5, 0.005
+
 
 def _write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data):]
+
+
+def _flock_within(fd: int, seconds: float) -> None:
+    """An exclusive flock on `fd`, retried for `seconds`; raises BlockingIOError if it stays taken."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(PROBE_POLL_S)
 
 
 class OutputLock:
@@ -47,7 +65,7 @@ class OutputLock:
     def _take(self, fd: int) -> bool:
         """Locks `fd`; False when the file was replaced meanwhile (retry with the new one)."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_within(fd, PROBE_GRACE_S)
         except BlockingIOError:
             holder = os.read(fd, 512).decode("utf-8", "replace").split("\n")
             os.close(fd)

@@ -238,7 +238,8 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
         fp = item.fingerprint(job.model, job.controlnet)
         todo = []
         for path in item.outputs:
-            wanted = (only is None or path in only) and (shots is None or owner(item, path).shot in shots)
+            chosen = shots is None or owner(item, path).shot in shots  # --shot: the others are not this run's
+            wanted = (only is None or path in only) and chosen
             file, record = out_dir / path, records.get(path)
             if not file.exists():
                 if wanted:
@@ -246,7 +247,7 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
                 continue
             on_disk = read_fingerprint(file)
             if on_disk == fp and not (force and wanted):
-                p.skipped += 1
+                p.skipped += chosen
                 # no line for it: a crash between its rename and its line (the bcg chunk is intact)
                 p.found[path] = record or manifest_record(item, path, fp, sha256_of(file),
                                                           settings=item.settings(job.model, job.controlnet))

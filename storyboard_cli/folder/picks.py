@@ -4,6 +4,7 @@
       "s01-cold-open": "s01-cold-open/s01-cold-open_c1_s1002.png"
     reroll:
       - "s03-stairs"
+    round: 2          # optional: the same reroll list again asks for new candidates only with a new round
 
 `load_picks` validates it (one-line errors naming file:line, shot and field); `apply_picks` copies the
 picks, in shot order, to `<out>/selects/NNN_<shot>.png` and records them in `<out>/picks.json`;
@@ -16,17 +17,18 @@ import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
+from typing import Iterable
 
 import yaml
 
-from storyboard_cli.errors import BadInput, JobError, did_you_mean
-from storyboard_cli.folder.layout import (PICKS_GENERATOR, PICKS_JSON, SELECT_NAME, SELECTS, candidate_files,
-                                          parse_output_name, read_chunk, read_fingerprint, refuse_foreign, select_name,
-                                          shot_order)
+from storyboard_cli.errors import BadInput, JobError, did_you_mean, folder_error
+from storyboard_cli.folder.layout import (PICKS_GENERATOR, PICKS_JSON, REROLLS, SELECT_NAME, SELECTS,
+                                          candidate_files, parse_output_name, read_chunk, read_fingerprint, read_json,
+                                          refuse_foreign, select_name, shot_order, written_by_bcg)
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import Job, Shot, job_of_folder, read_text
 
-PICK_KEYS = ("picks", "reroll")
+PICK_KEYS = ("picks", "reroll", "round")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class Picks:
     path: Path
     picks: dict[str, str]  # shot -> candidate PNG, relative to the output folder (posix), in file order
     reroll: tuple[str, ...]
+    round: int = 1  # the reroll request's round: the same list and round give the same candidates
 
 
 # ---------------------------------------------------------------- reading picks.yaml
@@ -81,8 +84,8 @@ def _check_file(file: str, line: int, shot: str, rel: str, out_dir: Path) -> str
     if not path.is_file():
         raise JobError(file, line, shot, "picks", f"missing file: {path}")
     parsed = parse_output_name(rel)
-    meta = read_chunk(path)
-    if parsed is None or parsed[0] != shot or meta is None or meta.get("shot") != shot:
+    meta = read_chunk(path)  # None: an artist's edit of the candidate (its tool dropped bcg's chunk)
+    if parsed is None or parsed[0] != shot or (meta is not None and meta.get("shot") != shot):
         raise JobError(file, line, shot, "picks", f"{rel} is not a candidate image bcg rendered for this shot")
     return rel
 
@@ -141,13 +144,28 @@ def load_picks(path: str | Path, out_dir: str | Path, job: Job | None = None) ->
                 raise JobError(file, _line(item), shot, "reroll",
                                f"both picked (line {lines[shot]}) and marked reroll; choose one")
             reroll.append(shot)
-    return Picks(path, picks, tuple(reroll))
+    round_ = 1
+    node = sections.get("round")
+    if node is not None:
+        text = _text(file, node, None, "round")
+        if not text.isdigit() or int(text) < 1:
+            raise JobError(file, _line(node), None, "round", f"must be a whole number from 1, got {text!r}")
+        round_ = int(text)
+    return Picks(path, picks, tuple(reroll), round_)
 
 
 # ---------------------------------------------------------------- applying them
 
 
 def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> list[Path]:
+    """`_apply_picks`, with a folder that cannot be written as the one line a person can act on."""
+    try:
+        return _apply_picks(Path(out_dir), picks, job)
+    except OSError as e:
+        raise folder_error(Path(out_dir), e) from None
+
+
+def _apply_picks(out_dir: Path, picks: Picks, job: Job | None = None) -> list[Path]:
     """Copies each pick, in shot order, to `<out>/selects/NNN_<shot>.png` (byte for byte: the PNG keeps its
     parameters), removes selects bcg wrote earlier that are no longer picked, and records the picks in
     `<out>/picks.json`. Never replaces a file bcg did not write: it checks every target before copying."""
@@ -158,14 +176,17 @@ def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> li
         raise BadInput(f"{picks.path}: shot '{missing[0]}' is not in {out_dir}'s job")
     plan = [(out_dir / select_name(order.index(s) + 1, s, len(order)), s) for s in order if s in picks.picks]
     targets = {dst for dst, _ in plan}
+    record_path = out_dir / PICKS_JSON
+    # an edited pick's select has no bcg chunk: the last picks.json says it is ours
+    copied = {out_dir / p["select"] for p in (read_json(record_path) or {}).get("picks", [])
+              if isinstance(p, dict) and isinstance(p.get("select"), str)} if written_by_bcg(record_path) else set()
     stale = []
     sel_dir = out_dir / SELECTS
     if sel_dir.is_dir():
         for f in sorted(sel_dir.iterdir()):
-            if f not in targets and SELECT_NAME.match(f.name) and read_fingerprint(f) is not None:
+            if f not in targets and SELECT_NAME.match(f.name) and (f in copied or read_fingerprint(f) is not None):
                 stale.append(f)  # an earlier pick of ours
-    record_path = out_dir / PICKS_JSON
-    for dst in [dst for dst, _ in plan] + [record_path]:
+    for dst in [dst for dst, _ in plan if dst not in copied] + [record_path]:
         refuse_foreign(dst, "before picking")
 
     records, written = [], []
@@ -174,10 +195,11 @@ def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> li
         data = src.read_bytes()
         if not (dst.is_file() and dst.stat().st_size == len(data) and dst.read_bytes() == data):
             atomic_write(dst, data)
-        meta = read_chunk(src) or {}
+        meta = read_chunk(src)
+        _, k, seed = parse_output_name(picks.picks[shot])
         records.append({"shot": shot, "path": picks.picks[shot], "select": dst.relative_to(out_dir).as_posix(),
-                        "candidate": meta.get("candidate"), "seed": meta.get("seed"),
-                        "fingerprint": meta.get("fingerprint")})
+                        "candidate": k, "seed": seed, "fingerprint": (meta or {}).get("fingerprint"),
+                        "edited": meta is None})
         written.append(dst)
     for f in stale:
         f.unlink(missing_ok=True)
@@ -190,10 +212,13 @@ def apply_picks(out_dir: str | Path, picks: Picks, job: Job | None = None) -> li
 # ---------------------------------------------------------------- reroll
 
 
-def reroll_shots(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[str]) -> tuple[Shot, ...]:
+def reroll_shots(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[str],
+                 asked: Iterable[tuple[str, int, int, int]] = ()) -> tuple[Shot, ...]:
     """The extra work for `bcg render --reroll`: per rerolled shot, `candidates` new candidates whose
     indices continue after every candidate the job names or the folder holds, with seeds no image of
-    that shot has used. Pure apart from listing `<out>/<shot>/`; existing images are never touched.
+    that shot has used. `asked`: (shot, first candidate, seed, count) of earlier reroll rounds, used even
+    where their images are not on disk yet. Pure apart from listing `<out>/<shot>/`; existing images are
+    never touched.
 
     Candidate k of a Shot has seed `seed + k` (plan.work_items), so a new Shot with
     `first_candidate=k0` keeps the job's seeds running on (seed + k0, seed + k0 + 1, ...) unless one
@@ -209,9 +234,12 @@ def reroll_shots(job: Job, out_dir: str | Path, shots: tuple[str, ...] | list[st
         same = by_id[shot_id]
         base = same[0]
         on_disk = candidate_files(out_dir, shot_id)
-        first = max([s.first_candidate + s.candidates for s in same] + [k + 1 for _, k, _, _ in on_disk])
+        earlier = [(k0, seed0, n) for s, k0, seed0, n in asked if s == shot_id]
+        first = max([s.first_candidate + s.candidates for s in same] + [k + 1 for _, k, _, _ in on_disk]
+                    + [k0 + n for k0, _, n in earlier])
         used = {s.seed + k for s in same for k in range(s.first_candidate, s.first_candidate + s.candidates)}
-        used |= {seed for _, _, seed, _ in on_disk}
+        used |= {seed for _, _, seed, _ in on_disk} | {seed0 + k for k0, seed0, n in earlier
+                                                        for k in range(k0, k0 + n)}
         seed = base.seed
         if any(seed + k in used for k in range(first, first + base.candidates)):
             seed = max(used) + 1 - first
@@ -231,4 +259,26 @@ def rerolled(job: Job, out_dir: str | Path, picks_path: str | Path) -> Job:
     picks = load_picks(picks_path, out_dir, job)
     if not picks.reroll:
         raise BadInput(f"{picks_path}: --reroll: the file marks no shot to reroll")
-    return with_rerolls(job, out_dir, picks.reroll)
+    return replace(job, shots=job.shots + reroll_round(job, Path(out_dir), picks))
+
+
+def reroll_round(job: Job, out_dir: Path, picks: Picks) -> tuple[Shot, ...]:
+    """The new candidates of a reroll request, recorded in `<out>/rerolls.json` the first time it is seen:
+    the same request (reroll list and round) gives the same candidates however often it runs (a retry,
+    a killed reroll resumed); a new round asks for new ones."""
+    record = read_json(out_dir / REROLLS) or {}
+    rounds = [r for r in record.get("rounds", []) if isinstance(r, dict)]
+    request = {"reroll": list(picks.reroll), "round": picks.round}
+    by_id = {s.id: s for s in reversed(job.shots)}  # the job's first shot of each id
+    for r in rounds:
+        if r.get("request") == request and all(s in by_id for s in r.get("shots", {})):
+            return tuple(replace(by_id[s], first_candidate=k0, seed=seed, candidates=n)
+                         for s, (k0, seed, n) in r["shots"].items())
+    asked = [(s, *v) for r in rounds for s, v in r.get("shots", {}).items()]
+    extra = reroll_shots(job, out_dir, picks.reroll, asked)
+    rounds.append({"request": request, "shots": {s.id: [s.first_candidate, s.seed, s.candidates] for s in extra},
+                   "asked": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    refuse_foreign(out_dir / REROLLS, "before recording the reroll")
+    atomic_write(out_dir / REROLLS, (json.dumps({"generator": PICKS_GENERATOR, "rounds": rounds}, indent=2,
+                                                ensure_ascii=False) + "\n").encode("utf-8"))
+    return extra

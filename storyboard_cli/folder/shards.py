@@ -28,19 +28,20 @@ def merge_shards(folder: Path) -> int:
     manifest was last rewritten), so it wins. Safe after a kill at any point: the manifest is replaced
     atomically before a shard is deleted, and a line cut short is skipped."""
     shards = sorted((folder / SHARDS).glob(f"rank*/{MANIFEST}"))
-    if not shards:
-        return 0
-    manifest = Manifest(folder)
     moved = 0
-    for shard in shards:
-        records = Manifest(shard.parent).records
-        manifest.records.update(records)
-        moved += len(records)
-    manifest.compact()
-    for shard in shards:
-        shard.unlink(missing_ok=True)
+    if shards:
+        manifest = Manifest(folder)
+        for shard in shards:
+            records = Manifest(shard.parent).records
+            manifest.records.update(records)
+            moved += len(records)
+        manifest.compact()
+        for shard in shards:
+            shard.unlink(missing_ok=True)
+    # every rank's folder, also of a worker that died before its first line
+    for rank in (folder / SHARDS).glob("rank*"):
         try:
-            shard.parent.rmdir()
+            rank.rmdir()
         except OSError:
             pass  # something else in it: left for a person to look at
     try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from storyboard_cli.errors import BadInput
+from storyboard_cli.errors import BadInput, folder_error
 from storyboard_cli.folder.charts import esc, report_svgs
 from storyboard_cli.folder.layout import (CONTROL_THUMB, INDEX, INDEX_MARK, SHEET_GENERATOR, candidate_files,
                                           parse_output_name, read_chunk, read_report, recorded_picks, refuse_foreign,
@@ -31,6 +31,7 @@ from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.plan import work_items
 
 THUMB_PX = 256  # longest side of a thumbnail
+EDITED = "edited outside bcg: kept as it is (render --force renders it again)"
 
 
 def href(rel: str) -> str:
@@ -45,10 +46,10 @@ class Candidate:
     k: int
     seed: int
     mtime_ns: int = 0
-    meta: dict | None = None  # the bcg chunk; None for an image that is expected but not on disk
+    meta: dict | None = None  # the bcg chunk ({} for an edited file that lost it); None: not on disk
     thumb: str | None = None
     thumb_size: tuple[int, int] = (0, 0)
-    state: str = "ok"  # ok | stale | failed | missing
+    state: str = "ok"  # ok | stale | edited | failed | missing
     reason: str = ""
 
 
@@ -236,6 +237,7 @@ class SheetWriter:
         self._written: str | None = None  # the last page written, to skip identical rewrites
         self._last = 0.0
         self._report_job: Job | bool | None = None  # without a job: report.json's, read once
+        self.images_on_disk = 0  # the job's images on the last page written
 
     # -------------------------------------------------------- public
 
@@ -322,12 +324,17 @@ class SheetWriter:
             cands: dict[str, Candidate] = {}
             for rel, k, seed, st in candidate_files(self.out_dir, shot_id):
                 meta = self._chunk(rel, st)
-                if meta is None or meta.get("shot") != shot_id:
-                    continue  # not an image bcg wrote for this shot
-                c = Candidate(rel, shot_id, k, seed, st.st_mtime_ns, meta)
-                if rel in expected and meta.get("fingerprint") != expected[rel]:
+                if meta is not None and meta.get("shot") != shot_id:
+                    continue  # an image bcg wrote for another shot
+                c = Candidate(rel, shot_id, k, seed, st.st_mtime_ns, meta or {})
+                if meta is None:  # painted over in another tool, which dropped bcg's chunk: the artist's frame
+                    c.state, c.reason = "edited", EDITED
+                elif rel in expected and meta.get("fingerprint") != expected[rel]:
                     c.state, c.reason = "stale", "settings changed since; bcg render redoes it"
-                self._thumb(c)
+                try:
+                    self._thumb(c)
+                except (OSError, ValueError):
+                    continue  # not an image PIL reads: nothing to show
                 cands[rel] = c
             for rel in [p for p in expected if p.startswith(f"{shot_id}/")] + list(failed):
                 parsed = parse_output_name(rel)
@@ -337,7 +344,7 @@ class SheetWriter:
                     cands[rel] = Candidate(rel, shot_id, parsed[1], parsed[2], state="failed", reason=failed[rel])
                 else:
                     cands[rel] = Candidate(rel, shot_id, parsed[1], parsed[2], state="missing",
-                                           reason="not rendered yet" if running else "missing: not on disk")
+                                           reason="not rendered yet" if running else "not on disk")
             first = next((c.meta for c in sorted(cands.values(), key=lambda c: c.k) if c.meta), None)
             s = dict(settings.get(shot_id) or (_settings_of_meta(first) if first else {}))
             if first and first.get("loras"):
@@ -358,8 +365,11 @@ class SheetWriter:
         picks = recorded_picks(self.out_dir)
         title = job.name if job else (Path(str(report["job"])).stem if report and report.get("job")
                                       else self.out_dir.resolve().name)
-        n_img = sum(1 for r in rows for c in r.candidates if c.meta)
+        n_img = sum(1 for r in rows for c in r.candidates if c.meta is not None)
         n_bad = sum(1 for r in rows for c in r.candidates if c.state in ("failed", "missing"))
+        ids = {s.id for s in job.shots} if job else None
+        self.images_on_disk = sum(1 for r in rows if ids is None or r.id in ids for c in r.candidates
+                                  if c.meta is not None)  # the job's, when there is one
         summary = f"{len(rows)} shots, {n_img} images on disk" + (f", {n_bad} missing or failed" if n_bad else "")
         if report:
             summary += (f"; last run: {report.get('status', '?')}, {report.get('images_rendered', 0)} rendered in "
@@ -428,7 +438,7 @@ class SheetWriter:
                          f'alt="{esc(row.id)} candidate {c.k}"></a><figcaption><span>{esc(label)}</span>'
                          f'<label><input type="radio" class="pick" name="{group}" value="{esc(c.path)}"> pick'
                          "</label></figcaption>")
-                if c.state == "stale":
+                if c.state in ("stale", "edited"):
                     h.append(f'<div class="stale">{esc(c.reason)}</div>')
                 h.append("</figure>")
             else:
@@ -441,9 +451,18 @@ class SheetWriter:
         return text
 
 
-def write_sheet(out_dir: Path, job: Job | None = None) -> Path:
-    """`bcg sheet OUT_DIR`: (re)builds `<out>/index.html` from what is on disk. Returns its path."""
+def write_sheet(out_dir: Path, job: Job | None = None, notes: list[str] | None = None) -> Path:
+    """`bcg sheet OUT_DIR`: (re)builds `<out>/index.html` from what is on disk. Returns its path; `notes`
+    gets a warning when the folder holds none of the job's images (an empty folder, another job's)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise BadInput(f"{out_dir}: no such output folder")
-    return SheetWriter(out_dir, job).update()
+    writer = SheetWriter(out_dir, job)
+    try:
+        path = writer.update()
+    except OSError as e:
+        raise folder_error(out_dir, e) from None
+    if notes is not None and not writer.images_on_disk:
+        notes.append(f"{out_dir}: no image of {'this job' if job else 'a render'} is here" + (
+            f"; is {job.path} the job that rendered this folder?" if job else "; is it a render's output folder?"))
+    return path

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from storyboard_cli.errors import RenderFailure
+from storyboard_cli.errors import write_error
 from storyboard_cli.folder.outputs import (Manifest, Pending, Writer, atomic_write, manifest_record, owner, png_bytes,
                                            set_aside)
 from storyboard_cli.folder.report import Timings
@@ -46,7 +46,7 @@ class ContactSheet:
             else:
                 self.writer.shot_done(list(failures))
         except Exception as e:  # noqa: BLE001 - the page is a view of the folder; the images are what matters
-            log.warning("contact sheet not updated", exc_info=True)
+            log.debug("contact sheet not updated", exc_info=True)  # the note says it in one line
             self.notes.append(f"contact sheet not updated: {e}")
             self.broken = True
 
@@ -85,15 +85,17 @@ class OutputSink:
         fingerprint, settings = item.fingerprint(model, controlnet), item.settings(model, controlnet)
         for path in item.outputs:
             data = png_bytes(pixels, owner(item, path), model, controlnet)
+            target = self.out_dir / path
             try:
                 if path in self.moved:
                     set_aside(self.out_dir, path, self.run_id)
                     self.moved.discard(path)
-                atomic_write(self.out_dir / path, data)
+                atomic_write(target, data)
+                target = self.manifest.path
+                self.manifest.append(manifest_record(item, path, fingerprint, hashlib.sha256(data).hexdigest(),
+                                                     self.run_id, settings))
             except OSError as e:
-                raise RenderFailure(f"cannot write {self.out_dir / path}: {e.strerror or e}") from e
-            self.manifest.append(manifest_record(item, path, fingerprint, hashlib.sha256(data).hexdigest(), self.run_id,
-                                                 settings))
+                raise write_error(target, e) from e
             self.rendered += 1
             self.timings.bucket(bucket).images += 1
             self.emit("image", self.rendered, owner(item, path).shot, path)

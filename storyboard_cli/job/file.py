@@ -6,7 +6,10 @@ Every error names file:line, the shot id and the field, in one line (errors.JobE
 from __future__ import annotations
 
 import io
+import logging
 import re
+import unicodedata
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +22,8 @@ from storyboard_cli.folder.layout import RESERVED, read_report
 from storyboard_cli.job.digests import relative_to_job, remember_sha256
 from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
+
+log = logging.getLogger(__name__)
 
 NAMED_SIZES = {
     "square": (1024, 1024),
@@ -405,7 +410,7 @@ def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_di
     if "image" not in raw:
         raise ctx.fail(raw.line, shot_id, "control.image", "missing")
     rel = _as_str(ctx, raw["image"], image_line, shot_id, "control.image", empty_ok=False)
-    path = (job_dir / rel).resolve()
+    path = (job_dir / Path(rel).expanduser()).resolve()
     if not path.is_file():
         raise ctx.fail(image_line, shot_id, "control.image", f"file not found: {path}")
     if path not in ctx.images_checked:
@@ -428,8 +433,15 @@ def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:
     except OSError as e:
         raise bad(e.strerror or e.__class__.__name__) from None
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as im:
+                im.load()
+                pixels = im.width * im.height
+        if any(issubclass(w.category, Image.DecompressionBombWarning) for w in caught):
+            # said once, in our words (the process ignores PIL's own warning: cli.main)
+            log.warning("control image %s is %.0f megapixels: each shot resizes it to its own size; a smaller "
+                        "file loads faster", path, pixels / 1e6)
     except Image.DecompressionBombError as e:
         raise bad(f"too many pixels: {e}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, zlib.error) as e:
@@ -453,7 +465,7 @@ def _first_content_line(path: Path) -> int:
 
 def load_job(path: str | Path) -> Job:
     """Reads and validates a job file. Raises JobError (exit code 2) on any problem."""
-    path = Path(path)
+    path = Path(path).expanduser()
     ctx = _Ctx(str(path))
     doc = _read_yaml(path)
     if doc is None:
@@ -531,8 +543,10 @@ def job_of_folder(out_dir: Path) -> Job | None:
 
 
 def _name_from_file(ctx: _Ctx, path: Path, line: int) -> str:
-    """A job without `name:` is named after its file, made safe for a folder name: `ep 1 (v2).yaml` -> `ep-1-v2`."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", path.stem).lstrip("-_.").rstrip("-")[:64]
+    """A job without `name:` is named after its file, made safe for a folder name: `ep 1 (v2).yaml` -> `ep-1-v2`,
+    `épisode.yaml` -> `episode` (accents dropped, as NFKD decomposes them)."""
+    ascii_stem = unicodedata.normalize("NFKD", path.stem).encode("ascii", "ignore").decode()
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", ascii_stem).lstrip("-_.").rstrip("-")[:64]
     if not name:
         raise ctx.fail(line, None, None, f"the file name {path.name!r} cannot name the output folder: "
                        f"add a top-level 'name:' ({SAFE_NAME_RULE})")

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from storyboard_cli.errors import BadInput
+from storyboard_cli.models.tiny import SCHEDULER_CONFIG
+from storyboard_cli.models.tiny import TEXT as TINY_TEXT
 from storyboard_cli.models.tiny import TEXT_2 as TINY_TEXT_2
 from storyboard_cli.models.tiny import UNET as TINY_UNET
 
@@ -232,20 +234,71 @@ def architecture_mismatch(info: LoraInfo, model: str) -> str | None:
     return f"a LoRA for {info.architecture}, this job's model is {want}"
 
 
+SDXL_CONFIGS = SCHEDULER_CONFIG.parents[1]  # the SDXL-base configs the loader ships (single files, sdxl-random)
+# a CLIP layer's LoRA key, in every naming diffusers reads: layer index, module, factor
+TE_LAYER = re.compile(r"layers[._](\d+)[._](self_attn[._][qkv]_proj|self_attn[._]out_proj|mlp[._]fc[12])"
+                      r"[._](lora[._]down|lora_A|lora[._]up|lora_B|lora_linear_layer[._](?:down|up))")
+
+
+def text_encoder_configs(model: str) -> dict[str, dict] | None:
+    """The text encoders' configs of `model` without loading it (tiny, a diffusers folder, the SDXL-base
+    configs for sdxl-random and single files); None for a hub id."""
+    if model == "tiny":
+        return {"text_encoder": TINY_TEXT, "text_encoder_2": TINY_TEXT_2}
+    path = Path(model).expanduser()
+    folder = path if path.is_dir() else SDXL_CONFIGS if model == "sdxl-random" or path.is_file() else None
+    try:
+        return {c: json.loads((folder / c / "config.json").read_text()) for c in COMPONENTS[1:]} if folder else None
+    except (OSError, ValueError):
+        return None
+
+
+def _clip_shape(config: dict, module: str) -> tuple[int, int]:
+    """[out, in] of a CLIP layer's weight, from its config."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    return (i, h) if module.endswith("fc1") else (h, i) if module.endswith("fc2") else (h, h)
+
+
+def text_encoder_mismatch(path: str | Path, model: str) -> str | None:
+    """The first text-encoder layer of the LoRA that `model` lacks or whose width differs, or None (the
+    UNet's layers are checked against the loaded model, at render)."""
+    configs = text_encoder_configs(model)
+    if configs is None:
+        return None
+    path = Path(path)
+    header, n, size = _header(path)
+    for key, shape in _tensors(path, header, n, size).items():
+        component, m = _component(key), TE_LAYER.search(key)
+        if component not in configs or m is None or len(shape) != 2:
+            continue
+        config, layer, module = configs[component], int(m[1]), re.sub(r"^(self_attn|mlp)[._]", "", m[2])
+        name = f"{component} layer {layer} {module}"
+        if layer >= config["num_hidden_layers"]:
+            return f"{path.name}: {name}: this model's {component} has {config['num_hidden_layers']} layers"
+        out, inp = _clip_shape(config, module)
+        down = "down" in m[3] or m[3] == "lora_A"
+        got, want = (shape[1], inp) if down else (shape[0], out)
+        if got != want:
+            return (f"{path.name}: {name}: its {'down' if down else 'up'} factor is {got} wide, "
+                    f"this model's layer {want}")
+    return None
+
+
 def lora_problem(path: str | Path, model: str) -> str | None:
     """One line saying why `path` cannot be used with `model`, or None. For job validation (no torch)."""
     try:
         info = inspect_lora(path)
+        return architecture_mismatch(info, model) or text_encoder_mismatch(path, model)
     except LoraFileError as e:
         return str(e)
-    return architecture_mismatch(info, model)
 
 
 # ---------------------------------------------------------------------------------------------
 # The A1111 prompt syntax and infotext (no torch)
 
-# as A1111 modules/extra_networks.re_extra_net, for the one network kind bcg reads
-LORA_TAG = re.compile(r"<lora:([^:>]+)((?::[^:>]*)*)>")
+# as A1111 modules/extra_networks.re_extra_net, for the one network kind bcg reads; prompts copied from
+# model sites also write it <LORA:...> or, for LyCORIS' LoCon files, <lyco:...>
+LORA_TAG = re.compile(r"<(?:lora|lyco):([^:>]+)((?::[^:>]*)*)>", re.IGNORECASE)
 
 
 def split_lora_tags(prompt: str) -> tuple[str, list[tuple[str, float]]]:

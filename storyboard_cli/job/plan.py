@@ -232,3 +232,11 @@ def lora_table(batches: list[Batch]) -> list[LoraSetRow]:
         rows[b.key.loras] = LoraSetRow(b.key.loras, prev.images + sum(len(i.outputs) for i in b.items),
                                        prev.batches + 1)
     return list(rows.values())
+
+
+PNG_BYTES_PER_PIXEL = 1.5  # what a rendered frame takes as bcg writes it (PNG, compress level 4), roughly
+
+
+def disk_estimate(job: Job) -> int:
+    """The bytes the job's images take on disk, roughly (every candidate, each its own file)."""
+    return int(sum(s.candidates * s.width * s.height for s in job.shots) * PNG_BYTES_PER_PIXEL)

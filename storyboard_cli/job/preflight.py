@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
-from storyboard_cli.errors import BadInput, ModelError, folder_error
+from storyboard_cli.errors import BadInput, ModelError, did_you_mean, folder_error
 
 PRESETS = ("tiny", "sdxl-random")  # the names models/loader.py builds itself
 
@@ -28,6 +29,17 @@ def check_destination(folder: Path) -> None:
         raise folder_error(folder, OSError(errno.EACCES, f"{existing} is not writable"))
 
 
+def free_bytes(folder: Path) -> int | None:
+    """Free space where `folder` is (or would be created); None when it cannot be told."""
+    existing = Path(folder)
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    try:
+        return shutil.disk_usage(existing).free
+    except OSError:
+        return None
+
+
 def check_model_path(spec: str | None, field: str) -> None:
     """A model given as a path must exist; presets and hub ids are checked when they load."""
     if spec is None or spec in PRESETS:
@@ -36,3 +48,6 @@ def check_model_path(spec: str | None, field: str) -> None:
     pathlike = spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".ckpt"))
     if pathlike and not path.exists():
         raise ModelError(f"{field}: no such file or folder: {spec}")
+    hint = did_you_mean(spec.lower(), PRESETS) if "/" not in spec and not path.exists() else ""
+    if hint:  # `Tiny`: not a hub id (owner/name) nor a path, a preset misspelt
+        raise ModelError(f"{field}: unknown model {spec!r}{hint}")

@@ -15,6 +15,7 @@ from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job
 
 CLIP_TOKENS = 77  # what CLIP's position embeddings hold: start + 75 + end
+SHOWN_WORDS = 12  # of the dropped text, in a warning: a pasted wall of text is cut to its first words
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,11 @@ class LongPrompt:
     dropped: str  # the text cut off, as the tokenizer decodes it
 
     def __str__(self) -> str:
+        words = self.dropped.split()
+        more = len(words) - SHOWN_WORDS
+        shown = " ".join(words[:SHOWN_WORDS]) + (f" ...\" and {more} more word{'s' * (more != 1)}" if more > 0 else '"')
         return (f"shot '{self.shot}' (line {self.line}): the {self.field} is {self.tokens} tokens, CLIP reads "
-                f"{CLIP_TOKENS}; dropped: \"{self.dropped}\"")
+                f"{CLIP_TOKENS}; dropped: \"{shown}")
 
 
 @lru_cache(maxsize=4)

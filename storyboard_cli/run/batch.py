@@ -20,7 +20,7 @@ from storyboard_cli.engine.conditioning import (BoundedCache, Control, PromptCac
                                                 control_pixels, guided_rows, read_control_image)
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
-from storyboard_cli.errors import ModelError, first_line
+from storyboard_cli.errors import ModelError, StoryboardError, first_line
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import LoraFile
 from storyboard_cli.job.plan import Batch, WorkItem
@@ -73,8 +73,9 @@ CONTROL_ERRORS = (OSError, ValueError, SyntaxError, EOFError, zlib.error)
 
 class BatchRunner:
     """`loras`: every LoRA file the job uses, read and registered now (before the engine captures or
-    compiles anything, where the caller creates the runner first): a bad file fails before any batch,
-    and the pristine weights are copied before any write. A file not given here is read when first needed."""
+    compiles anything, where the caller creates the runner first), and the pristine weights are copied
+    before any write. A file the models reject is set aside in `unusable`: the batches that use it fail,
+    the others render. A file not given here is read when first needed."""
 
     def __init__(self, models: SdxlModels, engine: Engine, timings: Timings | None = None,
                  loras: Iterable[LoraFile] = ()):
@@ -86,8 +87,16 @@ class BatchRunner:
         self.controls = BoundedCache(CONTROL_CACHE_BYTES)
         self.lora = LoraApplier(models)
         self._lora_weights: dict[tuple[Path, str], LoraWeights] = {}
+        self.unusable: dict[str, str] = {}  # LoRA name -> why these models reject it
         for f in loras:
-            self.lora_weights(f)
+            try:
+                self.lora_weights(f)
+            except StoryboardError as e:
+                self.unusable[f.name] = str(e)
+
+    def lora_problem(self, batch: Batch) -> str | None:
+        """Why the batch's LoRA set cannot be applied (a file these models reject), or None."""
+        return next((self.unusable[f.name] for f, _ in batch.items[0].loras if f.name in self.unusable), None)
 
     def lora_weights(self, f: LoraFile) -> LoraWeights:
         """The LoRA's layers, read through diffusers' converters once and registered with the applier."""

@@ -31,9 +31,11 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from storyboard_cli.errors import BadInput, Status
+from storyboard_cli.errors import BadInput, OutputLocked, RenderFailure, Status
+from storyboard_cli.folder.layout import read_report
+from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending
-from storyboard_cli.folder.report import Timings
+from storyboard_cli.folder.report import Timings, write_report
 from storyboard_cli.folder.shards import merge_shards, shard_manifest
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import Batch
@@ -45,6 +47,8 @@ TIMEOUT = timedelta(minutes=30)  # the process group's and the store's (rank 0 m
 STOP_WAIT_S = 3.0  # after a stop, how long rank 0 waits for the others' figures (a SIGTERM stops them at once)
 POLL_S = 0.02
 COUNTED = ("batch", "progress", "image", "failed")  # the events whose `done` counts outputs
+SHARDS_LEFT = "the next run merges their manifest lines"  # unless the launcher merges them first
+STOPS = (signal.SIGTERM, signal.SIGINT)  # what the launcher sends its workers: a death by another signal is a crash
 
 
 @dataclass(frozen=True)
@@ -279,7 +283,7 @@ class DistSession(rendering.RenderSession):
         if len(seen) < self.w.world:
             merged["status"] = Status.INTERRUPTED
             merged["notes"].append(f"{self.w.world - len(seen)} of {self.w.world} workers sent no figures; "
-                                   f"the next run merges their manifest lines")
+                                   f"{SHARDS_LEFT}")
         else:
             merge_shards(self.out_dir)
         return super().publish(merged, keep_last and not merged["images_rendered"])
@@ -312,10 +316,20 @@ def render(job: Job, opts: rendering.RenderOptions = rendering.RenderOptions(),
         dist.destroy_process_group()
 
 
-def launch(n: int, argv: list[str], module: str = MODULE) -> int:
+def launch_note(n: int, device: str | None) -> str | None:
+    """What `--gpus N` will do when it is not N GPUs: CPU workers (no GPU here, or --device cpu)."""
+    if device == "cpu" or (device is None and not torch.cuda.is_available()):
+        why = "--device cpu" if device == "cpu" else "this machine has no GPU"
+        return f"--gpus {n}: {why}, so {n} workers render on the CPU"
+    return None
+
+
+def launch(n: int, argv: list[str], out_dir: Path, module: str = MODULE) -> int:
     """`bcg render JOB --gpus N`: starts N workers on this machine through torchrun's own launcher
-    (`python -m <module> <argv>` each; a worker sees it runs under torchrun and ignores --gpus).
-    Returns the exit code: 0, the first failed worker's, or 128 + the signal that stopped the launcher."""
+    (`python -m <module> <argv>` each; a worker sees it runs under torchrun and ignores --gpus), and
+    merges their manifest shards into `out_dir`'s manifest however they ended. Returns the exit code: 0,
+    the first failed worker's, or 128 + the signal that stopped the launcher; a worker killed by a
+    signal (kill -9, the OOM killer) raises RenderFailure naming its rank, also in the report."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -325,11 +339,46 @@ def launch(n: int, argv: list[str], module: str = MODULE) -> int:
     if torch.cuda.is_available() and n > torch.cuda.device_count():
         raise BadInput(f"--gpus {n}: this machine has {torch.cuda.device_count()} GPU(s)")
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={n}", "--module", module, *argv])
+    started, code, death = time.strftime("%Y-%m-%dT%H:%M:%S%z"), 0, None
     try:
         run(args)
     except ChildFailedError as e:
-        codes = [f.exitcode for _, f in sorted(e.failures.items())]
-        return next((c for c in codes if c > 0), 128 - codes[0])  # else the signal that killed the first
+        failures = sorted(e.failures.items())
+        dead = [(rank, f) for rank, f in failures if f.exitcode < 0 and -f.exitcode not in STOPS]
+        if dead:
+            rank, f = dead[0]
+            death = f"worker rank {rank} (pid {f.pid}) died from {f.signal_name()}"
+        codes = [f.exitcode for _, f in failures]
+        code = next((c for c in codes if c > 0), 128 - codes[0])  # else the signal that killed the first
     except SignalException as e:
-        return 128 + e.sigval  # as a single render stopped by that signal
-    return 0
+        code = 128 + e.sigval  # as a single render stopped by that signal
+    finally:
+        merged = _merge_after(Path(out_dir))
+    if death:
+        _record_death(Path(out_dir), death, started, merged)
+        raise RenderFailure(f"{death}; the images finished are kept, the next run renders the rest")
+    return code
+
+
+def _merge_after(out_dir: Path) -> bool:
+    """The workers' shards merged into the manifest once they have all exited (under the folder's lock:
+    False when another render holds it, or the folder cannot be written; the next run merges them)."""
+    try:
+        with OutputLock(out_dir):
+            merge_shards(out_dir)
+        return True
+    except (OutputLocked, BadInput, OSError):
+        return False
+
+
+def _record_death(out_dir: Path, death: str, started: str, merged: bool) -> None:
+    """A dead worker in this run's report (rank 0 wrote it as a stop): its status is an error naming it."""
+    report = read_report(out_dir)
+    if not report or report.get("run", {}).get("started", "") < started:
+        return  # rank 0 wrote none this run
+    notes = [n for n in report.get("notes", []) if not (merged and n.endswith(SHARDS_LEFT))]
+    report |= {"status": Status.ERROR, "error": death, "stopped_by": None, "notes": notes}
+    try:
+        write_report(out_dir, report)
+    except OSError:
+        pass  # the error line says it

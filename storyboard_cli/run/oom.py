@@ -38,7 +38,12 @@ class OutOfMemoryPolicy:
                 self.sink.submit(d.item, d.pixels, label)
 
     def process(self, batch: Batch, buckets: tuple[int, ...], fallback: bool = False) -> None:
-        """One batch, end to end, under the out-of-memory policy."""
+        """One batch, end to end, under the out-of-memory policy; a batch whose LoRA the models reject
+        fails alone."""
+        problem = self.runner.lora_problem(batch)
+        if problem:
+            self.sink.fail(batch.items, problem)
+            return
         smaller = tuple(b for b in buckets if b < min(batch.size, self.oom_at))
         if batch.size >= self.oom_at and smaller:
             self._split(batch, smaller, fallback)

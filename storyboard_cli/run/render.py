@@ -18,7 +18,7 @@ import torch
 
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
-from storyboard_cli.errors import Status, folder_error
+from storyboard_cli.errors import Status, StoryboardError, folder_error
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
@@ -111,8 +111,8 @@ class RenderSession:
                 status = Status.INTERRUPTED  # decoded images are written out; a second Ctrl-C drops the queued ones
                 self._close_writer(cancel=isinstance(e, KeyboardInterrupt))
             except BaseException as e:
-                error = f"{e.__class__.__name__}: {e}"
-                self._close_writer(cancel=True)
+                error = str(e) if isinstance(e, StoryboardError) else f"{e.__class__.__name__}: {e}"
+                self._close_writer(cancel=True, after_error=True)
                 raise
             finally:
                 stop.finishing = True
@@ -179,6 +179,7 @@ class RenderSession:
                 self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile)
         with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
             runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
+        self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())
         with self.timings.stage("capture"):
             self.engine.prepare(self.capture_ahead(shapes))
         stop.check()
@@ -250,12 +251,17 @@ class RenderSession:
                             stopped_by=signum, error=error,
                             lora_swaps=self.policy.runner.lora_swaps() if ran else None)
 
-    def _close_writer(self, cancel: bool) -> None:
+    def _close_writer(self, cancel: bool, after_error: bool = False) -> None:
         try:
             if self.sink:
                 self.sink.close(cancel=cancel)
         except KeyboardInterrupt:
             pass
+        except (StoryboardError, OSError) as e:
+            if not after_error:
+                raise
+            # the first error is the one reported: a full disk fails every queued image alike
+            log.debug("writer: %s", e)
 
 
 def render(job: Job, opts: RenderOptions = RenderOptions(), on_event: Callable[[Event], None] | None = None,
