@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from storyboard_cli.engine.compiled import Target
+from storyboard_cli.engine.compiled import Target, build
 from storyboard_cli.engine.device import DTYPES, dtype_flag
 
 CORES_PER_BUILD = 2  # a build is mostly one Python thread (tracing, lowering, scheduling) plus compile workers
@@ -223,7 +223,6 @@ def _main(argv: list[str]) -> None:
     os.nice(10)
     import diffusers
 
-    from storyboard_cli.engine import compiled
 
     t0 = time.perf_counter()
     torch.set_default_dtype(DTYPES[dtype])  # the module is made in its dtype: no float32 copy first
@@ -233,7 +232,7 @@ def _main(argv: list[str]) -> None:
         model = getattr(diffusers, cls_name).from_config(json.loads(Path(config).read_text()))
     model.to_empty(device=device).to(dtype=DTYPES[dtype]).eval().requires_grad_(False)
     made = time.perf_counter() - t0
-    stats = compiled.build(Target(module, int(height), int(width)), model, path)
+    stats = build(Target(module, int(height), int(width)), model, path)
     path.with_suffix(".failed").unlink(missing_ok=True)
     stats = {"target": f"{module} {width}x{height}", "make_module_s": round(made, 1), **stats,
              "max_rss_mb": _max_rss_mb(), "compile_threads": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")}

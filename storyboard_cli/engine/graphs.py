@@ -24,12 +24,13 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from storyboard_cli.engine.base import Shape, shape_label
 from storyboard_cli.engine.conditioning import Cond, Control
+from storyboard_cli.engine.compiled import CompiledKernels, targets
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.sampling import Schedule
@@ -37,8 +38,6 @@ from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.samplers import MAX_STEPS
 
-if TYPE_CHECKING:
-    from storyboard_cli.engine.compiled import CompiledKernels
 
 log = logging.getLogger(__name__)
 # relative L2 error allowed between a first replay and the eager step. Plain graphs run the eager kernels
@@ -289,8 +288,6 @@ class GraphRunner:
         captured on first use (and their batches split if they must be)."""
         self.ensure_capacity(shapes)
         if self.compiled is not None:
-            from storyboard_cli.engine.compiled import targets
-
             self.compiled.want(targets(shapes, self.models.controlnet is not None))
         keys = {self.shape_key(*s) for s in shapes}
         for key in sorted(keys, key=lambda k: (k.batch * k.height * k.width, k.control), reverse=True):
