@@ -33,6 +33,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -328,12 +329,21 @@ def loads_here(path: Path) -> bool:
         if seen.is_file() and seen.read_text().split()[-1:] == [digest]:
             return seen is marker
     code = "import sys, torch._inductor as i; i.aoti_load_package(sys.argv[1], run_single_threaded=True)"
-    try:
-        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        return False
+    # output to a file, not a pipe: a process the child leaves behind (a compile worker) would hold a pipe
+    # open, and waiting for its end would wait for that process, not for the load
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    with tempfile.TemporaryFile() as err:
+        try:
+            done = subprocess.run([sys.executable, "-c", code, str(path)], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=120)
+        except subprocess.TimeoutExpired:
+            log.warning("compiled artifact %s: its load check ran past 120 s", path.name)
+            return False
+        err.seek(0)
+        tail = err.read().decode(errors="replace").strip().splitlines()[-1:]
     if done.returncode != 0:
-        log.warning("compiled artifact %s does not load here (exit %s)", path.name, done.returncode)
+        log.warning("compiled artifact %s does not load here (exit %s): %s", path.name, done.returncode,
+                    tail[0] if tail else "no output")
         bad.write_text(f"exit {done.returncode} {digest}\n")  # not tried again until the artifact is rebuilt
         return False
     marker.write_text(f"loaded {digest}\n")
