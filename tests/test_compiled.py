@@ -20,6 +20,7 @@ from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.builds import Builds
 from storyboard_cli.engine.eager import StepCalls
 from storyboard_cli.models.loader import load_sdxl
+from storyboard_cli.models.synthetic_lora import unet_targets
 
 pytestmark = pytest.mark.slow
 SIDE = 128  # pixels: latent 16 x 16
@@ -121,6 +122,10 @@ def test_the_rendering_modules_keep_their_own_attention_and_layout(artifacts):
     assert type(attn.processor) is processor
     assert attn.to_q.weight.data_ptr() == attn.to_qkv.weight.data_ptr()
     assert models.unet.conv_in.weight.is_contiguous()
+    # a LoRA names the projections, never the fused weight (the GPU LoRA test's synthetic file is made so)
+    names = unet_targets(models.unet)
+    assert "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q" in names
+    assert not [n for n in names if n.endswith(("to_qkv", "to_kv"))]
 
 
 def test_a_lora_swap_reaches_the_compiled_kernels(artifacts):

@@ -27,8 +27,9 @@ Factors = dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]]  # (component
 def unet_targets(unet, convs: bool = False) -> list[str]:
     """Every linear layer of the transformer blocks (as sd-scripts' default LoRA), plus the resnets'
     3x3 convolutions for LoCon."""
-    names = [n for n, m in unet.named_modules()
-             if ".attentions." in n and isinstance(m, torch.nn.Linear)]
+    names = [n for n, m in unet.named_modules()  # not the fused projections made for compiled kernels:
+             if ".attentions." in n and isinstance(m, torch.nn.Linear)  # no LoRA file names them (their
+             and not n.endswith((".to_qkv", ".to_kv"))]  # to_q/to_k/to_v, views into them, are listed)
     if convs:
         names += [n for n, m in unet.named_modules()
                   if ".resnets." in n and n.endswith(CONV_LAYERS) and isinstance(m, torch.nn.Conv2d)]
