@@ -261,7 +261,7 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
     """Exports and compiles `model` (a UNet or ControlNet: its values do not matter) for `target` to
     `path`, then loads it once in this process; returns seconds per stage. Minutes of work: a child
     process does it (engine/builds.py), never a render."""
-    from torch._inductor import aoti_compile_and_package, aoti_load_package
+    from torch._inductor import aoti_compile_and_package
 
     fuse_projections(model, processor=True)
     model.to(memory_format=torch.channels_last)
@@ -278,7 +278,7 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
     try:
         aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=dict(INDUCTOR_OPTIONS))
         t2 = time.perf_counter()
-        aoti_load_package(str(tmp), run_single_threaded=True).get_constant_fqns()
+        open_package(tmp).get_constant_fqns()
         t3 = time.perf_counter()
         os.replace(tmp, path)
         path.with_suffix(".ok").write_text(f"loaded {_digest(path)}\n")
@@ -289,6 +289,24 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
             "mb": round(path.stat().st_size / 2**20, 1)}
 
 
+def open_package(path: Path) -> Any:
+    """The compiled call in an artifact, as `aoti_load_package` gives it, without that function's device
+    survey: before the loader it compares the machine with the one that built the package, only to warn,
+    and finding the CPU's vector ISA compiles and runs test programs: 35-50 s in a fresh process on the
+    H200 (bench/load_probe.py), where the load itself takes 0.02 s. The artifact key already names the
+    GPU, CUDA, triton and torch that built it."""
+    from torch._inductor.package import AOTICompiledModel
+
+    loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader is None:  # a torch without the loader class here: the public function
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(str(path), run_single_threaded=True)
+    # single-threaded: no thread synchronisation around each run, which would conflict with our CUDA
+    # graph capture (torch's own advice for CUDA graphs; huggingface/flux-fast loads its packages so)
+    return AOTICompiledModel(loader(str(path), "model", True, 1, -1))
+
+
 def module_of(models: Any, module: str) -> torch.nn.Module:
     return models.unet if module == "unet" else models.controlnet
 
@@ -296,12 +314,8 @@ def module_of(models: Any, module: str) -> torch.nn.Module:
 def load(target: Target, models: Any, path: Path) -> Callable:
     """The compiled call, its constants bound to the rendering modules' own tensors (the fused attention
     weights, the channels_last convolution copies, every other parameter as it is)."""
-    from torch._inductor import aoti_load_package
-
     model, prefix = module_of(models, target.module), f"{target.module}."
-    # single-threaded: no thread synchronisation around each run, which would conflict with our CUDA
-    # graph capture (torch's own advice for CUDA graphs; huggingface/flux-fast loads its packages so)
-    compiled = aoti_load_package(str(path), run_single_threaded=True)
+    compiled = open_package(path)
     tensors = {prefix + n: t for n, t in model.state_dict(keep_vars=True).items()}
     tensors.update({prefix + n: t for n, t in channels_last_weights(models, model).items()})
     wanted = compiled.get_constant_fqns()
@@ -328,7 +342,8 @@ def loads_here(path: Path) -> bool:
     for seen in (marker, bad):
         if seen.is_file() and seen.read_text().split()[-1:] == [digest]:
             return seen is marker
-    code = "import sys, torch._inductor as i; i.aoti_load_package(sys.argv[1], run_single_threaded=True)"
+    code = "import sys; from pathlib import Path; from storyboard_cli.engine.compiled import open_package; " \
+           "open_package(Path(sys.argv[1]))"
     # output to a file, not a pipe: a process the child leaves behind (a compile worker) would hold a pipe
     # open, and waiting for its end would wait for that process, not for the load
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
