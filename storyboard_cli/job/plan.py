@@ -13,6 +13,14 @@ from storyboard_cli.job.file import Job, LoraFile
 from storyboard_cli.job.lora_files import lora_set_label
 
 LoraScales = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name: one LoRA set
+NO_DEEPCACHE = (0, 0)  # (interval, branch): DeepCache off
+
+
+def guided_steps(steps: int, cfg_cutoff: float) -> int:
+    """The steps that use guidance for a cut-off fraction, as diffusers' SDXLCFGCutoffCallback counts them: the
+    unconditional rows go at the end of step int(steps * ratio), so that step and the ones before are guided
+    (1.0: every step)."""
+    return min(steps, int(steps * cfg_cutoff) + 1)
 
 
 @dataclass(frozen=True, order=True)
