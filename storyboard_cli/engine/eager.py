@@ -133,7 +133,7 @@ class EagerEngine:
                                   control, guidance, None, plan[i] if plan else FULL, feature)
         return x
 
-    def prepare(self, shapes: list[Shape]) -> None:
+    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:
         pass
 
     def release(self) -> None:
