@@ -386,7 +386,8 @@ def _bucket_sizes(text: str) -> tuple[int, ...]:
 def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jobs/bench.yaml"),
           quick: Annotated[bool, _flag("--quick", "Tiny model on the CPU, a smoke run (< 1 min).")] = False,
           model: Annotated[Optional[str], typer.Option(help="Weights to bench (default: the job's model).")] = None,
-          parts: Annotated[str, typer.Option(help="What to run: job, micro, or job,micro.")] = "job,micro",
+          parts: Annotated[str, typer.Option(help="What to run: job, micro, lora, draft, curves, ... "
+                                                  "(comma-separated).")] = "job,micro",
           with_compile: Annotated[bool, _flag("--with-compile", "Also run diffusers + torch.compile "
                                               "(compiles per shape: many minutes).")] = False,
           results: Annotated[Path, typer.Option(help="Folder for the JSON and Markdown results.")] = Path("bench/results"),

@@ -213,3 +213,71 @@ def test_bad_draft_options_exit_2_in_one_line(drafted, tmp_path, args, message):
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], result.output
+
+
+# ---------------------------------------------------------------- a draft render through the graph runner
+
+
+def _graph_render(job, out, models, capturer=None):
+    """A render on the graph runner with CPU replays (tests/test_draft_engine.py) instead of CUDA graphs."""
+    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.run.render import RenderOptions, render
+    from test_draft_engine import cpu_replays
+
+    runner = GraphRunner(models, max_batch=1, max_hw=(64, 64))
+    cpu_replays(runner)
+    if capturer is not None:
+        runner.capturer = capturer(runner.capturer)
+    return render(job, RenderOptions(out_dir=out), models=models, engine=runner), runner
+
+
+def _same_images(a, b):
+    for png in sorted(a.glob("*/*.png")):
+        assert np.abs(_pixels(png).astype(int) - _pixels(b / png.relative_to(a)).astype(int)).max() <= 1, png
+
+
+def test_draft_render_on_the_graph_runner_with_a_lora_equals_eager(job_dir, tmp_path, tiny_cpu):
+    """Every step kind through the graph runner's buffers, with a LoRA swapped in place between batches."""
+    from conftest import ROOT
+    from storyboard_cli.run.render import RenderOptions, render
+
+    mei = ROOT / "jobs" / "loras" / "mei.safetensors"
+    text = JOB.replace("controlnet: tiny\n", f"controlnet: tiny\nloras:\n  mei: {mei}\n").replace(
+        "prompt: a harbour", "prompt: a harbour <lora:mei:0.8>")
+    job = as_draft(load_job(write_job(job_dir, text)))
+    result, runner = _graph_render(job, tmp_path / "graph", tiny_cpu)
+    assert result.status == "done" and result.rendered == 5 and result.engine == "graph"
+    labels = {g["shape"] for g in result.report["graphs"]}
+    assert {"1x64x64 float32 deepcache full b0", "1x64x64 float32 cond deepcache shallow b0",
+            "1x64x64 +control float32", "1x64x64 +control float32 cond"} <= labels
+    assert all(g["state"] == "graph" for g in result.report["graphs"])
+    eager = render(job, RenderOptions(out_dir=tmp_path / "eager"), models=tiny_cpu)
+    assert eager.engine == "eager" and eager.rendered == 5
+    _same_images(tmp_path / "graph", tmp_path / "eager")
+
+
+def test_out_of_memory_capturing_a_draft_kind_splits_then_runs_the_same_draft_eager(job_dir, tmp_path, tiny_cpu):
+    import torch
+
+    from storyboard_cli.run.render import RenderOptions, render
+
+    job = as_draft(load_job(write_job(job_dir, JOB.replace("candidates: 3", "candidates: 2"))))
+
+    def short_of_memory(capture):
+        def capturer(key):
+            if key.step.cache == "read":
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            return capture(key)
+        return capturer
+
+    result, _ = _graph_render(replace_buckets(job, (1, 2)), tmp_path / "graph", tiny_cpu, short_of_memory)
+    assert result.status == "done" and result.rendered == 4
+    assert any("retried eager" in n for n in result.notes)
+    eager = render(job, RenderOptions(out_dir=tmp_path / "eager"), models=tiny_cpu)
+    _same_images(tmp_path / "graph", tmp_path / "eager")
+
+
+def replace_buckets(job, buckets):
+    from dataclasses import replace
+
+    return replace(job, buckets=buckets)
