@@ -519,6 +519,8 @@ def draft_capture(job: Job, models: SdxlModels, log: Callable[[str], None]) -> d
            for name, g in groups.items()}
     rec["capture_ratio"] = rec["extra"]["capture_s"] / rec["plain"]["capture_s"] if rec["plain"]["capture_s"] else None
     rec["pool_ratio"] = rec["extra"]["pool_mb"] / rec["plain"]["pool_mb"] if rec["plain"]["pool_mb"] else None
+    feature = runner.buf.feature
+    rec["feature_buffer_mb"] = feature.numel() * feature.element_size() / 2**20 if feature is not None else 0.0
     rec["graphs"] = runner.describe()
     log(f"draft capture: plain {json.dumps(rec['plain'])}, extra {json.dumps(rec['extra'])}")
     runner.release("bench part done")
@@ -667,7 +669,8 @@ def _draft_markdown(rec: dict) -> list[str]:
         c = rec["draft_capture"]
         out += [f"Capture of the bench job's graphs: today's {c['plain']['graphs']} in {c['plain']['capture_s']:.2f} s, "
                 f"pool {c['plain']['pool_mb']:.0f} MB; the draft kinds add {c['extra']['graphs']} graphs, "
-                f"{c['extra']['capture_s']:.2f} s, {c['extra']['pool_mb']:.0f} MB", ""]
+                f"{c['extra']['capture_s']:.2f} s, {c['extra']['pool_mb']:.0f} MB of pool (and DeepCache's feature buffer, "
+                f"{c['feature_buffer_mb']:.0f} MB, outside the pool)", ""]
     if "draft_job" in rec:
         j = rec["draft_job"]
         out += [f"Bench job with `--draft`: {j['draft']['images_per_s']:.3f} images/s against "

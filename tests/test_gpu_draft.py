@@ -7,23 +7,12 @@ import torch
 
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.sampling import step_plan
-from test_gpu import _close, _inputs
+from test_gpu import _close, _inputs, setup  # noqa: F401 - setup: the same tiny models and runner fixture
 
 pytestmark = pytest.mark.gpu
 STEPS = 9
 PLANS = {"cutoff": (4, 0, 0), "cond-only": (0, 0, 0), "deepcache": (STEPS, 3, 0), "both": (5, 3, 1),
          "cond-deepcache": (0, 2, 0)}
-
-
-@pytest.fixture(scope="module", params=["fp32", "fp16"])
-def setup(request):
-    from storyboard_cli.engine.graphs import GraphRunner
-    from storyboard_cli.models.loader import load_sdxl
-
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}[request.param]
-    models = load_sdxl("tiny", "tiny", "cuda", dtype)
-    runner = GraphRunner(models, max_batch=8, max_hw=(320, 320))
-    return models, runner, EagerEngine(models), (1e-4 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 8])
