@@ -244,3 +244,23 @@ def test_a_failed_check_of_a_draft_kind_falls_back_to_eager(tiny_cpu, monkeypatc
     assert torch.equal(got, EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance, plan))
     failed = [s for s in runner.stats.values() if s.state == "eager"]
     assert [s.key.step for s in failed] == [broken] and "replay check failed" in failed[0].reason
+
+
+def test_which_step_kinds_run_on_compiled_kernels(tiny_cpu):
+    """The conditional-rows step runs the compiled kernels where its B rows fit the artifacts (2 rows at least);
+    DeepCache's steps call into the UNet's blocks, so they stay plain in a compiled bucket."""
+
+    class Ready:  # compiled kernels for every shape (engine/compiled.py CompiledKernels' role)
+        def reserve(self, max_batch, max_pixels):
+            pass
+
+        def ready(self, batch, height, width, control):
+            return None
+
+    runner = GraphRunner(tiny_cpu, max_batch=8, max_hw=(H, W), compiled=Ready())
+    variant = lambda batch, kind: runner.shape_key(batch, H, W, False, kind).variant  # noqa: E731
+    assert variant(1, FULL) == "compiled" and variant(8, FULL) == "compiled"
+    cond = StepKind(guided=False)
+    assert variant(1, cond) == "plain" and variant(2, cond) == "compiled" and variant(8, cond) == "compiled"
+    for kind in (StepKind(True, "write"), StepKind(True, "read"), StepKind(False, "read")):
+        assert variant(4, kind) == "plain"

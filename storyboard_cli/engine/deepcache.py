@@ -33,6 +33,12 @@ def feature_shape(unet, rows: int, h: int, w: int, branch: int) -> tuple[int, in
     return rows, c, h >> branch, w >> branch
 
 
+def feature_capacity(unet, rows: int, latent_pixels: int) -> int:
+    """Elements that hold the feature of any branch for up to `rows` rows of up to `latent_pixels` (h x w):
+    branch k has C_k channels over (h*w) / 4**k pixels."""
+    return max(rows * feature_shape(unet, 1, 1, 1, k)[1] * latent_pixels // 4**k for k in range(len(unet.up_blocks)))
+
+
 @contextmanager
 def writing_feature(unet, branch: int, feature: torch.Tensor):
     """Within the block, every call of the full UNet copies the hidden states entering up block U into

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -36,7 +37,7 @@ from storyboard_cli.engine.base import Shape, shape_label
 from storyboard_cli.engine.conditioning import Cond, Control
 from storyboard_cli.engine.compiled import MAX_ROWS, CompiledKernels, targets
 from storyboard_cli.engine.device import dtype_name
-from storyboard_cli.engine.deepcache import feature_shape
+from storyboard_cli.engine.deepcache import feature_capacity, feature_shape
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.sampling import FULL, Schedule, StepKind, StepPlan
 from storyboard_cli.errors import one_line
@@ -123,27 +124,17 @@ class Buffers:
     def feature_of(self, key: ShapeKey) -> torch.Tensor:
         """DeepCache's cached feature for `key` [2B, C, h', w'], in one buffer sized for every branch at the
         largest shape (allocated once, outside any capture: graphs hold its pointer)."""
-        h, w = key.height // 8, key.width // 8
-        if self.feature is None:  # branch k: C_k channels over (h*w) / 4**k latent pixels
-            latent = self.max_pixels // 64
-            most = max(2 * self.max_batch * feature_shape(self.unet, 1, 1, 1, k)[1] * latent // 4**k
-                       for k in range(len(self.unet.up_blocks)))
+        if self.feature is None:
+            most = feature_capacity(self.unet, 2 * self.max_batch, self.max_pixels // 64)
             self.feature = torch.zeros(most, device=self.device, dtype=self.dtype)
-        shape = feature_shape(self.unet, 2 * key.batch, h, w, key.step.branch)
-        return self.feature[: _numel(shape)].view(shape)
+        shape = feature_shape(self.unet, 2 * key.batch, key.height // 8, key.width // 8, key.step.branch)
+        return self.feature[: math.prod(shape)].view(shape)
 
     def fits(self, shape: Shape | ShapeKey) -> bool:
         return shape.batch <= self.max_batch and shape.height * shape.width <= self.max_pixels
 
     def view(self, key: ShapeKey) -> _Views:
         return _Views(self, key)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class _Views:
