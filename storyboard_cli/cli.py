@@ -82,9 +82,10 @@ def _domain_errors():
 
 
 @app.command()
-def plan(job: JobArg, json_out: JsonOpt = False) -> None:
+def plan(job: JobArg, json_out: JsonOpt = False,
+         draft: Annotated[bool, _flag("--draft", "The job as `bcg render --draft` renders it.")] = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
-    from storyboard_cli.job.file import load_job
+    from storyboard_cli.job.file import as_draft, load_job
     from storyboard_cli.job.plan import (bucket_table, deepcache_note, disk_estimate, lora_swaps, lora_table,
                                          make_batches, work_items)
     from storyboard_cli.job.preflight import check_destination, check_model_path, free_bytes
@@ -92,6 +93,7 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
 
     with _domain_errors():
         j = load_job(job)
+        j = as_draft(j) if draft else j
         check_model_path(j.model, "model")
         check_model_path(j.controlnet, "controlnet")
         check_destination(j.output_dir)

@@ -122,8 +122,11 @@ def test_plan_shows_levers_saving_and_the_controlnet_note(job_dir):
     assert a["guided_steps"] == 3 and a["deepcache"] == {"interval": 3, "branch": 0}
     assert a["flops_saved_estimate"] == pytest.approx(1 - step_costs(4, 3, 3, 0) / 4, abs=1e-4)
     assert len(data["notes"]) == 1
-    plain = runner.invoke(app, ["plan", str(write_job(job_dir, JOB.replace(", guidance: 1", ""), "plain.yaml"))])
-    assert "saving" not in plain.output and "DeepCache" not in plain.output
+    plain = write_job(job_dir, JOB.replace(", guidance: 1", ""), "plain.yaml")
+    result = runner.invoke(app, ["plan", str(plain)])
+    assert "saving" not in result.output and "DeepCache" not in result.output
+    drafted = json.loads(runner.invoke(app, ["plan", str(plain), "--draft", "--json"]).stdout)
+    assert all(b["flops_saved_estimate"] > 0 for b in drafted["buckets"]) and len(drafted["notes"]) == 1
 
 
 @pytest.fixture(scope="module")
