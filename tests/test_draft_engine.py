@@ -231,15 +231,18 @@ def test_prepare_captures_each_shapes_step_kinds(tiny_cpu):
     assert runner.buf.feature is one_feature  # one buffer for every branch: graphs keep its pointer
 
 
-def test_a_failed_check_of_a_draft_kind_falls_back_to_eager(tiny_cpu, monkeypatch):
+@pytest.mark.parametrize("broken,corrupt", [(StepKind(False, "read", 0), lambda v: v.x.mul_(2)),
+                                            (StepKind(True, "write", 0), lambda v: v.feature.mul_(2))],
+                         ids=["shallow-output", "full-feature"])
+def test_a_failed_check_of_a_draft_kind_falls_back_to_eager(tiny_cpu, monkeypatch, broken, corrupt):
+    """A graph whose output, or whose written DeepCache feature, differs from the eager step's is not used."""
     x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 1, H, W, False)
     sched = schedule("euler", 4, tiny_cpu.scheduler_config)
     plan = step_plan(4, 2, 2, 0)
     runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(H, W))
     cpu_replays(runner)
-    broken = StepKind(False, "read", 0)
     real = runner._step
-    monkeypatch.setattr(runner, "_step", lambda v: (real(v), v.x.mul_(2) if v.key.step == broken else None))
+    monkeypatch.setattr(runner, "_step", lambda v: (real(v), corrupt(v) if v.key.step == broken else None))
     got = runner.sample(x, sched, None, cond, ctl, guidance, plan)
     assert torch.equal(got, EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance, plan))
     failed = [s for s in runner.stats.values() if s.state == "eager"]
