@@ -435,8 +435,8 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
                  lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, "on"))
     if "draft" in parts:  # draft mode's levers: step times, the bench job with --draft, capture, drift
         part("draft_steps", lambda: draft_steps(models, log, *((8, 1024, 30) if device.type == "cuda" else (2, 64, 6))))
-        part("draft_capture", lambda: draft_capture(job, models, log))
         part("draft_job", lambda: draft_job(job, models, log))
+        part("draft_capture", lambda: draft_capture(job, models, log))
     if "first_render" in parts and device.type == "cuda":
         part("first_render", lambda: first_render(job, models, log))
     if "profile" in parts and device.type == "cuda":
