@@ -332,6 +332,7 @@ class GraphRunner:
             stats.state, stats.reason, stats.checked = "released", reason, False
         self.graphs.clear()
         self.pool = None
+        self.buf.feature = None  # DeepCache's: no graph points at it any more
         gc.collect()
         self._settle()
 
