@@ -27,11 +27,12 @@ from storyboard_cli.engine.build import compiled_kernels, graph_runner
 from storyboard_cli.engine.compiled import artifact_path, module_of, targets
 from storyboard_cli.engine.device import device_name, dtype_name
 from storyboard_cli.engine.eager import EagerEngine, StepCalls, denoise
+from storyboard_cli.engine.sampling import FULL, schedule, step_plan
 from storyboard_cli.errors import BadInput
-from storyboard_cli.job.file import Job, load_job
-from storyboard_cli.job.plan import make_batches, work_items
+from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE, Job, as_draft, load_job
+from storyboard_cli.job.plan import guided_steps, make_batches, work_items
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.run.batch import BatchRunner, batch_shapes, decode
+from storyboard_cli.run.batch import BatchRunner, batch_kinds, batch_shapes, decode
 from storyboard_cli.run.capture import synthetic_inputs, time_shapes
 from storyboard_cli.samplers import SAMPLERS
 
@@ -432,6 +433,10 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         if models.controlnet is not None:
             part("step_curve_control_compiled",
                  lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, "on"))
+    if "draft" in parts:  # draft mode's levers: step times, the bench job with --draft, capture, drift
+        part("draft_steps", lambda: draft_steps(models, log, *((8, 1024, 30) if device.type == "cuda" else (2, 64, 6))))
+        part("draft_job", lambda: draft_job(job, models, log))
+        part("draft_capture", lambda: draft_capture(job, models, log))
     if "first_render" in parts and device.type == "cuda":
         part("first_render", lambda: first_render(job, models, log))
     if "profile" in parts and device.type == "cuda":
@@ -444,6 +449,124 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
 
 
 CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled")
+
+# ---------------------------------------------------------------- draft renders
+
+# the step loops `draft_steps` times side by side: (cfg_cutoff, DeepCache interval), branch 0
+DRAFT_LOOPS = {"full": (1.0, 0), "deepcache_3": (1.0, 3), "cfg_cutoff_0.5": (0.5, 0), "cfg_cutoff_0.7": (0.7, 0),
+               "draft_preset": (DRAFT_CUTOFF, DRAFT_DEEPCACHE[0])}
+
+
+def _loop_s(engine, x, sched, cond, guidance, plan) -> float:
+    """One whole loop's seconds: CUDA events on the GPU, the wall clock on the CPU (a smoke run)."""
+    cuda = x.device.type == "cuda"
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    engine.sample(x, sched, None, cond, None, guidance, plan)
+    if not cuda:
+        return time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def draft_steps(models: SdxlModels, log: Callable[[str], None], batch: int = 8, side: int = 1024, steps: int = 30,
+                repeats: int = 3) -> dict:
+    """ms per image-step of whole `steps`-step loops at `batch` images, full against each lever (DRAFT_LOOPS),
+    in one graph runner (plain graphs; the eager engine on the CPU), every graph checked and warmed first, then
+    `repeats` rounds taking each loop in turn; medians. Also each graph's own ms per replay."""
+    cuda = models.device.type == "cuda"
+    shape = Shape(batch, side, side, False)
+    sched = schedule("euler", steps, models.scheduler_config)
+    plans = {name: step_plan(steps, guided_steps(steps, cutoff), interval, DRAFT_DEEPCACHE[1])
+             for name, (cutoff, interval) in DRAFT_LOOPS.items()}
+    engine = graph_runner(models, [shape], compile="off") if cuda else EagerEngine(models)
+    engine.prepare([shape], {shape: set().union(*plans.values())})
+    x, cond, _, guidance = synthetic_inputs(models, batch, side, side, False)
+    x = x * sched.init_sigma
+    for plan in plans.values():  # first replays (checked against eager) and a warm-up loop each
+        engine.sample(x, sched, None, cond, None, guidance, plan)
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(repeats):
+        for name, plan in plans.items():
+            times[name].append(_loop_s(engine, x, sched, cond, guidance, plan))
+    ms = {name: statistics.median(t) * 1000 / (steps * batch) for name, t in times.items()}
+    rec = {"shape": shape.label, "steps": steps, "repeats": repeats, "engine": engine.name,
+           "ms_per_image_step": ms, "speedup_vs_full": {name: ms["full"] / m for name, m in ms.items()},
+           "guided_steps": {name: sum(k.guided for k in plan) for name, plan in plans.items()},
+           "graphs": engine.describe()}
+    log("draft steps at " + shape.label + ": " + ", ".join(f"{n} {m:.2f} ms/image-step ({rec['speedup_vs_full'][n]:.2f}x)"
+                                                          for n, m in ms.items()))
+    return rec
+
+
+def draft_capture(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
+    """The bench job's graphs (plain, --compile off): today's step kinds captured first, then the extra kinds
+    its draft render adds (conditional rows, DeepCache full and shallow): capture seconds and pool MB of each
+    group, from the runner's per-graph stats. CPU: nothing to capture."""
+    if models.device.type != "cuda":
+        return {"skipped": "CUDA graphs need a GPU"}
+    batches = make_batches(work_items(as_draft(job)), job.buckets)
+    shapes = batch_shapes(batches)
+    runner = graph_runner(models, shapes, compile="off")
+    runner.prepare(shapes)
+    runner.prepare(shapes, batch_kinds(batches))
+    stats = list(runner.stats.values())
+    groups = {"plain": [s for s in stats if s.key.step == FULL], "extra": [s for s in stats if s.key.step != FULL]}
+    rec = {name: {"graphs": len(g), "capture_s": sum(s.capture_s for s in g), "pool_mb": sum(s.pool_mb for s in g)}
+           for name, g in groups.items()}
+    rec["capture_ratio"] = rec["extra"]["capture_s"] / rec["plain"]["capture_s"] if rec["plain"]["capture_s"] else None
+    rec["pool_ratio"] = rec["extra"]["pool_mb"] / rec["plain"]["pool_mb"] if rec["plain"]["pool_mb"] else None
+    feature = runner.buf.feature
+    rec["feature_buffer_mb"] = feature.numel() * feature.element_size() / 2**20 if feature is not None else 0.0
+    rec["graphs"] = runner.describe()
+    log(f"draft capture: plain {json.dumps(rec['plain'])}, extra {json.dumps(rec['extra'])}")
+    runner.release("bench part done")
+    return rec
+
+
+def _drift(draft_dir: Path, full_dir: Path) -> list[dict]:
+    """PSNR (dB, 8-bit) and mean absolute difference (0-255) of every draft PNG against the full render's PNG of
+    the same path (the same shot, candidate and seed)."""
+    import numpy as np
+    from PIL import Image
+
+    rows = []
+    for draft in sorted(draft_dir.glob("*/*.png")):
+        rel = draft.relative_to(draft_dir)
+        full = full_dir / rel
+        if not full.is_file():
+            continue
+        a, b = (np.asarray(Image.open(p).convert("RGB"), dtype=np.float64) for p in (draft, full))
+        mse = float(((a - b) ** 2).mean())
+        rows.append({"image": rel.as_posix(), "psnr_db": 10 * np.log10(255**2 / mse) if mse else float("inf"),
+                     "mad": float(np.abs(a - b).mean())})
+    return rows
+
+
+def draft_job(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
+    """The bench job rendered without and with the draft preset (ControlNet shots included), side by side,
+    each render capturing its own graphs (--compile off): images/s and their ratio; then every draft image
+    against the full image of the same seed (PSNR, mean absolute difference)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        full = _bcg(job, models, Path(tmp) / "full")
+        draft = _bcg(as_draft(job), models, Path(tmp) / "draft")
+        drift = _drift(Path(tmp) / "draft", Path(tmp) / "full")
+    rec = {"full": full, "draft": draft, "ratio": draft["images_per_s"] / full["images_per_s"],
+           "denoise_ratio": full["stages_s"]["denoise"] / draft["stages_s"]["denoise"], "drift": drift}
+    if drift:
+        finite = [d["psnr_db"] for d in drift if d["psnr_db"] != float("inf")]
+        rec["psnr_db"] = {"median": statistics.median(finite) if finite else None, "min": min(finite, default=None)}
+        rec["mad"] = {"median": statistics.median(d["mad"] for d in drift), "max": max(d["mad"] for d in drift)}
+    for name, r in (("full", full), ("draft", draft)):
+        if r["failed"]:  # a ratio over failed images measures nothing
+            log(f"draft job ({name}): {r['failed']} images failed ({r['failure']})")
+            rec["ratio"] = float("nan")
+    log(f"draft job: {rec['ratio']:.3f}x the images/s of the full render (denoise {rec['denoise_ratio']:.3f}x); "
+        f"PSNR {json.dumps(rec.get('psnr_db'))} dB, MAD {json.dumps(rec.get('mad'))}")
+    return rec
 
 
 def lora_job(job: Job, models: SdxlModels, folder: Path, count: int = 3, rank: int = 32) -> Job:
@@ -534,6 +657,31 @@ def _part(rec: dict, key: str, log: Callable[[str], None], fn: Callable[[], obje
         log(f"{key} failed: {traceback.format_exc()}")
 
 
+def _draft_markdown(rec: dict) -> list[str]:
+    out = []
+    if "draft_steps" in rec:
+        d = rec["draft_steps"]
+        out += [f"Draft levers, per image-step ({d['shape']}, {d['steps']}-step loops, {d['engine']}, median of "
+                f"{d['repeats']}):", "", "| loop | guided steps | ms per image-step | vs full |", "|---|---:|---:|---:|"]
+        out += [f"| {n} | {d['guided_steps'][n]}/{d['steps']} | {m:.2f} | {d['speedup_vs_full'][n]:.2f}x |"
+                for n, m in d["ms_per_image_step"].items()] + [""]
+    if "draft_capture" in rec and "plain" in rec["draft_capture"]:
+        c = rec["draft_capture"]
+        out += [f"Capture of the bench job's graphs: today's {c['plain']['graphs']} in {c['plain']['capture_s']:.2f} s, "
+                f"pool {c['plain']['pool_mb']:.0f} MB; the draft kinds add {c['extra']['graphs']} graphs, "
+                f"{c['extra']['capture_s']:.2f} s, {c['extra']['pool_mb']:.0f} MB of pool (and DeepCache's feature buffer, "
+                f"{c['feature_buffer_mb']:.0f} MB, outside the pool)", ""]
+    if "draft_job" in rec:
+        j = rec["draft_job"]
+        out += [f"Bench job with `--draft`: {j['draft']['images_per_s']:.3f} images/s against "
+                f"{j['full']['images_per_s']:.3f} without = **{j['ratio']:.3f}x** (denoising {j['denoise_ratio']:.3f}x); "
+                f"drift of each draft against the full image of its seed: PSNR {json.dumps(j.get('psnr_db'))} dB, "
+                f"mean absolute difference {json.dumps(j.get('mad'))} (0-255)", "",
+                "| image | PSNR dB | MAD |", "|---|---:|---:|"]
+        out += [f"| {d['image']} | {d['psnr_db']:.2f} | {d['mad']:.2f} |" for d in j["drift"]] + [""]
+    return out
+
+
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
@@ -597,6 +745,7 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
         out += [f"First render on a cache without the job's kernels: `--compile auto` {f['auto']['images_per_s']:.3f} "
                 f"images/s, `--compile off` {f['off']['images_per_s']:.3f} = **{f['ratio']:.3f}x** "
                 f"(kernels in the cache before: {', '.join(f['cached_before']) or 'none'})", ""]
+    out += _draft_markdown(rec)
     if "b_slice" in rec:
         b = rec["b_slice"]
         out += [f"Slice {', '.join(b['shots'])} ({b['images']} images), side by side: (a) diffusers "

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from storyboard_cli import __version__
 from storyboard_cli.errors import Interrupted, Status, StoryboardError, exit_code, plural
+from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
 from storyboard_cli.folder.layout import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -81,21 +82,25 @@ def _domain_errors():
 
 
 @app.command()
-def plan(job: JobArg, json_out: JsonOpt = False) -> None:
+def plan(job: JobArg, json_out: JsonOpt = False,
+         draft: Annotated[bool, _flag("--draft", "The job as `bcg render --draft` renders it.")] = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
-    from storyboard_cli.job.file import load_job
-    from storyboard_cli.job.plan import bucket_table, disk_estimate, lora_swaps, lora_table, make_batches, work_items
+    from storyboard_cli.job.file import as_draft, load_job
+    from storyboard_cli.job.plan import (bucket_table, deepcache_note, disk_estimate, lora_swaps, lora_table,
+                                         make_batches, work_items)
     from storyboard_cli.job.preflight import check_destination, check_model_path, free_bytes
     from storyboard_cli.job.prompts import long_prompts
 
     with _domain_errors():
         j = load_job(job)
+        j = as_draft(j) if draft else j
         check_model_path(j.model, "model")
         check_model_path(j.controlnet, "controlnet")
         check_destination(j.output_dir)
         items = work_items(j)
         batches = make_batches(items, j.buckets)
         rows, sets, swaps, warnings = bucket_table(batches), lora_table(batches), lora_swaps(batches), long_prompts(j)
+        note = deepcache_note(j)
     total_images = sum(s.candidates for s in j.shots)
     disk, free = disk_estimate(j), free_bytes(j.output_dir)
     if free is not None and disk > free:
@@ -108,7 +113,12 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
                 {"bucket": r.key.label, "width": r.key.width, "height": r.key.height, "steps": r.key.steps,
                  "sampler": r.key.sampler, "control": r.key.control, "images": r.images, "unique": r.unique,
                  "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
-                 "waste": round(r.waste, 4), "row_steps": r.row_steps} for r in rows],
+                 "waste": round(r.waste, 4), "row_steps": r.row_steps, "levers": r.key.levers,
+                 "guided_steps": r.key.guided_steps, "cfg_cutoff": r.key.cfg_cutoff,
+                 "deepcache": ({"interval": r.key.deepcache[0], "branch": r.key.deepcache[1]}
+                               if r.key.deepcache[0] else None),
+                 "flops_saved_estimate": round(r.key.flops_saved, 4)} for r in rows],
+            "notes": [note] if note else [],
             "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash} for n, f in j.loras.items()},
             "lora_sets": [{"set": r.label, "images": r.images, "batches": r.batches} for r in sets],
             "lora_swaps": swaps, "prompt_warnings": [str(w) for w in warnings]}))
@@ -117,18 +127,28 @@ def plan(job: JobArg, json_out: JsonOpt = False) -> None:
         err.print(Text.assemble(("warning: ", "yellow"), str(w)))
     table = Table(title=f"{j.name}: {plural(len(j.shots), 'shot')}, {plural(total_images, 'image')} "
                         f"({len(items)} distinct), model {j.model}", title_justify="left")
-    for col in ("size", "steps", "sampler", "control", "images", "batches", "UNet rows", "padding", "rows x steps"):
-        table.add_column(col, justify="left" if col in ("size", "sampler", "batches") else "right")
+    levered = any(r.key.levers for r in rows)
+    cols = ("size", "steps", "sampler", "control", "images", "batches", "UNet rows", "padding", "rows x steps")
+    for col in cols + (("levers", "saving (est.)") if levered else ()):
+        table.add_column(col, justify="left" if col in ("size", "sampler", "batches", "levers") else "right")
     for r in rows:
         k = r.key
         batches = ", ".join(f"{n}x{b}" for b, n in sorted(_count(r.batches).items(), reverse=True))
+        extra = (k.levers, f"{100 * k.flops_saved:.0f}%" if k.levers else "") if levered else ()
         table.add_row(f"{k.width}x{k.height}", str(k.steps), k.sampler, "yes" if k.control else "", str(r.images),
-                      batches, str(r.rows), f"{r.padded_rows} ({100 * r.waste:.0f}%)", f"{r.row_steps:,}")
+                      batches, str(r.rows), f"{r.padded_rows} ({100 * r.waste:.0f}%)", f"{r.row_steps:,}", *extra)
     table.add_section()
+    saved = sum(r.key.flops_saved * r.row_steps for r in rows) / max(1, sum(r.row_steps for r in rows))
     table.add_row("total", "", "", "", str(sum(r.images for r in rows)), str(sum(len(r.batches) for r in rows)),
                   str(sum(r.rows for r in rows)), str(sum(r.padded_rows for r in rows)),
-                  f"{sum(r.row_steps for r in rows):,}")
+                  f"{sum(r.row_steps for r in rows):,}", *(("", f"{100 * saved:.0f}%") if levered else ()))
     out.print(table)
+    if levered:
+        out.print("saving (est.): the UNet FLOPs the draft levers skip against full steps (a guided step counts 2 rows "
+                  "per image, a conditional one 1, a DeepCache shallow step its share of the UNet); the time saved is "
+                  "smaller (docs/PERFORMANCE.md, \"Draft renders\")")
+    if note:
+        out.print(note)
     out.print(f"output: {j.output_dir} (about {_size(disk)} of PNGs)   buckets: {list(j.buckets)}   "
               "(UNet rows count CFG: 2 per image)")
     if j.loras:
@@ -162,6 +182,16 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
            reroll: Annotated[Optional[Path], typer.Option("--reroll", help="A picks.yaml: new candidates for the "
                                                                           "shots it marks for reroll.",
                                                                           callback=_user_path)] = None,
+           draft: Annotated[bool, _flag("--draft", "Draft candidates, faster: every shot with cfg_cutoff "
+                                                   f"{DRAFT_CUTOFF:g} and DeepCache interval {DRAFT_DEEPCACHE[0]}, "
+                                                   "into <out>/draft/, marked as drafts.")] = False,
+           draft_out: Annotated[Optional[Path], typer.Option("--draft-out", help="The draft folder (default: "
+                                                                                "<out>/draft).",
+                                                             callback=_user_path)] = None,
+           final: Annotated[Optional[Path], typer.Option("--final", help="A picks.yaml saved from the draft sheet: "
+                                                                        "the picked candidates at full quality, same "
+                                                                        "seeds, into <out>.",
+                                                         callback=_user_path)] = None,
            json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
            device: DeviceOpt = None, dtype: DtypeOpt = None,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto",
@@ -177,14 +207,15 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
         if note and not quiet:
             err.print(Text(note, style="dim"))
         with _domain_errors():
-            code = dist.launch(gpus, _command_line(ctx), out_dir or load_job(job).output_dir)
+            from storyboard_cli.folder.picks import render_folder
+
+            code = dist.launch(gpus, _command_line(ctx), render_folder(load_job(job), out_dir, draft, draft_out))
         raise typer.Exit(code)
     with _domain_errors():
-        j = load_job(job)
-        if reroll is not None:
-            from storyboard_cli.folder.picks import rerolled
+        from storyboard_cli.folder.picks import render_target
 
-            j = rerolled(j, out_dir or j.output_dir, reroll)
+        j, out_dir = render_target(load_job(job), out_dir, reroll=reroll, draft=draft, draft_out=draft_out,
+                                   final=final)
         opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
                                        retry_failed=retry_failed, compile=compile, shots=tuple(shot or ()))
         with _progress(quiet or not dist.leader()) as on_event:
@@ -357,7 +388,8 @@ def _bucket_sizes(text: str) -> tuple[int, ...]:
 def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jobs/bench.yaml"),
           quick: Annotated[bool, _flag("--quick", "Tiny model on the CPU, a smoke run (< 1 min).")] = False,
           model: Annotated[Optional[str], typer.Option(help="Weights to bench (default: the job's model).")] = None,
-          parts: Annotated[str, typer.Option(help="What to run: job, micro, or job,micro.")] = "job,micro",
+          parts: Annotated[str, typer.Option(help="What to run: job, micro, lora, draft, curves, ... "
+                                                  "(comma-separated).")] = "job,micro",
           with_compile: Annotated[bool, _flag("--with-compile", "Also run diffusers + torch.compile "
                                               "(compiles per shape: many minutes).")] = False,
           results: Annotated[Path, typer.Option(help="Folder for the JSON and Markdown results.")] = Path("bench/results"),

@@ -46,3 +46,22 @@ def test_bench_quick_lora_part(tmp_path):
     assert lo["with"]["images"] == lo["without"]["images"] > 0 and lo["ratio"] > 0
     assert lo["swaps"]["swaps"] == 3 and lo["swaps"]["median_s"] > 0
     assert "LoRA job" in (tmp_path / record.name.replace(".json", ".md")).read_text()
+
+
+def test_bench_quick_draft_part(tmp_path):
+    """The draft part end to end on tiny (what bench/gpu_draft.sh runs on a GPU): the loops side by side, the
+    bench job with and without --draft, the drift of every draft against its full render."""
+    result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml"), "--quick", "--parts", "draft",
+                                      "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (record,) = tmp_path.glob("*.json")
+    rec = json.loads(record.read_text())
+    assert "errors" not in rec, rec.get("errors")
+    steps = rec["draft_steps"]
+    assert set(steps["ms_per_image_step"]) == {"full", "deepcache_3", "cfg_cutoff_0.5", "cfg_cutoff_0.7",
+                                               "draft_preset"} and steps["guided_steps"]["cfg_cutoff_0.5"] == 4
+    job = rec["draft_job"]
+    assert job["full"]["images"] == job["draft"]["images"] == rec["images"] and job["ratio"] > 0
+    assert len(job["drift"]) == rec["images"] and all(d["mad"] >= 0 for d in job["drift"])
+    assert any(d["mad"] > 0 for d in job["drift"])  # the levers changed the pixels
+    assert "Bench job with `--draft`" in (tmp_path / record.name.replace(".json", ".md")).read_text()

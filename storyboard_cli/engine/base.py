@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from storyboard_cli.engine.conditioning import Cond, Control
-    from storyboard_cli.engine.sampling import Schedule
+    from storyboard_cli.engine.sampling import Schedule, StepKind, StepPlan
 
 
 class Shape(NamedTuple):
@@ -38,13 +38,15 @@ class Engine(Protocol):
     name: str  # "eager" | "graph": what the report calls it
 
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               control: Control | None, guidance: torch.Tensor) -> torch.Tensor:
+               control: Control | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
         """Initial latents x [B, 4, h, w] -> final latents [B, 4, h, w] float32. `noise`: per-step noise
-        [steps, B, 4, h, w] for ancestral samplers, else None; `guidance` [B]."""
+        [steps, B, 4, h, w] for ancestral samplers, else None; `guidance` [B]; `plan`: each step's kind
+        (draft renders: sampling.step_plan), None for every step guided and whole."""
         ...
 
-    def prepare(self, shapes: list[Shape]) -> None:
-        """Get ready for these shapes ahead of the first batch (a graph engine sizes and captures)."""
+    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:
+        """Get ready for these shapes ahead of the first batch (a graph engine sizes and captures); `kinds`:
+        the step kinds a shape's batches run, where they are not today's full step."""
         ...
 
     def release(self) -> None:

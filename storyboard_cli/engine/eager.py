@@ -5,6 +5,7 @@ The graph engine captures exactly these functions; the eager engine calls them d
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -13,10 +14,11 @@ import torch
 
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.conditioning import Cond, Control
-from storyboard_cli.engine.sampling import SIGMA, TIMESTEP, Schedule, update
+from storyboard_cli.engine.deepcache import feature_shape, shallow_unet, writing_feature
+from storyboard_cli.engine.sampling import FULL, SIGMA, TIMESTEP, Schedule, StepKind, StepPlan, update
 from storyboard_cli.models.loader import SdxlModels
 
-__all__ = ["Control", "EagerEngine", "StepCalls", "controlnet_call", "denoise", "sample_step", "unet_call"]
+__all__ = ["Control", "EagerEngine", "StepCalls", "controlnet_call", "denoise", "new_feature", "sample_step", "unet_call"]
 
 
 def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down) -> torch.Tensor:
@@ -52,31 +54,59 @@ class StepCalls:
 
 
 def denoise(models: SdxlModels, x: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor, cond: Cond,
-            control: Control | None, guidance: torch.Tensor, calls: StepCalls | None = None) -> torch.Tensor:
+            control: Control | None, guidance: torch.Tensor, calls: StepCalls | None = None, kind: StepKind = FULL,
+            feature: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, 4, h, w] float32 (VE form), sigma/timestep [] -> denoised [B, 4, h, w] float32.
 
-    CFG doubles the batch inside the step (negative rows first, as diffusers does).
+    A guided step doubles the batch inside the step (negative rows first, as diffusers does); a step of the
+    conditional rows alone (`kind.guided` False) runs the second half of `cond` and `control` and no combine,
+    as diffusers does once guidance is off. `feature` [2B, C, h', w']: DeepCache's cache (engine/deepcache.py),
+    written by a "write" step and read by a "read" step (a conditional step uses its second half).
     """
     calls = calls or StepCalls.eager(models)
-    rows = 2 * x.shape[0]
+    b = x.shape[0]
     c_in = torch.rsqrt(sigma * sigma + 1)  # as diffusers' EulerDiscreteScheduler.scale_model_input
-    latents = (x * c_in).to(models.dtype).repeat(2, 1, 1, 1)  # [2B, 4, h, w]
-    t = timestep.expand(rows)
-    mid = down = None
-    if control is not None:
-        mid, *down = calls.controlnet(latents, t, cond.embeds, cond.pooled, cond.time_ids, control.image,
-                                      control.scale)
-    eps = calls.unet(latents, t, cond.embeds, cond.pooled, cond.time_ids, mid, down).float()
+    latents = (x * c_in).to(models.dtype)
+    if kind.guided:
+        latents = latents.repeat(2, 1, 1, 1)  # [2B, 4, h, w]
+        embeds, pooled, time_ids = cond.embeds, cond.pooled, cond.time_ids
+    else:  # clone: compiled kernels assume 16-byte aligned inputs, and half of a small table is not
+        embeds, pooled, time_ids = cond.embeds[b:], cond.pooled[b:].clone(), cond.time_ids[b:].clone()
+        if control is not None:
+            control = Control(control.image[b:], control.scale[b:].clone())
+        if feature is not None:
+            feature = feature[b:]
+    t = timestep.expand(latents.shape[0])
+    if kind.cache == "read":
+        eps = shallow_unet(models.unet, latents, t, embeds, pooled, time_ids, feature, kind.branch).float()
+    else:
+        mid = down = None
+        if control is not None:
+            mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids, control.image, control.scale)
+        with writing_feature(models.unet, kind.branch, feature) if kind.cache == "write" else nullcontext():
+            eps = calls.unet(latents, t, embeds, pooled, time_ids, mid, down).float()
+    if not kind.guided:
+        return x - sigma * eps
     eps_neg, eps_pos = eps.chunk(2)
     eps = eps_neg + guidance.view(-1, 1, 1, 1) * (eps_pos - eps_neg)
     return x - sigma * eps
 
 
+def new_feature(models: SdxlModels, x: torch.Tensor, plan: StepPlan | None) -> torch.Tensor | None:
+    """DeepCache's cache for one batch of latents x [B, 4, h, w] (None when the plan does not cache)."""
+    branch = next((k.branch for k in plan or () if k.cache), None)
+    if branch is None:
+        return None
+    b, _, h, w = x.shape
+    return torch.zeros(feature_shape(models.unet, 2 * b, h, w, branch), device=x.device, dtype=models.dtype)
+
+
 def sample_step(models: SdxlModels, x: torch.Tensor, denoised_prev: torch.Tensor, noise: torch.Tensor,
                 row: torch.Tensor, cond: Cond, control: Control | None, guidance: torch.Tensor,
-                calls: StepCalls | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                calls: StepCalls | None = None, kind: StepKind = FULL,
+                feature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One whole step: denoise, then the sampler update. Returns (x_next, denoised)."""
-    denoised = denoise(models, x, row[SIGMA], row[TIMESTEP], cond, control, guidance, calls)
+    denoised = denoise(models, x, row[SIGMA], row[TIMESTEP], cond, control, guidance, calls, kind, feature)
     return update(x, denoised, denoised_prev, noise, row), denoised
 
 
@@ -91,17 +121,19 @@ class EagerEngine:
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               control: Control | None, guidance: torch.Tensor) -> torch.Tensor:
-        """x [B, 4, h, w] initial latents on the device -> final latents [B, 4, h, w] float32."""
+               control: Control | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+        """x [B, 4, h, w] initial latents on the device -> final latents [B, 4, h, w] float32. `plan`: each
+        step's kind (sampling.step_plan); None: every step guided, the UNet whole (FULL)."""
         table = sched.table.to(x.device)
         prev = torch.zeros_like(x)
         zero = torch.zeros_like(x)
+        feature = new_feature(self.models, x, plan)
         for i in range(sched.steps):
             x, prev = sample_step(self.models, x, prev, zero if noise is None else noise[i], table[i], cond,
-                                  control, guidance)
+                                  control, guidance, None, plan[i] if plan else FULL, feature)
         return x
 
-    def prepare(self, shapes: list[Shape]) -> None:
+    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:
         pass
 
     def release(self) -> None:

@@ -12,6 +12,10 @@ captured as one CUDA graph per shape, replayed once per step. The only file that
   after a warm-up on a side stream. The first replay of each is checked against the eager step on
   the same inputs; a capture failure or a mismatch marks that shape eager (a compiled shape: plain),
   with the reason.
+- Draft mode's step kinds (sampling.StepKind: the conditional rows alone after the guidance cut-off or at
+  guidance <= 1; DeepCache's full step writing its feature and its shallow step reading it) are more
+  graphs of the same shape, in the same pool, over the same static buffers (the feature has one more):
+  the plan is fixed before the loop, so the host picks each step's graph and the loop stays replays only.
 - Compiled kernels (engine/compiled.py) are looked at between batches: a size whose kernels became
   ready since the last batch gets a compiled graph from its next batch on.
 - A shape larger than the buffers grows them (`ensure_capacity`); that drops the graphs captured so
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,10 +35,11 @@ import torch
 
 from storyboard_cli.engine.base import Shape, shape_label
 from storyboard_cli.engine.conditioning import Cond, Control
-from storyboard_cli.engine.compiled import CompiledKernels, targets
+from storyboard_cli.engine.compiled import MAX_ROWS, CompiledKernels, targets
 from storyboard_cli.engine.device import dtype_name
+from storyboard_cli.engine.deepcache import feature_capacity, feature_shape
 from storyboard_cli.engine.eager import EagerEngine, sample_step
-from storyboard_cli.engine.sampling import Schedule
+from storyboard_cli.engine.sampling import FULL, Schedule, StepKind, StepPlan
 from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.samplers import MAX_STEPS
@@ -45,6 +51,7 @@ log = logging.getLogger(__name__)
 # eager SDXL UNet to 2.7e-6 in fp32 but differ by 2.8e-2 in fp16 on random weights (H200), while a
 # binding or stride error measured 1.5e-1 (docs/PERFORMANCE.md, "Compiled kernels per image size")
 CHECK_RTOL = {"plain": 2e-2, "compiled": 5e-2}
+MIN_ROWS = 2  # the compiled artifacts' smallest row count (engine/compiled.py dynamic_shapes)
 
 
 @dataclass(frozen=True, order=True)
@@ -57,6 +64,7 @@ class ShapeKey:
     control: bool
     dtype: str
     variant: str = "plain"  # "plain": the eager modules captured; "compiled": compiled kernels captured
+    step: StepKind = FULL  # draft mode's step kinds: conditional rows only, DeepCache full / shallow
 
     @property
     def shape(self) -> Shape:
@@ -65,7 +73,8 @@ class ShapeKey:
     @property
     def label(self) -> str:
         variant = "" if self.variant == "plain" else f" {self.variant}"
-        return f"{shape_label(self.batch, self.width, self.height, self.control)} {self.dtype}{variant}"
+        step = f" {self.step.label}" if self.step.label else ""
+        return f"{shape_label(self.batch, self.width, self.height, self.control)} {self.dtype}{variant}{step}"
 
 
 @dataclass
@@ -109,6 +118,17 @@ class Buffers:
         has_control = m.controlnet is not None
         self.control_image = torch.zeros(rows * 3 * max_pixels if has_control else 0, device=dev, dtype=m.dtype)
         self.control_scale = torch.zeros(rows, 1, 1, 1, device=dev, dtype=m.dtype)
+        self.unet, self.dtype, self.device = m.unet, m.dtype, dev
+        self.feature: torch.Tensor | None = None  # DeepCache's, made at the first graph that caches
+
+    def feature_of(self, key: ShapeKey) -> torch.Tensor:
+        """DeepCache's cached feature for `key` [2B, C, h', w'], in one buffer sized for every branch at the
+        largest shape (allocated once, outside any capture: graphs hold its pointer)."""
+        if self.feature is None:
+            most = feature_capacity(self.unet, 2 * self.max_batch, self.max_pixels // 64)
+            self.feature = torch.zeros(most, device=self.device, dtype=self.dtype)
+        shape = feature_shape(self.unet, 2 * key.batch, key.height // 8, key.width // 8, key.step.branch)
+        return self.feature[: math.prod(shape)].view(shape)
 
     def fits(self, shape: Shape | ShapeKey) -> bool:
         return shape.batch <= self.max_batch and shape.height * shape.width <= self.max_pixels
@@ -133,6 +153,7 @@ class _Views:
         if key.control:
             self.control = Control(r.control_image[: 2 * b * 3 * key.height * key.width]
                                    .view(2 * b, 3, key.height, key.width), r.control_scale[: 2 * b])
+        self.feature = r.feature_of(key) if key.step.cache else None
 
     def load(self, buf: Buffers, x: torch.Tensor, sched: Schedule, cond: Cond, control: Control | None,
              guidance: torch.Tensor) -> None:
@@ -191,11 +212,14 @@ class GraphRunner:
         self._allocate(max([self.max_batch] + [s.batch for s in shapes]),
                        max([self.max_pixels] + [s.height * s.width for s in shapes]))
 
-    def shape_key(self, batch: int, height: int, width: int, control: bool) -> ShapeKey:
+    def shape_key(self, batch: int, height: int, width: int, control: bool, step: StepKind = FULL) -> ShapeKey:
+        """Compiled kernels where the size has them and the step is the whole UNet over rows the artifacts
+        take (a conditional step runs B rows); DeepCache's steps call into the UNet's blocks: plain."""
         shape = Shape(batch, height, width, control)
-        compiled = (self.compiled is not None and shape not in self.demoted
-                    and self.compiled.ready(*shape) is None)
-        return ShapeKey(*shape, dtype_name(self.models.dtype), "compiled" if compiled else "plain")
+        rows = 2 * batch if step.guided else batch
+        compiled = (self.compiled is not None and shape not in self.demoted and not step.cache
+                    and MIN_ROWS <= rows <= MAX_ROWS and self.compiled.ready(*shape) is None)
+        return ShapeKey(*shape, dtype_name(self.models.dtype), "compiled" if compiled else "plain", step)
 
     def can_run(self, shape: Shape) -> bool:
         """Whether `shape` replays a graph (it has not fallen back to eager)."""
@@ -208,7 +232,7 @@ class GraphRunner:
         row = self.buf.table.index_select(0, self.buf.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
         calls = self.compiled if v.key.variant == "compiled" else None
         x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance,
-                                       calls)
+                                       calls, v.key.step, v.feature)
         v.x.copy_(x_next)
         v.prev.copy_(denoised)
         self.buf.index.add_(1)
@@ -281,15 +305,16 @@ class GraphRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def prepare(self, shapes: list[Shape]) -> None:
+    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:
         """Sizes the buffers, loads the compiled kernels the cache has for these shapes, then captures ahead
         of time, largest first, so smaller graphs reuse the pool's blocks; last, the kernels the cache
         lacks start compiling in the background. Out of memory stops the captures: the shapes left are
-        captured on first use (and their batches split if they must be)."""
+        captured on first use (and their batches split if they must be). `kinds`: the step kinds a shape's
+        batches run (draft mode); a shape not in it runs today's step (FULL)."""
         self.ensure_capacity(shapes)
         if self.compiled is not None:
             self.compiled.want(targets(shapes, self.models.controlnet is not None))
-        keys = {self.shape_key(*s) for s in shapes}
+        keys = {self.shape_key(*s, k) for s in shapes for k in (kinds or {}).get(s, {FULL})}
         for key in sorted(keys, key=lambda k: (k.batch * k.height * k.width, k.control), reverse=True):
             try:
                 self.graph(key)
@@ -307,6 +332,7 @@ class GraphRunner:
             stats.state, stats.reason, stats.checked = "released", reason, False
         self.graphs.clear()
         self.pool = None
+        self.buf.feature = None  # DeepCache's: no graph points at it any more
         gc.collect()
         self._settle()
 
@@ -321,18 +347,27 @@ class GraphRunner:
         guidance = torch.ones_like(guidance)
         v = self.buf.view(key)
         v.load(self.buf, x, sched, cond, control, guidance)
+        # DeepCache: a shallow step reads the feature in the buffer (the eager step reads the same copy);
+        # a full step's written feature is checked with its output
+        feature = None if v.feature is None else v.feature.clone()
         graph.replay()
         replayed = v.x.clone()  # clone: the next replay overwrites the static buffer
         row = sched.table[0].to(x.device)
         expect, _ = sample_step(self.models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, control,
-                                guidance)
-        finite = torch.isfinite(expect)
-        if not torch.equal(finite, torch.isfinite(replayed)):
-            self._fall_back(key, "replay check failed: NaN/inf pattern differs from eager")
-            return False
-        diff = torch.linalg.vector_norm((replayed - expect)[finite])
-        scale = torch.linalg.vector_norm(expect[finite]).clamp_min(1e-6)
-        err = (diff / scale).item()
+                                guidance, None, key.step, feature)
+        pairs = [(replayed, expect)]
+        if key.step.cache == "write":  # the feature each wrote (a conditional step: its half) is checked too
+            rows = slice(None) if key.step.guided else slice(key.batch, None)
+            pairs.append((v.feature[rows], feature[rows]))
+        err = 0.0
+        for got, want in pairs:
+            finite = torch.isfinite(want)
+            if not torch.equal(finite, torch.isfinite(got)):
+                self._fall_back(key, "replay check failed: NaN/inf pattern differs from eager")
+                return False
+            diff = torch.linalg.vector_norm((got - want)[finite], dtype=torch.float32)
+            scale = torch.linalg.vector_norm(want[finite], dtype=torch.float32).clamp_min(1e-6)
+            err = max(err, (diff / scale).item())
         limit = CHECK_RTOL[key.variant]
         if err > limit:
             self._fall_back(key, f"replay check failed: relative error {err:.2e} > {limit:.0e}")
@@ -349,29 +384,48 @@ class GraphRunner:
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               control: Control | None, guidance: torch.Tensor) -> torch.Tensor:
-        """Same contract as EagerEngine.sample: initial latents [B, 4, h, w] -> final latents."""
+               control: Control | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+        """Same contract as EagerEngine.sample: initial latents [B, 4, h, w] -> final latents. Every graph the
+        plan needs is captured and checked before the loop (the DeepCache full step before its shallow one)."""
         if self.compiled is not None:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
-        key = self.shape_key(b, 8 * h, 8 * w, control is not None)
-        graph = self._checked_graph(key, x, sched, cond, control, guidance)
-        if graph is None:  # a compiled shape falls back to its plain graph, a plain one to eager
-            fallback = self.sample if key.variant == "compiled" else self.eager.sample
-            return fallback(x, sched, noise, cond, control, guidance)
-        v = self.buf.view(key)
+        plan = plan or (FULL,) * sched.steps
+        keys = [self.shape_key(b, 8 * h, 8 * w, control is not None, k) for k in plan]
+        graphs = {}
+        for key in sorted(set(keys), key=lambda k: (k.step.cache != "write", k.step)):
+            graphs[key] = self._checked_graph(key, x, sched, cond, control, guidance)
+            if graphs[key] is None:  # a compiled shape falls back to its plain graph, a plain one to eager
+                fallback = self.sample if key.variant == "compiled" else self.eager.sample
+                return fallback(x, sched, noise, cond, control, guidance, plan)
+        v = self.buf.view(keys[0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, control, guidance)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(sched.steps):
+        segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
+        for i, key in enumerate(keys):
+            if segment is None or segment[0] != key:
+                self._time(segment, i)
+                segment = (key, self._event(), i)
             if noise is not None:
                 v.noise.copy_(noise[i])
-            graph.replay()
-        end.record()
-        stats = self.stats[key]
-        stats.replays += sched.steps
-        stats.events.append((start, end, sched.steps))
+            graphs[key].replay()
+        self._time(segment, len(keys))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
+
+    def _event(self) -> torch.cuda.Event | None:
+        if self.models.device.type != "cuda":  # a test's replays on the CPU (GraphRunner.capturer)
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _time(self, segment: tuple | None, stop: int) -> None:
+        """Closes a segment of replays of one graph: its steps and CUDA events go to that graph's stats."""
+        if segment is not None:
+            key, start, first = segment
+            stats = self.stats[key]
+            stats.replays += stop - first
+            if start is not None:
+                stats.events.append((start, self._event(), stop - first))
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),

@@ -37,7 +37,8 @@ SHARDS = ".shards"
 LOCK = ".bcg.lock"
 REROLLS = "rerolls.json"  # every `--reroll` request and the candidates it asked for: a retry asks for the same
 # the names a shot's folder must not take (compared case-folded: case-insensitive file systems)
-RESERVED = (REPORT_JSON, REPORT_MD, MANIFEST, INDEX, SELECTS, THUMBS, PICKS_JSON, PICKS_YAML, REROLLS)
+DRAFT = "draft"  # `bcg render --draft` writes to <out>/draft/ (unless --draft-out says where)
+RESERVED = (REPORT_JSON, REPORT_MD, MANIFEST, INDEX, SELECTS, THUMBS, PICKS_JSON, PICKS_YAML, REROLLS, DRAFT)
 
 # what marks the files bcg wrote: index.html's meta and the thumbnails' JPEG comment; picks.json's
 # `generator`; a candidate or a select by its `bcg` PNG chunk

@@ -79,6 +79,12 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
     if loras:
         # quoted as A1111's infotext_utils.quote: the value holds ':' and ','
         fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")
+    if item.cfg_cutoff < 1:
+        fields.append(f"CFG cutoff: {item.cfg_cutoff:g}")
+    if item.deepcache[0]:
+        fields.append(f"DeepCache: interval {item.deepcache[0]} branch {item.deepcache[1]}")
+    if item.draft:
+        fields.append("Draft: true")
     lines.append(", ".join(fields))
     return "\n".join(lines)
 
@@ -116,6 +122,9 @@ def manifest_record(item: WorkItem, path: str, fingerprint: str, sha256: str | N
     loras = (settings or {}).get("loras")
     if loras:
         record["loras"] = loras
+    for lever in ("cfg_cutoff", "deepcache", "draft"):  # draft renders: what made the image cheaper
+        if lever in (settings or {}):
+            record[lever] = settings[lever]
     if sha256 is not None:
         record |= {"sha256": sha256, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if run is not None:

@@ -9,6 +9,7 @@
 `load_picks` validates it (one-line errors naming file:line, shot and field); `apply_picks` copies the
 picks, in shot order, to `<out>/selects/NNN_<shot>.png` and records them in `<out>/picks.json`;
 `reroll_shots` / `with_rerolls` turn the reroll list into new candidates for `bcg render --reroll`.
+`render_target` is what `bcg render --draft` / `--final` render, and where.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from typing import Iterable
 import yaml
 
 from storyboard_cli.errors import BadInput, JobError, did_you_mean, folder_error
-from storyboard_cli.folder.layout import (PICKS_GENERATOR, PICKS_JSON, REROLLS, SELECT_NAME, SELECTS,
+from storyboard_cli.folder.layout import (DRAFT, INDEX, PICKS_GENERATOR, PICKS_JSON, REROLLS, SELECT_NAME, SELECTS,
                                           candidate_files, parse_output_name, read_chunk, read_fingerprint, read_json,
                                           refuse_foreign, select_name, shot_order, written_by_bcg)
 from storyboard_cli.folder.outputs import atomic_write
-from storyboard_cli.job.file import Job, Shot, job_of_folder, read_text
+from storyboard_cli.job.file import Job, Shot, as_draft, job_of_folder, read_text
 
 PICK_KEYS = ("picks", "reroll", "round")
 
@@ -282,3 +283,49 @@ def reroll_round(job: Job, out_dir: Path, picks: Picks) -> tuple[Shot, ...]:
     atomic_write(out_dir / REROLLS, (json.dumps({"generator": PICKS_GENERATOR, "rounds": rounds}, indent=2,
                                                 ensure_ascii=False) + "\n").encode("utf-8"))
     return extra
+
+
+# ---------------------------------------------------------------- draft and final
+
+
+def finals(job: Job, draft_dir: Path, picks_path: str | Path) -> Job:
+    """`bcg render JOB --final picks.yaml`: the candidates picked on the draft sheet, one shot each, at full
+    quality with the seed each was drafted with (the same noise: the final keeps the draft's composition as
+    far as the levers left it). Every other shot of the job is left out."""
+    picks = load_picks(picks_path, draft_dir, as_draft(job))
+    if not picks.picks:
+        raise BadInput(f"{picks_path}: --final: the file picks no candidate (pick on {draft_dir / INDEX})")
+    shots = []
+    for shot in job.shots:
+        rel = picks.picks.get(shot.id)
+        if rel is not None and shot.id not in {s.id for s in shots}:
+            _, k, seed = parse_output_name(rel)
+            shots.append(replace(shot, first_candidate=k, candidates=1, seed=seed - k))  # candidate k: seed + k
+    return replace(job, shots=tuple(shots))
+
+
+def render_folder(job: Job, out_dir: Path | None, draft: bool, draft_out: Path | None = None) -> Path:
+    """The folder `bcg render` writes: `<out>/draft/` (or `draft_out`) for a draft, else `<out>`."""
+    out = Path(out_dir) if out_dir else job.output_dir
+    if not draft:
+        return out
+    return Path(draft_out) if draft_out else out / DRAFT
+
+
+def render_target(job: Job, out_dir: Path | None, *, reroll: Path | None = None, draft: bool = False,
+                  draft_out: Path | None = None, final: Path | None = None) -> tuple[Job, Path]:
+    """What `bcg render` renders and into which folder: the job (with a picks file's rerolls), the job as a
+    draft into `<out>/draft/` (or `draft_out`), or the draft's picks at full quality into `<out>`."""
+    out = Path(out_dir) if out_dir else job.output_dir
+    draft_dir = render_folder(job, out_dir, True, draft_out)
+    if draft and final is not None:
+        raise BadInput("--draft and --final: choose one (draft the candidates, then render the picks --final)")
+    if final is not None and reroll is not None:
+        raise BadInput("--final renders the picks, --reroll new candidates: choose one")
+    if draft_out is not None and not draft and final is None:
+        raise BadInput("--draft-out names the draft folder: give it with --draft or --final")
+    if final is not None:
+        return finals(job, draft_dir, final), out
+    if draft:
+        return as_draft(rerolled(job, draft_dir, reroll) if reroll else job), draft_dir
+    return (rerolled(job, out, reroll) if reroll else job), out

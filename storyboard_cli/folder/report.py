@@ -102,9 +102,10 @@ def build_report(*, job: str, out_dir: Path, device: str, dtype: str, engine: st
                  timings: Timings, wall_s: float, rendered: int, skipped: int, failed: list[dict],
                  peak_mem_mb: float | None, graphs: list[dict], status: str, notes: list[str],
                  run: dict | None = None, stopped_by: int | None = None, error: str | None = None,
-                 lora_swaps: list[Swap] | None = None) -> dict:
+                 lora_swaps: list[Swap] | None = None, shots: list[dict] | None = None) -> dict:
     """`run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted render; `error`:
-    what ended a failed one."""
+    what ended a failed one; `shots`: what each shot used (plan.shot_levers)."""
+    shots = shots or []
     total_steps = sum(b.steps for b in timings.buckets.values())
     extra = {"run": run or {}, "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
              "error": error, "lora": lora_section(lora_swaps)}
@@ -118,6 +119,7 @@ def build_report(*, job: str, out_dir: Path, device: str, dtype: str, engine: st
         "stages_s": timings.stages_s(),
         "buckets": timings.bucket_rows(),
         "graphs": graphs, "failures": failed, "notes": notes,
+        "draft": any(s["draft"] for s in shots), "shots": shots,
     }
 
 
@@ -143,6 +145,12 @@ def markdown(report: dict) -> str:
                 "|---|---|---:|---:|---:|---:|---|"]
         out += [f"| {g['shape']} | {g['state']} | {g['capture_s']:.2f} | {g['pool_mb']:.0f} | {g['replays']} | "
                 f"{g['replay_ms']:.2f} | {g.get('reason') or ''} |" for g in r["graphs"]]
+    levered = [s for s in r.get("shots", ()) if s["draft"] or s["guided_steps"] < s["steps"] or s["deepcache"]]
+    if levered:
+        out += ["", "## Draft levers" + (" (a draft render)" if r.get("draft") else ""), "",
+                "| shot | draft | guided steps | cfg_cutoff | DeepCache |", "|---|---|---:|---:|---|"]
+        out += [f"| {s['shot']} | {'draft' if s['draft'] else ''} | {s['guided_steps']}/{s['steps']} | "
+                f"{s['cfg_cutoff']:g} | {_deepcache(s)} |" for s in levered]
     if r.get("workers"):  # a multi-GPU render (dist.merge_reports)
         out += ["", "## Workers", "", "| rank | host | device | images | failed | load s | capture s | busy s | idle s "
                 "| images/s |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -160,6 +168,12 @@ def markdown(report: dict) -> str:
     if r["notes"]:
         out += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     return "\n".join(out) + "\n"
+
+
+def _deepcache(shot: dict) -> str:
+    if shot["deepcache"]:
+        return f"interval {shot['deepcache']['interval']}, branch {shot['deepcache']['branch']}"
+    return "off (ControlNet)" if shot["deepcache_dropped"] else "off"
 
 
 def _why(r: dict) -> str:

@@ -28,7 +28,7 @@ from storyboard_cli.folder.lock import held
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import Job, job_of_folder
 from storyboard_cli.job.lora_files import lora_set_label
-from storyboard_cli.job.plan import work_items
+from storyboard_cli.job.plan import levers, work_items
 
 THUMB_PX = 256  # longest side of a thumbnail
 EDITED = "edited outside bcg: kept as it is (render --force renders it again)"
@@ -129,6 +129,9 @@ dt { color: #888; } dd { margin: 0; overflow-wrap: anywhere; }
 .choice { display: flex; gap: 1rem; font-size: 12px; margin-top: .4rem; }
 .shot:has(.reroll:checked) .cands { opacity: .45; }
 textarea { width: 100%; max-width: 48rem; height: 8rem; font-family: ui-monospace, monospace; }
+.draft-mark { background: var(--warn); color: #fff; font-weight: bold; font-size: 11px; letter-spacing: .05em;
+  padding: 0 .35rem; border-radius: 3px; text-transform: uppercase; }
+.cand.draft img { outline: 2px dashed var(--warn); outline-offset: -2px; }
 """
 
 # The picking script. It reads the recorded picks from the JSON island, keeps no state of its own
@@ -157,7 +160,9 @@ SCRIPT = """
       else picks.push([sec.dataset.shot, c.value]);
     });
     var lines = ["# bcg picks for " + JSON.stringify(state.out),
-                 "# apply: bcg pick OUT_DIR picks.yaml    reroll: bcg render JOB --reroll picks.yaml"];
+                 state.draft ? "# drafts: bcg render JOB --final picks.yaml renders the picks at full quality; " +
+                               "reroll: bcg render JOB --draft --reroll picks.yaml"
+                             : "# apply: bcg pick OUT_DIR picks.yaml    reroll: bcg render JOB --reroll picks.yaml"];
     lines.push(picks.length ? "picks:" : "picks: {}");
     picks.forEach(function (p) { lines.push("  " + JSON.stringify(p[0]) + ": " + JSON.stringify(p[1])); });
     lines.push(rerolls.length ? "reroll:" : "reroll: []");
@@ -201,6 +206,8 @@ def _settings_of_shot(shot) -> dict:
     if shot.control:
         s["control"] = f"{shot.control.image.name} (scale {shot.control.scale:g})"
         s["control_image"] = str(shot.control.image)
+    cutoff, deepcache = levers(shot)
+    s["levers"] = _levers_text(cutoff, deepcache[0] and {"interval": deepcache[0], "branch": deepcache[1]})
     return s
 
 
@@ -211,7 +218,18 @@ def _settings_of_meta(meta: dict) -> dict:
     if meta.get("control_image"):
         s["control"] = f"{Path(str(meta['control_image'])).name} (scale {meta.get('control_scale', '?')})"
         s["control_image"] = str(meta["control_image"])
+    s["levers"] = _levers_text(meta.get("cfg_cutoff", 1.0), meta.get("deepcache"))
     return s
+
+
+def _levers_text(cfg_cutoff: object, deepcache: object) -> str:
+    """The draft levers an image used, for the sheet ("" for a full render)."""
+    parts = []
+    if isinstance(cfg_cutoff, (int, float)) and cfg_cutoff < 1:
+        parts.append(f"cfg_cutoff {cfg_cutoff:g}")
+    if isinstance(deepcache, dict):
+        parts.append(f"DeepCache interval {deepcache.get('interval', '?')}, branch {deepcache.get('branch', '?')}")
+    return "; ".join(parts)
 
 
 def _loras_text(loras: object) -> str:
@@ -384,6 +402,10 @@ class SheetWriter:
                  f"<header><h1>{esc(title)}</h1><span>{esc(summary)}</span>"]
         if running:
             parts.append('<span class="running">render in progress: reload to see new images</span>')
+        drafts = any(c.meta.get("draft") for r in rows for c in r.candidates if c.meta)
+        if drafts:
+            parts.append('<span class="draft-mark">draft</span><span>draft renders (faster, lower quality): pick '
+                         'here, then <code>bcg render JOB --final picks.yaml</code></span>')
         parts.append('<button id="save-picks" type="button">save picks</button>'
                      '<span id="picks-count"></span></header>')
         if report:
@@ -393,7 +415,7 @@ class SheetWriter:
         parts.append('<section class="picks-out"><h2>picks.yaml</h2><p>"save picks" downloads this file; '
                      "or copy it from here.</p>"
                      '<textarea id="picks-yaml" readonly spellcheck="false"></textarea></section>')
-        state = {"out": str(self.out_dir), "picks": picks["picks"], "reroll": picks["reroll"]}
+        state = {"out": str(self.out_dir), "picks": picks["picks"], "reroll": picks["reroll"], "draft": drafts}
         parts.append(f'<script type="application/json" id="bcg-state">{_json_island(state)}</script>')
         parts.append(f"<script>{SCRIPT}</script></body></html>\n")
         return "\n".join(parts)
@@ -412,7 +434,7 @@ class SheetWriter:
         if s.get("negative"):
             h.append(f'<p class="negative">negative: {esc(s["negative"])}</p>')
         h.append("<dl>")
-        for name in ("size", "steps", "sampler", "guidance", "seed", "candidates", "control"):
+        for name in ("size", "steps", "sampler", "guidance", "seed", "candidates", "control", "levers"):
             if s.get(name) not in (None, ""):
                 h.append(f"<dt>{name}</dt><dd>{esc(s[name])}</dd>")
         if s.get("loras"):
@@ -433,10 +455,13 @@ class SheetWriter:
             label = f"c{c.k} · seed {c.seed}"
             if c.meta is not None:
                 w, ht = c.thumb_size
-                h.append(f'<figure class="cand {c.state}"><a href="{href(c.path)}" target="_blank">'
-                         f'<img src="{href(c.thumb)}" width="{w}" height="{ht}" loading="lazy" '
-                         f'alt="{esc(row.id)} candidate {c.k}"></a><figcaption><span>{esc(label)}</span>'
-                         f'<label><input type="radio" class="pick" name="{group}" value="{esc(c.path)}"> pick'
+                draft = c.meta.get("draft") is True
+                mark = '<span class="draft-mark" title="a draft render: bcg render --final for full quality">' \
+                       'draft</span>' if draft else ""
+                h.append(f'<figure class="cand {c.state}{" draft" if draft else ""}"><a href="{href(c.path)}" '
+                         f'target="_blank"><img src="{href(c.thumb)}" width="{w}" height="{ht}" loading="lazy" '
+                         f'alt="{esc(row.id)} candidate {c.k}{" (draft)" if draft else ""}"></a><figcaption>'
+                         f'<span>{esc(label)}</span>{mark}<label><input type="radio" class="pick" name="{group}" value="{esc(c.path)}"> pick'
                          "</label></figcaption>")
                 if c.state in ("stale", "edited"):
                     h.append(f'<div class="stale">{esc(c.reason)}</div>')

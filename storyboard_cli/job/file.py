@@ -11,7 +11,7 @@ import re
 import unicodedata
 import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,17 @@ MAX_SEED = 2**63 - 1 - MAX_CANDIDATES
 
 TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots")
 SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control",
-             "lora")
+             "lora", "cfg_cutoff", "deepcache")
 CONTROL_KEYS = ("image", "scale")
+DEEPCACHE_KEYS = ("interval", "branch")
+NO_DEEPCACHE = (0, 0)  # (interval, branch): DeepCache off
+MAX_INTERVAL = 10
+MAX_BRANCH = 2  # SDXL's UNet has 3 up blocks: branches 0 (the shallowest skip) to 2
+# `bcg render --draft`: the levers every shot gets (docs/PERFORMANCE.md, "Draft renders"): guidance on the
+# first half of the steps (the guidance-interval paper's finding: little is lost at low noise), DeepCache's
+# full UNet every 3rd step on the shallowest branch (its paper's SDXL setting)
+DRAFT_CUTOFF = 0.5
+DRAFT_DEEPCACHE = (3, 0)
 SHOT_DEFAULTS: dict[str, Any] = {
     "negative": "",
     "candidates": 1,
@@ -91,6 +100,9 @@ class Shot:
     line: int
     first_candidate: int = 0  # > 0 only for candidates added later (bcg render --reroll)
     loras: tuple[tuple[str, float], ...] = ()  # (name in Job.loras, scale), sorted by name, no zero scales
+    cfg_cutoff: float = 1.0  # the fraction of the steps that use guidance (1.0: every step)
+    deepcache: tuple[int, int] = NO_DEEPCACHE  # (interval, branch); interval 0: off
+    draft: bool = False  # rendered by `bcg render --draft`: marked so in every output
 
 
 @dataclass(frozen=True)
@@ -327,8 +339,34 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     control, line = get("control")
     if control is not None:
         control = _resolve_control(ctx, control, line, shot_id, job_dir, has_controlnet)
+    cfg_cutoff, line = get("cfg_cutoff")
+    cfg_cutoff = 1.0 if cfg_cutoff is None else _as_float(ctx, cfg_cutoff, line, shot_id, "cfg_cutoff", 0.0, 1.0)
+    deepcache = _deepcache(ctx, *get("deepcache"), shot_id)
     return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler, control, raw.line,
-                loras=lora_scales)
+                loras=lora_scales, cfg_cutoff=cfg_cutoff, deepcache=deepcache)
+
+
+def _deepcache(ctx: _Ctx, raw: Any, line: int | None, shot_id: str) -> tuple[int, int]:
+    """`deepcache: {interval: N, branch: K}` (branch 0 when left out); `off`, `false` or nothing: off."""
+    if raw is None or raw is False:
+        return NO_DEEPCACHE
+    if not isinstance(raw, _Located):
+        raise ctx.fail(line, shot_id, "deepcache", f"must be a mapping like {{interval: 3, branch: 0}}, or off; "
+                       f"got {_type_name(raw)} ({raw!r})")
+    _check_keys(ctx, raw, DEEPCACHE_KEYS, shot_id, prefix="deepcache.")
+    if "interval" not in raw:
+        raise ctx.fail(raw.line, shot_id, "deepcache.interval", "missing (the full UNet runs every N-th step)")
+    interval = _as_int(ctx, raw["interval"], _line_of(raw, "interval"), shot_id, "deepcache.interval", 2,
+                       MAX_INTERVAL)
+    branch = _as_int(ctx, raw.get("branch", 0), _line_of(raw, "branch", raw.line), shot_id, "deepcache.branch", 0,
+                     MAX_BRANCH)
+    return interval, branch
+
+
+def as_draft(job: Job) -> Job:
+    """The job as `bcg render --draft` renders it: every shot with the draft levers, marked as a draft."""
+    return replace(job, shots=tuple(replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True)
+                                    for s in job.shots))
 
 
 def _known_lora(ctx: _Ctx, name: Any, line: int | None, shot_id: str, field: str, loras: dict[str, LoraFile]) -> str:
@@ -537,9 +575,10 @@ def job_of_folder(out_dir: Path) -> Job | None:
     if not report or not isinstance(report.get("job"), str):
         return None
     try:
-        return load_job(report["job"])
+        job = load_job(report["job"])
     except StoryboardError:
         return None
+    return as_draft(job) if report.get("draft") is True else job  # a draft folder: the job as --draft ran it
 
 
 def _name_from_file(ctx: _Ctx, path: Path, line: int) -> str:

@@ -9,10 +9,17 @@ from pathlib import Path
 
 from storyboard_cli.folder.layout import output_name
 from storyboard_cli.job.digests import SHORT, file_sha256, weights_digest
-from storyboard_cli.job.file import Job, LoraFile
+from storyboard_cli.job.file import NO_DEEPCACHE, Job, LoraFile, Shot
 from storyboard_cli.job.lora_files import lora_set_label
 
 LoraScales = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name: one LoRA set
+
+
+def guided_steps(steps: int, cfg_cutoff: float) -> int:
+    """The steps that use guidance for a cut-off fraction, as diffusers' SDXLCFGCutoffCallback counts them: the
+    unconditional rows go at the end of step int(steps * ratio), so that step and the ones before are guided
+    (1.0: every step)."""
+    return min(steps, int(steps * cfg_cutoff) + 1)
 
 
 @dataclass(frozen=True, order=True)
@@ -26,11 +33,38 @@ class BucketKey:
     sampler: str
     control: bool
     loras: LoraScales = ()
+    guided: bool = True  # False: every image's guidance <= 1, the conditional rows alone at every step
+    cfg_cutoff: float = 1.0
+    deepcache: tuple[int, int] = NO_DEEPCACHE  # (interval, branch); never with control
+
+    @property
+    def guided_steps(self) -> int:
+        return guided_steps(self.steps, self.cfg_cutoff) if self.guided else 0
+
+    @property
+    def levers(self) -> str:
+        """What the batches do differently from a full render ("" when nothing): the label's tail."""
+        parts = []
+        if not self.guided:
+            parts.append("no CFG")
+        elif self.guided_steps < self.steps:
+            parts.append(f"cfg_cutoff {self.cfg_cutoff:g} ({self.guided_steps}/{self.steps} guided)")
+        if self.deepcache[0]:
+            parts.append(f"deepcache {self.deepcache[0]}/b{self.deepcache[1]}")
+        return ", ".join(parts)
 
     @property
     def label(self) -> str:
         lora = f" lora {lora_set_label(self.loras)}" if self.loras else ""
-        return f"{self.width}x{self.height} {self.steps} steps {self.sampler}{' +control' if self.control else ''}{lora}"
+        levers = f" [{self.levers}]" if self.levers else ""
+        return (f"{self.width}x{self.height} {self.steps} steps {self.sampler}{' +control' if self.control else ''}"
+                f"{lora}{levers}")
+
+    @property
+    def flops_saved(self) -> float:
+        """The fraction of the UNet's FLOPs a batch of this key saves against the same batch with every step
+        guided and whole (step_costs): the estimate `bcg plan` shows per bucket."""
+        return 1 - step_costs(self.steps, self.guided_steps, *self.deepcache) / self.steps
 
 
 @dataclass(frozen=True)
@@ -52,6 +86,9 @@ class WorkItem:
     outputs: tuple[str, ...]  # paths relative to the output folder; the first is the item's own
     control_file: str = ""  # the control image as seen from the job file's folder
     loras: tuple[tuple[LoraFile, float], ...] = ()  # sorted by name, no zero scales
+    cfg_cutoff: float = 1.0  # 1.0 where it does not apply (guidance <= 1: no guided step to cut)
+    deepcache: tuple[int, int] = NO_DEEPCACHE  # off where it does not apply (a ControlNet shot)
+    draft: bool = False
 
     @property
     def lora_scales(self) -> LoraScales:
@@ -60,13 +97,13 @@ class WorkItem:
     @property
     def key(self) -> BucketKey:
         return BucketKey(self.width, self.height, self.steps, self.sampler, self.control_image is not None,
-                         self.lora_scales)
+                         self.lora_scales, self.guidance > 1, self.cfg_cutoff, self.deepcache)
 
     @property
     def identity(self) -> tuple:
         return (self.prompt, self.negative, self.width, self.height, self.seed, self.steps, self.guidance,
                 self.sampler, str(self.control_image), self.control_scale,
-                tuple((f.sha256, scale) for f, scale in self.loras))
+                tuple((f.sha256, scale) for f, scale in self.loras), self.cfg_cutoff, self.deepcache, self.draft)
 
     def settings(self, model: str, controlnet: str | None) -> dict:
         """What decides the pixels: written into each PNG and the manifest, and used to tell a stale file
@@ -84,6 +121,12 @@ class WorkItem:
         if self.loras:
             s["loras"] = [{"name": f.name, "scale": scale, "file": f.file, "sha256": f.sha256,
                            "shorthash": f.shorthash} for f, scale in self.loras]
+        if self.cfg_cutoff < 1:
+            s["cfg_cutoff"] = self.cfg_cutoff
+        if self.deepcache[0]:
+            s["deepcache"] = {"interval": self.deepcache[0], "branch": self.deepcache[1]}
+        if self.draft:
+            s["draft"] = True
         return s
 
     def fingerprint(self, model: str, controlnet: str | None) -> str:
@@ -131,13 +174,65 @@ def work_items(job: Job) -> list[WorkItem]:
             item = WorkItem(shot.id, k, seed, shot.prompt, shot.negative, shot.width, shot.height, shot.steps,
                             shot.guidance, shot.sampler, control.image if control else None,
                             control.scale if control else 0.0, (output_name(shot.id, k, seed),),
-                            control.file if control else "", loras)
+                            control.file if control else "", loras, *levers(shot), shot.draft)
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
             else:
                 items[item.identity] = replace(twin, outputs=twin.outputs + item.outputs)
     return list(items.values())
+
+
+def levers(shot: Shot) -> tuple[float, tuple[int, int]]:
+    """(cfg_cutoff, deepcache) as they apply to the shot's images: no cut-off where there is no guidance to cut
+    (guidance <= 1, or a cut-off that keeps every step), no DeepCache with a ControlNet (its residuals feed the
+    blocks a shallow step skips)."""
+    cut_off = shot.guidance > 1 and guided_steps(shot.steps, shot.cfg_cutoff) < shot.steps
+    return (shot.cfg_cutoff if cut_off else 1.0), (NO_DEEPCACHE if shot.control else shot.deepcache)
+
+
+def deepcache_dropped(job: Job) -> list[str]:
+    """The shots that ask for DeepCache but have a ControlNet: they get the cut-off only."""
+    return [s.id for s in job.shots if s.control and s.deepcache[0]]
+
+
+def deepcache_note(job: Job) -> str | None:
+    """What `bcg plan` and the report say, once, about ControlNet shots that asked for DeepCache."""
+    shots = deepcache_dropped(job)
+    if not shots:
+        return None
+    listed = ", ".join(shots[:5]) + (f" and {len(shots) - 5} more" if len(shots) > 5 else "")
+    return (f"DeepCache is off for the ControlNet shots ({listed}): ControlNet's residuals feed the blocks its "
+            f"shallow steps skip; they get the guidance cut-off only")
+
+
+def shot_levers(job: Job) -> list[dict]:
+    """What each shot's images use, for the report: the guided steps of all steps, the cut-off and DeepCache as
+    they apply (see `levers`), and whether the shot is a draft."""
+    rows = []
+    for s in job.shots:
+        cutoff, (interval, branch) = levers(s)
+        rows.append({"shot": s.id, "draft": s.draft, "steps": s.steps,
+                     "guided_steps": guided_steps(s.steps, cutoff) if s.guidance > 1 else 0,
+                     "cfg_cutoff": cutoff, "deepcache": {"interval": interval, "branch": branch} if interval else None,
+                     "deepcache_dropped": bool(s.control and s.deepcache[0])})
+    return rows
+
+
+# a DeepCache shallow step's FLOPs against the full UNet's, per branch: SDXL-base at 1024x1024, counted with
+# torch.utils.flop_counter on the meta device (tests/test_draft_plan.py counts them again). Time is not FLOPs:
+# the shallow path is the UNet's most memory-bound part (bench part `draft` measures the time)
+SHALLOW_FLOPS = (0.067, 0.307, 0.882)
+
+
+def step_costs(steps: int, guided: int, interval: int = 0, branch: int = 0) -> float:
+    """A loop's UNet FLOPs in full guided steps: a conditional step is half (half the rows), a shallow step
+    SHALLOW_FLOPS[branch] of a full one. The estimate `bcg plan` shows."""
+    total = 0.0
+    for i in range(steps):
+        rows = 1.0 if i < guided else 0.5
+        total += rows * (SHALLOW_FLOPS[branch] if interval >= 2 and i % interval else 1.0)
+    return total
 
 
 def cut(n: int, buckets: tuple[int, ...]) -> list[int]:
@@ -182,7 +277,7 @@ class BucketRow:
     images: int  # files written
     unique: int  # images actually denoised
     batches: tuple[int, ...]
-    rows: int  # UNet rows: bucket sizes x 2 for classifier-free guidance
+    rows: int  # UNet rows: bucket sizes x 2 for classifier-free guidance (x 1 where no image is guided)
     padded_rows: int
 
     @property
@@ -197,10 +292,11 @@ class BucketRow:
 def bucket_table(batches: list[Batch]) -> list[BucketRow]:
     rows: dict[BucketKey, BucketRow] = {}
     for b in batches:
+        cfg = 2 if b.key.guided else 1
         prev = rows.get(b.key) or BucketRow(b.key, 0, 0, (), 0, 0)
         rows[b.key] = BucketRow(b.key, prev.images + sum(len(i.outputs) for i in b.items),
                                 prev.unique + len(b.items), prev.batches + (b.size,),
-                                prev.rows + 2 * b.size, prev.padded_rows + 2 * b.padding)
+                                prev.rows + cfg * b.size, prev.padded_rows + cfg * b.padding)
     return list(rows.values())
 
 

@@ -19,7 +19,7 @@ from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.conditioning import (BoundedCache, Control, PromptCache, conditioning, control,
                                                 control_pixels, guided_rows, read_control_image)
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
+from storyboard_cli.engine.sampling import Schedule, StepKind, StepPlan, draw_noise, schedule, step_plan
 from storyboard_cli.errors import ModelError, StoryboardError, first_line
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import LoraFile
@@ -33,6 +33,20 @@ CONTROL_CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x10
 def batch_shapes(batches: list[Batch]) -> list[Shape]:
     """The shape of each batch's denoising loop: what an engine prepares (a graph is captured) for."""
     return [Shape(b.size, b.key.height, b.key.width, b.key.control) for b in batches]
+
+
+def batch_plan(batch: Batch) -> StepPlan:
+    """Each step's kind for the batch's levers (the bucket key: one plan per batch)."""
+    k = batch.key
+    return step_plan(k.steps, k.guided_steps, *k.deepcache)
+
+
+def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
+    """The step kinds each shape's batches run: the graphs an engine captures ahead for draft renders."""
+    kinds: dict[Shape, set[StepKind]] = {}
+    for shape, batch in zip(batch_shapes(batches), batches):
+        kinds.setdefault(shape, set()).update(batch_plan(batch))
+    return kinds
 
 
 def bucket_label(batch: Batch) -> str:
@@ -181,10 +195,10 @@ class BatchRunner:
         engine = self.fallback if fallback else self.engine
         t0 = time.perf_counter()
         with self.timings.stage("denoise"):
-            latents = engine.sample(x, sched, noise, cond, ctl, guidance)
+            latents = engine.sample(x, sched, noise, cond, ctl, guidance, batch_plan(batch))
         bt = self.timings.bucket(bucket_label(batch))
         bt.batches += 1
-        bt.rows += 2 * batch.size
+        bt.rows += (2 if key.guided else 1) * batch.size
         bt.steps += key.steps
         bt.denoise_s += time.perf_counter() - t0
         return Denoised(zip(items, latents[: len(items)]), failed)

@@ -26,11 +26,11 @@ from storyboard_cli.folder.report import Timings, build_report, write_report
 from storyboard_cli.folder.shards import merge_shards
 from storyboard_cli.folder.sink import ContactSheet, OutputSink
 from storyboard_cli.job.file import Job
-from storyboard_cli.job.plan import Batch, make_batches
+from storyboard_cli.job.plan import Batch, deepcache_note, make_batches, shot_levers
 from storyboard_cli.job.preflight import check_destination, check_model_path
 from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.run.batch import BatchRunner, batch_shapes
+from storyboard_cli.run.batch import BatchRunner, batch_kinds, batch_shapes
 from storyboard_cli.run.oom import OutOfMemoryPolicy
 from storyboard_cli.run.signals import StopFlag, Stopped, stop_signals
 
@@ -162,6 +162,7 @@ class RenderSession:
             raise folder_error(self.out_dir, e) from None
         self.notes.extend(self.pending.edited_notes(self.out_dir / REPLACED / self.run_id))
         self.notes.extend(f"prompt cut: {w}" for w in long_prompts(self.job))  # the report lists them too
+        self.notes.extend(filter(None, [deepcache_note(self.job)]))
         self.sheet.update([], running=True)
         total = self.pending.outputs
         self.on_event(Event("start", 0, total, "", f"{total} to render, {self.pending.skipped} already done"))
@@ -181,7 +182,7 @@ class RenderSession:
             runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())
         with self.timings.stage("capture"):
-            self.engine.prepare(self.capture_ahead(shapes))
+            self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches))
         stop.check()
         emit = lambda kind, done, shot, message: self.on_event(Event(kind, done, total, shot, message))  # noqa: E731
         self.sink = OutputSink(self.job, self.out_dir, manifest, self.pending, self.run_id, self.sheet, self.timings,
@@ -249,7 +250,8 @@ class RenderSession:
                             run={"id": self.run_id, "started": self.started,
                                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                             stopped_by=signum, error=error,
-                            lora_swaps=self.policy.runner.lora_swaps() if ran else None)
+                            lora_swaps=self.policy.runner.lora_swaps() if ran else None,
+                            shots=shot_levers(self.job))
 
     def _close_writer(self, cancel: bool, after_error: bool = False) -> None:
         try:

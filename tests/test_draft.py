@@ -1,0 +1,286 @@
+"""Draft renders: the job fields, the plan's buckets and estimate, and `bcg render --draft` / `--final` on the tiny
+preset (CPU): the draft folder and its marks, the finals with the drafts' seeds, the refusals."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from conftest import write_job
+from storyboard_cli.cli import app
+from storyboard_cli.folder.layout import read_chunk
+from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE, as_draft, load_job
+from storyboard_cli.job.plan import (NO_DEEPCACHE, SHALLOW_FLOPS, bucket_table, guided_steps, make_batches, step_costs,
+                                     work_items)
+
+runner = CliRunner()
+JOB = """version: 1
+model: tiny
+controlnet: tiny
+defaults: {steps: 4, size: 64x64}
+shots:
+  - {id: a, prompt: a lighthouse, seed: 1, candidates: 3}
+  - {id: b, prompt: a harbour, seed: 7, guidance: 1}
+  - {id: c, prompt: a cliff, seed: 9, control: {image: control/hero_pose.png}}
+"""
+
+
+def _pixels(path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+# ---------------------------------------------------------------- the job and the plan (no torch)
+
+
+def test_guided_steps_count_as_diffusers_callback():
+    assert [guided_steps(30, r) for r in (0.0, 0.5, 0.7, 1.0)] == [1, 16, 22, 30]
+    assert guided_steps(4, 0.99) == 4
+
+
+def test_fields_defaults_and_levers(job_dir):
+    job = load_job(write_job(job_dir, JOB.replace("defaults: {", "defaults: {cfg_cutoff: 0.5, deepcache: "
+                                                                 "{interval: 3}, ")))
+    a, b, c = job.shots
+    assert (a.cfg_cutoff, a.deepcache, a.draft) == (0.5, (3, 0), False)
+    items = {i.shot: i for i in work_items(job)}
+    assert (items["a"].cfg_cutoff, items["a"].deepcache) == (0.5, (3, 0))
+    assert (items["b"].cfg_cutoff, items["b"].deepcache) == (1.0, (3, 0))  # guidance 1: nothing to cut
+    assert (items["c"].cfg_cutoff, items["c"].deepcache) == (0.5, NO_DEEPCACHE)  # ControlNet: the cut-off only
+    keys = {i.shot: i.key for i in items.values()}
+    assert keys["a"].guided_steps == 3 and keys["b"].guided_steps == 0 and not keys["b"].guided
+    assert "no CFG" in keys["b"].label and "deepcache 3/b0" in keys["a"].label
+    assert items["a"].settings("tiny", None)["deepcache"] == {"interval": 3, "branch": 0}
+    assert "draft" not in items["a"].settings("tiny", None)
+    off = load_job(write_job(job_dir, JOB.replace("defaults: {", "defaults: {deepcache: off, cfg_cutoff: 1.0, "),
+                             "off.yaml"))
+    plain = load_job(write_job(job_dir, JOB, "plain.yaml"))
+    # explicit full quality is today's job: the same images (fingerprints), so nothing renders again
+    assert [i.fingerprint("tiny", "tiny") for i in work_items(off)] == \
+           [i.fingerprint("tiny", "tiny") for i in work_items(plain)]
+
+
+def test_guidance_1_images_get_their_own_buckets_with_half_the_rows(job_dir):
+    job = load_job(write_job(job_dir, "version: 1\nmodel: tiny\ndefaults: {size: 64x64}\nshots:\n"
+                                      "  - {id: a, prompt: x, candidates: 2}\n"
+                                      "  - {id: b, prompt: y, candidates: 2, guidance: 1}\n"))
+    rows = bucket_table(make_batches(work_items(job), job.buckets))
+    assert [(r.key.guided, r.images, r.rows) for r in rows] == [(True, 2, 4), (False, 2, 2)]
+
+
+def test_draft_preset_and_estimate(job_dir):
+    job = as_draft(load_job(write_job(job_dir, JOB)))
+    assert all(s.draft and s.cfg_cutoff == DRAFT_CUTOFF and s.deepcache == DRAFT_DEEPCACHE for s in job.shots)
+    assert all(i.settings("tiny", "tiny")["draft"] is True for i in work_items(job))
+    # 10 steps, 6 guided, full UNet every 3rd step: 4 full (2 guided at 1, 2 at 1/2)... counted step by step
+    want = sum((1 if i < 6 else 0.5) * (1 if i % 3 == 0 else SHALLOW_FLOPS[0]) for i in range(10))
+    assert step_costs(10, 6, 3, 0) == pytest.approx(want)
+    assert step_costs(10, 10) == 10 and step_costs(10, 0) == 5
+
+
+def test_shallow_flops_are_the_sdxl_unets():
+    """SHALLOW_FLOPS recounted: SDXL-base's UNet (the preset's config) on the meta device, at 1024x1024."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from storyboard_cli.engine.deepcache import feature_shape, shallow_unet
+    from storyboard_cli.models.loader import SDXL_CONFIGS
+
+    config = json.loads((SDXL_CONFIGS / "unet" / "config.json").read_text())
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(config)
+        x, t = torch.zeros(2, 4, 128, 128), torch.zeros(2)
+        embeds, pooled, time_ids = torch.zeros(2, 77, 2048), torch.zeros(2, 1280), torch.zeros(2, 6)
+
+        def flops(fn) -> int:
+            with FlopCounterMode(display=False) as counter:
+                fn()
+            return counter.get_total_flops()
+
+        full = flops(lambda: unet(x, t, encoder_hidden_states=embeds,
+                                  added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}))
+        for branch, share in enumerate(SHALLOW_FLOPS):
+            feature = torch.zeros(feature_shape(unet, 2, 128, 128, branch))
+            got = flops(lambda: shallow_unet(unet, x, t, embeds, pooled, time_ids, feature, branch)) / full
+            assert got == pytest.approx(share, abs=5e-4)
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_plan_shows_levers_saving_and_the_controlnet_note(job_dir):
+    path = write_job(job_dir, JOB.replace("defaults: {", "defaults: {cfg_cutoff: 0.5, deepcache: {interval: 3}, "))
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "saving (est.)" in result.output and "cfg_cutoff 0.5 (3/4 guided), deepcache 3/b0" in result.output
+    assert result.output.count("DeepCache is off for the ControlNet shots (c)") == 1
+    data = json.loads(runner.invoke(app, ["plan", str(path), "--json"]).stdout)
+    by = {b["bucket"]: b for b in data["buckets"]}
+    a = next(b for b in by.values() if b["images"] == 3)
+    assert a["guided_steps"] == 3 and a["deepcache"] == {"interval": 3, "branch": 0}
+    assert a["flops_saved_estimate"] == pytest.approx(1 - step_costs(4, 3, 3, 0) / 4, abs=1e-4)
+    assert len(data["notes"]) == 1
+    plain = write_job(job_dir, JOB.replace(", guidance: 1", ""), "plain.yaml")
+    result = runner.invoke(app, ["plan", str(plain)])
+    assert "saving" not in result.output and "DeepCache" not in result.output
+    drafted = json.loads(runner.invoke(app, ["plan", str(plain), "--draft", "--json"]).stdout)
+    assert all(b["flops_saved_estimate"] > 0 for b in drafted["buckets"]) and len(drafted["notes"]) == 1
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory):
+    """One draft render of JOB, and the same job rendered at full quality for comparison."""
+    import shutil
+
+    from conftest import ROOT
+
+    folder = tmp_path_factory.mktemp("draft")
+    shutil.copytree(ROOT / "jobs" / "control", folder / "control")
+    path = write_job(folder, JOB)
+    out = folder / "o"
+    result = runner.invoke(app, ["render", str(path), "--out", str(out), "--draft", "--json"])
+    assert result.exit_code == 0, result.output
+    full = folder / "full"
+    assert runner.invoke(app, ["render", str(path), "--out", str(full)]).exit_code == 0
+    return path, out, full, json.loads(result.stdout)
+
+
+def test_draft_render_writes_marked_drafts_to_the_draft_folder(drafted):
+    path, out, full, summary = drafted
+    draft = out / "draft"
+    assert summary["output_dir"] == str(draft) and summary["images_rendered"] == 5
+    assert not list(out.glob("a/*.png"))  # nothing in the normal folder
+    chunk = read_chunk(draft / "a" / "a_c0_s1.png")
+    assert chunk["draft"] is True and chunk["cfg_cutoff"] == DRAFT_CUTOFF and chunk["deepcache"]["interval"] == 3
+    params = Image.open(draft / "a" / "a_c0_s1.png").text["parameters"]
+    assert "Draft: true" in params and "CFG cutoff: 0.5" in params and "DeepCache: interval 3 branch 0" in params
+    assert "deepcache" not in read_chunk(draft / "c" / "c_c0_s9.png")  # ControlNet: the cut-off only
+    lines = [json.loads(line) for line in (draft / "manifest.jsonl").read_text().splitlines()]
+    assert len(lines) == 5 and all(line["draft"] is True for line in lines)
+    report = json.loads((draft / "report.json").read_text())
+    assert report["draft"] is True and {s["shot"]: s["guided_steps"] for s in report["shots"]} == \
+           {"a": 3, "b": 0, "c": 3}
+    assert sum("DeepCache is off for the ControlNet shots (c)" in n for n in report["notes"]) == 1
+    assert "## Draft levers (a draft render)" in (draft / "report.md").read_text()
+    page = (draft / "index.html").read_text()
+    assert page.count('class="draft-mark"') == 1 + 5 and "--final picks.yaml" in page
+    assert 'class="draft-mark"' not in (full / "index.html").read_text()
+    # a draft differs from the full render of the same seed, but not by everything (same noise)
+    d, f = _pixels(draft / "a" / "a_c0_s1.png"), _pixels(full / "a" / "a_c0_s1.png")
+    assert (d != f).any() and np.abs(d.astype(int) - f.astype(int)).mean() < 64
+
+
+def test_a_rebuilt_draft_sheet_keeps_the_drafts_current(drafted):
+    path, out, _, _ = drafted
+    result = runner.invoke(app, ["sheet", str(out / "draft")])  # the job from report.json, as --draft ran it
+    assert result.exit_code == 0, result.output
+    assert "settings changed" not in (out / "draft" / "index.html").read_text()
+
+
+def test_final_renders_the_picks_at_full_quality_with_their_seeds(drafted, tmp_path):
+    import shutil
+
+    path, out, full, _ = drafted
+    work = tmp_path / "o"
+    shutil.copytree(out, work)
+    picks = write_job(tmp_path, 'picks:\n  a: "a/a_c2_s3.png"\n  c: "c/c_c0_s9.png"\n', "picks.yaml")
+    result = runner.invoke(app, ["render", str(path), "--out", str(work), "--final", str(picks), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["images_rendered"] == 2
+    assert sorted(p.relative_to(work).as_posix() for p in work.glob("[abc]/*.png")) == ["a/a_c2_s3.png",
+                                                                                       "c/c_c0_s9.png"]
+    for rel in ("a/a_c2_s3.png", "c/c_c0_s9.png"):  # exactly the full render's image of that seed
+        assert np.array_equal(_pixels(work / rel), _pixels(full / rel))
+        assert "draft" not in read_chunk(work / rel)
+    again = runner.invoke(app, ["render", str(path), "--out", str(work), "--final", str(picks), "--json"])
+    assert json.loads(again.stdout)["images_rendered"] == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--draft", "--final", "PICKS"], "--draft and --final: choose one"),
+    (["--final", "PICKS", "--reroll", "PICKS"], "--final renders the picks, --reroll new candidates"),
+    (["--draft-out", "elsewhere"], "--draft-out names the draft folder"),
+    (["--final", "EMPTY"], "--final: the file picks no candidate"),
+    (["--final", "WRONG"], "is not a candidate image bcg rendered for this shot"),
+])
+def test_bad_draft_options_exit_2_in_one_line(drafted, tmp_path, args, message):
+    path, out, _, _ = drafted
+    files = {"PICKS": write_job(tmp_path, 'picks:\n  a: "a/a_c2_s3.png"\n', "p.yaml"),
+             "EMPTY": write_job(tmp_path, "picks: {}\nreroll: []\n", "e.yaml"),
+             "WRONG": write_job(tmp_path, 'picks:\n  b: "a/a_c2_s3.png"\n', "w.yaml")}
+    argv = ["render", str(path), "--out", str(out)] + [str(files.get(a, tmp_path / a if a == "elsewhere" else a))
+                                                       for a in args]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.output
+
+
+# ---------------------------------------------------------------- a draft render through the graph runner
+
+
+def _graph_render(job, out, models, capturer=None):
+    """A render on the graph runner with CPU replays (tests/test_draft_engine.py) instead of CUDA graphs."""
+    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.run.render import RenderOptions, render
+    from test_draft_engine import cpu_replays
+
+    runner = GraphRunner(models, max_batch=1, max_hw=(64, 64))
+    cpu_replays(runner)
+    if capturer is not None:
+        runner.capturer = capturer(runner.capturer)
+    return render(job, RenderOptions(out_dir=out), models=models, engine=runner), runner
+
+
+def _same_images(a, b):
+    for png in sorted(a.glob("*/*.png")):
+        assert np.abs(_pixels(png).astype(int) - _pixels(b / png.relative_to(a)).astype(int)).max() <= 1, png
+
+
+def test_draft_render_on_the_graph_runner_with_a_lora_equals_eager(job_dir, tmp_path, tiny_cpu):
+    """Every step kind through the graph runner's buffers, with a LoRA swapped in place between batches."""
+    from conftest import ROOT
+    from storyboard_cli.run.render import RenderOptions, render
+
+    mei = ROOT / "jobs" / "loras" / "mei.safetensors"
+    text = JOB.replace("controlnet: tiny\n", f"controlnet: tiny\nloras:\n  mei: {mei}\n").replace(
+        "prompt: a harbour", "prompt: a harbour <lora:mei:0.8>")
+    job = as_draft(load_job(write_job(job_dir, text)))
+    result, runner = _graph_render(job, tmp_path / "graph", tiny_cpu)
+    assert result.status == "done" and result.rendered == 5 and result.engine == "graph"
+    labels = {g["shape"] for g in result.report["graphs"]}
+    assert {"1x64x64 float32 deepcache full b0", "1x64x64 float32 cond deepcache shallow b0",
+            "1x64x64 +control float32", "1x64x64 +control float32 cond"} <= labels
+    assert all(g["state"] == "graph" for g in result.report["graphs"])
+    eager = render(job, RenderOptions(out_dir=tmp_path / "eager"), models=tiny_cpu)
+    assert eager.engine == "eager" and eager.rendered == 5
+    _same_images(tmp_path / "graph", tmp_path / "eager")
+
+
+def test_out_of_memory_capturing_a_draft_kind_splits_then_runs_the_same_draft_eager(job_dir, tmp_path, tiny_cpu):
+    import torch
+
+    from storyboard_cli.run.render import RenderOptions, render
+
+    job = as_draft(load_job(write_job(job_dir, JOB.replace("candidates: 3", "candidates: 2"))))
+
+    def short_of_memory(capture):
+        def capturer(key):
+            if key.step.cache == "read":
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            return capture(key)
+        return capturer
+
+    result, _ = _graph_render(replace_buckets(job, (1, 2)), tmp_path / "graph", tiny_cpu, short_of_memory)
+    assert result.status == "done" and result.rendered == 4
+    assert any("retried eager" in n for n in result.notes)
+    eager = render(job, RenderOptions(out_dir=tmp_path / "eager"), models=tiny_cpu)
+    _same_images(tmp_path / "graph", tmp_path / "eager")
+
+
+def replace_buckets(job, buckets):
+    from dataclasses import replace
+
+    return replace(job, buckets=buckets)

@@ -1,0 +1,269 @@
+"""Draft mode's two levers in the engine, on the tiny preset (CPU, fp32): the guidance cut-off against diffusers'
+SDXLCFGCutoffCallback, DeepCache against a plain-PyTorch reference of the published algorithm, the conditional
+rows alone at guidance <= 1, and the graph runner's step kinds against the eager engine."""
+
+import pytest
+import torch
+
+from storyboard_cli.engine.conditioning import PromptCache, conditioning, guided_rows
+from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.graphs import GraphRunner, ShapeKey
+from storyboard_cli.engine.sampling import FULL, StepKind, draw_noise, schedule, step_plan
+from storyboard_cli.run.capture import synthetic_inputs
+from test_parity import RTOL, _pipeline
+
+W, H, STEPS, GUIDANCE = 128, 96, 10, 6.5
+PROMPT, NEGATIVE = "a lighthouse in a storm, ink drawing", "blurry"
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()
+
+
+def _inputs(models, seeds, guidance, sampler="euler", steps=STEPS):
+    sched = schedule(sampler, steps, models.scheduler_config)
+    x, noise = draw_noise(seeds, steps, (4, H // 8, W // 8), sched)
+    negatives, guidance = guided_rows([PROMPT] * len(seeds), [NEGATIVE] * len(seeds), guidance)
+    cond = conditioning(PromptCache(models), [PROMPT] * len(seeds), negatives, W, H)
+    return sched, x, noise, cond, torch.tensor(guidance)
+
+
+def test_step_plan():
+    plan = step_plan(7, 4, interval=3, branch=1)
+    assert [k.guided for k in plan] == [True] * 4 + [False] * 3
+    assert [k.cache for k in plan] == ["write", "read", "read", "write", "read", "read", "write"]
+    assert {k.branch for k in plan} == {1}
+    assert step_plan(3, 3) == (FULL,) * 3
+    assert StepKind(False, "read", 0).label == "cond deepcache shallow b0" and FULL.label == ""
+
+
+def test_a_plan_of_full_steps_is_todays_loop_bit_for_bit(tiny_cpu):
+    sched, x, noise, cond, guidance = _inputs(tiny_cpu, [7], [GUIDANCE])
+    today = EagerEngine(tiny_cpu).sample(x, sched, noise, cond, None, guidance)
+    assert torch.equal(EagerEngine(tiny_cpu).sample(x, sched, noise, cond, None, guidance, step_plan(STEPS, STEPS)),
+                       today)
+
+
+@pytest.mark.parametrize("cutoff", [0.0, 0.5, 0.7])
+@pytest.mark.parametrize("sampler", ["euler", "euler_a", "dpmpp_2m"])
+def test_cutoff_equals_diffusers_cfg_cutoff_callback(tiny_cpu, cutoff, sampler):
+    """diffusers drops the unconditional rows after step int(steps * ratio): so the first int(steps * ratio) + 1
+    steps are guided (the callback runs at the end of a step), as job.plan.guided_steps counts."""
+    from diffusers.callbacks import SDXLCFGCutoffCallback
+
+    from storyboard_cli.job.plan import guided_steps
+
+    models, seed = tiny_cpu, 4321
+    want = _pipeline(models, sampler, False)(
+        prompt=PROMPT, negative_prompt=NEGATIVE, height=H, width=W, num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent",
+        callback_on_step_end=SDXLCFGCutoffCallback(cutoff_step_ratio=cutoff)).images
+    sched, x, noise, cond, guidance = _inputs(models, [seed], [GUIDANCE], sampler)
+    plan = step_plan(STEPS, guided_steps(STEPS, cutoff))
+    got = EagerEngine(models).sample(x, sched, noise, cond, None, guidance, plan)
+    assert _rel(got, want) < RTOL
+    full = EagerEngine(models).sample(x, sched, noise, cond, None, guidance)
+    assert _rel(full, want) > 10 * RTOL  # the cut-off changed the result: the comparison can tell
+
+
+def test_guidance_1_on_the_conditional_rows_alone_is_todays_result(tiny_cpu):
+    """guidance <= 1 skips the unconditional half: CFG at 1 is the conditional prediction, so the result stays
+    today's within fp32 rounding (a batch of B rows instead of 2B)."""
+    sched, x, noise, cond, guidance = _inputs(tiny_cpu, [3, 4], [1.0, 0.5], "euler_a")
+    today = EagerEngine(tiny_cpu).sample(x, sched, noise, cond, None, guidance)
+    got = EagerEngine(tiny_cpu).sample(x, sched, noise, cond, None, guidance, step_plan(STEPS, 0))
+    assert _rel(got, today) < 1e-5
+    calls = []
+    handle = tiny_cpu.unet.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["encoder_hidden_states"].shape[0]),
+                                                     with_kwargs=True)
+    try:
+        EagerEngine(tiny_cpu).sample(x, schedule("euler", 2, tiny_cpu.scheduler_config), None, cond, None, guidance,
+                                     step_plan(2, 0))
+    finally:
+        handle.remove()
+    assert calls == [2, 2]  # two images: two UNet rows per step, no unconditional half
+
+
+# ---------------------------------------------------------------- DeepCache, the published algorithm
+
+
+def _reference_unet(unet, latents, t, embeds, added, branch, cached=None):
+    """UNet2DConditionModel's forward written out for SDXL, with DeepCache (Ma et al. 2024, Alg. 1): without
+    `cached`, the whole network, returning (eps, the hidden state entering up block U = n-1-branch); with it,
+    only down blocks 0..branch, then up blocks U.. on the cached feature with the fresh skips."""
+    n = len(unet.up_blocks)
+    emb = unet.time_embedding(unet.time_proj(t).to(latents.dtype))
+    time_embeds = unet.add_time_proj(added["time_ids"].flatten()).reshape(t.shape[0], -1)
+    emb = emb + unet.add_embedding(torch.cat([added["text_embeds"], time_embeds], dim=-1).to(emb.dtype))
+    h = unet.conv_in(latents)
+    skips = [h]
+    for i, block in enumerate(unet.down_blocks):
+        if cached is not None and i > branch:
+            break
+        kw = {"encoder_hidden_states": embeds} if getattr(block, "has_cross_attention", False) else {}
+        h, res = block(hidden_states=h, temb=emb, **kw)
+        skips.extend(res)
+    if cached is None:
+        h = unet.mid_block(h, emb, encoder_hidden_states=embeds)
+    else:
+        used = sum(len(b.resnets) for b in unet.up_blocks[n - 1 - branch:])
+        skips, h = skips[:used], cached
+    feature = None
+    for j, block in enumerate(unet.up_blocks):
+        if cached is not None and j < n - 1 - branch:
+            continue
+        if j == n - 1 - branch:
+            feature = h
+        res = tuple(skips[-len(block.resnets):])
+        del skips[-len(block.resnets):]
+        kw = {"encoder_hidden_states": embeds} if getattr(block, "has_cross_attention", False) else {}
+        h = block(hidden_states=h, temb=emb, res_hidden_states_tuple=res, **kw)
+    h = unet.conv_out(unet.conv_act(unet.conv_norm_out(h)))
+    return h, feature
+
+
+@torch.no_grad()
+def _reference_deepcache(models, seed, interval, branch, guidance):
+    """The sampling loop as diffusers' SDXL pipeline runs it (EulerDiscreteScheduler.step, CFG), DeepCache's
+    uniform schedule: every `interval`-th step full (refreshing the cache), the others shallow."""
+    import diffusers
+
+    sched = diffusers.EulerDiscreteScheduler.from_config(models.scheduler_config)
+    sched.set_timesteps(STEPS)
+    latents = torch.randn((1, 4, H // 8, W // 8), generator=torch.Generator("cpu").manual_seed(seed))
+    latents = latents * sched.init_noise_sigma
+    cond = conditioning(PromptCache(models), [PROMPT], [NEGATIVE], W, H)
+    added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids}
+    cache = None
+    for i, t in enumerate(sched.timesteps):
+        model_in = sched.scale_model_input(torch.cat([latents] * 2), t)
+        eps, feature = _reference_unet(models.unet, model_in, t.expand(2), cond.embeds, added, branch,
+                                       None if i % interval == 0 else cache)
+        if i % interval == 0:
+            cache = feature
+        neg, pos = eps.chunk(2)
+        latents = sched.step(neg + guidance * (pos - neg), t, latents).prev_sample
+    return latents
+
+
+@pytest.mark.parametrize("interval,branch", [(3, 0), (2, 1)])
+def test_deepcache_equals_the_published_algorithm(tiny_cpu, interval, branch):
+    models, seed = tiny_cpu, 99
+    want = _reference_deepcache(models, seed, interval, branch, GUIDANCE)
+    sched, x, noise, cond, guidance = _inputs(models, [seed], [GUIDANCE])
+    mids = []
+    handle = models.unet.mid_block.register_forward_hook(lambda *a: mids.append(1))
+    try:
+        got = EagerEngine(models).sample(x, sched, noise, cond, None, guidance,
+                                         step_plan(STEPS, STEPS, interval, branch))
+    finally:
+        handle.remove()
+    assert _rel(got, want) < RTOL
+    assert len(mids) == len(range(0, STEPS, interval))  # the deep path ran on the full steps only
+    full = EagerEngine(models).sample(x, sched, noise, cond, None, guidance)
+    assert _rel(full, want) > 100 * RTOL
+
+
+def test_a_branch_the_unet_lacks_is_refused(tiny_cpu):
+    sched, x, noise, cond, guidance = _inputs(tiny_cpu, [1], [GUIDANCE], steps=2)
+    with pytest.raises(ValueError, match="branch 2 does not exist"):
+        EagerEngine(tiny_cpu).sample(x, sched, noise, cond, None, guidance, step_plan(2, 2, 2, 2))
+
+
+# ---------------------------------------------------------------- the graph runner's step kinds
+
+
+def cpu_replays(runner: GraphRunner) -> list:
+    """The graph runner with each 'graph' replaying its captured step function on the static buffers: the
+    buffers, the step counter, the plan's graph choice and the first-replay checks, without a GPU."""
+    captured = []
+
+    class Replay:
+        def __init__(self, key: ShapeKey):
+            self.key = key
+            captured.append(key)
+
+        def replay(self):
+            runner._step(runner.buf.view(self.key))
+
+    runner.capturer = Replay
+    return captured
+
+
+LEVERS = {"full": (10, 0, 0), "cutoff": (5, 0, 0), "cond-only": (0, 0, 0), "deepcache": (10, 3, 0),
+          "both": (6, 3, 1), "cond-deepcache": (0, 2, 0)}
+# ControlNet shots keep full steps (the plan drops DeepCache for them): the cut-off only
+CASES = [(False, name) for name in LEVERS] + [(True, name) for name, (_, interval, _) in LEVERS.items() if not interval]
+
+
+@pytest.mark.parametrize("control,levers", CASES, ids=[f"{'controlnet' if c else 'plain'}-{n}" for c, n in CASES])
+def test_graph_step_kinds_equal_the_eager_engine(tiny_cpu, control, levers):
+    guided, interval, branch = LEVERS[levers]
+    x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 2, H, W, control)
+    sched = schedule("dpmpp_2m", STEPS, tiny_cpu.scheduler_config)
+    plan = step_plan(STEPS, guided, interval, branch)
+    runner = GraphRunner(tiny_cpu, max_batch=4, max_hw=(H, W))
+    captured = cpu_replays(runner)
+    got = runner.sample(x, sched, None, cond, ctl, guidance, plan)
+    want = EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance, plan)
+    assert _rel(got, want) < 1e-6
+    assert {k.step for k in captured} == set(plan) and all(runner.stats[k].checked for k in captured)
+    assert sum(runner.stats[k].replays for k in captured) == STEPS
+    # a second batch through the same graphs (the feature buffer holds the last batch's): same again
+    x2 = torch.randn_like(x)
+    again = runner.sample(x2, sched, None, cond, ctl, guidance, plan)
+    assert _rel(again, EagerEngine(tiny_cpu).sample(x2, sched, None, cond, ctl, guidance, plan)) < 1e-6
+    assert len(captured) == len(set(plan))
+
+
+def test_prepare_captures_each_shapes_step_kinds(tiny_cpu):
+    from storyboard_cli.engine import Shape
+
+    runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(H, W))
+    captured = cpu_replays(runner)
+    shape = Shape(2, H, W, False)
+    runner.prepare([shape, Shape(1, H, W, False)], {shape: set(step_plan(6, 3, 3, 0))})
+    assert sorted(k.label for k in captured) == [
+        f"1x{W}x{H} float32", f"2x{W}x{H} float32 cond deepcache full b0", f"2x{W}x{H} float32 cond deepcache shallow b0",
+        f"2x{W}x{H} float32 deepcache full b0", f"2x{W}x{H} float32 deepcache shallow b0"]
+    one_feature = runner.buf.feature
+    runner.prepare([shape], {shape: {StepKind(True, "write", 1)}})
+    assert runner.buf.feature is one_feature  # one buffer for every branch: graphs keep its pointer
+
+
+@pytest.mark.parametrize("broken,corrupt", [(StepKind(False, "read", 0), lambda v: v.x.mul_(2)),
+                                            (StepKind(True, "write", 0), lambda v: v.feature.mul_(2))],
+                         ids=["shallow-output", "full-feature"])
+def test_a_failed_check_of_a_draft_kind_falls_back_to_eager(tiny_cpu, monkeypatch, broken, corrupt):
+    """A graph whose output, or whose written DeepCache feature, differs from the eager step's is not used."""
+    x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 1, H, W, False)
+    sched = schedule("euler", 4, tiny_cpu.scheduler_config)
+    plan = step_plan(4, 2, 2, 0)
+    runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(H, W))
+    cpu_replays(runner)
+    real = runner._step
+    monkeypatch.setattr(runner, "_step", lambda v: (real(v), corrupt(v) if v.key.step == broken else None))
+    got = runner.sample(x, sched, None, cond, ctl, guidance, plan)
+    assert torch.equal(got, EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance, plan))
+    failed = [s for s in runner.stats.values() if s.state == "eager"]
+    assert [s.key.step for s in failed] == [broken] and "replay check failed" in failed[0].reason
+
+
+def test_which_step_kinds_run_on_compiled_kernels(tiny_cpu):
+    """The conditional-rows step runs the compiled kernels where its B rows fit the artifacts (2 rows at least);
+    DeepCache's steps call into the UNet's blocks, so they stay plain in a compiled bucket."""
+
+    class Ready:  # compiled kernels for every shape (engine/compiled.py CompiledKernels' role)
+        def reserve(self, max_batch, max_pixels):
+            pass
+
+        def ready(self, batch, height, width, control):
+            return None
+
+    runner = GraphRunner(tiny_cpu, max_batch=8, max_hw=(H, W), compiled=Ready())
+    variant = lambda batch, kind: runner.shape_key(batch, H, W, False, kind).variant  # noqa: E731
+    assert variant(1, FULL) == "compiled" and variant(8, FULL) == "compiled"
+    cond = StepKind(guided=False)
+    assert variant(1, cond) == "plain" and variant(2, cond) == "compiled" and variant(8, cond) == "compiled"
+    for kind in (StepKind(True, "write"), StepKind(True, "read"), StepKind(False, "read")):
+        assert variant(4, kind) == "plain"

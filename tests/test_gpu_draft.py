@@ -1,0 +1,74 @@
+"""Draft mode's step kinds as CUDA graphs against the eager engine (skipped without CUDA). Tiny preset, fp32 and
+fp16: the conditional rows alone, DeepCache full and shallow, their mix in one loop, with ControlNet (cut-off
+only), after another shape's replays (the shared feature buffer), and under a LoRA swap in place."""
+
+import pytest
+import torch
+
+from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.sampling import step_plan
+from test_gpu import _close, _inputs, setup  # noqa: F401 - setup: the same tiny models and runner fixture
+
+pytestmark = pytest.mark.gpu
+STEPS = 9
+PLANS = {"cutoff": (4, 0, 0), "cond-only": (0, 0, 0), "deepcache": (STEPS, 3, 0), "both": (5, 3, 1),
+         "cond-deepcache": (0, 2, 0)}
+
+
+@pytest.mark.parametrize("batch", [1, 2, 8])
+@pytest.mark.parametrize("plan", PLANS)
+def test_draft_replay_matches_eager(setup, batch, plan):
+    models, runner, eager, rtol = setup
+    kinds = step_plan(STEPS, *PLANS[plan])
+    for w, h in [(256, 256), (320, 192)]:
+        args = _inputs(models, batch, w, h, False, "dpmpp_2m", STEPS)
+        got = runner.sample(*args, kinds)
+        _close(got, eager.sample(*args, kinds), rtol)
+        keys = {runner.shape_key(batch, h, w, False, k) for k in kinds}
+        assert all(runner.stats[k].state == "graph" and runner.stats[k].checked for k in keys)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cutoff_with_controlnet(setup, batch):
+    models, runner, eager, rtol = setup
+    kinds = step_plan(STEPS, 4)
+    args = _inputs(models, batch, 256, 256, True, "euler_a", STEPS)
+    _close(runner.sample(*args, kinds), eager.sample(*args, kinds), rtol)
+
+
+def test_deepcache_after_another_shape(setup):
+    """Two shapes share the feature buffer: a batch of one after a batch of the other still matches."""
+    models, runner, eager, rtol = setup
+    kinds = step_plan(STEPS, STEPS, 3, 0)
+    a = _inputs(models, 2, 256, 256, False, "euler", STEPS, seed=3)
+    b = _inputs(models, 4, 320, 192, False, "euler", STEPS, seed=4)
+    first = runner.sample(*a, kinds)
+    other = runner.sample(*b, kinds)
+    _close(runner.sample(*a, kinds), first, rtol / 10 if rtol > 1e-3 else 1e-6)
+    _close(other, eager.sample(*b, kinds), rtol)
+
+
+def test_lora_swapped_in_place_reaches_the_draft_graphs(setup, tmp_path):
+    """Graphs of every draft kind captured before a swap replay with the new weights, and none is captured again."""
+    from storyboard_cli.models.lora import LoraApplier, read_lora
+    from storyboard_cli.models.synthetic_lora import random_factors, save_kohya
+
+    models, runner, eager, rtol = setup
+    factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, seed=3, rank=4).items()}
+    path = save_kohya(tmp_path / "a.safetensors", factors, models.unet.config.layers_per_block, alpha=4.0)
+    lora = read_lora("a", path, models.unet.config)
+    applier = LoraApplier(models)
+    applier.register(lora)
+    kinds = step_plan(STEPS, 5, 3, 0)
+    args = _inputs(models, 2, 256, 256, False, "euler", STEPS, seed=5)
+    before = runner.sample(*args, kinds)
+    captured = len(runner.graphs)
+    applier.apply({"a": (lora, 0.9)})
+    try:
+        after = runner.sample(*args, kinds)
+        assert len(runner.graphs) == captured
+        _close(after, eager.sample(*args, kinds), rtol)
+        assert not torch.allclose(after, before)
+    finally:
+        applier.apply({})
+    _close(runner.sample(*args, kinds), before, rtol / 10 if rtol > 1e-3 else 1e-6)
