@@ -290,7 +290,14 @@ def test_inspection_does_not_import_torch(files):
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 
+def test_loras_of_every_format_fit_the_model_they_were_made_for(files, tmp_path):
+    for made in (("kohya", "a"), ("kohya", "b"), ("peft", "a"), ("peft", "b")):
+        assert lora_problem(files[made], "tiny") is None, made
+    assert lora_problem(_sdxl(tmp_path), "sdxl-random") is None
+
+
 def test_committed_example_lora_fits_tiny():
+    assert lora_problem(ROOT / "jobs" / "loras" / "mei.safetensors", "tiny") is None
     info = inspect_lora(ROOT / "jobs" / "loras" / "mei.safetensors")
     assert (info.format, info.architecture, info.rank, info.text_encoders) == ("kohya", "tiny", 4, True)
     assert (ROOT / "jobs" / "loras" / "mei.safetensors").stat().st_size < 200_000

@@ -2,6 +2,9 @@
 
 - `inspect_lora(path)` reads only the safetensors header (8-byte little-endian length + JSON) and the
   tensor bytes for the hash: format, architecture, rank, A1111's hash.
+- `lora_problem(path, model)`: why a LoRA does not fit the job's model, from the header and the configs the
+  model is built from: its architecture, then every layer's name and widths (the text encoders' from their
+  configs, the UNet's from the table job/unet_layers.py derives from its config).
 - The A1111 prompt syntax (`<lora:mei:0.8>`) and infotext (`Lora hashes`).
 - `lora_set_label`: the one way a LoRA set is written for people (`mei 0.8, ink 0.4`, or `none`).
 
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from storyboard_cli.errors import BadInput
+from storyboard_cli.job.unet_layers import unet_layers
 from storyboard_cli.models.tiny import SCHEDULER_CONFIG
 from storyboard_cli.models.tiny import TEXT as TINY_TEXT
 from storyboard_cli.models.tiny import TEXT_2 as TINY_TEXT_2
@@ -215,14 +219,9 @@ def inspect_lora(path: str | Path) -> LoraInfo:
 
 
 def model_architecture(model: str) -> str:
-    """What a job's `model:` is, without loading it: tiny, a diffusers folder's UNet config, else SDXL."""
-    if model == "tiny":
-        return TINY
-    config = Path(model).expanduser() / "unet" / "config.json"
-    try:
-        width = json.loads(config.read_text()).get("cross_attention_dim")
-    except (OSError, ValueError, AttributeError):
-        return SDXL  # "sdxl-random", a single file, a hub id: bcg loads these as SDXL
+    """What a job's `model:` is, without loading it: its UNet config's context width tells; SDXL where
+    there is no config to read (a hub id: bcg loads these as SDXL)."""
+    width = model_configs(model).get("unet", {}).get("cross_attention_dim")
     return CONTEXT_WIDTHS.get(width, SDXL) if isinstance(width, int) else SDXL
 
 
@@ -238,19 +237,33 @@ SDXL_CONFIGS = SCHEDULER_CONFIG.parents[1]  # the SDXL-base configs the loader s
 # a CLIP layer's LoRA key, in every naming diffusers reads: layer index, module, factor
 TE_LAYER = re.compile(r"layers[._](\d+)[._](self_attn[._][qkv]_proj|self_attn[._]out_proj|mlp[._]fc[12])"
                       r"[._](lora[._]down|lora_A|lora[._]up|lora_B|lora_linear_layer[._](?:down|up))")
+# a UNet factor's key ending, in each naming diffusers' SDXL loader reads for the UNet -> which factor; the
+# old attention-processor naming keeps `_lora` in the layer's part (`attn1.processor.to_q_lora.down.weight`)
+UNET_FACTORS = {".lora_down.weight": "down", ".lora_up.weight": "up", ".lora_A.weight": "down",
+                ".lora_B.weight": "up", ".lora.down.weight": "down", ".lora.up.weight": "up",
+                "_lora.down.weight": "down", "_lora.up.weight": "up"}
+# as diffusers' _maybe_map_sgm_blocks_to_diffusers: a Kohya file with both block namings loses its SGM keys
+SGM_BLOCKS = ("input_blocks", "middle_block", "output_blocks")
+DIFFUSERS_BLOCKS = ("down_blocks", "mid_block", "up_blocks")
 
 
-def text_encoder_configs(model: str) -> dict[str, dict] | None:
-    """The text encoders' configs of `model` without loading it (tiny, a diffusers folder, the SDXL-base
-    configs for sdxl-random and single files); None for a hub id."""
+def model_configs(model: str) -> dict[str, dict]:
+    """The configs of `model`'s UNet and text encoders, by component, without loading it (tiny, a diffusers
+    folder, the SDXL-base configs for sdxl-random and single files); empty for a hub id, and without a
+    component whose config cannot be read (its load says why)."""
     if model == "tiny":
-        return {"text_encoder": TINY_TEXT, "text_encoder_2": TINY_TEXT_2}
+        return {"unet": TINY_UNET, "text_encoder": TINY_TEXT, "text_encoder_2": TINY_TEXT_2}
     path = Path(model).expanduser()
     folder = path if path.is_dir() else SDXL_CONFIGS if model == "sdxl-random" or path.is_file() else None
-    try:
-        return {c: json.loads((folder / c / "config.json").read_text()) for c in COMPONENTS[1:]} if folder else None
-    except (OSError, ValueError):
-        return None
+    configs = {}
+    for component in COMPONENTS if folder else ():
+        try:
+            config = json.loads((folder / component / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict):
+            configs[component] = config
+    return configs
 
 
 def _clip_shape(config: dict, module: str) -> tuple[int, int]:
@@ -259,36 +272,87 @@ def _clip_shape(config: dict, module: str) -> tuple[int, int]:
     return (i, h) if module.endswith("fc1") else (h, i) if module.endswith("fc2") else (h, h)
 
 
-def text_encoder_mismatch(path: str | Path, model: str) -> str | None:
-    """The first text-encoder layer of the LoRA that `model` lacks or whose width differs, or None (the
-    UNet's layers are checked against the loaded model, at render)."""
-    configs = text_encoder_configs(model)
-    if configs is None:
-        return None
-    path = Path(path)
-    header, n, size = _header(path)
-    for key, shape in _tensors(path, header, n, size).items():
+def _text_encoder_mismatch(file: str, shapes: dict[str, list[int]], configs: dict[str, dict]) -> str | None:
+    """The first text-encoder layer of the LoRA that the model lacks or whose width differs, or None."""
+    for key, shape in shapes.items():
         component, m = _component(key), TE_LAYER.search(key)
-        if component not in configs or m is None or len(shape) != 2:
+        if component == "unet" or component not in configs or m is None or len(shape) != 2:
             continue
         config, layer, module = configs[component], int(m[1]), re.sub(r"^(self_attn|mlp)[._]", "", m[2])
         name = f"{component} layer {layer} {module}"
         if layer >= config["num_hidden_layers"]:
-            return f"{path.name}: {name}: this model's {component} has {config['num_hidden_layers']} layers"
+            return f"{file}: {name}: this model's {component} has {config['num_hidden_layers']} layers"
         out, inp = _clip_shape(config, module)
         down = "down" in m[3] or m[3] == "lora_A"
         got, want = (shape[1], inp) if down else (shape[0], out)
         if got != want:
-            return (f"{path.name}: {name}: its {'down' if down else 'up'} factor is {got} wide, "
-                    f"this model's layer {want}")
+            return f"{file}: {name}: its {'down' if down else 'up'} factor is {got} wide, this model's layer {want}"
     return None
+
+
+def _unet_factor(key: str) -> tuple[str, str] | None:
+    """(the key's layer part, "down" | "up") of a UNet factor in a naming the loader reads, else None."""
+    if _component(key) != "unet":
+        return None
+    for end, factor in UNET_FACTORS.items():
+        if key.endswith(end):
+            return key[: -len(end)] + ("_lora" if end.startswith("_lora") else ""), factor
+    return None
+
+
+def _layer_kind(kernel: tuple[int, ...]) -> str:
+    return f"a {kernel[0]}x{kernel[1]} convolution" if kernel else "linear"
+
+
+def _unet_mismatch(file: str, shapes: dict[str, list[int]], config: dict) -> str | None:
+    """The first UNet layer of the LoRA that the model lacks or whose factor does not fit it (width, kernel),
+    or None. The table is the one `config` builds (job/unet_layers.py); a config it does not describe
+    leaves the UNet's layers to the loaded model, at render."""
+    layers = unet_layers(config)
+    if layers is None:
+        return None
+    factors = {key: f for key in shapes if (f := _unet_factor(key))}
+    if any(k.startswith("lora_unet_") and any(p in k for p in SGM_BLOCKS) for k in factors) and \
+            any(k.startswith("lora_unet_") and any(p in k for p in DIFFUSERS_BLOCKS) for k in factors):
+        factors = {k: f for k, f in factors.items() if not any(p in k for p in SGM_BLOCKS)}
+    for key, (part, factor) in factors.items():
+        module = layers.module(part)
+        if module is None:
+            return f"{file}: {part}: this model's UNet has no such layer"
+        weight, shape = layers.shapes[module], shapes[key]
+        out, inp, kernel = weight[0], weight[1], tuple(weight[2:])
+        if factor == "down":  # [rank, in] for a linear layer, [rank, in, kh, kw] for a convolution
+            if len(shape) != 2 + len(kernel) or tuple(shape[2:]) != kernel:
+                return f"{file}: {part}: its down factor is {list(shape)}, this model's layer is {_layer_kind(kernel)}"
+            if shape[1] != inp:
+                return f"{file}: {part}: its down factor is {shape[1]} wide, this model's layer {inp}"
+        else:  # [out, rank] or [out, rank, 1, 1], whatever the layer
+            if len(shape) not in (2, 4) or tuple(shape[2:]) not in ((), (1, 1)):
+                return f"{file}: {part}: its up factor is {list(shape)}, only [out, rank] or [out, rank, 1, 1] is read"
+            if shape[0] != out:
+                return f"{file}: {part}: its up factor is {shape[0]} wide, this model's layer {out}"
+    return None
+
+
+def layer_mismatch(path: str | Path, model: str) -> str | None:
+    """The first layer of the LoRA that `model` lacks or whose factor does not fit it, or None: the text
+    encoders' and the UNet's, against the configs `model` is built from. A hub id's configs are not read
+    before it loads: its layers are checked against the loaded model, at render."""
+    configs = model_configs(model)
+    if not configs:
+        return None
+    path = Path(path)
+    header, n, size = _header(path)
+    shapes = _tensors(path, header, n, size)
+    return (_text_encoder_mismatch(path.name, shapes, configs)
+            or ("unet" in configs and _unet_mismatch(path.name, shapes, configs["unet"])) or None)
 
 
 def lora_problem(path: str | Path, model: str) -> str | None:
     """One line saying why `path` cannot be used with `model`, or None. For job validation (no torch)."""
     try:
         info = inspect_lora(path)
-        return architecture_mismatch(info, model) or text_encoder_mismatch(path, model)
+        return architecture_mismatch(info, model) or layer_mismatch(path, model)
     except LoraFileError as e:
         return str(e)
 

@@ -209,7 +209,10 @@ class LoraApplier:
         if layer.up.dim() == 4 and tuple(layer.up.shape[2:]) != (1, 1):
             raise ModelError(f"LoRA '{weights.name}' ({weights.path.name}): {layer.component}.{name}: "
                              f"up factors with a {tuple(layer.up.shape[2:])} kernel are not supported")
-        if tuple(weight.shape) != tuple(delta) or layer.up.shape[1] != layer.down.shape[0]:
+        if layer.up.shape[1] != layer.down.shape[0]:
+            raise ModelError(f"LoRA '{weights.name}' ({weights.path.name}): {layer.component}.{name}: its up "
+                             f"factor has rank {layer.up.shape[1]}, its down factor {layer.down.shape[0]}")
+        if tuple(weight.shape) != tuple(delta):
             raise ModelError(f"LoRA '{weights.name}' ({weights.path.name}): {layer.component}.{name} is "
                              f"{list(weight.shape)} in this model, the LoRA makes {list(delta)}")
         return name, weight

@@ -13,11 +13,12 @@ The factors are recorded by the model's own module names, so a test can check wh
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from storyboard_cli.job.unet_layers import sgm_name
 
 TE_LAYERS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 CONV_LAYERS = ("conv1", "conv2")
@@ -61,33 +62,6 @@ def random_factors(models, seed: int, rank: int = 4, text_encoders: bool = True,
             out[(component, name)] = (torch.randn(down_shape, generator=g) * std,
                                       torch.randn(up_shape, generator=g) * std)
     return out
-
-
-def sgm_name(module: str, layers_per_block: int) -> str:
-    """A diffusers UNet module name as sd-scripts' SDXL UNet (sgm / LDM layout) names it."""
-    per = layers_per_block + 1
-    resnet = {"conv1": "in_layers.2", "conv2": "out_layers.3", "time_emb_proj": "emb_layers.1",
-              "conv_shortcut": "skip_connection"}
-
-    def inner(kind: str, rest: str) -> str:
-        if kind == "resnets":
-            return "0." + resnet[rest]
-        return "1." + rest
-
-    m = re.match(r"down_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", module)
-    if m:
-        b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
-        return f"input_blocks.{1 + b * per + j}.{inner(kind, rest)}"
-    m = re.match(r"up_blocks\.(\d+)\.(resnets|attentions)\.(\d+)\.(.+)", module)
-    if m:
-        b, kind, j, rest = int(m[1]), m[2], int(m[3]), m[4]
-        return f"output_blocks.{b * per + j}.{inner(kind, rest)}"
-    m = re.match(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)", module)
-    if m:
-        kind, j, rest = m[1], int(m[2]), m[3]
-        index = 1 if kind == "attentions" else 2 * j
-        return f"middle_block.{index}.{resnet[rest] if kind == 'resnets' else rest}"
-    raise ValueError(f"no sgm name for {module}")
 
 
 def kohya_state(factors: Factors, layers_per_block: int, alpha: float,
