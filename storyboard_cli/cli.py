@@ -435,7 +435,8 @@ def submit(job: JobArg, server: ServerOpt, priority: PriorityOpt = "normal",
         j = client.submit(job, server, priority=priority, key=key, token=token)
         err.print(f"{j['id']}: {j['state']} ({len(j['images'])} images) {j['url']}")
         if wait:
-            j = client.wait(server, j["id"], token=token)
+            j = client.wait(server, j["id"], token=token, on_event=lambda e: err.print(
+                f"{e.kind}: {e.data['images_by_state'].get('done', 0)}/{sum(e.data['images_by_state'].values())} done"))
     if json_out:
         out.print_json(json.dumps(j))
     else:

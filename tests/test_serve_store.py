@@ -1,6 +1,7 @@
 """The queue without HTTP or torch: the scheduler's picks, and the store's leases, expiry, three strikes,
 late completions, dedup twins, idempotency and backpressure (milliseconds each)."""
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -10,7 +11,8 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
 from storyboard_cli.serve.intake import Planned, PlannedImage
 from storyboard_cli.serve.schedule import ImageState, JobState, Waiting
-from storyboard_cli.serve.store import IdempotencyConflict, QueueFull, Store
+from storyboard_cli.serve.store import (BATCH_SECONDS, BUCKETS_S, IMAGE_RENDER, JOB_LATENCY, QUEUE_WAIT,
+                                        IdempotencyConflict, QueueFull, Store, Work)
 
 KEY = "64x64 2 steps euler"
 
@@ -84,7 +86,7 @@ def test_expired_lease_goes_back_to_the_queue_and_its_late_completion_is_ignored
     assert not store.complete(lost["lease"], done=[1, 2], cached=[], failed={}, now=11)
     assert store.job("j1", 11)["images_by_state"] == {ImageState.LEASED: 2}
     assert store.complete(again["lease"], done=[1, 2], cached=[], failed={}, now=12)
-    counters = store.stats()["counters"]
+    counters = store.stats(0, 60)["counters"]
     assert counters["lease_expiries"] == 1 and counters["late_completions"] == 1 and counters["images_rendered"] == 2
 
 
@@ -116,7 +118,7 @@ def test_a_twin_waits_for_the_first_render_then_is_leased_with_its_png(store):
     second = store.lease("w2", now=3, ttl=5)
     assert second["images"][0]["twin"] == "/j/j1/out/a/a_c0_s10.png"
     store.complete(second["lease"], done=[2], cached=[2], failed={}, now=4)
-    assert store.job("j2", 4)["images"][0]["cached"] and store.stats()["counters"]["images_cached"] == 1
+    assert store.job("j2", 4)["images"][0]["cached"] and store.stats(0, 60)["counters"]["images_cached"] == 1
 
 
 def test_idempotency_key_returns_the_first_job_and_refuses_another_body(store):
@@ -146,11 +148,11 @@ def test_priorities_cancel_and_queue_position(store):
     store.submit(planned("u", priority="urgent", batch=1), None, 100, now=5)
     assert store.job("n", 5)["queue_position"] == 2 and store.job("u", 5)["queue_position"] == 0
     assert store.lease("w", now=6, ttl=5)["job"] == "u"
-    assert store.set_priority("n", "urgent") and store.job("n", 6)["queue_position"] == 0
+    assert store.set_priority("n", "urgent", 6) and store.job("n", 6)["queue_position"] == 0
     with pytest.raises(BadInput):
-        store.set_priority("n", "asap")
+        store.set_priority("n", "asap", 6)
     assert store.cancel("n", now=7)
-    assert store.job("n", 7)["state"] == JobState.CANCELED and store.stats()["jobs"]["canceled"] == 1
+    assert store.job("n", 7)["state"] == JobState.CANCELED and store.stats(0, 60)["jobs"]["canceled"] == 1
 
 
 def test_the_queue_survives_reopening(tmp_path):
@@ -160,3 +162,56 @@ def test_the_queue_survives_reopening(tmp_path):
     again = Store(tmp_path)
     assert again.job("j1", 1)["state"] == JobState.QUEUED and again.replay("k", "c") == "j1"
     again.close()
+
+
+def _kinds(store, job_id, after=0):
+    rows, ended = store.events(job_id, after)
+    return [kind for _, kind, _ in rows], ended
+
+
+def test_every_change_is_an_event_in_order_and_the_stream_ends_once(store):
+    store.submit(planned("j1"), None, 100, now=0)
+    lease = store.lease("w", now=1, ttl=5)
+    store.set_priority("j1", "urgent", now=2)
+    store.complete(lease["lease"], done=[1], cached=[], failed={}, now=3)
+    again = store.lease("w", now=4, ttl=5)
+    store.expire(now=10)  # lost: image 2 back to the queue
+    last = store.lease("w", now=11, ttl=5)
+    assert _kinds(store, "j1") == (["queued", "running", "priority", "images", "running", "lease_lost", "running"],
+                                   False)
+    store.complete(last["lease"], done=[2], cached=[], failed={}, now=12)
+    rows, _ = store.events("j1", 0)
+    seqs = [seq for seq, _, _ in rows]
+    assert seqs == sorted(set(seqs)) and rows[-1][1] == "end"
+    assert json.loads(rows[-1][2])["state"] == JobState.SUCCEEDED
+    assert json.loads(rows[5][2])["requeued"] == [i["id"] for i in again["images"]]
+    assert _kinds(store, "j1", seqs[3]) == (["running", "lease_lost", "running", "images", "end"], False)
+    assert _kinds(store, "j1", seqs[-1]) == ([], True)  # resumed after its end: nothing more
+
+
+def test_a_canceled_job_ends_its_stream_at_once_and_only_once(store):
+    store.submit(planned("j1"), None, 100, now=0)
+    lease = store.lease("w", now=1, ttl=5)
+    assert store.cancel("j1", now=2) and store.cancel("j1", now=3)
+    store.complete(lease["lease"], done=[1, 2], cached=[], failed={}, now=4)
+    kinds, _ = _kinds(store, "j1")
+    assert kinds == ["queued", "running", "end", "images"]
+    assert json.loads(store.events("j1", 0)[0][2][2])["state"] == JobState.CANCELED
+
+
+def test_latencies_are_histograms_and_workers_report_their_gpu(store):
+    store.submit(planned("j1", n=3), None, 100, now=0)
+    lease = store.lease("w", now=2, ttl=5, gpu={"memory_allocated_bytes": 7.0})
+    work = Work(batches=(("64x64", 3, 1.5),), out_of_memory=1, model_loads=1)
+    store.complete(lease["lease"], done=[1, 2, 3], cached=[], failed={}, now=4, work=work)
+    store.seen("cpu-worker", None, now=4)
+    s = store.stats(now=4, worker_window_s=60)
+    counts, total = s["histograms"][QUEUE_WAIT, ""]
+    assert sum(counts) == 3 and total == 6.0 and counts[BUCKETS_S.index(2.5)] == 3  # 2 s each: the 2.5 s bucket
+    assert s["histograms"][IMAGE_RENDER, ""][1] == pytest.approx(1.5) and sum(s["histograms"][IMAGE_RENDER, ""][0]) == 3
+    assert s["histograms"][BATCH_SECONDS, "64x64"] == ([0] * 5 + [1] + [0] * 10, 1.5)
+    assert s["histograms"][JOB_LATENCY, ""][1] == 4.0
+    assert s["counters"]["out_of_memory"] == 1 and s["counters"]["model_loads"] == 1
+    assert s["workers"] == {"w": {"memory_allocated_bytes": 7.0}, "cpu-worker": None}
+    assert store.stats(now=100, worker_window_s=60)["workers"] == {}  # not seen for a while: gone
+    assert s["images_per_s"] > 0

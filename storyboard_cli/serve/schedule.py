@@ -16,6 +16,7 @@ TIERS = {"urgent": 0.0, "normal": 300.0, "bulk": 1800.0}  # seconds of delay in 
 DEFAULT_PRIORITY = "normal"
 MAX_ATTEMPTS = 3  # leases an image may lose (its worker died) before it fails
 UNKNOWN_DRAIN_S = 10  # Retry-After before any image was rendered
+END = "end"  # the kind of a job's last progress event: it reached a final state
 
 
 class ImageState:

@@ -64,6 +64,7 @@ class Outcome:
     cached: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     stopped: bool = False
+    work: dict = field(default_factory=dict)  # what the server's histograms and counters record
 
 
 class LeaseSession(RenderSession):
@@ -72,6 +73,7 @@ class LeaseSession(RenderSession):
         self.mine = {p for image in lease["images"] for p in image["outputs"]}
         self.twins = {image["outputs"][0]: image["twin"] for image in lease["images"] if image["twin"]}
         self.copied: set[str] = set()
+        self.timed: list[dict] = []  # per rendered batch: shape, images, seconds
 
     def find_pending(self):
         pending, manifest = super().find_pending()
@@ -90,7 +92,10 @@ class LeaseSession(RenderSession):
                     self.sink.submit(item, pixels, CACHED_BUCKET)
                     self.copied.update(item.outputs)
             if rest:
-                yield replace(batch, items=tuple(rest))
+                t0 = time.perf_counter()
+                yield replace(batch, items=tuple(rest))  # rendered before the loop asks for the next one
+                self.timed.append({"shape": f"{batch.key.width}x{batch.key.height}", "images": len(rest),
+                                   "seconds": round(time.perf_counter() - t0, 4)})
 
 
 def _pixels(path: str | None) -> np.ndarray | None:
@@ -119,6 +124,8 @@ def render_lease(lease: dict, hot: Hot, opts: WorkerOptions) -> Outcome:
     except StoryboardError as e:
         out.failed = {image["id"]: one_line(e) for image in images}
         return out
+    out.work = {"batches": session.timed, "out_of_memory": session.policy.out_of_memory if session.policy else 0,
+                "model_loads": int(hot.models is None and session.models is not None)}
     if session.models is not None:
         hot.models, hot.engine = session.models, session.engine
     failed = {f["path"]: f["reason"] for f in result.failed}
@@ -135,12 +142,33 @@ def render_lease(lease: dict, hot: Hot, opts: WorkerOptions) -> Outcome:
     return out
 
 
+def gpu_stats(hot: Hot) -> dict | None:
+    """The worker's GPU memory (torch.cuda) and utilisation (NVML, when nvidia-ml-py is installed), once a
+    model is loaded on one; None on a CPU or before the first load."""
+    models = hot.models
+    if models is None or models.device.type != "cuda":
+        return None
+    import torch
+
+    d = models.device
+    stats = {"memory_allocated_bytes": torch.cuda.memory_allocated(d),
+             "memory_reserved_bytes": torch.cuda.memory_reserved(d),
+             "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(d),
+             "total_memory_bytes": torch.cuda.get_device_properties(d).total_memory}
+    try:
+        stats["utilization"] = torch.cuda.utilization(d) / 100
+    except Exception:  # noqa: BLE001 - NVML missing or refused: the figure is left out, not guessed
+        pass
+    return stats
+
+
 class Heartbeat:
     """Renews a lease every third of its time to live while the lease renders (a thread: the render holds
     the main thread, and its signals)."""
 
-    def __init__(self, client: LeaseClient, lease: dict):
+    def __init__(self, client: LeaseClient, lease: dict, worker: str, hot: Hot):
         self.client, self.lease, self.done = client, lease, threading.Event()
+        self.worker, self.hot = worker, hot
         self.lost = False
         self.thread = threading.Thread(target=self._beat, daemon=True)
 
@@ -155,7 +183,7 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self.done.wait(self.lease["ttl"] / 3):
             try:
-                if not self.client.heartbeat(self.lease["lease"]):
+                if not self.client.heartbeat(self.lease["lease"], self.worker, gpu_stats(self.hot)):
                     self.lost = True
             except httpx.HTTPError as e:
                 log.warning("heartbeat failed: %s", e)
@@ -182,7 +210,7 @@ def run_worker(opts: WorkerOptions) -> int:
     try:
         while not stop.requested and (opts.max_leases is None or rendered < opts.max_leases):
             try:
-                lease = client.lease(name)
+                lease = client.lease(name, gpu_stats(hot))
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while
                 log.info("no lease from %s: %s", opts.server, e)
                 time.sleep(backoff)
@@ -192,7 +220,7 @@ def run_worker(opts: WorkerOptions) -> int:
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
-            with Heartbeat(client, lease):
+            with Heartbeat(client, lease, name, hot):
                 outcome = render_lease(lease, hot, opts)
             rendered += 1
             _report(client, lease, outcome)
@@ -205,7 +233,7 @@ def run_worker(opts: WorkerOptions) -> int:
 def _report(client: LeaseClient, lease: dict, outcome: Outcome, tries: int = 5) -> None:
     for attempt in range(tries):
         try:
-            if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed):
+            if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed, outcome.work):
                 log.warning("lease %s was lost before it completed: the server ignored its results", lease["lease"])
             return
         except httpx.HTTPError as e:
