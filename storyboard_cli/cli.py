@@ -391,6 +391,8 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
           lease_s: Annotated[float, typer.Option(min=1, help="Seconds a batch stays leased without a heartbeat.")] = 60.0,
           grace_s: Annotated[float, typer.Option(min=0, help="On SIGTERM, seconds the running batches get to "
                                                               "finish.")] = 60.0,
+          allow_dir: Annotated[Optional[list[Path]], typer.Option(help="A folder jobs may read control images, "
+                                                                  "LoRAs and models from, besides --root (repeat).")] = None,
           token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
           compile: CompileOpt = "auto") -> None:
     """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
@@ -400,7 +402,7 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
     with _domain_errors():
         opts = ServeOptions(root=root, host=host, port=port, gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
                             max_queue_images=max_queue_images, lease_s=lease_s, grace_s=grace_s, token=token,
-                            dtype=dtype, engine=engine, compile=compile)
+                            dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()))
         err.print(f"bcg serve: http://{host}:{port} (docs at /docs), root {root}, workers: {', '.join(opts.gpus)}")
         code = serving(opts)
     raise typer.Exit(code)

@@ -41,6 +41,7 @@ class Settings:
     max_queue_images: int = 1000
     lease_s: float = 60.0
     token: str | None = None  # required as `Authorization: Bearer <token>` when set
+    inputs: tuple[Path, ...] = ()  # folders besides root that jobs may read (control images, LoRAs, models)
 
 
 def problem(status: int, title: str, detail: str, headers: dict | None = None) -> JSONResponse:
@@ -97,7 +98,8 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                 return await _replay(first, request)
         job_id = uuid.uuid4().hex[:12]
         try:
-            planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority)
+            planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority,
+                                              settings.inputs)
         except BadInput as e:
             return problem(422, "invalid job", str(e))
         try:

@@ -51,9 +51,11 @@ def job_folder(root: Path, job_id: str) -> Path:
     return root / JOBS / job_id
 
 
-def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priority: str = DEFAULT_PRIORITY) -> Planned:
+def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priority: str = DEFAULT_PRIORITY,
+                    inputs: tuple[Path, ...] = ()) -> Planned:
     """Saves and validates the job. Raises BadInput (a JobError at file:line, shot, field) and leaves nothing
-    behind when the job is refused."""
+    behind when the job is refused. Every file the job names (control images, LoRAs, a model path, its
+    output_dir) must lie under `root` or one of the `inputs` folders, symlinks followed."""
     if priority not in TIERS:
         raise BadInput(f"priority must be one of {', '.join(TIERS)}, got {priority!r}")
     if not SAFE_FILE.fullmatch(filename):
@@ -63,7 +65,7 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
     path = folder / filename
     path.write_bytes(body)
     try:
-        job = _load(path, filename)
+        job = _load(path, filename, (root, *inputs))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -78,9 +80,9 @@ def content_hash(body: bytes, filename: str, priority: str) -> str:
     return hashlib.sha256(b"\0".join([body, filename.encode(), priority.encode()])).hexdigest()
 
 
-def _load(path: Path, filename: str) -> Job:
+def _load(path: Path, filename: str, roots: tuple[Path, ...]) -> Job:
     try:
-        job = load_job(path)
+        job = load_job(path, roots)
         check_model_path(job.model, "model")
         check_model_path(job.controlnet, "controlnet")
         return job

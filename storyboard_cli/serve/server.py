@@ -43,6 +43,7 @@ class ServeOptions:
     dtype: str | None = None
     engine: str = "auto"
     compile: str = "auto"
+    inputs: tuple[Path, ...] = ()  # --allow-dir: folders jobs may read besides --root
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -132,7 +133,7 @@ class _Server(uvicorn.Server):
 def serve(opts: ServeOptions) -> int:
     """Runs until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
     check_bind(opts.host, opts.token)
-    settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token)
+    settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token, opts.inputs)
     app = create_app(settings)
     url = f"http://{'127.0.0.1' if opts.host in ('0.0.0.0', '::') else opts.host}:{opts.port}"
     workers = Workers(url, opts)
