@@ -412,16 +412,20 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
 def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worker's name in the server's "
                                                                      "leases (default: host and process).")] = "",
            gpu: Annotated[Optional[str], typer.Option(help="GPU index to render on (sets CUDA_VISIBLE_DEVICES).")] = None,
+           upload: Annotated[bool, _flag("--upload", "Send the PNGs to the server even when its job folders are "
+                                                     "visible here (they are sent whenever they are not).")] = False,
+           root: Annotated[Path, typer.Option(help="Where this worker keeps its copies of job folders when it does "
+                                                   "not share the server's filesystem.")] = Path("bcg-worker"),
            token: TokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
            compile: CompileOpt = "auto") -> None:
-    """Render the server's queue on this machine (job folders on a filesystem shared with the server)."""
+    """Render the server's queue on this machine (job folders shared with the server, or uploaded)."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from storyboard_cli.serve.worker import WorkerOptions, run_worker
 
     with _domain_errors():
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
-                                 compile=compile, token=token))
+                                 compile=compile, token=token, upload=upload, root=root))
 
 
 @app.command()

@@ -117,6 +117,7 @@ def test_a_twin_waits_for_the_first_render_then_is_leased_with_its_png(store):
     store.complete(first["lease"], done=[1], cached=[], failed={}, now=3)
     second = store.lease("w2", now=3, ttl=5)
     assert second["images"][0]["twin"] == "/j/j1/out/a/a_c0_s10.png"
+    assert second["images"][0]["twin_of"] == ["j1", "a/a_c0_s10.png"]
     store.complete(second["lease"], done=[2], cached=[2], failed={}, now=4)
     assert store.job("j2", 4)["images"][0]["cached"] and store.stats(0, 60)["counters"]["images_cached"] == 1
 

@@ -21,10 +21,10 @@ from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
-from storyboard_cli.serve import metrics
+from storyboard_cli.serve import metrics, uploads
 from storyboard_cli.serve.intake import content_hash, plan_submission
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END
-from storyboard_cli.serve.store import QueueFull, Store, Work
+from storyboard_cli.serve.store import LATE, QueueFull, Store, Work
 
 PROBLEM = "application/problem+json"
 JSON_TYPES = ("application/json",)
@@ -190,7 +190,27 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         if app.state.draining:
             return Response(status_code=204)
         got = store.lease(str(body.get("worker", "?")), clock(), settings.lease_s, _gpu(body))
-        return got if got is not None else Response(status_code=204)
+        if got is None:
+            return Response(status_code=204)
+        job_file = Path(got["path"])  # for a worker that does not share the server's filesystem
+        got["job_file"], got["job_text"] = job_file.name, job_file.read_text(encoding="utf-8")
+        for image in got["images"]:
+            image["twin_url"] = f"/v1/jobs/{image['twin_of'][0]}/files/{image['twin_of'][1]}" if image["twin_of"] \
+                else None
+        return got
+
+    @app.put("/v1/leases/{lease_id}/files/{path:path}")
+    async def upload(lease_id: str, path: str, request: Request):
+        """A worker without the server's filesystem sends a PNG of its lease (or its report)."""
+        held = store.lease_outputs(lease_id, clock())
+        if held is None:
+            return problem(410, "lease lost", "the lease expired; its images went back to the queue")
+        data = await request.body()
+        try:
+            await run_in_threadpool(uploads.store_file, held[2], held[3], path, data)
+        except BadInput as e:
+            return problem(422, "not this lease's file", str(e))
+        return {"stored": path}
 
     @app.post("/v1/leases/{lease_id}/heartbeat")
     async def heartbeat(lease_id: str, request: Request):
@@ -205,6 +225,15 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         body = await request.json()
         work = Work(tuple((str(b["shape"]), int(b["images"]), float(b["seconds"])) for b in body.get("batches", [])),
                     int(body.get("out_of_memory", 0)), int(body.get("model_loads", 0)))
+        if body.get("manifest"):  # an uploading worker's images: their lines and the sheet, before they count
+            held = store.lease_outputs(lease_id, clock())
+            if held is None:
+                store.count(LATE)
+                return problem(410, "lease lost", "the lease expired before this completion; it is ignored")
+            try:
+                await run_in_threadpool(uploads.record, held[2], held[1], held[3], list(body["manifest"]))
+            except BadInput as e:
+                return problem(422, "bad manifest", str(e))
         ok = store.complete(lease_id, [int(i) for i in body.get("done", [])], [int(i) for i in body.get("cached", [])],
                             {int(k): str(v) for k, v in body.get("failed", {}).items()}, clock(), work)
         if not ok:

@@ -173,11 +173,28 @@ class LeaseClient:
         return self.http.post(f"/v1/leases/{lease_id}/heartbeat", json={"worker": worker, "gpu": gpu}).status_code == 200
 
     def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str],
-                 work: dict | None = None) -> bool:
-        """`work`: batches (shape, images, seconds), out_of_memory, model_loads, as the worker measured them."""
+                 work: dict | None = None, manifest: list[dict] | None = None) -> bool:
+        """`work`: batches (shape, images, seconds), out_of_memory, model_loads, as the worker measured them;
+        `manifest`: the lines of the outputs it uploaded."""
         r = self.http.post(f"/v1/leases/{lease_id}/complete",
-                           json={"done": done, "cached": cached, "failed": failed, **(work or {})})
+                           json={"done": done, "cached": cached, "failed": failed, **(work or {}),
+                                 "manifest": manifest or []})
         return r.status_code == 200
+
+    def upload(self, lease_id: str, path: str, data: bytes) -> bool:
+        """One output file of the lease, for a server whose filesystem this worker does not share; False when
+        the lease is gone."""
+        r = self.http.put(f"/v1/leases/{lease_id}/files/{path}", content=data,
+                          headers={"Content-Type": "application/octet-stream"})
+        if r.status_code == 410:
+            return False
+        r.raise_for_status()
+        return True
+
+    def download(self, url_path: str) -> bytes | None:
+        """A file the server serves (a twin's PNG); None when it is gone."""
+        r = self.http.get(url_path)
+        return r.content if r.status_code == 200 else None
 
     def close(self) -> None:
         self.http.close()

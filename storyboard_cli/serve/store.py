@@ -242,16 +242,33 @@ class Store:
             images = []
             for i in ids:
                 r = db.execute("SELECT outputs, fingerprint FROM images WHERE id = ?", (i,)).fetchone()
-                images.append({"id": i, "outputs": json.loads(r["outputs"]), "twin": self._twin(db, r["fingerprint"])})
+                images.append({"id": i, "outputs": json.loads(r["outputs"]), **self._twin(db, r["fingerprint"])})
             self._event(db, job_id, "running", now, worker=worker, images=ids)
             return {"lease": lease_id, "job": job_id, "path": job["path"], "out_dir": job["out_dir"],
                     "expires": now + ttl, "ttl": ttl, "images": images}
 
-    def _twin(self, db, fingerprint: str) -> str | None:
-        """A PNG already rendered with this fingerprint (any job): the worker copies it instead of rendering."""
-        row = db.execute("SELECT j.out_dir, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
+    def _twin(self, db, fingerprint: str) -> dict:
+        """A PNG already rendered with this fingerprint (any job), which the worker copies instead of
+        rendering: `twin`, its path on the server, and `twin_of`, [its job, its output path]."""
+        row = db.execute("SELECT j.id, j.out_dir, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
                          "WHERE i.fingerprint = ? AND i.state = ? LIMIT 1", (fingerprint, ImageState.DONE)).fetchone()
-        return str(Path(row["out_dir"]) / json.loads(row["outputs"])[0]) if row else None
+        if row is None:
+            return {"twin": None, "twin_of": None}
+        first = json.loads(row["outputs"])[0]
+        return {"twin": str(Path(row["out_dir"]) / first), "twin_of": [row["id"], first]}
+
+    def lease_outputs(self, lease_id: str, now: float) -> tuple[str, Path, Path, set[str]] | None:
+        """A live lease's job id, job file, output folder and the output paths of its images; None when it
+        is gone (expired now, or before)."""
+        with self._tx() as db:
+            self._expire(db, now)
+            row = self.db.execute("SELECT j.id, j.path, j.out_dir FROM leases l JOIN jobs j ON j.id = l.job "
+                                  "WHERE l.id = ?", (lease_id,)).fetchone()
+            if row is None:
+                return None
+            outputs = {p for (o,) in self.db.execute("SELECT outputs FROM images WHERE lease = ?", (lease_id,))
+                       for p in json.loads(o)}
+        return row["id"], Path(row["path"]), Path(row["out_dir"]), outputs
 
     def heartbeat(self, lease_id: str, now: float, ttl: float, worker: str | None = None,
                   gpu: dict | None = None) -> bool:

@@ -22,12 +22,16 @@ import httpx
 import numpy as np
 
 from storyboard_cli.errors import Status, StoryboardError, one_line
+from storyboard_cli.folder.outputs import Manifest, atomic_write
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.run.render import RenderOptions, RenderSession
 from storyboard_cli.serve.client import LeaseClient
+from storyboard_cli.serve.intake import JOBS, OUT
+from storyboard_cli.serve.uploads import REPORTS
 
 log = logging.getLogger(__name__)
 CACHED_BUCKET = "cached"  # the report's bucket row for copied twins
+TWINS = "twins"  # under an uploading worker's root: twins' PNGs downloaded from the server
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class WorkerOptions:
     token: str | None = None
     poll_s: float = 0.5
     max_leases: int | None = None  # stop after this many (tests); None: until stopped
+    upload: bool = False  # send the PNGs back even when the server's job folders are visible here
+    root: Path = Path("bcg-worker")  # copies of job folders, when the server's are not visible here
 
 
 @dataclass
@@ -111,13 +117,58 @@ def _pixels(path: str | None) -> np.ndarray | None:
         return None
 
 
-def render_lease(lease: dict, hot: Hot, opts: WorkerOptions) -> Outcome:
-    """Renders one lease into its job's folder; which of its images landed, failed or are left."""
-    images, out = lease["images"], Outcome()
+@dataclass(frozen=True)
+class Place:
+    """Where a lease renders: the server's job folder (a shared filesystem), or this worker's copy of it,
+    whose outputs are uploaded."""
+
+    job_file: Path
+    out_dir: Path
+    upload: bool
+
+
+def place(lease: dict, opts: WorkerOptions) -> Place:
+    """The server's job folder when this worker sees the very job file the server saved (and --upload is
+    off); else a copy under the worker's --root."""
+    server_file = Path(lease["path"])
+    if not opts.upload and _reads(server_file) == lease["job_text"]:
+        return Place(server_file, Path(lease["out_dir"]), False)
+    folder = opts.root.resolve() / JOBS / lease["job"]
+    job_file = folder / lease["job_file"]
+    if _reads(job_file) != lease["job_text"]:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(job_file, lease["job_text"].encode())
+    return Place(job_file, folder / OUT, True)
+
+
+def _reads(path: Path) -> str | None:
     try:
-        job = load_job(lease["path"])
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def fetch_twins(lease: dict, client: LeaseClient, folder: Path) -> None:
+    """An uploading worker cannot read the server's copy of a twin: it downloads it (or renders the image
+    when that fails)."""
+    for image in lease["images"]:
+        if image["twin_url"]:
+            data = client.download(image["twin_url"])
+            local = folder / f"{image['id']}.png"
+            if data is not None:
+                atomic_write(local, data)
+            image["twin"] = str(local) if data is not None else None
+
+
+def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, where: Place | None = None) -> Outcome:
+    """Renders one lease into its job's folder (or this worker's copy); which of its images landed, failed
+    or are left."""
+    images, out = lease["images"], Outcome()
+    where = where or Place(Path(lease["path"]), Path(lease["out_dir"]), False)
+    try:
+        job = load_job(where.job_file)
         hot.for_job(job)
-        ropts = RenderOptions(out_dir=Path(lease["out_dir"]), device=opts.device, dtype=opts.dtype,
+        ropts = RenderOptions(out_dir=where.out_dir, device=opts.device, dtype=opts.dtype,
                               engine=opts.engine, compile=opts.compile)
         session = LeaseSession(job, ropts, lease, hot)
         result = session.execute()
@@ -220,20 +271,42 @@ def run_worker(opts: WorkerOptions) -> int:
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
+            where = place(lease, opts)
             with Heartbeat(client, lease, name, hot):
-                outcome = render_lease(lease, hot, opts)
+                if where.upload:
+                    fetch_twins(lease, client, opts.root.resolve() / TWINS)
+                outcome = render_lease(lease, hot, opts, where)
+                manifest = upload(client, lease, outcome, where.out_dir) if where.upload else []
             rendered += 1
-            _report(client, lease, outcome)
+            if manifest is not None:
+                _report(client, lease, outcome, manifest)
             stop.requested = stop.requested or outcome.stopped
     finally:
         client.close()
     return rendered
 
 
-def _report(client: LeaseClient, lease: dict, outcome: Outcome, tries: int = 5) -> None:
+def upload(client: LeaseClient, lease: dict, outcome: Outcome, out_dir: Path) -> list[dict] | None:
+    """Sends the lease's finished PNGs and the report to the server; returns their manifest lines (None when
+    the lease was lost meanwhile: the images are someone else's now)."""
+    records = Manifest(out_dir).records
+    paths = [p for image in lease["images"] if image["id"] in outcome.done for p in image["outputs"]]
+    for path in paths + [p for p in REPORTS if (out_dir / p).is_file()]:
+        try:
+            if not client.upload(lease["lease"], path, (out_dir / path).read_bytes()):
+                log.warning("lease %s was lost while uploading: its images went back to the queue", lease["lease"])
+                return None
+        except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (here: from the copy)
+            log.warning("uploading %s of lease %s: %s", path, lease["lease"], e)
+            return None
+    return [records[p] for p in paths if p in records]
+
+
+def _report(client: LeaseClient, lease: dict, outcome: Outcome, manifest: list[dict], tries: int = 5) -> None:
     for attempt in range(tries):
         try:
-            if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed, outcome.work):
+            if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed, outcome.work,
+                                   manifest):
                 log.warning("lease %s was lost before it completed: the server ignored its results", lease["lease"])
             return
         except httpx.HTTPError as e:
