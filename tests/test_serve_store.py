@@ -17,9 +17,9 @@ from storyboard_cli.serve.store import (BATCH_SECONDS, BUCKETS_S, IMAGE_RENDER, 
 KEY = "64x64 2 steps euler"
 
 
-def planned(job_id, n=2, priority="normal", key=KEY, fingerprint=None, batch=4, content="c") -> Planned:
+def planned(job_id, n=2, priority="normal", key=KEY, fingerprint=None, batch=4, content="c", mix=None) -> Planned:
     images = tuple(PlannedImage(i, "a", i, 10 + i, (f"a/a_c{i}_s{10 + i}.png",), key,
-                                (fingerprint or job_id) + str(i)) for i in range(n))
+                                (fingerprint or job_id) + str(i), mix or job_id) for i in range(n))
     return Planned(job_id, job_id, Path("/j") / job_id / "job.yaml", Path("/j") / job_id / "out", priority, content,
                    batch, images)
 
@@ -31,8 +31,8 @@ def store(tmp_path):
     s.close()
 
 
-def w(image, job, priority="normal", submitted=0.0, key=KEY, order=0, batch=4, fp=None):
-    return Waiting(image, job, priority, submitted, key, fp or f"{job}{image}", order, batch)
+def w(image, job, priority="normal", submitted=0.0, key=KEY, order=0, batch=4, fp=None, mix=None):
+    return Waiting(image, job, priority, submitted, key, fp or f"{job}{image}", order, batch, mix)
 
 
 def test_pick_takes_the_best_ranked_job_and_its_images_of_one_key_up_to_its_bucket():
@@ -67,7 +67,7 @@ def test_job_state_from_image_states():
 def test_lease_complete_and_job_state(store):
     store.submit(planned("j1"), None, 100, now=0)
     lease = store.lease("w", now=1, ttl=10)
-    assert [i["id"] for i in lease["images"]] == [1, 2] and lease["out_dir"] == "/j/j1/out"
+    assert [i["id"] for i in lease["images"]] == [1, 2] and lease["jobs"]["j1"]["out_dir"] == "/j/j1/out"
     assert store.lease("w2", now=1, ttl=10) is None  # the job's folder has one writer
     assert store.job("j1", 1)["state"] == JobState.RUNNING
     assert store.complete(lease["lease"], done=[1], cached=[], failed={2: "NaN"}, now=2)
@@ -216,3 +216,38 @@ def test_latencies_are_histograms_and_workers_report_their_gpu(store):
     assert s["workers"] == {"w": {"memory_allocated_bytes": 7.0}, "cpu-worker": None}
     assert store.stats(now=100, worker_window_s=60)["workers"] == {}  # not seen for a while: gone
     assert s["images_per_s"] > 0
+
+
+def test_room_left_in_a_batch_goes_to_other_jobs_of_the_same_mix():
+    waiting = [w(1, "a", order=0, batch=4, mix="m"), w(2, "b", submitted=1, mix="m"), w(3, "c", submitted=2, mix="x"),
+               w(4, "d", submitted=3, mix="m", fp="b2"), w(5, "e", submitted=4, mix="m"), w(6, "f", submitted=5, mix="m")]
+    assert [x.image for x in schedule.pick(waiting, set(), set())] == [1, 2, 5, 6]  # one per fingerprint
+    assert [x.image for x in schedule.pick(waiting, {"e"}, set())] == [1, 2, 6]  # e's folder is being written
+    assert [x.image for x in schedule.pick([w(1, "a", batch=1, mix="m"), w(2, "b", mix="m")], set(), set())] == [1]
+    assert [x.image for x in schedule.pick([w(1, "a"), w(2, "b")], set(), set())] == [1]  # no mix: alone
+
+
+def test_a_mixed_lease_holds_every_job_it_touches_until_it_completes(store):
+    store.submit(planned("j1", n=1, mix="m"), None, 100, now=0)
+    store.submit(planned("j2", n=2, mix="m"), None, 100, now=1)
+    lease = store.lease("w", now=2, ttl=5)
+    assert lease["job"] == "j1" and set(lease["jobs"]) == {"j1", "j2"}
+    assert [(i["id"], i["job"]) for i in lease["images"]] == [(1, "j1"), (2, "j2"), (3, "j2")]
+    store.submit(planned("j3", n=1, mix="m"), None, 100, now=2)
+    other = store.lease("w2", now=2, ttl=5)
+    assert set(other["jobs"]) == {"j3"}  # j2's folder has its writer
+    assert store.complete(lease["lease"], done=[1, 2], cached=[], failed={3: "NaN"}, now=3)
+    assert store.job("j1", 3)["state"] == JobState.SUCCEEDED and store.job("j2", 3)["state"] == JobState.FAILED
+    for job_id, images in (("j1", [1]), ("j2", [2, 3])):
+        rows, _ = store.events(job_id, 0)
+        running = json.loads(rows[1][2])
+        assert rows[1][1] == "running" and running["lease"] == lease["lease"] and running["images"] == images
+        assert rows[-1][1] == "end"
+    store.submit(planned("j4", n=1, mix="n"), None, 100, now=3)
+    store.submit(planned("j5", n=1, mix="n"), None, 100, now=3)
+    lost = store.lease("w", now=3, ttl=1)
+    assert set(lost["jobs"]) == {"j4", "j5"}
+    store.expire(now=10)  # its worker died: both jobs' images back to the queue, each job told
+    for job_id in ("j4", "j5"):
+        rows, _ = store.events(job_id, 0)
+        assert rows[-1][1] == "lease_lost" and store.job(job_id, 10)["images_by_state"] == {"queued": 1}

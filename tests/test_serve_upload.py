@@ -42,17 +42,16 @@ def _pixels(path):
 
 def test_a_worker_renders_in_place_only_when_it_sees_the_servers_own_job_file(tmp_path):
     served = write_job(tmp_path, JOB)
-    lease = {"job": "j1", "path": str(served), "out_dir": str(tmp_path / "out"), "job_file": "job.yaml",
-             "job_text": JOB}
-    here = place(lease, WorkerOptions("http://s", root=tmp_path / "w"))
+    job = {"path": str(served), "out_dir": str(tmp_path / "out"), "job_file": "job.yaml", "job_text": JOB}
+    here = place("j1", job, WorkerOptions("http://s", root=tmp_path / "w"))
     assert not here.upload and here.out_dir == tmp_path / "out"
-    forced = place(lease, WorkerOptions("http://s", root=tmp_path / "w", upload=True))
+    forced = place("j1", job, WorkerOptions("http://s", root=tmp_path / "w", upload=True))
     assert forced.upload and forced.out_dir == (tmp_path / "w" / "jobs" / "j1" / "out").resolve()
     assert forced.job_file.read_text() == JOB
-    elsewhere = place({**lease, "path": "/nowhere/job.yaml"}, WorkerOptions("http://s", root=tmp_path / "w"))
+    elsewhere = place("j1", {**job, "path": "/nowhere/job.yaml"}, WorkerOptions("http://s", root=tmp_path / "w"))
     assert elsewhere.upload  # the server's folder is not visible here
     served.write_text(JOB + "# edited\n")
-    assert place(lease, WorkerOptions("http://s", root=tmp_path / "w")).upload  # another file at that path
+    assert place("j1", job, WorkerOptions("http://s", root=tmp_path / "w")).upload  # another file at that path
 
 
 def test_uploads_are_confined_to_the_lease_and_dropped_once_it_is_lost(tmp_path):
@@ -61,9 +60,9 @@ def test_uploads_are_confined_to_the_lease_and_dropped_once_it_is_lost(tmp_path)
     with TestClient(app) as c:
         job = c.post("/v1/jobs", content=JOB, headers=YAML).json()
         lease = c.post("/v1/leases", json={"worker": "w"}).json()
-        assert lease["job_text"] == JOB and lease["job_file"] == "job.yaml"
+        assert lease["jobs"][job["id"]]["job_text"] == JOB and lease["jobs"][job["id"]]["job_file"] == "job.yaml"
         mine = lease["images"][0]["outputs"][0]
-        url = f"/v1/leases/{lease['lease']}/files/"
+        url = f"/v1/leases/{lease['lease']}/files/{job['id']}/"
         assert c.put(url + mine, content=b"png").status_code == 200
         out = tmp_path / "root" / "jobs" / job["id"] / "out"
         assert (out / mine).read_bytes() == b"png"
@@ -71,13 +70,15 @@ def test_uploads_are_confined_to_the_lease_and_dropped_once_it_is_lost(tmp_path)
             r = c.put(url + foreign, content=b"x")
             assert r.status_code in (404, 422), foreign
         assert (tmp_path / "root" / "jobs" / job["id"] / "job.yaml").read_text() == JOB
+        assert c.put(f"/v1/leases/{lease['lease']}/files/other/{mine}", content=b"x").status_code == 422
         line = {"path": mine, "shot": "a"}
-        bad = c.post(f"/v1/leases/{lease['lease']}/complete", json={"done": [], "manifest": [{"path": "b/x.png"}]})
-        assert bad.status_code == 422
+        for manifest in ({job["id"]: [{"path": "b/x.png"}]}, {"other": [line]}):
+            bad = c.post(f"/v1/leases/{lease['lease']}/complete", json={"done": [], "manifest": manifest})
+            assert bad.status_code == 422
         t[0] = 100.0  # the lease expires
         assert c.put(url + mine, content=b"late").status_code == 410
         late = c.post(f"/v1/leases/{lease['lease']}/complete",
-                      json={"done": [lease["images"][0]["id"]], "manifest": [line]})
+                      json={"done": [lease["images"][0]["id"]], "manifest": {job["id"]: [line]}})
         assert late.status_code == 410 and not (out / MANIFEST).exists()
         assert (out / mine).read_bytes() == b"png"
 

@@ -192,22 +192,24 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         got = store.lease(str(body.get("worker", "?")), clock(), settings.lease_s, _gpu(body))
         if got is None:
             return Response(status_code=204)
-        job_file = Path(got["path"])  # for a worker that does not share the server's filesystem
-        got["job_file"], got["job_text"] = job_file.name, job_file.read_text(encoding="utf-8")
+        for job in got["jobs"].values():  # for a worker that does not share the server's filesystem
+            job["job_file"], job["job_text"] = Path(job["path"]).name, Path(job["path"]).read_text(encoding="utf-8")
         for image in got["images"]:
             image["twin_url"] = f"/v1/jobs/{image['twin_of'][0]}/files/{image['twin_of'][1]}" if image["twin_of"] \
                 else None
         return got
 
-    @app.put("/v1/leases/{lease_id}/files/{path:path}")
-    async def upload(lease_id: str, path: str, request: Request):
-        """A worker without the server's filesystem sends a PNG of its lease (or its report)."""
+    @app.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}")
+    async def upload(lease_id: str, job_id: str, path: str, request: Request):
+        """A worker without the server's filesystem sends a PNG of its lease (or a job's report)."""
         held = store.lease_outputs(lease_id, clock())
         if held is None:
             return problem(410, "lease lost", "the lease expired; its images went back to the queue")
+        if job_id not in held:
+            return problem(422, "not this lease's job", f"the lease holds no image of job {job_id!r}")
         data = await request.body()
         try:
-            await run_in_threadpool(uploads.store_file, held[2], held[3], path, data)
+            await run_in_threadpool(uploads.store_file, held[job_id][1], held[job_id][2], path, data)
         except BadInput as e:
             return problem(422, "not this lease's file", str(e))
         return {"stored": path}
@@ -231,7 +233,11 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                 store.count(LATE)
                 return problem(410, "lease lost", "the lease expired before this completion; it is ignored")
             try:
-                await run_in_threadpool(uploads.record, held[2], held[1], held[3], list(body["manifest"]))
+                for job_id, lines in dict(body["manifest"]).items():
+                    if job_id not in held:
+                        raise BadInput(f"the lease holds no image of job {job_id!r}")
+                    await run_in_threadpool(uploads.record, held[job_id][1], held[job_id][0], held[job_id][2],
+                                            list(lines))
             except BadInput as e:
                 return problem(422, "bad manifest", str(e))
         ok = store.complete(lease_id, [int(i) for i in body.get("done", [])], [int(i) for i in body.get("cached", [])],

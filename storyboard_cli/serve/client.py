@@ -173,18 +173,18 @@ class LeaseClient:
         return self.http.post(f"/v1/leases/{lease_id}/heartbeat", json={"worker": worker, "gpu": gpu}).status_code == 200
 
     def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str],
-                 work: dict | None = None, manifest: list[dict] | None = None) -> bool:
+                 work: dict | None = None, manifest: dict[str, list] | None = None) -> bool:
         """`work`: batches (shape, images, seconds), out_of_memory, model_loads, as the worker measured them;
-        `manifest`: the lines of the outputs it uploaded."""
+        `manifest`: the lines of the outputs it uploaded, by job."""
         r = self.http.post(f"/v1/leases/{lease_id}/complete",
                            json={"done": done, "cached": cached, "failed": failed, **(work or {}),
-                                 "manifest": manifest or []})
+                                 "manifest": manifest or {}})
         return r.status_code == 200
 
-    def upload(self, lease_id: str, path: str, data: bytes) -> bool:
-        """One output file of the lease, for a server whose filesystem this worker does not share; False when
-        the lease is gone."""
-        r = self.http.put(f"/v1/leases/{lease_id}/files/{path}", content=data,
+    def upload(self, lease_id: str, job_id: str, path: str, data: bytes) -> bool:
+        """One output file of the lease (of one of its jobs), for a server whose filesystem this worker does
+        not share; False when the lease is gone."""
+        r = self.http.put(f"/v1/leases/{lease_id}/files/{job_id}/{path}", content=data,
                           headers={"Content-Type": "application/octet-stream"})
         if r.status_code == 410:
             return False

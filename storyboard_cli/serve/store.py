@@ -35,7 +35,7 @@ CREATE TABLE IF NOT EXISTS images (
   id INTEGER PRIMARY KEY, job TEXT NOT NULL REFERENCES jobs(id), ord INTEGER NOT NULL, shot TEXT NOT NULL,
   k INTEGER NOT NULL, seed INTEGER NOT NULL, outputs TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
   state TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, lease TEXT, reason TEXT, cached INTEGER NOT NULL DEFAULT 0,
-  done REAL);
+  done REAL, mix TEXT);
 CREATE INDEX IF NOT EXISTS images_state ON images(state);
 CREATE INDEX IF NOT EXISTS images_job ON images(job);
 CREATE INDEX IF NOT EXISTS images_fingerprint ON images(fingerprint, state);
@@ -91,6 +91,8 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        if "mix" not in {r["name"] for r in self.db.execute("PRAGMA table_info(images)")}:  # a queue of v1
+            self.db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
 
     def close(self) -> None:
         self.db.close()
@@ -192,10 +194,10 @@ class Store:
                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                    (job.id, key, job.content_hash, job.name, str(job.path), str(job.out_dir), job.priority, now,
                     job.batch))
-        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state)"
-                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state, mix)"
+                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        [(job.id, i.order, i.shot, i.k, i.seed, json.dumps(i.outputs), i.key, i.fingerprint,
-                         ImageState.QUEUED) for i in job.images])
+                         ImageState.QUEUED, i.mix) for i in job.images])
         self._event(db, job.id, "queued", now, priority=job.priority)
 
     def _depth(self, db) -> int:
@@ -212,22 +214,22 @@ class Store:
     # leases
 
     def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None) -> dict | None:
-        """The next batch for `worker`, or None when nothing is free."""
+        """The next batch for `worker`, or None when nothing is free: `job` (the head job, the best ranked),
+        `jobs` (each job of the batch: its job file and output folder), `images` (each with its job)."""
         with self._tx() as db:
             self._seen(db, worker, gpu, now)
             self._expire(db, now)
-            rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, j.priority, j.submitted, j.batch "
-                              "FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?", (ImageState.QUEUED,))
+            rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, i.mix, j.priority, j.submitted, "
+                              "j.batch FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?",
+                              (ImageState.QUEUED,))
             waiting = [Waiting(r["id"], r["job"], r["priority"], r["submitted"], r["key"], r["fingerprint"], r["ord"],
-                               r["batch"]) for r in rows]
-            busy_jobs = {r[0] for r in db.execute("SELECT job FROM leases")}
-            busy_fps = {r[0] for r in db.execute("SELECT fingerprint FROM images WHERE state = ?",
-                                                 (ImageState.LEASED,))}
-            picked = schedule.pick(waiting, busy_jobs, busy_fps)
+                               r["batch"], r["mix"]) for r in rows]
+            busy = db.execute("SELECT job, fingerprint FROM images WHERE state = ?", (ImageState.LEASED,)).fetchall()
+            picked = schedule.pick(waiting, {r[0] for r in busy}, {r[1] for r in busy})
             if not picked:
                 return None
-            lease_id, job_id = uuid.uuid4().hex, picked[0].job
-            db.execute("INSERT INTO leases VALUES (?, ?, ?, ?)", (lease_id, worker, job_id, now + ttl))
+            lease_id, head = uuid.uuid4().hex, picked[0].job
+            db.execute("INSERT INTO leases VALUES (?, ?, ?, ?)", (lease_id, worker, head, now + ttl))
             ids = [w.image for w in picked]
             for image, attempts, submitted in db.execute(
                     f"SELECT i.id, i.attempts, j.submitted FROM images i JOIN jobs j ON j.id = i.job "
@@ -238,14 +240,18 @@ class Store:
                     self._observe(db, QUEUE_WAIT, "", now - submitted)
             db.executemany("UPDATE images SET state = ?, lease = ?, attempts = attempts + 1 WHERE id = ?",
                            [(ImageState.LEASED, lease_id, i) for i in ids])
-            job = db.execute("SELECT path, out_dir FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            images = []
-            for i in ids:
-                r = db.execute("SELECT outputs, fingerprint FROM images WHERE id = ?", (i,)).fetchone()
-                images.append({"id": i, "outputs": json.loads(r["outputs"]), **self._twin(db, r["fingerprint"])})
-            self._event(db, job_id, "running", now, worker=worker, images=ids)
-            return {"lease": lease_id, "job": job_id, "path": job["path"], "out_dir": job["out_dir"],
-                    "expires": now + ttl, "ttl": ttl, "images": images}
+            images, jobs = [], {}
+            for w in picked:
+                r = db.execute("SELECT outputs, fingerprint FROM images WHERE id = ?", (w.image,)).fetchone()
+                images.append({"id": w.image, "job": w.job, "outputs": json.loads(r["outputs"]),
+                               **self._twin(db, r["fingerprint"])})
+                if w.job not in jobs:
+                    job = db.execute("SELECT path, out_dir FROM jobs WHERE id = ?", (w.job,)).fetchone()
+                    jobs[w.job] = {"path": job["path"], "out_dir": job["out_dir"]}
+            for job_id in jobs:
+                self._event(db, job_id, "running", now, worker=worker, lease=lease_id,
+                            images=[w.image for w in picked if w.job == job_id])
+            return {"lease": lease_id, "job": head, "jobs": jobs, "expires": now + ttl, "ttl": ttl, "images": images}
 
     def _twin(self, db, fingerprint: str) -> dict:
         """A PNG already rendered with this fingerprint (any job), which the worker copies instead of
@@ -257,18 +263,19 @@ class Store:
         first = json.loads(row["outputs"])[0]
         return {"twin": str(Path(row["out_dir"]) / first), "twin_of": [row["id"], first]}
 
-    def lease_outputs(self, lease_id: str, now: float) -> tuple[str, Path, Path, set[str]] | None:
-        """A live lease's job id, job file, output folder and the output paths of its images; None when it
-        is gone (expired now, or before)."""
+    def lease_outputs(self, lease_id: str, now: float) -> dict[str, tuple[Path, Path, set[str]]] | None:
+        """A live lease's jobs: for each, its job file, its output folder and the output paths of the lease's
+        images; None when the lease is gone (expired now, or before)."""
         with self._tx() as db:
             self._expire(db, now)
-            row = self.db.execute("SELECT j.id, j.path, j.out_dir FROM leases l JOIN jobs j ON j.id = l.job "
-                                  "WHERE l.id = ?", (lease_id,)).fetchone()
-            if row is None:
+            if db.execute("SELECT 1 FROM leases WHERE id = ?", (lease_id,)).fetchone() is None:
                 return None
-            outputs = {p for (o,) in self.db.execute("SELECT outputs FROM images WHERE lease = ?", (lease_id,))
-                       for p in json.loads(o)}
-        return row["id"], Path(row["path"]), Path(row["out_dir"]), outputs
+            held: dict[str, tuple[Path, Path, set[str]]] = {}
+            for job_id, path, out_dir, outputs in db.execute(
+                    "SELECT j.id, j.path, j.out_dir, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
+                    "WHERE i.lease = ?", (lease_id,)):
+                held.setdefault(job_id, (Path(path), Path(out_dir), set()))[2].update(json.loads(outputs))
+        return held
 
     def heartbeat(self, lease_id: str, now: float, ttl: float, worker: str | None = None,
                   gpu: dict | None = None) -> bool:
@@ -286,12 +293,12 @@ class Store:
         work = work or Work()
         with self._tx() as db:
             self._expire(db, now)
-            lease = db.execute("SELECT job FROM leases WHERE id = ?", (lease_id,)).fetchone()
-            if lease is None:
+            if db.execute("SELECT 1 FROM leases WHERE id = ?", (lease_id,)).fetchone() is None:
                 self._count(db, LATE)
                 return False
-            canceled = db.execute("SELECT canceled FROM jobs WHERE id = ?", (lease["job"],)).fetchone()[0]
-            for (image,) in db.execute("SELECT id FROM images WHERE lease = ?", (lease_id,)).fetchall():
+            held = db.execute("SELECT i.id, i.job, j.canceled FROM images i JOIN jobs j ON j.id = i.job "
+                              "WHERE i.lease = ?", (lease_id,)).fetchall()
+            for image, _, canceled in held:
                 if image in done:
                     db.execute("UPDATE images SET state = ?, cached = ?, done = ?, lease = NULL WHERE id = ?",
                                (ImageState.DONE, image in cached, now, image))
@@ -302,33 +309,39 @@ class Store:
                     db.execute("UPDATE images SET state = ?, attempts = attempts - 1, lease = NULL WHERE id = ?",
                                (ImageState.CANCELED if canceled else ImageState.QUEUED, image))
             db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
-            self._count(db, RENDERED, len(set(done) - set(cached)))
-            self._count(db, CACHED, len(set(cached) & set(done)))
-            self._count(db, FAILED, len(failed))
+            held_ids = {r[0] for r in held}
+            done_, cached_ = set(done) & held_ids, set(cached) & set(done) & held_ids
+            self._count(db, RENDERED, len(done_ - cached_))
+            self._count(db, CACHED, len(cached_))
+            self._count(db, FAILED, len(set(failed) & held_ids))
             self._count(db, OOMS, work.out_of_memory)
             self._count(db, MODEL_LOADS, work.model_loads)
             for shape, images, seconds in work.batches:
                 self._observe(db, BATCH_SECONDS, shape, seconds)
                 for _ in range(images):
                     self._observe(db, IMAGE_RENDER, "", seconds / images)
-            self._event(db, lease["job"], "images", now, done=sorted(set(done) - set(cached)),
-                        cached=sorted(set(cached) & set(done)), failed={str(k): v for k, v in failed.items()})
-            self._finished(db, lease["job"], now)
+            for job_id in dict.fromkeys(r[1] for r in held):
+                mine = {r[0] for r in held if r[1] == job_id}
+                self._event(db, job_id, "images", now, done=sorted((done_ - cached_) & mine),
+                            cached=sorted(cached_ & mine),
+                            failed={str(k): v for k, v in failed.items() if k in mine})
+                self._finished(db, job_id, now)
             return True
 
     def _expire(self, db, now: float) -> None:
-        for lease in db.execute("SELECT id, job FROM leases WHERE expires < ?", (now,)).fetchall():
+        for (lease_id,) in db.execute("SELECT id FROM leases WHERE expires < ?", (now,)).fetchall():
+            held = db.execute("SELECT id, job, attempts FROM images WHERE lease = ?", (lease_id,)).fetchall()
             db.execute("UPDATE images SET state = ?, reason = ?, done = ?, lease = NULL WHERE lease = ? "
                        "AND attempts >= ?", (ImageState.FAILED, f"its worker was lost {MAX_ATTEMPTS} times", now,
-                                             lease["id"], MAX_ATTEMPTS))
-            failed = db.execute("SELECT changes()").fetchone()[0]
-            requeued = [r[0] for r in db.execute("SELECT id FROM images WHERE lease = ?", (lease["id"],))]
-            db.execute("UPDATE images SET state = ?, lease = NULL WHERE lease = ?", (ImageState.QUEUED, lease["id"]))
-            db.execute("DELETE FROM leases WHERE id = ?", (lease["id"],))
+                                             lease_id, MAX_ATTEMPTS))
+            db.execute("UPDATE images SET state = ?, lease = NULL WHERE lease = ?", (ImageState.QUEUED, lease_id))
+            db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
             self._count(db, EXPIRED)
-            self._count(db, FAILED, failed)
-            self._event(db, lease["job"], "lease_lost", now, requeued=requeued)
-            self._finished(db, lease["job"], now)
+            self._count(db, FAILED, sum(r["attempts"] >= MAX_ATTEMPTS for r in held))
+            for job_id in dict.fromkeys(r["job"] for r in held):
+                self._event(db, job_id, "lease_lost", now,
+                            requeued=[r["id"] for r in held if r["job"] == job_id and r["attempts"] < MAX_ATTEMPTS])
+                self._finished(db, job_id, now)
 
     def _finished(self, db, job_id: str, now: float) -> None:
         """Stamps a job whose last image just ended (once), and ends its event stream."""

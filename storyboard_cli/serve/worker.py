@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,8 +24,10 @@ import numpy as np
 
 from storyboard_cli.errors import Status, StoryboardError, one_line
 from storyboard_cli.folder.outputs import Manifest, atomic_write
+from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.file import Job, load_job
-from storyboard_cli.run.render import RenderOptions, RenderSession
+from storyboard_cli.job.plan import make_batches
+from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
 from storyboard_cli.serve.client import LeaseClient
 from storyboard_cli.serve.intake import JOBS, OUT
 from storyboard_cli.serve.uploads import REPORTS
@@ -74,12 +77,18 @@ class Outcome:
 
 
 class LeaseSession(RenderSession):
-    def __init__(self, job: Job, opts: RenderOptions, lease: dict, hot: Hot):
+    """One job's part of a lease: a RenderSession on its folder whose pending images are cut to the leased
+    ones. The head session (the lease's first job) renders; the riders (other jobs' images in the same
+    batches) only open their folder and sink, and the head's policy delivers their images to them."""
+
+    def __init__(self, job: Job, opts: RenderOptions, images: list[dict], hot: Hot):
         super().__init__(job, opts, None, hot.models, hot.engine)
-        self.mine = {p for image in lease["images"] for p in image["outputs"]}
-        self.twins = {image["outputs"][0]: image["twin"] for image in lease["images"] if image["twin"]}
+        self.images = images
+        self.mine = {p for image in images for p in image["outputs"]}
+        self.twins = {image["outputs"][0]: image["twin"] for image in images if image["twin"]}
         self.copied: set[str] = set()
         self.timed: list[dict] = []  # per rendered batch: shape, images, seconds
+        self.riders: list[LeaseSession] = []
 
     def find_pending(self):
         pending, manifest = super().find_pending()
@@ -87,22 +96,75 @@ class LeaseSession(RenderSession):
                          for i in pending.items if self.mine.intersection(i.outputs)]
         return pending, manifest
 
-    def work(self):
-        for batch in self.batches:
-            rest = []
-            for item in batch.items:
-                pixels = _pixels(self.twins.get(item.outputs[0]))
-                if pixels is None:
-                    rest.append(item)
-                else:
-                    self.sink.submit(item, pixels, CACHED_BUCKET)
-                    self.copied.update(item.outputs)
-            if rest:
-                t0 = time.perf_counter()
-                yield replace(batch, items=tuple(rest))  # rendered before the loop asks for the next one
-                self.timed.append({"shape": f"{batch.key.width}x{batch.key.height}", "images": len(rest),
-                                   "seconds": round(time.perf_counter() - t0, 4)})
+    def ride(self) -> None:
+        """A rider's part of `prepare`: its folder reconciled and its sink open (no models)."""
+        manifest = self.prepare_folder()
+        if self.pending.items:
+            self.sink = self.open_sink(manifest)
 
+    def prepare(self, stop=None) -> None:
+        super().prepare(stop)
+        if self.policy is not None and self.riders:
+            self.policy.sink = Router(self.sink, {id(i): r.sink for r in self.riders for i in r.pending.items})
+
+    def work(self):
+        mine = [(i, self) for batch in self.batches for i in batch.items]
+        rest = [item for item, owner in mine + [(i, r) for r in self.riders for i in r.pending.items]
+                if not owner.copy_twin(item)]
+        for batch in make_batches(rest, self.job.buckets):
+            t0 = time.perf_counter()
+            yield batch  # rendered before the loop asks for the next one
+            self.timed.append({"shape": f"{batch.key.width}x{batch.key.height}", "images": len(batch.items),
+                               "seconds": round(time.perf_counter() - t0, 4)})
+
+    def copy_twin(self, item) -> bool:
+        """Writes the item from its twin's PNG, if it has one that can be read."""
+        pixels = _pixels(self.twins.get(item.outputs[0]))
+        if pixels is None:
+            return False
+        self.sink.submit(item, pixels, CACHED_BUCKET)
+        self.copied.update(item.outputs)
+        return True
+
+
+class Router:
+    """The sink a mixed batch is delivered to: each image goes to its own job's sink (the head's when it is
+    the head's)."""
+
+    def __init__(self, head: OutputSink, riders: dict[int, OutputSink]):
+        self.head, self.riders = head, riders
+
+    def _sink(self, item) -> OutputSink:
+        return self.riders.get(id(item), self.head)
+
+    def submit(self, item, pixels, bucket: str) -> None:
+        self._sink(item).submit(item, pixels, bucket)
+
+    def fail(self, items, reason: str) -> None:
+        for item in items:
+            self._sink(item).fail([item], reason)
+
+
+def render_together(head: LeaseSession, riders: list[LeaseSession]) -> dict[LeaseSession, RenderResult]:
+    """The head's render with the riders' images in its batches: each rider's folder locked and its sink open
+    for the whole render; its manifest, report and sheet finished after."""
+    with ExitStack() as held:
+        for rider in riders:
+            held.enter_context(rider.lock())
+            rider.ride()
+        head.riders = [r for r in riders if r.sink is not None]
+        try:
+            results = {head: head.execute()}
+        except BaseException:
+            for rider in head.riders:
+                rider._close_writer(cancel=True, after_error=True)
+            raise
+        status = Status.INTERRUPTED if results[head].status == Status.INTERRUPTED else Status.DONE
+        for rider in riders:
+            if rider.sink is not None:
+                rider.sink.close()
+            results[rider] = rider.finish(status)
+    return results
 
 def _pixels(path: str | None) -> np.ndarray | None:
     """The twin's pixels (uint8 [H, W, 3]); None when there is none or it is gone."""
@@ -127,17 +189,17 @@ class Place:
     upload: bool
 
 
-def place(lease: dict, opts: WorkerOptions) -> Place:
-    """The server's job folder when this worker sees the very job file the server saved (and --upload is
-    off); else a copy under the worker's --root."""
-    server_file = Path(lease["path"])
-    if not opts.upload and _reads(server_file) == lease["job_text"]:
-        return Place(server_file, Path(lease["out_dir"]), False)
-    folder = opts.root.resolve() / JOBS / lease["job"]
-    job_file = folder / lease["job_file"]
-    if _reads(job_file) != lease["job_text"]:
+def place(job_id: str, job: dict, opts: WorkerOptions) -> Place:
+    """Where one job of a lease renders: the server's job folder when this worker sees the very job file the
+    server saved (and --upload is off); else a copy under the worker's --root."""
+    server_file = Path(job["path"])
+    if not opts.upload and _reads(server_file) == job["job_text"]:
+        return Place(server_file, Path(job["out_dir"]), False)
+    folder = opts.root.resolve() / JOBS / job_id
+    job_file = folder / job["job_file"]
+    if _reads(job_file) != job["job_text"]:
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(job_file, lease["job_text"].encode())
+        atomic_write(job_file, job["job_text"].encode())
     return Place(job_file, folder / OUT, True)
 
 
@@ -148,11 +210,11 @@ def _reads(path: Path) -> str | None:
         return None
 
 
-def fetch_twins(lease: dict, client: LeaseClient, folder: Path) -> None:
+def fetch_twins(lease: dict, places: dict[str, Place], client: LeaseClient, folder: Path) -> None:
     """An uploading worker cannot read the server's copy of a twin: it downloads it (or renders the image
     when that fails)."""
     for image in lease["images"]:
-        if image["twin_url"]:
+        if image["twin_url"] and places[image["job"]].upload:
             data = client.download(image["twin_url"])
             local = folder / f"{image['id']}.png"
             if data is not None:
@@ -160,36 +222,47 @@ def fetch_twins(lease: dict, client: LeaseClient, folder: Path) -> None:
             image["twin"] = str(local) if data is not None else None
 
 
-def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, where: Place | None = None) -> Outcome:
-    """Renders one lease into its job's folder (or this worker's copy); which of its images landed, failed
-    or are left."""
-    images, out = lease["images"], Outcome()
-    where = where or Place(Path(lease["path"]), Path(lease["out_dir"]), False)
-    try:
-        job = load_job(where.job_file)
-        hot.for_job(job)
-        ropts = RenderOptions(out_dir=where.out_dir, device=opts.device, dtype=opts.dtype,
-                              engine=opts.engine, compile=opts.compile)
-        session = LeaseSession(job, ropts, lease, hot)
-        result = session.execute()
-    except StoryboardError as e:
-        out.failed = {image["id"]: one_line(e) for image in images}
+def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, Place] | None = None) -> Outcome:
+    """Renders one lease into its jobs' folders (or this worker's copies); which of its images landed,
+    failed or are left."""
+    out = Outcome()
+    places = places or {j: Place(Path(v["path"]), Path(v["out_dir"]), False) for j, v in lease["jobs"].items()}
+    sessions: dict[str, LeaseSession] = {}
+    for job_id in sorted(lease["jobs"], key=lambda j: j != lease["job"]):  # the head first: it picks the models
+        images = [i for i in lease["images"] if i["job"] == job_id]
+        try:
+            job = load_job(places[job_id].job_file)
+            if job_id == lease["job"]:
+                hot.for_job(job)
+            ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
+                                  engine=opts.engine, compile=opts.compile)
+            sessions[job_id] = LeaseSession(job, ropts, images, hot)
+        except StoryboardError as e:
+            out.failed.update({image["id"]: one_line(e) for image in images})
+    head = sessions.pop(lease["job"], None)
+    if head is None:  # the riders' images go back to the queue
         return out
-    out.work = {"batches": session.timed, "out_of_memory": session.policy.out_of_memory if session.policy else 0,
-                "model_loads": int(hot.models is None and session.models is not None)}
-    if session.models is not None:
-        hot.models, hot.engine = session.models, session.engine
-    failed = {f["path"]: f["reason"] for f in result.failed}
-    for image in images:
-        paths = image["outputs"]
-        reason = next((failed[p] for p in paths if p in failed), None)
-        if reason is not None:
-            out.failed[image["id"]] = reason
-        elif all((result.out_dir / p).is_file() for p in paths):
-            out.done.append(image["id"])
-            if session.copied.issuperset(paths):
-                out.cached.append(image["id"])
-    out.stopped = result.status == Status.INTERRUPTED
+    try:
+        results = render_together(head, list(sessions.values()))
+    except StoryboardError as e:
+        out.failed.update({image["id"]: one_line(e) for image in lease["images"]})
+        return out
+    out.work = {"batches": head.timed, "out_of_memory": head.policy.out_of_memory if head.policy else 0,
+                "model_loads": int(hot.models is None and head.models is not None)}
+    if head.models is not None:
+        hot.models, hot.engine = head.models, head.engine
+    for session, result in results.items():
+        failed = {f["path"]: f["reason"] for f in result.failed}
+        for image in session.images:
+            paths = image["outputs"]
+            reason = next((failed[p] for p in paths if p in failed), None)
+            if reason is not None:
+                out.failed[image["id"]] = reason
+            elif all((result.out_dir / p).is_file() for p in paths):
+                out.done.append(image["id"])
+                if session.copied.issuperset(paths):
+                    out.cached.append(image["id"])
+    out.stopped = results[head].status == Status.INTERRUPTED
     return out
 
 
@@ -271,12 +344,11 @@ def run_worker(opts: WorkerOptions) -> int:
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
-            where = place(lease, opts)
+            places = {job_id: place(job_id, job, opts) for job_id, job in lease["jobs"].items()}
             with Heartbeat(client, lease, name, hot):
-                if where.upload:
-                    fetch_twins(lease, client, opts.root.resolve() / TWINS)
-                outcome = render_lease(lease, hot, opts, where)
-                manifest = upload(client, lease, outcome, where.out_dir) if where.upload else []
+                fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
+                outcome = render_lease(lease, hot, opts, places)
+                manifest = upload(client, lease, outcome, places)
             rendered += 1
             if manifest is not None:
                 _report(client, lease, outcome, manifest)
@@ -286,23 +358,29 @@ def run_worker(opts: WorkerOptions) -> int:
     return rendered
 
 
-def upload(client: LeaseClient, lease: dict, outcome: Outcome, out_dir: Path) -> list[dict] | None:
-    """Sends the lease's finished PNGs and the report to the server; returns their manifest lines (None when
-    the lease was lost meanwhile: the images are someone else's now)."""
-    records = Manifest(out_dir).records
-    paths = [p for image in lease["images"] if image["id"] in outcome.done for p in image["outputs"]]
-    for path in paths + [p for p in REPORTS if (out_dir / p).is_file()]:
-        try:
-            if not client.upload(lease["lease"], path, (out_dir / path).read_bytes()):
-                log.warning("lease %s was lost while uploading: its images went back to the queue", lease["lease"])
+def upload(client: LeaseClient, lease: dict, outcome: Outcome, places: dict[str, Place]) -> dict[str, list] | None:
+    """Sends the finished PNGs and the report of each job rendered in a copy to the server; returns their
+    manifest lines by job (None when the lease was lost meanwhile: the images are someone else's now)."""
+    lines = {}
+    for job_id, where in places.items():
+        if not where.upload:
+            continue
+        records = Manifest(where.out_dir).records
+        paths = [p for image in lease["images"] if image["job"] == job_id and image["id"] in outcome.done
+                 for p in image["outputs"]]
+        for path in paths + [p for p in REPORTS if (where.out_dir / p).is_file()]:
+            try:
+                if not client.upload(lease["lease"], job_id, path, (where.out_dir / path).read_bytes()):
+                    log.warning("lease %s was lost while uploading: its images went back to the queue", lease["lease"])
+                    return None
+            except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (from the copy)
+                log.warning("uploading %s of lease %s: %s", path, lease["lease"], e)
                 return None
-        except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (here: from the copy)
-            log.warning("uploading %s of lease %s: %s", path, lease["lease"], e)
-            return None
-    return [records[p] for p in paths if p in records]
+        lines[job_id] = [records[p] for p in paths if p in records]
+    return lines
 
 
-def _report(client: LeaseClient, lease: dict, outcome: Outcome, manifest: list[dict], tries: int = 5) -> None:
+def _report(client: LeaseClient, lease: dict, outcome: Outcome, manifest: dict[str, list], tries: int = 5) -> None:
     for attempt in range(tries):
         try:
             if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed, outcome.work,
