@@ -83,6 +83,7 @@ def test_uploads_are_confined_to_the_lease_and_dropped_once_it_is_lost(tmp_path)
         assert (out / mine).read_bytes() == b"png"
 
 
+@pytest.mark.slow  # a server and a rendering worker process: 8-14 s on 2 cores
 def test_a_worker_with_another_root_uploads_what_a_shared_worker_would_write(tmp_path, tiny_cpu):
     path = write_job(tmp_path, JOB)
     server = Server(tmp_path / "root", free_port())
