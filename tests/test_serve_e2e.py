@@ -86,7 +86,7 @@ def server(tmp_path):
         s.kill_everything()
 
 
-def _pixels(path):
+def pixels(path):
     return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
 
 
@@ -102,7 +102,7 @@ def test_a_job_through_serve_equals_bcg_render_and_sigterm_exits_0(server, tmp_p
     names = sorted(p.relative_to(ref).as_posix() for p in ref.rglob("*.png"))
     assert names == sorted(p.relative_to(served).as_posix() for p in served.rglob("*.png"))
     for name in names:
-        assert np.abs(_pixels(served / name) - _pixels(ref / name)).max() == 0, name
+        assert np.abs(pixels(served / name) - pixels(ref / name)).max() == 0, name
     records = [json.loads(line) for line in (served / MANIFEST).read_text().splitlines()]
     assert sorted(r["path"] for r in records) == sorted(n for n in names if "/thumbs/" not in n)
     png = httpx.get(job["images"][0]["urls"][0]).content

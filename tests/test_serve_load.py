@@ -16,7 +16,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from storyboard_cli.folder.layout import MANIFEST
@@ -25,7 +24,7 @@ from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve.store import DB
 
 from conftest import ROOT, write_job
-from test_serve_e2e import Server, free_port
+from test_serve_e2e import Server, pixels, free_port
 
 JOB = """version: 1
 model: tiny
@@ -170,8 +169,7 @@ def test_a_worker_killed_mid_batch_loses_its_lease_and_the_job_still_succeeds(tm
         assert sorted(lines) == sorted(p for i in job["images"] for p in i["outputs"])  # each image once
         ref = render(load_job(path), RenderOptions(out_dir=tmp_path / "ref"), models=tiny_cpu).out_dir
         for name in lines:
-            a = np.asarray(Image.open(out / name), dtype=np.int16)
-            assert np.abs(a - np.asarray(Image.open(ref / name), dtype=np.int16)).max() == 0, name
+            assert np.abs(pixels(out / name) - pixels(ref / name)).max() == 0, name
     finally:
         for w in workers:
             if w.poll() is None:

@@ -12,7 +12,6 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from storyboard_cli.folder.layout import MANIFEST, REPORT_JSON
@@ -20,7 +19,7 @@ from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
 
 from conftest import ROOT, write_job
-from test_serve_e2e import Server, free_port
+from test_serve_e2e import Server, pixels, free_port
 
 HEAD = """version: 1
 model: tiny
@@ -40,10 +39,6 @@ YAML = {"Content-Type": "application/yaml"}
 
 def _count(families, name):
     return next(s.value for s in families[name].samples if s.name == name + "_count")
-
-
-def _pixels(path):
-    return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
 
 
 @pytest.mark.slow  # a server and a rendering worker process: 8-14 s on 2 cores
@@ -77,7 +72,7 @@ def test_two_jobs_share_a_batch_and_each_png_equals_its_solo_render(tmp_path, ti
             served = server.root / "jobs" / job_id / "out"
             pngs = sorted(p.relative_to(alone).as_posix() for p in alone.glob("*/*.png"))
             assert pngs == sorted(p.relative_to(served).as_posix() for p in served.glob("*/*.png")) and len(pngs) == 1
-            assert np.abs(_pixels(served / pngs[0]) - _pixels(alone / pngs[0])).max() == 0, name
+            assert np.abs(pixels(served / pngs[0]) - pixels(alone / pngs[0])).max() == 0, name
             assert [json.loads(x)["path"] for x in (served / MANIFEST).read_text().splitlines()] == pngs
             assert json.loads((served / REPORT_JSON).read_text())["images_rendered"] == 1
     finally:

@@ -8,13 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from PIL import Image
 
 from storyboard_cli.folder.layout import INDEX, MANIFEST, REPORT_JSON
 from storyboard_cli.job.file import load_job
@@ -23,7 +21,7 @@ from storyboard_cli.serve.api import Settings, create_app
 from storyboard_cli.serve.worker import WorkerOptions, place
 
 from conftest import ROOT, write_job
-from test_serve_e2e import Server, free_port
+from test_serve_e2e import Server, pixels, free_port
 
 JOB = """version: 1
 model: tiny
@@ -34,10 +32,6 @@ shots:
   - {id: b, prompt: a tower, seed: 7, candidates: 1}
 """
 YAML = {"Content-Type": "application/yaml"}
-
-
-def _pixels(path):
-    return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
 
 
 def test_a_worker_renders_in_place_only_when_it_sees_the_servers_own_job_file(tmp_path):
@@ -100,7 +94,7 @@ def test_a_worker_with_another_root_uploads_what_a_shared_worker_would_write(tmp
         names = sorted(p.relative_to(ref).as_posix() for p in ref.glob("*/*.png"))
         assert names == sorted(p.relative_to(served).as_posix() for p in served.glob("*/*.png"))
         for name in names:
-            assert np.abs(_pixels(served / name) - _pixels(ref / name)).max() == 0, name
+            assert np.abs(pixels(served / name) - pixels(ref / name)).max() == 0, name
         lines = [json.loads(x) for x in (served / MANIFEST).read_text().splitlines()]
         assert sorted(r["path"] for r in lines) == names
         ref_lines = {r["path"]: r for r in map(json.loads, (ref / MANIFEST).read_text().splitlines())}
@@ -113,7 +107,7 @@ def test_a_worker_with_another_root_uploads_what_a_shared_worker_would_write(tmp
         twin = server.wait(again, lambda j: j["state"] in ("succeeded", "failed"))
         assert twin["state"] == "succeeded" and all(i["cached"] for i in twin["images"])  # twins fetched over HTTP
         for name in names:
-            assert np.abs(_pixels(server.root / "jobs" / again / "out" / name) - _pixels(ref / name)).max() == 0
+            assert np.abs(pixels(server.root / "jobs" / again / "out" / name) - pixels(ref / name)).max() == 0
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
