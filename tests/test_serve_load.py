@@ -24,7 +24,7 @@ from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve.store import DB
 
 from conftest import ROOT, write_job
-from test_serve_e2e import Server, pixels, free_port
+from test_serve_e2e import Server, free_port, pixels
 
 JOB = """version: 1
 model: tiny

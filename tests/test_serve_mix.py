@@ -19,7 +19,7 @@ from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
 
 from conftest import ROOT, write_job
-from test_serve_e2e import Server, pixels, free_port
+from test_serve_e2e import Server, free_port, pixels
 
 HEAD = """version: 1
 model: tiny

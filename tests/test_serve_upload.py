@@ -21,7 +21,7 @@ from storyboard_cli.serve.api import Settings, create_app
 from storyboard_cli.serve.worker import WorkerOptions, place
 
 from conftest import ROOT, write_job
-from test_serve_e2e import Server, pixels, free_port
+from test_serve_e2e import Server, free_port, pixels
 
 JOB = """version: 1
 model: tiny

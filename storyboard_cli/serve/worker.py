@@ -2,10 +2,12 @@
 jobs, writes them into the job's folder exactly as `bcg render` does, reports back. The only serve module
 that renders; it drives the engine through `RenderSession` (run/render.py), never directly.
 
-Each lease is one `LeaseSession`: a RenderSession on the job's folder (its lock, reconcile, OutputSink,
-OOM policy, report, contact sheet) whose pending images are cut to the leased ones. Images whose twin
-(same fingerprint) was rendered before are read from that PNG and written through the same sink, with
-this job's metadata.
+Each job of a lease is one `LeaseSession`: a RenderSession on the job's folder (its lock, reconcile,
+OutputSink, OOM policy, report, contact sheet) whose pending images are cut to the leased ones. The lease's
+first job renders; the others ride in its batches, each image delivered to its own job's sink. Images whose
+twin (same fingerprint) was rendered before are read from that PNG and written through their sink, with
+their job's metadata. A worker that does not see the server's job folders renders into copies of them
+under its --root and uploads what it wrote.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from storyboard_cli.errors import Status, StoryboardError, one_line
+from storyboard_cli.errors import Status, StoryboardError, folder_error, one_line
 from storyboard_cli.folder.outputs import Manifest, atomic_write
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.file import Job, load_job
@@ -198,8 +200,11 @@ def place(job_id: str, job: dict, opts: WorkerOptions) -> Place:
     folder = opts.root.resolve() / JOBS / job_id
     job_file = folder / job["job_file"]
     if _reads(job_file) != job["job_text"]:
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(job_file, job["job_text"].encode())
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(job_file, job["job_text"].encode())
+        except OSError as e:
+            raise folder_error(folder, e) from None
     return Place(job_file, folder / OUT, True)
 
 
@@ -215,10 +220,14 @@ def fetch_twins(lease: dict, places: dict[str, Place], client: LeaseClient, fold
     when that fails)."""
     for image in lease["images"]:
         if image["twin_url"] and places[image["job"]].upload:
-            data = client.download(image["twin_url"])
             local = folder / f"{image['id']}.png"
-            if data is not None:
-                atomic_write(local, data)
+            try:
+                data = client.download(image["twin_url"])
+                if data is not None:
+                    atomic_write(local, data)
+            except (httpx.HTTPError, OSError) as e:
+                log.warning("twin %s not downloaded (%s): the image is rendered", image["twin_url"], e)
+                data = None
             image["twin"] = str(local) if data is not None else None
 
 
