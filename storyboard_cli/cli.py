@@ -423,6 +423,8 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
           lease_s: Annotated[float, typer.Option(min=1, help="Seconds a batch stays leased without a heartbeat.")] = 60.0,
           grace_s: Annotated[float, typer.Option(min=0, help="On SIGTERM, seconds the running batches get to "
                                                               "finish.")] = 60.0,
+          allow_dir: Annotated[Optional[list[Path]], typer.Option(help="A folder jobs may read control images, "
+                                                                  "LoRAs and models from, besides --root (repeat).")] = None,
           token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
           compile: CompileOpt = "auto") -> None:
     """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
@@ -432,7 +434,7 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
     with _domain_errors():
         opts = ServeOptions(root=root, host=host, port=port, gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
                             max_queue_images=max_queue_images, lease_s=lease_s, grace_s=grace_s, token=token,
-                            dtype=dtype, engine=engine, compile=compile)
+                            dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()))
         err.print(f"bcg serve: http://{host}:{port} (docs at /docs), root {root}, workers: {', '.join(opts.gpus)}")
         code = serving(opts)
     raise typer.Exit(code)
@@ -442,16 +444,20 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
 def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worker's name in the server's "
                                                                      "leases (default: host and process).")] = "",
            gpu: Annotated[Optional[str], typer.Option(help="GPU index to render on (sets CUDA_VISIBLE_DEVICES).")] = None,
+           upload: Annotated[bool, _flag("--upload", "Send the PNGs to the server even when its job folders are "
+                                                     "visible here (they are sent whenever they are not).")] = False,
+           root: Annotated[Path, typer.Option(help="Where this worker keeps its copies of job folders when it does "
+                                                   "not share the server's filesystem.")] = Path("bcg-worker"),
            token: TokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
            compile: CompileOpt = "auto") -> None:
-    """Render the server's queue on this machine (job folders on a filesystem shared with the server)."""
+    """Render the server's queue on this machine (job folders shared with the server, or uploaded)."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from storyboard_cli.serve.worker import WorkerOptions, run_worker
 
     with _domain_errors():
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
-                                 compile=compile, token=token))
+                                 compile=compile, token=token, upload=upload, root=root))
 
 
 @app.command()
@@ -467,7 +473,8 @@ def submit(job: JobArg, server: ServerOpt, priority: PriorityOpt = "normal",
         j = client.submit(job, server, priority=priority, key=key, token=token)
         err.print(f"{j['id']}: {j['state']} ({len(j['images'])} images) {j['url']}")
         if wait:
-            j = client.wait(server, j["id"], token=token)
+            j = client.wait(server, j["id"], token=token, on_event=lambda e: err.print(
+                f"{e.kind}: {e.data['images_by_state'].get('done', 0)}/{sum(e.data['images_by_state'].values())} done"))
     if json_out:
         out.print_json(json.dumps(j))
     else:

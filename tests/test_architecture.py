@@ -106,7 +106,7 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
 TORCH_FREE = ["errors.py", "samplers.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
               "serve/intake.py", "serve/store.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
-              "serve/server.py"]
+              "serve/server.py", "serve/uploads.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
 # builds one; capture and bench, which time them
 ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench.py"}

@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from storyboard_cli.cli import app
@@ -35,7 +36,7 @@ shots:
 DEADLINE_S = 90
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,10 +47,11 @@ class Server:
         self.root, self.port, self.url = root, port, f"http://127.0.0.1:{port}"
         self.proc = None
 
-    def start(self, lease_s=3):
+    def start(self, lease_s=3, gpus="cpu", extra=()):
         self.proc = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "serve", "--root", str(self.root),
-                                      "--port", str(self.port), "--gpus", "cpu", "--lease-s", str(lease_s),
-                                      "--grace-s", "30"], cwd=ROOT, start_new_session=True, env=dict(os.environ))
+                                      "--port", str(self.port), "--gpus", gpus, "--lease-s", str(lease_s),
+                                      "--grace-s", "30", *extra], cwd=ROOT, start_new_session=True,
+                                     env=dict(os.environ))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -78,13 +80,13 @@ class Server:
 
 @pytest.fixture
 def server(tmp_path):
-    s = Server(tmp_path / "root", _free_port())
+    s = Server(tmp_path / "root", free_port())
     yield s
     if s.proc and s.proc.poll() is None:
         s.kill_everything()
 
 
-def _pixels(path):
+def pixels(path):
     return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
 
 
@@ -100,12 +102,14 @@ def test_a_job_through_serve_equals_bcg_render_and_sigterm_exits_0(server, tmp_p
     names = sorted(p.relative_to(ref).as_posix() for p in ref.rglob("*.png"))
     assert names == sorted(p.relative_to(served).as_posix() for p in served.rglob("*.png"))
     for name in names:
-        assert np.abs(_pixels(served / name) - _pixels(ref / name)).max() == 0, name
+        assert np.abs(pixels(served / name) - pixels(ref / name)).max() == 0, name
     records = [json.loads(line) for line in (served / MANIFEST).read_text().splitlines()]
     assert sorted(r["path"] for r in records) == sorted(n for n in names if "/thumbs/" not in n)
     png = httpx.get(job["images"][0]["urls"][0]).content
     assert png == (served / job["images"][0]["outputs"][0]).read_bytes()
     assert httpx.get(job["sheet_url"]).status_code == 200 and httpx.get(job["report_url"]).json()["status"] == "done"
+
+    _check_metrics_after_one_job(server.url, images=5)
 
     again = CliRunner().invoke(app, ["submit", str(path), "--server", server.url, "--wait", "--json"])
     assert all(i["cached"] for i in json.loads(again.stdout)["images"])  # identical images rendered once
@@ -135,3 +139,24 @@ def test_kill_9_of_everything_mid_job_then_a_restart_completes_the_job(server, t
     assert all((out / p).is_file() for p in lines)
     os.kill(server.proc.pid, signal.SIGTERM)
     assert server.proc.wait(60) == 0
+
+
+def _check_metrics_after_one_job(url, images):
+    """/metrics after one job rendered by one CPU worker: latency histograms filled, counters, the worker
+    counted, no GPU figures (none is faked on a CPU)."""
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+
+    def sample(name, suffix, **labels):
+        return next(s.value for s in families[name].samples
+                    if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
+
+    assert sample("bcg_queue_wait_seconds", "_count") == images
+    assert sample("bcg_image_render_seconds", "_count") == images and sample("bcg_image_render_seconds", "_sum") > 0
+    assert sample("bcg_job_latency_seconds", "_count") == 1
+    assert sample("bcg_job_latency_seconds", "_bucket", le="+Inf") == 1
+    assert sample("bcg_batch_seconds", "_count", shape="64x64") >= 3  # buckets [1, 2]: 2 + 1 for a, 2 for b
+    assert sample("bcg_images_rendered", "_total") == images and sample("bcg_model_loads", "_total") == 1
+    assert sample("bcg_out_of_memory", "_total") == 0 and sample("bcg_image_retries", "_total") == 0
+    assert sample("bcg_workers", "") == 1 and sample("bcg_images_per_second", "") > 0
+    assert not families["bcg_worker_gpu_memory_bytes"].samples  # a CPU worker: absent, not zero
+    assert not families["bcg_worker_gpu_utilization_ratio"].samples

@@ -1,6 +1,7 @@
 """The queue without HTTP or torch: the scheduler's picks, and the store's leases, expiry, three strikes,
 late completions, dedup twins, idempotency and backpressure (milliseconds each)."""
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -10,14 +11,15 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
 from storyboard_cli.serve.intake import Planned, PlannedImage
 from storyboard_cli.serve.schedule import ImageState, JobState, Waiting
-from storyboard_cli.serve.store import IdempotencyConflict, QueueFull, Store
+from storyboard_cli.serve.store import (BATCH_SECONDS, BUCKETS_S, IMAGE_RENDER, JOB_LATENCY, QUEUE_WAIT,
+                                        IdempotencyConflict, QueueFull, Store, Work)
 
 KEY = "64x64 2 steps euler"
 
 
-def planned(job_id, n=2, priority="normal", key=KEY, fingerprint=None, batch=4, content="c") -> Planned:
+def planned(job_id, n=2, priority="normal", key=KEY, fingerprint=None, batch=4, content="c", mix=None) -> Planned:
     images = tuple(PlannedImage(i, "a", i, 10 + i, (f"a/a_c{i}_s{10 + i}.png",), key,
-                                (fingerprint or job_id) + str(i)) for i in range(n))
+                                (fingerprint or job_id) + str(i), mix or job_id) for i in range(n))
     return Planned(job_id, job_id, Path("/j") / job_id / "job.yaml", Path("/j") / job_id / "out", priority, content,
                    batch, images)
 
@@ -29,8 +31,8 @@ def store(tmp_path):
     s.close()
 
 
-def w(image, job, priority="normal", submitted=0.0, key=KEY, order=0, batch=4, fp=None):
-    return Waiting(image, job, priority, submitted, key, fp or f"{job}{image}", order, batch)
+def w(image, job, priority="normal", submitted=0.0, key=KEY, order=0, batch=4, fp=None, mix=None):
+    return Waiting(image, job, priority, submitted, key, fp or f"{job}{image}", order, batch, mix)
 
 
 def test_pick_takes_the_best_ranked_job_and_its_images_of_one_key_up_to_its_bucket():
@@ -65,7 +67,7 @@ def test_job_state_from_image_states():
 def test_lease_complete_and_job_state(store):
     store.submit(planned("j1"), None, 100, now=0)
     lease = store.lease("w", now=1, ttl=10)
-    assert [i["id"] for i in lease["images"]] == [1, 2] and lease["out_dir"] == "/j/j1/out"
+    assert [i["id"] for i in lease["images"]] == [1, 2] and lease["jobs"]["j1"]["out_dir"] == "/j/j1/out"
     assert store.lease("w2", now=1, ttl=10) is None  # the job's folder has one writer
     assert store.job("j1", 1)["state"] == JobState.RUNNING
     assert store.complete(lease["lease"], done=[1], cached=[], failed={2: "NaN"}, now=2)
@@ -84,7 +86,7 @@ def test_expired_lease_goes_back_to_the_queue_and_its_late_completion_is_ignored
     assert not store.complete(lost["lease"], done=[1, 2], cached=[], failed={}, now=11)
     assert store.job("j1", 11)["images_by_state"] == {ImageState.LEASED: 2}
     assert store.complete(again["lease"], done=[1, 2], cached=[], failed={}, now=12)
-    counters = store.stats()["counters"]
+    counters = store.stats(0, 60)["counters"]
     assert counters["lease_expiries"] == 1 and counters["late_completions"] == 1 and counters["images_rendered"] == 2
 
 
@@ -115,8 +117,9 @@ def test_a_twin_waits_for_the_first_render_then_is_leased_with_its_png(store):
     store.complete(first["lease"], done=[1], cached=[], failed={}, now=3)
     second = store.lease("w2", now=3, ttl=5)
     assert second["images"][0]["twin"] == "/j/j1/out/a/a_c0_s10.png"
+    assert second["images"][0]["twin_of"] == ["j1", "a/a_c0_s10.png"]
     store.complete(second["lease"], done=[2], cached=[2], failed={}, now=4)
-    assert store.job("j2", 4)["images"][0]["cached"] and store.stats()["counters"]["images_cached"] == 1
+    assert store.job("j2", 4)["images"][0]["cached"] and store.stats(0, 60)["counters"]["images_cached"] == 1
 
 
 def test_idempotency_key_returns_the_first_job_and_refuses_another_body(store):
@@ -146,11 +149,11 @@ def test_priorities_cancel_and_queue_position(store):
     store.submit(planned("u", priority="urgent", batch=1), None, 100, now=5)
     assert store.job("n", 5)["queue_position"] == 2 and store.job("u", 5)["queue_position"] == 0
     assert store.lease("w", now=6, ttl=5)["job"] == "u"
-    assert store.set_priority("n", "urgent") and store.job("n", 6)["queue_position"] == 0
+    assert store.set_priority("n", "urgent", 6) and store.job("n", 6)["queue_position"] == 0
     with pytest.raises(BadInput):
-        store.set_priority("n", "asap")
+        store.set_priority("n", "asap", 6)
     assert store.cancel("n", now=7)
-    assert store.job("n", 7)["state"] == JobState.CANCELED and store.stats()["jobs"]["canceled"] == 1
+    assert store.job("n", 7)["state"] == JobState.CANCELED and store.stats(0, 60)["jobs"]["canceled"] == 1
 
 
 def test_the_queue_survives_reopening(tmp_path):
@@ -160,3 +163,91 @@ def test_the_queue_survives_reopening(tmp_path):
     again = Store(tmp_path)
     assert again.job("j1", 1)["state"] == JobState.QUEUED and again.replay("k", "c") == "j1"
     again.close()
+
+
+def _kinds(store, job_id, after=0):
+    rows, ended = store.events(job_id, after)
+    return [kind for _, kind, _ in rows], ended
+
+
+def test_every_change_is_an_event_in_order_and_the_stream_ends_once(store):
+    store.submit(planned("j1"), None, 100, now=0)
+    lease = store.lease("w", now=1, ttl=5)
+    store.set_priority("j1", "urgent", now=2)
+    store.complete(lease["lease"], done=[1], cached=[], failed={}, now=3)
+    again = store.lease("w", now=4, ttl=5)
+    store.expire(now=10)  # lost: image 2 back to the queue
+    last = store.lease("w", now=11, ttl=5)
+    assert _kinds(store, "j1") == (["queued", "running", "priority", "images", "running", "lease_lost", "running"],
+                                   False)
+    store.complete(last["lease"], done=[2], cached=[], failed={}, now=12)
+    rows, _ = store.events("j1", 0)
+    seqs = [seq for seq, _, _ in rows]
+    assert seqs == sorted(set(seqs)) and rows[-1][1] == "end"
+    assert json.loads(rows[-1][2])["state"] == JobState.SUCCEEDED
+    assert json.loads(rows[5][2])["requeued"] == [i["id"] for i in again["images"]]
+    assert _kinds(store, "j1", seqs[3]) == (["running", "lease_lost", "running", "images", "end"], False)
+    assert _kinds(store, "j1", seqs[-1]) == ([], True)  # resumed after its end: nothing more
+
+
+def test_a_canceled_job_ends_its_stream_at_once_and_only_once(store):
+    store.submit(planned("j1"), None, 100, now=0)
+    lease = store.lease("w", now=1, ttl=5)
+    assert store.cancel("j1", now=2) and store.cancel("j1", now=3)
+    store.complete(lease["lease"], done=[1, 2], cached=[], failed={}, now=4)
+    kinds, _ = _kinds(store, "j1")
+    assert kinds == ["queued", "running", "end", "images"]
+    assert json.loads(store.events("j1", 0)[0][2][2])["state"] == JobState.CANCELED
+
+
+def test_latencies_are_histograms_and_workers_report_their_gpu(store):
+    store.submit(planned("j1", n=3), None, 100, now=0)
+    lease = store.lease("w", now=2, ttl=5, gpu={"memory_allocated_bytes": 7.0})
+    work = Work(batches=(("64x64", 3, 1.5),), out_of_memory=1, model_loads=1)
+    store.complete(lease["lease"], done=[1, 2, 3], cached=[], failed={}, now=4, work=work)
+    store.seen("cpu-worker", None, now=4)
+    s = store.stats(now=4, worker_window_s=60)
+    counts, total = s["histograms"][QUEUE_WAIT, ""]
+    assert sum(counts) == 3 and total == 6.0 and counts[BUCKETS_S.index(2.5)] == 3  # 2 s each: the 2.5 s bucket
+    assert s["histograms"][IMAGE_RENDER, ""][1] == pytest.approx(1.5) and sum(s["histograms"][IMAGE_RENDER, ""][0]) == 3
+    assert s["histograms"][BATCH_SECONDS, "64x64"] == ([0] * 5 + [1] + [0] * 10, 1.5)
+    assert s["histograms"][JOB_LATENCY, ""][1] == 4.0
+    assert s["counters"]["out_of_memory"] == 1 and s["counters"]["model_loads"] == 1
+    assert s["workers"] == {"w": {"memory_allocated_bytes": 7.0}, "cpu-worker": None}
+    assert store.stats(now=100, worker_window_s=60)["workers"] == {}  # not seen for a while: gone
+    assert s["images_per_s"] > 0
+
+
+def test_room_left_in_a_batch_goes_to_other_jobs_of_the_same_mix():
+    waiting = [w(1, "a", order=0, batch=4, mix="m"), w(2, "b", submitted=1, mix="m"), w(3, "c", submitted=2, mix="x"),
+               w(4, "d", submitted=3, mix="m", fp="b2"), w(5, "e", submitted=4, mix="m"), w(6, "f", submitted=5, mix="m")]
+    assert [x.image for x in schedule.pick(waiting, set(), set())] == [1, 2, 5, 6]  # one per fingerprint
+    assert [x.image for x in schedule.pick(waiting, {"e"}, set())] == [1, 2, 6]  # e's folder is being written
+    assert [x.image for x in schedule.pick([w(1, "a", batch=1, mix="m"), w(2, "b", mix="m")], set(), set())] == [1]
+    assert [x.image for x in schedule.pick([w(1, "a"), w(2, "b")], set(), set())] == [1]  # no mix: alone
+
+
+def test_a_mixed_lease_holds_every_job_it_touches_until_it_completes(store):
+    store.submit(planned("j1", n=1, mix="m"), None, 100, now=0)
+    store.submit(planned("j2", n=2, mix="m"), None, 100, now=1)
+    lease = store.lease("w", now=2, ttl=5)
+    assert lease["job"] == "j1" and set(lease["jobs"]) == {"j1", "j2"}
+    assert [(i["id"], i["job"]) for i in lease["images"]] == [(1, "j1"), (2, "j2"), (3, "j2")]
+    store.submit(planned("j3", n=1, mix="m"), None, 100, now=2)
+    other = store.lease("w2", now=2, ttl=5)
+    assert set(other["jobs"]) == {"j3"}  # j2's folder has its writer
+    assert store.complete(lease["lease"], done=[1, 2], cached=[], failed={3: "NaN"}, now=3)
+    assert store.job("j1", 3)["state"] == JobState.SUCCEEDED and store.job("j2", 3)["state"] == JobState.FAILED
+    for job_id, images in (("j1", [1]), ("j2", [2, 3])):
+        rows, _ = store.events(job_id, 0)
+        running = json.loads(rows[1][2])
+        assert rows[1][1] == "running" and running["lease"] == lease["lease"] and running["images"] == images
+        assert rows[-1][1] == "end"
+    store.submit(planned("j4", n=1, mix="n"), None, 100, now=3)
+    store.submit(planned("j5", n=1, mix="n"), None, 100, now=3)
+    lost = store.lease("w", now=3, ttl=1)
+    assert set(lost["jobs"]) == {"j4", "j5"}
+    store.expire(now=10)  # its worker died: both jobs' images back to the queue, each job told
+    for job_id in ("j4", "j5"):
+        rows, _ = store.events(job_id, 0)
+        assert rows[-1][1] == "lease_lost" and store.job(job_id, 10)["images_by_state"] == {"queued": 1}

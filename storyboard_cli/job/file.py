@@ -21,6 +21,7 @@ from storyboard_cli.errors import JobError, StoryboardError, did_you_mean, one_l
 from storyboard_cli.folder.layout import RESERVED, read_report
 from storyboard_cli.job.digests import relative_to_job, remember_sha256
 from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
+from storyboard_cli.job.preflight import PRESETS
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 
 log = logging.getLogger(__name__)
@@ -206,12 +207,27 @@ def _read_yaml(path: Path) -> Any:
 class _Ctx:
     """Where we are in the file, to build located errors."""
 
-    def __init__(self, file: str):
+    def __init__(self, file: str, roots: tuple[Path, ...] | None = None):
         self.file = file
         self.images_checked: set[Path] = set()  # control images decoded once per job, however many shots use them
+        self.roots = None if roots is None else tuple(Path(r).resolve() for r in roots)
 
     def fail(self, line: int | None, shot: str | None, field: str | None, message: str) -> JobError:
         return JobError(self.file, line, shot, field, message)
+
+    def confine(self, path: Path, line: int | None, shot: str | None, field: str) -> None:
+        """With roots (the render service), a file the job names, symlinks followed, must lie under one."""
+        if self.roots is not None and not any(path.resolve().is_relative_to(r) for r in self.roots):
+            raise self.fail(line, shot, field, f"{path} is outside the folders this server may read and write")
+
+    def confine_model(self, spec: str | None, line: int | None, field: str) -> None:
+        """A model named by a local path (as the loader reads it: from the working folder) is confined too;
+        presets and hub ids are not files of this machine."""
+        if self.roots is None or spec is None or spec in PRESETS:
+            return
+        path = Path(spec).expanduser()
+        if spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".ckpt")) or path.exists():
+            self.confine(path, line, None, field)
 
 
 def _line_of(mapping: Any, key: str, fallback: int | None = None) -> int | None:
@@ -426,6 +442,7 @@ def _resolve_loras(ctx: _Ctx, raw: Any, line: int | None, job_dir: Path, model: 
         field_name = f"loras.{name}"
         rel = _as_str(ctx, rel, name_line, None, field_name, empty_ok=False)
         path = (job_dir / Path(rel).expanduser()).resolve()
+        ctx.confine(path, name_line, None, field_name)
         if not path.exists():
             raise ctx.fail(name_line, None, field_name, f"file not found: {path}")
         problem = lora_problem(path, model)
@@ -449,6 +466,7 @@ def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_di
         raise ctx.fail(raw.line, shot_id, "control.image", "missing")
     rel = _as_str(ctx, raw["image"], image_line, shot_id, "control.image", empty_ok=False)
     path = (job_dir / Path(rel).expanduser()).resolve()
+    ctx.confine(path, image_line, shot_id, "control.image")
     if not path.is_file():
         raise ctx.fail(image_line, shot_id, "control.image", f"file not found: {path}")
     if path not in ctx.images_checked:
@@ -501,10 +519,12 @@ def _first_content_line(path: Path) -> int:
     return next((i + 1 for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")), 1)
 
 
-def load_job(path: str | Path) -> Job:
-    """Reads and validates a job file. Raises JobError (exit code 2) on any problem."""
+def load_job(path: str | Path, roots: tuple[Path, ...] | None = None) -> Job:
+    """Reads and validates a job file. Raises JobError (exit code 2) on any problem. With `roots` (the
+    render service's folders), every file the job names must lie under one of them, or it is refused
+    before it is read."""
     path = Path(path).expanduser()
-    ctx = _Ctx(str(path))
+    ctx = _Ctx(str(path), roots)
     doc = _read_yaml(path)
     if doc is None:
         raise ctx.fail(1, None, None, "the job file is empty")
@@ -524,12 +544,15 @@ def load_job(path: str | Path) -> Job:
             raise ctx.fail(line, None, "name", f"{SAFE_NAME_RULE} (it names a folder), got {name!r}")
     model, line = _top_field(ctx, doc, "model", required=True)
     model = _as_str(ctx, model, line, None, "model", empty_ok=False)
+    ctx.confine_model(model, line, "model")
     controlnet, line = _top_field(ctx, doc, "controlnet")
     if controlnet is not None:
         controlnet = _as_str(ctx, controlnet, line, None, "controlnet", empty_ok=False)
+        ctx.confine_model(controlnet, line, "controlnet")
     output_dir, line = _top_field(ctx, doc, "output_dir")
     output_dir = Path("outputs") / name if output_dir is None else Path(
         _as_str(ctx, output_dir, line, None, "output_dir", empty_ok=False)).expanduser()  # as the model path
+    ctx.confine(path.resolve().parent / output_dir, line, None, "output_dir")
 
     buckets, line = _top_field(ctx, doc, "buckets")
     if buckets is None:

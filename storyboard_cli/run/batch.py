@@ -59,8 +59,10 @@ def decode(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, tor
     the CPU), as diffusers' VAE decode + postprocess."""
     z = (latents / models.vae.config.scaling_factor).to(models.vae_dtype)
     images = []
-    for chunk in z.split(4):  # bounds the VAE's activation memory at large sizes
-        images.append(models.vae.decode(chunk, return_dict=False)[0].float())
+    # one image at a time: batched, the VAE's kernels (and their rounding: 1 level in 255 on a CPU) depend on
+    # the batch's size and its other images, and an image's pixels must not (a served batch mixes jobs)
+    for one in z.split(1):
+        images.append(models.vae.decode(one, return_dict=False)[0].float())
     image = (torch.cat(images) / 2 + 0.5).clamp(0, 1)
     return image, (image * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 

@@ -28,6 +28,7 @@ class OutOfMemoryPolicy:
         self.runner, self.sink = runner, sink
         self.notes: list[str] = []
         self.oom_at = 1 << 30  # the smallest batch size that ran out of memory
+        self.out_of_memory = 0  # batches that ran out of memory (the render service counts them)
 
     def deliver(self, decoded: list[Decoded], label: str) -> None:
         """An image with NaN/inf is recorded as failed, never saved."""
@@ -64,6 +65,7 @@ class OutOfMemoryPolicy:
 
     def _out_of_memory(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
         self.oom_at = min(self.oom_at, batch.size)
+        self.out_of_memory += 1
         self.runner.release()
         smaller = tuple(b for b in buckets if b < batch.size)
         where = f"out of GPU memory at {batch.size} x {batch.key.label}"

@@ -156,16 +156,7 @@ class RenderSession:
         """Reconciles the folder and its manifest and finds the images left to render; then (only when
         there is something to render) plans them, loads the models and prepares the engine."""
         stop = stop or StopFlag()
-        try:
-            self.pending, manifest = self.find_pending()
-        except OSError as e:
-            raise folder_error(self.out_dir, e) from None
-        self.notes.extend(self.pending.edited_notes(self.out_dir / REPLACED / self.run_id))
-        self.notes.extend(f"prompt cut: {w}" for w in long_prompts(self.job))  # the report lists them too
-        self.notes.extend(filter(None, [deepcache_note(self.job)]))
-        self.sheet.update([], running=True)
-        total = self.pending.outputs
-        self.on_event(Event("start", 0, total, "", f"{total} to render, {self.pending.skipped} already done"))
+        manifest = self.prepare_folder()
         if not self.pending.items:
             return
         self.batches = make_batches(self.pending.items, self.job.buckets)
@@ -184,10 +175,28 @@ class RenderSession:
         with self.timings.stage("capture"):
             self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches))
         stop.check()
-        emit = lambda kind, done, shot, message: self.on_event(Event(kind, done, total, shot, message))  # noqa: E731
-        self.sink = OutputSink(self.job, self.out_dir, manifest, self.pending, self.run_id, self.sheet, self.timings,
-                               emit)
+        self.sink = self.open_sink(manifest)
         self.policy = OutOfMemoryPolicy(runner, self.sink)
+
+    def prepare_folder(self) -> Manifest:
+        """The folder half of `prepare`: reconciled, what is pending found, the sheet marked running;
+        returns the manifest the new lines go to."""
+        try:
+            self.pending, manifest = self.find_pending()
+        except OSError as e:
+            raise folder_error(self.out_dir, e) from None
+        self.notes.extend(self.pending.edited_notes(self.out_dir / REPLACED / self.run_id))
+        self.notes.extend(f"prompt cut: {w}" for w in long_prompts(self.job))  # the report lists them too
+        self.notes.extend(filter(None, [deepcache_note(self.job)]))
+        self.sheet.update([], running=True)
+        total = self.pending.outputs
+        self.on_event(Event("start", 0, total, "", f"{total} to render, {self.pending.skipped} already done"))
+        return manifest
+
+    def open_sink(self, manifest: Manifest) -> OutputSink:
+        total = self.pending.outputs
+        emit = lambda kind, done, shot, message: self.on_event(Event(kind, done, total, shot, message))  # noqa: E731
+        return OutputSink(self.job, self.out_dir, manifest, self.pending, self.run_id, self.sheet, self.timings, emit)
 
     def work(self) -> Iterable[Batch]:
         return self.batches  # the batches this session renders, in order

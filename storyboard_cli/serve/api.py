@@ -7,6 +7,7 @@ Errors are RFC 9457 problem+json. A bad job is a 422 whose `detail` is the line 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 import uuid
@@ -15,19 +16,23 @@ from pathlib import Path
 from typing import Callable
 
 from fastapi import FastAPI, Header, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
-from storyboard_cli.serve import metrics
+from storyboard_cli.serve import metrics, uploads
 from storyboard_cli.serve.intake import content_hash, plan_submission
-from storyboard_cli.serve.schedule import DEFAULT_PRIORITY
-from storyboard_cli.serve.store import QueueFull, Store
+from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END
+from storyboard_cli.serve.store import LATE, QueueFull, Store, Work
 
 PROBLEM = "application/problem+json"
 JSON_TYPES = ("application/json",)
 DRAINING_RETRY_S = 30
+EVENT_STREAM = "text/event-stream"
+EVENT_POLL_S = 0.2  # how often a stream looks for new events
+KEEPALIVE_S = 15.0
+RECONNECT_MS = 1000
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Settings:
     max_queue_images: int = 1000
     lease_s: float = 60.0
     token: str | None = None  # required as `Authorization: Bearer <token>` when set
+    inputs: tuple[Path, ...] = ()  # folders besides root that jobs may read (control images, LoRAs, models)
 
 
 def problem(status: int, title: str, detail: str, headers: dict | None = None) -> JSONResponse:
@@ -47,7 +53,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     store = store or Store(settings.root)
     app = FastAPI(title="bcg serve", version="1", description="SDXL storyboard jobs: queue, state, outputs.")
     app.state.store, app.state.draining, app.state.settings = store, False, settings
-    registry = metrics.registry(store)
+    registry = metrics.registry(store, settings.lease_s, clock)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -92,7 +98,8 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                 return await _replay(first, request)
         job_id = uuid.uuid4().hex[:12]
         try:
-            planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority)
+            planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority,
+                                              settings.inputs)
         except BadInput as e:
             return problem(422, "invalid job", str(e))
         try:
@@ -128,10 +135,41 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     async def reprioritise(job_id: str, request: Request):
         body = await request.json()
         try:
-            found = store.set_priority(job_id, str(body.get("priority")) if isinstance(body, dict) else "")
+            found = store.set_priority(job_id, str(body.get("priority")) if isinstance(body, dict) else "", clock())
         except BadInput as e:
             return problem(422, "invalid priority", str(e))
         return view(job_id, request) if found else not_found(job_id)
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def events(job_id: str, last_event_id: str | None = Header(None)):
+        """Server-sent events: each change of the job, `id:` its sequence number; a client that reconnects
+        with `Last-Event-ID` gets the events after it. The stream ends after the `end` event."""
+        if store.job(job_id, clock()) is None:
+            return not_found(job_id)
+        try:
+            after = int(last_event_id or 0)
+        except ValueError:
+            return problem(422, "bad Last-Event-ID", f"Last-Event-ID must be an event id, got {last_event_id!r}")
+        return StreamingResponse(_stream(job_id, after), media_type=EVENT_STREAM,
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _stream(job_id: str, after: int):
+        yield f"retry: {RECONNECT_MS}\n\n"
+        quiet = 0.0
+        while not app.state.draining:
+            rows, ended = await run_in_threadpool(store.events, job_id, after)
+            if ended and not rows:
+                return
+            for seq, kind, data in rows:
+                yield f"id: {seq}\nevent: {kind}\ndata: {data}\n\n"
+                after = seq
+                if kind == END:
+                    return
+            quiet = 0.0 if rows else quiet + EVENT_POLL_S
+            if quiet >= KEEPALIVE_S:  # a comment line: proxies keep the connection, clients ignore it
+                yield ": keep-alive\n\n"
+                quiet = 0.0
+            await asyncio.sleep(EVENT_POLL_S)
 
     @app.get("/v1/jobs/{job_id}/files/{path:path}")
     def job_file(job_id: str, path: str):
@@ -151,20 +189,59 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         body = await request.json()
         if app.state.draining:
             return Response(status_code=204)
-        got = store.lease(str(body.get("worker", "?")), clock(), settings.lease_s)
-        return got if got is not None else Response(status_code=204)
+        got = store.lease(str(body.get("worker", "?")), clock(), settings.lease_s, _gpu(body))
+        if got is None:
+            return Response(status_code=204)
+        for job in got["jobs"].values():  # for a worker that does not share the server's filesystem
+            job["job_file"], job["job_text"] = Path(job["path"]).name, Path(job["path"]).read_text(encoding="utf-8")
+        for image in got["images"]:
+            image["twin_url"] = f"/v1/jobs/{image['twin_of'][0]}/files/{image['twin_of'][1]}" if image["twin_of"] \
+                else None
+        return got
+
+    @app.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}")
+    async def upload(lease_id: str, job_id: str, path: str, request: Request):
+        """A worker without the server's filesystem sends a PNG of its lease (or a job's report)."""
+        held = store.lease_outputs(lease_id, clock())
+        if held is None:
+            return problem(410, "lease lost", "the lease expired; its images went back to the queue")
+        if job_id not in held:
+            return problem(422, "not this lease's job", f"the lease holds no image of job {job_id!r}")
+        data = await request.body()
+        try:
+            await run_in_threadpool(uploads.store_file, held[job_id][1], held[job_id][2], path, data)
+        except BadInput as e:
+            return problem(422, "not this lease's file", str(e))
+        return {"stored": path}
 
     @app.post("/v1/leases/{lease_id}/heartbeat")
-    def heartbeat(lease_id: str):
-        if not store.heartbeat(lease_id, clock(), settings.lease_s):
+    async def heartbeat(lease_id: str, request: Request):
+        body = await request.json() if await request.body() else {}
+        worker = str(body["worker"]) if "worker" in body else None
+        if not store.heartbeat(lease_id, clock(), settings.lease_s, worker, _gpu(body)):
             return problem(410, "lease lost", "the lease expired; its images went back to the queue")
         return {"lease": lease_id}
 
     @app.post("/v1/leases/{lease_id}/complete")
     async def complete(lease_id: str, request: Request):
         body = await request.json()
+        work = Work(tuple((str(b["shape"]), int(b["images"]), float(b["seconds"])) for b in body.get("batches", [])),
+                    int(body.get("out_of_memory", 0)), int(body.get("model_loads", 0)))
+        if body.get("manifest"):  # an uploading worker's images: their lines and the sheet, before they count
+            held = store.lease_outputs(lease_id, clock())
+            if held is None:
+                store.count(LATE)
+                return problem(410, "lease lost", "the lease expired before this completion; it is ignored")
+            try:
+                for job_id, lines in dict(body["manifest"]).items():
+                    if job_id not in held:
+                        raise BadInput(f"the lease holds no image of job {job_id!r}")
+                    await run_in_threadpool(uploads.record, held[job_id][1], held[job_id][0], held[job_id][2],
+                                            list(lines))
+            except BadInput as e:
+                return problem(422, "bad manifest", str(e))
         ok = store.complete(lease_id, [int(i) for i in body.get("done", [])], [int(i) for i in body.get("cached", [])],
-                            {int(k): str(v) for k, v in body.get("failed", {}).items()}, clock())
+                            {int(k): str(v) for k, v in body.get("failed", {}).items()}, clock(), work)
         if not ok:
             return problem(410, "lease lost", "the lease expired before this completion; it is ignored")
         return {"lease": lease_id}
@@ -184,6 +261,14 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         return {"ready": True}
 
     return app
+
+
+def _gpu(body: dict) -> dict | None:
+    """The GPU figures a worker sent: numbers only (a CPU worker sends none)."""
+    gpu = body.get("gpu")
+    if not isinstance(gpu, dict):
+        return None
+    return {k: float(v) for k, v in gpu.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _discard(folder: Path) -> None:

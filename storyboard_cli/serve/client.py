@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import httpx
 
 from storyboard_cli.errors import BadInput, JobError, StoryboardError
-from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, JobState
+from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, JobState
 
 FINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED)
 SUBMIT_TIMEOUT_S = 60.0
+RECONNECTS = 5  # an event stream reopened this many times in a row before falling back to polling
+STREAM_READ_TIMEOUT_S = 60.0  # the server sends a keep-alive every 15 s
 
 
 class ServerError(StoryboardError):
@@ -70,14 +75,84 @@ def get_job(server: str, job_id: str, token: str | None = None) -> dict:
     return r.json()
 
 
+@dataclass(frozen=True)
+class Event:
+    id: int
+    kind: str  # queued, running, images, lease_lost, priority, end
+    data: dict  # job, state, at, images_by_state, and the kind's own fields
+
+
+def events(server: str, job_id: str, token: str | None = None, last_id: int | None = None,
+           reconnects: int = RECONNECTS, timeout_s: float | None = None) -> Iterator[Event]:
+    """The job's server-sent events until its `end` event. A dropped connection is opened again with
+    `Last-Event-ID` (up to `reconnects` times in a row), so no event is lost or repeated. Raises
+    ServerError when the stream cannot be had (an older server: 404), or the timeout passes."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failures = 0
+    while True:
+        headers = {**_headers(token), "Accept": "text/event-stream"}
+        if last_id is not None:
+            headers["Last-Event-ID"] = str(last_id)
+        try:
+            with httpx.stream("GET", f"{server.rstrip('/')}/v1/jobs/{job_id}/events", headers=headers,
+                              timeout=httpx.Timeout(10.0, read=STREAM_READ_TIMEOUT_S)) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise ServerError(f"{server}: events of job {job_id}: HTTP {r.status_code}: {_problem(r)}")
+                for event in _parse(r.iter_lines()):
+                    failures = 0
+                    last_id = event.id
+                    yield event
+                    if event.kind == END:
+                        return
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise ServerError(f"{server}: job {job_id} not done within {timeout_s:.0f} s")
+        except httpx.HTTPError as e:
+            failures += 1
+            if failures > reconnects:
+                raise ServerError(f"{server}: events of job {job_id}: {e}") from None
+            time.sleep(min(0.2 * 2 ** failures, 5.0))
+            continue
+        failures += 1  # the server closed the stream before the end (it is stopping): reconnect
+        if failures > reconnects:
+            raise ServerError(f"{server}: the event stream of job {job_id} kept closing before its end")
+        time.sleep(min(0.2 * 2 ** failures, 5.0))
+
+
+def _parse(lines: Iterator[str]) -> Iterator[Event]:
+    """text/event-stream lines -> events (fields id, event, data; comments and retry ignored)."""
+    fields: dict[str, str] = {}
+    for line in lines:
+        if not line:
+            if "data" in fields and "id" in fields:
+                yield Event(int(fields["id"]), fields.get("event", "message"), json.loads(fields["data"]))
+            fields = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            fields[name] = value[1:] if value.startswith(" ") else value
+
+
 def wait(server: str, job_id: str, token: str | None = None, timeout_s: float | None = None, poll_s: float = 0.5,
-         on_update=None) -> dict:
+         on_event: Callable[[Event], None] | None = None) -> dict:
+    """Follows the job's events until it is final (polling when the server has no stream, or it keeps
+    failing); returns the job's last view."""
+    start = time.monotonic()
+    try:
+        for event in events(server, job_id, token, timeout_s=timeout_s):
+            if on_event:
+                on_event(event)
+    except ServerError:
+        left = None if timeout_s is None else max(timeout_s - (time.monotonic() - start), 0.0)
+        return poll(server, job_id, token, left, poll_s)
+    return get_job(server, job_id, token)
+
+
+def poll(server: str, job_id: str, token: str | None = None, timeout_s: float | None = None,
+         poll_s: float = 0.5) -> dict:
     """Polls until the job is final (or the timeout passes); returns the last view of it."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         job = get_job(server, job_id, token)
-        if on_update:
-            on_update(job)
         if job["state"] in FINAL or (deadline is not None and time.monotonic() > deadline):
             return job
         time.sleep(poll_s)
@@ -89,17 +164,37 @@ class LeaseClient:
     def __init__(self, server: str, token: str | None = None):
         self.http = httpx.Client(base_url=server.rstrip("/"), headers=_headers(token), timeout=30)
 
-    def lease(self, worker: str) -> dict | None:
-        r = self.http.post("/v1/leases", json={"worker": worker})
+    def lease(self, worker: str, gpu: dict | None = None) -> dict | None:
+        r = self.http.post("/v1/leases", json={"worker": worker, "gpu": gpu})
         r.raise_for_status()
         return None if r.status_code == 204 else r.json()
 
-    def heartbeat(self, lease_id: str) -> bool:
-        return self.http.post(f"/v1/leases/{lease_id}/heartbeat").status_code == 200
+    def heartbeat(self, lease_id: str, worker: str, gpu: dict | None = None) -> bool:
+        return self.http.post(f"/v1/leases/{lease_id}/heartbeat", json={"worker": worker, "gpu": gpu}).status_code == 200
 
-    def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str]) -> bool:
-        r = self.http.post(f"/v1/leases/{lease_id}/complete", json={"done": done, "cached": cached, "failed": failed})
+    def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str],
+                 work: dict | None = None, manifest: dict[str, list] | None = None) -> bool:
+        """`work`: batches (shape, images, seconds), out_of_memory, model_loads, as the worker measured them;
+        `manifest`: the lines of the outputs it uploaded, by job."""
+        r = self.http.post(f"/v1/leases/{lease_id}/complete",
+                           json={"done": done, "cached": cached, "failed": failed, **(work or {}),
+                                 "manifest": manifest or {}})
         return r.status_code == 200
+
+    def upload(self, lease_id: str, job_id: str, path: str, data: bytes) -> bool:
+        """One output file of the lease (of one of its jobs), for a server whose filesystem this worker does
+        not share; False when the lease is gone."""
+        r = self.http.put(f"/v1/leases/{lease_id}/files/{job_id}/{path}", content=data,
+                          headers={"Content-Type": "application/octet-stream"})
+        if r.status_code == 410:
+            return False
+        r.raise_for_status()
+        return True
+
+    def download(self, url_path: str) -> bytes | None:
+        """A file the server serves (a twin's PNG); None when it is gone."""
+        r = self.http.get(url_path)
+        return r.content if r.status_code == 200 else None
 
     def close(self) -> None:
         self.http.close()

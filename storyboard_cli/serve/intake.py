@@ -8,6 +8,7 @@ name, not the server's copy, so they read as `bcg plan` prints them.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from storyboard_cli.errors import BadInput, JobError, StoryboardError
 from storyboard_cli.job.file import Job, load_job
-from storyboard_cli.job.plan import work_items
+from storyboard_cli.job.plan import WorkItem, work_items
 from storyboard_cli.job.preflight import check_model_path
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, TIERS
 
@@ -33,6 +34,7 @@ class PlannedImage:
     outputs: tuple[str, ...]
     key: str
     fingerprint: str
+    mix: str  # images of different jobs with the same mix may share a batch (model, bucket key, LoRA contents)
 
 
 @dataclass(frozen=True)
@@ -51,9 +53,11 @@ def job_folder(root: Path, job_id: str) -> Path:
     return root / JOBS / job_id
 
 
-def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priority: str = DEFAULT_PRIORITY) -> Planned:
+def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priority: str = DEFAULT_PRIORITY,
+                    inputs: tuple[Path, ...] = ()) -> Planned:
     """Saves and validates the job. Raises BadInput (a JobError at file:line, shot, field) and leaves nothing
-    behind when the job is refused."""
+    behind when the job is refused. Every file the job names (control images, LoRAs, a model path, its
+    output_dir) must lie under `root` or one of the `inputs` folders, symlinks followed."""
     if priority not in TIERS:
         raise BadInput(f"priority must be one of {', '.join(TIERS)}, got {priority!r}")
     if not SAFE_FILE.fullmatch(filename):
@@ -63,14 +67,23 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
     path = folder / filename
     path.write_bytes(body)
     try:
-        job = _load(path, filename)
+        job = _load(path, filename, (root, *inputs))
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model, job.controlnet))
-                   for n, i in enumerate(work_items(job)))
+    images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model, job.controlnet),
+                                mix_key(job, i)) for n, i in enumerate(work_items(job)))
     return Planned(job_id, job.name, path, folder / OUT, priority, content_hash(body, filename, priority),
                    max(job.buckets), images)
+
+
+def mix_key(job: Job, item: WorkItem) -> str:
+    """What must match for images of different jobs to share a batch: the models, the bucket key (shape,
+    steps, sampler, control, the LoRA set by name and scale) and the LoRA files' contents. Everything else
+    (prompt, seed, guidance, control image) is per image."""
+    loras = [(f.name, f.sha256, scale) for f, scale in item.loras]
+    blob = json.dumps([job.model, job.controlnet, item.key.label, loras]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def content_hash(body: bytes, filename: str, priority: str) -> str:
@@ -78,9 +91,9 @@ def content_hash(body: bytes, filename: str, priority: str) -> str:
     return hashlib.sha256(b"\0".join([body, filename.encode(), priority.encode()])).hexdigest()
 
 
-def _load(path: Path, filename: str) -> Job:
+def _load(path: Path, filename: str, roots: tuple[Path, ...]) -> Job:
     try:
-        job = load_job(path)
+        job = load_job(path, roots)
         check_model_path(job.model, "model")
         check_model_path(job.controlnet, "controlnet")
         return job

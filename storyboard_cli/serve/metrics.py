@@ -1,10 +1,15 @@
-"""/metrics: Prometheus text, read from the store at each scrape (totals live in the database, so they
-survive a restart). Torch-free."""
+"""/metrics: Prometheus text, read from the store at each scrape (totals and histograms live in the
+database, so they survive a restart). GPU figures are what each worker's last lease request or heartbeat
+carried (torch.cuda's memory statistics, NVML's utilisation where it is installed); a CPU worker has none,
+and none are shown for it. Torch-free."""
 
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from storyboard_cli.serve import store as queue
 
@@ -15,16 +20,29 @@ COUNTERS = {  # counter name in the store -> (metric, help)
     queue.FAILED: ("images_failed", "Images that failed (their own error, or their worker lost 3 times)."),
     queue.EXPIRED: ("lease_expiries", "Leases that expired: their worker stopped heartbeating."),
     queue.LATE: ("late_completions", "Completions for a lease already expired: ignored."),
+    queue.RETRIES: ("image_retries", "Images leased again after their worker was lost."),
+    queue.OOMS: ("out_of_memory", "Batches that ran out of GPU memory (split or retried eager)."),
+    queue.MODEL_LOADS: ("model_loads", "Models loaded by workers (a hot worker loads once per model)."),
 }
 REJECTED = {queue.REJECTED_FULL: "queue_full", queue.REJECTED_INVALID: "too_large"}
+HISTOGRAMS = {  # histogram name in the store -> (metric, help, label name or None)
+    queue.QUEUE_WAIT: ("queue_wait_seconds", "Seconds from a job's submission to its image's first lease.", None),
+    queue.IMAGE_RENDER: ("image_render_seconds", "Seconds of rendering per image (its batch's time / images).",
+                         None),
+    queue.JOB_LATENCY: ("job_latency_seconds", "Seconds from submission to the job's last image (succeeded "
+                                               "or failed jobs).", None),
+    queue.BATCH_SECONDS: ("batch_seconds", "Seconds per rendered batch, by image shape.", "shape"),
+}
+GPU_MEMORY = {"allocated": "memory_allocated_bytes", "reserved": "memory_reserved_bytes",
+              "peak": "max_memory_allocated_bytes", "total": "total_memory_bytes"}
 
 
 class StoreCollector:
-    def __init__(self, store: queue.Store):
-        self.store = store
+    def __init__(self, store: queue.Store, clock: Callable[[], float], worker_window_s: float):
+        self.store, self.clock, self.window = store, clock, worker_window_s
 
     def collect(self):
-        s = self.store.stats()
+        s = self.store.stats(self.clock(), self.window)
         images = GaugeMetricFamily(PREFIX + "queue_images", "Images queued or rendering.", labels=["priority"])
         jobs = GaugeMetricFamily(PREFIX + "queue_jobs", "Jobs with images queued or rendering.", labels=["priority"])
         for prio, (n_images, n_jobs) in s["depth"].items():
@@ -35,17 +53,54 @@ class StoreCollector:
             by_state.add_metric([state], n)
         leases = GaugeMetricFamily(PREFIX + "leases", "Batches leased to workers now.", value=s["leases"])
         yield from (images, jobs, by_state, leases)
+        yield GaugeMetricFamily(PREFIX + "images_per_second", "Images finished per second over the last 5 minutes.",
+                                value=s["images_per_s"])
         for name, (metric, text) in COUNTERS.items():
             yield CounterMetricFamily(PREFIX + metric, text, value=s["counters"].get(name, 0))
         rejected = CounterMetricFamily(PREFIX + "rejected_submissions", "Submissions refused.", labels=["reason"])
         for name, reason in REJECTED.items():
             rejected.add_metric([reason], s["counters"].get(name, 0))
         yield rejected
+        yield from histograms(s["histograms"])
+        yield from workers(s["workers"])
 
 
-def registry(store: queue.Store) -> CollectorRegistry:
+def histograms(observed: dict[tuple[str, str], tuple[list[int], float]]):
+    bounds = [str(b) for b in queue.BUCKETS_S] + ["+Inf"]
+    for name, (metric, text, label) in HISTOGRAMS.items():
+        family = HistogramMetricFamily(PREFIX + metric, text, labels=[label] if label else None)
+        rows = {lab: v for (n, lab), v in observed.items() if n == name}
+        if not label and not rows:  # an unlabelled histogram is shown, empty, from the start
+            rows = {"": ([0] * len(bounds), 0.0)}
+        for lab, (counts, total) in sorted(rows.items()):
+            cumulative, running = [], 0
+            for bound, n in zip(bounds, counts):
+                running += n
+                cumulative.append((bound, running))
+            family.add_metric([lab] if label else [], cumulative, total)
+        yield family
+
+
+def workers(seen: dict[str, dict | None]):
+    """The workers seen lately; GPU memory and utilisation only for those that have a GPU and said so."""
+    yield GaugeMetricFamily(PREFIX + "workers", "Workers that asked for work or renewed a lease lately.",
+                            value=len(seen))
+    memory = GaugeMetricFamily(PREFIX + "worker_gpu_memory_bytes", "A worker's GPU memory (torch.cuda).",
+                               labels=["worker", "kind"])
+    utilisation = GaugeMetricFamily(PREFIX + "worker_gpu_utilization_ratio", "A worker's GPU busy fraction (NVML).",
+                                    labels=["worker"])
+    for name, gpu in sorted(seen.items()):
+        for kind, key in GPU_MEMORY.items():
+            if gpu and gpu.get(key) is not None:
+                memory.add_metric([name, kind], gpu[key])
+        if gpu and gpu.get("utilization") is not None:
+            utilisation.add_metric([name], gpu["utilization"])
+    yield from (memory, utilisation)
+
+
+def registry(store: queue.Store, worker_window_s: float, clock: Callable[[], float] = time.time) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(StoreCollector(store))
+    reg.register(StoreCollector(store, clock, worker_window_s))
     return reg
 
 

@@ -16,6 +16,7 @@ TIERS = {"urgent": 0.0, "normal": 300.0, "bulk": 1800.0}  # seconds of delay in 
 DEFAULT_PRIORITY = "normal"
 MAX_ATTEMPTS = 3  # leases an image may lose (its worker died) before it fails
 UNKNOWN_DRAIN_S = 10  # Retry-After before any image was rendered
+END = "end"  # the kind of a job's last progress event: it reached a final state
 
 
 class ImageState:
@@ -40,6 +41,7 @@ class Waiting:
     fingerprint: str
     order: int  # its place in the job's plan
     batch: int  # the job's largest bucket
+    mix: str | None = None  # images of other jobs with the same mix may share its batch (None: none may)
 
 
 def rank(priority: str, submitted: float) -> float:
@@ -48,13 +50,28 @@ def rank(priority: str, submitted: float) -> float:
 
 def pick(waiting: list[Waiting], busy_jobs: set[str], busy_fingerprints: set[str]) -> list[Waiting]:
     """The next lease's images: none of a job another lease holds (its folder has one writer), none whose
-    twin is being rendered (it is copied once that lands)."""
+    twin is being rendered (it is copied once that lands). The best-ranked image's job fills the batch
+    first; room left goes to other jobs' images of the same mix (same models, shape and LoRA set), best
+    ranked first, one image per fingerprint."""
     free = [w for w in waiting if w.job not in busy_jobs and w.fingerprint not in busy_fingerprints]
     if not free:
         return []
-    head = min(free, key=lambda w: (rank(w.priority, w.submitted), w.job, w.order))
+    head = min(free, key=_order)
     same = sorted((w for w in free if w.job == head.job and w.key == head.key), key=lambda w: w.order)
-    return same[: head.batch]
+    picked = same[: head.batch]
+    if head.mix is not None and len(picked) < head.batch:
+        fingerprints = {w.fingerprint for w in picked}
+        for w in sorted((w for w in free if w.job != head.job and w.mix == head.mix), key=_order):
+            if len(picked) == head.batch:
+                break
+            if w.fingerprint not in fingerprints:
+                picked.append(w)
+                fingerprints.add(w.fingerprint)
+    return picked
+
+
+def _order(w: Waiting) -> tuple:
+    return rank(w.priority, w.submitted), w.job, w.order
 
 
 def retry_after(excess_images: int, drain_per_s: float | None) -> int:

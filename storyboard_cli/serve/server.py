@@ -27,6 +27,7 @@ from storyboard_cli.serve.api import Settings, create_app
 log = logging.getLogger(__name__)
 TOKEN_ENV = "BCG_TOKEN"
 RESTART_DELAY_S = 2.0
+NO_WORKERS = "none"  # --gpus none: the API and the queue only (workers run elsewhere)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ServeOptions:
     root: Path
     host: str = "127.0.0.1"
     port: int = 8188
-    gpus: tuple[str, ...] = ("auto",)  # "auto": one worker on the device it finds; "cpu"; GPU indices
+    gpus: tuple[str, ...] = ("auto",)  # "auto": one worker on the device it finds; "cpu"; GPU indices; "none"
     max_queue_images: int = 1000
     lease_s: float = 60.0
     grace_s: float = 60.0
@@ -42,6 +43,7 @@ class ServeOptions:
     dtype: str | None = None
     engine: str = "auto"
     compile: str = "auto"
+    inputs: tuple[Path, ...] = ()  # --allow-dir: folders jobs may read besides --root
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -76,7 +78,7 @@ class Workers:
     """The local worker processes: started, restarted when one dies, stopped softly."""
 
     def __init__(self, url: str, opts: ServeOptions):
-        self.commands = [worker_command(url, gpu, opts) for gpu in opts.gpus]
+        self.commands = [worker_command(url, gpu, opts) for gpu in opts.gpus if gpu != NO_WORKERS]
         self.procs: list[subprocess.Popen | None] = [None] * len(self.commands)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._supervise, daemon=True)
@@ -131,7 +133,7 @@ class _Server(uvicorn.Server):
 def serve(opts: ServeOptions) -> int:
     """Runs until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
     check_bind(opts.host, opts.token)
-    settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token)
+    settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token, opts.inputs)
     app = create_app(settings)
     url = f"http://{'127.0.0.1' if opts.host in ('0.0.0.0', '::') else opts.host}:{opts.port}"
     workers = Workers(url, opts)

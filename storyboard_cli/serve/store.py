@@ -15,12 +15,13 @@ import threading
 import uuid
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
 from storyboard_cli.serve.intake import Planned
-from storyboard_cli.serve.schedule import MAX_ATTEMPTS, TIERS, ImageState, JobState, Waiting
+from storyboard_cli.serve.schedule import END, MAX_ATTEMPTS, TIERS, ImageState, JobState, Waiting
 
 DB = "queue.sqlite3"
 DRAIN_WINDOW_S = 300.0
@@ -34,18 +35,39 @@ CREATE TABLE IF NOT EXISTS images (
   id INTEGER PRIMARY KEY, job TEXT NOT NULL REFERENCES jobs(id), ord INTEGER NOT NULL, shot TEXT NOT NULL,
   k INTEGER NOT NULL, seed INTEGER NOT NULL, outputs TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
   state TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, lease TEXT, reason TEXT, cached INTEGER NOT NULL DEFAULT 0,
-  done REAL);
+  done REAL, mix TEXT);
 CREATE INDEX IF NOT EXISTS images_state ON images(state);
 CREATE INDEX IF NOT EXISTS images_job ON images(job);
 CREATE INDEX IF NOT EXISTS images_fingerprint ON images(fingerprint, state);
 CREATE TABLE IF NOT EXISTS leases (id TEXT PRIMARY KEY, worker TEXT NOT NULL, job TEXT NOT NULL, expires REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, kind TEXT NOT NULL,
+  data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS events_job ON events(job, seq);
+CREATE TABLE IF NOT EXISTS histograms (name TEXT NOT NULL, label TEXT NOT NULL, bucket INTEGER NOT NULL,
+  n INTEGER NOT NULL, PRIMARY KEY (name, label, bucket));
+CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NULL, total REAL NOT NULL,
+  PRIMARY KEY (name, label));
+CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, seen REAL NOT NULL, gpu TEXT);
 """
 
 # counters kept in the database, so /metrics totals survive a restart
-RENDERED, CACHED, FAILED, EXPIRED, LATE, REJECTED_FULL, REJECTED_INVALID = (
+RENDERED, CACHED, FAILED, EXPIRED, LATE, REJECTED_FULL, REJECTED_INVALID, RETRIES, OOMS, MODEL_LOADS = (
     "images_rendered", "images_cached", "images_failed", "lease_expiries", "late_completions",
-    "rejected_queue_full", "rejected_invalid")
+    "rejected_queue_full", "rejected_invalid", "image_retries", "out_of_memory", "model_loads")
+# histograms kept in the database (observations per bucket, and their sum)
+QUEUE_WAIT, IMAGE_RENDER, JOB_LATENCY, BATCH_SECONDS = "queue_wait", "image_render", "job_latency", "batch"
+BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a worker measured while rendering a lease: (shape, images, seconds) per batch, out-of-memory
+    retries, model loads."""
+
+    batches: tuple[tuple[str, int, float], ...] = ()
+    out_of_memory: int = 0
+    model_loads: int = 0
 
 
 class QueueFull(Exception):
@@ -69,6 +91,8 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        if "mix" not in {r["name"] for r in self.db.execute("PRAGMA table_info(images)")}:  # a queue of v1
+            self.db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
 
     def close(self) -> None:
         self.db.close()
@@ -92,6 +116,43 @@ class Store:
     def count(self, name: str, n: int = 1) -> None:
         with self._tx() as db:
             self._count(db, name, n)
+
+    def _observe(self, db, name: str, label: str, value: float) -> None:
+        bucket = next((i for i, le in enumerate(BUCKETS_S) if value <= le), len(BUCKETS_S))  # last: +Inf
+        db.execute("INSERT INTO histograms VALUES (?, ?, ?, 1) ON CONFLICT(name, label, bucket) DO UPDATE "
+                   "SET n = n + 1", (name, label, bucket))
+        db.execute("INSERT INTO histogram_sums VALUES (?, ?, ?) ON CONFLICT(name, label) DO UPDATE "
+                   "SET total = total + ?", (name, label, value, value))
+
+    def _event(self, db, job_id: str, kind: str, now: float, **data) -> None:
+        """One step of the job's progress stream, written in the transaction that made it (so a reader
+        resuming after event n misses none and sees none twice)."""
+        states = Counter({s: n for s, n in db.execute("SELECT state, COUNT(*) FROM images WHERE job = ? "
+                                                        "GROUP BY state", (job_id,))})
+        canceled = db.execute("SELECT canceled FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
+        body = {"job": job_id, "state": schedule.job_state(states, bool(canceled)), "at": now,
+                "images_by_state": dict(states), **data}
+        db.execute("INSERT INTO events (job, kind, data) VALUES (?, ?, ?)", (job_id, kind, json.dumps(body)))
+
+    def events(self, job_id: str, after: int) -> tuple[list[tuple[int, str, str]], bool]:
+        """The job's events after sequence number `after` (seq, kind, JSON data), and whether its stream
+        had already ended at or before `after`."""
+        with self.lock:
+            rows = self.db.execute("SELECT seq, kind, data FROM events WHERE job = ? AND seq > ? ORDER BY seq",
+                                   (job_id, after)).fetchall()
+            ended = self.db.execute("SELECT 1 FROM events WHERE job = ? AND kind = ? AND seq <= ?",
+                                    (job_id, END, after)).fetchone() is not None
+        return [tuple(r) for r in rows], ended
+
+    def seen(self, worker: str, gpu: dict | None, now: float) -> None:
+        """A worker asked for work or renewed a lease; `gpu`: its device's memory and utilisation (None on
+        a CPU)."""
+        with self._tx() as db:
+            self._seen(db, worker, gpu, now)
+
+    def _seen(self, db, worker: str, gpu: dict | None, now: float) -> None:
+        db.execute("INSERT INTO workers VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET seen = ?, gpu = ?",
+                   (worker, now, json.dumps(gpu), now, json.dumps(gpu)))
 
     # submission
 
@@ -133,10 +194,11 @@ class Store:
                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                    (job.id, key, job.content_hash, job.name, str(job.path), str(job.out_dir), job.priority, now,
                     job.batch))
-        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state)"
-                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state, mix)"
+                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        [(job.id, i.order, i.shot, i.k, i.seed, json.dumps(i.outputs), i.key, i.fingerprint,
-                         ImageState.QUEUED) for i in job.images])
+                         ImageState.QUEUED, i.mix) for i in job.images])
+        self._event(db, job.id, "queued", now, priority=job.priority)
 
     def _depth(self, db) -> int:
         return db.execute("SELECT COUNT(*) FROM images WHERE state IN (?, ?)", ImageState.OPEN).fetchone()[0]
@@ -151,56 +213,92 @@ class Store:
 
     # leases
 
-    def lease(self, worker: str, now: float, ttl: float) -> dict | None:
-        """The next batch for `worker`, or None when nothing is free."""
+    def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None) -> dict | None:
+        """The next batch for `worker`, or None when nothing is free: `job` (the head job, the best ranked),
+        `jobs` (each job of the batch: its job file and output folder), `images` (each with its job)."""
         with self._tx() as db:
+            self._seen(db, worker, gpu, now)
             self._expire(db, now)
-            rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, j.priority, j.submitted, j.batch "
-                              "FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?", (ImageState.QUEUED,))
+            rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, i.mix, j.priority, j.submitted, "
+                              "j.batch FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?",
+                              (ImageState.QUEUED,))
             waiting = [Waiting(r["id"], r["job"], r["priority"], r["submitted"], r["key"], r["fingerprint"], r["ord"],
-                               r["batch"]) for r in rows]
-            busy_jobs = {r[0] for r in db.execute("SELECT job FROM leases")}
-            busy_fps = {r[0] for r in db.execute("SELECT fingerprint FROM images WHERE state = ?",
-                                                 (ImageState.LEASED,))}
-            picked = schedule.pick(waiting, busy_jobs, busy_fps)
+                               r["batch"], r["mix"]) for r in rows]
+            busy = db.execute("SELECT job, fingerprint FROM images WHERE state = ?", (ImageState.LEASED,)).fetchall()
+            picked = schedule.pick(waiting, {r[0] for r in busy}, {r[1] for r in busy})
             if not picked:
                 return None
-            lease_id, job_id = uuid.uuid4().hex, picked[0].job
-            db.execute("INSERT INTO leases VALUES (?, ?, ?, ?)", (lease_id, worker, job_id, now + ttl))
+            lease_id, head = uuid.uuid4().hex, picked[0].job
+            db.execute("INSERT INTO leases VALUES (?, ?, ?, ?)", (lease_id, worker, head, now + ttl))
             ids = [w.image for w in picked]
+            for image, attempts, submitted in db.execute(
+                    f"SELECT i.id, i.attempts, j.submitted FROM images i JOIN jobs j ON j.id = i.job "
+                    f"WHERE i.id IN ({','.join('?' * len(ids))})", ids).fetchall():
+                if attempts:  # its last lease was lost
+                    self._count(db, RETRIES)
+                else:
+                    self._observe(db, QUEUE_WAIT, "", now - submitted)
             db.executemany("UPDATE images SET state = ?, lease = ?, attempts = attempts + 1 WHERE id = ?",
                            [(ImageState.LEASED, lease_id, i) for i in ids])
-            job = db.execute("SELECT path, out_dir FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            images = []
-            for i in ids:
-                r = db.execute("SELECT outputs, fingerprint FROM images WHERE id = ?", (i,)).fetchone()
-                images.append({"id": i, "outputs": json.loads(r["outputs"]), "twin": self._twin(db, r["fingerprint"])})
-            return {"lease": lease_id, "job": job_id, "path": job["path"], "out_dir": job["out_dir"],
-                    "expires": now + ttl, "ttl": ttl, "images": images}
+            images, jobs = [], {}
+            for w in picked:
+                r = db.execute("SELECT outputs, fingerprint FROM images WHERE id = ?", (w.image,)).fetchone()
+                images.append({"id": w.image, "job": w.job, "outputs": json.loads(r["outputs"]),
+                               **self._twin(db, r["fingerprint"])})
+                if w.job not in jobs:
+                    job = db.execute("SELECT path, out_dir FROM jobs WHERE id = ?", (w.job,)).fetchone()
+                    jobs[w.job] = {"path": job["path"], "out_dir": job["out_dir"]}
+            for job_id in jobs:
+                self._event(db, job_id, "running", now, worker=worker, lease=lease_id,
+                            images=[w.image for w in picked if w.job == job_id])
+            return {"lease": lease_id, "job": head, "jobs": jobs, "expires": now + ttl, "ttl": ttl, "images": images}
 
-    def _twin(self, db, fingerprint: str) -> str | None:
-        """A PNG already rendered with this fingerprint (any job): the worker copies it instead of rendering."""
-        row = db.execute("SELECT j.out_dir, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
+    def _twin(self, db, fingerprint: str) -> dict:
+        """A PNG already rendered with this fingerprint (any job), which the worker copies instead of
+        rendering: `twin`, its path on the server, and `twin_of`, [its job, its output path]."""
+        row = db.execute("SELECT j.id, j.out_dir, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
                          "WHERE i.fingerprint = ? AND i.state = ? LIMIT 1", (fingerprint, ImageState.DONE)).fetchone()
-        return str(Path(row["out_dir"]) / json.loads(row["outputs"])[0]) if row else None
+        if row is None:
+            return {"twin": None, "twin_of": None}
+        first = json.loads(row["outputs"])[0]
+        return {"twin": str(Path(row["out_dir"]) / first), "twin_of": [row["id"], first]}
 
-    def heartbeat(self, lease_id: str, now: float, ttl: float) -> bool:
+    def lease_outputs(self, lease_id: str, now: float) -> dict[str, tuple[Path, Path, set[str]]] | None:
+        """A live lease's jobs: for each, its job file, its output folder and the output paths of the lease's
+        images; None when the lease is gone (expired now, or before)."""
+        with self._tx() as db:
+            self._expire(db, now)
+            if db.execute("SELECT 1 FROM leases WHERE id = ?", (lease_id,)).fetchone() is None:
+                return None
+            held: dict[str, tuple[Path, Path, set[str]]] = {}
+            for job_id, path, out_dir, outputs in db.execute(
+                    "SELECT j.id, j.path, j.out_dir, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
+                    "WHERE i.lease = ?", (lease_id,)):
+                held.setdefault(job_id, (Path(path), Path(out_dir), set()))[2].update(json.loads(outputs))
+        return held
+
+    def heartbeat(self, lease_id: str, now: float, ttl: float, worker: str | None = None,
+                  gpu: dict | None = None) -> bool:
         """Extends the lease; False when it is gone (the worker's results will be ignored)."""
         with self._tx() as db:
+            if worker is not None:
+                self._seen(db, worker, gpu, now)
             self._expire(db, now)
             return db.execute("UPDATE leases SET expires = ? WHERE id = ?", (now + ttl, lease_id)).rowcount == 1
 
-    def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str], now: float) -> bool:
+    def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str], now: float,
+                 work: Work | None = None) -> bool:
         """Records a lease's results; its images not named go back to the queue without a strike (a worker
         stopping). False, and nothing recorded, when the lease is gone."""
+        work = work or Work()
         with self._tx() as db:
             self._expire(db, now)
-            lease = db.execute("SELECT job FROM leases WHERE id = ?", (lease_id,)).fetchone()
-            if lease is None:
+            if db.execute("SELECT 1 FROM leases WHERE id = ?", (lease_id,)).fetchone() is None:
                 self._count(db, LATE)
                 return False
-            canceled = db.execute("SELECT canceled FROM jobs WHERE id = ?", (lease["job"],)).fetchone()[0]
-            for (image,) in db.execute("SELECT id FROM images WHERE lease = ?", (lease_id,)).fetchall():
+            held = db.execute("SELECT i.id, i.job, j.canceled FROM images i JOIN jobs j ON j.id = i.job "
+                              "WHERE i.lease = ?", (lease_id,)).fetchall()
+            for image, _, canceled in held:
                 if image in done:
                     db.execute("UPDATE images SET state = ?, cached = ?, done = ?, lease = NULL WHERE id = ?",
                                (ImageState.DONE, image in cached, now, image))
@@ -211,29 +309,51 @@ class Store:
                     db.execute("UPDATE images SET state = ?, attempts = attempts - 1, lease = NULL WHERE id = ?",
                                (ImageState.CANCELED if canceled else ImageState.QUEUED, image))
             db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
-            self._count(db, RENDERED, len(set(done) - set(cached)))
-            self._count(db, CACHED, len(set(cached) & set(done)))
-            self._count(db, FAILED, len(failed))
-            self._finished(db, lease["job"], now)
+            held_ids = {r[0] for r in held}
+            done_, cached_ = set(done) & held_ids, set(cached) & set(done) & held_ids
+            self._count(db, RENDERED, len(done_ - cached_))
+            self._count(db, CACHED, len(cached_))
+            self._count(db, FAILED, len(set(failed) & held_ids))
+            self._count(db, OOMS, work.out_of_memory)
+            self._count(db, MODEL_LOADS, work.model_loads)
+            for shape, images, seconds in work.batches:
+                self._observe(db, BATCH_SECONDS, shape, seconds)
+                for _ in range(images):
+                    self._observe(db, IMAGE_RENDER, "", seconds / images)
+            for job_id in dict.fromkeys(r[1] for r in held):
+                mine = {r[0] for r in held if r[1] == job_id}
+                self._event(db, job_id, "images", now, done=sorted((done_ - cached_) & mine),
+                            cached=sorted(cached_ & mine),
+                            failed={str(k): v for k, v in failed.items() if k in mine})
+                self._finished(db, job_id, now)
             return True
 
     def _expire(self, db, now: float) -> None:
-        for lease in db.execute("SELECT id, job FROM leases WHERE expires < ?", (now,)).fetchall():
+        for (lease_id,) in db.execute("SELECT id FROM leases WHERE expires < ?", (now,)).fetchall():
+            held = db.execute("SELECT id, job, attempts FROM images WHERE lease = ?", (lease_id,)).fetchall()
             db.execute("UPDATE images SET state = ?, reason = ?, done = ?, lease = NULL WHERE lease = ? "
                        "AND attempts >= ?", (ImageState.FAILED, f"its worker was lost {MAX_ATTEMPTS} times", now,
-                                             lease["id"], MAX_ATTEMPTS))
-            failed = db.execute("SELECT changes()").fetchone()[0]
-            db.execute("UPDATE images SET state = ?, lease = NULL WHERE lease = ?", (ImageState.QUEUED, lease["id"]))
-            db.execute("DELETE FROM leases WHERE id = ?", (lease["id"],))
+                                             lease_id, MAX_ATTEMPTS))
+            db.execute("UPDATE images SET state = ?, lease = NULL WHERE lease = ?", (ImageState.QUEUED, lease_id))
+            db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
             self._count(db, EXPIRED)
-            self._count(db, FAILED, failed)
-            self._finished(db, lease["job"], now)
+            self._count(db, FAILED, sum(r["attempts"] >= MAX_ATTEMPTS for r in held))
+            for job_id in dict.fromkeys(r["job"] for r in held):
+                self._event(db, job_id, "lease_lost", now,
+                            requeued=[r["id"] for r in held if r["job"] == job_id and r["attempts"] < MAX_ATTEMPTS])
+                self._finished(db, job_id, now)
 
     def _finished(self, db, job_id: str, now: float) -> None:
+        """Stamps a job whose last image just ended (once), and ends its event stream."""
         open_ = db.execute("SELECT COUNT(*) FROM images WHERE job = ? AND state IN (?, ?)",
                            (job_id, *ImageState.OPEN)).fetchone()[0]
-        if not open_:
-            db.execute("UPDATE jobs SET finished = COALESCE(finished, ?) WHERE id = ?", (now, job_id))
+        job = db.execute("SELECT submitted, canceled, finished FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if open_ or job["finished"] is not None:
+            return
+        db.execute("UPDATE jobs SET finished = ? WHERE id = ?", (now, job_id))
+        if not job["canceled"]:  # a canceled job's stream ended when it was canceled
+            self._observe(db, JOB_LATENCY, "", now - job["submitted"])
+            self._event(db, job_id, END, now)
 
     def expire(self, now: float) -> None:
         with self._tx() as db:
@@ -244,18 +364,25 @@ class Store:
     def cancel(self, job_id: str, now: float) -> bool:
         """Queued images are canceled at once; leased ones when their batch is done."""
         with self._tx() as db:
-            if not db.execute("UPDATE jobs SET canceled = 1 WHERE id = ?", (job_id,)).rowcount:
+            job = db.execute("SELECT canceled, finished FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if job is None:
                 return False
+            db.execute("UPDATE jobs SET canceled = 1 WHERE id = ?", (job_id,))
             db.execute("UPDATE images SET state = ? WHERE job = ? AND state = ?",
                        (ImageState.CANCELED, job_id, ImageState.QUEUED))
             self._finished(db, job_id, now)
+            if not job["canceled"] and job["finished"] is None:
+                self._event(db, job_id, END, now)
             return True
 
-    def set_priority(self, job_id: str, priority: str) -> bool:
+    def set_priority(self, job_id: str, priority: str, now: float) -> bool:
         if priority not in TIERS:
             raise BadInput(f"priority must be one of {', '.join(TIERS)}, got {priority!r}")
         with self._tx() as db:
-            return db.execute("UPDATE jobs SET priority = ? WHERE id = ?", (priority, job_id)).rowcount == 1
+            if not db.execute("UPDATE jobs SET priority = ? WHERE id = ?", (priority, job_id)).rowcount:
+                return False
+            self._event(db, job_id, "priority", now, priority=priority)
+            return True
 
     def job(self, job_id: str, now: float) -> dict | None:
         """The job with its images, its state, the images queued ahead of it and an ETA."""
@@ -280,8 +407,10 @@ class Store:
                             "state": r["state"], "attempts": r["attempts"], "cached": bool(r["cached"]),
                             "reason": r["reason"], "outputs": json.loads(r["outputs"])} for r in images]}
 
-    def stats(self) -> dict:
-        """What /metrics shows: queue depth per priority (images, jobs), jobs per state, the counters."""
+    def stats(self, now: float, worker_window_s: float) -> dict:
+        """What /metrics shows: queue depth per priority (images, jobs), jobs per state, the counters, the
+        histograms ({(name, label): (per-bucket counts, sum)}), the workers seen within the window (name ->
+        GPU stats or None) and the images finished per second."""
         with self.lock:
             db = self.db
             depth = {p: [0, 0] for p in TIERS}
@@ -295,5 +424,14 @@ class Store:
                 per_job.setdefault(job, Counter())[state] = n
             counters = {r[0]: r[1] for r in db.execute("SELECT name, value FROM counters")}
             leases = db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
+            histograms: dict[tuple[str, str], tuple[list[int], float]] = {}
+            for name, label, total in db.execute("SELECT name, label, total FROM histogram_sums"):
+                histograms[name, label] = ([0] * (len(BUCKETS_S) + 1), total)
+            for name, label, bucket, n in db.execute("SELECT name, label, bucket, n FROM histograms"):
+                histograms[name, label][0][bucket] = n
+            workers = {r[0]: json.loads(r[1]) for r in db.execute("SELECT name, gpu FROM workers WHERE seen >= ?",
+                                                                   (now - worker_window_s,))}
+            rate = self._drain_rate(db, now)
         jobs = Counter(schedule.job_state(c, canceled[j]) for j, c in per_job.items())
-        return {"depth": depth, "jobs": {s: jobs[s] for s in JobState.ALL}, "counters": counters, "leases": leases}
+        return {"depth": depth, "jobs": {s: jobs[s] for s in JobState.ALL}, "counters": counters, "leases": leases,
+                "histograms": histograms, "workers": workers, "images_per_s": rate or 0.0}

@@ -2,10 +2,12 @@
 jobs, writes them into the job's folder exactly as `bcg render` does, reports back. The only serve module
 that renders; it drives the engine through `RenderSession` (run/render.py), never directly.
 
-Each lease is one `LeaseSession`: a RenderSession on the job's folder (its lock, reconcile, OutputSink,
-OOM policy, report, contact sheet) whose pending images are cut to the leased ones. Images whose twin
-(same fingerprint) was rendered before are read from that PNG and written through the same sink, with
-this job's metadata.
+Each job of a lease is one `LeaseSession`: a RenderSession on the job's folder (its lock, reconcile,
+OutputSink, OOM policy, report, contact sheet) whose pending images are cut to the leased ones. The lease's
+first job renders; the others ride in its batches, each image delivered to its own job's sink. Images whose
+twin (same fingerprint) was rendered before are read from that PNG and written through their sink, with
+their job's metadata. A worker that does not see the server's job folders renders into copies of them
+under its --root and uploads what it wrote.
 """
 
 from __future__ import annotations
@@ -15,19 +17,26 @@ import signal
 import socket
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-from storyboard_cli.errors import Status, StoryboardError, one_line
+from storyboard_cli.errors import Status, StoryboardError, folder_error, one_line
+from storyboard_cli.folder.outputs import Manifest, atomic_write
+from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.file import Job, load_job
-from storyboard_cli.run.render import RenderOptions, RenderSession
+from storyboard_cli.job.plan import make_batches
+from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
 from storyboard_cli.serve.client import LeaseClient
+from storyboard_cli.serve.intake import JOBS, OUT
+from storyboard_cli.serve.uploads import REPORTS
 
 log = logging.getLogger(__name__)
 CACHED_BUCKET = "cached"  # the report's bucket row for copied twins
+TWINS = "twins"  # under an uploading worker's root: twins' PNGs downloaded from the server
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,8 @@ class WorkerOptions:
     token: str | None = None
     poll_s: float = 0.5
     max_leases: int | None = None  # stop after this many (tests); None: until stopped
+    upload: bool = False  # send the PNGs back even when the server's job folders are visible here
+    root: Path = Path("bcg-worker")  # copies of job folders, when the server's are not visible here
 
 
 @dataclass
@@ -64,14 +75,22 @@ class Outcome:
     cached: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     stopped: bool = False
+    work: dict = field(default_factory=dict)  # what the server's histograms and counters record
 
 
 class LeaseSession(RenderSession):
-    def __init__(self, job: Job, opts: RenderOptions, lease: dict, hot: Hot):
+    """One job's part of a lease: a RenderSession on its folder whose pending images are cut to the leased
+    ones. The head session (the lease's first job) renders; the riders (other jobs' images in the same
+    batches) only open their folder and sink, and the head's policy delivers their images to them."""
+
+    def __init__(self, job: Job, opts: RenderOptions, images: list[dict], hot: Hot):
         super().__init__(job, opts, None, hot.models, hot.engine)
-        self.mine = {p for image in lease["images"] for p in image["outputs"]}
-        self.twins = {image["outputs"][0]: image["twin"] for image in lease["images"] if image["twin"]}
+        self.images = images
+        self.mine = {p for image in images for p in image["outputs"]}
+        self.twins = {image["outputs"][0]: image["twin"] for image in images if image["twin"]}
         self.copied: set[str] = set()
+        self.timed: list[dict] = []  # per rendered batch: shape, images, seconds
+        self.riders: list[LeaseSession] = []
 
     def find_pending(self):
         pending, manifest = super().find_pending()
@@ -79,19 +98,75 @@ class LeaseSession(RenderSession):
                          for i in pending.items if self.mine.intersection(i.outputs)]
         return pending, manifest
 
-    def work(self):
-        for batch in self.batches:
-            rest = []
-            for item in batch.items:
-                pixels = _pixels(self.twins.get(item.outputs[0]))
-                if pixels is None:
-                    rest.append(item)
-                else:
-                    self.sink.submit(item, pixels, CACHED_BUCKET)
-                    self.copied.update(item.outputs)
-            if rest:
-                yield replace(batch, items=tuple(rest))
+    def ride(self) -> None:
+        """A rider's part of `prepare`: its folder reconciled and its sink open (no models)."""
+        manifest = self.prepare_folder()
+        if self.pending.items:
+            self.sink = self.open_sink(manifest)
 
+    def prepare(self, stop=None) -> None:
+        super().prepare(stop)
+        if self.policy is not None and self.riders:
+            self.policy.sink = Router(self.sink, {id(i): r.sink for r in self.riders for i in r.pending.items})
+
+    def work(self):
+        mine = [(i, self) for batch in self.batches for i in batch.items]
+        rest = [item for item, owner in mine + [(i, r) for r in self.riders for i in r.pending.items]
+                if not owner.copy_twin(item)]
+        for batch in make_batches(rest, self.job.buckets):
+            t0 = time.perf_counter()
+            yield batch  # rendered before the loop asks for the next one
+            self.timed.append({"shape": f"{batch.key.width}x{batch.key.height}", "images": len(batch.items),
+                               "seconds": round(time.perf_counter() - t0, 4)})
+
+    def copy_twin(self, item) -> bool:
+        """Writes the item from its twin's PNG, if it has one that can be read."""
+        pixels = _pixels(self.twins.get(item.outputs[0]))
+        if pixels is None:
+            return False
+        self.sink.submit(item, pixels, CACHED_BUCKET)
+        self.copied.update(item.outputs)
+        return True
+
+
+class Router:
+    """The sink a mixed batch is delivered to: each image goes to its own job's sink (the head's when it is
+    the head's)."""
+
+    def __init__(self, head: OutputSink, riders: dict[int, OutputSink]):
+        self.head, self.riders = head, riders
+
+    def _sink(self, item) -> OutputSink:
+        return self.riders.get(id(item), self.head)
+
+    def submit(self, item, pixels, bucket: str) -> None:
+        self._sink(item).submit(item, pixels, bucket)
+
+    def fail(self, items, reason: str) -> None:
+        for item in items:
+            self._sink(item).fail([item], reason)
+
+
+def render_together(head: LeaseSession, riders: list[LeaseSession]) -> dict[LeaseSession, RenderResult]:
+    """The head's render with the riders' images in its batches: each rider's folder locked and its sink open
+    for the whole render; its manifest, report and sheet finished after."""
+    with ExitStack() as held:
+        for rider in riders:
+            held.enter_context(rider.lock())
+            rider.ride()
+        head.riders = [r for r in riders if r.sink is not None]
+        try:
+            results = {head: head.execute()}
+        except BaseException:
+            for rider in head.riders:
+                rider._close_writer(cancel=True, after_error=True)
+            raise
+        status = Status.INTERRUPTED if results[head].status == Status.INTERRUPTED else Status.DONE
+        for rider in riders:
+            if rider.sink is not None:
+                rider.sink.close()
+            results[rider] = rider.finish(status)
+    return results
 
 def _pixels(path: str | None) -> np.ndarray | None:
     """The twin's pixels (uint8 [H, W, 3]); None when there is none or it is gone."""
@@ -106,41 +181,127 @@ def _pixels(path: str | None) -> np.ndarray | None:
         return None
 
 
-def render_lease(lease: dict, hot: Hot, opts: WorkerOptions) -> Outcome:
-    """Renders one lease into its job's folder; which of its images landed, failed or are left."""
-    images, out = lease["images"], Outcome()
+@dataclass(frozen=True)
+class Place:
+    """Where a lease renders: the server's job folder (a shared filesystem), or this worker's copy of it,
+    whose outputs are uploaded."""
+
+    job_file: Path
+    out_dir: Path
+    upload: bool
+
+
+def place(job_id: str, job: dict, opts: WorkerOptions) -> Place:
+    """Where one job of a lease renders: the server's job folder when this worker sees the very job file the
+    server saved (and --upload is off); else a copy under the worker's --root."""
+    server_file = Path(job["path"])
+    if not opts.upload and _reads(server_file) == job["job_text"]:
+        return Place(server_file, Path(job["out_dir"]), False)
+    folder = opts.root.resolve() / JOBS / job_id
+    job_file = folder / job["job_file"]
+    if _reads(job_file) != job["job_text"]:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(job_file, job["job_text"].encode())
+        except OSError as e:
+            raise folder_error(folder, e) from None
+    return Place(job_file, folder / OUT, True)
+
+
+def _reads(path: Path) -> str | None:
     try:
-        job = load_job(lease["path"])
-        hot.for_job(job)
-        ropts = RenderOptions(out_dir=Path(lease["out_dir"]), device=opts.device, dtype=opts.dtype,
-                              engine=opts.engine, compile=opts.compile)
-        session = LeaseSession(job, ropts, lease, hot)
-        result = session.execute()
-    except StoryboardError as e:
-        out.failed = {image["id"]: one_line(e) for image in images}
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def fetch_twins(lease: dict, places: dict[str, Place], client: LeaseClient, folder: Path) -> None:
+    """An uploading worker cannot read the server's copy of a twin: it downloads it (or renders the image
+    when that fails)."""
+    for image in lease["images"]:
+        if image["twin_url"] and places[image["job"]].upload:
+            local = folder / f"{image['id']}.png"
+            try:
+                data = client.download(image["twin_url"])
+                if data is not None:
+                    atomic_write(local, data)
+            except (httpx.HTTPError, OSError) as e:
+                log.warning("twin %s not downloaded (%s): the image is rendered", image["twin_url"], e)
+                data = None
+            image["twin"] = str(local) if data is not None else None
+
+
+def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, Place] | None = None) -> Outcome:
+    """Renders one lease into its jobs' folders (or this worker's copies); which of its images landed,
+    failed or are left."""
+    out = Outcome()
+    places = places or {j: Place(Path(v["path"]), Path(v["out_dir"]), False) for j, v in lease["jobs"].items()}
+    sessions: dict[str, LeaseSession] = {}
+    for job_id in sorted(lease["jobs"], key=lambda j: j != lease["job"]):  # the head first: it picks the models
+        images = [i for i in lease["images"] if i["job"] == job_id]
+        try:
+            job = load_job(places[job_id].job_file)
+            if job_id == lease["job"]:
+                hot.for_job(job)
+            ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
+                                  engine=opts.engine, compile=opts.compile)
+            sessions[job_id] = LeaseSession(job, ropts, images, hot)
+        except StoryboardError as e:
+            out.failed.update({image["id"]: one_line(e) for image in images})
+    head = sessions.pop(lease["job"], None)
+    if head is None:  # the riders' images go back to the queue
         return out
-    if session.models is not None:
-        hot.models, hot.engine = session.models, session.engine
-    failed = {f["path"]: f["reason"] for f in result.failed}
-    for image in images:
-        paths = image["outputs"]
-        reason = next((failed[p] for p in paths if p in failed), None)
-        if reason is not None:
-            out.failed[image["id"]] = reason
-        elif all((result.out_dir / p).is_file() for p in paths):
-            out.done.append(image["id"])
-            if session.copied.issuperset(paths):
-                out.cached.append(image["id"])
-    out.stopped = result.status == Status.INTERRUPTED
+    try:
+        results = render_together(head, list(sessions.values()))
+    except StoryboardError as e:
+        out.failed.update({image["id"]: one_line(e) for image in lease["images"]})
+        return out
+    out.work = {"batches": head.timed, "out_of_memory": head.policy.out_of_memory if head.policy else 0,
+                "model_loads": int(hot.models is None and head.models is not None)}
+    if head.models is not None:
+        hot.models, hot.engine = head.models, head.engine
+    for session, result in results.items():
+        failed = {f["path"]: f["reason"] for f in result.failed}
+        for image in session.images:
+            paths = image["outputs"]
+            reason = next((failed[p] for p in paths if p in failed), None)
+            if reason is not None:
+                out.failed[image["id"]] = reason
+            elif all((result.out_dir / p).is_file() for p in paths):
+                out.done.append(image["id"])
+                if session.copied.issuperset(paths):
+                    out.cached.append(image["id"])
+    out.stopped = results[head].status == Status.INTERRUPTED
     return out
+
+
+def gpu_stats(hot: Hot) -> dict | None:
+    """The worker's GPU memory (torch.cuda) and utilisation (NVML, when nvidia-ml-py is installed), once a
+    model is loaded on one; None on a CPU or before the first load."""
+    models = hot.models
+    if models is None or models.device.type != "cuda":
+        return None
+    import torch
+
+    d = models.device
+    stats = {"memory_allocated_bytes": torch.cuda.memory_allocated(d),
+             "memory_reserved_bytes": torch.cuda.memory_reserved(d),
+             "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(d),
+             "total_memory_bytes": torch.cuda.get_device_properties(d).total_memory}
+    try:
+        stats["utilization"] = torch.cuda.utilization(d) / 100
+    except Exception:  # noqa: BLE001 - NVML missing or refused: the figure is left out, not guessed
+        pass
+    return stats
 
 
 class Heartbeat:
     """Renews a lease every third of its time to live while the lease renders (a thread: the render holds
     the main thread, and its signals)."""
 
-    def __init__(self, client: LeaseClient, lease: dict):
+    def __init__(self, client: LeaseClient, lease: dict, worker: str, hot: Hot):
         self.client, self.lease, self.done = client, lease, threading.Event()
+        self.worker, self.hot = worker, hot
         self.lost = False
         self.thread = threading.Thread(target=self._beat, daemon=True)
 
@@ -155,7 +316,7 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self.done.wait(self.lease["ttl"] / 3):
             try:
-                if not self.client.heartbeat(self.lease["lease"]):
+                if not self.client.heartbeat(self.lease["lease"], self.worker, gpu_stats(self.hot)):
                     self.lost = True
             except httpx.HTTPError as e:
                 log.warning("heartbeat failed: %s", e)
@@ -182,7 +343,7 @@ def run_worker(opts: WorkerOptions) -> int:
     try:
         while not stop.requested and (opts.max_leases is None or rendered < opts.max_leases):
             try:
-                lease = client.lease(name)
+                lease = client.lease(name, gpu_stats(hot))
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while
                 log.info("no lease from %s: %s", opts.server, e)
                 time.sleep(backoff)
@@ -192,20 +353,47 @@ def run_worker(opts: WorkerOptions) -> int:
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
-            with Heartbeat(client, lease):
-                outcome = render_lease(lease, hot, opts)
+            places = {job_id: place(job_id, job, opts) for job_id, job in lease["jobs"].items()}
+            with Heartbeat(client, lease, name, hot):
+                fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
+                outcome = render_lease(lease, hot, opts, places)
+                manifest = upload(client, lease, outcome, places)
             rendered += 1
-            _report(client, lease, outcome)
+            if manifest is not None:
+                _report(client, lease, outcome, manifest)
             stop.requested = stop.requested or outcome.stopped
     finally:
         client.close()
     return rendered
 
 
-def _report(client: LeaseClient, lease: dict, outcome: Outcome, tries: int = 5) -> None:
+def upload(client: LeaseClient, lease: dict, outcome: Outcome, places: dict[str, Place]) -> dict[str, list] | None:
+    """Sends the finished PNGs and the report of each job rendered in a copy to the server; returns their
+    manifest lines by job (None when the lease was lost meanwhile: the images are someone else's now)."""
+    lines = {}
+    for job_id, where in places.items():
+        if not where.upload:
+            continue
+        records = Manifest(where.out_dir).records
+        paths = [p for image in lease["images"] if image["job"] == job_id and image["id"] in outcome.done
+                 for p in image["outputs"]]
+        for path in paths + [p for p in REPORTS if (where.out_dir / p).is_file()]:
+            try:
+                if not client.upload(lease["lease"], job_id, path, (where.out_dir / path).read_bytes()):
+                    log.warning("lease %s was lost while uploading: its images went back to the queue", lease["lease"])
+                    return None
+            except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (from the copy)
+                log.warning("uploading %s of lease %s: %s", path, lease["lease"], e)
+                return None
+        lines[job_id] = [records[p] for p in paths if p in records]
+    return lines
+
+
+def _report(client: LeaseClient, lease: dict, outcome: Outcome, manifest: dict[str, list], tries: int = 5) -> None:
     for attempt in range(tries):
         try:
-            if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed):
+            if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed, outcome.work,
+                                   manifest):
                 log.warning("lease %s was lost before it completed: the server ignored its results", lease["lease"])
             return
         except httpx.HTTPError as e:

@@ -1,0 +1,82 @@
+"""Batches that mix images of different jobs (same models, shape, steps, sampler and LoRA set): two small jobs
+queued before a worker starts share one batch, and each job's PNG equals its solo render, pixel for pixel
+(each image depends only on its own settings and seed). A real server and a real `bcg worker` on the tiny
+model."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from storyboard_cli.folder.layout import MANIFEST, REPORT_JSON
+from storyboard_cli.job.file import load_job
+from storyboard_cli.run.render import RenderOptions, render
+
+from conftest import ROOT, write_job
+from test_serve_e2e import Server, free_port, pixels
+
+HEAD = """version: 1
+model: tiny
+buckets: [2]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, seed: 1}
+"""
+RIDER = """version: 1
+model: tiny
+buckets: [1]
+shots:
+  - {id: x, prompt: a tower at dusk, seed: 9, guidance: 3, steps: 2, size: 64x64}
+"""
+YAML = {"Content-Type": "application/yaml"}
+
+
+def _count(families, name):
+    return next(s.value for s in families[name].samples if s.name == name + "_count")
+
+
+@pytest.mark.slow  # a server and a rendering worker process: 8-14 s on 2 cores
+def test_two_jobs_share_a_batch_and_each_png_equals_its_solo_render(tmp_path, tiny_cpu):
+    server = Server(tmp_path / "root", free_port())
+    server.start(lease_s=10, gpus="none")
+    worker = None
+    try:
+        ids = [httpx.post(server.url + "/v1/jobs", content=text, headers=YAML).json()["id"]
+               for text in (HEAD, RIDER)]
+        worker = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", server.url,
+                                   "--device", "cpu", "--name", "w"], cwd=ROOT, start_new_session=True)
+        jobs = [server.wait(i, lambda j: j["state"] in ("succeeded", "failed")) for i in ids]
+        assert [j["state"] for j in jobs] == ["succeeded"] * 2
+
+        def lease_of(job_id):
+            events = httpx.get(f"{server.url}/v1/jobs/{job_id}/events", timeout=10).text
+            return [json.loads(line[6:])["lease"] for line in events.splitlines()
+                    if line.startswith("data: ") and '"lease"' in line]
+
+        assert len(lease_of(ids[0])) == 1 and lease_of(ids[0]) == lease_of(ids[1])  # one lease for both jobs
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+        batches = {s.labels["shape"]: s.value for s in families["bcg_batch_seconds"].samples
+                   if s.name == "bcg_batch_seconds_count"}
+        assert batches == {"64x64": 1}  # and one batch
+        assert _count(families, "bcg_image_render_seconds") == 2
+
+        for job_id, text, name in zip(ids, (HEAD, RIDER), ("head", "rider")):
+            alone = render(load_job(write_job(tmp_path, text, f"{name}.yaml")),
+                           RenderOptions(out_dir=tmp_path / name), models=tiny_cpu).out_dir
+            served = server.root / "jobs" / job_id / "out"
+            pngs = sorted(p.relative_to(alone).as_posix() for p in alone.glob("*/*.png"))
+            assert pngs == sorted(p.relative_to(served).as_posix() for p in served.glob("*/*.png")) and len(pngs) == 1
+            assert np.abs(pixels(served / pngs[0]) - pixels(alone / pngs[0])).max() == 0, name
+            assert [json.loads(x)["path"] for x in (served / MANIFEST).read_text().splitlines()] == pngs
+            assert json.loads((served / REPORT_JSON).read_text())["images_rendered"] == 1
+    finally:
+        if worker is not None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        server.kill_everything()
