@@ -204,7 +204,9 @@ def test_out_of_memory_splits_the_bucket(tmp_path):
 
     base, one = peak(1)
     _, eight = peak(8)
-    assert eight > 2 * one
+    # the VAE decodes one image at a time, so eight images' peak is the UNet's activations above one's;
+    # the cap sits half way: a bucket of 8 cannot fit, a bucket of 1 always does
+    assert eight > one + 64 * 2**20, (one, eight)
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
