@@ -49,6 +49,7 @@ from storyboard_cli.models.tiny import cache_root
 log = logging.getLogger(__name__)
 FORMAT = 4  # bump when the export wrappers, the recipe or the options below change what is compiled
 MODULES = ("unet", "controlnet")
+MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the images
 MAX_ROWS = 16  # 2 x the largest bucket (8 images, CFG doubled)
 SIDES = (128, 2048)  # image side in pixels, multiples of 64 (three 2x downsamplings of the latent)
 INDUCTOR_OPTIONS = {
@@ -185,7 +186,7 @@ def dynamic_shapes(args: tuple) -> tuple:
     """torch.export Dims: the rows of every batched input dynamic (2..MAX_ROWS), everything else static."""
     from torch.export import Dim
 
-    rows = Dim("rows", min=2, max=MAX_ROWS)
+    rows = Dim("rows", min=MIN_ROWS, max=MAX_ROWS)
 
     def spec(a):
         return tuple(spec(x) for x in a) if isinstance(a, tuple) else (None if a.dim() == 0 else {0: rows})
