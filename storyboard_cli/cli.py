@@ -395,13 +395,13 @@ def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jo
           results: Annotated[Path, typer.Option(help="Folder for the JSON and Markdown results.")] = Path("bench/results"),
           ) -> None:
     """Measure bcg against the plain diffusers loop (and torch.compile) on one job, in one run."""
-    from storyboard_cli import bench as benchmark
+    from storyboard_cli.bench import harness, report
 
     with _domain_errors():
-        rec = benchmark.run(job_path=job, model=model, quick=quick, parts=tuple(p.strip() for p in parts.split(",")),
-                            with_compile=with_compile, results_dir=results,
-                            log=lambda line: err.print(line))
-    out.print(benchmark.markdown(rec))
+        rec = harness.run(job_path=job, model=model, quick=quick, parts=tuple(p.strip() for p in parts.split(",")),
+                          with_compile=with_compile, results_dir=results,
+                          log=lambda line: err.print(line))
+    out.print(report.markdown(rec))
     out.print(f"written: {', '.join(rec['written'])}")
 
 

@@ -95,7 +95,7 @@ STAGES = {
     "folder": {"folder/*"},
     "run": {"run/*"},
     "serve": {"serve/*"},
-    "top": {"cli.py", "__main__.py", "__init__.py", "bench.py"},
+    "top": {"cli.py", "__main__.py", "__init__.py", "bench/*"},
 }
 ORDER = list(STAGES)
 FOLDERS = [m.removesuffix("/*") for members in STAGES.values() for m in members if m.endswith("/*")]
@@ -108,8 +108,9 @@ TORCH_FREE = ["errors.py", "samplers.py", "job/*", "folder/*", "run/signals.py",
               "serve/intake.py", "serve/store.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
               "serve/server.py", "serve/uploads.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
-# builds one; capture and bench, which time them
-ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench.py"}
+# builds one; capture and bench's parts, which time them
+ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench/contenders.py", "bench/steps.py",
+                  "bench/draft.py", "bench/harness.py"}
 
 
 def _expand(names: list[str]) -> list[str]:
