@@ -7,7 +7,6 @@ worker killed with kill -9 mid-batch (another worker finishes its images); a poi
 attempts."""
 
 import asyncio
-import json
 import math
 import os
 import signal
