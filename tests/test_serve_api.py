@@ -116,7 +116,40 @@ def test_metrics_parse_as_prometheus_text(client):
     depth = {s.labels["priority"]: s.value for s in families["bcg_queue_images"].samples}
     assert depth == {"urgent": 0, "normal": 2, "bulk": 0}
     assert {"bcg_jobs", "bcg_images_rendered", "bcg_lease_expiries", "bcg_rejected_submissions"} <= set(families)
-    assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
+
+
+def test_readyz_waits_for_a_worker_with_its_graphs_captured_healthz_does_not(tmp_path):
+    t = [1000.0]
+    app = create_app(Settings(tmp_path / "root", lease_s=30), clock=lambda: t[0])
+    with TestClient(app) as c:
+        def ready():
+            r = c.get("/readyz")
+            assert r.status_code in (200, 503) and c.get("/healthz").status_code == 200  # admitting throughout
+            return r.status_code == 200, r.json()
+
+        ok, body = ready()
+        assert not ok and body["status"] == 503 and body["detail"] == "no worker seen in the last 30 s"
+        assert c.get("/readyz").headers["content-type"] == PROBLEM
+        assert c.post("/v1/leases", json={"worker": "cold"}).status_code == 204  # says nothing: not ready
+        assert c.post("/v1/leases", json={"worker": "loading", "ready": False}).status_code == 204
+        ok, body = ready()
+        assert not ok and body["detail"].startswith("2 worker(s) seen in the last 30 s, none has its graphs captured")
+        post(c)
+        lease = c.post("/v1/leases", json={"worker": "hot", "ready": True}).json()
+        assert ready() == (True, {"ready": True, "workers": 3, "workers_ready": 1})
+        assert "bcg_workers_ready 1.0" in c.get("/metrics").text
+        t[0] += 25  # "hot" renders; its heartbeats keep it counted, the idle ones stopped asking
+        assert c.post(f"/v1/leases/{lease['lease']}/heartbeat", json={"worker": "hot", "ready": True}).status_code == 200
+        t[0] += 25
+        assert ready() == (True, {"ready": True, "workers": 1, "workers_ready": 1})
+        t[0] += 31  # "hot" stopped heartbeating (killed): it no longer counts
+        ok, body = ready()
+        assert not ok and body["detail"] == "no worker seen in the last 30 s"
+        assert "bcg_workers_ready 0.0" in c.get("/metrics").text
+        c.post("/v1/leases", json={"worker": "hot", "ready": True})
+        assert ready()[0]
+        app.state.draining = True  # SIGTERM: neither admitting nor ready
+        assert c.get("/healthz").status_code == 503 and c.get("/readyz").json()["title"] == "draining"
 
 
 def test_a_token_guards_everything_but_health_and_metrics(tmp_path):

@@ -1,31 +1,31 @@
-"""The service under load, against a real `bcg serve` process: 300 submissions at concurrency 16 while the
-queue drains (every answer 202 or 503, a refused job leaves nothing behind, an accepted one is enqueued whole
-and finishes), 20 concurrent submissions with one Idempotency-Key (one job), and a worker killed with kill -9
-in the middle of a batch (the batch is leased again and the job succeeds)."""
+"""The service under load and under faults, against real `bcg serve` and `bcg worker` processes on the tiny
+model: 300 submissions at concurrency 16 while a worker renders (every answer 202 or 503, a refused job leaves
+nothing behind, every accepted one finishes; the submit p99 is measured); a full queue with its worker paused
+refuses the 9th image with Retry-After and takes the same Idempotency-Key once drained; 20 concurrent
+submissions with one key make one job rendered once, and the same content without a key is all cached; a
+worker killed with kill -9 mid-batch (another worker finishes its images); a poison image fails after 3
+attempts."""
 
 import asyncio
-import json
+import math
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from storyboard_cli.folder.layout import MANIFEST
 from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
+from storyboard_cli.serve import client
 from storyboard_cli.serve.store import DB
 
-from conftest import ROOT, write_job
-from test_serve_e2e import Server, free_port, pixels
+from conftest import write_job
+from test_serve_e2e import Server, eventually, free_port, manifest_paths, metric, pixels, start_worker, stop
 
+pytestmark = pytest.mark.slow  # real server and worker processes rendering on 2 cores
 JOB = """version: 1
 model: tiny
 defaults: {{steps: 2, size: 64x64}}
@@ -33,99 +33,124 @@ shots:
   - {{id: a, prompt: a castle number {n}, seed: {n}, candidates: {images}}}
 """
 YAML = {"Content-Type": "application/yaml"}
-SUBMISSIONS, CONCURRENCY, CAP, IMAGES = 300, 16, 24, 3
-DEADLINE_S = 120
+SUBMISSIONS, CONCURRENCY, DEADLINE_S = 300, 16, 120
+CAP = 8  # --max-queue-images
+BACKOFF_S = 0.5
+SUBMIT_P99_S = 0.25  # the issue's bound; 78-149 ms measured on 2 cores shared with the rendering worker
+FINAL = ("succeeded", "failed", "canceled")
 
 
-@pytest.fixture
-def server(tmp_path):
-    s = Server(tmp_path / "root", free_port())
-    s.start(lease_s=30, gpus="none", extra=("--max-queue-images", str(CAP)))
-    yield s
-    if s.proc.poll() is None:
-        s.kill_everything()
+def post(url, body, **headers):
+    return httpx.post(url + "/v1/jobs", content=body, headers={**YAML, **headers}, timeout=30)
 
 
-def _metric(url, name, **labels):
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    raise KeyError(name)
+@pytest.fixture(scope="module")
+def rendering(tmp_path_factory):
+    """A server capped at CAP queued images, without local workers, and one `bcg worker` rendering on the CPU
+    (its model stays loaded across this file's tests)."""
+    server = Server(tmp_path_factory.mktemp("serve") / "root", free_port())
+    server.start(lease_s=30, gpus="none", extra=("--max-queue-images", str(CAP)))
+    worker = start_worker(server.url, "w")
+    yield server, worker
+    stop(worker)
+    server.kill_everything()
 
 
-class FakeWorker:
-    """Drains the queue over the lease protocol without rendering (the load is on the API and the queue)."""
+def drained(url):
+    """Waits until no image is queued or rendering."""
+    eventually(lambda: metric(url, "bcg_queue_images"), lambda n: n == 0)
 
-    def __init__(self, url):
-        self.url, self.stop, self.leases = url, threading.Event(), 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self):
-        with httpx.Client(base_url=self.url, timeout=10) as c:
-            while not self.stop.is_set():
-                r = c.post("/v1/leases", json={"worker": "fake"})
-                if r.status_code == 204:
-                    self.stop.wait(0.05)
-                    continue
-                lease = r.json()
-                self.stop.wait(0.02)  # a batch takes a while
-                c.post(f"/v1/leases/{lease['lease']}/complete", json={"done": [i["id"] for i in lease["images"]]})
-                self.leases += 1
+def done(server, job_id):
+    return server.wait(job_id, lambda j: j["state"] in FINAL)
 
 
 async def _submit_all(url):
-    gate, answers = asyncio.Semaphore(CONCURRENCY), []
+    """16 clients share the 300 submissions, each sending its next one when its last is answered; after a 503
+    a client waits BACKOFF_S (less than the Retry-After: the test stays short, the queue stays full)."""
+    numbers, answers = iter(range(SUBMISSIONS)), []
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
-        async def one(n):
-            async with gate:
+        async def one_client():
+            for n in numbers:
                 t0 = time.perf_counter()
-                r = await c.post("/v1/jobs", content=JOB.format(n=n, images=IMAGES), headers=YAML)
+                r = await c.post("/v1/jobs", content=JOB.format(n=n, images=1), headers=YAML)
                 answers.append((r.status_code, time.perf_counter() - t0, r.headers.get("retry-after"),
                                 r.json().get("id")))
                 if r.status_code == 503:
-                    await asyncio.sleep(0.02)  # a client backing off a little, not for the whole Retry-After
-        await asyncio.wait_for(asyncio.gather(*(one(n) for n in range(SUBMISSIONS))), DEADLINE_S)
+                    await asyncio.sleep(BACKOFF_S)
+        await asyncio.wait_for(asyncio.gather(*(one_client() for _ in range(CONCURRENCY))), DEADLINE_S)
     return answers
 
 
-def test_300_submissions_are_accepted_whole_or_refused_whole_while_the_queue_drains(server):
-    worker = FakeWorker(server.url)
-    worker.thread.start()
-    try:
-        answers = asyncio.run(_submit_all(server.url))
-    finally:
-        worker.stop.set()
-        worker.thread.join(10)
+def test_300_submissions_at_concurrency_16_while_a_worker_renders(rendering, record_property):
+    server, _ = rendering
+    warm = post(server.url, JOB.format(n=100000, images=1)).json()["id"]  # the worker loads its model and is ready
+    assert done(server, warm)["state"] == "succeeded"
+    eventually(lambda: httpx.get(server.url + "/readyz", timeout=10).status_code, lambda code: code == 200, 10)
+    drained(server.url)
+    jobs_before = {p.name for p in (server.root / "jobs").iterdir()}
+    rendered_before = metric(server.url, "bcg_images_rendered_total")
+    refused_before = metric(server.url, "bcg_rejected_submissions_total", reason="queue_full")
+
+    answers = asyncio.run(_submit_all(server.url))
+    rendered_meanwhile = metric(server.url, "bcg_images_rendered_total") - rendered_before
     codes = [a[0] for a in answers]
     assert len(answers) == SUBMISSIONS and set(codes) <= {202, 503}
     accepted = [a[3] for a in answers if a[0] == 202]
     refused = [a for a in answers if a[0] == 503]
-    assert accepted and refused, "the cap was never reached, or nothing got in"
-    assert all(int(a[2]) >= 1 for a in refused)  # an integer Retry-After
+    assert refused, "the cap was never reached"
+    assert rendered_meanwhile >= 1 and len(accepted) > CAP  # the worker rendered while the submissions came
+    assert all(a[2].isdigit() and int(a[2]) >= 1 for a in refused)  # an integer Retry-After
     latencies = sorted(a[1] for a in answers)
-    p99 = latencies[int(0.99 * len(latencies)) - 1]
-    assert p99 < 1.0, f"submit p99 {p99 * 1000:.0f} ms"  # 0.22 s measured on 2 busy cores; the issue asks 0.25 s
+    p99 = latencies[math.ceil(0.99 * len(latencies)) - 1]
+    record_property("submit_p99_ms", round(p99 * 1000))
+    print(f"\nsubmit latency over {SUBMISSIONS} submissions at concurrency {CONCURRENCY} while a worker renders: "
+          f"p50 {latencies[len(latencies) // 2] * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms "
+          f"(the issue asks < {SUBMIT_P99_S * 1000:.0f} ms); {len(accepted)} accepted, {len(refused)} refused, "
+          f"{rendered_meanwhile:.0f} images rendered meanwhile")
+    assert p99 < SUBMIT_P99_S, f"submit p99 {p99 * 1000:.0f} ms"
 
-    jobs = sorted(p.name for p in (server.root / "jobs").iterdir())
-    assert jobs == sorted(accepted)  # a refused job left no folder behind
-    with sqlite3.connect(server.root / DB) as db:  # and no row: every accepted job has all its images
+    jobs = {p.name for p in (server.root / "jobs").iterdir()} - jobs_before
+    assert jobs == set(accepted)  # a refused job left no folder behind
+    with sqlite3.connect(server.root / DB) as db:  # and no row: every accepted job has its image
         per_job = dict(db.execute("SELECT job, COUNT(*) FROM images GROUP BY job").fetchall())
-    assert per_job == {j: IMAGES for j in accepted}
-    assert _metric(server.url, "bcg_rejected_submissions_total", reason="queue_full") == len(refused)
-
-    drain = FakeWorker(server.url)
-    drain.thread.start()
-    deadline = time.monotonic() + 60
-    while _metric(server.url, "bcg_jobs", state="succeeded") < len(accepted) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    drain.stop.set()
-    drain.thread.join(10)
-    assert _metric(server.url, "bcg_jobs", state="succeeded") == len(accepted)  # every accepted job finished
+    assert {j: per_job.get(j) for j in accepted} == {j: 1 for j in accepted} and set(per_job) <= jobs | jobs_before
+    assert metric(server.url, "bcg_rejected_submissions_total", reason="queue_full") - refused_before == len(refused)
+    for job_id in accepted:  # every accepted job finishes
+        assert done(server, job_id)["state"] == "succeeded", job_id
 
 
-def test_20_concurrent_submissions_with_one_key_make_one_job(server):
-    body = JOB.format(n=1, images=1)
+def test_a_full_queue_refuses_the_9th_image_and_takes_the_same_key_once_drained(rendering):
+    server, worker = rendering
+    drained(server.url)
+    refused_before = metric(server.url, "bcg_rejected_submissions_total", reason="queue_full")
+    ninth = JOB.format(n=9009, images=1)
+    os.killpg(worker.pid, signal.SIGSTOP)  # the worker paused: nothing leaves the queue
+    try:
+        queued = [post(server.url, JOB.format(n=9000 + n, images=1)) for n in range(CAP)]
+        assert [r.status_code for r in queued] == [202] * CAP
+        full = post(server.url, ninth, **{"Idempotency-Key": "ninth"})
+        assert full.status_code == 503 and full.headers["content-type"] == "application/problem+json"
+        assert full.headers["retry-after"].isdigit() and int(full.headers["retry-after"]) >= 1
+        assert metric(server.url, "bcg_rejected_submissions_total", reason="queue_full") == refused_before + 1
+        assert metric(server.url, "bcg_queue_images") == CAP  # nothing of the 9th was enqueued
+    finally:
+        os.killpg(worker.pid, signal.SIGCONT)
+    for r in queued:
+        assert done(server, r.json()["id"])["state"] == "succeeded"
+    drained(server.url)
+    again = post(server.url, ninth, **{"Idempotency-Key": "ninth"})
+    assert again.status_code == 202  # a new job: the 503 was not recorded against the key
+    assert done(server, again.json()["id"])["state"] == "succeeded"
+    replay = post(server.url, ninth, **{"Idempotency-Key": "ninth"})
+    assert replay.status_code == 200 and replay.json()["id"] == again.json()["id"]
+
+
+def test_20_concurrent_submissions_with_one_key_render_once_and_the_same_content_without_a_key_is_cached(rendering):
+    server, _ = rendering
+    drained(server.url)
+    body = JOB.format(n=7000, images=2)
+    rendered, cached = (metric(server.url, f"bcg_images_{k}_total") for k in ("rendered", "cached"))
 
     async def burst():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
@@ -135,44 +160,75 @@ def test_20_concurrent_submissions_with_one_key_make_one_job(server):
     answers = asyncio.run(burst())
     assert sorted(r.status_code for r in answers) == [200] * 19 + [202]
     assert len({r.json()["id"] for r in answers}) == 1
-    assert len(list((server.root / "jobs").iterdir())) == 1
-    other = httpx.post(server.url + "/v1/jobs", content=body, headers=YAML, timeout=30)
-    assert other.status_code == 202 and other.json()["id"] != answers[0].json()["id"]  # no key: a new job
+    first = done(server, answers[0].json()["id"])
+    assert first["state"] == "succeeded" and [(i["attempts"], i["cached"]) for i in first["images"]] == [(1, False)] * 2
+    assert metric(server.url, "bcg_images_rendered_total") == rendered + 2  # one job, rendered once
+    out = server.root / "jobs" / first["id"] / "out"
+    assert sorted(manifest_paths(out)) == sorted(p for i in first["images"] for p in i["outputs"])
+
+    other = post(server.url, body)  # the same content without a key: a second job
+    assert other.status_code == 202 and other.json()["id"] != first["id"]
+    second = done(server, other.json()["id"])
+    assert second["state"] == "succeeded" and all(i["cached"] for i in second["images"])
+    assert metric(server.url, "bcg_images_rendered_total") == rendered + 2
+    assert metric(server.url, "bcg_images_cached_total") == cached + 2
+    for image in second["images"]:
+        name = image["outputs"][0]
+        assert np.abs(pixels(server.root / "jobs" / second["id"] / "out" / name) - pixels(out / name)).max() == 0
 
 
-@pytest.mark.slow
-def test_a_worker_killed_mid_batch_loses_its_lease_and_the_job_still_succeeds(tmp_path, tiny_cpu):
+def test_a_worker_killed_mid_batch_loses_its_lease_and_another_finishes_its_images(tmp_path, tiny_cpu):
     text = JOB.format(n=5, images=3).replace("steps: 2", "steps: 10").replace("version: 1", "version: 1\nbuckets: [1]")
     path = write_job(tmp_path, text)
     server = Server(tmp_path / "root", free_port())
     server.start(lease_s=2, gpus="none")
     workers = []
-
-    def start_worker(name):
-        workers.append(subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", server.url,
-                                         "--device", "cpu", "--name", name], cwd=ROOT, start_new_session=True))
-
     try:
-        job_id = httpx.post(server.url + "/v1/jobs", content=text, headers=YAML, timeout=10).json()["id"]
-        start_worker("doomed")
+        job_id = post(server.url, text).json()["id"]
+        workers.append(start_worker(server.url, "doomed"))
         server.wait(job_id, lambda j: j["images_by_state"].get("done", 0) >= 1)
         server.wait(job_id, lambda j: j["images_by_state"].get("leased", 0) >= 1)  # its next batch is rendering
-        os.killpg(workers[0].pid, signal.SIGKILL)
-        workers[0].wait()
-        start_worker("survivor")
-        job = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"))
+        stop(workers[0])
+        workers.append(start_worker(server.url, "survivor"))
+        job = done(server, job_id)
         assert job["state"] == "succeeded"
-        assert _metric(server.url, "bcg_lease_expiries_total") >= 1 and _metric(server.url, "bcg_image_retries_total") >= 1
+        assert metric(server.url, "bcg_lease_expiries_total") >= 1 and metric(server.url, "bcg_image_retries_total") >= 1
         assert max(i["attempts"] for i in job["images"]) == 2  # the killed batch was leased again
+        events = list(client.events(server.url, job_id, timeout_s=10))
+        lost = {i for e in events if e.kind == "lease_lost" for i in e.data["requeued"]}
+        by_survivor = {i for e in events if e.kind == "running" and e.data["worker"] == "survivor"
+                       for i in e.data["images"]}
+        assert lost and lost <= by_survivor  # the other worker rendered the killed worker's images
         out = server.root / "jobs" / job_id / "out"
-        lines = [json.loads(x)["path"] for x in (out / MANIFEST).read_text().splitlines()]
+        lines = manifest_paths(out)
         assert sorted(lines) == sorted(p for i in job["images"] for p in i["outputs"])  # each image once
         ref = render(load_job(path), RenderOptions(out_dir=tmp_path / "ref"), models=tiny_cpu).out_dir
         for name in lines:
             assert np.abs(pixels(out / name) - pixels(ref / name)).max() == 0, name
     finally:
         for w in workers:
-            if w.poll() is None:
-                os.killpg(w.pid, signal.SIGKILL)
-                w.wait()
+            stop(w)
+        server.kill_everything()
+
+
+def test_a_poison_image_fails_after_3_attempts(tmp_path):
+    """An image whose render kills its worker, every time: each lease is taken and never heard of again (the
+    worker died with it), expires after --lease-s, and the third loss fails the image instead of looping."""
+    server = Server(tmp_path / "root", free_port())
+    server.start(lease_s=1, gpus="none")
+    try:
+        job_id = post(server.url, JOB.format(n=666, images=1)).json()["id"]
+        for attempt in (1, 2, 3):
+            lease = eventually(lambda: httpx.post(server.url + "/v1/leases", json={"worker": f"dies-{attempt}"},
+                                                  timeout=10), lambda r: r.status_code == 200, 10).json()
+            assert lease["job"] == job_id and [i["attempts"] for i in server.job(job_id)["images"]] == [attempt]
+        job = eventually(lambda: (httpx.post(server.url + "/v1/leases", json={"worker": "next"}, timeout=10),
+                                  server.job(job_id)), lambda got: got[1]["state"] in FINAL, 10)[1]
+        assert job["state"] == "failed" and job["images"][0]["attempts"] == 3
+        assert job["images"][0]["reason"] == "its worker was lost 3 times"
+        assert httpx.post(server.url + "/v1/leases", json={"worker": "next"}, timeout=10).status_code == 204
+        assert metric(server.url, "bcg_images_failed_total") == 1 and metric(server.url, "bcg_lease_expiries_total") == 3
+        assert metric(server.url, "bcg_image_retries_total") == 2
+        assert [e.kind for e in client.events(server.url, job_id, timeout_s=10)][-2:] == ["lease_lost", "end"]
+    finally:
         server.kill_everything()

@@ -4,10 +4,6 @@ queued before a worker starts share one batch, and each job's PNG equals its sol
 model."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import httpx
 import numpy as np
@@ -18,8 +14,8 @@ from storyboard_cli.folder.layout import MANIFEST, REPORT_JSON
 from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
 
-from conftest import ROOT, write_job
-from test_serve_e2e import Server, free_port, pixels
+from conftest import write_job
+from test_serve_e2e import Server, free_port, pixels, start_worker, stop
 
 HEAD = """version: 1
 model: tiny
@@ -49,8 +45,7 @@ def test_two_jobs_share_a_batch_and_each_png_equals_its_solo_render(tmp_path, ti
     try:
         ids = [httpx.post(server.url + "/v1/jobs", content=text, headers=YAML).json()["id"]
                for text in (HEAD, RIDER)]
-        worker = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", server.url,
-                                   "--device", "cpu", "--name", "w"], cwd=ROOT, start_new_session=True)
+        worker = start_worker(server.url, "w")
         jobs = [server.wait(i, lambda j: j["state"] in ("succeeded", "failed")) for i in ids]
         assert [j["state"] for j in jobs] == ["succeeded"] * 2
 
@@ -77,6 +72,5 @@ def test_two_jobs_share_a_batch_and_each_png_equals_its_solo_render(tmp_path, ti
             assert json.loads((served / REPORT_JSON).read_text())["images_rendered"] == 1
     finally:
         if worker is not None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+            stop(worker)
         server.kill_everything()

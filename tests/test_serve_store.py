@@ -2,6 +2,7 @@
 late completions, dedup twins, idempotency and backpressure (milliseconds each)."""
 
 import json
+import sqlite3
 from collections import Counter
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
 from storyboard_cli.serve.intake import Planned, PlannedImage
 from storyboard_cli.serve.schedule import ImageState, JobState, Waiting
-from storyboard_cli.serve.store import (BATCH_SECONDS, BUCKETS_S, IMAGE_RENDER, JOB_LATENCY, QUEUE_WAIT,
+from storyboard_cli.serve.store import (BATCH_SECONDS, BUCKETS_S, DB, IMAGE_RENDER, JOB_LATENCY, QUEUE_WAIT,
                                         IdempotencyConflict, QueueFull, Store, Work)
 
 KEY = "64x64 2 steps euler"
@@ -251,3 +252,14 @@ def test_a_mixed_lease_holds_every_job_it_touches_until_it_completes(store):
     for job_id in ("j4", "j5"):
         rows, _ = store.events(job_id, 0)
         assert rows[-1][1] == "lease_lost" and store.job(job_id, 10)["images_by_state"] == {"queued": 1}
+
+
+def test_a_queue_from_before_readiness_opens_and_its_workers_are_not_ready(tmp_path):
+    with sqlite3.connect(tmp_path / DB) as db:
+        db.execute("CREATE TABLE workers (name TEXT PRIMARY KEY, seen REAL NOT NULL, gpu TEXT)")
+        db.execute("INSERT INTO workers VALUES ('old', 10, 'null')")
+    s = Store(tmp_path)
+    assert s.readiness(now=10, window_s=5) == (1, 0)
+    s.seen("old", None, now=11, ready=True)
+    assert s.readiness(now=11, window_s=5) == (1, 1) and s.readiness(now=17, window_s=5) == (0, 0)
+    s.close()

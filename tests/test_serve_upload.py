@@ -4,10 +4,6 @@ where a worker on a shared filesystem would have written them. The upload protoc
 a real server and a real `bcg worker --upload` on the tiny model."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import httpx
 import numpy as np
@@ -20,8 +16,8 @@ from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve.api import Settings, create_app
 from storyboard_cli.serve.worker import WorkerOptions, place
 
-from conftest import ROOT, write_job
-from test_serve_e2e import Server, free_port, pixels
+from conftest import write_job
+from test_serve_e2e import Server, free_port, pixels, start_worker, stop
 
 JOB = """version: 1
 model: tiny
@@ -82,9 +78,7 @@ def test_a_worker_with_another_root_uploads_what_a_shared_worker_would_write(tmp
     path = write_job(tmp_path, JOB)
     server = Server(tmp_path / "root", free_port())
     server.start(lease_s=10, gpus="none")
-    worker = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", server.url, "--upload",
-                               "--root", str(tmp_path / "elsewhere"), "--device", "cpu", "--name", "remote"],
-                              cwd=ROOT, start_new_session=True)
+    worker = start_worker(server.url, "remote", "--upload", "--root", str(tmp_path / "elsewhere"))
     try:
         job_id = httpx.post(server.url + "/v1/jobs", content=path.read_bytes(), headers=YAML).json()["id"]
         job = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"))
@@ -109,6 +103,5 @@ def test_a_worker_with_another_root_uploads_what_a_shared_worker_would_write(tmp
         for name in names:
             assert np.abs(pixels(server.root / "jobs" / again / "out" / name) - pixels(ref / name)).max() == 0
     finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
+        stop(worker)
         server.kill_everything()

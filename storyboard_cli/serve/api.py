@@ -189,7 +189,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         body = await request.json()
         if app.state.draining:
             return Response(status_code=204)
-        got = store.lease(str(body.get("worker", "?")), clock(), settings.lease_s, _gpu(body))
+        got = store.lease(str(body.get("worker", "?")), clock(), settings.lease_s, _gpu(body), _ready(body))
         if got is None:
             return Response(status_code=204)
         for job in got["jobs"].values():  # for a worker that does not share the server's filesystem
@@ -218,7 +218,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     async def heartbeat(lease_id: str, request: Request):
         body = await request.json() if await request.body() else {}
         worker = str(body["worker"]) if "worker" in body else None
-        if not store.heartbeat(lease_id, clock(), settings.lease_s, worker, _gpu(body)):
+        if not store.heartbeat(lease_id, clock(), settings.lease_s, worker, _gpu(body), _ready(body)):
             return problem(410, "lease lost", "the lease expired; its images went back to the queue")
         return {"lease": lease_id}
 
@@ -252,13 +252,25 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 
     @app.get("/healthz")
     def healthz():
+        """Liveness and admission: 200 while the server accepts jobs (with or without workers), 503 while it
+        drains. What a load balancer routes submissions on."""
+        if app.state.draining:
+            return problem(503, "draining", "the server is stopping: it admits no job")
         return {"ok": True}
 
     @app.get("/readyz")
     def readyz():
+        """Ready: at least one worker seen within --lease-s has its model loaded and its graphs captured (it
+        says so with each lease request and heartbeat)."""
         if app.state.draining:
             return problem(503, "draining", "the server is stopping")
-        return {"ready": True}
+        seen, ready = store.readiness(clock(), settings.lease_s)
+        if not ready:
+            reason = (f"{seen} worker(s) seen in the last {settings.lease_s:g} s, none has its graphs captured yet "
+                      "(a worker loads its model and captures them with its first batch)" if seen else
+                      f"no worker seen in the last {settings.lease_s:g} s")
+            return problem(503, "no ready worker", reason)
+        return {"ready": True, "workers": seen, "workers_ready": ready}
 
     return app
 
@@ -269,6 +281,11 @@ def _gpu(body: dict) -> dict | None:
     if not isinstance(gpu, dict):
         return None
     return {k: float(v) for k, v in gpu.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _ready(body: dict) -> bool:
+    """Whether the worker has its model loaded and its graphs captured (a worker that does not say: no)."""
+    return body.get("ready") is True
 
 
 def _discard(folder: Path) -> None:

@@ -164,13 +164,15 @@ class LeaseClient:
     def __init__(self, server: str, token: str | None = None):
         self.http = httpx.Client(base_url=server.rstrip("/"), headers=_headers(token), timeout=30)
 
-    def lease(self, worker: str, gpu: dict | None = None) -> dict | None:
-        r = self.http.post("/v1/leases", json={"worker": worker, "gpu": gpu})
+    def lease(self, worker: str, gpu: dict | None = None, ready: bool = False) -> dict | None:
+        """The next batch, or None; `ready`: this worker's model is loaded and its graphs captured (/readyz)."""
+        r = self.http.post("/v1/leases", json={"worker": worker, "gpu": gpu, "ready": ready})
         r.raise_for_status()
         return None if r.status_code == 204 else r.json()
 
-    def heartbeat(self, lease_id: str, worker: str, gpu: dict | None = None) -> bool:
-        return self.http.post(f"/v1/leases/{lease_id}/heartbeat", json={"worker": worker, "gpu": gpu}).status_code == 200
+    def heartbeat(self, lease_id: str, worker: str, gpu: dict | None = None, ready: bool = False) -> bool:
+        return self.http.post(f"/v1/leases/{lease_id}/heartbeat",
+                              json={"worker": worker, "gpu": gpu, "ready": ready}).status_code == 200
 
     def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str],
                  work: dict | None = None, manifest: dict[str, list] | None = None) -> bool:

@@ -42,7 +42,8 @@ class StoreCollector:
         self.store, self.clock, self.window = store, clock, worker_window_s
 
     def collect(self):
-        s = self.store.stats(self.clock(), self.window)
+        now = self.clock()
+        s = self.store.stats(now, self.window)
         images = GaugeMetricFamily(PREFIX + "queue_images", "Images queued or rendering.", labels=["priority"])
         jobs = GaugeMetricFamily(PREFIX + "queue_jobs", "Jobs with images queued or rendering.", labels=["priority"])
         for prio, (n_images, n_jobs) in s["depth"].items():
@@ -63,6 +64,8 @@ class StoreCollector:
         yield rejected
         yield from histograms(s["histograms"])
         yield from workers(s["workers"])
+        yield GaugeMetricFamily(PREFIX + "workers_ready", "Workers seen lately whose model is loaded and graphs "
+                                "captured (what /readyz waits for).", value=self.store.readiness(now, self.window)[1])
 
 
 def histograms(observed: dict[tuple[str, str], tuple[list[int], float]]):

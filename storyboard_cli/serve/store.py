@@ -48,7 +48,8 @@ CREATE TABLE IF NOT EXISTS histograms (name TEXT NOT NULL, label TEXT NOT NULL, 
   n INTEGER NOT NULL, PRIMARY KEY (name, label, bucket));
 CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NULL, total REAL NOT NULL,
   PRIMARY KEY (name, label));
-CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, seen REAL NOT NULL, gpu TEXT);
+CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, seen REAL NOT NULL, gpu TEXT,
+  ready INTEGER NOT NULL DEFAULT 0);
 """
 
 # counters kept in the database, so /metrics totals survive a restart
@@ -93,6 +94,8 @@ class Store:
         self.db.executescript(SCHEMA)
         if "mix" not in {r["name"] for r in self.db.execute("PRAGMA table_info(images)")}:  # a queue of v1
             self.db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
+        if "ready" not in {r["name"] for r in self.db.execute("PRAGMA table_info(workers)")}:  # before /readyz
+            self.db.execute("ALTER TABLE workers ADD COLUMN ready INTEGER NOT NULL DEFAULT 0")
 
     def close(self) -> None:
         self.db.close()
@@ -144,15 +147,23 @@ class Store:
                                     (job_id, END, after)).fetchone() is not None
         return [tuple(r) for r in rows], ended
 
-    def seen(self, worker: str, gpu: dict | None, now: float) -> None:
+    def seen(self, worker: str, gpu: dict | None, now: float, ready: bool = False) -> None:
         """A worker asked for work or renewed a lease; `gpu`: its device's memory and utilisation (None on
-        a CPU)."""
+        a CPU); `ready`: its model is loaded and its graphs captured."""
         with self._tx() as db:
-            self._seen(db, worker, gpu, now)
+            self._seen(db, worker, gpu, now, ready)
 
-    def _seen(self, db, worker: str, gpu: dict | None, now: float) -> None:
-        db.execute("INSERT INTO workers VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET seen = ?, gpu = ?",
-                   (worker, now, json.dumps(gpu), now, json.dumps(gpu)))
+    def _seen(self, db, worker: str, gpu: dict | None, now: float, ready: bool = False) -> None:
+        db.execute("INSERT INTO workers VALUES (?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET seen = ?, gpu = ?, "
+                   "ready = ?", (worker, now, json.dumps(gpu), ready, now, json.dumps(gpu), ready))
+
+    def readiness(self, now: float, window_s: float) -> tuple[int, int]:
+        """(workers seen within the window, those of them ready): a worker that stops asking for work and
+        heartbeating drops out of both."""
+        with self.lock:
+            row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(ready), 0) FROM workers WHERE seen >= ?",
+                                  (now - window_s,)).fetchone()
+        return row[0], row[1]
 
     # submission
 
@@ -213,11 +224,11 @@ class Store:
 
     # leases
 
-    def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None) -> dict | None:
+    def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None, ready: bool = False) -> dict | None:
         """The next batch for `worker`, or None when nothing is free: `job` (the head job, the best ranked),
         `jobs` (each job of the batch: its job file and output folder), `images` (each with its job)."""
         with self._tx() as db:
-            self._seen(db, worker, gpu, now)
+            self._seen(db, worker, gpu, now, ready)
             self._expire(db, now)
             rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, i.mix, j.priority, j.submitted, "
                               "j.batch FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?",
@@ -278,11 +289,11 @@ class Store:
         return held
 
     def heartbeat(self, lease_id: str, now: float, ttl: float, worker: str | None = None,
-                  gpu: dict | None = None) -> bool:
+                  gpu: dict | None = None, ready: bool = False) -> bool:
         """Extends the lease; False when it is gone (the worker's results will be ignored)."""
         with self._tx() as db:
             if worker is not None:
-                self._seen(db, worker, gpu, now)
+                self._seen(db, worker, gpu, now, ready)
             self._expire(db, now)
             return db.execute("UPDATE leases SET expires = ? WHERE id = ?", (now + ttl, lease_id)).rowcount == 1
 
@@ -429,9 +440,10 @@ class Store:
                 histograms[name, label] = ([0] * (len(BUCKETS_S) + 1), total)
             for name, label, bucket, n in db.execute("SELECT name, label, bucket, n FROM histograms"):
                 histograms[name, label][0][bucket] = n
-            workers = {r[0]: json.loads(r[1]) for r in db.execute("SELECT name, gpu FROM workers WHERE seen >= ?",
-                                                                   (now - worker_window_s,))}
+            seen = db.execute("SELECT name, gpu FROM workers WHERE seen >= ?",
+                              (now - worker_window_s,)).fetchall()
             rate = self._drain_rate(db, now)
         jobs = Counter(schedule.job_state(c, canceled[j]) for j, c in per_job.items())
         return {"depth": depth, "jobs": {s: jobs[s] for s in JobState.ALL}, "counters": counters, "leases": leases,
-                "histograms": histograms, "workers": workers, "images_per_s": rate or 0.0}
+                "histograms": histograms, "workers": {r[0]: json.loads(r[1]) for r in seen},
+                "images_per_s": rate or 0.0}

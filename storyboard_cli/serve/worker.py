@@ -62,6 +62,12 @@ class Hot:
     models: object = None
     engine: object = None
 
+    @property
+    def ready(self) -> bool:
+        """The model loaded and its engine prepared: graphs captured (or kernels loaded) for the shapes of the
+        batches rendered so far; what the server's /readyz waits for."""
+        return self.engine is not None
+
     def for_job(self, job: Job) -> None:
         spec = (job.model, job.controlnet)
         lacking = job.controlnet is not None and self.models is not None and self.models.controlnet is None
@@ -316,7 +322,7 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self.done.wait(self.lease["ttl"] / 3):
             try:
-                if not self.client.heartbeat(self.lease["lease"], self.worker, gpu_stats(self.hot)):
+                if not self.client.heartbeat(self.lease["lease"], self.worker, gpu_stats(self.hot), self.hot.ready):
                     self.lost = True
             except httpx.HTTPError as e:
                 log.warning("heartbeat failed: %s", e)
@@ -343,7 +349,7 @@ def run_worker(opts: WorkerOptions) -> int:
     try:
         while not stop.requested and (opts.max_leases is None or rendered < opts.max_leases):
             try:
-                lease = client.lease(name, gpu_stats(hot))
+                lease = client.lease(name, gpu_stats(hot), hot.ready)
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while
                 log.info("no lease from %s: %s", opts.server, e)
                 time.sleep(backoff)
