@@ -410,6 +410,9 @@ ServerOpt = Annotated[str, typer.Option("--server", help="The bcg serve URL, e.g
 TokenOpt = Annotated[Optional[str], typer.Option("--token", envvar="BCG_TOKEN", show_envvar=True,
                                                  help="Bearer token of the server (needed off loopback).")]
 PriorityOpt = Annotated[str, typer.Option(help="urgent, normal or bulk (bulk jobs age into urgent over 30 min).")]
+WarmOpt = Annotated[Optional[Path], typer.Option("--warm", callback=_user_path,
+                                                 help="A job (YAML) whose model is loaded and whose shapes are "
+                                                      "captured before the first lease: ready at once.")]
 
 
 @app.command()
@@ -425,16 +428,20 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
                                                               "finish.")] = 60.0,
           allow_dir: Annotated[Optional[list[Path]], typer.Option(help="A folder jobs may read control images, "
                                                                   "LoRAs and models from, besides --root (repeat).")] = None,
-          token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
+          warm: WarmOpt = None, token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
           compile: CompileOpt = "auto") -> None:
     """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
+    from storyboard_cli.job.file import load_job
     from storyboard_cli.serve.server import ServeOptions
     from storyboard_cli.serve.server import serve as serving
 
     with _domain_errors():
+        if warm is not None:
+            load_job(warm)  # a bad file is one line here, not a worker that dies and is restarted
+            warm = warm.resolve()
         opts = ServeOptions(root=root, host=host, port=port, gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
                             max_queue_images=max_queue_images, lease_s=lease_s, grace_s=grace_s, token=token,
-                            dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()))
+                            dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()), warm=warm)
         err.print(f"bcg serve: http://{host}:{port} (docs at /docs), root {root}, workers: {', '.join(opts.gpus)}")
         code = serving(opts)
     raise typer.Exit(code)
@@ -448,8 +455,8 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
                                                      "visible here (they are sent whenever they are not).")] = False,
            root: Annotated[Path, typer.Option(help="Where this worker keeps its copies of job folders when it does "
                                                    "not share the server's filesystem.")] = Path("bcg-worker"),
-           token: TokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
-           compile: CompileOpt = "auto") -> None:
+           warm: WarmOpt = None, token: TokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+           engine: EngineOpt = "auto", compile: CompileOpt = "auto") -> None:
     """Render the server's queue on this machine (job folders shared with the server, or uploaded)."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
@@ -457,7 +464,7 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
 
     with _domain_errors():
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
-                                 compile=compile, token=token, upload=upload, root=root))
+                                 compile=compile, token=token, upload=upload, root=root, warm=warm))
 
 
 @app.command()

@@ -158,3 +158,15 @@ def test_a_token_guards_everything_but_health_and_metrics(tmp_path):
         assert post(c).status_code == 401
         assert post(c, Authorization="Bearer s3cret").status_code == 202
         assert c.get("/metrics").status_code == 200
+
+
+def test_serve_with_a_bad_warm_job_is_one_line_before_anything_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from storyboard_cli.cli import app
+
+    bad = tmp_path / "warm.yaml"
+    bad.write_text("version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x, steps: 0}\n")
+    result = CliRunner().invoke(app, ["serve", "--root", str(tmp_path / "root"), "--warm", str(bad), "--gpus", "none"])
+    assert result.exit_code == 2 and "warm.yaml:4" in result.output and "steps" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "root").exists()

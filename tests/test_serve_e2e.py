@@ -217,3 +217,16 @@ def _check_metrics_after_one_job(url, images):
     assert sample("bcg_workers", "") == 1 and sample("bcg_images_per_second", "") > 0
     assert not families["bcg_worker_gpu_memory_bytes"].samples  # a CPU worker: absent, not zero
     assert not families["bcg_worker_gpu_utilization_ratio"].samples
+
+
+def test_a_worker_warmed_with_a_job_is_ready_before_any_job_and_loads_nothing_for_one(server, tmp_path):
+    """`serve --warm JOB`: each local worker loads the job's model and captures its shapes before its first
+    lease, so /readyz is 200 with nothing submitted, and that job's images need no model load."""
+    path = write_job(tmp_path, JOB)
+    server.start(extra=("--warm", str(path)))
+    ready = eventually(lambda: httpx.get(server.url + "/readyz", timeout=10), lambda r: r.status_code == 200, 60)
+    assert ready.json() == {"ready": True, "workers": 1, "workers_ready": 1}
+    submitted = CliRunner().invoke(app, ["submit", str(path), "--server", server.url, "--wait", "--json"])
+    assert submitted.exit_code == 0 and json.loads(submitted.stdout)["state"] == "succeeded", submitted.output
+    assert metric(server.url, "bcg_model_loads_total") == 0  # loaded before the lease, not for it
+    assert metric(server.url, "bcg_images_rendered_total") == 5

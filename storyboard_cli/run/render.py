@@ -26,7 +26,7 @@ from storyboard_cli.folder.report import Timings, build_report, write_report
 from storyboard_cli.folder.shards import merge_shards
 from storyboard_cli.folder.sink import ContactSheet, OutputSink
 from storyboard_cli.job.file import Job
-from storyboard_cli.job.plan import Batch, deepcache_note, make_batches, shot_levers
+from storyboard_cli.job.plan import Batch, deepcache_note, make_batches, shot_levers, work_items
 from storyboard_cli.job.preflight import check_destination, check_model_path
 from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
@@ -73,6 +73,27 @@ class RenderResult:
     notes: list[str] = field(default_factory=list)
     signal: int | None = None  # what stopped an interrupted render
     sheet: Path | None = None  # index.html, when it could be written
+
+
+def load_models(job: Job, items: list, device: torch.device, dtype: torch.dtype) -> SdxlModels:
+    """The job's model, with its ControlNet only when one of `items` has a control image."""
+    controlnet = job.controlnet if any(i.control_image for i in items) else None
+    return load_sdxl(job.model, controlnet, device, dtype)
+
+
+def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:
+    """A job's model loaded and every shape of its batches captured (compiled kernels loaded or built as
+    `opts.compile` says), nothing rendered: what a long-lived worker does before its first job."""
+    device, dtype = resolve_device(opts.device, opts.dtype)
+    check_engine(opts.engine, opts.compile, device)
+    check_model_path(job.model, "model")
+    items = work_items(job)
+    batches = make_batches(items, job.buckets)
+    shapes = batch_shapes(batches)
+    models = load_models(job, items, device, dtype)
+    engine = build_engine(models, opts.engine, shapes, [], opts.compile)
+    engine.prepare(shapes, batch_kinds(batches))
+    return models, engine
 
 
 class RenderSession:
@@ -163,8 +184,7 @@ class RenderSession:
         shapes = batch_shapes(self.batches)
         with self.timings.stage("load"):
             if self.models is None:
-                controlnet = self.job.controlnet if any(i.control_image for i in self.pending.items) else None
-                self.models = load_sdxl(self.job.model, controlnet, self.device, self.dtype)
+                self.models = load_models(self.job, self.pending.items, self.device, self.dtype)
         stop.check()
         with self.timings.stage("capture"):
             if self.engine is None:

@@ -44,6 +44,7 @@ class ServeOptions:
     engine: str = "auto"
     compile: str = "auto"
     inputs: tuple[Path, ...] = ()  # --allow-dir: folders jobs may read besides --root
+    warm: Path | None = None  # each local worker makes this job's model and shapes ready before its first lease
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -69,6 +70,8 @@ def worker_command(url: str, gpu: str, opts: ServeOptions) -> tuple[list[str], d
         argv += ["--device", "cuda"]
     if opts.dtype:
         argv += ["--dtype", opts.dtype]
+    if opts.warm:
+        argv += ["--warm", str(opts.warm)]
     if opts.token:
         env[TOKEN_ENV] = opts.token
     return argv, env

@@ -29,7 +29,7 @@ from storyboard_cli.folder.outputs import Manifest, atomic_write
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.plan import make_batches
-from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
+from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession, warm
 from storyboard_cli.serve.client import LeaseClient
 from storyboard_cli.serve.intake import JOBS, OUT
 from storyboard_cli.serve.uploads import REPORTS
@@ -52,6 +52,7 @@ class WorkerOptions:
     max_leases: int | None = None  # stop after this many (tests); None: until stopped
     upload: bool = False  # send the PNGs back even when the server's job folders are visible here
     root: Path = Path("bcg-worker")  # copies of job folders, when the server's are not visible here
+    warm: Path | None = None  # a job whose model and shapes are made ready before the first lease
 
 
 @dataclass
@@ -346,6 +347,12 @@ def run_worker(opts: WorkerOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     rendered, backoff = 0, opts.poll_s
+    if opts.warm is not None:  # ready (/readyz) before any job arrives, and its first job starts at once
+        job = load_job(opts.warm)
+        hot.for_job(job)
+        hot.models, hot.engine = warm(job, RenderOptions(device=opts.device, dtype=opts.dtype, engine=opts.engine,
+                                                         compile=opts.compile))
+        log.info("warm: %s loaded, its shapes captured", job.model)
     try:
         while not stop.requested and (opts.max_leases is None or rendered < opts.max_leases):
             try:
