@@ -207,9 +207,11 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
         if note and not quiet:
             err.print(Text(note, style="dim"))
         with _domain_errors():
-            from storyboard_cli.folder.picks import render_folder
+            from storyboard_cli.folder.picks import render_target
 
-            code = dist.launch(gpus, _command_line(ctx), render_folder(load_job(job), out_dir, draft, draft_out))
+            j, folder = render_target(load_job(job), out_dir, reroll=reroll, draft=draft, draft_out=draft_out,
+                                      final=final)  # as each worker makes them (a reroll's rounds are idempotent)
+            code = dist.launch(gpus, _command_line(ctx), folder, j)
         raise typer.Exit(code)
     with _domain_errors():
         from storyboard_cli.folder.picks import render_target

@@ -324,10 +324,11 @@ def launch_note(n: int, device: str | None) -> str | None:
     return None
 
 
-def launch(n: int, argv: list[str], out_dir: Path, module: str = MODULE) -> int:
+def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODULE) -> int:
     """`bcg render JOB --gpus N`: starts N workers on this machine through torchrun's own launcher
     (`python -m <module> <argv>` each; a worker sees it runs under torchrun and ignores --gpus), and
-    merges their manifest shards into `out_dir`'s manifest however they ended. Returns the exit code: 0,
+    makes `out_dir` whole however they ended (`job`: what they render there): their manifest shards merged,
+    a line for each image a killed worker wrote but did not record. Returns the exit code: 0,
     the first failed worker's, or 128 + the signal that stopped the launcher; a worker killed by a
     signal (kill -9, the OOM killer) raises RenderFailure naming its rank, also in the report."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -353,19 +354,19 @@ def launch(n: int, argv: list[str], out_dir: Path, module: str = MODULE) -> int:
     except SignalException as e:
         code = 128 + e.sigval  # as a single render stopped by that signal
     finally:
-        merged = _merge_after(Path(out_dir))
+        merged = _merge_after(Path(out_dir), job)
     if death:
         _record_death(Path(out_dir), death, started, merged)
         raise RenderFailure(f"{death}; the images finished are kept, the next run renders the rest")
     return code
 
 
-def _merge_after(out_dir: Path) -> bool:
-    """The workers' shards merged into the manifest once they have all exited (under the folder's lock:
-    False when another render holds it, or the folder cannot be written; the next run merges them)."""
+def _merge_after(out_dir: Path, job: Job) -> bool:
+    """The folder made whole once the workers have all exited, as a render's start would (under the folder's
+    lock: False when another render holds it, or the folder cannot be written; the next run does it)."""
     try:
         with OutputLock(out_dir):
-            merge_shards(out_dir)
+            rendering.settle_folder(job, out_dir)
         return True
     except (OutputLocked, BadInput, OSError):
         return False

@@ -75,6 +75,19 @@ class RenderResult:
     sheet: Path | None = None  # index.html, when it could be written
 
 
+def settle_folder(job: Job, out_dir: Path, force: bool = False, only: set[str] | None = None,
+                  shots: set[str] | None = None) -> tuple[Pending, Manifest]:
+    """The folder made whole after whatever ended the last writer: its stale temp files removed, the shards of
+    a multi-GPU run merged (dist.py), and the manifest reconciled with the files (a line for each image a
+    killed writer renamed into place but did not record). Returns what is left to render and the manifest."""
+    remove_stale_temps(out_dir)
+    merge_shards(out_dir)
+    manifest = Manifest(out_dir)
+    pending = pending_items(job, out_dir, force, only, shots, manifest.records)
+    manifest.reconcile(pending.found)
+    return pending, manifest
+
+
 def load_models(job: Job, items: list, device: torch.device, dtype: torch.dtype) -> SdxlModels:
     """The job's model, with its ControlNet only when one of `items` has a control image."""
     controlnet = job.controlnet if any(i.control_image for i in items) else None
@@ -153,15 +166,10 @@ class RenderSession:
     def find_pending(self) -> tuple[Pending, Manifest]:
         """Reconciles the folder and its manifest; returns what is left to render (and what was kept or
         is to be set aside) and the manifest the new lines go to."""
-        remove_stale_temps(self.out_dir)
-        merge_shards(self.out_dir)  # the lines of a multi-GPU run that died (dist.py)
-        manifest = Manifest(self.out_dir)
         only = previous_failures(self.out_dir) if self.opts.retry_failed else None
         if only is not None and not only:
             self.notes.append("--retry-failed: the last report lists no failed images")
-        pending = pending_items(self.job, self.out_dir, self.opts.force, only, self.shots, manifest.records)
-        manifest.reconcile(pending.found)
-        return pending, manifest
+        return settle_folder(self.job, self.out_dir, self.opts.force, only, self.shots)
 
     def publish(self, report: dict, keep_last: bool) -> tuple[dict, tuple[Path, Path] | None]:
         """Writes the report (unless the last one is kept); returns the report and its paths."""
