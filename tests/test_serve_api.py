@@ -170,3 +170,22 @@ def test_serve_with_a_bad_warm_job_is_one_line_before_anything_starts(tmp_path):
     result = CliRunner().invoke(app, ["serve", "--root", str(tmp_path / "root"), "--warm", str(bad), "--gpus", "none"])
     assert result.exit_code == 2 and "warm.yaml:4" in result.output and "steps" in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "root").exists()
+
+
+def test_a_lease_lost_with_no_worker_left_is_ended_by_the_server_itself(tmp_path):
+    """Nothing asks for work (the only worker died): the server's own sweep ends the expired lease, so the
+    job shows its images queued again and its event stream says the lease was lost."""
+    import time
+
+    t = [1000.0]
+    app = create_app(Settings(tmp_path / "root", lease_s=30, sweep_s=0.05), clock=lambda: t[0])
+    with TestClient(app) as c:
+        job = post(c).json()
+        lease = c.post("/v1/leases", json={"worker": "w"}).json()
+        assert {i["state"] for i in c.get(f"/v1/jobs/{job['id']}").json()["images"]} == {"leased"}
+        t[0] += 31  # past the lease; no worker calls again
+        deadline = time.monotonic() + 5
+        while {i["state"] for i in c.get(f"/v1/jobs/{job['id']}").json()["images"]} != {"queued"}:
+            assert time.monotonic() < deadline, "the expired lease was not ended"
+            time.sleep(0.05)
+        assert c.post(f"/v1/leases/{lease['lease']}/heartbeat").status_code == 410

@@ -8,9 +8,12 @@ Errors are RFC 9457 problem+json. A bad job is a 422 whose `detail` is the line 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
+import sqlite3
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,6 +36,7 @@ EVENT_STREAM = "text/event-stream"
 EVENT_POLL_S = 0.2  # how often a stream looks for new events
 KEEPALIVE_S = 15.0
 RECONNECT_MS = 1000
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Settings:
     lease_s: float = 60.0
     token: str | None = None  # required as `Authorization: Bearer <token>` when set
     inputs: tuple[Path, ...] = ()  # folders besides root that jobs may read (control images, LoRAs, models)
+    sweep_s: float | None = None  # how often expired leases are ended without a worker's call (None: lease_s / 4)
 
 
 def problem(status: int, title: str, detail: str, headers: dict | None = None) -> JSONResponse:
@@ -51,7 +56,25 @@ def problem(status: int, title: str, detail: str, headers: dict | None = None) -
 
 def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
     store = store or Store(settings.root)
-    app = FastAPI(title="bcg serve", version="1", description="SDXL storyboard jobs: queue, state, outputs.")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async def sweep():  # a lease lost with no worker left to ask would otherwise look held forever
+            while True:
+                await asyncio.sleep(settings.sweep_s or settings.lease_s / 4)
+                try:
+                    await run_in_threadpool(store.sweep, clock())
+                except sqlite3.Error as e:  # busy for longer than the store waits: the next sweep does it
+                    log.warning("lease sweep: %s", e)
+
+        task = asyncio.create_task(sweep())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="bcg serve", version="1", description="SDXL storyboard jobs: queue, state, outputs.",
+                  lifespan=lifespan)
     app.state.store, app.state.draining, app.state.settings = store, False, settings
     registry = metrics.registry(store, settings.lease_s, clock)
 

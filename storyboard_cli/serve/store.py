@@ -339,6 +339,13 @@ class Store:
                 self._finished(db, job_id, now)
             return True
 
+    def sweep(self, now: float) -> None:
+        """Expired leases ended now (their images queued again, or failed), not at the next worker's call:
+        a job's state and events stay true while no worker is asking (the server calls it periodically)."""
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM leases WHERE expires < ? LIMIT 1", (now,)).fetchone():
+                self._expire(db, now)
+
     def _expire(self, db, now: float) -> None:
         for (lease_id,) in db.execute("SELECT id FROM leases WHERE expires < ?", (now,)).fetchall():
             held = db.execute("SELECT id, job, attempts FROM images WHERE lease = ?", (lease_id,)).fetchall()
