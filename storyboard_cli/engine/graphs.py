@@ -313,9 +313,10 @@ class GraphRunner:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
         plan = plan or (FULL,) * sched.steps
-        keys = [self.shape_key(b, 8 * h, 8 * w, control is not None, k) for k in plan]
+        key_of = {k: self.shape_key(b, 8 * h, 8 * w, control is not None, k) for k in set(plan)}  # once a kind
+        keys = [key_of[k] for k in plan]
         graphs = {}
-        for key in sorted(set(keys), key=lambda k: (k.step.cache != "write", k.step)):
+        for key in sorted(key_of.values(), key=lambda k: (k.step.cache != "write", k.step)):
             graphs[key] = self._checked_graph(key, x, sched, cond, control, guidance)
             if graphs[key] is None:  # a compiled shape falls back to its plain graph, a plain one to eager
                 fallback = self.sample if key.variant == "compiled" else self.eager.sample
