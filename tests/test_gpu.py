@@ -215,7 +215,10 @@ def test_out_of_memory_splits_the_bucket(tmp_path):
         result = render(job(8, [1, 2, 4, 8]), RenderOptions(out_dir=tmp_path / "capped"), models=models)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert result.status == "done" and result.rendered == 8, result.report
+    why = {"notes": result.notes, "reasons": sorted({f["reason"] for f in result.failed}),
+           "graphs": [(g["shape"], g["state"], g["reason"]) for g in result.report["graphs"]],
+           "one_mb": one >> 20, "eight_mb": eight >> 20, "base_mb": base >> 20}
+    assert result.status == "done" and result.rendered == 8, why
     assert any("out of GPU memory" in n for n in result.notes) or any(
         "out of memory" in g["reason"].lower() for g in result.report["graphs"]), result.report
     assert all(read_fingerprint(p) for p in (tmp_path / "capped").rglob("*.png"))

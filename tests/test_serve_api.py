@@ -189,3 +189,13 @@ def test_a_lease_lost_with_no_worker_left_is_ended_by_the_server_itself(tmp_path
             assert time.monotonic() < deadline, "the expired lease was not ended"
             time.sleep(0.05)
         assert c.post(f"/v1/leases/{lease['lease']}/heartbeat").status_code == 410
+
+
+def test_local_workers_have_one_name_each(tmp_path):
+    """`--gpus cpu,cpu` starts two workers: each its own name, so its own row in the worker table (readiness,
+    GPU series)."""
+    from storyboard_cli.serve.server import ServeOptions, Workers
+
+    workers = Workers("http://127.0.0.1:1", ServeOptions(tmp_path, gpus=("cpu", "cpu", "0", "none")))
+    names = [argv[argv.index("--name") + 1] for argv, _ in workers.commands]
+    assert names == ["local-cpu", "local-cpu-2", "local-0"]

@@ -58,10 +58,12 @@ def check_bind(host: str, token: str | None) -> None:
                        "clients and workers can use the server")
 
 
-def worker_command(url: str, gpu: str, opts: ServeOptions) -> tuple[list[str], dict]:
-    """The `bcg worker` command line and environment for one --gpus entry."""
+def worker_command(url: str, gpu: str, opts: ServeOptions, index: int = 0) -> tuple[list[str], dict]:
+    """The `bcg worker` command line and environment for one --gpus entry (the `index`-th of its value: `cpu,cpu`
+    starts local-cpu and local-cpu-2, each its own row in the queue's worker table)."""
     env = dict(os.environ)
-    argv = [sys.executable, "-m", "storyboard_cli", "worker", "--server", url, "--name", f"local-{gpu}",
+    name = f"local-{gpu}" if index == 0 else f"local-{gpu}-{index + 1}"
+    argv = [sys.executable, "-m", "storyboard_cli", "worker", "--server", url, "--name", name,
             "--engine", opts.engine, "--compile", opts.compile]
     if gpu == "cpu":
         argv += ["--device", "cpu"]
@@ -81,7 +83,8 @@ class Workers:
     """The local worker processes: started, restarted when one dies, stopped softly."""
 
     def __init__(self, url: str, opts: ServeOptions):
-        self.commands = [worker_command(url, gpu, opts) for gpu in opts.gpus if gpu != NO_WORKERS]
+        entries = [gpu for gpu in opts.gpus if gpu != NO_WORKERS]
+        self.commands = [worker_command(url, gpu, opts, entries[:i].count(gpu)) for i, gpu in enumerate(entries)]
         self.procs: list[subprocess.Popen | None] = [None] * len(self.commands)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._supervise, daemon=True)
