@@ -1,12 +1,17 @@
 """Where a render's images go: PNG + manifest line per output file on the writer thread, failures, the
-edited files --force sets aside, and the contact sheet after each shot completes. No torch, no policy."""
+edited files --force sets aside, and the contact sheet after each shot completes. No torch, no policy.
+
+The PNGs are encoded on a small pool of threads (zlib releases the GIL: a 1024x1024 PNG takes about 0.1 s of
+one core), and written, recorded and announced in order on the writer thread."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +25,7 @@ from storyboard_cli.job.plan import WorkItem
 Emit = Callable[[str, int, str, str], None]  # (event kind, images done, shot, message)
 
 log = logging.getLogger(__name__)
+ENCODERS = max(1, min(8, (os.cpu_count() or 1) - 1))  # PNG encoding threads per render; one core for the loop
 
 
 class ContactSheet:
@@ -63,6 +69,7 @@ class OutputSink:
         self.rendered = 0  # files landed (writer thread)
         self.delivered = 0  # outputs handed over or failed (main thread)
         self.writer = Writer()
+        self.encoder = ThreadPoolExecutor(max_workers=ENCODERS, thread_name_prefix="bcg-png")
 
     def fail(self, items: list[WorkItem], reason: str) -> None:
         for item in items:
@@ -73,18 +80,20 @@ class OutputSink:
             self.writer.submit(self._shots_done, item)
 
     def submit(self, item: WorkItem, pixels, bucket: str) -> None:
-        """Hands the pixels to the writer thread (it overlaps them with the next batch's denoising)."""
+        """Hands the pixels to the encoders and the writer thread (they overlap the next batch's denoising)."""
         self.delivered += len(item.outputs)
-        self.writer.submit(self._save, item, pixels, bucket)
+        model, controlnet = self.job.model, self.job.controlnet
+        encoded = [self.encoder.submit(png_bytes, pixels, owner(item, path), model, controlnet) for path in item.outputs]
+        self.writer.submit(self._save, item, encoded, bucket)
 
-    def _save(self, item: WorkItem, pixels, bucket: str) -> None:
-        """Runs on the writer thread: per output file (its own shot and candidate in the metadata), an
-        atomic PNG write, then its manifest line with the bytes' sha256."""
+    def _save(self, item: WorkItem, encoded: list[Future], bucket: str) -> None:
+        """Runs on the writer thread: per output file (its own shot and candidate in the metadata, encoded by
+        `submit`), an atomic PNG write, then its manifest line with the bytes' sha256."""
         t0 = time.perf_counter()
         model, controlnet = self.job.model, self.job.controlnet
         fingerprint, settings = item.fingerprint(model, controlnet), item.settings(model, controlnet)
-        for path in item.outputs:
-            data = png_bytes(pixels, owner(item, path), model, controlnet)
+        for path, data in zip(item.outputs, encoded):
+            data = data.result()
             target = self.out_dir / path
             try:
                 if path in self.moved:
@@ -111,4 +120,7 @@ class OutputSink:
                 self.sheet.update(self.failed, final=False)
 
     def close(self, cancel: bool = False) -> None:
-        self.writer.close(cancel=cancel)
+        try:
+            self.writer.close(cancel=cancel)
+        finally:
+            self.encoder.shutdown(wait=True, cancel_futures=cancel)
