@@ -115,6 +115,7 @@ def plan(job: JobArg, json_out: JsonOpt = False,
                  "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
                  "waste": round(r.waste, 4), "row_steps": r.row_steps, "levers": r.key.levers,
                  "guided_steps": r.key.guided_steps, "cfg_cutoff": r.key.cfg_cutoff,
+                 "control_steps": r.key.control_steps,
                  "deepcache": ({"interval": r.key.deepcache[0], "branch": r.key.deepcache[1]}
                                if r.key.deepcache[0] else None),
                  "flops_saved_estimate": round(r.key.flops_saved, 4)} for r in rows],

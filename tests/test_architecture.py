@@ -87,7 +87,7 @@ def test_the_engine_does_not_import_the_job(path):
 # that folder; a module named on its own is placed before any folder (the base modules that live in a higher
 # stage's folder because that is what they describe).
 STAGES = {
-    "base": {"errors.py", "samplers.py", "folder/layout.py", "models/tiny.py", "models/tokenizers.py",
+    "base": {"errors.py", "samplers.py", "steps.py", "folder/layout.py", "models/tiny.py", "models/tokenizers.py",
              "models/__init__.py"},
     "job": {"job/*"},
     "models": {"models/*"},
@@ -104,7 +104,7 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
                         "storyboard_cli.engine.base.Shape"}}
 # torch-free at run time, through everything they import: `bcg plan`, job validation, the folder's readers and
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
-TORCH_FREE = ["errors.py", "samplers.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
+TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
               "serve/intake.py", "serve/store.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
               "serve/server.py", "serve/uploads.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that

@@ -12,8 +12,8 @@ from conftest import write_job
 from storyboard_cli.cli import app
 from storyboard_cli.folder.layout import read_chunk
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE, as_draft, load_job
-from storyboard_cli.job.plan import (NO_DEEPCACHE, SHALLOW_FLOPS, bucket_table, guided_steps, make_batches, step_costs,
-                                     work_items)
+from storyboard_cli.job.plan import NO_DEEPCACHE, bucket_table, make_batches, work_items
+from storyboard_cli.steps import CONTROLNET_FLOPS, SHALLOW_FLOPS, guided_steps, step_costs, step_plan
 
 runner = CliRunner()
 JOB = """version: 1
@@ -61,6 +61,55 @@ def test_fields_defaults_and_levers(job_dir):
            [i.fingerprint("tiny", "tiny") for i in work_items(plain)]
 
 
+def test_control_end_counts_as_diffusers_control_guidance_end():
+    """diffusers keeps the ControlNet at step i while (i + 1) / steps <= end: 15 of 30 steps at 0.5."""
+    from storyboard_cli.steps import control_steps
+
+    assert [control_steps(30, e) for e in (0.5, 16 / 30, 0.7, 0.99, 1.0)] == [15, 16, 21, 29, 30]
+    assert control_steps(7, 3 / 7) == 3  # k / steps is k steps, whatever the float rounding
+
+
+def test_step_plan_with_a_controlnet_end_runs_deepcache_after_it():
+    plan = step_plan(10, 4, 3, 0, control=4)
+    assert [k.control for k in plan] == [True] * 4 + [False] * 6
+    assert [k.cache for k in plan] == [""] * 4 + ["write", "read", "read", "write", "read", "read"]
+    assert [k.guided for k in plan] == [True] * 4 + [False] * 6
+    assert all(not k.cache for k in step_plan(10, 4, 3, 0, control=10))  # a ControlNet to the end: no DeepCache
+    assert [k.cache for k in step_plan(4, 4, 2, 1)] == ["write", "read", "write", "read"]  # no ControlNet: from 0
+    # a step after the end costs the UNet alone; while the ControlNet runs it costs (1 + CONTROLNET_FLOPS) / same
+    costs = step_costs(step_plan(2, 2, control=1), with_control=True)
+    assert costs == pytest.approx(1 + 1 / (1 + CONTROLNET_FLOPS))
+
+
+def test_control_end_field_fingerprint_and_draft(job_dir):
+    text = JOB.replace("control: {image: control/hero_pose.png}", "control: {image: control/hero_pose.png, end: 0.5}")
+    job = load_job(write_job(job_dir, text.replace("defaults: {", "defaults: {deepcache: {interval: 2}, ")))
+    c = {i.shot: i for i in work_items(job)}["c"]
+    assert c.control_end == 0.5 and c.deepcache == (2, 0)  # DeepCache after the ControlNet's end
+    assert c.settings("tiny", "tiny")["control_end"] == 0.5 and "control end 0.5 (2/4 steps)" in c.key.label
+    # end 1.0 written out is today's shot: the same fingerprint, nothing renders again
+    full = load_job(write_job(job_dir, JOB.replace("hero_pose.png}", "hero_pose.png, end: 1.0}"), "full.yaml"))
+    plain = load_job(write_job(job_dir, JOB, "plain.yaml"))
+    assert [i.fingerprint("tiny", "tiny") for i in work_items(full)] == \
+           [i.fingerprint("tiny", "tiny") for i in work_items(plain)]
+    # the draft: the ControlNet stops where the guidance stops (3 of 4 steps guided at 0.5), DeepCache after it
+    draft = {i.shot: i for i in work_items(as_draft(plain))}["c"]
+    assert draft.key.control_steps == draft.key.guided_steps == 3 and draft.deepcache == DRAFT_DEEPCACHE
+    assert [k.control for k in draft.key.plan] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("end, message", [(0, "must be above 0"), (1.5, "control.end"), ("x", "control.end")])
+def test_control_end_errors_name_file_line_shot_and_field(job_dir, end, message):
+    from storyboard_cli.errors import JobError
+
+    path = write_job(job_dir, JOB.replace("hero_pose.png}", f"hero_pose.png, end: {end}}}"))
+    line = path.read_text().splitlines().index(next(x for x in path.read_text().splitlines() if "end:" in x)) + 1
+    with pytest.raises(JobError) as info:
+        load_job(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}:{line}") and "'c'" in text and "control.end" in text and message in text, text
+
+
 def test_guidance_1_images_get_their_own_buckets_with_half_the_rows(job_dir):
     job = load_job(write_job(job_dir, "version: 1\nmodel: tiny\ndefaults: {size: 64x64}\nshots:\n"
                                       "  - {id: a, prompt: x, candidates: 2}\n"
@@ -75,14 +124,15 @@ def test_draft_preset_and_estimate(job_dir):
     assert all(i.settings("tiny", "tiny")["draft"] is True for i in work_items(job))
     # 10 steps, 6 guided, full UNet every 3rd step: 4 full (2 guided at 1, 2 at 1/2)... counted step by step
     want = sum((1 if i < 6 else 0.5) * (1 if i % 3 == 0 else SHALLOW_FLOPS[0]) for i in range(10))
-    assert step_costs(10, 6, 3, 0) == pytest.approx(want)
-    assert step_costs(10, 10) == 10 and step_costs(10, 0) == 5
+    assert step_costs(step_plan(10, 6, 3, 0)) == pytest.approx(want)
+    assert step_costs(step_plan(10, 10)) == 10 and step_costs(step_plan(10, 0)) == 5
 
 
 def test_shallow_flops_are_the_sdxl_unets():
-    """SHALLOW_FLOPS recounted: SDXL-base's UNet (the preset's config) on the meta device, at 1024x1024."""
+    """SHALLOW_FLOPS and CONTROLNET_FLOPS recounted: SDXL-base's UNet (the preset's config) and a ControlNet
+    made from it, on the meta device, at 1024x1024."""
     import torch
-    from diffusers import UNet2DConditionModel
+    from diffusers import ControlNetModel, UNet2DConditionModel
     from torch.utils.flop_counter import FlopCounterMode
 
     from storyboard_cli.engine.deepcache import feature_shape, shallow_unet
@@ -105,6 +155,10 @@ def test_shallow_flops_are_the_sdxl_unets():
             feature = torch.zeros(feature_shape(unet, 2, 128, 128, branch))
             got = flops(lambda: shallow_unet(unet, x, t, embeds, pooled, time_ids, feature, branch)) / full
             assert got == pytest.approx(share, abs=5e-4)
+        controlnet = ControlNetModel.from_unet(unet, load_weights_from_unet=False)  # as sdxl-random builds it
+        got = flops(lambda: controlnet(x, t, encoder_hidden_states=embeds, controlnet_cond=torch.zeros(2, 3, 1024, 1024),
+                                       added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids})) / full
+        assert got == pytest.approx(CONTROLNET_FLOPS, abs=5e-4)
 
 
 # ---------------------------------------------------------------- the command line
@@ -120,13 +174,15 @@ def test_plan_shows_levers_saving_and_the_controlnet_note(job_dir):
     by = {b["bucket"]: b for b in data["buckets"]}
     a = next(b for b in by.values() if b["images"] == 3)
     assert a["guided_steps"] == 3 and a["deepcache"] == {"interval": 3, "branch": 0}
-    assert a["flops_saved_estimate"] == pytest.approx(1 - step_costs(4, 3, 3, 0) / 4, abs=1e-4)
+    assert a["flops_saved_estimate"] == pytest.approx(1 - step_costs(step_plan(4, 3, 3, 0)) / 4, abs=1e-4)
     assert len(data["notes"]) == 1
     plain = write_job(job_dir, JOB.replace(", guidance: 1", ""), "plain.yaml")
     result = runner.invoke(app, ["plan", str(plain)])
     assert "saving" not in result.output and "DeepCache" not in result.output
     drafted = json.loads(runner.invoke(app, ["plan", str(plain), "--draft", "--json"]).stdout)
-    assert all(b["flops_saved_estimate"] > 0 for b in drafted["buckets"]) and len(drafted["notes"]) == 1
+    # a draft's ControlNet ends where its guidance does, and DeepCache runs after it: no shot loses DeepCache
+    assert all(b["flops_saved_estimate"] > 0 for b in drafted["buckets"]) and drafted["notes"] == []
+    assert any("control end" in b["bucket"] and "deepcache 3/b0" in b["bucket"] for b in drafted["buckets"])
 
 
 @pytest.fixture(scope="module")
@@ -156,14 +212,19 @@ def test_draft_render_writes_marked_drafts_to_the_draft_folder(drafted):
     assert chunk["draft"] is True and chunk["cfg_cutoff"] == DRAFT_CUTOFF and chunk["deepcache"]["interval"] == 3
     params = Image.open(draft / "a" / "a_c0_s1.png").text["parameters"]
     assert "Draft: true" in params and "CFG cutoff: 0.5" in params and "DeepCache: interval 3 branch 0" in params
-    assert "deepcache" not in read_chunk(draft / "c" / "c_c0_s9.png")  # ControlNet: the cut-off only
+    c = read_chunk(draft / "c" / "c_c0_s9.png")  # the ControlNet ends with the guidance (3 of 4), DeepCache after
+    assert c["control_end"] == 0.75 and c["deepcache"]["interval"] == 3
+    assert "(scale 1, end 0.75)" in Image.open(draft / "c" / "c_c0_s9.png").text["parameters"]
     lines = [json.loads(line) for line in (draft / "manifest.jsonl").read_text().splitlines()]
     assert len(lines) == 5 and all(line["draft"] is True for line in lines)
     report = json.loads((draft / "report.json").read_text())
     assert report["draft"] is True and {s["shot"]: s["guided_steps"] for s in report["shots"]} == \
            {"a": 3, "b": 0, "c": 3}
-    assert sum("DeepCache is off for the ControlNet shots (c)" in n for n in report["notes"]) == 1
+    c = next(s for s in report["shots"] if s["shot"] == "c")  # its ControlNet ends with its guidance
+    assert c["control_steps"] == 3 and c["deepcache"] == {"interval": 3, "branch": 0}
+    assert not any("DeepCache is off" in n for n in report["notes"])
     assert "## Draft levers (a draft render)" in (draft / "report.md").read_text()
+    assert "| c | draft | 3/4 | 0.5 | 3/4 | interval 3, branch 0 |" in (draft / "report.md").read_text()
     page = (draft / "index.html").read_text()
     assert page.count('class="draft-mark"') == 1 + 5 and "--final picks.yaml" in page
     assert 'class="draft-mark"' not in (full / "index.html").read_text()
@@ -251,8 +312,10 @@ def test_draft_render_on_the_graph_runner_with_a_lora_equals_eager(job_dir, tmp_
     result, runner = _graph_render(job, tmp_path / "graph", tiny_cpu)
     assert result.status == "done" and result.rendered == 5 and result.engine == "graph"
     labels = {g["shape"] for g in result.report["graphs"]}
+    # the ControlNet shot's steps after its end run the graphs of a shot without one (cond, DeepCache full)
     assert {"1x64x64 float32 deepcache full b0", "1x64x64 float32 cond deepcache shallow b0",
-            "1x64x64 +control float32", "1x64x64 +control float32 cond"} <= labels
+            "1x64x64 +control float32", "1x64x64 float32 cond deepcache full b0"} <= labels
+    assert not any("+control" in label and "cond" in label for label in labels)
     assert all(g["state"] == "graph" for g in result.report["graphs"])
     eager = render(job, RenderOptions(out_dir=tmp_path / "eager"), models=tiny_cpu)
     assert eager.engine == "eager" and eager.rendered == 5

@@ -2,14 +2,17 @@
 SDXLCFGCutoffCallback, DeepCache against a plain-PyTorch reference of the published algorithm, the conditional
 rows alone at guidance <= 1, and the graph runner's step kinds against the eager engine."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from storyboard_cli.engine.conditioning import PromptCache, conditioning, guided_rows
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graphs import GraphRunner, ShapeKey
-from storyboard_cli.engine.sampling import FULL, StepKind, draw_noise, schedule, step_plan
+from storyboard_cli.engine.sampling import draw_noise, schedule
 from storyboard_cli.run.capture import synthetic_inputs
+from storyboard_cli.steps import FULL, StepKind, step_plan
 from test_parity import RTOL, _pipeline
 
 W, H, STEPS, GUIDANCE = 128, 96, 10, 6.5
@@ -51,7 +54,7 @@ def test_cutoff_equals_diffusers_cfg_cutoff_callback(tiny_cpu, cutoff, sampler):
     steps are guided (the callback runs at the end of a step), as job.plan.guided_steps counts."""
     from diffusers.callbacks import SDXLCFGCutoffCallback
 
-    from storyboard_cli.job.plan import guided_steps
+    from storyboard_cli.steps import guided_steps
 
     models, seed = tiny_cpu, 4321
     want = _pipeline(models, sampler, False)(
@@ -82,6 +85,31 @@ def test_guidance_1_on_the_conditional_rows_alone_is_todays_result(tiny_cpu):
     finally:
         handle.remove()
     assert calls == [2, 2]  # two images: two UNet rows per step, no unconditional half
+
+
+@pytest.mark.parametrize("end", [0.5, 0.8])
+def test_control_end_equals_diffusers_control_guidance_end(tiny_cpu, end):
+    """diffusers scales the ControlNet's residuals by 0 after its end (it still runs it); bcg skips it: the
+    same latents within the parity bound, and different from a ControlNet that runs to the end."""
+    from PIL import Image
+
+    from conftest import ROOT
+    from storyboard_cli.engine.conditioning import Control, load_control_image
+    from storyboard_cli.steps import control_steps
+
+    models, seed, path = tiny_cpu, 99, ROOT / "jobs" / "control" / "hero_pose.png"
+    want = _pipeline(models, "euler", True)(
+        prompt=PROMPT, negative_prompt=NEGATIVE, height=H, width=W, num_inference_steps=STEPS,
+        guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent",
+        image=Image.open(path).convert("RGB").resize((W, H), Image.LANCZOS), controlnet_conditioning_scale=0.9,
+        control_guidance_end=end).images
+    sched, x, noise, cond, guidance = _inputs(models, [seed], [GUIDANCE])
+    ctl = Control(load_control_image(path, W, H)[None].repeat(2, 1, 1, 1), torch.full((2, 1, 1, 1), 0.9))
+    plan = step_plan(STEPS, STEPS, control=control_steps(STEPS, end))
+    got = EagerEngine(models).sample(x, sched, noise, cond, ctl, guidance, plan)
+    assert _rel(got, want) < RTOL
+    to_the_end = EagerEngine(models).sample(x, sched, noise, cond, ctl, guidance)
+    assert _rel(to_the_end, want) > 10 * RTOL
 
 
 # ---------------------------------------------------------------- DeepCache, the published algorithm
@@ -192,22 +220,27 @@ def cpu_replays(runner: GraphRunner) -> list:
 
 LEVERS = {"full": (10, 0, 0), "cutoff": (5, 0, 0), "cond-only": (0, 0, 0), "deepcache": (10, 3, 0),
           "both": (6, 3, 1), "cond-deepcache": (0, 2, 0)}
-# ControlNet shots keep full steps (the plan drops DeepCache for them): the cut-off only
-CASES = [(False, name) for name in LEVERS] + [(True, name) for name, (_, interval, _) in LEVERS.items() if not interval]
+# ControlNet shots: the cut-off, and DeepCache after the ControlNet's end (control steps: 6; 10 = to the end)
+CASES = ([(False, name, None) for name in LEVERS] + [(True, name, 10) for name, (_, i, _) in LEVERS.items() if not i]
+         + [(True, name, 6) for name in ("full", "cutoff", "both", "cond-deepcache")])
 
 
-@pytest.mark.parametrize("control,levers", CASES, ids=[f"{'controlnet' if c else 'plain'}-{n}" for c, n in CASES])
-def test_graph_step_kinds_equal_the_eager_engine(tiny_cpu, control, levers):
+@pytest.mark.parametrize("control,levers,control_steps", CASES,
+                         ids=[f"{'controlnet' if c else 'plain'}-{n}{'' if e in (None, 10) else '-end'}"
+                              for c, n, e in CASES])
+def test_graph_step_kinds_equal_the_eager_engine(tiny_cpu, control, levers, control_steps):
     guided, interval, branch = LEVERS[levers]
     x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 2, H, W, control)
     sched = schedule("dpmpp_2m", STEPS, tiny_cpu.scheduler_config)
-    plan = step_plan(STEPS, guided, interval, branch)
+    plan = step_plan(STEPS, guided, interval, branch, control_steps)
     runner = GraphRunner(tiny_cpu, max_batch=4, max_hw=(H, W))
     captured = cpu_replays(runner)
     got = runner.sample(x, sched, None, cond, ctl, guidance, plan)
     want = EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance, plan)
     assert _rel(got, want) < 1e-6
-    assert {k.step for k in captured} == set(plan) and all(runner.stats[k].checked for k in captured)
+    # a step after the ControlNet's end replays the graph of a batch without one
+    assert {(k.step, k.control) for k in captured} == {(replace(s, control=True), control and s.control) for s in plan}
+    assert all(runner.stats[k].checked for k in captured)
     assert sum(runner.stats[k].replays for k in captured) == STEPS
     # a second batch through the same graphs (the feature buffer holds the last batch's): same again
     x2 = torch.randn_like(x)

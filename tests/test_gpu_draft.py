@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.sampling import step_plan
+from storyboard_cli.steps import step_plan
 from test_gpu import _close, _inputs, setup  # noqa: F401 - setup: the same tiny models and runner fixture
 
 pytestmark = pytest.mark.gpu
@@ -34,6 +34,19 @@ def test_cutoff_with_controlnet(setup, batch):
     kinds = step_plan(STEPS, 4)
     args = _inputs(models, batch, 256, 256, True, "euler_a", STEPS)
     _close(runner.sample(*args, kinds), eager.sample(*args, kinds), rtol)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_control_end_then_deepcache_with_controlnet(setup, batch):
+    """A ControlNet shot as --draft renders it: guided with the ControlNet for 4 steps, then the conditional rows
+    alone without it, DeepCache on them (the graphs of a shot without a ControlNet)."""
+    models, runner, eager, rtol = setup
+    kinds = step_plan(STEPS, 4, 3, 0, control=4)
+    args = _inputs(models, batch, 256, 256, True, "euler", STEPS)
+    _close(runner.sample(*args, kinds), eager.sample(*args, kinds), rtol)
+    keys = {runner.shape_key(batch, 256, 256, True, k) for k in kinds}
+    assert {k.control for k in keys} == {True, False}
+    assert all(runner.stats[k].state == "graph" and runner.stats[k].checked for k in keys)
 
 
 def test_deepcache_after_another_shape(setup):

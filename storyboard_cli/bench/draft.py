@@ -16,12 +16,13 @@ from storyboard_cli.bench.contenders import bcg_render
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import graph_runner
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.sampling import FULL, schedule, step_plan
+from storyboard_cli.engine.sampling import schedule
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE, Job, as_draft
 from storyboard_cli.job.plan import guided_steps, make_batches, work_items
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.run.batch import batch_kinds, batch_shapes
 from storyboard_cli.run.capture import synthetic_inputs
+from storyboard_cli.steps import FULL, step_plan
 
 
 # the step loops `draft_steps` times side by side: (cfg_cutoff, DeepCache interval), branch 0

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     import torch
 
     from storyboard_cli.engine.conditioning import Cond, Control
-    from storyboard_cli.engine.sampling import Schedule, StepKind, StepPlan
+    from storyboard_cli.engine.sampling import Schedule
+    from storyboard_cli.steps import StepKind, StepPlan
 
 
 class Shape(NamedTuple):

@@ -89,6 +89,6 @@ class Views:
         self.cond.pooled.copy_(cond.pooled)
         self.cond.time_ids.copy_(cond.time_ids)
         self.guidance.copy_(guidance)
-        if control is not None:
+        if control is not None and self.control is not None:  # None: a step after the ControlNet's end
             self.control.image.copy_(control.image)
             self.control.scale.copy_(control.scale)

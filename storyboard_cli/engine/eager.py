@@ -15,8 +15,9 @@ import torch
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.conditioning import Cond, Control
 from storyboard_cli.engine.deepcache import feature_shape, shallow_unet, writing_feature
-from storyboard_cli.engine.sampling import FULL, SIGMA, TIMESTEP, Schedule, StepKind, StepPlan, update
+from storyboard_cli.engine.sampling import SIGMA, TIMESTEP, Schedule, update
 from storyboard_cli.models.loader import SdxlModels
+from storyboard_cli.steps import FULL, StepKind, StepPlan
 
 __all__ = ["Control", "EagerEngine", "StepCalls", "controlnet_call", "denoise", "new_feature", "sample_step", "unet_call"]
 
@@ -61,7 +62,8 @@ def denoise(models: SdxlModels, x: torch.Tensor, sigma: torch.Tensor, timestep: 
     A guided step doubles the batch inside the step (negative rows first, as diffusers does); a step of the
     conditional rows alone (`kind.guided` False) runs the second half of `cond` and `control` and no combine,
     as diffusers does once guidance is off. `feature` [2B, C, h', w']: DeepCache's cache (engine/deepcache.py),
-    written by a "write" step and read by a "read" step (a conditional step uses its second half).
+    written by a "write" step and read by a "read" step (a conditional step uses its second half). A step
+    after the ControlNet's end (`kind.control` False) runs the UNet alone.
     """
     calls = calls or StepCalls.eager(models)
     b = x.shape[0]
@@ -81,7 +83,7 @@ def denoise(models: SdxlModels, x: torch.Tensor, sigma: torch.Tensor, timestep: 
         eps = shallow_unet(models.unet, latents, t, embeds, pooled, time_ids, feature, kind.branch).float()
     else:
         mid = down = None
-        if control is not None:
+        if control is not None and kind.control:
             mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids, control.image, control.scale)
         with writing_feature(models.unet, kind.branch, feature) if kind.cache == "write" else nullcontext():
             eps = calls.unet(latents, t, embeds, pooled, time_ids, mid, down).float()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -38,9 +38,10 @@ from storyboard_cli.engine.buffers import Buffers, Views
 from storyboard_cli.engine.compiled import MAX_ROWS, MIN_ROWS, CompiledKernels, targets
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
-from storyboard_cli.engine.sampling import FULL, Schedule, StepKind, StepPlan
+from storyboard_cli.engine.sampling import Schedule
 from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
+from storyboard_cli.steps import FULL, StepKind, StepPlan
 
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,10 @@ class GraphRunner:
 
     def shape_key(self, batch: int, height: int, width: int, control: bool, step: StepKind = FULL) -> ShapeKey:
         """Compiled kernels where the size has them and the step is the whole UNet over rows the artifacts
-        take (a conditional step runs B rows); DeepCache's steps call into the UNet's blocks: plain."""
+        take (a conditional step runs B rows); DeepCache's steps call into the UNet's blocks: plain. A step after
+        a batch's ControlNet has ended is the step of a batch without one: one graph serves both."""
+        if control and not step.control:
+            control, step = False, replace(step, control=True)
         shape = Shape(batch, height, width, control)
         rows = 2 * batch if step.guided else batch
         compiled = (self.compiled is not None and shape not in self.demoted and not step.cache
@@ -267,6 +271,7 @@ class GraphRunner:
         up to 2g - 1 where the conditional and unconditional predictions are close; the check is there to
         catch broken kernels, and the guidance arithmetic is the same code in both."""
         guidance = torch.ones_like(guidance)
+        control = control if key.control else None  # a step after the ControlNet's end
         v = self.buf.view(key)
         v.load(self.buf, x, sched, cond, control, guidance)
         # DeepCache: a shallow step reads the feature in the buffer (the eager step reads the same copy);

@@ -22,40 +22,6 @@ from storyboard_cli.samplers import SAMPLERS  # each sampler's coefficients live
 SIGMA, TIMESTEP, A, B, C, S = range(6)
 
 
-@dataclass(frozen=True, order=True)
-class StepKind:
-    """What one step runs (draft mode's levers). `guided`: the CFG-doubled rows [2B], or the conditional rows
-    [B] alone (after the guidance cut-off, or for images with guidance <= 1). `cache`: "" the UNet as today,
-    "write" the UNet writing DeepCache's feature at `branch`, "read" DeepCache's shallow path on it."""
-
-    guided: bool = True
-    cache: str = ""
-    branch: int = 0
-
-    @property
-    def label(self) -> str:
-        """"" for today's step; else e.g. "cond", "deepcache full b0", "cond deepcache shallow b0"."""
-        parts = [] if self.guided else ["cond"]
-        if self.cache:
-            parts.append(f"deepcache {'full' if self.cache == 'write' else 'shallow'} b{self.branch}")
-        return " ".join(parts)
-
-
-FULL = StepKind()
-StepPlan = tuple[StepKind, ...]  # one kind per step, fixed before the loop: the host picks each step's graph
-
-
-def step_plan(steps: int, guided_steps: int, interval: int = 0, branch: int = 0) -> StepPlan:
-    """The kind of every step: the first `guided_steps` use guidance; with DeepCache (interval >= 2), steps
-    0, N, 2N, ... run the full UNet and write the feature, the steps between read it (as DeepCache's
-    uniform schedule)."""
-    kinds = []
-    for i in range(steps):
-        cache = "" if interval < 2 else ("write" if i % interval == 0 else "read")
-        kinds.append(StepKind(i < guided_steps, cache, branch if cache else 0))
-    return tuple(kinds)
-
-
 @dataclass(frozen=True)
 class Schedule:
     sampler: str

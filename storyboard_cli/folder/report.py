@@ -145,12 +145,13 @@ def markdown(report: dict) -> str:
                 "|---|---|---:|---:|---:|---:|---|"]
         out += [f"| {g['shape']} | {g['state']} | {g['capture_s']:.2f} | {g['pool_mb']:.0f} | {g['replays']} | "
                 f"{g['replay_ms']:.2f} | {g.get('reason') or ''} |" for g in r["graphs"]]
-    levered = [s for s in r.get("shots", ()) if s["draft"] or s["guided_steps"] < s["steps"] or s["deepcache"]]
+    levered = [s for s in r.get("shots", ()) if s["draft"] or s["guided_steps"] < s["steps"] or s["deepcache"]
+               or (s.get("control_steps") or s["steps"]) < s["steps"]]
     if levered:
         out += ["", "## Draft levers" + (" (a draft render)" if r.get("draft") else ""), "",
-                "| shot | draft | guided steps | cfg_cutoff | DeepCache |", "|---|---|---:|---:|---|"]
+                "| shot | draft | guided steps | cfg_cutoff | ControlNet steps | DeepCache |", "|---|---|---:|---:|---:|---|"]
         out += [f"| {s['shot']} | {'draft' if s['draft'] else ''} | {s['guided_steps']}/{s['steps']} | "
-                f"{s['cfg_cutoff']:g} | {_deepcache(s)} |" for s in levered]
+                f"{s['cfg_cutoff']:g} | {_control(s)} | {_deepcache(s)} |" for s in levered]
     if r.get("workers"):  # a multi-GPU render (dist.merge_reports)
         out += ["", "## Workers", "", "| rank | host | device | images | failed | load s | capture s | busy s | idle s "
                 "| images/s |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -168,6 +169,10 @@ def markdown(report: dict) -> str:
     if r["notes"]:
         out += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     return "\n".join(out) + "\n"
+
+
+def _control(shot: dict) -> str:
+    return "" if shot.get("control_steps") is None else f"{shot['control_steps']}/{shot['steps']}"
 
 
 def _deepcache(shot: dict) -> str:

@@ -206,8 +206,8 @@ def _settings_of_shot(shot) -> dict:
     if shot.control:
         s["control"] = f"{shot.control.image.name} (scale {shot.control.scale:g})"
         s["control_image"] = str(shot.control.image)
-    cutoff, deepcache = levers(shot)
-    s["levers"] = _levers_text(cutoff, deepcache[0] and {"interval": deepcache[0], "branch": deepcache[1]})
+    cutoff, deepcache, _, end = levers(shot)
+    s["levers"] = _levers_text(cutoff, deepcache[0] and {"interval": deepcache[0], "branch": deepcache[1]}, end)
     return s
 
 
@@ -218,15 +218,17 @@ def _settings_of_meta(meta: dict) -> dict:
     if meta.get("control_image"):
         s["control"] = f"{Path(str(meta['control_image'])).name} (scale {meta.get('control_scale', '?')})"
         s["control_image"] = str(meta["control_image"])
-    s["levers"] = _levers_text(meta.get("cfg_cutoff", 1.0), meta.get("deepcache"))
+    s["levers"] = _levers_text(meta.get("cfg_cutoff", 1.0), meta.get("deepcache"), meta.get("control_end", 1.0))
     return s
 
 
-def _levers_text(cfg_cutoff: object, deepcache: object) -> str:
+def _levers_text(cfg_cutoff: object, deepcache: object, control_end: object = 1.0) -> str:
     """The draft levers an image used, for the sheet ("" for a full render)."""
     parts = []
     if isinstance(cfg_cutoff, (int, float)) and cfg_cutoff < 1:
         parts.append(f"cfg_cutoff {cfg_cutoff:g}")
+    if isinstance(control_end, (int, float)) and control_end < 1:
+        parts.append(f"ControlNet end {control_end:g}")
     if isinstance(deepcache, dict):
         parts.append(f"DeepCache interval {deepcache.get('interval', '?')}, branch {deepcache.get('branch', '?')}")
     return "; ".join(parts)

@@ -23,6 +23,7 @@ from storyboard_cli.job.digests import relative_to_job, remember_sha256
 from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.job.preflight import PRESETS
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
+from storyboard_cli.steps import guided_steps
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,15 @@ MAX_SEED = 2**63 - 1 - MAX_CANDIDATES
 TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots")
 SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control",
              "lora", "cfg_cutoff", "deepcache")
-CONTROL_KEYS = ("image", "scale")
+CONTROL_KEYS = ("image", "scale", "end")
 DEEPCACHE_KEYS = ("interval", "branch")
 NO_DEEPCACHE = (0, 0)  # (interval, branch): DeepCache off
 MAX_INTERVAL = 10
 MAX_BRANCH = 2  # SDXL's UNet has 3 up blocks: branches 0 (the shallowest skip) to 2
 # `bcg render --draft`: the levers every shot gets (docs/PERFORMANCE.md, "Draft renders"): guidance on the
 # first half of the steps (the guidance-interval paper's finding: little is lost at low noise), DeepCache's
-# full UNet every 3rd step on the shallowest branch (its paper's SDXL setting)
+# full UNet every 3rd step on the shallowest branch (its paper's SDXL setting); a ControlNet stops where the
+# guidance stops (the composition it holds is set in the early, noisy steps), and DeepCache runs after it
 DRAFT_CUTOFF = 0.5
 DRAFT_DEEPCACHE = (3, 0)
 SHOT_DEFAULTS: dict[str, Any] = {
@@ -71,6 +73,7 @@ class ShotControl:
     image: Path  # absolute, resolved against the job file's folder
     scale: float
     file: str = ""  # the image as seen from the job file's folder: what the outputs record
+    end: float = 1.0  # the fraction of the steps the ControlNet runs, as diffusers' control_guidance_end
 
 
 @dataclass(frozen=True)
@@ -380,9 +383,14 @@ def _deepcache(ctx: _Ctx, raw: Any, line: int | None, shot_id: str) -> tuple[int
 
 
 def as_draft(job: Job) -> Job:
-    """The job as `bcg render --draft` renders it: every shot with the draft levers, marked as a draft."""
-    return replace(job, shots=tuple(replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True)
-                                    for s in job.shots))
+    """The job as `bcg render --draft` renders it: every shot with the draft levers, marked as a draft; a
+    ControlNet ends where the guidance does (or earlier, where the shot says so)."""
+    def draft(s: Shot) -> Shot:
+        end = guided_steps(s.steps, DRAFT_CUTOFF) / s.steps
+        control = s.control and replace(s.control, end=min(s.control.end, end))
+        return replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True, control=control)
+
+    return replace(job, shots=tuple(draft(s) for s in job.shots))
 
 
 def _known_lora(ctx: _Ctx, name: Any, line: int | None, shot_id: str, field: str, loras: dict[str, LoraFile]) -> str:
@@ -473,7 +481,12 @@ def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_di
         _check_image(ctx, path, image_line, shot_id)
         ctx.images_checked.add(path)
     scale = _as_float(ctx, raw.get("scale", 1.0), _line_of(raw, "scale", line), shot_id, "control.scale", 0.0, 2.0)
-    return ShotControl(path, scale, relative_to_job(path, job_dir))
+    end_line = _line_of(raw, "end", line)
+    end = _as_float(ctx, raw.get("end", 1.0), end_line, shot_id, "control.end", 0.0, 1.0)
+    if end <= 0:
+        raise ctx.fail(end_line, shot_id, "control.end", "must be above 0 (the fraction of the steps the ControlNet "
+                                                         "runs; leave out `control` for none)")
+    return ShotControl(path, scale, relative_to_job(path, job_dir), end)
 
 
 def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:

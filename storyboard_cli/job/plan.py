@@ -11,15 +11,9 @@ from storyboard_cli.folder.layout import output_name
 from storyboard_cli.job.digests import SHORT, file_sha256, weights_digest
 from storyboard_cli.job.file import NO_DEEPCACHE, Job, LoraFile, Shot
 from storyboard_cli.job.lora_files import lora_set_label
+from storyboard_cli.steps import StepPlan, control_steps, guided_steps, step_costs, step_plan
 
 LoraScales = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name: one LoRA set
-
-
-def guided_steps(steps: int, cfg_cutoff: float) -> int:
-    """The steps that use guidance for a cut-off fraction, as diffusers' SDXLCFGCutoffCallback counts them: the
-    unconditional rows go at the end of step int(steps * ratio), so that step and the ones before are guided
-    (1.0: every step)."""
-    return min(steps, int(steps * cfg_cutoff) + 1)
 
 
 @dataclass(frozen=True, order=True)
@@ -35,11 +29,22 @@ class BucketKey:
     loras: LoraScales = ()
     guided: bool = True  # False: every image's guidance <= 1, the conditional rows alone at every step
     cfg_cutoff: float = 1.0
-    deepcache: tuple[int, int] = NO_DEEPCACHE  # (interval, branch); never with control
+    deepcache: tuple[int, int] = NO_DEEPCACHE  # (interval, branch); with control: after the ControlNet's end
+    control_end: float = 1.0  # the fraction of the steps the ControlNet runs (a batch with control)
 
     @property
     def guided_steps(self) -> int:
         return guided_steps(self.steps, self.cfg_cutoff) if self.guided else 0
+
+    @property
+    def control_steps(self) -> int | None:
+        """The steps the ControlNet runs (the first ones); None without one."""
+        return control_steps(self.steps, self.control_end) if self.control else None
+
+    @property
+    def plan(self) -> StepPlan:
+        """Each step's kind (steps.step_plan): one plan per batch."""
+        return step_plan(self.steps, self.guided_steps, *self.deepcache, self.control_steps)
 
     @property
     def levers(self) -> str:
@@ -49,6 +54,8 @@ class BucketKey:
             parts.append("no CFG")
         elif self.guided_steps < self.steps:
             parts.append(f"cfg_cutoff {self.cfg_cutoff:g} ({self.guided_steps}/{self.steps} guided)")
+        if self.control and self.control_steps < self.steps:
+            parts.append(f"control end {self.control_end:g} ({self.control_steps}/{self.steps} steps)")
         if self.deepcache[0]:
             parts.append(f"deepcache {self.deepcache[0]}/b{self.deepcache[1]}")
         return ", ".join(parts)
@@ -63,8 +70,8 @@ class BucketKey:
     @property
     def flops_saved(self) -> float:
         """The fraction of the UNet's FLOPs a batch of this key saves against the same batch with every step
-        guided and whole (step_costs): the estimate `bcg plan` shows per bucket."""
-        return 1 - step_costs(self.steps, self.guided_steps, *self.deepcache) / self.steps
+        guided and whole, the ControlNet included (step_costs): the estimate `bcg plan` shows per bucket."""
+        return 1 - step_costs(self.plan, self.control) / self.steps
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,9 @@ class WorkItem:
     control_file: str = ""  # the control image as seen from the job file's folder
     loras: tuple[tuple[LoraFile, float], ...] = ()  # sorted by name, no zero scales
     cfg_cutoff: float = 1.0  # 1.0 where it does not apply (guidance <= 1: no guided step to cut)
-    deepcache: tuple[int, int] = NO_DEEPCACHE  # off where it does not apply (a ControlNet shot)
+    deepcache: tuple[int, int] = NO_DEEPCACHE  # off where it does not apply (a ControlNet that runs to the end)
     draft: bool = False
+    control_end: float = 1.0  # 1.0 where it does not apply (no ControlNet, or one that runs every step)
 
     @property
     def lora_scales(self) -> LoraScales:
@@ -97,13 +105,14 @@ class WorkItem:
     @property
     def key(self) -> BucketKey:
         return BucketKey(self.width, self.height, self.steps, self.sampler, self.control_image is not None,
-                         self.lora_scales, self.guidance > 1, self.cfg_cutoff, self.deepcache)
+                         self.lora_scales, self.guidance > 1, self.cfg_cutoff, self.deepcache, self.control_end)
 
     @property
     def identity(self) -> tuple:
         return (self.prompt, self.negative, self.width, self.height, self.seed, self.steps, self.guidance,
                 self.sampler, str(self.control_image), self.control_scale,
-                tuple((f.sha256, scale) for f, scale in self.loras), self.cfg_cutoff, self.deepcache, self.draft)
+                tuple((f.sha256, scale) for f, scale in self.loras), self.cfg_cutoff, self.deepcache, self.draft,
+                self.control_end)
 
     def settings(self, model: str, controlnet: str | None) -> dict:
         """What decides the pixels: written into each PNG and the manifest, and used to tell a stale file
@@ -118,6 +127,8 @@ class WorkItem:
             s.update(controlnet=controlnet, control_image=self.control_file or str(self.control_image),
                      control_scale=self.control_scale, control_sha256=_content(self.control_image))
             _put_weights(s, "controlnet_weights", controlnet)
+            if self.control_end < 1:
+                s["control_end"] = self.control_end
         if self.loras:
             s["loras"] = [{"name": f.name, "scale": scale, "file": f.file, "sha256": f.sha256,
                            "shorthash": f.shorthash} for f, scale in self.loras]
@@ -174,7 +185,7 @@ def work_items(job: Job) -> list[WorkItem]:
             item = WorkItem(shot.id, k, seed, shot.prompt, shot.negative, shot.width, shot.height, shot.steps,
                             shot.guidance, shot.sampler, control.image if control else None,
                             control.scale if control else 0.0, (output_name(shot.id, k, seed),),
-                            control.file if control else "", loras, *levers(shot), shot.draft)
+                            control.file if control else "", loras, *levers(shot))
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
@@ -183,17 +194,21 @@ def work_items(job: Job) -> list[WorkItem]:
     return list(items.values())
 
 
-def levers(shot: Shot) -> tuple[float, tuple[int, int]]:
-    """(cfg_cutoff, deepcache) as they apply to the shot's images: no cut-off where there is no guidance to cut
-    (guidance <= 1, or a cut-off that keeps every step), no DeepCache with a ControlNet (its residuals feed the
-    blocks a shallow step skips)."""
+def levers(shot: Shot) -> tuple[float, tuple[int, int], bool, float]:
+    """(cfg_cutoff, deepcache, draft, control_end) as they apply to the shot's images: no cut-off where there is no
+    guidance to cut (guidance <= 1, or a cut-off that keeps every step), a ControlNet's end only where it stops
+    before the last step, and DeepCache with a ControlNet only when it stops (DeepCache runs after it: its
+    residuals feed the blocks a shallow step skips)."""
     cut_off = shot.guidance > 1 and guided_steps(shot.steps, shot.cfg_cutoff) < shot.steps
-    return (shot.cfg_cutoff if cut_off else 1.0), (NO_DEEPCACHE if shot.control else shot.deepcache)
+    ends = shot.control is not None and control_steps(shot.steps, shot.control.end) < shot.steps
+    deepcache = NO_DEEPCACHE if shot.control and not ends else shot.deepcache
+    return (shot.cfg_cutoff if cut_off else 1.0), deepcache, shot.draft, (shot.control.end if ends else 1.0)
 
 
 def deepcache_dropped(job: Job) -> list[str]:
-    """The shots that ask for DeepCache but have a ControlNet: they get the cut-off only."""
-    return [s.id for s in job.shots if s.control and s.deepcache[0]]
+    """The shots that ask for DeepCache but have a ControlNet that runs to the last step: they get the cut-off
+    only."""
+    return [s.id for s in job.shots if s.deepcache[0] and levers(s)[1] == NO_DEEPCACHE]
 
 
 def deepcache_note(job: Job) -> str | None:
@@ -203,36 +218,21 @@ def deepcache_note(job: Job) -> str | None:
         return None
     listed = ", ".join(shots[:5]) + (f" and {len(shots) - 5} more" if len(shots) > 5 else "")
     return (f"DeepCache is off for the ControlNet shots ({listed}): ControlNet's residuals feed the blocks its "
-            f"shallow steps skip; they get the guidance cut-off only")
+            f"shallow steps skip; they get the guidance cut-off only (DeepCache runs after a `control.end`)")
 
 
 def shot_levers(job: Job) -> list[dict]:
     """What each shot's images use, for the report: the guided steps of all steps, the cut-off and DeepCache as
     they apply (see `levers`), and whether the shot is a draft."""
-    rows = []
+    rows, dropped = [], set(deepcache_dropped(job))
     for s in job.shots:
-        cutoff, (interval, branch) = levers(s)
+        cutoff, (interval, branch), _, end = levers(s)
         rows.append({"shot": s.id, "draft": s.draft, "steps": s.steps,
                      "guided_steps": guided_steps(s.steps, cutoff) if s.guidance > 1 else 0,
                      "cfg_cutoff": cutoff, "deepcache": {"interval": interval, "branch": branch} if interval else None,
-                     "deepcache_dropped": bool(s.control and s.deepcache[0])})
+                     "deepcache_dropped": s.id in dropped,
+                     "control_steps": control_steps(s.steps, end) if s.control else None})
     return rows
-
-
-# a DeepCache shallow step's FLOPs against the full UNet's, per branch: SDXL-base at 1024x1024, counted with
-# torch.utils.flop_counter on the meta device (tests/test_draft_plan.py counts them again). Time is not FLOPs:
-# the shallow path is the UNet's most memory-bound part (bench part `draft` measures the time)
-SHALLOW_FLOPS = (0.067, 0.307, 0.882)
-
-
-def step_costs(steps: int, guided: int, interval: int = 0, branch: int = 0) -> float:
-    """A loop's UNet FLOPs in full guided steps: a conditional step is half (half the rows), a shallow step
-    SHALLOW_FLOPS[branch] of a full one. The estimate `bcg plan` shows."""
-    total = 0.0
-    for i in range(steps):
-        rows = 1.0 if i < guided else 0.5
-        total += rows * (SHALLOW_FLOPS[branch] if interval >= 2 and i % interval else 1.0)
-    return total
 
 
 def cut(n: int, buckets: tuple[int, ...]) -> list[int]:

@@ -19,13 +19,14 @@ from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.conditioning import (BoundedCache, Control, PromptCache, conditioning, control,
                                                 control_pixels, guided_rows, read_control_image)
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.sampling import Schedule, StepKind, StepPlan, draw_noise, schedule, step_plan
+from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
 from storyboard_cli.errors import ModelError, StoryboardError, first_line
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import LoraFile
 from storyboard_cli.job.plan import Batch, WorkItem
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
+from storyboard_cli.steps import StepKind, StepPlan
 
 CONTROL_CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x1024 one is 3 MB)
 
@@ -37,8 +38,7 @@ def batch_shapes(batches: list[Batch]) -> list[Shape]:
 
 def batch_plan(batch: Batch) -> StepPlan:
     """Each step's kind for the batch's levers (the bucket key: one plan per batch)."""
-    k = batch.key
-    return step_plan(k.steps, k.guided_steps, *k.deepcache)
+    return batch.key.plan
 
 
 def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
