@@ -1,8 +1,9 @@
 """Where a render's images go: PNG + manifest line per output file on the writer thread, failures, the
 edited files --force sets aside, and the contact sheet after each shot completes. No torch, no policy.
 
-The PNGs are encoded on a small pool of threads (zlib releases the GIL: a 1024x1024 PNG takes about 0.1 s of
-one core), and written, recorded and announced in order on the writer thread."""
+The PNGs are encoded and written (fsync included) on a small pool of threads (zlib releases the GIL: a 1024x1024
+PNG takes about 0.1 s of one core); their manifest lines are recorded and announced in order on the writer
+thread, each once its file has landed."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from storyboard_cli.job.plan import WorkItem
 Emit = Callable[[str, int, str, str], None]  # (event kind, images done, shot, message)
 
 log = logging.getLogger(__name__)
-ENCODERS = max(1, min(8, (os.cpu_count() or 1) - 1))  # PNG encoding threads per render; one core for the loop
+ENCODERS = max(1, min(8, (os.cpu_count() or 1) - 1))  # PNG threads per render; one core for the loop
 
 
 class ContactSheet:
@@ -80,31 +81,40 @@ class OutputSink:
             self.writer.submit(self._shots_done, item)
 
     def submit(self, item: WorkItem, pixels, bucket: str) -> None:
-        """Hands the pixels to the encoders and the writer thread (they overlap the next batch's denoising)."""
+        """Hands the pixels to the encoders (each output file encoded and written on one of them) and the writer
+        thread (its manifest lines, in order); they overlap the next batch's denoising."""
         self.delivered += len(item.outputs)
-        model, controlnet = self.job.model, self.job.controlnet
-        encoded = [self.encoder.submit(png_bytes, pixels, owner(item, path), model, controlnet) for path in item.outputs]
-        self.writer.submit(self._save, item, encoded, bucket)
+        landing = []
+        for path in item.outputs:
+            aside = path in self.moved
+            self.moved.discard(path)
+            landing.append(self.encoder.submit(self._land, pixels, item, path, aside))
+        self.writer.submit(self._save, item, landing, bucket)
 
-    def _save(self, item: WorkItem, encoded: list[Future], bucket: str) -> None:
-        """Runs on the writer thread: per output file (its own shot and candidate in the metadata, encoded by
-        `submit`), an atomic PNG write, then its manifest line with the bytes' sha256."""
+    def _land(self, pixels, item: WorkItem, path: str, aside: bool) -> str:
+        """An encoder thread: one output file (its own shot and candidate in the metadata) as an atomic PNG write,
+        after setting aside the edited file it replaces; returns the bytes' sha256."""
+        data = png_bytes(pixels, owner(item, path), self.job.model, self.job.controlnet)
+        target = self.out_dir / path
+        try:
+            if aside:
+                set_aside(self.out_dir, path, self.run_id)
+            atomic_write(target, data)
+        except OSError as e:
+            raise write_error(target, e) from e
+        return hashlib.sha256(data).hexdigest()
+
+    def _save(self, item: WorkItem, landing: list[Future], bucket: str) -> None:
+        """Runs on the writer thread: per output file, once it has landed, its manifest line (in order)."""
         t0 = time.perf_counter()
         model, controlnet = self.job.model, self.job.controlnet
         fingerprint, settings = item.fingerprint(model, controlnet), item.settings(model, controlnet)
-        for path, data in zip(item.outputs, encoded):
-            data = data.result()
-            target = self.out_dir / path
+        for path, landed in zip(item.outputs, landing):
+            sha256 = landed.result()
             try:
-                if path in self.moved:
-                    set_aside(self.out_dir, path, self.run_id)
-                    self.moved.discard(path)
-                atomic_write(target, data)
-                target = self.manifest.path
-                self.manifest.append(manifest_record(item, path, fingerprint, hashlib.sha256(data).hexdigest(),
-                                                     self.run_id, settings))
+                self.manifest.append(manifest_record(item, path, fingerprint, sha256, self.run_id, settings))
             except OSError as e:
-                raise write_error(target, e) from e
+                raise write_error(self.manifest.path, e) from e
             self.rendered += 1
             self.timings.bucket(bucket).images += 1
             self.emit("image", self.rendered, owner(item, path).shot, path)

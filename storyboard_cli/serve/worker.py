@@ -367,13 +367,19 @@ def run_worker(opts: WorkerOptions) -> int:
                 time.sleep(opts.poll_s)
                 continue
             places = {job_id: place(job_id, job, opts) for job_id, job in lease["jobs"].items()}
+            t0 = time.perf_counter()
             with Heartbeat(client, lease, name, hot):
                 fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                 outcome = render_lease(lease, hot, opts, places)
                 manifest = upload(client, lease, outcome, places)
+            t1 = time.perf_counter()
             rendered += 1
             if manifest is not None:
                 _report(client, lease, outcome, manifest)
+            batches = sum(b["seconds"] for b in outcome.work.get("batches", ()))
+            log.info("lease %s: %d images in %.2f s (batches %.2f s, the rest: folder, PNGs, report, sheet), "
+                     "completed in %.2f s", lease["lease"], len(lease["images"]), t1 - t0, batches,
+                     time.perf_counter() - t1)
             stop.requested = stop.requested or outcome.stopped
     finally:
         client.close()
