@@ -11,6 +11,14 @@ DATA = Path(__file__).resolve().parent / "data"
 os.environ.setdefault("BCG_CACHE", str(Path(os.environ.get("PYTEST_BCG_CACHE", "/tmp/bcg-test-cache"))))
 
 
+def pytest_ignore_collect(collection_path, config):
+    """`pytest -m gpu` (`make gpu-test`) leaves out the render service's tests: they hold no GPU test, and
+    their modules import FastAPI, which a render-only install (a GPU box without the `serve` extra) lacks."""
+    if config.getoption("markexpr") == "gpu" and collection_path.name.startswith("test_serve_"):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
