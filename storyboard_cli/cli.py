@@ -145,9 +145,10 @@ def plan(job: JobArg, json_out: JsonOpt = False,
                   f"{sum(r.row_steps for r in rows):,}", *(("", f"{100 * saved:.0f}%") if levered else ()))
     out.print(table)
     if levered:
-        out.print("saving (est.): the UNet FLOPs the draft levers skip against full steps (a guided step counts 2 rows "
-                  "per image, a conditional one 1, a DeepCache shallow step its share of the UNet); the time saved is "
-                  "smaller (docs/PERFORMANCE.md, \"Draft renders\")")
+        out.print("saving (est.): the UNet and ControlNet FLOPs the draft levers skip against full steps (a guided "
+                  "step counts 2 rows per image, a conditional one 1, a DeepCache shallow step its share of the UNet, "
+                  "a step after the ControlNet's end saves the ControlNet's); the time saved is smaller "
+                  "(docs/PERFORMANCE.md, \"Draft renders\")")
     if note:
         out.print(note)
     out.print(f"output: {j.output_dir} (about {_size(disk)} of PNGs)   buckets: {list(j.buckets)}   "

@@ -75,7 +75,7 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
     fields = [f"Steps: {item.steps}", f"Sampler: {SAMPLERS[item.sampler].label}", f"CFG scale: {item.guidance:g}",
               f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}"]
     if item.control_image is not None:
-        end = f", end {item.control_end:g}" if item.control_end < 1 else ""
+        end = f", end {item.control_end:.3g}" if item.control_end < 1 else ""
         fields.append(f"ControlNet: {item.control_image.name} (scale {item.control_scale:g}{end})")
     if loras:
         # quoted as A1111's infotext_utils.quote: the value holds ':' and ','

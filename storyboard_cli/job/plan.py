@@ -55,7 +55,7 @@ class BucketKey:
         elif self.guided_steps < self.steps:
             parts.append(f"cfg_cutoff {self.cfg_cutoff:g} ({self.guided_steps}/{self.steps} guided)")
         if self.control and self.control_steps < self.steps:
-            parts.append(f"control end {self.control_end:g} ({self.control_steps}/{self.steps} steps)")
+            parts.append(f"control end {self.control_end:.3g} ({self.control_steps}/{self.steps} steps)")
         if self.deepcache[0]:
             parts.append(f"deepcache {self.deepcache[0]}/b{self.deepcache[1]}")
         return ", ".join(parts)
