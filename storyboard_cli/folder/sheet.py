@@ -228,7 +228,7 @@ def _levers_text(cfg_cutoff: object, deepcache: object, control_end: object = 1.
     if isinstance(cfg_cutoff, (int, float)) and cfg_cutoff < 1:
         parts.append(f"cfg_cutoff {cfg_cutoff:g}")
     if isinstance(control_end, (int, float)) and control_end < 1:
-        parts.append(f"ControlNet end {control_end:g}")
+        parts.append(f"ControlNet end {control_end:.3g}")
     if isinstance(deepcache, dict):
         parts.append(f"DeepCache interval {deepcache.get('interval', '?')}, branch {deepcache.get('branch', '?')}")
     return "; ".join(parts)

@@ -224,13 +224,13 @@ def deepcache_note(job: Job) -> str | None:
 def shot_levers(job: Job) -> list[dict]:
     """What each shot's images use, for the report: the guided steps of all steps, the cut-off and DeepCache as
     they apply (see `levers`), and whether the shot is a draft."""
-    rows, dropped = [], set(deepcache_dropped(job))
+    rows = []
     for s in job.shots:
         cutoff, (interval, branch), _, end = levers(s)
         rows.append({"shot": s.id, "draft": s.draft, "steps": s.steps,
                      "guided_steps": guided_steps(s.steps, cutoff) if s.guidance > 1 else 0,
                      "cfg_cutoff": cutoff, "deepcache": {"interval": interval, "branch": branch} if interval else None,
-                     "deepcache_dropped": s.id in dropped,
+                     "deepcache_dropped": bool(s.deepcache[0] and not interval),
                      "control_steps": control_steps(s.steps, end) if s.control else None})
     return rows
 

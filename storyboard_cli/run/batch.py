@@ -26,7 +26,7 @@ from storyboard_cli.job.file import LoraFile
 from storyboard_cli.job.plan import Batch, WorkItem
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
-from storyboard_cli.steps import StepKind, StepPlan
+from storyboard_cli.steps import StepKind
 
 CONTROL_CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x1024 one is 3 MB)
 
@@ -36,16 +36,11 @@ def batch_shapes(batches: list[Batch]) -> list[Shape]:
     return [Shape(b.size, b.key.height, b.key.width, b.key.control) for b in batches]
 
 
-def batch_plan(batch: Batch) -> StepPlan:
-    """Each step's kind for the batch's levers (the bucket key: one plan per batch)."""
-    return batch.key.plan
-
-
 def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
     """The step kinds each shape's batches run: the graphs an engine captures ahead for draft renders."""
     kinds: dict[Shape, set[StepKind]] = {}
     for shape, batch in zip(batch_shapes(batches), batches):
-        kinds.setdefault(shape, set()).update(batch_plan(batch))
+        kinds.setdefault(shape, set()).update(batch.key.plan)
     return kinds
 
 
@@ -197,7 +192,7 @@ class BatchRunner:
         engine = self.fallback if fallback else self.engine
         t0 = time.perf_counter()
         with self.timings.stage("denoise"):
-            latents = engine.sample(x, sched, noise, cond, ctl, guidance, batch_plan(batch))
+            latents = engine.sample(x, sched, noise, cond, ctl, guidance, batch.key.plan)
         bt = self.timings.bucket(bucket_label(batch))
         bt.batches += 1
         bt.rows += (2 if key.guided else 1) * batch.size
