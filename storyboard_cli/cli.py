@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from storyboard_cli import __version__
-from storyboard_cli.errors import Interrupted, Status, StoryboardError, exit_code, plural
+from storyboard_cli.errors import BadInput, Interrupted, Status, StoryboardError, exit_code, plural
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
 from storyboard_cli.folder.layout import REPLACED, SELECTS
 
@@ -311,15 +311,21 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
             buckets: Annotated[str, typer.Option(help="Batch sizes when no job is given.")] = "1,2,4,8",
             steps: Annotated[int, typer.Option(min=2, max=200, help="Steps per timed loop.")] = 10,
             device: DeviceOpt = None, dtype: DtypeOpt = None, compile: CompileOpt = "auto",
-            json_out: JsonOpt = False) -> None:
+            json_out: JsonOpt = False,
+            draft: Annotated[bool, _flag("--draft", "The job as `bcg render --draft` renders it: its draft "
+                                                    "graphs too.")] = False) -> None:
     """Compile the kernels a job needs (once per model, GPU and torch; kept under $BCG_CACHE), then
-    capture its CUDA graphs, check them against the uncompiled step and time them."""
-    from storyboard_cli.job.file import load_job
+    capture its CUDA graphs (the step kinds of its draft levers too), check them against the uncompiled step
+    and time them."""
+    from storyboard_cli.job.file import as_draft, load_job
     from storyboard_cli.run import capture as capturing
 
     with _domain_errors():
         sizes = _bucket_sizes(buckets)
+        if draft and job is None:
+            raise BadInput("bcg capture --draft needs a job")
         j = load_job(job) if job else None
+        j = as_draft(j) if draft and j else j
         with _compile_progress(quiet=json_out) as on_event:
             labels, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes,
                                              device=device, dtype=dtype, warm=warm, steps=steps, compile=compile,
@@ -329,7 +335,11 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
                                                                  for r in rows]}))
         return
     if not warm:
-        out.print(f"{len(labels)} shapes (batch x width x height): {', '.join(labels)}")
+        loops = [label for label in labels if " guided" in label]
+        out.print(f"{len(labels) - len(loops)} shapes (batch x width x height): "
+                  f"{', '.join(label for label in labels if label not in loops)}")
+        if loops:
+            out.print(f"{len(loops)} draft loops on them:\n  " + "\n  ".join(loops))
         out.print("run with --warm to capture, check and time them")
         return
     table = Table(title="CUDA graphs", title_justify="left")

@@ -69,6 +69,18 @@ def step_plan(steps: int, guided: int, interval: int = 0, branch: int = 0, contr
     return tuple(kinds)
 
 
+def plan_label(plan: StepPlan) -> str:
+    """A plan in a few words: e.g. "16/30 guided, deepcache 10 full + 20 shallow b0, ControlNet 16/30"."""
+    n = len(plan)
+    parts = [f"{sum(k.guided for k in plan)}/{n} guided"]
+    writes, reads = sum(k.cache == "write" for k in plan), sum(k.cache == "read" for k in plan)
+    if writes or reads:
+        parts.append(f"deepcache {writes} full + {reads} shallow b{next(k.branch for k in plan if k.cache)}")
+    if not all(k.control for k in plan):
+        parts.append(f"ControlNet {sum(k.control for k in plan)}/{n}")
+    return ", ".join(parts)
+
+
 def step_costs(plan: StepPlan, with_control: bool = False) -> float:
     """A loop's FLOPs in full guided steps of its own kind (UNet, and the ControlNet where the batch has one): a
     conditional step is half (half the rows), a shallow step SHALLOW_FLOPS[branch] of a full UNet, a step whose

@@ -9,7 +9,7 @@ import torch
 
 from storyboard_cli.engine.conditioning import PromptCache, conditioning, guided_rows
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.graphs import GraphRunner, ShapeKey
+from storyboard_cli.engine.graphs import GraphRunner, ShapeKey, Warmed
 from storyboard_cli.engine.sampling import draw_noise, schedule
 from storyboard_cli.run.capture import synthetic_inputs
 from storyboard_cli.steps import FULL, StepKind, step_plan
@@ -300,3 +300,19 @@ def test_which_step_kinds_run_on_compiled_kernels(tiny_cpu):
     assert variant(1, cond) == "plain" and variant(2, cond) == "compiled" and variant(8, cond) == "compiled"
     for kind in (StepKind(True, "write"), StepKind(True, "read"), StepKind(False, "read")):
         assert variant(4, kind) == "plain"
+
+
+def test_which_captures_skip_the_warm_up():
+    """A capture skips its warm-up step only where a graph captured before ran every kernel it runs: the same
+    variant, rows and size; the whole UNet for a step that runs it whole; the ControlNet for a step that runs it."""
+    def ran(batch, kind=FULL, control=False, variant="plain", height=H):
+        return Warmed.of(ShapeKey(batch, height, W, control, "float32", variant, kind))
+
+    full = ran(4)
+    assert full.covers(ran(4, StepKind(True, "write", 0))) and full.covers(ran(4, StepKind(True, "read", 1)))
+    assert full.covers(ran(8, StepKind(guided=False)))  # 8 images' conditional rows are 4 images guided
+    assert full.covers(ran(8, StepKind(False, "read", 0)))
+    assert not full.covers(ran(2)) and not full.covers(ran(4, StepKind(guided=False)))  # other rows
+    assert not full.covers(ran(4, height=2 * H)) and not full.covers(ran(4, variant="compiled"))
+    assert not full.covers(ran(4, control=True)) and ran(4, control=True).covers(full)
+    assert not ran(4, StepKind(True, "read", 0)).covers(full)  # a shallow step ran part of the UNet

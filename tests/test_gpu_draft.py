@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.graphs import GraphRunner
 from storyboard_cli.steps import step_plan
 from test_gpu import _close, _inputs, setup  # noqa: F401 - setup: the same tiny models and runner fixture
 
@@ -85,3 +86,60 @@ def test_lora_swapped_in_place_reaches_the_draft_graphs(setup, tmp_path):
     finally:
         applier.apply({})
     _close(runner.sample(*args, kinds), before, rtol / 10 if rtol > 1e-3 else 1e-6)
+
+
+def test_draft_kinds_are_captured_without_a_warm_up(setup):
+    """A fresh runner: the first graph at each rows and size warms up; the draft kinds whose kernels an earlier graph
+    ran (the same rows and size) are captured without one, and still match the eager engine."""
+    models, _, eager, rtol = setup
+    runner = GraphRunner(models, max_batch=8, max_hw=(320, 320))
+    runner.sample(*_inputs(models, 2, 256, 256, False, "euler", STEPS))  # 4 rows: a 4-image batch's conditional rows
+    args = _inputs(models, 4, 256, 256, False, "euler", STEPS)
+    runner.sample(*args)
+    kinds = step_plan(STEPS, 5, 3, 0)
+    _close(runner.sample(*args, kinds), eager.sample(*args, kinds), rtol)
+    warm = {(k.batch, k.step.label): s.warmup for k, s in runner.stats.items()}
+    assert warm == {(2, ""): True, (4, ""): True, (4, "deepcache full b0"): False, (4, "deepcache shallow b0"): False,
+                    (4, "cond deepcache full b0"): False, (4, "cond deepcache shallow b0"): False}
+    assert all(s.state == "graph" and s.checked for s in runner.stats.values())
+
+
+def test_a_capture_without_a_warm_up_that_fails_is_tried_again_after_one(setup, monkeypatch):
+    models, _, eager, rtol = setup
+    runner = GraphRunner(models, max_batch=8, max_hw=(320, 320))
+    real, calls = runner._record, []
+
+    def lazy_init_in_capture(v, warmup):
+        calls.append(warmup)
+        if not warmup:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return real(v, warmup)
+
+    monkeypatch.setattr(runner, "_record", lazy_init_in_capture)
+    args = _inputs(models, 2, 256, 256, False, "euler", STEPS)
+    runner.sample(*args)
+    kinds = step_plan(STEPS, STEPS, 3, 0)
+    _close(runner.sample(*args, kinds), eager.sample(*args, kinds), rtol)
+    assert calls == [True, False, True, False, True]  # today's step; DeepCache's full, then shallow step: each twice
+    assert all(s.state == "graph" and s.checked and s.warmup for s in runner.stats.values())
+
+
+def test_capture_warm_checks_and_times_a_draft_jobs_loops(setup, tmp_path):
+    """`bcg capture JOB --warm --draft`'s timing: every shape's today's row, then a row per draft loop whose kinds
+    were captured, checked against eager and timed."""
+    from conftest import write_job
+    from storyboard_cli.job.file import as_draft, load_job
+    from storyboard_cli.run.capture import job_plans, job_shapes, time_shapes
+
+    models, _, _, _ = setup
+    job = as_draft(load_job(write_job(tmp_path, "version: 1\nmodel: tiny\nshots:\n"
+                                                "  - {id: a, prompt: x, steps: 9, size: 256x256, candidates: 2}\n"
+                                                "  - {id: b, prompt: y, steps: 9, size: 320x192, candidates: 1}\n")))
+    shapes, plans = job_shapes(job, None, job.buckets), job_plans(job)
+    assert set(plans) == set(shapes) and all(len(p) == 1 for p in plans.values())
+    runner = GraphRunner(models, max_batch=8, max_hw=(320, 320))
+    rows = time_shapes(models, runner, shapes, steps=4, repeats=1, eager=False, plans=plans)
+    loops = [r for r in rows if " guided" in r.shape]
+    assert len(rows) == 2 * len(shapes) and len(loops) == len(shapes)
+    assert all(r.state == "graph" and r.reason == "every step kind checked" and r.graph_ms > 0 for r in loops)
+    assert all(s.checked for s in runner.stats.values())

@@ -24,7 +24,13 @@ def _draft_markdown(rec: dict) -> list[str]:
         out += [f"Capture of the bench job's graphs: today's {c['plain']['graphs']} in {c['plain']['capture_s']:.2f} s, "
                 f"pool {c['plain']['pool_mb']:.0f} MB; the draft kinds add {c['extra']['graphs']} graphs, "
                 f"{c['extra']['capture_s']:.2f} s, {c['extra']['pool_mb']:.0f} MB of pool (and DeepCache's feature buffer, "
-                f"{c['feature_buffer_mb']:.0f} MB, outside the pool)", ""]
+                f"{c['feature_buffer_mb']:.0f} MB, outside the pool); warm-up steps {c['plain']['warmups']} and "
+                f"{c['extra']['warmups']}"]
+        if "together" in c:
+            t = c["together"]
+            out += [f"Both in one prepare: today's {t['plain']['capture_s']:.2f} s, {t['plain']['pool_mb']:.0f} MB; "
+                    f"the draft kinds {t['extra']['capture_s']:.2f} s, {t['extra']['pool_mb']:.0f} MB"]
+        out += [""]
     if "draft_job" in rec:
         j = rec["draft_job"]
         out += [f"Bench job with `--draft`: {j['draft']['images_per_s']:.3f} images/s against "

@@ -9,9 +9,11 @@ captured as one CUDA graph per shape, replayed once per step. The only file that
   a device table the graph indexes, so a 30-step loop is 30 replays and nothing else (plus one
   noise copy per step for ancestral samplers). No host sync inside the loop.
 - Graphs are captured lazily (or ahead, by `prepare`), largest first, into ONE shared memory pool,
-  after a warm-up on a side stream. The first replay of each is checked against the eager step on
-  the same inputs; a capture failure or a mismatch marks that shape eager (a compiled shape: plain),
-  with the reason.
+  after a warm-up on a side stream, unless a graph already captured ran every kernel of this one at the
+  same rows and size (`Warmed`: draft mode's kinds of a shape, a conditional step of B rows after a guided
+  step of B / 2 images); a capture without one that fails is tried again after one. The first replay of
+  each is checked against the eager step on the same inputs; a capture failure or a mismatch marks that
+  shape eager (a compiled shape: plain), with the reason.
 - Draft mode's step kinds (sampling.StepKind: the conditional rows alone after the guidance cut-off or at
   guidance <= 1; DeepCache's full step writing its feature and its shallow step reading it) are more
   graphs of the same shape, in the same pool, over the same static buffers (the feature has one more):
@@ -50,9 +52,9 @@ log = logging.getLogger(__name__)
 # eager SDXL UNet to 2.7e-6 in fp32 but differ by 2.8e-2 in fp16 on random weights (H200), while a
 # binding or stride error measured 1.5e-1 (docs/PERFORMANCE.md, "Compiled kernels per image size")
 CHECK_RTOL = {"plain": 2e-2, "compiled": 5e-2}
-# eager steps on a side stream before each capture: one does the lazy inits (kernel modules, library handles) and
-# sets the allocator's state; a second cost a whole step per graph (a draft render captures 35) and changed nothing
-# the GPU tests see (every kind captured and checked against eager)
+# eager steps on a side stream before a capture: one does the lazy inits (kernel modules, library handles, a
+# compiled artifact's kernels) for the shapes it runs; a second cost a whole step per graph (a draft render captures
+# 35) and changed nothing the GPU tests see (every kind captured and checked against eager)
 WARMUP_STEPS = 1
 
 
@@ -79,6 +81,30 @@ class ShapeKey:
         return f"{shape_label(self.batch, self.width, self.height, self.control)} {self.dtype}{variant}{step}"
 
 
+@dataclass(frozen=True)
+class Warmed:
+    """What a warm-up (or a capture after one) has run: the modules' kernels at these rows and latent size.
+    `whole`: the whole UNet (a DeepCache shallow step runs part of it); `control`: the ControlNet too."""
+
+    variant: str
+    rows: int
+    height: int
+    width: int
+    whole: bool
+    control: bool
+
+    @classmethod
+    def of(cls, key: ShapeKey) -> Warmed:
+        rows = 2 * key.batch if key.step.guided else key.batch
+        return cls(key.variant, rows, key.height, key.width, key.step.cache != "read", key.control)
+
+    def covers(self, other: Warmed) -> bool:
+        """Whether this run's kernels include every kernel `other` runs (same modules, shapes and code)."""
+        same = (self.variant, self.rows, self.height, self.width) == (other.variant, other.rows, other.height,
+                                                                     other.width)
+        return same and self.whole >= other.whole and self.control >= other.control
+
+
 @dataclass
 class GraphStats:
     key: ShapeKey
@@ -86,6 +112,7 @@ class GraphStats:
     reason: str = ""
     checked: bool = False  # the first replay matched the eager step
     capture_s: float = 0.0
+    warmup: bool = False  # its capture ran a warm-up step first (no graph before it had run its kernels)
     compile_s: float = 0.0  # the background build of this size's kernels, when this run made them
     pool_mb: float = 0.0
     replays: int = 0
@@ -111,6 +138,7 @@ class GraphRunner:
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
+        self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
         # the seam a test (or another capture backend) replaces: ShapeKey -> captured graph, or raises
         self.capturer: Callable[[ShapeKey], object] = self._capture
         self._allocate(max_batch, max_hw[0] * max_hw[1])
@@ -178,13 +206,35 @@ class GraphRunner:
         torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too: measure the pool from there
         reserved = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy inits, allocator state, outside the graph
-            for _ in range(WARMUP_STEPS):
-                self.buf.index.zero_()
-                self._step(v)
-        torch.cuda.current_stream().wait_stream(side)
+        ran = Warmed.of(key)
+        stats.warmup = not any(w.covers(ran) for w in self.warmed)
+        try:
+            graph = self._record(v, stats.warmup)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a lazy init the skipped warm-up would have done: once more with it
+            if stats.warmup:
+                raise
+            log.info("capturing %s without a warm-up failed (%s): again after one", key.label, one_line(e, 120))
+            self._settle()
+            stats.warmup = True
+            graph = self._record(v, True)
+        torch.cuda.synchronize()
+        self.warmed.append(ran)
+        stats.capture_s = time.perf_counter() - t0
+        stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
+        return graph
+
+    def _record(self, v: Views, warmup: bool) -> torch.cuda.CUDAGraph:
+        """One step captured into the shared pool; `warmup`: eager steps on a side stream first."""
+        if warmup:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # lazy inits outside the graph
+                for _ in range(WARMUP_STEPS):
+                    self.buf.index.zero_()
+                    self._step(v)
+            torch.cuda.current_stream().wait_stream(side)
         self.buf.index.zero_()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -193,9 +243,6 @@ class GraphRunner:
         except BaseException:
             del graph  # now: the exception's traceback keeps this frame, and would keep the graph's memory
             raise
-        torch.cuda.synchronize()
-        stats.capture_s = time.perf_counter() - t0
-        stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
         return graph
 
     def _fall_back(self, key: ShapeKey, reason: str) -> None:
@@ -245,7 +292,9 @@ class GraphRunner:
         if self.compiled is not None:
             self.compiled.want(targets(shapes, self.models.controlnet is not None))
         keys = {self.shape_key(*s, k) for s in shapes for k in (kinds or {}).get(s, {FULL})}
-        for key in sorted(keys, key=lambda k: (k.batch * k.height * k.width, k.control), reverse=True):
+        # largest first (the pool); at one size the graphs whose warm-up covers the others' kernels first
+        order = lambda k: (k.batch * k.height * k.width, k.control, k.step.cache != "read", k.step.guided)  # noqa: E731
+        for key in sorted(keys, key=order, reverse=True):
             try:
                 self.graph(key)
             except torch.cuda.OutOfMemoryError:
@@ -361,6 +410,6 @@ class GraphRunner:
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
-                 "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
+                 "warmup": s.warmup, "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
                  "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]

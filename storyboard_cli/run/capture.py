@@ -19,6 +19,7 @@ from storyboard_cli.job.file import NAMED_SIZES, Job
 from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.run.batch import batch_shapes
+from storyboard_cli.steps import FULL, StepPlan, plan_label
 
 
 @dataclass
@@ -37,13 +38,13 @@ class ShapeTiming:
         return self.eager_ms / self.graph_ms if self.eager_ms and self.graph_ms else None
 
 
-def _timed_loop(engine, x, sched, cond, ctl, guidance, repeats: int) -> float:
+def _timed_loop(engine, x, sched, cond, ctl, guidance, repeats: int, plan: StepPlan | None = None) -> float:
     """Median ms per step over `repeats` loops of sched.steps steps, timed with CUDA events."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        engine.sample(x, sched, None, cond, ctl, guidance)
+        engine.sample(x, sched, None, cond, ctl, guidance, plan)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / sched.steps)
@@ -65,14 +66,24 @@ def synthetic_inputs(models: SdxlModels, batch: int, width: int, height: int, wi
 
 
 def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], steps: int = 10, repeats: int = 2,
-                eager: bool = True, on_row: Callable[[ShapeTiming], None] | None = None) -> list[ShapeTiming]:
-    """Captures `shapes` (largest first), checks each, and times eager vs graph ms/step side by side."""
-    runner.prepare(shapes)
+                eager: bool = True, on_row: Callable[[ShapeTiming], None] | None = None,
+                plans: dict[Shape, set[StepPlan]] | None = None) -> list[ShapeTiming]:
+    """Captures `shapes` (largest first), checks each, and times eager vs graph ms/step side by side. `plans`: the
+    draft plans a shape's batches run (`job_plans`): their step kinds are captured with the rest, and each plan's
+    loop is checked and timed on the graphs too (one row each, its ms per step averaged over the plan's steps)."""
+    plans = plans or {}
+    runner.prepare(shapes, {s: set().union(*plans[s]) | {FULL} for s in plans} or None)
     cache = PromptCache(models)
     sched = schedule("euler", steps, models.scheduler_config)
     warm = schedule("euler", 2, models.scheduler_config)
     eager_engine = EagerEngine(models)
     rows = []
+
+    def row(timing: ShapeTiming) -> None:
+        rows.append(timing)
+        if on_row:
+            on_row(timing)
+
     for shape in sorted(set(shapes), reverse=True):
         x, cond, ctl, guidance = synthetic_inputs(models, shape.batch, shape.width, shape.height, shape.control,
                                                   cache)
@@ -84,11 +95,34 @@ def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], st
         runner.sample(x, sched, None, cond, ctl, guidance)  # first replay: checked against eager
         st = runner.stats[runner.shape_key(*shape)]
         graph_ms = _timed_loop(runner, x, sched, cond, ctl, guidance, repeats) if runner.can_run(shape) else None
-        rows.append(ShapeTiming(st.key.label, st.state, st.reason, st.capture_s, st.pool_mb, eager_ms, graph_ms,
-                                st.compile_s))
-        if on_row:
-            on_row(rows[-1])
+        row(ShapeTiming(st.key.label, st.state, st.reason, st.capture_s, st.pool_mb, eager_ms, graph_ms, st.compile_s))
+        for plan in sorted(plans.get(shape, ())):
+            row(_plan_row(runner, shape, plan, x, cond, ctl, guidance, repeats))
     return rows
+
+
+def _plan_row(runner: GraphRunner, shape: Shape, plan: StepPlan, x, cond, ctl, guidance, repeats: int) -> ShapeTiming:
+    """A draft plan's loop on the graphs: its kinds checked against eager at first replay, then timed."""
+    sched = schedule("euler", len(plan), runner.models.scheduler_config)
+    runner.sample(x, sched, None, cond, ctl, guidance, plan)
+    stats = [runner.stats[runner.shape_key(*shape, kind)] for kind in set(plan)]
+    failed = [s for s in stats if s.state != "graph"]
+    graph_ms = None if failed else _timed_loop(runner, x, sched, cond, ctl, guidance, repeats, plan)
+    state = failed[0].state if failed else "graph"
+    reason = f"{failed[0].key.label}: {failed[0].reason}" if failed else "every step kind checked"
+    kinds = [s for s in stats if s.key.step != FULL]  # today's graph has its own row
+    return ShapeTiming(f"{shape.label} {plan_label(plan)}", state, reason, sum(s.capture_s for s in kinds),
+                       sum(s.pool_mb for s in kinds), None, graph_ms)
+
+
+def job_plans(job: Job) -> dict[Shape, set[StepPlan]]:
+    """The step plans of a job's batches other than today's loop (the draft levers, a ControlNet's end), by shape."""
+    batches = make_batches(work_items(job), job.buckets)
+    plans: dict[Shape, set[StepPlan]] = {}
+    for shape, batch in zip(batch_shapes(batches), batches):
+        if any(kind != FULL for kind in batch.key.plan):
+            plans.setdefault(shape, set()).add(batch.key.plan)
+    return plans
 
 
 def job_shapes(job: Job | None, controlnet: str | None, buckets: tuple[int, ...]) -> list[Shape]:
@@ -114,7 +148,9 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     if job is not None:
         model, controlnet = job.model, job.controlnet
     shapes = job_shapes(job, controlnet, buckets)
-    labels = [s.label for s in shapes]
+    plans = job_plans(job) if job is not None else {}
+    labels = [s.label for s in shapes] + [f"{s.label} {plan_label(p)}" for s in sorted(plans, reverse=True)
+                                          for p in sorted(plans[s])]
     if not warm:
         return labels, []
     models = load_sdxl(model, controlnet, dev, dt)
@@ -122,4 +158,4 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event)
     for note in notes:
         (on_event or (lambda e: None))(note)
-    return labels, time_shapes(models, runner, shapes, steps=steps)
+    return labels, time_shapes(models, runner, shapes, steps=steps, plans=plans)
