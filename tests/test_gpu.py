@@ -105,6 +105,30 @@ def test_injected_capture_failure_falls_back_to_eager(setup, monkeypatch):
     assert st.state == "eager" and "injected" in st.reason
 
 
+def test_a_capture_that_fails_inside_cuda_leaves_the_pool_usable(setup, monkeypatch):
+    """A capture that fails inside the capture (here a host sync, which CUDA refuses while capturing) falls back to
+    eager for its shape, and the next capture into the same pool still works (torch leaves the allocator recording
+    into the pool after such a failure; the runner ends that)."""
+    from storyboard_cli.engine.graphs import GraphRunner
+
+    models, _, eager, rtol = setup
+    runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
+    real = runner._step
+
+    def syncing(v):
+        real(v)
+        if v.key.batch == 1 and torch.cuda.is_current_stream_capturing():
+            v.x.sum().item()
+
+    monkeypatch.setattr(runner, "_step", syncing)
+    one = _inputs(models, 1, 256, 256, False)
+    _close(runner.sample(*one), eager.sample(*one), rtol)
+    assert runner.stats[runner.shape_key(1, 256, 256, False)].state == "eager"
+    two = _inputs(models, 2, 256, 256, False)
+    _close(runner.sample(*two), eager.sample(*two), rtol)
+    assert runner.stats[runner.shape_key(2, 256, 256, False)].state == "graph"
+
+
 def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(setup):
     """LoRA swaps weights with param.data.copy_ after the graphs exist: a replay must use the new values."""
     from storyboard_cli.engine.graphs import GraphRunner

@@ -141,5 +141,5 @@ def test_capture_warm_checks_and_times_a_draft_jobs_loops(setup, tmp_path):
     rows = time_shapes(models, runner, shapes, steps=4, repeats=1, eager=False, plans=plans)
     loops = [r for r in rows if " guided" in r.shape]
     assert len(rows) == 2 * len(shapes) and len(loops) == len(shapes)
-    assert all(r.state == "graph" and r.reason == "every step kind checked" and r.graph_ms > 0 for r in loops)
+    assert all(r.state == "graph" and r.reason == "every step kind checked" and r.graph_ms > 0 for r in loops), loops
     assert all(s.checked for s in runner.stats.values())

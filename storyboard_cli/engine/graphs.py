@@ -215,7 +215,9 @@ class GraphRunner:
         except Exception as e:  # noqa: BLE001 - a lazy init the skipped warm-up would have done: once more with it
             if stats.warmup:
                 raise
-            log.info("capturing %s without a warm-up failed (%s): again after one", key.label, one_line(e, 120))
+            log.warning("capturing %s without a warm-up failed (%s): again after one", key.label, one_line(e, 200))
+            stats.reason = f"captured after a warm-up: without one, {one_line(e, 160)}"
+            gc.collect()  # the failed graph: destroyed now, not by a collection during the next capture
             self._settle()
             stats.warmup = True
             graph = self._record(v, True)
@@ -237,13 +239,28 @@ class GraphRunner:
             torch.cuda.current_stream().wait_stream(side)
         self.buf.index.zero_()
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._step(v)
         except BaseException:
             del graph  # now: the exception's traceback keeps this frame, and would keep the graph's memory
+            self._after_failed_capture(stream)
             raise
         return graph
+
+    def _after_failed_capture(self, stream: torch.cuda.Stream) -> None:
+        """A capture that failed inside CUDA raises from the end of the capture, before torch ends the allocator's
+        recording into the pool (while it records, every later capture into the pool fails: "already recording")
+        and before it restores the stream: both are done here."""
+        torch.cuda.set_stream(stream)
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        if end is None:
+            return
+        try:
+            end(torch.cuda.current_device(), self.pool)
+        except Exception as e:  # noqa: BLE001 - it was not recording (the capture failed before it began)
+            log.info("after a failed capture, the pool was not recording: %s", one_line(e, 160))
 
     def _fall_back(self, key: ShapeKey, reason: str) -> None:
         """A plain shape runs eager from now on; a compiled one falls back to the plain graph."""
