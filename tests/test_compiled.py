@@ -166,6 +166,19 @@ def test_a_lora_swap_reaches_the_compiled_kernels(artifacts):
     assert torch.equal(restored, before)
 
 
+@pytest.mark.parametrize("module", ["unet", "controlnet"])
+def test_the_timestep_is_exported_as_float32_whatever_the_default_dtype(models_cn, module):
+    """A build child sets the default dtype to the model's; the step passes a float32 timestep, and an artifact reads
+    each input as the dtype it was exported with, unchecked (an fp16 timestep read 500.0 as 0.0 on the H200)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        args = C.example_inputs(module, C.module_of(models_cn, module), 2, 16, 16)
+    finally:
+        torch.set_default_dtype(before)
+    assert args[1].dtype == torch.float32 and args[1].dim() == 0
+
+
 def test_shapes_outside_the_compiled_ranges_are_named():
     assert C.fits(8, 1024, 1024) is None
     assert C.fits(1, 832, 1216) is None

@@ -282,6 +282,21 @@ def test_a_failed_check_of_a_draft_kind_falls_back_to_eager(tiny_cpu, monkeypatc
     assert [s.key.step for s in failed] == [broken] and "replay check failed" in failed[0].reason
 
 
+def test_a_replay_whose_prediction_is_off_fails_its_check_though_its_next_latents_are_close(tiny_cpu, monkeypatch):
+    """The first-replay check compares the prediction (the denoised latents) too: at the first, noisiest step a wrong
+    noise prediction moves the next latents by a fraction of its error, and a broken kernel could pass on them."""
+    x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 1, H, W, False)
+    sched = schedule("euler", 4, tiny_cpu.scheduler_config)
+    runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(H, W))
+    cpu_replays(runner)
+    real = runner._step
+    monkeypatch.setattr(runner, "_step", lambda v: (real(v), v.prev.mul_(1.05)))  # the prediction 5% off
+    got = runner.sample(x, sched, None, cond, ctl, guidance)
+    assert torch.equal(got, EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance))
+    (stats,) = runner.stats.values()
+    assert stats.state == "eager" and "replay check failed" in stats.reason
+
+
 def test_which_step_kinds_run_on_compiled_kernels(tiny_cpu):
     """The conditional-rows step runs the compiled kernels where its B rows fit the artifacts (2 rows at least);
     DeepCache's steps call into the UNet's blocks, so they stay plain in a compiled bucket."""

@@ -47,7 +47,8 @@ from storyboard_cli.errors import one_line
 from storyboard_cli.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
-FORMAT = 4  # bump when the export wrappers, the recipe or the options below change what is compiled
+FORMAT = 5  # bump when the export wrappers, the recipe or the options below change what is compiled (5: the
+# timestep input is float32; format 4 built it in the model's dtype and read the step's float32 timestep as fp16)
 MODULES = ("unet", "controlnet")
 MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the images
 MAX_ROWS = 16  # 2 x the largest bucket (8 images, CFG doubled)
@@ -165,7 +166,9 @@ def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: in
     dtype, device = model.dtype, model.device
     text_dim, pooled_dim = text_dims(model)
     latents = torch.randn(rows, 4, h, w, dtype=dtype, device=device)
-    t = torch.tensor(500.0, device=device)
+    # float32 whatever the default dtype (a build child sets the model's): the step passes its float32 timestep,
+    # and an artifact reads its inputs as the dtypes it was exported with, unchecked
+    t = torch.tensor(500.0, dtype=torch.float32, device=device)
     embeds = torch.randn(rows, 77, text_dim, dtype=dtype, device=device)
     pooled = torch.randn(rows, pooled_dim, dtype=dtype, device=device)
     time_ids = torch.tensor([8 * h, 8 * w, 0, 0, 8 * h, 8 * w], dtype=dtype, device=device).expand(rows, 6).clone()

@@ -47,11 +47,12 @@ from storyboard_cli.steps import FULL, StepKind, StepPlan
 
 
 log = logging.getLogger(__name__)
-# relative L2 error allowed between a first replay and the eager step. Plain graphs run the eager kernels
-# (0 measured). Compiled kernels round once where eager rounds after every op: the same kernels match the
-# eager SDXL UNet to 2.7e-6 in fp32 but differ by 2.8e-2 in fp16 on random weights (H200), while a
-# binding or stride error measured 1.5e-1 (docs/PERFORMANCE.md, "Compiled kernels per image size")
-CHECK_RTOL = {"plain": 2e-2, "compiled": 5e-2}
+# relative L2 error allowed between a first replay and the eager step, in the next latents and in the prediction
+# (the denoised latents: at the check's first, noisiest step the UNet's output dominates them, where the next latents
+# move by a fraction of it). Plain graphs run the eager kernels (0 measured). Compiled kernels round once where eager
+# rounds after every op: 1.6e-3 in the SDXL UNet's fp16 noise prediction on an H200 (bench/fp8_scout.py); an
+# artifact that read its timestep as fp16 bits was 1.2e-1 to 1.6e-1 off (docs/PERFORMANCE.md)
+CHECK_RTOL = {"plain": 2e-2, "compiled": 2e-2}
 # eager steps on a side stream before a capture: one does the lazy inits (kernel modules, library handles, a
 # compiled artifact's kernels) for the shapes it runs; a second cost a whole step per graph (a draft render captures
 # 35) and changed nothing the GPU tests see (every kind captured and checked against eager)
@@ -348,11 +349,11 @@ class GraphRunner:
         # a full step's written feature is checked with its output
         feature = None if v.feature is None else v.feature.clone()
         graph.replay()
-        replayed = v.x.clone()  # clone: the next replay overwrites the static buffer
+        replayed, predicted = v.x.clone(), v.prev.clone()  # clones: the next replay overwrites the static buffers
         row = sched.table[0].to(x.device)
-        expect, _ = sample_step(self.models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, control,
-                                guidance, None, key.step, feature)
-        pairs = [(replayed, expect)]
+        expect, denoised = sample_step(self.models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, control,
+                                       guidance, None, key.step, feature)
+        pairs = [(replayed, expect), (predicted, denoised)]
         if key.step.cache == "write":  # the feature each wrote (a conditional step: its half) is checked too
             rows = slice(None) if key.step.guided else slice(key.batch, None)
             pairs.append((v.feature[rows], feature[rows]))
