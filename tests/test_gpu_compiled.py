@@ -109,7 +109,7 @@ def test_compiled_module_calls_match_the_eager_modules(setup, timestep, control)
 
     models, runner, _ = setup
     x, _, _, cond, ctl, _ = _inputs(models, 2, SIDE, SIDE, control, "euler", steps=4)
-    latents = x.repeat(2, 1, 1, 1).to(models.dtype)
+    latents = (x / x.std()).repeat(2, 1, 1, 1).to(models.dtype)  # unit scale, as the step's c_in makes them
     t = torch.full((4,), timestep, device=models.device)  # float32, as the step passes it
 
     def eps(calls):

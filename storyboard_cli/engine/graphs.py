@@ -251,17 +251,18 @@ class GraphRunner:
         return graph
 
     def _after_failed_capture(self, stream: torch.cuda.Stream) -> None:
-        """A capture that failed inside CUDA raises from the end of the capture, before torch ends the allocator's
-        recording into the pool (while it records, every later capture into the pool fails: "already recording")
-        and before it restores the stream: both are done here."""
+        """A capture that failed inside CUDA raises from the end of the capture, before torch restores the stream and
+        before it ends the allocator's recording into the pool; while that records, every later capture into the
+        pool fails ("already recording", seen on the H200 even after ending it by hand). The graphs captured so far
+        keep the pool; later captures go to a new one (their memory is not shared with the old pool's)."""
         torch.cuda.set_stream(stream)
         end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        if end is None:
-            return
-        try:
-            end(torch.cuda.current_device(), self.pool)
-        except Exception as e:  # noqa: BLE001 - it was not recording (the capture failed before it began)
-            log.info("after a failed capture, the pool was not recording: %s", one_line(e, 160))
+        if end is not None:
+            try:
+                end(torch.cuda.current_device(), self.pool)
+            except Exception as e:  # noqa: BLE001 - it was not recording (the capture failed before it began)
+                log.info("after a failed capture, the pool was not recording: %s", one_line(e, 160))
+        self.pool = torch.cuda.graph_pool_handle()
 
     def _fall_back(self, key: ShapeKey, reason: str) -> None:
         """A plain shape runs eager from now on; a compiled one falls back to the plain graph."""
