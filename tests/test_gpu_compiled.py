@@ -6,6 +6,7 @@ compiled graphs with no new capture and no pointer changed."""
 import pytest
 import torch
 
+from storyboard_cli.engine import compiled as C
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.eager import EagerEngine
 from test_compiled import loads_in_a_new_process
@@ -103,20 +104,27 @@ def test_a_second_process_loads_from_the_cache(setup):
 @pytest.mark.parametrize("timestep", [999.0, 500.0, 50.0])
 @pytest.mark.parametrize("control", [False, True])
 def test_compiled_module_calls_match_the_eager_modules(setup, timestep, control):
-    """The compiled UNet (and ControlNet) calls against the eager modules on the same inputs, at three timesteps: the
-    prediction itself, not a step's result."""
+    """The compiled UNet (and ControlNet) calls against the eager modules on the same unit-scale inputs (random
+    latents and text embeddings, as the step's c_in scales latents), at three timesteps: the prediction itself, not
+    a step's result, which a wrong prediction moves by a fraction of its error."""
     from storyboard_cli.engine.eager import StepCalls
 
     models, runner, _ = setup
-    x, _, _, cond, ctl, _ = _inputs(models, 2, SIDE, SIDE, control, "euler", steps=4)
-    latents = (x / x.std()).repeat(2, 1, 1, 1).to(models.dtype)  # unit scale, as the step's c_in makes them
-    t = torch.full((4,), timestep, device=models.device)  # float32, as the step passes it
+    g = torch.Generator().manual_seed(0)
+    rows, h = 4, SIDE // 8
+    text_dim, pooled_dim = C.text_dims(models.unet)
+    new = lambda *shape: torch.randn(*shape, generator=g).to(models.device, models.dtype)  # noqa: E731
+    latents, embeds, pooled = new(rows, 4, h, h), new(rows, 77, text_dim), new(rows, pooled_dim)
+    time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], device=models.device, dtype=models.dtype).expand(rows, 6)
+    image = torch.rand(rows, 3, SIDE, SIDE, generator=g).to(models.device, models.dtype) if control else None
+    scale = torch.full((rows, 1, 1, 1), 0.8, device=models.device, dtype=models.dtype)
+    t = torch.full((rows,), timestep, device=models.device)  # float32, as the step passes it
 
     def eps(calls):
         mid = down = None
-        if ctl is not None:
-            mid, *down = calls.controlnet(latents, t, cond.embeds, cond.pooled, cond.time_ids, ctl.image, ctl.scale)
-        return calls.unet(latents, t, cond.embeds, cond.pooled, cond.time_ids, mid, down).float()
+        if image is not None:
+            mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids.clone(), image, scale)
+        return calls.unet(latents, t, embeds, pooled, time_ids.clone(), mid, down).float()
 
     with torch.no_grad():
         _close(eps(runner.compiled), eps(StepCalls.eager(models)), EPS_RTOL)

@@ -225,11 +225,16 @@ def _main(argv: list[str]) -> None:
 
 
     t0 = time.perf_counter()
-    torch.set_default_dtype(DTYPES[dtype])  # the module is made in its dtype: no float32 copy first
-    # on the meta device, then memory without values: the values are not compiled in, and no
-    # initialisation kernel runs on a GPU a render may be using
-    with torch.device("meta"):
-        model = getattr(diffusers, cls_name).from_config(json.loads(Path(config).read_text()))
+    # the module is made in its dtype (no float32 copy first), on the meta device, then memory without values: the
+    # values are not compiled in, and no initialisation kernel runs on a GPU a render may be using. The default
+    # dtype goes back to float32 before the export: whatever the traced code makes without a dtype must be what the
+    # rendering process makes (an fp16 default put the timestep and the UNet's own float32 tensors in fp16)
+    torch.set_default_dtype(DTYPES[dtype])
+    try:
+        with torch.device("meta"):
+            model = getattr(diffusers, cls_name).from_config(json.loads(Path(config).read_text()))
+    finally:
+        torch.set_default_dtype(torch.float32)
     model.to_empty(device=device).to(dtype=DTYPES[dtype]).eval().requires_grad_(False)
     made = time.perf_counter() - t0
     stats = build(Target(module, int(height), int(width)), model, path)

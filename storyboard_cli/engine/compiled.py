@@ -47,8 +47,9 @@ from storyboard_cli.errors import one_line
 from storyboard_cli.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
-FORMAT = 5  # bump when the export wrappers, the recipe or the options below change what is compiled (5: the
-# timestep input is float32; format 4 built it in the model's dtype and read the step's float32 timestep as fp16)
+FORMAT = 6  # bump when the export wrappers, the recipe or the options below change what is compiled (5: the
+# timestep input is float32; format 4 built it in the model's dtype and read the step's float32 timestep as fp16
+# bits. 6: the export runs at the float32 default dtype, as the rendering process does)
 MODULES = ("unet", "controlnet")
 MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the images
 MAX_ROWS = 16  # 2 x the largest bucket (8 images, CFG doubled)
