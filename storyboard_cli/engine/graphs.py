@@ -137,6 +137,7 @@ class GraphRunner:
         self.demoted: set[Shape] = set()  # compiled shapes that fell back to plain
         self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
         self.pool = None  # one memory pool shared by every graph, made at the first capture
+        self.side: torch.cuda.Stream | None = None  # the warm-ups' stream, made at the first
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
@@ -231,7 +232,9 @@ class GraphRunner:
     def _record(self, v: Views, warmup: bool) -> torch.cuda.CUDAGraph:
         """One step captured into the shared pool; `warmup`: eager steps on a side stream first."""
         if warmup:
-            side = torch.cuda.Stream()
+            if self.side is None:  # one for every warm-up: a library handle's workspace is kept per stream (34 MB
+                self.side = torch.cuda.Stream()  # of cuBLAS workspace each, measured as the pool growth of a capture)
+            side = self.side
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # lazy inits outside the graph
                 for _ in range(WARMUP_STEPS):
