@@ -317,6 +317,20 @@ def test_which_step_kinds_run_on_compiled_kernels(tiny_cpu):
         assert variant(4, kind) == "plain"
 
 
+def test_prepare_captures_the_graphs_whose_kernels_cover_others_first(tiny_cpu):
+    """Most rows x pixels first; at equal rows and size the guided step of B / 2 images before the conditional step
+    of B images, and full steps before shallow ones, so the later ones can skip their warm-up."""
+    from storyboard_cli.engine import Shape
+
+    runner = GraphRunner(tiny_cpu, max_batch=4, max_hw=(H, W))
+    captured = cpu_replays(runner)
+    four, two = Shape(4, H, W, False), Shape(2, H, W, False)
+    runner.prepare([four, two], {four: set(step_plan(6, 3, 3, 0)), two: {FULL}})
+    order = [(k.batch, k.step.label) for k in captured]
+    assert order == [(4, "deepcache full b0"), (4, "deepcache shallow b0"), (2, ""), (4, "cond deepcache full b0"),
+                     (4, "cond deepcache shallow b0")]
+
+
 def test_which_captures_skip_the_warm_up():
     """A capture skips its warm-up step only where a graph captured before ran every kernel it runs: the same
     variant, rows and size; the whole UNet for a step that runs it whole; the ControlNet for a step that runs it."""

@@ -314,9 +314,10 @@ class GraphRunner:
         if self.compiled is not None:
             self.compiled.want(targets(shapes, self.models.controlnet is not None))
         keys = {self.shape_key(*s, k) for s in shapes for k in (kinds or {}).get(s, {FULL})}
-        # largest first (the pool); at one size the graphs whose warm-up covers the others' kernels first
-        order = lambda k: (k.batch * k.height * k.width, k.control, k.step.cache != "read", k.step.guided)  # noqa: E731
-        for key in sorted(keys, key=order, reverse=True):
+        # the most rows x pixels first (the pool's blocks are reused by what follows); at equal rows and size the
+        # graphs whose kernels cover the others' first, so those skip their warm-up: a 4-image guided step before
+        # an 8-image batch's conditional step, the ControlNet's before the plain one, a full step before a shallow
+        for key in sorted(keys, key=self._capture_order, reverse=True):
             try:
                 self.graph(key)
             except torch.cuda.OutOfMemoryError:
@@ -325,6 +326,11 @@ class GraphRunner:
         self._settle()  # outside the handler: the failed capture's memory is free by now
         if self.compiled is not None:
             self.compiled.start()
+
+    @staticmethod
+    def _capture_order(key: ShapeKey) -> tuple:
+        ran = Warmed.of(key)
+        return ran.rows * key.height * key.width, ran.control, ran.whole, key.step.guided
 
     def release(self, reason: str = "freed after an out-of-memory") -> None:
         """Frees every graph and the shared pool; shapes are captured (and checked) again on use."""
