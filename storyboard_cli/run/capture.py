@@ -105,7 +105,8 @@ def _plan_row(runner: GraphRunner, shape: Shape, plan: StepPlan, x, cond, ctl, g
     """A draft plan's loop on the graphs: its kinds checked against eager at first replay, then timed."""
     sched = schedule("euler", len(plan), runner.models.scheduler_config)
     runner.sample(x, sched, None, cond, ctl, guidance, plan)
-    stats = [runner.stats[runner.shape_key(*shape, kind)] for kind in set(plan)]
+    # a kind that fell back stops the loop's captures: the kinds after it have no stats
+    stats = [s for s in (runner.stats.get(runner.shape_key(*shape, kind)) for kind in set(plan)) if s is not None]
     failed = [s for s in stats if s.state != "graph"]
     graph_ms = None if failed else _timed_loop(runner, x, sched, cond, ctl, guidance, repeats, plan)
     state = failed[0].state if failed else "graph"
