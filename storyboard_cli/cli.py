@@ -327,17 +327,15 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
         j = load_job(job) if job else None
         j = as_draft(j) if draft and j else j
         with _compile_progress(quiet=json_out) as on_event:
-            labels, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes,
+            labels, loops, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes,
                                              device=device, dtype=dtype, warm=warm, steps=steps, compile=compile,
                                              on_event=on_event)
     if json_out:
-        out.print_json(json.dumps({"shapes": labels, "timings": [r.__dict__ | {"speedup": r.speedup}
-                                                                 for r in rows]}))
+        timings = [r.__dict__ | {"speedup": r.speedup} for r in rows]
+        out.print_json(json.dumps({"shapes": labels, "loops": loops, "timings": timings}))
         return
     if not warm:
-        loops = [label for label in labels if " guided" in label]
-        out.print(f"{len(labels) - len(loops)} shapes (batch x width x height): "
-                  f"{', '.join(label for label in labels if label not in loops)}")
+        out.print(f"{len(labels)} shapes (batch x width x height): {', '.join(labels)}")
         if loops:
             out.print(f"{len(loops)} draft loops on them:\n  " + "\n  ".join(loops))
         out.print("run with --warm to capture, check and time them")

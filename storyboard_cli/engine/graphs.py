@@ -438,6 +438,6 @@ class GraphRunner:
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
-                 "warmup": s.warmup, "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
-                 "replay_ms": round(s.replay_ms, 3)}
+                 "warmup": s.warmup, "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1),
+                 "replays": s.replays, "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]

@@ -138,10 +138,11 @@ def job_shapes(job: Job | None, controlnet: str | None, buckets: tuple[int, ...]
 def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: str | None = None,
             buckets: tuple[int, ...] = (1, 2, 4, 8), device: str | None = None, dtype: str | None = None,
             warm: bool = False, steps: int = 10, compile: str = "auto",
-            on_event: Callable[[object], None] | None = None) -> tuple[list[str], list[ShapeTiming]]:
-    """The shapes a job (or the named sizes x buckets) needs; with `warm`, compiles the kernels the
-    cache lacks (unless `compile` is "off"; progress as engine.compiled.CompileEvent), then captures,
-    checks and times every shape. Notes (why compiled kernels are not used) arrive as strings."""
+            on_event: Callable[[object], None] | None = None) -> tuple[list[str], list[str], list[ShapeTiming]]:
+    """The shapes a job (or the named sizes x buckets) needs and the job's draft loops on them; with `warm`,
+    compiles the kernels the cache lacks (unless `compile` is "off"; progress as engine.compiled.CompileEvent),
+    then captures, checks and times every shape and loop. Notes (why compiled kernels are not used) arrive as
+    strings."""
     dev, dt = resolve_device(device, dtype)
     if warm and dev.type != "cuda":
         raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
@@ -150,13 +151,13 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
         model, controlnet = job.model, job.controlnet
     shapes = job_shapes(job, controlnet, buckets)
     plans = job_plans(job) if job is not None else {}
-    labels = [s.label for s in shapes] + [f"{s.label} {plan_label(p)}" for s in sorted(plans, reverse=True)
-                                          for p in sorted(plans[s])]
+    labels = [s.label for s in shapes]
+    loops = [f"{s.label} {plan_label(p)}" for s in sorted(plans, reverse=True) for p in sorted(plans[s])]
     if not warm:
-        return labels, []
+        return labels, loops, []
     models = load_sdxl(model, controlnet, dev, dt)
     notes: list[str] = []
     runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event)
     for note in notes:
         (on_event or (lambda e: None))(note)
-    return labels, time_shapes(models, runner, shapes, steps=steps, plans=plans)
+    return labels, loops, time_shapes(models, runner, shapes, steps=steps, plans=plans)
