@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two GPUs of one host, an empty cache: GPU 1 builds the bench job's compiled kernels side by side (`bcg capture
 # jobs/bench.yaml --warm --compile on`, then every shape captured, checked against eager and timed), while GPU 0 runs
-# the graph and draft GPU tests, then the compiled-path GPU tests, which wait for GPU 1's builds of the 1024x1024
+# the graph, draft and LoRA GPU tests, then the compiled-path GPU tests, which wait for GPU 1's builds of the 1024x1024
 # artifacts (one build per artifact, a lock) and load them. Results: $OUT/logs.tgz; the artifacts: $OUT/art.tgz.
 # Usage: OUT=/some/dir [LIMIT=540] bash bench/gpu_verify.sh
 set -uo pipefail
@@ -22,7 +22,7 @@ trap pack EXIT
    > $R/capture.json 2> $R/capture.log
  echo "capture rc=$? wall_s=$(awk "BEGIN{print $EPOCHREALTIME - $start}")" >> $R/walls.txt) &
 (export CUDA_VISIBLE_DEVICES=0
- timeout 200 python -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_draft.py -p no:cacheprovider > $R/gpu_tests.log 2>&1
+ timeout 200 python -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_draft.py tests/test_gpu_lora.py -p no:cacheprovider > $R/gpu_tests.log 2>&1
  echo "gpu tests rc=$? at ${SECONDS}s" >> $R/walls.txt
  timeout $((LIMIT - 20 - SECONDS)) python -m pytest -q -m gpu tests/test_gpu_compiled.py -p no:cacheprovider \
    > $R/gpu_compiled_tests.log 2>&1
