@@ -345,3 +345,58 @@ def test_which_captures_skip_the_warm_up():
     assert not full.covers(ran(4, height=2 * H)) and not full.covers(ran(4, variant="compiled"))
     assert not full.covers(ran(4, control=True)) and ran(4, control=True).covers(full)
     assert not ran(4, StepKind(True, "read", 0)).covers(full)  # a shallow step ran part of the UNet
+
+
+def test_todays_step_shares_deepcache_full_steps_graph(tiny_cpu):
+    """Where a shape has DeepCache's full step, today's step of the same rows and ControlNet replays that graph (one
+    capture less for a job with both kinds of shot); its result is today's, bit for bit (the feature write is a copy
+    on the side), and the caching batch after it still equals the eager engine."""
+    from storyboard_cli.engine import Shape
+
+    x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 2, W, H, False)
+    sched = schedule("euler", 6, tiny_cpu.scheduler_config)
+    shape = Shape(2, H, W, False)
+    plan = step_plan(6, 3, 3, 0)  # guided full / shallow, then conditional full / shallow
+    runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(H, W))
+    captured = cpu_replays(runner)
+    runner.prepare([shape], {shape: set(plan) | {FULL, StepKind(guided=False)}})
+    labels = sorted(k.step.label for k in captured)
+    assert labels == ["cond deepcache full b0", "cond deepcache shallow b0", "deepcache full b0",
+                      "deepcache shallow b0"]  # no graph of today's step, none of the conditional rows' plain step
+    assert runner.shape_key(2, H, W, False).step == StepKind(True, "write", 0)
+    eager = EagerEngine(tiny_cpu)
+    today = runner.sample(x, sched, None, cond, ctl, guidance)
+    assert torch.equal(today, eager.sample(x, sched, None, cond, ctl, guidance))
+    cond_only = (StepKind(guided=False),) * 6
+    assert torch.equal(runner.sample(x, sched, None, cond, ctl, guidance, cond_only),
+                       eager.sample(x, sched, None, cond, ctl, guidance, cond_only))
+    x2 = torch.randn_like(x)
+    assert _rel(runner.sample(x2, sched, None, cond, ctl, guidance, plan),
+                eager.sample(x2, sched, None, cond, ctl, guidance, plan)) < 1e-6
+    assert len(captured) == 4, [k.label for k in captured]
+
+
+def test_the_full_steps_of_a_shape_without_deepcache_are_not_shared(tiny_cpu):
+    """No DeepCache at a shape (or another shape's only): today's step is its own graph, which writes no feature."""
+    from storyboard_cli.engine import Shape
+
+    runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(H, W))
+    captured = cpu_replays(runner)
+    two, one = Shape(2, H, W, False), Shape(1, H, W, False)
+    runner.prepare([two, one], {two: set(step_plan(6, 6, 3, 0)) | {FULL}})
+    assert runner.shape_key(1, H, W, False).step == FULL
+    assert runner.shape_key(2, H, W, True).step == FULL  # the same size with a ControlNet: its own graph
+    assert sorted(k.step.label for k in captured if k.batch == 1) == [""]
+
+
+def test_a_controlnet_shapes_steps_after_its_end_share_the_plain_shapes_full_step(tiny_cpu):
+    """A ControlNet shot's DeepCache after its end runs on the graphs of the shape without a ControlNet; today's step
+    of that plain shape is then the same graph."""
+    from storyboard_cli.engine import Shape
+
+    runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(H, W))
+    cpu_replays(runner)
+    cn, plain = Shape(2, H, W, True), Shape(2, H, W, False)
+    runner.prepare([cn, plain], {cn: set(step_plan(6, 6, 3, 0, 2))})
+    assert runner.shape_key(2, H, W, False).step == StepKind(True, "write", 0)
+    assert runner.shape_key(2, H, W, True).step == FULL  # with the ControlNet still running: its own

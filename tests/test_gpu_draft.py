@@ -143,3 +143,20 @@ def test_capture_warm_checks_and_times_a_draft_jobs_loops(setup, tmp_path):
     assert len(rows) == 2 * len(shapes) and len(loops) == len(shapes)
     assert all(r.state == "graph" and r.reason == "every step kind checked" and r.graph_ms > 0 for r in loops), loops
     assert all(s.checked for s in runner.stats.values())
+
+
+def test_todays_step_on_deepcaches_full_graph_is_todays_result_bit_for_bit(setup):
+    """Where a shape has DeepCache's full step, today's step replays that graph (engine/graphs.py `writers`): the same
+    kernels plus the feature's copy, so the same latents to the bit as a runner that captured today's step alone."""
+    from storyboard_cli.engine import Shape
+
+    models, _, _, _ = setup
+    args = _inputs(models, 4, 256, 256, False, "euler", STEPS)
+    alone = GraphRunner(models, max_batch=4, max_hw=(256, 256))
+    want = alone.sample(*args)
+    shared = GraphRunner(models, max_batch=4, max_hw=(256, 256))
+    shape = Shape(4, 256, 256, False)
+    shared.prepare([shape], {shape: set(step_plan(STEPS, 5, 3, 0))})
+    assert shared.shape_key(4, 256, 256, False).step.cache == "write"
+    assert torch.equal(shared.sample(*args), want)
+    assert len(shared.stats) == 4 and all(s.state == "graph" and s.checked for s in shared.stats.values())

@@ -75,10 +75,11 @@ def draft_steps(models: SdxlModels, log: Callable[[str], None], batch: int = 8, 
     return rec
 
 
-def _groups(runner) -> dict:
-    """Capture seconds, warm-ups and pool MB of today's graphs (FULL) and of the extra kinds, from the stats."""
+def _groups(runner, today: set) -> dict:
+    """Capture seconds, warm-ups and pool MB of today's graphs (the keys in `today`: the graphs a render without
+    the draft levers replays) and of the extra kinds, from the stats."""
     stats = list(runner.stats.values())
-    groups = {"plain": [s for s in stats if s.key.step == FULL], "extra": [s for s in stats if s.key.step != FULL]}
+    groups = {"plain": [s for s in stats if s.key in today], "extra": [s for s in stats if s.key not in today]}
     rec = {name: {"graphs": len(g), "warmups": sum(s.warmup for s in g), "capture_s": sum(s.capture_s for s in g),
                   "pool_mb": sum(s.pool_mb for s in g)} for name, g in groups.items()}
     rec["capture_ratio"] = rec["extra"]["capture_s"] / rec["plain"]["capture_s"] if rec["plain"]["capture_s"] else None
@@ -89,9 +90,10 @@ def _groups(runner) -> dict:
 def draft_capture(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
     """The bench job's graphs (plain, --compile off): today's step kinds captured first, then the extra kinds
     its draft render adds (conditional rows, DeepCache full and shallow): capture seconds, warm-ups and pool MB
-    of each group, from the runner's per-graph stats. Then, in a fresh runner, both sets in one `prepare` (as a
-    process that renders both kinds of job captures them ahead): the pool's total, whatever the order. CPU:
-    nothing to capture."""
+    of each group, from the runner's per-graph stats. Then, in a fresh runner, both sets in one `prepare` (as
+    `capture --warm` does for a job with draft shots, and a process that renders both kinds of job): today's step
+    is DeepCache's full step where a shape has one, and the whole set's capture seconds and pool against today's
+    graphs alone (the first runner's). CPU: nothing to capture."""
     if models.device.type != "cuda":
         return {"skipped": "CUDA graphs need a GPU"}
     batches = make_batches(work_items(as_draft(job)), job.buckets)
@@ -99,8 +101,9 @@ def draft_capture(job: Job, models: SdxlModels, log: Callable[[str], None]) -> d
     kinds = batch_kinds(batches)
     runner = graph_runner(models, shapes, compile="off")
     runner.prepare(shapes)
+    today = {runner.shape_key(*s) for s in shapes}
     runner.prepare(shapes, kinds)
-    rec = _groups(runner)
+    rec = _groups(runner, today)
     feature = runner.buf.feature
     rec["feature_buffer_mb"] = feature.numel() * feature.element_size() / 2**20 if feature is not None else 0.0
     rec["graphs"] = runner.describe()
@@ -109,9 +112,16 @@ def draft_capture(job: Job, models: SdxlModels, log: Callable[[str], None]) -> d
     del runner
     together = graph_runner(models, shapes, compile="off")
     together.prepare(shapes, {s: kinds.get(s, set()) | {FULL} for s in shapes})
-    rec["together"] = _groups(together) | {"graphs": together.describe()}
-    log(f"draft capture, both in one prepare: plain {json.dumps(rec['together']['plain'])}, "
-        f"extra {json.dumps(rec['together']['extra'])}")
+    both = _groups(together, {together.shape_key(*s) for s in shapes})  # today's step: DeepCache's full where shared
+    alone = rec["plain"]  # today's graphs in a runner of their own (the first above)
+    total = {k: both["plain"][k] + both["extra"][k] for k in ("graphs", "capture_s", "pool_mb")}
+    both["against_today_alone"] = {
+        "graphs": total["graphs"], "capture_s": total["capture_s"], "pool_mb": total["pool_mb"],
+        "capture_ratio": total["capture_s"] / alone["capture_s"] - 1 if alone["capture_s"] else None,
+        "pool_ratio": total["pool_mb"] / alone["pool_mb"] - 1 if alone["pool_mb"] else None}
+    rec["together"] = both | {"graphs": together.describe()}
+    log(f"draft capture, both in one prepare: plain {json.dumps(both['plain'])}, extra {json.dumps(both['extra'])}, "
+        f"all against today's alone {json.dumps(both['against_today_alone'])}")
     together.release("bench part done")
     return rec
 

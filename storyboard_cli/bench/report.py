@@ -30,6 +30,10 @@ def _draft_markdown(rec: dict) -> list[str]:
             t = c["together"]
             out += [f"Both in one prepare: today's {t['plain']['capture_s']:.2f} s, {t['plain']['pool_mb']:.0f} MB; "
                     f"the draft kinds {t['extra']['capture_s']:.2f} s, {t['extra']['pool_mb']:.0f} MB"]
+            if t.get("against_today_alone", {}).get("pool_ratio") is not None:
+                a = t["against_today_alone"]
+                out += [f"All {a['graphs']} graphs in one prepare against today's alone: capture {a['capture_s']:.2f} s "
+                        f"({a['capture_ratio']:+.0%}), pool {a['pool_mb']:.0f} MB ({a['pool_ratio']:+.1%})"]
         out += [""]
     if "draft_job" in rec:
         j = rec["draft_job"]

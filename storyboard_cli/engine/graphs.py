@@ -18,6 +18,8 @@ captured as one CUDA graph per shape, replayed once per step. The only file that
   guidance <= 1; DeepCache's full step writing its feature and its shallow step reading it) are more
   graphs of the same shape, in the same pool, over the same static buffers (the feature has one more):
   the plan is fixed before the loop, so the host picks each step's graph and the loop stays replays only.
+  Where a shape has DeepCache's full step, today's step of the same rows is that graph (`writers`): one capture
+  less, the same result to the bit (the feature's copy is on the side).
 - Compiled kernels (engine/compiled.py) are looked at between batches: a size whose kernels became
   ready since the last batch gets a compiled graph from its next batch on.
 - A shape larger than the buffers grows them (`ensure_capacity`); that drops the graphs captured so
@@ -141,6 +143,10 @@ class GraphRunner:
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
+        # DeepCache's full steps by (shape, guided, control): today's step of that shape replays the same graph (one
+        # capture less; it also writes the feature, a copy nothing reads until a full step of a caching batch
+        # writes it again)
+        self.writers: dict[tuple[Shape, bool, bool], StepKind] = {}
         # the seam a test (or another capture backend) replaces: ShapeKey -> captured graph, or raises
         self.capturer: Callable[[ShapeKey], object] = self._capture
         self._allocate(max_batch, max_hw[0] * max_hw[1])
@@ -179,7 +185,17 @@ class GraphRunner:
         rows = 2 * batch if step.guided else batch
         compiled = (self.compiled is not None and shape not in self.demoted and not step.cache
                     and MIN_ROWS <= rows <= MAX_ROWS and self.compiled.ready(*shape) is None)
+        if not compiled and not step.cache:  # a plain step whose DeepCache twin the runner captures: that graph
+            step = self.writers.get((shape, step.guided, step.control), step)
         return ShapeKey(*shape, dtype_name(self.models.dtype), "compiled" if compiled else "plain", step)
+
+    def _share(self, shape: Shape, kinds) -> None:
+        """Registers the DeepCache full steps among `kinds` (for `shape`): from now on today's step of the same
+        rows and ControlNet is that graph (shape_key)."""
+        for kind in kinds:
+            if kind.cache == "write":
+                key = self.shape_key(*shape, kind)  # a step after the ControlNet's end: the shape without one
+                self.writers.setdefault((key.shape, kind.guided, key.step.control), key.step)
 
     def can_run(self, shape: Shape) -> bool:
         """Whether `shape` replays a graph (it has not fallen back to eager)."""
@@ -313,6 +329,8 @@ class GraphRunner:
         self.ensure_capacity(shapes)
         if self.compiled is not None:
             self.compiled.want(targets(shapes, self.models.controlnet is not None))
+        for shape in shapes:
+            self._share(shape, (kinds or {}).get(shape, ()))
         keys = {self.shape_key(*s, k) for s in shapes for k in (kinds or {}).get(s, {FULL})}
         # the most rows x pixels first (the pool's blocks are reused by what follows); at equal rows and size the
         # graphs whose kernels cover the others' first, so those skip their warm-up: a 4-image guided step before
@@ -399,6 +417,7 @@ class GraphRunner:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
         plan = plan or (FULL,) * sched.steps
+        self._share(Shape(b, 8 * h, 8 * w, control is not None), set(plan))
         key_of = {k: self.shape_key(b, 8 * h, 8 * w, control is not None, k) for k in set(plan)}  # once a kind
         keys = [key_of[k] for k in plan]
         graphs = {}

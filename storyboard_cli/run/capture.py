@@ -111,7 +111,8 @@ def _plan_row(runner: GraphRunner, shape: Shape, plan: StepPlan, x, cond, ctl, g
     graph_ms = None if failed else _timed_loop(runner, x, sched, cond, ctl, guidance, repeats, plan)
     state = failed[0].state if failed else "graph"
     reason = f"{failed[0].key.label}: {failed[0].reason}" if failed else "every step kind checked"
-    kinds = [s for s in stats if s.key.step != FULL]  # today's graph has its own row
+    today = runner.shape_key(*shape)  # has its own row (DeepCache's full step where the job caches at this shape)
+    kinds = [s for s in stats if s.key != today]
     return ShapeTiming(f"{shape.label} {plan_label(plan)}", state, reason, sum(s.capture_s for s in kinds),
                        sum(s.pool_mb for s in kinds), None, graph_ms)
 
