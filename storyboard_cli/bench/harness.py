@@ -130,6 +130,8 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         part("draft_steps", lambda: draft_steps(models, log, *((8, 1024, 30) if device.type == "cuda" else (2, 64, 6))))
         part("draft_job", lambda: draft_job(job, models, log))
         part("draft_capture", lambda: draft_capture(job, models, log))
+    elif "draft_capture" in parts:  # the capture part alone
+        part("draft_capture", lambda: draft_capture(job, models, log))
     if "first_render" in parts and device.type == "cuda":
         part("first_render", lambda: first_render(job, models, log))
     if "profile" in parts and device.type == "cuda":
