@@ -81,6 +81,7 @@ def _groups(runner, today: set) -> dict:
     stats = list(runner.stats.values())
     groups = {"plain": [s for s in stats if s.key in today], "extra": [s for s in stats if s.key not in today]}
     rec = {name: {"graphs": len(g), "warmups": sum(s.warmup for s in g), "capture_s": sum(s.capture_s for s in g),
+                  "warmup_s": sum(s.warmup_s for s in g), "end_s": sum(s.end_s for s in g),
                   "pool_mb": sum(s.pool_mb for s in g)} for name, g in groups.items()}
     rec["capture_ratio"] = rec["extra"]["capture_s"] / rec["plain"]["capture_s"] if rec["plain"]["capture_s"] else None
     rec["pool_ratio"] = rec["extra"]["pool_mb"] / rec["plain"]["pool_mb"] if rec["plain"]["pool_mb"] else None

@@ -116,6 +116,8 @@ class GraphStats:
     checked: bool = False  # the first replay matched the eager step
     capture_s: float = 0.0
     warmup: bool = False  # its capture ran a warm-up step first (no graph before it had run its kernels)
+    warmup_s: float = 0.0  # of capture_s: the warm-up step (host time to the GPU's end)
+    end_s: float = 0.0  # of capture_s: torch's end of capture (the driver ends it and instantiates the graph)
     compile_s: float = 0.0  # the background build of this size's kernels, when this run made them
     pool_mb: float = 0.0
     replays: int = 0
@@ -149,6 +151,7 @@ class GraphRunner:
         self.writers: dict[tuple[Shape, bool, bool], StepKind] = {}
         # the seam a test (or another capture backend) replaces: ShapeKey -> captured graph, or raises
         self.capturer: Callable[[ShapeKey], object] = self._capture
+        self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
         self._allocate(max_batch, max_hw[0] * max_hw[1])
 
     def _allocate(self, max_batch: int, max_pixels: int) -> None:
@@ -240,13 +243,16 @@ class GraphRunner:
             stats.warmup = True
             graph = self._record(v, True)
         torch.cuda.synchronize()
+        stats.warmup_s, stats.end_s = self._spent
         self.warmed.append(ran)
         stats.capture_s = time.perf_counter() - t0
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
         return graph
 
     def _record(self, v: Views, warmup: bool) -> torch.cuda.CUDAGraph:
-        """One step captured into the shared pool; `warmup`: eager steps on a side stream first."""
+        """One step captured into the shared pool; `warmup`: eager steps on a side stream first. Leaves the warm-up's
+        and the end of capture's seconds in `_spent`."""
+        t0 = time.perf_counter()
         if warmup:
             if self.side is None:  # one for every warm-up: a library handle's workspace is kept per stream (34 MB
                 self.side = torch.cuda.Stream()  # of cuBLAS workspace each, measured as the pool growth of a capture)
@@ -257,12 +263,16 @@ class GraphRunner:
                     self.buf.index.zero_()
                     self._step(v)
             torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+        warmed = time.perf_counter()
         self.buf.index.zero_()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 self._step(v)
+                body = time.perf_counter()
+            self._spent = (warmed - t0, time.perf_counter() - body)
         except BaseException:
             del graph  # now: the exception's traceback keeps this frame, and would keep the graph's memory
             self._after_failed_capture(stream)
@@ -457,6 +467,6 @@ class GraphRunner:
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
-                 "warmup": s.warmup, "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1),
+                 "warmup": s.warmup, "warmup_s": round(s.warmup_s, 3), "end_s": round(s.end_s, 3), "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1),
                  "replays": s.replays, "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
