@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The graph pool and capture seconds of draft mode's kinds on one GPU (sdxl-random, fp16, --compile off):
-# bench/pool_probe.py at 8 x 1024x1024 in fresh processes (the prepare order, shallow steps first, and the allocator's
-# expandable segments), then `bcg bench jobs/bench.yaml --parts draft_capture` (today's graphs, then the draft's; and
+# bench/pool_probe.py at 8 x 1024x1024 in fresh processes (bcg's expandable segments against torch's default
+# allocator), then `bcg bench jobs/bench.yaml --parts draft_capture` (today's graphs, then the draft's; and
 # all in one prepare against today's alone). Results: $OUT/pool.tgz.
 # Usage: OUT=/some/dir [BUDGET=520] [NO_PROBES=1 | NO_CAPTURE=1] bash bench/gpu_pool.sh
 set -uo pipefail
@@ -18,10 +18,9 @@ probe() {  # name, order, allocator settings
     > $R/probe-$1.log 2>&1
   echo "probe $1 rc=$? at ${SECONDS}s" >> $R/walls.txt
 }
-probe prepare-order write,read,cond-write,cond-read ""
-probe shallow-first read,cond-read,write,cond-write ""
-probe expandable write,read,cond-write,cond-read expandable_segments:True
-probe today-then-deepcache full,write,read ""
+probe expandable write,read,cond-write,cond-read ""  # bcg's allocator settings (models/loader.py cuda_allocator)
+probe segments write,read,cond-write,cond-read expandable_segments:False  # torch's default: a segment per large tensor
+probe segments-today-then-deepcache full,write,read expandable_segments:False
 if [ -z "${NO_CAPTURE:-}" ]; then
   timeout $((BUDGET - SECONDS)) python -m storyboard_cli bench jobs/bench.yaml --parts draft_capture --results $R/bench \
     > $R/draft_capture.log 2>&1

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
 
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import graph_runner
-from storyboard_cli.models.loader import load_sdxl
+from storyboard_cli.models.loader import cuda_allocator, load_sdxl
 from storyboard_cli.steps import StepKind
 
 KINDS = {"full": StepKind(), "write": StepKind(True, "write", 0), "read": StepKind(True, "read", 0),
@@ -46,7 +45,7 @@ def main() -> None:
     models = load_sdxl("sdxl-random", "sdxl-random", "cuda", torch.float16)
     shape = Shape(args.batch, args.side, args.side, False)
     runner = graph_runner(models, [shape], compile="off")
-    rec = {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "shape": shape.label, "captures": []}
+    rec = {"alloc_conf": cuda_allocator(), "shape": shape.label, "captures": []}
     torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
     for name in args.order.split(","):
         key = runner.shape_key(*shape, KINDS[name])
@@ -72,7 +71,7 @@ def main() -> None:
             print(f"    {n['mb']:>8.1f} MB  {' < '.join(n['frames'][:3])}", flush=True)
     torch.cuda.memory._record_memory_history(enabled=None)
     rec["pool_mb"] = round(sum(c["pool_mb"] for c in rec["captures"]), 1)
-    print(f"pool in all: {rec['pool_mb']:.0f} MB ({rec['alloc_conf'] or 'default allocator settings'})")
+    print(f"pool in all: {rec['pool_mb']:.0f} MB ({rec['alloc_conf']})")
     with open(args.out, "w") as f:
         json.dump(rec, f, indent=1)
 

@@ -65,3 +65,23 @@ def test_bench_quick_draft_part(tmp_path):
     assert len(job["drift"]) == rec["images"] and all(d["mad"] >= 0 for d in job["drift"])
     assert any(d["mad"] > 0 for d in job["drift"])  # the levers changed the pixels
     assert "Bench job with `--draft`" in (tmp_path / record.name.replace(".json", ".md")).read_text()
+
+
+def test_the_draft_capture_groups_are_todays_keys_and_the_rest(tiny_cpu):
+    """bench part draft_capture: today's group is the graphs a render without the draft levers replays (DeepCache's full
+    step where a shape shares it), the rest is what draft mode adds; seconds, warm-ups and pool summed per group."""
+    from types import SimpleNamespace
+
+    from storyboard_cli.bench.draft import _groups
+    from storyboard_cli.engine.graphs import GraphRunner, GraphStats
+    from storyboard_cli.steps import StepKind
+
+    runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(64, 64))
+    write, read, cond = (runner.shape_key(2, 64, 64, False, k)
+                         for k in (StepKind(True, "write"), StepKind(True, "read"), StepKind(False)))
+    stats = {write: GraphStats(write, capture_s=0.5, warmup=True, warmup_s=0.3, pool_mb=100.0),
+             read: GraphStats(read, capture_s=0.01, pool_mb=2.0), cond: GraphStats(cond, capture_s=0.1, warmup=True)}
+    rec = _groups(SimpleNamespace(stats=stats), {write})
+    assert rec["plain"] == {"graphs": 1, "warmups": 1, "capture_s": 0.5, "warmup_s": 0.3, "end_s": 0.0, "pool_mb": 100.0}
+    assert rec["extra"]["graphs"] == 2 and rec["extra"]["warmups"] == 1 and rec["extra"]["pool_mb"] == 2.0
+    assert abs(rec["capture_ratio"] - 0.11 / 0.5) < 1e-9 and rec["pool_ratio"] == 0.02

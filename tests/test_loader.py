@@ -104,3 +104,18 @@ def test_single_safetensors_file_loads_through_from_single_file(tiny_cpu, tmp_pa
         for k in want:
             if "position_ids" not in k:
                 assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("env", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+def test_the_cuda_allocator_gets_expandable_segments_unless_the_user_set_it(monkeypatch, env):
+    from storyboard_cli.models import loader
+
+    for name in loader.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    if env:
+        monkeypatch.setenv(env, "max_split_size_mb:256")
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    got = loader.cuda_allocator()
+    assert calls == ([] if env else ["expandable_segments:True"])
+    assert got == ("max_split_size_mb:256" if env else "expandable_segments:True")

@@ -28,7 +28,7 @@ from storyboard_cli.bench.steps import kernel_profile, matmul_tflops, step_curve
 from storyboard_cli.engine.device import device_name, dtype_name
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import Job, load_job
-from storyboard_cli.models.loader import SdxlModels, load_sdxl
+from storyboard_cli.models.loader import SdxlModels, cuda_allocator, load_sdxl
 
 CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled")
 
@@ -95,6 +95,7 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
     loop = DiffusersLoop(models)
     log(f"loaded {job.model} on {rec['device']} in {rec['load_s']:.1f} s")
     if device.type == "cuda":
+        rec["cuda_allocator"] = cuda_allocator()  # what load_sdxl set, or the user's PYTORCH_CUDA_ALLOC_CONF
         rec["matmul_tflops"] = matmul_tflops(device, dtype)
         log(f"fp16 matmul rate: {rec['matmul_tflops']:.0f} TFLOP/s")
     # warm-up outside every contender: CUDA context, cuDNN/cuBLAS handles, first-call lazy inits
