@@ -16,7 +16,7 @@ from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.samplers import MAX_STEPS
 
 if TYPE_CHECKING:
-    from storyboard_cli.engine.graphs import ShapeKey
+    from storyboard_cli.engine.keys import ShapeKey
 
 
 class Buffers:

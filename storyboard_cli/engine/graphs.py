@@ -31,17 +31,18 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
-from storyboard_cli.engine.base import Shape, shape_label
+from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.conditioning import Cond, Control
 from storyboard_cli.engine.buffers import Buffers, Views
 from storyboard_cli.engine.compiled import MAX_ROWS, MIN_ROWS, CompiledKernels, targets
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
+from storyboard_cli.engine.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.sampling import Schedule
 from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
@@ -61,75 +62,6 @@ CHECK_RTOL = {"plain": 2e-2, "compiled": 2e-2}
 WARMUP_STEPS = 1
 
 
-@dataclass(frozen=True, order=True)
-class ShapeKey:
-    """A graph's identity: everything that changes a tensor shape or the captured kernels."""
-
-    batch: int
-    height: int
-    width: int
-    control: bool
-    dtype: str
-    variant: str = "plain"  # "plain": the eager modules captured; "compiled": compiled kernels captured
-    step: StepKind = FULL  # draft mode's step kinds: conditional rows only, DeepCache full / shallow
-
-    @property
-    def shape(self) -> Shape:
-        return Shape(self.batch, self.height, self.width, self.control)
-
-    @property
-    def label(self) -> str:
-        variant = "" if self.variant == "plain" else f" {self.variant}"
-        step = f" {self.step.label}" if self.step.label else ""
-        return f"{shape_label(self.batch, self.width, self.height, self.control)} {self.dtype}{variant}{step}"
-
-
-@dataclass(frozen=True)
-class Warmed:
-    """What a warm-up (or a capture after one) has run: the modules' kernels at these rows and latent size.
-    `whole`: the whole UNet (a DeepCache shallow step runs part of it); `control`: the ControlNet too."""
-
-    variant: str
-    rows: int
-    height: int
-    width: int
-    whole: bool
-    control: bool
-
-    @classmethod
-    def of(cls, key: ShapeKey) -> Warmed:
-        rows = 2 * key.batch if key.step.guided else key.batch
-        return cls(key.variant, rows, key.height, key.width, key.step.cache != "read", key.control)
-
-    def covers(self, other: Warmed) -> bool:
-        """Whether this run's kernels include every kernel `other` runs (same modules, shapes and code)."""
-        same = (self.variant, self.rows, self.height, self.width) == (other.variant, other.rows, other.height,
-                                                                     other.width)
-        return same and self.whole >= other.whole and self.control >= other.control
-
-
-@dataclass
-class GraphStats:
-    key: ShapeKey
-    state: str = "pending"  # "graph" | "eager" | "plain" (a compiled shape fell back) | "released"
-    reason: str = ""
-    checked: bool = False  # the first replay matched the eager step
-    capture_s: float = 0.0
-    warmup: bool = False  # its capture ran a warm-up step first (no graph before it had run its kernels)
-    warmup_s: float = 0.0  # of capture_s: the warm-up step (host time to the GPU's end)
-    end_s: float = 0.0  # of capture_s: torch's end of capture (the driver ends it and instantiates the graph)
-    compile_s: float = 0.0  # the background build of this size's kernels, when this run made them
-    pool_mb: float = 0.0
-    replays: int = 0
-    events: list = field(default_factory=list)  # (start, end, steps) CUDA events, read lazily
-
-    @property
-    def replay_ms(self) -> float:
-        done = [(s.elapsed_time(e), n) for s, e, n in self.events if e.query()]
-        steps = sum(n for _, n in done)
-        return sum(ms for ms, _ in done) / steps if steps else 0.0
-
-
 class GraphRunner:
     name = "graph"
 
@@ -145,10 +77,10 @@ class GraphRunner:
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
-        # DeepCache's full steps by (shape, guided, control): today's step of that shape replays the same graph (one
+        # DeepCache's full steps by (shape, guided): today's step of that shape and rows replays the same graph (one
         # capture less; it also writes the feature, a copy nothing reads until a full step of a caching batch
         # writes it again)
-        self.writers: dict[tuple[Shape, bool, bool], StepKind] = {}
+        self.writers: dict[tuple[Shape, bool], StepKind] = {}
         # the seam a test (or another capture backend) replaces: ShapeKey -> captured graph, or raises
         self.capturer: Callable[[ShapeKey], object] = self._capture
         self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
@@ -189,7 +121,7 @@ class GraphRunner:
         compiled = (self.compiled is not None and shape not in self.demoted and not step.cache
                     and MIN_ROWS <= rows <= MAX_ROWS and self.compiled.ready(*shape) is None)
         if not compiled and not step.cache:  # a plain step whose DeepCache twin the runner captures: that graph
-            step = self.writers.get((shape, step.guided, step.control), step)
+            step = self.writers.get((shape, step.guided), step)
         return ShapeKey(*shape, dtype_name(self.models.dtype), "compiled" if compiled else "plain", step)
 
     def _share(self, shape: Shape, kinds) -> None:
@@ -198,7 +130,7 @@ class GraphRunner:
         for kind in kinds:
             if kind.cache == "write":
                 key = self.shape_key(*shape, kind)  # a step after the ControlNet's end: the shape without one
-                self.writers.setdefault((key.shape, kind.guided, key.step.control), key.step)
+                self.writers.setdefault((key.shape, kind.guided), key.step)
 
     def can_run(self, shape: Shape) -> bool:
         """Whether `shape` replays a graph (it has not fallen back to eager)."""
@@ -467,6 +399,7 @@ class GraphRunner:
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
-                 "warmup": s.warmup, "warmup_s": round(s.warmup_s, 3), "end_s": round(s.end_s, 3), "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1),
-                 "replays": s.replays, "replay_ms": round(s.replay_ms, 3)}
+                 "warmup": s.warmup, "warmup_s": round(s.warmup_s, 3), "end_s": round(s.end_s, 3),
+                 "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
+                 "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]

@@ -1,0 +1,79 @@
+"""What identifies a captured graph and what it cost: `ShapeKey` (everything that changes a tensor shape or the
+captured kernels), `Warmed` (which kernels a warm-up or capture has run, so a later capture may skip its warm-up)
+and `GraphStats` (a graph's state, capture seconds, pool and replay times). engine/graphs.py captures and replays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from storyboard_cli.engine.base import Shape, shape_label
+from storyboard_cli.steps import FULL, StepKind
+
+
+@dataclass(frozen=True, order=True)
+class ShapeKey:
+    """A graph's identity: everything that changes a tensor shape or the captured kernels."""
+
+    batch: int
+    height: int
+    width: int
+    control: bool
+    dtype: str
+    variant: str = "plain"  # "plain": the eager modules captured; "compiled": compiled kernels captured
+    step: StepKind = FULL  # draft mode's step kinds: conditional rows only, DeepCache full / shallow
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.height, self.width, self.control)
+
+    @property
+    def label(self) -> str:
+        variant = "" if self.variant == "plain" else f" {self.variant}"
+        step = f" {self.step.label}" if self.step.label else ""
+        return f"{shape_label(self.batch, self.width, self.height, self.control)} {self.dtype}{variant}{step}"
+
+
+@dataclass(frozen=True)
+class Warmed:
+    """What a warm-up (or a capture after one) has run: the modules' kernels at these rows and latent size.
+    `whole`: the whole UNet (a DeepCache shallow step runs part of it); `control`: the ControlNet too."""
+
+    variant: str
+    rows: int
+    height: int
+    width: int
+    whole: bool
+    control: bool
+
+    @classmethod
+    def of(cls, key: ShapeKey) -> Warmed:
+        rows = 2 * key.batch if key.step.guided else key.batch
+        return cls(key.variant, rows, key.height, key.width, key.step.cache != "read", key.control)
+
+    def covers(self, other: Warmed) -> bool:
+        """Whether this run's kernels include every kernel `other` runs (same modules, shapes and code)."""
+        same = (self.variant, self.rows, self.height, self.width) == (other.variant, other.rows, other.height,
+                                                                     other.width)
+        return same and self.whole >= other.whole and self.control >= other.control
+
+
+@dataclass
+class GraphStats:
+    key: ShapeKey
+    state: str = "pending"  # "graph" | "eager" | "plain" (a compiled shape fell back) | "released"
+    reason: str = ""
+    checked: bool = False  # the first replay matched the eager step
+    capture_s: float = 0.0
+    warmup: bool = False  # its capture ran a warm-up step first (no graph before it had run its kernels)
+    warmup_s: float = 0.0  # of capture_s: the warm-up step (host time to the GPU's end)
+    end_s: float = 0.0  # of capture_s: torch's end of capture (the driver ends it and instantiates the graph)
+    compile_s: float = 0.0  # the background build of this size's kernels, when this run made them
+    pool_mb: float = 0.0
+    replays: int = 0
+    events: list = field(default_factory=list)  # (start, end, steps) CUDA events, read lazily
+
+    @property
+    def replay_ms(self) -> float:
+        done = [(s.elapsed_time(e), n) for s, e, n in self.events if e.query()]
+        steps = sum(n for _, n in done)
+        return sum(ms for ms, _ in done) / steps if steps else 0.0
