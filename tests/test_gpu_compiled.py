@@ -11,6 +11,7 @@ from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.eager import EagerEngine
 from test_compiled import loads_in_a_new_process
 from test_gpu import _close, _inputs
+from test_gpu_fp8 import _derived_pointers
 
 pytestmark = pytest.mark.gpu
 SIDE = 1024
@@ -61,7 +62,7 @@ def test_a_lora_swap_reaches_the_compiled_graph(setup, tmp_path):
     lora = read_lora("a", path, models.unet.config)
     applier = LoraApplier(models)
     applier.register(lora)
-    pointers = [p.data_ptr() for p in models.unet.parameters()] + [c.data_ptr() for _, c in models.copies.values()]
+    pointers = [p.data_ptr() for p in models.unet.parameters()] + _derived_pointers(models)
     args = _unguided(_inputs(models, 2, SIDE, SIDE, True, "euler", steps=4, seed=5))
     before = runner.sample(*args)
     key = runner.shape_key(2, SIDE, SIDE, True)
@@ -75,8 +76,7 @@ def test_a_lora_swap_reaches_the_compiled_graph(setup, tmp_path):
         assert not torch.allclose(after, before)
     finally:
         applier.restore()
-    assert [p.data_ptr() for p in models.unet.parameters()] + [c.data_ptr() for _, c in models.copies.values()] \
-        == pointers
+    assert [p.data_ptr() for p in models.unet.parameters()] + _derived_pointers(models) == pointers
     _close(runner.sample(*args), before, 1e-3)
 
 

@@ -122,11 +122,13 @@ class DiffusersLoop:
 # ---------------------------------------------------------------- (c)/(d): bcg
 
 
-def bcg_render(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile: str = "off") -> dict:
+def bcg_render(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile: str = "off",
+               fp8: bool = False) -> dict:
     from storyboard_cli.run.render import RenderOptions, render
 
     _peak_reset(models.device)
-    result = render(job, RenderOptions(out_dir=out_dir, force=True, compile=compile), models=models, engine=engine)
+    result = render(job, RenderOptions(out_dir=out_dir, force=True, compile=compile, fp8=fp8), models=models,
+                    engine=engine)
     r = result.report
     return {"wall_s": result.wall_s, "images": result.rendered, "failed": len(result.failed),
             "failure": result.failed[0]["reason"] if result.failed else None,

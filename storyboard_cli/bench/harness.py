@@ -23,6 +23,7 @@ import torch
 from storyboard_cli.bench.contenders import (DiffusersLoop, bcg_render, compile_slice, first_render, lora_part,
                                              single_shot, warm_runner)
 from storyboard_cli.bench.draft import draft_capture, draft_job, draft_steps
+from storyboard_cli.bench.fp8 import fp8_ready, image_drift, step_drift
 from storyboard_cli.bench.report import NAMES, markdown
 from storyboard_cli.bench.steps import kernel_profile, matmul_tflops, step_curve
 from storyboard_cli.engine.device import device_name, dtype_name
@@ -30,7 +31,7 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.models.loader import SdxlModels, cuda_allocator, load_sdxl
 
-CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled")
+CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled", "f_bcg_fp8")
 
 
 def quick_job(job: Job) -> Job:
@@ -121,6 +122,15 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
                 part(key.replace("curve", "curve_control"),
                      lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, compile,
                                         eager=False))
+    if "fp8" in parts and fp8_ready(device):  # FP8 against fp16 compiled: step curves, drift per step
+        part("step_curve_fp8", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log,
+                                                  "on", eager=False, fp8=True))
+        part("step_curve_compiled", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"],
+                                                       log, "on", eager=False))
+        if models.controlnet is not None:
+            part("step_curve_control_fp8", lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"],
+                                                              log, "on", eager=False, fp8=True))
+        part("fp8_steps", lambda: step_drift(models, log))
     if "micro_compiled" in parts and device.type == "cuda":  # the kernels built first if the cache lacks them
         part("step_curve_compiled",
              lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log, "on"))
@@ -162,6 +172,10 @@ def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: 
             part("d_bcg_warm", warm)
         if cuda and "e_bcg_compiled" in contenders:
             part("e_bcg_compiled", lambda: bcg_render(job, models, Path(tmp) / "e", compile="auto"))
+        if "f_bcg_fp8" in contenders and fp8_ready(models.device):  # (e) with the UNet's FP8 kernels
+            part("f_bcg_fp8", lambda: bcg_render(job, models, Path(tmp) / "f", compile="auto", fp8=True))
+            if (Path(tmp) / "e").is_dir():  # the pictures against (e)'s, same seeds
+                part("fp8_images", lambda: image_drift(Path(tmp) / "f", Path(tmp) / "e"))
         if with_compile:
             loop.compile_unet()
             part("b_compile_first", lambda: loop.run_job(job, Path(tmp) / "b1"))
@@ -169,14 +183,16 @@ def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: 
 
 
 def _ratios(rec: dict, log: Callable[[str], None]) -> None:
-    ours = ("c_bcg_cold", "d_bcg_warm", "e_bcg_compiled")
+    ours = ("c_bcg_cold", "d_bcg_warm", "e_bcg_compiled", "f_bcg_fp8")
     for k in ("a_diffusers", *ours, "b_compile_first", "b_compile_steady"):
         if k in rec:
             log(f"{k}: {json.dumps(rec[k])}")
     base = rec["a_diffusers"]["images_per_s"] if "a_diffusers" in rec else float("nan")
     rec["ratios_vs_a"] = {k: rec[k]["images_per_s"] / base for k in
                           (*ours, "b_compile_first", "b_compile_steady") if k in rec}
-    for k in ("d_bcg_warm", "e_bcg_compiled"):
+    if "e_bcg_compiled" in rec and "f_bcg_fp8" in rec:
+        rec["f_vs_e"] = rec["f_bcg_fp8"]["images_per_s"] / rec["e_bcg_compiled"]["images_per_s"]
+    for k in ("d_bcg_warm", "e_bcg_compiled", "f_bcg_fp8"):
         for b in ("b_compile_first", "b_compile_steady"):
             if k in rec and b in rec:
                 rec[f"{k[:1]}_vs_{b[0]}_{b.rsplit('_', 1)[1]}"] = rec[k]["images_per_s"] / rec[b]["images_per_s"]

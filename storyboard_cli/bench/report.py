@@ -8,7 +8,8 @@ import json
 NAMES = {"a_diffusers": "(a) diffusers pipeline loop", "b_compile_first": "(b) + torch.compile, first pass",
          "b_compile_steady": "(b) + torch.compile, steady state", "c_bcg_cold": "(c) bcg render, cold",
          "d_bcg_warm": "(d) bcg render after capture --warm",
-         "e_bcg_compiled": "(e) bcg render, compiled kernels from the cache"}
+         "e_bcg_compiled": "(e) bcg render, compiled kernels from the cache",
+         "f_bcg_fp8": "(f) bcg render --fp8, FP8 UNet kernels from the cache"}
 
 
 def _draft_markdown(rec: dict) -> list[str]:
@@ -83,7 +84,16 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
                 f"bcg graph {s.get('bcg_graph_s', float('nan')):.3f} s "
                 f"({s.get('speedup_vs_diffusers', float('nan')):.2f}x); first render with capture "
                 f"{s.get('bcg_graph_first_s', float('nan')):.3f} s", ""]
-    for key in ("step_curve", "step_curve_control", "step_curve_compiled", "step_curve_control_compiled"):
+    if "fp8_images" in rec and rec["fp8_images"].get("psnr_db"):
+        d = rec["fp8_images"]
+        out += [f"(f) FP8 pictures against (e)'s, same seeds: PSNR {json.dumps(d['psnr_db'])} dB, mean absolute "
+                f"difference {json.dumps(d['mad'])} (of 255); (f) = **{rec.get('f_vs_e', float('nan')):.3f}x (e)**", ""]
+    if "fp8_steps" in rec:
+        d = rec["fp8_steps"]
+        out += [f"FP8 noise prediction against fp16 compiled, per step ({d['shape']}, guidance {d['guidance']:g}): "
+                f"relative error {json.dumps(d['eps_rel'])}", ""]
+    for key in ("step_curve", "step_curve_control", "step_curve_compiled", "step_curve_control_compiled",
+                "step_curve_fp8", "step_curve_control_fp8"):
         if key in rec:
             out += [f"Step microbenchmark ({key.replace('_', ' ')}), matmul rate {rec['matmul_tflops']:.0f} TFLOP/s:",
                     "", "| shape | eager ms | graph ms | speedup | graph ms/image | TFLOP/step | share of matmul rate |",

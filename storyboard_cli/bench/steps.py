@@ -44,12 +44,14 @@ def step_flops(models: SdxlModels, batch: int, width: int, height: int, control:
 
 
 def step_curve(models: SdxlModels, batches: tuple[int, ...], width: int, height: int, control: bool,
-               matmul_rate: float, log: Callable[[str], None], compile: str = "off", eager: bool = True) -> list[dict]:
+               matmul_rate: float, log: Callable[[str], None], compile: str = "off", eager: bool = True,
+               fp8: bool = False) -> list[dict]:
     """Eager vs graph ms/step per batch size, FLOPs per step and the share of the matmul rate reached
-    (compile "on": the graphs run the compiled kernels, built first if the cache lacks them)."""
+    (compile "on": the graphs run the compiled kernels, built first if the cache lacks them; `fp8`: the UNet's FP8
+    ones)."""
     shapes = [Shape(b, height, width, control) for b in batches]
     rows = []
-    runner = graph_runner(models, shapes, compile)
+    runner = graph_runner(models, shapes, compile, fp8=fp8)
     for t in sorted(time_shapes(models, runner, shapes, steps=10, repeats=3, eager=eager), key=lambda t: t.shape):
         b = int(t.shape.split("x")[0])
         flops = step_flops(models, b, width, height, control)

@@ -164,7 +164,8 @@ class Builds:
         device = self.device if self.device.index is not None or self.device.type != "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
         cmd = [sys.executable, "-m", "storyboard_cli.engine.builds", b.target.module, type(b.model).__name__,
-               str(config), dtype_flag(b.model.dtype), str(device), str(b.target.height), str(b.target.width), str(b.path)]
+               str(config), dtype_flag(b.model.dtype), str(device), str(b.target.height), str(b.target.width), str(b.path),
+               b.target.precision]
         # every child gets every core for its compile workers: one build's serial stretches (tracing,
         # lowering, the C++ wrapper) leave them to the others' parallel ones
         env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(len(os.sched_getaffinity(0)))}
@@ -209,9 +210,9 @@ def _max_rss_mb() -> float:
 
 
 def _main(argv: list[str]) -> None:
-    """A build child: MODULE CLASS CONFIG DTYPE DEVICE HEIGHT WIDTH PATH. Exits 0 without an artifact when
-    another process holds the artifact's lock (or finished it since the parent looked)."""
-    module, cls_name, config, dtype, device, height, width, path = argv
+    """A build child: MODULE CLASS CONFIG DTYPE DEVICE HEIGHT WIDTH PATH PRECISION. Exits 0 without an artifact
+    when another process holds the artifact's lock (or finished it since the parent looked)."""
+    module, cls_name, config, dtype, device, height, width, path, precision = argv
     path = Path(path)
     lock = open(path.with_suffix(".lock"), "a+")  # held until this process exits, however it exits
     try:
@@ -237,9 +238,10 @@ def _main(argv: list[str]) -> None:
         torch.set_default_dtype(torch.float32)
     model.to_empty(device=device).to(dtype=DTYPES[dtype]).eval().requires_grad_(False)
     made = time.perf_counter() - t0
-    stats = build(Target(module, int(height), int(width)), model, path)
+    target = Target(module, int(height), int(width), precision)
+    stats = build(target, model, path)
     path.with_suffix(".failed").unlink(missing_ok=True)
-    stats = {"target": f"{module} {width}x{height}", "make_module_s": round(made, 1), **stats,
+    stats = {"target": target.label, "make_module_s": round(made, 1), **stats,
              "max_rss_mb": _max_rss_mb(), "compile_threads": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")}
     path.with_suffix(".build.json").write_text(json.dumps(stats) + "\n")
 

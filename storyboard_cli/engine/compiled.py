@@ -78,10 +78,15 @@ class Target:
     module: str  # "unet" | "controlnet"
     height: int
     width: int
+    precision: str = "fp16"  # "fp8": the UNet's transformer Linears in FP8 (engine/fp8.py)
 
     @property
     def label(self) -> str:
-        return f"{self.module} {self.width}x{self.height}"
+        return f"{self.module} {self.width}x{self.height}" + ("" if self.precision == "fp16" else f" {self.precision}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision == "fp8"
 
 
 def fits(batch: int, height: int, width: int) -> str | None:
@@ -94,13 +99,13 @@ def fits(batch: int, height: int, width: int) -> str | None:
     return None
 
 
-def targets(shapes: Iterable[Shape], controlnet: bool) -> list[Target]:
-    """The artifacts these shapes use: a UNet per size, a ControlNet per size used with a control image.
-    Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size)."""
+def targets(shapes: Iterable[Shape], controlnet: bool, fp8: bool = False) -> list[Target]:
+    """The artifacts these shapes use: a UNet per size (`fp8`: its FP8 kernels), a ControlNet per size used with a
+    control image. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size)."""
     need = set()
     for s in shapes:
         if fits(s.batch, s.height, s.width) is None:
-            need.add(Target("unet", s.height, s.width))
+            need.add(Target("unet", s.height, s.width, "fp8" if fp8 else "fp16"))
             if s.control and controlnet:
                 need.add(Target("controlnet", s.height, s.width))
     return sorted(need, key=lambda t: (t.module != "unet", -t.height * t.width, t.height))
@@ -237,6 +242,13 @@ def channels_last_weights(models: Any, model: torch.nn.Module) -> dict[str, torc
 # ------------------------------------------------------------------ key, path, build, load
 
 
+def options(target: Target) -> dict:
+    """The inductor options of `target`'s build."""
+    from storyboard_cli.engine import fp8
+
+    return {**INDUCTOR_OPTIONS, **fp8.OPTIONS} if target.fp8 else dict(INDUCTOR_OPTIONS)
+
+
 def artifact_key(target: Target, model: torch.nn.Module) -> str:
     """Everything that changes the generated code (not the weight values, which are passed in)."""
     dev = next(model.parameters()).device
@@ -252,14 +264,16 @@ def artifact_key(target: Target, model: torch.nn.Module) -> str:
         "config": {k: v for k, v in dict(model.config).items() if not k.startswith("_")},
         "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in model.state_dict().items()
                    if not n.endswith(("to_qkv.weight", "to_kv.weight"))],  # made by fuse_projections
-        "torch": torch.__version__, "rows": MAX_ROWS, "options": INDUCTOR_OPTIONS, "recipe": RECIPE, **where,
+        "torch": torch.__version__, "rows": MAX_ROWS, "options": options(target), "recipe": RECIPE, **where,
     }
+    if target.fp8:  # (an fp16 key stays what it was before FP8 existed: the caches keep their artifacts)
+        facts["recipe"] = RECIPE + ("fp8-linears",)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 def artifact_path(target: Target, model: torch.nn.Module, root: Path | None = None) -> Path:
-    return (root or cache_root() / "compiled") / f"{target.module}-{target.width}x{target.height}-" \
-                                                 f"{artifact_key(target, model)}.pt2"
+    kind = target.module + ("-fp8" if target.fp8 else "")
+    return (root or cache_root() / "compiled") / f"{kind}-{target.width}x{target.height}-{artifact_key(target, model)}.pt2"
 
 
 def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
@@ -270,6 +284,10 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
 
     fuse_projections(model, processor=True)
     model.to(memory_format=torch.channels_last)
+    if target.fp8:
+        from storyboard_cli.engine import fp8
+
+        fp8.swap_in(model)
     wrapper = UNetCall(model) if target.module == "unet" else ControlNetCall(model)
     args = example_inputs(target.module, model, 2, target.height // 8, target.width // 8)
     t0 = time.perf_counter()
@@ -281,7 +299,7 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
     tmp = path.parent / f".build-{os.getpid()}" / path.name
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
-        aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=dict(INDUCTOR_OPTIONS))
+        aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=options(target))
         t2 = time.perf_counter()
         open_package(tmp).get_constant_fqns()
         t3 = time.perf_counter()
@@ -316,13 +334,18 @@ def module_of(models: Any, module: str) -> torch.nn.Module:
     return models.unet if module == "unet" else models.controlnet
 
 
-def load(target: Target, models: Any, path: Path) -> Callable:
+def load(target: Target, models: Any, path: Path, x_scales: dict[str, torch.Tensor] | None = None) -> Callable:
     """The compiled call, its constants bound to the rendering modules' own tensors (the fused attention
-    weights, the channels_last convolution copies, every other parameter as it is)."""
+    weights, the channels_last convolution copies, every other parameter as it is; an FP8 artifact: the FP8
+    weights and scales derived from them, and `x_scales`, its calibrated input scales)."""
     model, prefix = module_of(models, target.module), f"{target.module}."
     compiled = open_package(path)
     tensors = {prefix + n: t for n, t in model.state_dict(keep_vars=True).items()}
     tensors.update({prefix + n: t for n, t in channels_last_weights(models, model).items()})
+    if target.fp8:
+        from storyboard_cli.engine import fp8
+
+        tensors.update({prefix + n: t for n, t in {**fp8.weights(models, model), **(x_scales or {})}.items()})
     wanted = compiled.get_constant_fqns()
     missing = [n for n in wanted if n not in tensors]
     if missing:
@@ -384,8 +407,11 @@ class CompiledKernels(StepCalls):
     compiled graph as soon as its kernels are ready. A shape without ControlNet feeds the UNet's residual
     inputs from one zero buffer (read-only views: the compiled code never writes its inputs)."""
 
-    def __init__(self, models: Any, builds: Any = None, notes: list[str] | None = None, root: Path | None = None):
-        self.models, self.builds, self.root = models, builds, root
+    def __init__(self, models: Any, builds: Any = None, notes: list[str] | None = None, root: Path | None = None,
+                 fp8: bool = False):
+        """`fp8`: the UNet's artifacts are the FP8 ones (engine/fp8.py), whose input scales are calibrated here
+        (once per model: then read from the cache), so the UNet must carry no LoRA now."""
+        self.models, self.builds, self.root, self.fp8 = models, builds, root, fp8
         self.notes = notes if notes is not None else []
         self.residuals = Residuals.of(models.unet)
         self.calls: dict[Target, Callable] = {}
@@ -397,6 +423,30 @@ class CompiledKernels(StepCalls):
         for module in MODULES:
             if module_of(models, module) is not None:
                 fuse_projections(module_of(models, module))  # before any graph holds a pointer to to_q & co
+        self.x_scales: dict[str, torch.Tensor] = {}
+        self.scales_file: Path | None = None
+        if fp8:
+            from storyboard_cli.engine import fp8 as F
+
+            t0 = time.perf_counter()
+            amax, self.scales_file, calibrated = F.scales(models, root or cache_root() / "compiled")
+            self.x_scales = F.input_scales(amax, models.unet, models.device)
+            how = f"calibrated now in {time.perf_counter() - t0:.1f} s" if calibrated else "stored"
+            self.notes.append(f"UNet kernels in FP8 (--fp8): input scales {how}, {self.scales_file}")
+
+    @property
+    def rtol(self) -> float:
+        """The first-replay check's limit for a compiled shape (graphs.CHECK_RTOL; FP8 has its own)."""
+        from storyboard_cli.engine import fp8
+        from storyboard_cli.engine.graphs import CHECK_RTOL
+
+        return fp8.CHECK_RTOL if self.fp8 else CHECK_RTOL["compiled"]
+
+    def targets(self, shapes: Iterable[Shape]) -> list[Target]:
+        return targets(shapes, self.models.controlnet is not None, self.fp8)
+
+    def unet_target(self, height: int, width: int) -> Target:
+        return Target("unet", height, width, "fp8" if self.fp8 else "fp16")
 
     def path(self, target: Target) -> Path:
         return artifact_path(target, module_of(self.models, target.module), self.root)
@@ -407,7 +457,7 @@ class CompiledKernels(StepCalls):
             if not loads_here(path):
                 raise RuntimeError("it does not load on this machine")
             t0 = time.perf_counter()
-            self.calls[target] = load(target, self.models, path)
+            self.calls[target] = load(target, self.models, path, self.x_scales)
             self.load_s[target] = time.perf_counter() - t0
             return True
         except Exception as e:  # noqa: BLE001 - any broken artifact: plain graphs, and say why
@@ -467,12 +517,12 @@ class CompiledKernels(StepCalls):
         why = fits(batch, height, width)
         if why:
             return why
-        need = [Target("unet", height, width)] + ([Target("controlnet", height, width)] if control else [])
+        need = [self.unet_target(height, width)] + ([Target("controlnet", height, width)] if control else [])
         lacking = [t.label for t in need if t not in self.calls]
         return f"no compiled kernels for {', '.join(lacking)} yet" if lacking else None
 
     def compile_s(self, height: int, width: int) -> float:
-        return self.built_s.get(Target("unet", height, width), 0.0)
+        return self.built_s.get(self.unet_target(height, width), 0.0)
 
     def _zero_residuals(self, rows: int, h: int, w: int):
         def view(c: int, d: int) -> torch.Tensor:  # channels_last views, as the artifact reads them
@@ -486,7 +536,7 @@ class CompiledKernels(StepCalls):
         # the artifact reads its inputs with the strides it was compiled for: the compiled ControlNet's
         # residuals are channels_last already (no copy); any other layout is made so
         mid, down = _nhwc(mid), tuple(_nhwc(d) for d in down)
-        call = self.calls[Target("unet", 8 * h, 8 * w)]
+        call = self.calls[self.unet_target(8 * h, 8 * w)]
         return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down)
 
     def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):

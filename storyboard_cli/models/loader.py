@@ -34,22 +34,32 @@ class SdxlModels:
     device: torch.device
     dtype: torch.dtype  # UNet / ControlNet / text encoders
     controlnet_name: str | None = None
-    # copies of weights in another layout that other kernels read (compiled convolutions: channels_last),
-    # id(parameter) -> (parameter, copy); `written` keeps them equal to the parameter
-    copies: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict, repr=False)
+    # tensors derived from weights that other kernels read (the compiled convolutions' channels_last copies, FP8
+    # weights and their scales): name -> (value, refresh), and id(parameter) -> the names derived from it;
+    # `written` refreshes them in place (compiled kernels hold their pointers)
+    derived: dict[str, tuple[Any, Callable[[Any], None]]] = field(default_factory=dict, repr=False)
+    sources: dict[int, list[str]] = field(default_factory=dict, repr=False)
+
+    def derive(self, name: str, params: list[Any], make: Callable[[], Any], refresh: Callable[[Any], None]) -> Any:
+        """The registered value `name` (made by `make` the first time), refreshed by `refresh(value)` after an in-place
+        write to any of `params`."""
+        if name not in self.derived:
+            self.derived[name] = (make(), refresh)
+            for p in params:
+                self.sources.setdefault(id(p), []).append(name)
+        return self.derived[name][0]
 
     def copy_of(self, param: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """The registered copy of `param` (made by `make` the first time)."""
-        if id(param) not in self.copies:
-            self.copies[id(param)] = (param, make(param.detach()))
-        return self.copies[id(param)][1]
+        """The registered copy of `param` in another layout (made by `make` the first time)."""
+        return self.derive(f"copy:{id(param)}", [param], lambda: make(param.detach()),
+                           lambda copy: copy.copy_(param.detach()))
 
     def written(self, param: Any) -> None:
-        """After an in-place write to `param` (a LoRA swap): its copies follow, in place (their pointers,
-        which compiled kernels hold, do not change)."""
-        entry = self.copies.get(id(param))
-        if entry is not None:
-            entry[1].copy_(param.detach())
+        """After an in-place write to `param` (a LoRA swap): what is derived from it follows, in place (the
+        pointers compiled kernels hold do not change)."""
+        for name in self.sources.get(id(param), ()):
+            value, refresh = self.derived[name]
+            refresh(value)
 
     @property
     def vae_dtype(self) -> torch.dtype:

@@ -138,7 +138,7 @@ def job_shapes(job: Job | None, controlnet: str | None, buckets: tuple[int, ...]
 
 def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: str | None = None,
             buckets: tuple[int, ...] = (1, 2, 4, 8), device: str | None = None, dtype: str | None = None,
-            warm: bool = False, steps: int = 10, compile: str = "auto",
+            warm: bool = False, steps: int = 10, compile: str = "auto", fp8: bool = False,
             on_event: Callable[[object], None] | None = None) -> tuple[list[str], list[str], list[ShapeTiming]]:
     """The shapes a job (or the named sizes x buckets) needs and the job's draft loops on them; with `warm`,
     compiles the kernels the cache lacks (unless `compile` is "off"; progress as engine.compiled.CompileEvent),
@@ -147,7 +147,7 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     dev, dt = resolve_device(device, dtype)
     if warm and dev.type != "cuda":
         raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
-    check_engine("graph" if warm else "auto", compile, dev)
+    check_engine("graph" if warm else "auto", compile, dev, fp8)
     if job is not None:
         model, controlnet = job.model, job.controlnet
     shapes = job_shapes(job, controlnet, buckets)
@@ -158,7 +158,7 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
         return labels, loops, []
     models = load_sdxl(model, controlnet, dev, dt)
     notes: list[str] = []
-    runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event)
+    runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event, fp8)
     for note in notes:
         (on_event or (lambda e: None))(note)
     return labels, loops, time_shapes(models, runner, shapes, steps=steps, plans=plans)

@@ -47,6 +47,7 @@ class RenderOptions:
     retry_failed: bool = False
     compile: str = "auto"  # auto | on | off: compiled kernels inside the graphs
     shots: tuple[str, ...] = ()  # only these shots (ids or glob patterns); () for all
+    fp8: bool = False  # the compiled UNet's FP8 kernels (engine/fp8.py)
 
 
 @dataclass
@@ -98,13 +99,13 @@ def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:
     """A job's model loaded and every shape of its batches captured (compiled kernels loaded or built as
     `opts.compile` says), nothing rendered: what a long-lived worker does before its first job."""
     device, dtype = resolve_device(opts.device, opts.dtype)
-    check_engine(opts.engine, opts.compile, device)
+    check_engine(opts.engine, opts.compile, device, opts.fp8)
     check_model_path(job.model, "model")
     items = work_items(job)
     batches = make_batches(items, job.buckets)
     shapes = batch_shapes(batches)
     models = load_models(job, items, device, dtype)
-    engine = build_engine(models, opts.engine, shapes, [], opts.compile)
+    engine = build_engine(models, opts.engine, shapes, [], opts.compile, fp8=opts.fp8)
     engine.prepare(shapes, batch_kinds(batches))
     return models, engine
 
@@ -119,7 +120,7 @@ class RenderSession:
         self.job, self.opts, self.models, self.engine = job, opts, models, engine
         self.on_event = on_event or (lambda e: None)
         self.device, self.dtype = (models.device, models.dtype) if models else resolve_device(opts.device, opts.dtype)
-        check_engine(opts.engine, opts.compile, self.device)  # even when nothing turns out to be pending
+        check_engine(opts.engine, opts.compile, self.device, opts.fp8)  # even when nothing turns out to be pending
         self.out_dir = Path(opts.out_dir) if opts.out_dir else job.output_dir
         check_destination(self.out_dir)
         if models is None:
@@ -196,7 +197,8 @@ class RenderSession:
         stop.check()
         with self.timings.stage("capture"):
             if self.engine is None:
-                self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile)
+                self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile,
+                                           fp8=self.opts.fp8)
         with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
             runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())

@@ -1,0 +1,218 @@
+"""FP8 compiled UNet kernels (`--fp8`): the Linear layers of the UNet's transformer blocks in float8_e4m3fn with
+STATIC per-tensor scales, inside the same per-size artifacts as the fp16 recipe (engine/compiled.py).
+
+- Which Linears: every Linear of a transformer block that reads image tokens (the fused q/k/v of self-attention,
+  the cross-attention's query, the attention outputs, the GEGLU and feed-forward output, proj_in/proj_out). The
+  cross-attention's key/value read the 77 text tokens and stay fp16, as do the embeddings and the ControlNet.
+- Static scales: an input's scale is a constant, so its quantisation is a pointwise op the compiler fuses into the
+  kernel that produces the input (LayerNorm, GEGLU); a dynamic scale needs a reduction first (55 ms per
+  image-step measured, slower than fp16). The input scales come from calibration: a few eager UNet calls on the
+  base model (`calibrate`), once per model, stored in the cache beside the artifacts (`scales`). A weight's scale
+  is its own amax / 448.
+- The FP8 weights and their scales are tensors derived from the rendering UNet's own weights
+  (SdxlModels.derive): an in-place write (a LoRA swap) re-quantises them in place, so the artifact's bound
+  pointers stay valid. The input scales stay the base model's: a LoRA that makes an input larger saturates at
+  448 x scale.
+- FP8 changes the pictures more than compiled fp16 does (docs/PERFORMANCE.md, "FP8"): it is asked for, never
+  chosen for the user; its first-replay check has its own limit (CHECK_RTOL).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+# noise-prediction relative L2 error of the FP8 UNet against the fp16 eager UNet: 3.4e-2 to 3.5e-2 measured on
+# sdxl-random at t = 999 / 500 / 50 (H200; the quantisation's, the same without the compiler). Broken kernels
+# measured 1.2e-1 and more (docs/PERFORMANCE.md): the limit sits between
+CHECK_RTOL = 8e-2
+CALIBRATION_T = (999.0, 750.0, 500.0, 250.0, 50.0)  # the sampler's range, noisiest first
+CALIBRATION_PROMPTS = ("a storyboard frame, a character in a room, ink and wash",
+                       "wide shot of a city street at night, cinematic lighting",
+                       "close-up portrait, detailed face, soft light")
+# inductor options an FP8 build adds: the FP8 GEMMs on cuBLASLt, as the fp16 ones run on cuBLAS (without it
+# inductor's _scaled_mm lowering benchmarks Triton templates on the GPU during the build, which a background
+# build must not do while a render runs)
+OPTIONS = {"max_autotune_gemm_backends": "ATEN"}
+PROJECTIONS = ("to_q", "to_k", "to_v", "to_qkv", "to_kv")
+
+
+class Fp8Linear(torch.nn.Module):
+    """y = x W^T + b with x and W in float8_e4m3fn at static per-tensor scales (float32 scalars). Made without
+    values: the artifact is compiled from shapes, and the rendering process binds its own tensors."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight
+        kw = {"device": w.device}
+        self.register_buffer("weight", torch.empty(w.shape, dtype=FP8, **kw))  # [N, K] row-major
+        self.register_buffer("w_scale", torch.ones((), dtype=torch.float32, **kw))
+        self.register_buffer("x_scale", torch.ones((), dtype=torch.float32, **kw))
+        self.register_buffer("bias", None if linear.bias is None else torch.empty_like(linear.bias))
+        self.out_dtype = w.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        lead, k = x.shape[:-1], x.shape[-1]
+        xq = (x / self.x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        # mat2 column-major, as _scaled_mm wants it: the transpose of the row-major [N, K] weight
+        y = torch._scaled_mm(xq.reshape(-1, k), self.weight.t(), scale_a=self.x_scale, scale_b=self.w_scale,
+                             bias=self.bias, out_dtype=self.out_dtype)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def linears(unet: torch.nn.Module) -> dict[str, str]:
+    """name of each Linear the FP8 kernels run (in the fused module the export sees) -> the name of the module
+    whose input is its input in the rendering process (whose attention processors call to_q, to_k and to_v
+    apart). Needs fused projections (compiled.fuse_projections)."""
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    out = {}
+    for prefix, block in unet.named_modules():
+        if not isinstance(block, Transformer2DModel):
+            continue
+        for n, m in block.named_modules():
+            name = f"{prefix}.{n}"
+            if isinstance(m, Attention):  # the cross-attention's key/value read 77 text tokens: fp16
+                out[f"{name}.to_q" if m.is_cross_attention else f"{name}.to_qkv"] = f"{name}.to_q"
+            elif isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] not in PROJECTIONS:
+                out[name] = name
+    return out
+
+
+def swap_in(unet: torch.nn.Module) -> int:
+    """Replaces the FP8 Linears of a fused UNet (what the export sees) by Fp8Linear; returns how many."""
+    names = linears(unet)
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = unet.get_submodule(parent)
+        setattr(owner, child, Fp8Linear(getattr(owner, child)))
+    return len(names)
+
+
+# ------------------------------------------------------------------ the rendering process's tensors
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (its float8_e4m3fn values, its per-tensor scale amax / 448, float32 [])."""
+    scale = w.detach().abs().amax().float().clamp_min(1e-12) / FP8_MAX
+    return (w.detach().float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def weights(models: Any, unet: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Constant name (without the module prefix) -> tensor, for every FP8 Linear: its FP8 weight and weight scale
+    (derived from the live weight, re-quantised in place after any write to it or to a q/k/v view of it)."""
+    out = {}
+    for name in linears(unet):
+        linear = unet.get_submodule(name)
+        w = linear.weight
+        views = [getattr(unet.get_submodule(name.rpartition(".")[0]), p).weight for p in ("to_q", "to_k", "to_v")] \
+            if name.endswith(".to_qkv") else []
+
+        def make(w=w):
+            return quantize(w)
+
+        def refresh(pair, w=w):
+            q, s = quantize(w)
+            pair[0].copy_(q)
+            pair[1].copy_(s)
+
+        q, s = models.derive(f"fp8:{name}", [w, *views], make, refresh)
+        out[f"{name}.weight"], out[f"{name}.w_scale"] = q, s
+    return out
+
+
+def input_scales(amax: dict[str, float], unet: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Constant name -> the x_scale tensor of each FP8 Linear, from the calibrated input amax."""
+    out = {}
+    for name in linears(unet):
+        if name not in amax:
+            raise RuntimeError(f"no calibrated FP8 input scale for {name}")
+        out[f"{name}.x_scale"] = torch.tensor(max(amax[name], 1e-12) / FP8_MAX, dtype=torch.float32, device=device)
+    return out
+
+
+# ------------------------------------------------------------------ calibration
+
+
+def fingerprint(models: Any) -> str:
+    """The UNet's identity for its stored scales: its name, parameter names and shapes, and a sample of every
+    parameter's values (weights from another file, or fine-tuned ones, are another model)."""
+    unet = models.unet
+    named = [(n, p) for n, p in unet.named_parameters() if not n.endswith(("to_qkv.weight", "to_kv.weight",
+                                                                          "to_qkv.bias", "to_kv.bias"))]
+    with torch.no_grad():
+        sample = torch.cat([p.detach().reshape(-1)[:: max(1, p.numel() // 16)][:16].float() for _, p in named])
+    h = hashlib.sha256(json.dumps([models.name, [(n, list(p.shape), str(p.dtype)) for n, p in named]]).encode())
+    h.update(sample.cpu().numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+@torch.no_grad()
+def calibrate(models: Any) -> dict[str, float]:
+    """name -> the amax of each FP8 Linear's input over eager UNet calls on the base model: a few prompts against
+    the empty negative, unit-normal latents (the sampler's scaled input), at the model's native size and
+    CALIBRATION_T. The rendering UNet must carry no LoRA now."""
+    from functools import partial
+
+    from storyboard_cli.engine.conditioning import encode_text, time_ids
+    from storyboard_cli.engine.eager import unet_call
+
+    unet, dev, dt = models.unet, models.device, models.dtype
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(names, module, args):
+        amax = args[0].detach().abs().amax().float()
+        for name in names:
+            seen[name] = amax if name not in seen else torch.maximum(seen[name], amax)
+
+    by_input: dict[str, list[str]] = {}
+    for name, source in linears(unet).items():
+        by_input.setdefault(source, []).append(name)
+    hooks = [unet.get_submodule(s).register_forward_pre_hook(partial(record, names)) for s, names in by_input.items()]
+    try:
+        prompts = list(CALIBRATION_PROMPTS)
+        embeds, pooled = encode_text(models, prompts)
+        embeds = torch.cat([torch.zeros_like(embeds), embeds]).to(dt)  # the empty negative's rows are zeros
+        pooled = torch.cat([torch.zeros_like(pooled), pooled]).to(dt)
+        side = 8 * unet.config.sample_size
+        rows = embeds.shape[0]
+        ids = time_ids(side, side, rows, dt, dev)
+        g = torch.Generator().manual_seed(0)
+        for t in CALIBRATION_T:
+            latents = torch.randn(rows, unet.config.in_channels, side // 8, side // 8, generator=g).to(dev, dt)
+            unet_call(unet, latents, torch.full((rows,), t, device=dev), embeds, pooled, ids, None, None)
+    finally:
+        for h in hooks:
+            h.remove()
+    missing = [n for n in linears(unet) if n not in seen]
+    if missing:
+        raise RuntimeError(f"calibration never reached {len(missing)} FP8 Linears, e.g. {missing[0]}")
+    return {n: a.item() for n, a in seen.items()}
+
+
+def scales(models: Any, root: Path) -> tuple[dict[str, float], Path, bool]:
+    """The base model's calibrated input amax: from `root` when stored for this model, else calibrated now and
+    stored (atomically). Returns (amax by name, the file, whether it was calibrated now)."""
+    path = root / f"fp8-scales-{fingerprint(models)}.json"
+    if path.is_file():
+        try:
+            return json.loads(path.read_text())["amax"], path, False
+        except (ValueError, KeyError, OSError) as e:
+            log.warning("stored FP8 scales %s unreadable (%s): calibrating again", path.name, e)
+    amax = calibrate(models)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"model": models.name, "calibration_t": CALIBRATION_T,
+                               "prompts": CALIBRATION_PROMPTS, "amax": amax}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return amax, path, True

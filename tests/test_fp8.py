@@ -1,0 +1,188 @@
+"""FP8 UNet kernels (`--fp8`, engine/fp8.py) on the CPU (AOTInductor builds CPU code, and torch._scaled_mm runs
+there): which Linears go FP8, the artifact computing exactly the FP8 UNet, calibration stored once per model, a
+LoRA swap re-quantising the FP8 weights in place, the options refused where they cannot run. One tiny FP8 UNet
+artifact (128x128) is built per session; the GPU side is tests/test_gpu_fp8.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from storyboard_cli.engine import compiled as C
+from storyboard_cli.engine import fp8 as F
+from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.build import check_engine
+from storyboard_cli.engine.builds import Builds
+from storyboard_cli.engine.eager import StepCalls, unet_call
+from storyboard_cli.errors import BadInput
+from storyboard_cli.models.loader import load_sdxl
+from test_compiled import SIDE, _inputs, _rel, _run
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE = Shape(4, SIDE, SIDE, False)
+FP8_TWINS = 1.5e-2  # compiled FP8 against the same FP8 arithmetic in eager PyTorch (below)
+
+
+def fp8_kernels(models, root, builds=None) -> C.CompiledKernels:
+    k = C.CompiledKernels(models, builds, root=root, fp8=True)
+    k.want(k.targets([SHAPE]))
+    k.reserve(SHAPE.batch, SIDE * SIDE)
+    return k
+
+
+@pytest.fixture(scope="session")
+def fp8_root(tmp_path_factory):
+    """A tiny FP8 UNet artifact built as `bcg capture --warm --fp8` builds it: a child process."""
+    root = tmp_path_factory.mktemp("fp8")
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    notes = []
+    builds = Builds(models.device, notes=notes)
+    k = C.CompiledKernels(models, builds, notes, root=root, fp8=True)
+    assert [t.label for t in k.want(k.targets([SHAPE]))] == ["unet 128x128 fp8"]
+    k.wait()
+    assert k.ready(*SHAPE) is None, notes
+    return root
+
+
+def fp8_reference(models, x_scales: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The FP8 UNet in eager PyTorch: a copy of the rendering UNet, fused and swapped as the export's, holding the
+    FP8 weights and scales the artifact is bound to."""
+    unet = copy.deepcopy(models.unet)
+    C.fuse_projections(unet, processor=True)
+    F.swap_in(unet)
+    tensors = {**F.weights(models, models.unet), **x_scales}
+    with torch.no_grad():
+        for name in F.linears(models.unet):  # (the copy's: Fp8Linear is no Linear any more)
+            m = unet.get_submodule(name)
+            m.weight.copy_(tensors[f"{name}.weight"])
+            m.w_scale.copy_(tensors[f"{name}.w_scale"])
+            m.x_scale.copy_(tensors[f"{name}.x_scale"])
+            if m.bias is not None:
+                m.bias.copy_(models.unet.get_submodule(name).bias)
+    return unet
+
+
+def _unet_only(inputs):
+    return (*inputs[:5], None, None)
+
+
+def test_the_fp8_linears_are_the_transformers_image_token_layers():
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    C.fuse_projections(models.unet)
+    names = F.linears(models.unet)
+    blocks = [n for n, m in models.unet.named_modules() if type(m).__name__ == "BasicTransformerBlock"]
+    transformers = [n for n, m in models.unet.named_modules() if type(m).__name__ == "Transformer2DModel"]
+    assert blocks and len(names) == 6 * len(blocks) + 2 * len(transformers)
+    block = blocks[0]
+    for kept in (f"{block}.attn2.to_kv", f"{block}.attn2.to_k", f"{block}.attn1.to_q"):
+        assert kept not in names  # text tokens (77 a row) stay fp16; to_q is a view of the fused q/k/v
+    assert names[f"{block}.attn1.to_qkv"] == f"{block}.attn1.to_q"  # calibrated on the same input
+    assert names[f"{block}.attn2.to_q"] == f"{block}.attn2.to_q"
+    assert {f"{block}.ff.net.0.proj", f"{block}.ff.net.2", f"{block}.attn1.to_out.0"} <= names.keys()
+    assert not [n for n in names if n.startswith(("time_embedding", "add_embedding"))]
+
+
+def test_the_artifact_computes_the_fp8_unet(fp8_root):
+    """Compiled against the same FP8 arithmetic in eager PyTorch: equal to rounding. Against the float UNet: the
+    quantisation's error, real and inside the first-replay check's limit."""
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    k = fp8_kernels(models, fp8_root)
+    assert k.ready(*SHAPE) is None and k.rtol == F.CHECK_RTOL
+    reference = fp8_reference(models, k.x_scales)
+    for rows in (2, 8):
+        inputs = _unet_only(_inputs(models, rows, False, seed=rows))
+        with torch.no_grad():
+            got = _run(k, *inputs)
+            want = unet_call(reference, *inputs[:5], None, None)
+            full = _run(StepCalls.eager(models), *inputs)
+        # fp8 rounds to 3 mantissa bits: where the compiler's fused producer (LayerNorm, GEGLU) differs from eager's
+        # in the last fp32 bit, an element can land on the next fp8 value (9e-3 measured, against 3.3e-2 to float)
+        assert _rel(got, want) < min(FP8_TWINS, _rel(want, full) / 2)
+        assert 1e-3 < _rel(got, full) < F.CHECK_RTOL
+
+
+def test_scales_are_calibrated_once_per_model_and_stored(fp8_root, tmp_path):
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    first, second = [], []
+    C.CompiledKernels(models, None, first, root=tmp_path, fp8=True)
+    k = C.CompiledKernels(models, None, second, root=tmp_path, fp8=True)
+    assert "calibrated now" in first[0] and "stored" in second[0]
+    stored = json.loads(k.scales_file.read_text())
+    assert set(stored["amax"]) == set(F.linears(models.unet)) and all(a > 0 for a in stored["amax"].values())
+    assert k.x_scales[next(iter(k.x_scales))].dtype == torch.float32
+    other = load_sdxl("tiny", None, "cpu", torch.float32)
+    with torch.no_grad():
+        other.unet.conv_in.weight.mul_(1.5)  # fine-tuned weights: another model
+    assert F.fingerprint(other) != F.fingerprint(models)
+    assert F.fingerprint(load_sdxl("tiny", None, "cpu", torch.float32)) == F.fingerprint(models)
+
+
+def test_a_lora_swap_requantizes_the_fp8_weights_in_place(fp8_root):
+    """A LoRA on a q projection (a view into the fused q/k/v, whose FP8 copy is what the artifact reads) and on a
+    feed-forward layer: the FP8 weights and their scales follow in place, the artifact computes the FP8 UNet of
+    the new weights, and the empty set restores them bit for bit."""
+    from storyboard_cli.models.lora import LoraApplier, LoraLayer, LoraWeights
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    k = fp8_kernels(models, fp8_root)
+    block = "down_blocks.1.attentions.0.transformer_blocks.0"
+    g = torch.Generator().manual_seed(7)
+    layers = []
+    for name in (f"{block}.attn1.to_q", f"{block}.ff.net.2"):
+        out_f, in_f = models.unet.get_submodule(name).weight.shape
+        layers.append(LoraLayer("unet", name, torch.randn(4, in_f, generator=g), torch.randn(out_f, 4, generator=g), 4.0))
+    lora = LoraWeights("x", Path("x.safetensors"), "0" * 64, layers)
+    q, s = models.derived[f"fp8:{block}.attn1.to_qkv"][0]
+    ff = models.derived[f"fp8:{block}.ff.net.2"][0][0]
+    ptrs, q0, s0 = (q.data_ptr(), s.data_ptr(), ff.data_ptr()), q.clone(), s.clone()
+    inputs = _unet_only(_inputs(models, 4, False, seed=11))
+    applier = LoraApplier(models)
+    with torch.no_grad():
+        before = _run(k, *inputs)
+        applier.apply({"x": (lora, 0.8)})
+        after = _run(k, *inputs)
+        want = unet_call(fp8_reference(models, k.x_scales), *inputs[:5], None, None)
+        assert not torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
+        applier.restore()
+        restored = _run(k, *inputs)
+    assert (q.data_ptr(), s.data_ptr(), ff.data_ptr()) == ptrs
+    assert _rel(after, before) > 1e-3 and _rel(after, want) < FP8_TWINS
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    assert torch.equal(restored, before)
+
+
+def test_fp8_artifacts_have_their_own_key_and_name():
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    t16, t8 = C.Target("unet", 1024, 1024), C.Target("unet", 1024, 1024, "fp8")
+    assert (t16.label, t8.label) == ("unet 1024x1024", "unet 1024x1024 fp8")
+    assert C.artifact_key(t16, models.unet) != C.artifact_key(t8, models.unet)
+    assert C.artifact_path(t8, models.unet).name.startswith("unet-fp8-1024x1024-")
+    assert "max_autotune_gemm_backends" not in C.options(t16) and C.options(t8)["max_autotune_gemm_backends"] == "ATEN"
+    # the ControlNet stays fp16: one ControlNet artifact serves fp16 and FP8 renders
+    labels = [t.label for t in C.targets([Shape(2, 1024, 1024, True)], True, fp8=True)]
+    assert labels == ["unet 1024x1024 fp8", "controlnet 1024x1024"]
+
+
+@pytest.mark.parametrize("kind,compile,device,needle", [
+    ("auto", "off", "cuda", "--compile auto or on"), ("eager", "auto", "cuda", "--compile auto or on"),
+    ("auto", "auto", "cpu", "needs a CUDA GPU")])
+def test_fp8_options_are_refused_where_they_cannot_run(kind, compile, device, needle, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no capability query on a machine without one
+    with pytest.raises(BadInput, match=needle):
+        check_engine(kind, compile, torch.device(device), fp8=True)
+
+
+def test_render_fp8_on_the_cpu_is_one_line_exit_2(tmp_path):
+    from storyboard_cli.cli import app
+
+    result = CliRunner().invoke(app, ["render", str(ROOT / "jobs" / "episode1.yaml"), "--fp8", "--device", "cpu",
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "--fp8 needs a CUDA GPU" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
