@@ -445,7 +445,7 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
           allow_dir: Annotated[Optional[list[Path]], typer.Option(help="A folder jobs may read control images, "
                                                                   "LoRAs and models from, besides --root (repeat).")] = None,
           warm: WarmOpt = None, token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
-          compile: CompileOpt = "auto") -> None:
+          compile: CompileOpt = "auto", fp8: Fp8Opt = False) -> None:
     """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
     from storyboard_cli.job.file import load_job
     from storyboard_cli.serve.server import ServeOptions
@@ -455,9 +455,12 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
         if warm is not None:
             load_job(warm)  # a bad file is one line here, not a worker that dies and is restarted
             warm = warm.resolve()
+        if fp8 and "cpu" in gpus.split(","):
+            raise BadInput("--fp8 runs on FP8 GPUs: drop the cpu workers from --gpus")
         opts = ServeOptions(root=root, host=host, port=port, gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
                             max_queue_images=max_queue_images, lease_s=lease_s, grace_s=grace_s, token=token,
-                            dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()), warm=warm)
+                            dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()), warm=warm,
+                            fp8=fp8)
         err.print(f"bcg serve: http://{host}:{port} (docs at /docs), root {root}, workers: {', '.join(opts.gpus)}")
         code = serving(opts)
     raise typer.Exit(code)
@@ -472,15 +475,19 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
            root: Annotated[Path, typer.Option(help="Where this worker keeps its copies of job folders when it does "
                                                    "not share the server's filesystem.")] = Path("bcg-worker"),
            warm: WarmOpt = None, token: TokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-           engine: EngineOpt = "auto", compile: CompileOpt = "auto") -> None:
+           engine: EngineOpt = "auto", compile: CompileOpt = "auto", fp8: Fp8Opt = False) -> None:
     """Render the server's queue on this machine (job folders shared with the server, or uploaded)."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from storyboard_cli.serve.worker import WorkerOptions, run_worker
 
     with _domain_errors():
+        if fp8:  # before the first lease: every image it took would fail
+            from storyboard_cli.engine.build import check_engine, resolve_device
+
+            check_engine(engine, compile, resolve_device(device, dtype)[0], fp8)
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
-                                 compile=compile, token=token, upload=upload, root=root, warm=warm))
+                                 compile=compile, token=token, upload=upload, root=root, warm=warm, fp8=fp8))
 
 
 @app.command()

@@ -186,3 +186,22 @@ def test_render_fp8_on_the_cpu_is_one_line_exit_2(tmp_path):
     assert result.exit_code == 2, result.output
     assert "--fp8 needs a CUDA GPU" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [["worker", "--server", "http://127.0.0.1:9", "--fp8", "--device", "cpu"],
+                                  ["serve", "--gpus", "cpu", "--fp8"]])
+def test_a_service_with_fp8_on_the_cpu_is_refused_before_it_starts(argv, tmp_path, monkeypatch):
+    from storyboard_cli.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert "--fp8" in result.output and "Traceback" not in result.output
+
+
+def test_serve_fp8_starts_its_workers_with_fp8(tmp_path):
+    from storyboard_cli.serve.server import ServeOptions, worker_command
+
+    argv, _ = worker_command("http://127.0.0.1:8188", "0", ServeOptions(root=tmp_path, fp8=True))
+    assert "--fp8" in argv
+    assert "--fp8" not in worker_command("http://127.0.0.1:8188", "0", ServeOptions(root=tmp_path))[0]

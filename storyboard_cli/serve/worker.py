@@ -47,6 +47,7 @@ class WorkerOptions:
     dtype: str | None = None
     engine: str = "auto"
     compile: str = "auto"
+    fp8: bool = False  # the UNet's FP8 kernels (bcg render --fp8)
     token: str | None = None
     poll_s: float = 0.5
     max_leases: int | None = None  # stop after this many (tests); None: until stopped
@@ -251,7 +252,7 @@ def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, P
             if job_id == lease["job"]:
                 hot.for_job(job)
             ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
-                                  engine=opts.engine, compile=opts.compile)
+                                  engine=opts.engine, compile=opts.compile, fp8=opts.fp8)
             sessions[job_id] = LeaseSession(job, ropts, images, hot)
         except StoryboardError as e:
             out.failed.update({image["id"]: one_line(e) for image in images})
@@ -351,7 +352,7 @@ def run_worker(opts: WorkerOptions) -> int:
         job = load_job(opts.warm)
         hot.for_job(job)
         hot.models, hot.engine = warm(job, RenderOptions(device=opts.device, dtype=opts.dtype, engine=opts.engine,
-                                                         compile=opts.compile))
+                                                         compile=opts.compile, fp8=opts.fp8))
         log.info("warm: %s loaded, its shapes captured", job.model)
     try:
         while not stop.requested and (opts.max_leases is None or rendered < opts.max_leases):
