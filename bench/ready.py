@@ -2,7 +2,7 @@
 shape of the job loaded (its kernels bound), captured and checked against the eager step, as a render's
 first batches would need them. The figure behind docs/PERFORMANCE.md's "ready after the weights".
 
-    python bench/ready.py jobs/bench.yaml OUT.json
+    python bench/ready.py jobs/bench.yaml OUT.json [--fp8]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main(job_path: str, out: str) -> None:
     t1 = time.perf_counter()
     shapes = sorted(set(batch_shapes(make_batches(work_items(job), job.buckets))), reverse=True)
     notes: list[str] = []
-    runner = graph_runner(models, shapes, "auto", notes)
+    runner = graph_runner(models, shapes, "auto", notes, fp8="--fp8" in sys.argv)
     runner.prepare(shapes)
     t2 = time.perf_counter()
     sched = schedule("euler", 2, models.scheduler_config)

@@ -209,14 +209,17 @@ def first_render(job: Job, models: SdxlModels, log: Callable[[str], None]) -> di
 def compile_slice(job: Job, models: SdxlModels, loop: DiffusersLoop, log: Callable[[str], None]) -> dict:
     """(b) the diffusers loop with diffusers' regional torch.compile (`compile_repeated_blocks`: each
     BasicTransformerBlock compiled once and reused) on the job's shots at its most common size, side by
-    side with (a) and with (e) bcg on its compiled kernels, on that slice. Run last: it compiles the shared
-    UNet's blocks (undone at the end)."""
+    side with (a) and with (e) bcg on its compiled kernels, on that slice (and (f), bcg --fp8, on a GPU with FP8).
+    Run last: it compiles the shared UNet's blocks (undone at the end)."""
+    from storyboard_cli.bench.fp8 import fp8_ready
+
     sizes = [(s.width, s.height) for s in job.shots]
     size = max(set(sizes), key=sizes.count)
     part = replace(job, shots=tuple(s for s in job.shots if (s.width, s.height) == size))
     torch._dynamo.config.recompile_limit = 64  # every block class x row count, until shapes turn dynamic
     with tempfile.TemporaryDirectory() as tmp:
         e = bcg_render(part, models, Path(tmp) / "e", compile="auto")
+        f = bcg_render(part, models, Path(tmp) / "f", compile="auto", fp8=True) if fp8_ready(models.device) else None
         a = loop.run_job(part, Path(tmp) / "a")
         models.unet.compile_repeated_blocks(fullgraph=True)
         try:
@@ -230,8 +233,11 @@ def compile_slice(job: Job, models: SdxlModels, loop: DiffusersLoop, log: Callab
            "b_steady": steady, "b_compile_s": first["wall_s"] - steady["wall_s"],
            "e_vs_b": e["images_per_s"] / steady["images_per_s"], "e_vs_a": e["images_per_s"] / a["images_per_s"],
            "b_vs_a": steady["images_per_s"] / a["images_per_s"]}
+    if f is not None:
+        rec.update(f=f, f_vs_b=f["images_per_s"] / steady["images_per_s"], f_vs_a=f["images_per_s"] / a["images_per_s"])
     log(f"slice {size[0]}x{size[1]} ({rec['images']} images): (e) {rec['e_vs_a']:.2f}x (a), (b) steady "
-        f"{rec['b_vs_a']:.2f}x (a), (e) {rec['e_vs_b']:.2f}x (b); (b) compile {rec['b_compile_s']:.0f} s")
+        f"{rec['b_vs_a']:.2f}x (a), (e) {rec['e_vs_b']:.2f}x (b); (b) compile {rec['b_compile_s']:.0f} s"
+        + (f"; (f) --fp8 {rec['f_vs_a']:.2f}x (a), {rec['f_vs_b']:.2f}x (b)" if f is not None else ""))
     return rec
 
 

@@ -116,7 +116,9 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
                 f"{b['a']['images_per_s']:.3f} images/s, (b) + regional torch.compile steady "
                 f"{b['b_steady']['images_per_s']:.3f} (first pass {b['b_first']['images_per_s']:.3f}, compile about "
                 f"{b['b_compile_s']:.0f} s), (e) bcg compiled {b['e']['images_per_s']:.3f}: (e) = "
-                f"**{b['e_vs_a']:.2f}x (a)**, **{b['e_vs_b']:.2f}x (b)**", ""]
+                f"**{b['e_vs_a']:.2f}x (a)**, **{b['e_vs_b']:.2f}x (b)**"
+                + (f"; (f) bcg --fp8 {b['f']['images_per_s']:.3f}: **{b['f_vs_a']:.2f}x (a)**, **{b['f_vs_b']:.2f}x (b)**"
+                   if "f" in b else ""), ""]
     if "profile" in rec:
         pr = rec["profile"]
         out += [f"Compiled against plain, relative error: noise prediction {pr['rel_err_eps']:.1e}, denoised at "
