@@ -28,9 +28,13 @@ trap pack EXIT
    --parts a_diffusers,e_bcg_compiled,f_bcg_fp8 --results $R/job > $R/bench_job.log 2>&1
  echo "bench job rc=$? at ${SECONDS}s" >> $R/walls.txt) &
 (export CUDA_VISIBLE_DEVICES=0
- timeout $((LIMIT - 200)) python -m pytest -q -m gpu tests/test_gpu_compiled.py tests/test_gpu_fp8.py -p no:cacheprovider \
-   > $R/gpu_tests.log 2>&1
+ # two processes: loading sdxl-random after the compiled tests' graphs, in one process, failed on the default CUDA
+ # generator ("Offset increment outside graph capture encountered unexpectedly", docs/PERFORMANCE.md)
+ timeout 150 python -m pytest -q -m gpu tests/test_gpu_compiled.py -p no:cacheprovider > $R/gpu_tests.log 2>&1
  echo "gpu tests rc=$? at ${SECONDS}s" >> $R/walls.txt
+ timeout $((LIMIT - 200 - SECONDS)) python -m pytest -q -m gpu tests/test_gpu_fp8.py -p no:cacheprovider \
+   > $R/gpu_fp8_tests.log 2>&1
+ echo "fp8 tests rc=$? at ${SECONDS}s" >> $R/walls.txt
  timeout $((LIMIT - 15 - SECONDS)) python -m storyboard_cli bench jobs/bench.yaml --parts fp8 --results $R/fp8 \
    > $R/bench_fp8.log 2>&1
  echo "bench fp8 rc=$? at ${SECONDS}s" >> $R/walls.txt) &

@@ -483,9 +483,9 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
 
     with _domain_errors():
         if fp8:  # before the first lease: every image it took would fail
-            from storyboard_cli.engine.build import check_engine, resolve_device
+            from storyboard_cli.run.render import RenderOptions, check_options
 
-            check_engine(engine, compile, resolve_device(device, dtype)[0], fp8)
+            check_options(RenderOptions(device=device, dtype=dtype, engine=engine, compile=compile, fp8=fp8))
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
                                  compile=compile, token=token, upload=upload, root=root, warm=warm, fp8=fp8))
 

@@ -15,8 +15,10 @@ from storyboard_cli.cli import app
 from storyboard_cli.folder.outputs import read_fingerprint
 
 pytestmark = pytest.mark.slow
-N = 12  # enough that a render stopped after its third image is stopped mid-job
-JOB = f"version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {{id: a, prompt: x, steps: 6, size: 64x64, candidates: {N}}}\n"
+# enough images, and steps, that a render stopped after its third image is stopped mid-job even when the refused
+# second render (in this process, between its first and third image) is slow to start on a loaded machine
+N = 16
+JOB = f"version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {{id: a, prompt: x, steps: 12, size: 64x64, candidates: {N}}}\n"
 
 
 def _start(job_path, out):

@@ -89,6 +89,12 @@ def settle_folder(job: Job, out_dir: Path, force: bool = False, only: set[str] |
     return pending, manifest
 
 
+def check_options(opts: RenderOptions) -> None:
+    """The engine options against each other and the device, before a model is loaded (a worker: before its first
+    lease, so a worker that cannot render them stops at once instead of failing every image it takes)."""
+    check_engine(opts.engine, opts.compile, resolve_device(opts.device, opts.dtype)[0], opts.fp8)
+
+
 def load_models(job: Job, items: list, device: torch.device, dtype: torch.dtype) -> SdxlModels:
     """The job's model, with its ControlNet only when one of `items` has a control image."""
     controlnet = job.controlnet if any(i.control_image for i in items) else None
