@@ -40,12 +40,4 @@ trap pack EXIT
  echo "bench fp8 rc=$? at ${SECONDS}s" >> $R/walls.txt) &
 wait
 cat $R/walls.txt; tail -n 25 $R/gpu_tests.log; tail -n 8 $R/capture.log; grep -h "ratio\|images/s\|drift\|FP8\|failed\|Error" $R/bench_job.log $R/bench_fp8.log | tail -n 30
-python - $R/capture.json <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    print("no capture JSON:", e); sys.exit()
-for r in d["timings"]:
-    print(f"{r['shape']:<45} {r['state']:<6} cap {r['capture_s']:.2f}s eager {r['eager_ms'] or 0:.1f} graph {r['graph_ms'] or 0:.1f} ms/step  {r['reason'][:70]}")
-PY
+python bench/capture_table.py $R/capture.json

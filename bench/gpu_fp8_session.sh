@@ -32,12 +32,4 @@ wait
 cat $R/walls.txt; tail -n 15 $R/gpu_fp8_tests.log; tail -n 4 $R/capture.log; cat $R/ready_fp8.log | head -30
 grep -h "slice\|ratio\|PSNR\|failed\|Error" $R/bench_slice.log $R/bench_job.log | tail -n 20
 cat $R/job/*.md 2>/dev/null | head -14
-python - $R/capture.json <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    print("no capture JSON:", e); sys.exit()
-for r in d["timings"]:
-    print(f"{r['shape']:<45} {r['state']:<6} cap {r['capture_s']:.2f}s eager {r['eager_ms'] or 0:.1f} graph {r['graph_ms'] or 0:.1f} ms/step  {r['reason'][:70]}")
-PY
+python bench/capture_table.py $R/capture.json

@@ -29,12 +29,4 @@ trap pack EXIT
  echo "compiled tests rc=$? at ${SECONDS}s" >> $R/walls.txt) &
 wait
 cat $R/walls.txt; tail -n 15 $R/gpu_tests.log; tail -n 25 $R/gpu_compiled_tests.log; tail -n 5 $R/capture.log
-python - $R/capture.json <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except Exception as e:
-    print("no capture JSON:", e); sys.exit()
-for r in d["timings"]:
-    print(f"{r['shape']:<45} {r['state']:<6} cap {r['capture_s']:.2f}s eager {r['eager_ms'] or 0:.1f} graph {r['graph_ms'] or 0:.1f} ms/step  {r['reason'][:70]}")
-PY
+python bench/capture_table.py $R/capture.json

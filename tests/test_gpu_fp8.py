@@ -11,24 +11,13 @@ from storyboard_cli.engine import fp8 as F
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.eager import EagerEngine, StepCalls
 from test_gpu import _close, _inputs
+from test_gpu_compiled import _unguided, lora_swap_reaches_the_graph
 
 pytestmark = pytest.mark.gpu
 SIDE = 1024
 # over 4 steps at guidance 1 the FP8 loop against the fp16 eager loop (the quantisation's 3.4e-2 per prediction,
 # diluted by the latents the sampler carries)
 RTOL = 0.1
-
-
-def _unguided(args):
-    x, sched, noise, cond, ctl, guidance = args
-    return x, sched, noise, cond, ctl, torch.ones_like(guidance)
-
-
-def _derived_pointers(models) -> list[int]:
-    out = []
-    for value, _ in models.derived.values():
-        out += [t.data_ptr() for t in (value if isinstance(value, tuple) else (value,))]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,28 +66,5 @@ def test_fp8_module_call_against_the_eager_unet(setup, timestep):
 
 
 def test_a_lora_swap_reaches_the_fp8_graph(setup, tmp_path):
-    from storyboard_cli.models.lora import LoraApplier, read_lora
-    from storyboard_cli.models.synthetic_lora import random_factors, save_kohya
-
-    models, runner, eager = setup
-    factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, 3, 8, relative=0.1).items()}
-    path = save_kohya(tmp_path / "a.safetensors", factors, models.unet.config.layers_per_block, alpha=8.0)
-    lora = read_lora("a", path, models.unet.config)
-    applier = LoraApplier(models)
-    applier.register(lora)
-    pointers = [p.data_ptr() for p in models.unet.parameters()] + _derived_pointers(models)
-    args = _unguided(_inputs(models, 2, SIDE, SIDE, True, "euler", steps=4, seed=5))
-    before = runner.sample(*args)
-    key = runner.shape_key(2, SIDE, SIDE, True)
-    assert key.variant == "compiled"
-    captured, graphs = runner.stats[key].capture_s, len(runner.graphs)
-    applier.apply({"a": (lora, 0.9)})
-    try:
-        after = runner.sample(*args)
-        assert runner.stats[key].capture_s == captured and len(runner.graphs) == graphs  # no new capture
-        _close(after, eager.sample(*args), RTOL)
-        assert not torch.allclose(after, before)
-    finally:
-        applier.restore()
-    assert [p.data_ptr() for p in models.unet.parameters()] + _derived_pointers(models) == pointers
-    _close(runner.sample(*args), before, 1e-3)
+    """The FP8 weights and their scales are re-quantised in place: the same pointers, the same graph."""
+    lora_swap_reaches_the_graph(setup, tmp_path, RTOL)
