@@ -136,7 +136,8 @@ def test_a_lora_swap_requantizes_the_fp8_weights_in_place(fp8_root):
     layers = []
     for name in (f"{block}.attn1.to_q", f"{block}.ff.net.2"):
         out_f, in_f = models.unet.get_submodule(name).weight.shape
-        layers.append(LoraLayer("unet", name, torch.randn(4, in_f, generator=g), torch.randn(out_f, 4, generator=g), 4.0))
+        down, up = torch.randn(4, in_f, generator=g), torch.randn(out_f, 4, generator=g)
+        layers.append(LoraLayer("unet", name, down, up, 4.0))
     lora = LoraWeights("x", Path("x.safetensors"), "0" * 64, layers)
     q, s = models.derived[f"fp8:{block}.attn1.to_qkv"][0]
     ff = models.derived[f"fp8:{block}.ff.net.2"][0][0]

@@ -273,7 +273,8 @@ def artifact_key(target: Target, model: torch.nn.Module) -> str:
 
 def artifact_path(target: Target, model: torch.nn.Module, root: Path | None = None) -> Path:
     kind = target.module + ("-fp8" if target.fp8 else "")
-    return (root or cache_root() / "compiled") / f"{kind}-{target.width}x{target.height}-{artifact_key(target, model)}.pt2"
+    name = f"{kind}-{target.width}x{target.height}-{artifact_key(target, model)}.pt2"
+    return (root or cache_root() / "compiled") / name
 
 
 def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
