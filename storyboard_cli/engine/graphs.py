@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import warnings
 from dataclasses import replace
 from typing import Callable
 
@@ -215,7 +216,9 @@ class GraphRunner:
         """A capture that failed inside CUDA raises from the end of the capture, before torch restores the stream and
         before it ends the allocator's recording into the pool; while that records, every later capture into the
         pool fails ("already recording", seen on the H200 even after ending it by hand). The graphs captured so far
-        keep the pool; later captures go to a new one (their memory is not shared with the old pool's)."""
+        keep the pool; later captures go to a new one (their memory is not shared with the old pool's). It also
+        raises before the default CUDA generator leaves capture mode, after which every CUDA random op outside a
+        capture fails ("Offset increment outside graph capture", bench/rng_trace.py): an empty capture ends it."""
         torch.cuda.set_stream(stream)
         end = getattr(torch._C, "_cuda_endAllocateToPool", None)
         if end is not None:
@@ -224,12 +227,19 @@ class GraphRunner:
             except Exception as e:  # noqa: BLE001 - it was not recording (the capture failed before it began)
                 log.info("after a failed capture, the pool was not recording: %s", one_line(e, 160))
         self.pool = torch.cuda.graph_pool_handle()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it is meant to be
+            empty = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(empty):
+                pass
 
     def _fall_back(self, key: ShapeKey, reason: str) -> None:
         """A plain shape runs eager from now on; a compiled one falls back to the plain graph."""
         stats = self.stats.setdefault(key, GraphStats(key))
         stats.state, stats.reason = ("plain" if key.variant == "compiled" else "eager"), reason
         self.graphs.pop(key, None)
+        if not self.graphs:  # the pool died with its last graph: capturing into its handle again trips an allocator
+            self.pool = None  # assert (use_count > 0, CUDACachingAllocator.cpp), seen when a first compiled graph fell back
         if key.variant == "compiled":
             self.demoted.add(key.shape)
         log.warning("graph %s falls back to %s: %s", key.label, stats.state, reason)
