@@ -43,7 +43,8 @@ def main(job_path: str, out: str) -> None:
     rows = runner.describe()
     rec = {"weights_s": round(t1 - t0, 1), "ready_after_weights_s": round(t3 - t1, 1),
            "load_and_capture_s": round(t2 - t1, 1), "checks_s": round(t3 - t2, 1), "shapes": len(shapes),
-           "compiled_checked": sum(r["state"] == "graph" and "compiled" in r["shape"] and "checked" in r["reason"]
+           "compiled_checked": sum(r["state"] == "graph" and {"compiled", "fp8"} & set(r["shape"].split())
+                                   and "checked" in r["reason"]
                                    for r in rows),
            "artifact_load_s": {t.label: round(v, 3) for t, v in runner.compiled.load_s.items()},
            "notes": notes, "graphs": rows}

@@ -50,3 +50,42 @@ def write_job(folder: Path, text: str, name: str = "job.yaml") -> Path:
     path = folder / name
     path.write_text(text)
     return path
+
+
+STATIC_CXX = """#!/bin/sh
+# g++ that puts a static copy of libstdc++ into every shared library it makes, as the H200 image's does
+case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ ;; *) exec g++ "$@" ;; esac
+"""
+
+
+@pytest.fixture(scope="session")
+def artifacts(tmp_path_factory):
+    """A tiny UNet and ControlNet artifact built the way `bcg capture --warm` builds them: child
+    processes, side by side, with a compiler that links libstdc++ statically. A library with its own
+    copy of libstdc++ crashed at load on the GPU image (AOTInductor's loader parses the device string
+    with std::regex, which reads the copy's never-initialised locale); bcg's link options must keep it
+    loadable."""
+    import torch
+
+    from storyboard_cli.engine import compiled as C
+    from storyboard_cli.engine.base import Shape
+    from storyboard_cli.engine.builds import Builds
+    from storyboard_cli.models.loader import load_sdxl
+
+    root = tmp_path_factory.mktemp("compiled")
+    cxx = root / "g++"
+    cxx.write_text(STATIC_CXX)
+    cxx.chmod(0o755)
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    events, notes = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CXX", str(cxx))  # the build children inherit it
+        builds = Builds(models.device, events.append, notes=notes)
+        k = C.CompiledKernels(models, builds, root=root)
+        k.want(C.targets([Shape(4, 128, 128, True)], True))
+        assert [t.label for t in k.waiting] == ["unet 128x128", "controlnet 128x128"]
+        k.start()
+        builds.wait()
+    assert notes == []
+    assert {e.module for e in events if e.state == "done"} == {"unet 128x128", "controlnet 128x128"}
+    return root

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from storyboard_cli.engine import compiled as C
 from storyboard_cli.engine import fp8 as F
+from storyboard_cli.engine import graphs
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import check_engine
 from storyboard_cli.engine.builds import Builds
@@ -93,7 +94,7 @@ def test_the_artifact_computes_the_fp8_unet(fp8_root):
     quantisation's error, real and inside the first-replay check's limit."""
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     k = fp8_kernels(models, fp8_root)
-    assert k.ready(*SHAPE) is None and k.rtol == F.CHECK_RTOL
+    assert k.ready(*SHAPE) is None and graphs.CHECK_RTOL["fp8"] == F.CHECK_RTOL
     reference = fp8_reference(models, k.x_scales)
     for rows in (2, 8):
         inputs = _unet_only(_inputs(models, rows, False, seed=rows))
@@ -206,3 +207,52 @@ def test_serve_fp8_starts_its_workers_with_fp8(tmp_path):
     argv, _ = worker_command("http://127.0.0.1:8188", "0", ServeOptions(root=tmp_path, fp8=True))
     assert "--fp8" in argv
     assert "--fp8" not in worker_command("http://127.0.0.1:8188", "0", ServeOptions(root=tmp_path))[0]
+
+
+def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):
+    """With --fp8 a size runs on the best kernels loaded: its fp16 ones (from the cache) while the FP8 ones build,
+    FP8 once they land; an FP8 graph that fails its check falls back to the fp16 kernels, those to the plain graph.
+    (The kernels are stand-ins: which graph a shape gets is the runner's choice, made before any capture.)"""
+    from storyboard_cli.engine.graphs import GraphRunner
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    k = C.CompiledKernels(models, None, root=tmp_path, fp8=True)
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k)
+    shape = (2, SIDE, SIDE, False)
+    assert runner.shape_key(*shape).variant == "plain"
+    k.calls[k.unet_target(SIDE, SIDE, "compiled")] = "fp16 kernels"
+    assert runner.shape_key(*shape).variant == "compiled"  # the FP8 kernels are still building
+    k.calls[k.unet_target(SIDE, SIDE)] = "fp8 kernels"
+    fp8 = runner.shape_key(*shape)
+    assert fp8.variant == "fp8" and fp8.label.endswith(" fp8")
+    assert k.calls_for("fp8").unet.keywords == {"variant": "fp8"}
+    runner._fall_back(fp8, "replay check failed")
+    assert runner.stats[fp8].state == "compiled" and runner.shape_key(*shape).variant == "compiled"
+    runner._fall_back(runner.shape_key(*shape), "replay check failed")
+    assert runner.shape_key(*shape).variant == "plain"
+    assert runner.graph(fp8) is None  # a variant that fell back is never captured again
+    # the other sizes keep their best variant; a shape with a ControlNet needs the ControlNet's kernels too
+    assert runner.shape_key(2, 2 * SIDE, SIDE, False).variant == "plain"
+    assert k.variants(2, SIDE, SIDE, True) == []
+
+
+def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, artifacts, fp8_root):
+    """`want` with --fp8: a size's fp16 UNet is loaded where the cache has it (never built), its FP8 one is what is
+    built; with both loaded the size runs FP8, and both compute what they should."""
+    import shutil
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    k = C.CompiledKernels(models, None, root=tmp_path, fp8=True)
+    assert [t.label for t in k.want(k.targets([SHAPE]))] == ["unet 128x128 fp8"]  # wanted: the FP8 one only
+    for f in [*artifacts.glob("unet-128x128-*"), *fp8_root.glob("unet-fp8-*")]:
+        shutil.copy(f, tmp_path / f.name)
+    k = C.CompiledKernels(models, None, root=tmp_path, fp8=True)
+    assert k.want(k.targets([SHAPE])) == []
+    assert k.variants(*SHAPE) == ["fp8", "compiled"]
+    k.reserve(SHAPE.batch, SIDE * SIDE)
+    inputs = _unet_only(_inputs(models, 4, False, seed=4))
+    with torch.no_grad():
+        full = _run(StepCalls.eager(models), *inputs)
+        fp16 = _run(k.calls_for("compiled"), *inputs)
+        fp8 = _run(k.calls_for("fp8"), *inputs)
+    assert _rel(fp16, full) < 1e-4 and 1e-3 < _rel(fp8, full) < F.CHECK_RTOL

@@ -42,7 +42,7 @@ def test_fp8_replay_is_checked_against_the_uncompiled_eager_step(setup, batch, c
     got = runner.sample(*args)
     key = runner.shape_key(batch, SIDE, SIDE, control)
     stats = runner.stats[key]
-    assert key.variant == "compiled" and stats.state == "graph" and stats.checked, stats.reason
+    assert key.variant == "fp8" and stats.state == "graph" and stats.checked, stats.reason
     _close(got, eager.sample(*args), RTOL)
 
 
@@ -67,4 +67,4 @@ def test_fp8_module_call_against_the_eager_unet(setup, timestep):
 
 def test_a_lora_swap_reaches_the_fp8_graph(setup, tmp_path):
     """The FP8 weights and their scales are re-quantised in place: the same pointers, the same graph."""
-    lora_swap_reaches_the_graph(setup, tmp_path, RTOL)
+    lora_swap_reaches_the_graph(setup, tmp_path, RTOL, "fp8")

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -435,19 +436,26 @@ class CompiledKernels(StepCalls):
             how = f"calibrated now in {time.perf_counter() - t0:.1f} s" if calibrated else "stored"
             self.notes.append(f"UNet kernels in FP8 (--fp8): input scales {how}, {self.scales_file}")
 
-    @property
-    def rtol(self) -> float:
-        """The first-replay check's limit for a compiled shape (graphs.CHECK_RTOL; FP8 has its own)."""
-        from storyboard_cli.engine import fp8
-        from storyboard_cli.engine.graphs import CHECK_RTOL
-
-        return fp8.CHECK_RTOL if self.fp8 else CHECK_RTOL["compiled"]
-
     def targets(self, shapes: Iterable[Shape]) -> list[Target]:
+        """What these shapes are built for: the UNet in this run's precision, the ControlNets."""
         return targets(shapes, self.models.controlnet is not None, self.fp8)
 
-    def unet_target(self, height: int, width: int) -> Target:
-        return Target("unet", height, width, "fp8" if self.fp8 else "fp16")
+    def unet_target(self, height: int, width: int, variant: str | None = None) -> Target:
+        """The UNet artifact of a variant ("compiled": fp16, "fp8"; None: this run's precision)."""
+        fp8 = self.fp8 if variant is None else variant == "fp8"
+        return Target("unet", height, width, "fp8" if fp8 else "fp16")
+
+    def variants(self, batch: int, height: int, width: int, control: bool) -> list[str]:
+        """The ShapeKey variants this shape can run on now, best first: with --fp8 its FP8 kernels, then the fp16 ones
+        when the cache had them (while the FP8 ones build, or after they failed their check)."""
+        if fits(batch, height, width) is not None or (control and Target("controlnet", height, width) not in self.calls):
+            return []
+        return [v for v in (("fp8", "compiled") if self.fp8 else ("compiled",))
+                if self.unet_target(height, width, v) in self.calls]
+
+    def calls_for(self, variant: str) -> StepCalls:
+        """The step's module calls on one variant's kernels (what a graph of that variant captures)."""
+        return StepCalls(partial(self._unet, variant=variant), self._controlnet)
 
     def path(self, target: Target) -> Path:
         return artifact_path(target, module_of(self.models, target.module), self.root)
@@ -466,7 +474,16 @@ class CompiledKernels(StepCalls):
             return False
 
     def want(self, targets: Iterable[Target]) -> list[Target]:
-        """Loads what the cache has for `targets`; returns the ones it lacks (also kept for `start`)."""
+        """Loads what the cache has for `targets`; returns the ones it lacks (also kept for `start`). With --fp8, the
+        fp16 UNets of the same sizes are loaded too where the cache has them (never built): a size runs on them until
+        its FP8 kernels land."""
+        targets = list(targets)
+        if self.fp8:
+            for t in targets:
+                fp16 = self.unet_target(t.height, t.width, "compiled")
+                path = self.path(fp16) if t.fp8 else None
+                if path is not None and fp16 not in self.calls and path.is_file():
+                    self.add(fp16, path)
         for t in targets:
             if t in self.calls or t in self.waiting:
                 continue
@@ -514,7 +531,7 @@ class CompiledKernels(StepCalls):
             self.zeros = torch.zeros(need, dtype=self.models.dtype, device=self.models.device)
 
     def ready(self, batch: int, height: int, width: int, control: bool) -> str | None:
-        """None if this shape can run on compiled kernels now, else why not."""
+        """None if this shape can run on this run's kernels now (FP8 with --fp8), else why not."""
         why = fits(batch, height, width)
         if why:
             return why
@@ -530,14 +547,17 @@ class CompiledKernels(StepCalls):
             return self.zeros[: rows * c * (h // d) * (w // d)].view(rows, h // d, w // d, c).permute(0, 3, 1, 2)
         return view(*self.residuals.mid), tuple(view(c, d) for c, d in self.residuals.down)
 
-    def _unet(self, latents, t, embeds, pooled, time_ids, mid, down):
+    def _unet(self, latents, t, embeds, pooled, time_ids, mid, down, variant: str | None = None):
+        """`variant`: which UNet kernels ("compiled", "fp8"); None: the best loaded for the size."""
         rows, _, h, w = latents.shape
         if mid is None:
             mid, down = self._zero_residuals(rows, h, w)
         # the artifact reads its inputs with the strides it was compiled for: the compiled ControlNet's
         # residuals are channels_last already (no copy); any other layout is made so
         mid, down = _nhwc(mid), tuple(_nhwc(d) for d in down)
-        call = self.calls[self.unet_target(8 * h, 8 * w)]
+        if variant is None:
+            variant = (self.variants(rows // 2 or 1, 8 * h, 8 * w, False) or ["fp8" if self.fp8 else "compiled"])[0]
+        call = self.calls[self.unet_target(8 * h, 8 * w, variant)]
         return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down)
 
     def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):

@@ -43,6 +43,7 @@ from storyboard_cli.engine.buffers import Buffers, Views
 from storyboard_cli.engine.compiled import MAX_ROWS, MIN_ROWS, CompiledKernels
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
+from storyboard_cli.engine.fp8 import CHECK_RTOL as FP8_RTOL
 from storyboard_cli.engine.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.sampling import Schedule
 from storyboard_cli.errors import one_line
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 # move by a fraction of it). Plain graphs run the eager kernels (0 measured). Compiled kernels round once where eager
 # rounds after every op: 1.6e-3 in the SDXL UNet's fp16 noise prediction on an H200 (bench/fp8_scout.py); an
 # artifact that read its timestep as fp16 bits was 1.2e-1 to 1.6e-1 off (docs/PERFORMANCE.md). FP8 kernels: fp8.CHECK_RTOL
-CHECK_RTOL = {"plain": 2e-2, "compiled": 2e-2}
+CHECK_RTOL = {"plain": 2e-2, "compiled": 2e-2, "fp8": FP8_RTOL}
 # eager steps on a side stream before a capture: one does the lazy inits (kernel modules, library handles, a
 # compiled artifact's kernels) for the shapes it runs; a second cost a whole step per graph (a draft render captures
 # 35) and changed nothing the GPU tests see (every kind captured and checked against eager)
@@ -69,9 +70,10 @@ class GraphRunner:
     def __init__(self, models: SdxlModels, max_batch: int = 1, max_hw: tuple[int, int] = (64, 64),
                  compiled: CompiledKernels | None = None):
         """`compiled`: compiled module calls (engine/compiled.py) for the shapes whose kernels are ready;
-        those shapes get ShapeKey.variant "compiled", the rest (and any that fails its check) "plain"."""
+        those shapes get ShapeKey.variant "fp8" (--fp8) or "compiled" (fp16), the best the kernels loaded so far
+        offer; a variant that fails its check falls back to the next, the last to "plain"."""
         self.models, self.compiled = models, compiled
-        self.demoted: set[Shape] = set()  # compiled shapes that fell back to plain
+        self.demoted: dict[Shape, set[str]] = {}  # the variants of a shape that failed (capture or check)
         self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.side: torch.cuda.Stream | None = None  # the warm-ups' stream, made at the first
@@ -119,11 +121,13 @@ class GraphRunner:
             control, step = False, replace(step, control=True)
         shape = Shape(batch, height, width, control)
         rows = 2 * batch if step.guided else batch
-        compiled = (self.compiled is not None and shape not in self.demoted and not step.cache
-                    and MIN_ROWS <= rows <= MAX_ROWS and self.compiled.ready(*shape) is None)
-        if not compiled and not step.cache:  # a plain step whose DeepCache twin the runner captures: that graph
+        variant = "plain"
+        if self.compiled is not None and not step.cache and MIN_ROWS <= rows <= MAX_ROWS:
+            failed = self.demoted.get(shape, set())
+            variant = next((v for v in self.compiled.variants(*shape) if v not in failed), "plain")
+        if variant == "plain" and not step.cache:  # a plain step whose DeepCache twin the runner captures: that graph
             step = self.writers.get((shape, step.guided), step)
-        return ShapeKey(*shape, dtype_name(self.models.dtype), "compiled" if compiled else "plain", step)
+        return ShapeKey(*shape, dtype_name(self.models.dtype), variant, step)
 
     def _share(self, shape: Shape, kinds) -> None:
         """Registers the DeepCache full steps among `kinds` (for `shape`): from now on today's step of the same
@@ -142,7 +146,7 @@ class GraphRunner:
 
     def _step(self, v: Views) -> None:
         row = self.buf.table.index_select(0, self.buf.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
-        calls = self.compiled if v.key.variant == "compiled" else None
+        calls = None if v.key.variant == "plain" else self.compiled.calls_for(v.key.variant)
         x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance,
                                        calls, v.key.step, v.feature)
         v.x.copy_(x_next)
@@ -234,22 +238,24 @@ class GraphRunner:
                 pass
 
     def _fall_back(self, key: ShapeKey, reason: str) -> None:
-        """A plain shape runs eager from now on; a compiled one falls back to the plain graph."""
+        """A plain shape runs eager from now on; a compiled one falls back to its next variant (FP8 to fp16 compiled
+        where loaded, then the plain graph). `stats.state` names what it fell back to."""
         stats = self.stats.setdefault(key, GraphStats(key))
-        stats.state, stats.reason = ("plain" if key.variant == "compiled" else "eager"), reason
         self.graphs.pop(key, None)
         if not self.graphs:  # the pool died with its last graph: capturing into its handle again trips an allocator
             self.pool = None  # assert (use_count > 0, CUDACachingAllocator.cpp), seen when a first compiled graph fell back
-        if key.variant == "compiled":
-            self.demoted.add(key.shape)
+        if key.variant != "plain":
+            self.demoted.setdefault(key.shape, set()).add(key.variant)
+        stats.state = "eager" if key.variant == "plain" else self.shape_key(*key.shape, key.step).variant
+        stats.reason = reason
         log.warning("graph %s falls back to %s: %s", key.label, stats.state, reason)
 
     def graph(self, key: ShapeKey) -> torch.cuda.CUDAGraph | None:
         """The graph for `key`, captured on first use; None if this shape has fallen back."""
         if key in self.graphs:
             return self.graphs[key]
-        if self.stats.get(key) and self.stats[key].state in ("eager", "plain"):
-            return None
+        if self.stats.get(key) and self.stats[key].state not in ("pending", "graph", "released"):
+            return None  # fell back (its state names to what)
         self.ensure_capacity([key.shape])
         try:
             self.graphs[key] = self.capturer(key)
@@ -263,7 +269,7 @@ class GraphRunner:
             return None
         stats = self.stats.setdefault(key, GraphStats(key))
         stats.state = "graph"
-        if key.variant == "compiled":
+        if key.variant != "plain":
             stats.compile_s = self.compiled.compile_s(key.height, key.width)
         return self.graphs[key]
 
@@ -346,7 +352,7 @@ class GraphRunner:
             diff = torch.linalg.vector_norm((got - want)[finite], dtype=torch.float32)
             scale = torch.linalg.vector_norm(want[finite], dtype=torch.float32).clamp_min(1e-6)
             err = max(err, (diff / scale).item())
-        limit = self.compiled.rtol if key.variant == "compiled" else CHECK_RTOL[key.variant]
+        limit = CHECK_RTOL[key.variant]
         if err > limit:
             self._fall_back(key, f"replay check failed: relative error {err:.2e} > {limit:.0e}")
             return False
@@ -376,7 +382,7 @@ class GraphRunner:
         for key in sorted(key_of.values(), key=lambda k: (k.step.cache != "write", k.step)):
             graphs[key] = self._checked_graph(key, x, sched, cond, control, guidance)
             if graphs[key] is None:  # a compiled shape falls back to its plain graph, a plain one to eager
-                fallback = self.sample if key.variant == "compiled" else self.eager.sample
+                fallback = self.sample if key.variant != "plain" else self.eager.sample
                 return fallback(x, sched, noise, cond, control, guidance, plan)
         v = self.buf.view(keys[0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, control, guidance)
