@@ -305,8 +305,8 @@ def test_which_step_kinds_run_on_compiled_kernels(tiny_cpu):
         def reserve(self, max_batch, max_pixels):
             pass
 
-        def ready(self, batch, height, width, control):
-            return None
+        def variants(self, batch, height, width, control):
+            return ["compiled"]
 
     runner = GraphRunner(tiny_cpu, max_batch=8, max_hw=(H, W), compiled=Ready())
     variant = lambda batch, kind: runner.shape_key(batch, H, W, False, kind).variant  # noqa: E731

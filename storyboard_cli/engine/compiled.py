@@ -450,6 +450,10 @@ class CompiledKernels(StepCalls):
         when the cache had them (while the FP8 ones build, or after they failed their check)."""
         if fits(batch, height, width) is not None or (control and Target("controlnet", height, width) not in self.calls):
             return []
+        return self._loaded(height, width)
+
+    def _loaded(self, height: int, width: int) -> list[str]:
+        """The variants whose UNet kernels for this size are loaded, best first."""
         return [v for v in (("fp8", "compiled") if self.fp8 else ("compiled",))
                 if self.unet_target(height, width, v) in self.calls]
 
@@ -555,9 +559,7 @@ class CompiledKernels(StepCalls):
         # the artifact reads its inputs with the strides it was compiled for: the compiled ControlNet's
         # residuals are channels_last already (no copy); any other layout is made so
         mid, down = _nhwc(mid), tuple(_nhwc(d) for d in down)
-        if variant is None:
-            variant = (self.variants(rows // 2 or 1, 8 * h, 8 * w, False) or ["fp8" if self.fp8 else "compiled"])[0]
-        call = self.calls[self.unet_target(8 * h, 8 * w, variant)]
+        call = self.calls[self.unet_target(8 * h, 8 * w, variant or self._loaded(8 * h, 8 * w)[0])]
         return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down)
 
     def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):
