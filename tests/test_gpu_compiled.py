@@ -35,27 +35,59 @@ def _unguided(args):
     return x, sched, noise, cond, ctl, torch.ones_like(guidance)
 
 
-@pytest.fixture(scope="module")
-def setup():
+def compiled_setup(fp8: bool = False):
+    """sdxl-random at 1024x1024 fp16, a runner whose compiled kernels (FP8 ones with `fp8`) cover 1 and 2 images with
+    and without ControlNet (built first when the cache lacks them), and the eager engine."""
     from storyboard_cli.engine.build import graph_runner
     from storyboard_cli.models.loader import load_sdxl
 
     models = load_sdxl("sdxl-random", "sdxl-random", "cuda", torch.float16)
     shapes = [Shape(b, SIDE, SIDE, c) for b in (1, 2) for c in (False, True)]
     notes = []
-    runner = graph_runner(models, shapes, compile="on", notes=notes)
+    runner = graph_runner(models, shapes, compile="on", notes=notes, fp8=fp8)
     assert all(runner.compiled.ready(*s) is None for s in shapes), notes
     return models, runner, EagerEngine(models)
 
 
-@pytest.mark.parametrize("batch,control", [(1, False), (2, False), (2, True)])
-def test_compiled_replay_matches_the_uncompiled_eager_step(setup, batch, control):
+def replay_is_checked(setup, batch: int, control: bool, variant: str, rtol: float, sampler: str) -> None:
+    """A 4-step loop at guidance 1 on `variant`'s graph, checked on its first replay, against the uncompiled eager
+    loop."""
     models, runner, eager = setup
-    args = _unguided(_inputs(models, batch, SIDE, SIDE, control, "euler_a", steps=4))
+    args = _unguided(_inputs(models, batch, SIDE, SIDE, control, sampler, steps=4))
     got = runner.sample(*args)
     key = runner.shape_key(batch, SIDE, SIDE, control)
-    assert key.variant == "compiled" and runner.stats[key].state == "graph" and runner.stats[key].checked
-    _close(got, eager.sample(*args), RTOL)
+    stats = runner.stats[key]
+    assert key.variant == variant and stats.state == "graph" and stats.checked, stats.reason
+    _close(got, eager.sample(*args), rtol)
+
+
+def unit_eps(models, calls, timestep: float, control: bool, seed: int) -> torch.Tensor:
+    """The UNet's noise prediction through `calls` (the ControlNet's residuals first, with `control`) on unit-scale
+    inputs: random latents and text embeddings (as the step's c_in scales latents), 4 rows, float32."""
+    g = torch.Generator().manual_seed(seed)
+    rows, h = 4, SIDE // 8
+    text_dim, pooled_dim = C.text_dims(models.unet)
+    new = lambda *shape: torch.randn(*shape, generator=g).to(models.device, models.dtype)  # noqa: E731
+    latents, embeds, pooled = new(rows, 4, h, h), new(rows, 77, text_dim), new(rows, pooled_dim)
+    time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], device=models.device, dtype=models.dtype).expand(rows, 6)
+    image = torch.rand(rows, 3, SIDE, SIDE, generator=g).to(models.device, models.dtype) if control else None
+    scale = torch.full((rows, 1, 1, 1), 0.8, device=models.device, dtype=models.dtype)
+    t = torch.full((rows,), timestep, device=models.device)  # float32, as the step passes it
+    mid = down = None
+    with torch.no_grad():
+        if image is not None:
+            mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids.clone(), image, scale)
+        return calls.unet(latents, t, embeds, pooled, time_ids.clone(), mid, down).float()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return compiled_setup()
+
+
+@pytest.mark.parametrize("batch,control", [(1, False), (2, False), (2, True)])
+def test_compiled_replay_matches_the_uncompiled_eager_step(setup, batch, control):
+    replay_is_checked(setup, batch, control, "compiled", RTOL, "euler_a")
 
 
 def lora_swap_reaches_the_graph(setup, tmp_path, rtol: float, variant: str = "compiled") -> None:
@@ -123,27 +155,10 @@ def test_a_second_process_loads_from_the_cache(setup):
 @pytest.mark.parametrize("timestep", [999.0, 500.0, 50.0])
 @pytest.mark.parametrize("control", [False, True])
 def test_compiled_module_calls_match_the_eager_modules(setup, timestep, control):
-    """The compiled UNet (and ControlNet) calls against the eager modules on the same unit-scale inputs (random
-    latents and text embeddings, as the step's c_in scales latents), at three timesteps: the prediction itself, not
-    a step's result, which a wrong prediction moves by a fraction of its error."""
+    """The compiled UNet (and ControlNet) calls against the eager modules on the same unit-scale inputs, at three
+    timesteps: the prediction itself, not a step's result, which a wrong prediction moves by a fraction of its error."""
     from storyboard_cli.engine.eager import StepCalls
 
     models, runner, _ = setup
-    g = torch.Generator().manual_seed(0)
-    rows, h = 4, SIDE // 8
-    text_dim, pooled_dim = C.text_dims(models.unet)
-    new = lambda *shape: torch.randn(*shape, generator=g).to(models.device, models.dtype)  # noqa: E731
-    latents, embeds, pooled = new(rows, 4, h, h), new(rows, 77, text_dim), new(rows, pooled_dim)
-    time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], device=models.device, dtype=models.dtype).expand(rows, 6)
-    image = torch.rand(rows, 3, SIDE, SIDE, generator=g).to(models.device, models.dtype) if control else None
-    scale = torch.full((rows, 1, 1, 1), 0.8, device=models.device, dtype=models.dtype)
-    t = torch.full((rows,), timestep, device=models.device)  # float32, as the step passes it
-
-    def eps(calls):
-        mid = down = None
-        if image is not None:
-            mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids.clone(), image, scale)
-        return calls.unet(latents, t, embeds, pooled, time_ids.clone(), mid, down).float()
-
-    with torch.no_grad():
-        _close(eps(runner.compiled), eps(StepCalls.eager(models)), EPS_RTOL)
+    _close(unit_eps(models, runner.compiled, timestep, control, 0),
+           unit_eps(models, StepCalls.eager(models), timestep, control, 0), EPS_RTOL)

@@ -153,6 +153,15 @@ def _drift(draft_dir: Path, full_dir: Path) -> list[dict]:
     return rows
 
 
+def drift_summary(rows: list[dict]) -> dict:
+    """PSNR (median, min over the finite ones) and mean absolute difference (median, max) of `_drift`'s rows."""
+    if not rows:
+        return {}
+    finite = [d["psnr_db"] for d in rows if d["psnr_db"] != float("inf")]
+    return {"psnr_db": {"median": statistics.median(finite) if finite else None, "min": min(finite, default=None)},
+            "mad": {"median": statistics.median(d["mad"] for d in rows), "max": max(d["mad"] for d in rows)}}
+
+
 def draft_job(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
     """The bench job rendered without and with the draft preset (ControlNet shots included), side by side,
     each render capturing its own graphs (--compile off): images/s and their ratio; then every draft image
@@ -163,10 +172,7 @@ def draft_job(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
         drift = _drift(Path(tmp) / "draft", Path(tmp) / "full")
     rec = {"full": full, "draft": draft, "ratio": draft["images_per_s"] / full["images_per_s"],
            "denoise_ratio": full["stages_s"]["denoise"] / draft["stages_s"]["denoise"], "drift": drift}
-    if drift:
-        finite = [d["psnr_db"] for d in drift if d["psnr_db"] != float("inf")]
-        rec["psnr_db"] = {"median": statistics.median(finite) if finite else None, "min": min(finite, default=None)}
-        rec["mad"] = {"median": statistics.median(d["mad"] for d in drift), "max": max(d["mad"] for d in drift)}
+    rec.update(drift_summary(drift))
     for name, r in (("full", full), ("draft", draft)):
         if r["failed"]:  # a ratio over failed images measures nothing
             log(f"draft job ({name}): {r['failed']} images failed ({r['failure']})")

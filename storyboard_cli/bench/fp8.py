@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.bench.draft import _drift
+from storyboard_cli.bench.draft import _drift, drift_summary
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import compiled_kernels
 from storyboard_cli.engine.eager import sample_step
@@ -69,9 +69,4 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def image_drift(fp8_dir: Path, fp16_dir: Path) -> dict:
     """PSNR (dB, 8-bit) and mean absolute difference of every FP8 picture against the fp16 one of the same seed."""
     rows = _drift(fp8_dir, fp16_dir)
-    rec: dict = {"images": rows}
-    if rows:
-        finite = [r["psnr_db"] for r in rows if r["psnr_db"] != float("inf")]
-        rec["psnr_db"] = {"median": statistics.median(finite) if finite else None, "min": min(finite, default=None)}
-        rec["mad"] = {"median": statistics.median(r["mad"] for r in rows), "max": max(r["mad"] for r in rows)}
-    return rec
+    return {"images": rows, **drift_summary(rows)}

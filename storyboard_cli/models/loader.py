@@ -54,10 +54,11 @@ class SdxlModels:
         return self.derive(f"copy:{id(param)}", [param], lambda: make(param.detach()),
                            lambda copy: copy.copy_(param.detach()))
 
-    def written(self, param: Any) -> None:
-        """After an in-place write to `param` (a LoRA swap): what is derived from it follows, in place (the
-        pointers compiled kernels hold do not change)."""
-        for name in self.sources.get(id(param), ()):
+    def written(self, *params: Any) -> None:
+        """After in-place writes to `params` (a LoRA swap): what is derived from them follows, in place (the pointers
+        compiled kernels hold do not change), each once however many of its sources were written (an FP8 copy of
+        the fused q/k/v weight after writes to to_q, to_k and to_v)."""
+        for name in dict.fromkeys(n for p in params for n in self.sources.get(id(p), ())):
             value, refresh = self.derived[name]
             refresh(value)
 

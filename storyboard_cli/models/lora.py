@@ -277,9 +277,10 @@ class LoraApplier:
             for target in self._dirty - terms.keys():
                 t = self._targets[target]
                 t.param.data.copy_(t.w0, non_blocking=True)  # bit-exact: W0 has the parameter's dtype
-                self.models.written(t.param)
             for target, layer_terms in terms.items():
                 self._write(self._targets[target], layer_terms)
+            # and the copies compiled kernels read (channels_last convolutions, FP8 weights): once, after every write
+            self.models.written(*(self._targets[t].param for t in self._dirty | terms.keys()))
         if self.models.device.type == "cuda":
             torch.cuda.synchronize(self.models.device)
         seconds = time.perf_counter() - t0
@@ -301,7 +302,6 @@ class LoraApplier:
         w0 = target.w0.to(dev, torch.float32, non_blocking=True).flatten(1)
         w = torch.addmm(w0, up, down)  # W0 + sum(scale * alpha/r * up @ down)
         param.data.copy_(w.view(param.shape))  # cast once; same storage: graphs and kernels stay valid
-        self.models.written(param)  # and the copies compiled kernels read (channels_last convolutions)
 
     def restore(self) -> float:
         """Back to W0 everywhere (the empty set)."""
