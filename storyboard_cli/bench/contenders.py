@@ -191,20 +191,22 @@ def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable
 # ---------------------------------------------------------------- compiled kernels
 
 
-def first_render(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
-    """The first render of a job with `--compile auto` on a cache without its kernels (they compile in the
-    background while the plain graphs render) against the same render with `--compile off`, side by side
-    on the same models; off first, so the builds' CPU load cannot slow it."""
+def first_render(job: Job, models: SdxlModels, log: Callable[[str], None], fp8: bool = False) -> dict:
+    """The first render of a job with `--compile auto` (with `--fp8`: its FP8 kernels and scales) on a cache
+    without its kernels (they compile in the background while the plain graphs render) against the same render
+    with `--compile off`, side by side on the same models; off first, so the builds' CPU load cannot slow it."""
     shapes = batch_shapes(make_batches(work_items(job), job.buckets))
-    cached = [t.label for t in targets(shapes, models.controlnet is not None)
+    cached = [t.label for t in targets(shapes, models.controlnet is not None, fp8)
               if artifact_path(t, module_of(models, t.module)).is_file()]
     with tempfile.TemporaryDirectory() as tmp:
         off = bcg_render(job, models, Path(tmp) / "off", compile="off")
-        auto = bcg_render(job, models, Path(tmp) / "auto", compile="auto")
-    rec = {"cached_before": cached, "off": off, "auto": auto, "ratio": auto["images_per_s"] / off["images_per_s"]}
-    log(f"first render: auto {auto['images_per_s']:.3f} images/s, off {off['images_per_s']:.3f} "
-        f"= {rec['ratio']:.3f}x (artifacts in the cache before: {cached or 'none'})")
+        auto = bcg_render(job, models, Path(tmp) / "auto", compile="auto", fp8=fp8)
+    rec = {"cached_before": cached, "off": off, "auto": auto, "ratio": auto["images_per_s"] / off["images_per_s"],
+           "fp8": fp8}
+    log(f"first render: auto{' --fp8' if fp8 else ''} {auto['images_per_s']:.3f} images/s, off "
+        f"{off['images_per_s']:.3f} = {rec['ratio']:.3f}x (artifacts in the cache before: {cached or 'none'})")
     return rec
+
 
 def compile_slice(job: Job, models: SdxlModels, loop: DiffusersLoop, log: Callable[[str], None]) -> dict:
     """(b) the diffusers loop with diffusers' regional torch.compile (`compile_repeated_blocks`: each

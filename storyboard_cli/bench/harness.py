@@ -145,6 +145,8 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         part("draft_capture", lambda: draft_capture(job, models, log))
     if "first_render" in parts and device.type == "cuda":
         part("first_render", lambda: first_render(job, models, log))
+    if "first_render_fp8" in parts and fp8_ready(device):
+        part("first_render_fp8", lambda: first_render(job, models, log, fp8=True))
     if "profile" in parts and device.type == "cuda":
         part("profile", lambda: kernel_profile(models, log))
     if "b_slice" in parts and device.type == "cuda":

@@ -104,9 +104,12 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
                            f"{f(r['speedup'], '.2f')}x | {f(r['graph_ms_per_image'], '.1f')} | "
                            f"{r['tflop_per_step']:.2f} | {f(r['matmul_share'] and 100 * r['matmul_share'], '.0f')}% |")
             out.append("")
-    if "first_render" in rec:
-        f = rec["first_render"]
-        out += [f"First render on a cache without the job's kernels: `--compile auto` {f['auto']['images_per_s']:.3f} "
+    for key in ("first_render", "first_render_fp8"):
+        if key not in rec:
+            continue
+        f = rec[key]
+        out += [f"First render on a cache without the job's kernels: `--compile auto{' --fp8' if f.get('fp8') else ''}` "
+                f"{f['auto']['images_per_s']:.3f} "
                 f"images/s, `--compile off` {f['off']['images_per_s']:.3f} = **{f['ratio']:.3f}x** "
                 f"(kernels in the cache before: {', '.join(f['cached_before']) or 'none'})", ""]
     out += _draft_markdown(rec)
