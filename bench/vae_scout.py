@@ -2,8 +2,9 @@
 
 The render decodes one image at a time through SDXL's VAE in fp32 (its config asks for the upcast). This times, per
 image at one size, in one process, variants interleaved loop by loop (median of the loops):
-  fp32        the VAE's decode as the product calls it: fp32, NCHW, cuDNN's heuristics
-  product     run/batch.py decode itself (the same, with the pixels' copy to the CPU)
+  fp32        the VAE's decode with torch's own GroupNorm: fp32, NCHW, cuDNN's heuristics (the reference)
+  wide        the same with the decoder's GroupNorms wide (models/groupnorm.py), as bcg loads it on a GPU
+  product     run/batch.py decode itself (wide, with the pixels' copy to the CPU)
   fp32_bench  the same with torch.backends.cudnn.benchmark on
   fp32_cl     fp32, weights and input channels_last
   fp32_graph  fp32, the decoder call captured in a CUDA graph
@@ -28,10 +29,11 @@ from pathlib import Path
 
 import torch
 
+from storyboard_cli.models.groupnorm import narrow
 from storyboard_cli.models.loader import load_sdxl
 from storyboard_cli.run.batch import decode
 
-VARIANTS = ("fp32", "product", "fp32_bench", "fp32_cl", "fp32_graph", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16")
+VARIANTS = ("fp32", "wide", "product", "fp32_bench", "fp32_cl", "fp32_graph", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16")
 
 
 def timed(fn, n: int) -> float:
@@ -81,8 +83,10 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
 
     models = load_sdxl(args.model, None, dev, torch.float16 if cuda else torch.float32)
-    vae = models.vae
-    assert vae.dtype == torch.float32, vae.dtype
+    wide = models.vae
+    assert wide.dtype == torch.float32, wide.dtype
+    vae = copy.deepcopy(wide)  # torch's GroupNorm: the reference every variant but wide and product starts from
+    narrow(vae)
     g = torch.Generator(dev).manual_seed(0)
     latents = torch.randn(1, 4, h // 8, w // 8, device=dev, generator=g)
     z = latents / vae.config.scaling_factor
@@ -103,6 +107,8 @@ def main() -> None:
     for v in wanted:
         if v == "fp32":
             fns[v] = lambda: vae.decode(z, return_dict=False)[0]
+        elif v == "wide":
+            fns[v] = lambda: wide.decode(z, return_dict=False)[0]
         elif v == "product":
             fns[v] = lambda: decode(models, latents)[0] * 2 - 1
         elif v == "fp32_bench":
@@ -181,14 +187,17 @@ def main() -> None:
             print(json.dumps(result, indent=1))
             return
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fns["fp32"]()
-            sync()
-        rows = []
-        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]:
-            rows.append([e.key[:90], round(e.device_time_total / 1000, 2), e.count])
-        result["profile_fp32_ms"] = rows
-        save()
+        for v in ("fp32", "wide"):
+            if v not in fns:
+                continue
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fns[v]()
+                sync()
+            rows = []
+            for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]:
+                rows.append([e.key[:90], round(e.device_time_total / 1000, 2), e.count])
+            result[f"profile_{v}_ms"] = rows
+            save()
 
         if not args.no_overlap and time.perf_counter() - t0 < args.budget * 0.8:
             unet = models.unet
@@ -212,7 +221,7 @@ def main() -> None:
 
             def decodes():  # as the product, one image at a time, without the copy to the CPU (it would wait)
                 for one in eight.split(1):
-                    vae.decode(one, return_dict=False)
+                    wide.decode(one, return_dict=False)
 
             def serial():
                 for _ in range(30):
