@@ -17,6 +17,10 @@ pack() { tar czf "$OUT/logs.tgz" -C "$R" .; }
 trap pack EXIT
 { nproc; free -g | head -2; nvidia-smi -L; git log --oneline -1; } > $R/machine.txt 2>&1
 left() { echo $((LIMIT - $1 - SECONDS)); }
+# the GPU's clocks, power and temperature every second, read only (a render's replays ran slower than short loops)
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+  --format=csv -l 1 > $R/clocks.csv 2>&1 &
+SMI=$!
 for leg in ${LEGS//,/ }; do
   case $leg in
   tests)
@@ -46,6 +50,7 @@ for leg in ${LEGS//,/ }; do
     ls -la /tmp/bcg1/compiled > $R/cache1_at_end.txt 2>&1;;
   esac
 done
+kill $SMI 2>/dev/null
 cat $R/walls.txt; for t in compiled fp8 lora gn; do tail -n 3 $R/gpu_${t}_tests.log 2>/dev/null; done
 grep -h "first render\|Error" $R/first.log 2>/dev/null | tail -n 5
 for f in $R/vae.json $R/vae832.json; do
