@@ -41,13 +41,14 @@ for leg in ${LEGS//,/ }; do
     echo "gn tests rc=$? at ${SECONDS}s" >> $R/walls.txt;;
   job)
     BCG_CACHE=/tmp/bcg timeout $(left 15) python -m storyboard_cli bench jobs/bench.yaml \
-      --parts a_diffusers,e_bcg_compiled,f_bcg_fp8 --results $R/job > $R/bench_job.log 2>&1
+      --parts ${JOB_PARTS:-a_diffusers,e_bcg_compiled,f_bcg_fp8} --results $R/job > $R/bench_job.log 2>&1
     echo "bench job rc=$? at ${SECONDS}s" >> $R/walls.txt;;
   first)
     BCG_CACHE=/tmp/bcg1 timeout $(left 15) python -m storyboard_cli bench jobs/bench.yaml --parts first_render_fp8 \
       --results $R/first > $R/first.log 2>&1
     echo "first render fp8 rc=$? at ${SECONDS}s" >> $R/walls.txt
-    ls -la /tmp/bcg1/compiled > $R/cache1_at_end.txt 2>&1;;
+    ls -la /tmp/bcg1/compiled > $R/cache1_at_end.txt 2>&1
+    pkill -f "storyboard_cli.engine.build" ; sleep 2;;  # the background builds it started: not beside the next leg
   esac
 done
 kill $SMI 2>/dev/null
