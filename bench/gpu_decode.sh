@@ -4,6 +4,8 @@
 #   vae    bench/vae_scout.py: where the VAE decode's time goes, and its variants (VAE_VARIANTS at 1024x1024; torch's
 #          GroupNorm against the wide one at 832x1216 too)
 #   gn     the wide GroupNorm's GPU test (tests/test_groupnorm.py)
+#   gpu    tests/test_gpu.py and tests/test_gpu_draft.py (the graph engine on tiny, every decode through the wide GroupNorm)
+#   slice  `bcg bench jobs/bench.yaml --parts b_slice`: (a), (b) diffusers' regional compile, (e), (f) on the 1024x1024 shots
 #   job    `bcg bench jobs/bench.yaml --parts a_diffusers,e_bcg_compiled,f_bcg_fp8`, kernels from $ARTZ
 #   first  on an EMPTY cache of its own: the first render with `--compile auto --fp8` against `--compile off`
 #          (`bcg bench --parts first_render_fp8`)
@@ -39,6 +41,14 @@ for leg in ${LEGS//,/ }; do
   gn)
     timeout 120 python -m pytest -q -m gpu tests/test_groupnorm.py -p no:cacheprovider > $R/gpu_gn_tests.log 2>&1
     echo "gn tests rc=$? at ${SECONDS}s" >> $R/walls.txt;;
+  gpu)
+    BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg timeout 200 python -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_draft.py \
+      -p no:cacheprovider > $R/gpu_gpu_tests.log 2>&1
+    echo "gpu tests rc=$? at ${SECONDS}s" >> $R/walls.txt;;
+  slice)
+    BCG_CACHE=/tmp/bcg timeout $(left 15) python -m storyboard_cli bench jobs/bench.yaml --parts b_slice --results $R/slice \
+      > $R/bench_slice.log 2>&1
+    echo "bench slice rc=$? at ${SECONDS}s" >> $R/walls.txt;;
   job)
     BCG_CACHE=/tmp/bcg timeout $(left 15) python -m storyboard_cli bench jobs/bench.yaml \
       --parts ${JOB_PARTS:-a_diffusers,e_bcg_compiled,f_bcg_fp8} --results $R/job > $R/bench_job.log 2>&1
@@ -52,10 +62,10 @@ for leg in ${LEGS//,/ }; do
   esac
 done
 kill $SMI 2>/dev/null
-cat $R/walls.txt; for t in compiled fp8 lora gn; do tail -n 3 $R/gpu_${t}_tests.log 2>/dev/null; done
+cat $R/walls.txt; for t in compiled fp8 lora gn gpu; do tail -n 3 $R/gpu_${t}_tests.log 2>/dev/null; done
 grep -h "first render\|Error" $R/first.log 2>/dev/null | tail -n 5
 for f in $R/vae.json $R/vae832.json; do
   [ -f $f ] && python -c "import json; r=json.load(open('$f')); r.pop('runs',None); print(json.dumps(r)[:4000])"
 done
-cat $R/job/*.md 2>/dev/null | head -30
+cat $R/job/*.md $R/slice/*.md 2>/dev/null | head -40
 true
