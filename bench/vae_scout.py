@@ -103,7 +103,8 @@ def main() -> None:
         return copies[key]
 
     fns = {}
-    wanted = [v for v in args.variants.split(",") if v]
+    # fp32 first: every variant's pixels are compared with its
+    wanted = ["fp32"] + [v for v in args.variants.split(",") if v and v != "fp32"]
     for v in wanted:
         if v == "fp32":
             fns[v] = lambda: vae.decode(z, return_dict=False)[0]
@@ -144,9 +145,7 @@ def main() -> None:
             fns[v] = f
         elif v in ("compiled", "compiled_bf16"):
             dtype = torch.bfloat16 if v == "compiled_bf16" else torch.float32
-            m = vae_in(dtype, False) if dtype == torch.float32 else vae_in(dtype, False)
-            m = copy.copy(m) if dtype == torch.float32 else m
-            dec = torch.compile(m.decode)
+            dec = torch.compile(vae_in(dtype, False).decode)
             zz = z.to(dtype)
             c0 = time.perf_counter()
             with torch.no_grad():
@@ -160,7 +159,7 @@ def main() -> None:
             break
 
     with torch.no_grad():
-        ref = None
+        ref = None  # fp32's pixels
         for v, f in fns.items():
             for _ in range(2):
                 img = f()

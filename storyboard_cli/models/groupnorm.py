@@ -42,19 +42,19 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: 
     return torch.addcmul(b.view(shape), x, a.view(shape))
 
 
-def narrow(module: nn.Module) -> None:
-    """The inverse of `widen`: torch's GroupNorm again (for a copy of the VAE that is to run as users run it)."""
-    for m in module.modules():
-        if type(m) is WideGroupNorm:
-            m.__class__ = nn.GroupNorm
-
-
 def widen(module: nn.Module) -> int:
     """Every nn.GroupNorm under `module` computes through WideGroupNorm from now on (same parameters, same
     state dict). Returns how many."""
-    count = 0
-    for m in module.modules():
-        if type(m) is nn.GroupNorm:
-            m.__class__ = WideGroupNorm
-            count += 1
-    return count
+    return _swap(module, nn.GroupNorm, WideGroupNorm)
+
+
+def narrow(module: nn.Module) -> int:
+    """The inverse of `widen`: torch's GroupNorm again (for a copy of the VAE that is to run as users run it)."""
+    return _swap(module, WideGroupNorm, nn.GroupNorm)
+
+
+def _swap(module: nn.Module, old: type, new: type) -> int:
+    found = [m for m in module.modules() if type(m) is old]
+    for m in found:
+        m.__class__ = new
+    return len(found)
