@@ -444,6 +444,15 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
                                                               "finish.")] = 60.0,
           allow_dir: Annotated[Optional[list[Path]], typer.Option(help="A folder jobs may read control images, "
                                                                   "LoRAs and models from, besides --root (repeat).")] = None,
+          allow_model: Annotated[Optional[list[str]], typer.Option(help="A hub id (owner/name) jobs may name as "
+                                                                   "model or controlnet (repeat; none by default).")] = None,
+          max_job_kb: Annotated[int, typer.Option(min=1, help="Largest job body accepted (413 above).")] = 1024,
+          max_blob_mb: Annotated[int, typer.Option(min=1, help="Largest input file (control image, LoRA) "
+                                                                "accepted (413 above).")] = 2048,
+          max_workers: Annotated[int, typer.Option(min=1, help="Workers registered at once.")] = 64,
+          worker_token: Annotated[Optional[str], typer.Option("--worker-token", envvar="BCG_WORKER_TOKEN",
+                                                              show_envvar=True, help="Bearer token of the worker "
+                                                              "routes (default: --token).")] = None,
           warm: WarmOpt = None, token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
           compile: CompileOpt = "auto", fp8: Fp8Opt = False) -> None:
     """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
@@ -460,7 +469,8 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
         opts = ServeOptions(root=root, host=host, port=port, gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
                             max_queue_images=max_queue_images, lease_s=lease_s, grace_s=grace_s, token=token,
                             dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()), warm=warm,
-                            fp8=fp8)
+                            fp8=fp8, worker_token=worker_token, max_job_kb=max_job_kb, max_blob_mb=max_blob_mb,
+                            max_workers=max_workers, allow_models=tuple(allow_model or ()))
         err.print(f"bcg serve: http://{host}:{port} (docs at /docs), root {root}, workers: {', '.join(opts.gpus)}")
         code = serving(opts)
     raise typer.Exit(code)

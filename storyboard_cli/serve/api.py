@@ -47,6 +47,11 @@ class Settings:
     token: str | None = None  # required as `Authorization: Bearer <token>` when set
     inputs: tuple[Path, ...] = ()  # folders besides root that jobs may read (control images, LoRAs, models)
     sweep_s: float | None = None  # how often expired leases are ended without a worker's call (None: lease_s / 4)
+    worker_token: str | None = None  # guards the worker routes (registration, leases); None: the client token
+    max_job_kb: int = 1024  # a larger job body is a 413, refused before it is parsed
+    max_blob_mb: int = 2048  # a larger input file (PUT /v1/blobs/{sha256}) is a 413
+    max_workers: int = 64  # registered workers at once (each has its own metric series)
+    allow_models: tuple[str, ...] = ()  # hub ids (owner/name) jobs may name; none by default
 
 
 def problem(status: int, title: str, detail: str, headers: dict | None = None) -> JSONResponse:

@@ -46,6 +46,11 @@ class ServeOptions:
     fp8: bool = False  # every local worker renders with the UNet's FP8 kernels (bcg render --fp8)
     inputs: tuple[Path, ...] = ()  # --allow-dir: folders jobs may read besides --root
     warm: Path | None = None  # each local worker makes this job's model and shapes ready before its first lease
+    worker_token: str | None = None  # the worker routes' token (None: --token)
+    max_job_kb: int = 1024
+    max_blob_mb: int = 2048
+    max_workers: int = 64
+    allow_models: tuple[str, ...] = ()  # --allow-model: hub ids jobs may name
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -140,7 +145,9 @@ class _Server(uvicorn.Server):
 def serve(opts: ServeOptions) -> int:
     """Runs until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
     check_bind(opts.host, opts.token)
-    settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token, opts.inputs)
+    settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token, opts.inputs,
+                        worker_token=opts.worker_token, max_job_kb=opts.max_job_kb, max_blob_mb=opts.max_blob_mb,
+                        max_workers=opts.max_workers, allow_models=opts.allow_models)
     app = create_app(settings)
     url = f"http://{'127.0.0.1' if opts.host in ('0.0.0.0', '::') else opts.host}:{opts.port}"
     workers = Workers(url, opts)
