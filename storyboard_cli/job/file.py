@@ -17,9 +17,10 @@ from typing import Any
 
 import yaml
 
-from storyboard_cli.errors import JobError, StoryboardError, did_you_mean, one_line
+from storyboard_cli.errors import BadInput, JobError, StoryboardError, did_you_mean, one_line
 from storyboard_cli.folder.layout import RESERVED, read_report
-from storyboard_cli.job.digests import relative_to_job, remember_sha256
+from storyboard_cli.job.digests import file_sha256, relative_to_job, remember_sha256
+from storyboard_cli.job.inputs import DIGEST_RULE, INPUTS_KEY, InputProblem, Inputs, is_digest, shown_name, suffix_of
 from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.job.preflight import PRESETS
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
@@ -39,7 +40,7 @@ MAX_CANDIDATES = 64
 MAX_BUCKET = 64
 MAX_SEED = 2**63 - 1 - MAX_CANDIDATES
 
-TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots")
+TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots", INPUTS_KEY)
 SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control",
              "lora", "cfg_cutoff", "deepcache")
 CONTROL_KEYS = ("image", "scale", "end")
@@ -210,18 +211,46 @@ def _read_yaml(path: Path) -> Any:
 class _Ctx:
     """Where we are in the file, to build located errors."""
 
-    def __init__(self, file: str, roots: tuple[Path, ...] | None = None):
+    def __init__(self, file: str, roots: tuple[Path, ...] | None = None, inputs: Inputs | None = None):
         self.file = file
         self.images_checked: set[Path] = set()  # control images decoded once per job, however many shots use them
         self.roots = None if roots is None else tuple(Path(r).resolve() for r in roots)
+        self.inputs = inputs
 
     def fail(self, line: int | None, shot: str | None, field: str | None, message: str) -> JobError:
         return JobError(self.file, line, shot, field, message)
 
-    def confine(self, path: Path, line: int | None, shot: str | None, field: str) -> None:
+    def confine(self, path: Path, line: int | None, shot: str | None, field: str, shown: str | None = None) -> None:
         """With roots (the render service), a file the job names, symlinks followed, must lie under one."""
         if self.roots is not None and not any(path.resolve().is_relative_to(r) for r in self.roots):
-            raise self.fail(line, shot, field, f"{path} is outside the folders this server may read and write")
+            raise self.fail(line, shot, field, f"{shown or path} is outside the folders this server may read and write")
+
+    def input_file(self, rel: str, job_dir: Path, line: int | None, shot: str | None, field: str,
+                   is_file: bool = True) -> tuple[Path, str]:
+        """A file the job names: (the file to read, the name the outputs record). Named in the job's inputs
+        (by sha256), it is read from the blob store; else it is a path from the job's folder, confined on the
+        service and there copied into the blob store before anything reads it."""
+        inputs, fail = self.inputs, (lambda why: self.fail(line, shot, field, why))
+        digest = inputs.digests.get(rel) if inputs is not None else None
+        blobs = inputs is not None and inputs.blob is not None
+        path = (job_dir / Path(rel).expanduser()).resolve()
+        if not (digest is not None and blobs):
+            self.confine(path, line, shot, field, rel)
+            if not (path.is_file() if is_file else path.exists()):
+                raise fail(f"file not found: {rel}")
+        if blobs:
+            try:
+                if digest is None:
+                    if inputs.adopt is None:
+                        raise fail(f"{rel} is not among the job's uploaded inputs")
+                    digest = inputs.adopt(path)
+                inputs.used[rel] = digest
+                return inputs.blob(digest, suffix_of(rel)), shown_name(rel, job_dir)
+            except (InputProblem, BadInput) as e:
+                raise fail(f"{rel}: {e}") from None
+        if digest is not None and file_sha256(path) != digest:
+            raise fail(f"{rel} changed since its sha256 was recorded in '{INPUTS_KEY}:' ({digest[:12]}...)")
+        return path, relative_to_job(path, job_dir)
 
     def confine_model(self, spec: str | None, line: int | None, field: str) -> None:
         """A model named by a local path (as the loader reads it: from the working folder) is confined too;
@@ -449,17 +478,31 @@ def _resolve_loras(ctx: _Ctx, raw: Any, line: int | None, job_dir: Path, model: 
             raise ctx.fail(name_line, None, f"loras.{name}", f"a LoRA name {SAFE_NAME_RULE}")
         field_name = f"loras.{name}"
         rel = _as_str(ctx, rel, name_line, None, field_name, empty_ok=False)
-        path = (job_dir / Path(rel).expanduser()).resolve()
-        ctx.confine(path, name_line, None, field_name)
-        if not path.exists():
-            raise ctx.fail(name_line, None, field_name, f"file not found: {path}")
+        path, shown = ctx.input_file(rel, job_dir, name_line, None, field_name, is_file=False)
         problem = lora_problem(path, model)
         if problem:
-            raise ctx.fail(name_line, None, field_name, problem)
+            raise ctx.fail(name_line, None, field_name, problem.replace(path.name, Path(shown).name))
         info = inspect_lora(path)
-        out[name] = LoraFile(name, path, relative_to_job(path, job_dir), info.hash, info.shorthash,
-                             info.text_encoders)
+        out[name] = LoraFile(name, path, shown, info.hash, info.shorthash, info.text_encoders)
     return out
+
+
+def _declared_inputs(ctx: _Ctx, raw: Any, line: int | None) -> None:
+    """The job's `inputs: {name as the job writes it: sha256}` (what `bcg submit` uploaded), added to what the
+    caller knows; the caller's digest wins where both name a file."""
+    if raw is None:
+        return
+    if not isinstance(raw, _Located):
+        raise ctx.fail(line, None, INPUTS_KEY, f"must be a mapping of file name: sha256, got {_type_name(raw)}")
+    if ctx.inputs is None:
+        ctx.inputs = Inputs()
+    for name, digest in raw.items():
+        name_line = _line_of(raw, name, line)
+        if not isinstance(name, str) or not name.strip():
+            raise ctx.fail(name_line, None, INPUTS_KEY, "each key must be a file name as the job writes it")
+        if not is_digest(digest):
+            raise ctx.fail(name_line, None, f"{INPUTS_KEY}.{name[:80]}", f"must be {DIGEST_RULE}")
+        ctx.inputs.digests.setdefault(name, digest)
 
 
 def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_dir: Path,
@@ -473,12 +516,9 @@ def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_di
     if "image" not in raw:
         raise ctx.fail(raw.line, shot_id, "control.image", "missing")
     rel = _as_str(ctx, raw["image"], image_line, shot_id, "control.image", empty_ok=False)
-    path = (job_dir / Path(rel).expanduser()).resolve()
-    ctx.confine(path, image_line, shot_id, "control.image")
-    if not path.is_file():
-        raise ctx.fail(image_line, shot_id, "control.image", f"file not found: {path}")
+    path, shown = ctx.input_file(rel, job_dir, image_line, shot_id, "control.image")
     if path not in ctx.images_checked:
-        _check_image(ctx, path, image_line, shot_id)
+        _check_image(ctx, path, image_line, shot_id, shown)
         ctx.images_checked.add(path)
     scale = _as_float(ctx, raw.get("scale", 1.0), _line_of(raw, "scale", line), shot_id, "control.scale", 0.0, 2.0)
     end_line = _line_of(raw, "end", line)
@@ -486,16 +526,16 @@ def _resolve_control(ctx: _Ctx, raw: Any, line: int | None, shot_id: str, job_di
     if end <= 0:
         raise ctx.fail(end_line, shot_id, "control.end", "must be above 0 (the fraction of the steps the ControlNet "
                                                          "runs; leave out `control` for none)")
-    return ShotControl(path, scale, relative_to_job(path, job_dir), end)
+    return ShotControl(path, scale, shown, end)
 
 
-def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:
+def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str, shown: str) -> None:
     """Decodes every pixel, so a truncated file or a broken PNG stream fails here, before any model loads,
     not in the middle of a render; the bytes read are hashed for the skip check on the way."""
     from PIL import Image, UnidentifiedImageError
 
     def bad(why: str) -> JobError:
-        return ctx.fail(line, shot_id, "control.image", f"not a readable image: {path} ({why})")
+        return ctx.fail(line, shot_id, "control.image", f"not a readable image: {shown} ({why})")
 
     try:
         data = path.read_bytes()
@@ -510,11 +550,13 @@ def _check_image(ctx: _Ctx, path: Path, line: int | None, shot_id: str) -> None:
         if any(issubclass(w.category, Image.DecompressionBombWarning) for w in caught):
             # said once, in our words (the process ignores PIL's own warning: cli.main)
             log.warning("control image %s is %.0f megapixels: each shot resizes it to its own size; a smaller "
-                        "file loads faster", path, pixels / 1e6)
+                        "file loads faster", shown, pixels / 1e6)
     except Image.DecompressionBombError as e:
         raise bad(f"too many pixels: {e}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, zlib.error) as e:
-        raise bad(one_line(e)) from None
+    except UnidentifiedImageError:
+        raise bad("empty file" if not data else "not a PNG, JPEG, WebP or other image file this can read") from None
+    except (OSError, SyntaxError, ValueError, EOFError, zlib.error) as e:
+        raise bad(one_line(e, 120)) from None
     remember_sha256(path, data)
 
 
@@ -532,12 +574,13 @@ def _first_content_line(path: Path) -> int:
     return next((i + 1 for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")), 1)
 
 
-def load_job(path: str | Path, roots: tuple[Path, ...] | None = None) -> Job:
+def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: Inputs | None = None) -> Job:
     """Reads and validates a job file. Raises JobError (exit code 2) on any problem. With `roots` (the
     render service's folders), every file the job names must lie under one of them, or it is refused
-    before it is read."""
+    before it is read. With `inputs` (the service and its workers), files the job names by sha256 are read
+    from a blob store (job/inputs.py)."""
     path = Path(path).expanduser()
-    ctx = _Ctx(str(path), roots)
+    ctx = _Ctx(str(path), roots, inputs)
     doc = _read_yaml(path)
     if doc is None:
         raise ctx.fail(1, None, None, "the job file is empty")
@@ -585,6 +628,7 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None) -> Job:
         _check_keys(ctx, defaults, tuple(k for k in SHOT_KEYS if k != "id"), None, prefix="defaults.")
 
     job_dir = path.resolve().parent
+    _declared_inputs(ctx, *_top_field(ctx, doc, INPUTS_KEY))
     loras = _resolve_loras(ctx, *_top_field(ctx, doc, "loras"), job_dir, model)
 
     shots_raw, line = _top_field(ctx, doc, "shots", required=True)

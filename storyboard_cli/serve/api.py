@@ -24,8 +24,8 @@ from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
-from storyboard_cli.serve import metrics, uploads
-from storyboard_cli.serve.intake import content_hash, plan_submission
+from storyboard_cli.serve import blobs, metrics, uploads
+from storyboard_cli.serve.intake import content_hash, plan_submission, stored_inputs
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END
 from storyboard_cli.serve.store import LATE, QueueFull, Store, Work
 
@@ -82,6 +82,8 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                   lifespan=lifespan)
     app.state.store, app.state.draining, app.state.settings = store, False, settings
     registry = metrics.registry(store, settings.lease_s, clock)
+    app.state.blobs = blobs.BlobStore(settings.root)
+    app.include_router(blobs.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20))
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
@@ -127,7 +129,8 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         job_id = uuid.uuid4().hex[:12]
         try:
             planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority,
-                                              settings.inputs)
+                                              settings.inputs, app.state.blobs, settings.allow_models,
+                                              settings.max_blob_mb << 20)
         except BadInput as e:
             return problem(422, "invalid job", str(e))
         try:
@@ -222,6 +225,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             return Response(status_code=204)
         for job in got["jobs"].values():  # for a worker that does not share the server's filesystem
             job["job_file"], job["job_text"] = Path(job["path"]).name, Path(job["path"]).read_text(encoding="utf-8")
+            job["inputs"] = stored_inputs(Path(job["path"]))  # the job's files by sha256: GET /v1/blobs/{sha256}
         for image in got["images"]:
             image["twin_url"] = f"/v1/jobs/{image['twin_of'][0]}/files/{image['twin_of'][1]}" if image["twin_of"] \
                 else None

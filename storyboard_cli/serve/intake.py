@@ -14,14 +14,20 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from storyboard_cli.errors import BadInput, JobError, StoryboardError
+from storyboard_cli.errors import BadInput, JobError, ModelError, StoryboardError
+from storyboard_cli.folder.outputs import atomic_write
+from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
+from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.plan import WorkItem, work_items
-from storyboard_cli.job.preflight import check_model_path
+from storyboard_cli.job.preflight import PRESETS, check_model_path
+from storyboard_cli.serve.blobs import BlobStore
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, TIERS
 
-JOBS = "jobs"  # <root>/jobs/<id>/: the job file and its output folder
+JOBS = "jobs"  # <root>/jobs/<id>/: the job file, the digests of its inputs and its output folder
 OUT = "out"
+INPUTS_FILE = "inputs.json"  # every file the job names -> its sha256 in the blob store
+RESERVED_FILES = (OUT, INPUTS_FILE)
 SAFE_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
@@ -54,20 +60,28 @@ def job_folder(root: Path, job_id: str) -> Path:
 
 
 def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priority: str = DEFAULT_PRIORITY,
-                    inputs: tuple[Path, ...] = ()) -> Planned:
+                    inputs: tuple[Path, ...] = (), blobs: BlobStore | None = None,
+                    allow_models: tuple[str, ...] = (), blob_limit: int | None = None) -> Planned:
     """Saves and validates the job. Raises BadInput (a JobError at file:line, shot, field) and leaves nothing
-    behind when the job is refused. Every file the job names (control images, LoRAs, a model path, its
-    output_dir) must lie under `root` or one of the `inputs` folders, symlinks followed."""
+    behind when the job is refused. The files the job names are read from the blob store: by the sha256 its
+    `inputs:` gives (uploaded before), or, for a path under `root` or one of the `inputs` folders (symlinks
+    followed), copied into it now; their digests are kept beside the job file (INPUTS_FILE). A model path and
+    the output_dir must lie under those folders too; a hub id must be one of `allow_models`."""
     if priority not in TIERS:
         raise BadInput(f"priority must be one of {', '.join(TIERS)}, got {priority!r}")
     if not SAFE_FILE.fullmatch(filename):
-        raise BadInput(f"file name must be letters, digits, '_', '.', '-', got {filename!r}")
+        raise BadInput(f"file name must be letters, digits, '_', '.', '-', got {filename[:80]!r}")
+    if filename.lower() in RESERVED_FILES:
+        raise BadInput(f"file name {filename!r} is a name the server uses in the job's folder; choose another")
+    blobs = blobs or BlobStore(root)
     folder = job_folder(root, job_id)
     folder.mkdir(parents=True)
     path = folder / filename
     path.write_bytes(body)
+    named = Inputs(blob=blobs.path, adopt=lambda p: blobs.adopt(p, blob_limit))
     try:
-        job = _load(path, filename, (root, *inputs))
+        job = _load(path, filename, (root, *inputs), named, allow_models)
+        atomic_write(folder / INPUTS_FILE, json.dumps(named.used, sort_keys=True).encode())
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -91,11 +105,27 @@ def content_hash(body: bytes, filename: str, priority: str) -> str:
     return hashlib.sha256(b"\0".join([body, filename.encode(), priority.encode()])).hexdigest()
 
 
-def _load(path: Path, filename: str, roots: tuple[Path, ...]) -> Job:
+def stored_inputs(job_file: Path) -> dict[str, str]:
+    """The files a served job names and their sha256 (what its workers fetch), as intake recorded them."""
     try:
-        job = load_job(path, roots)
-        check_model_path(job.model, "model")
-        check_model_path(job.controlnet, "controlnet")
+        return json.loads((job_file.parent / INPUTS_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+
+
+def served_job(job_file: Path, blobs: BlobStore) -> Job:
+    """A served job loaded again on the server (its contact sheet): every file it names from the blob store."""
+    return load_job(job_file, inputs=Inputs(stored_inputs(job_file), blob=blobs.path))
+
+
+def _load(path: Path, filename: str, roots: tuple[Path, ...], inputs: Inputs, allow_models: tuple[str, ...]) -> Job:
+    try:
+        job = load_job(path, roots, inputs)
+        for spec, field in ((job.model, "model"), (job.controlnet, "controlnet")):
+            check_model_path(spec, field)
+            if spec is not None and spec not in PRESETS and weights_path(spec) is None and spec not in allow_models:
+                raise ModelError(f"{field}: the hub id {spec[:80]!r} is not one this server may download "
+                                 f"(its --allow-model list{': ' + ', '.join(allow_models) if allow_models else ' is empty'})")
         return job
     except JobError as e:
         raise JobError(filename if e.file == str(path) else e.file, e.line, e.shot, e.field, e.message) from None
