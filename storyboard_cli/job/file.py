@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 import re
+import reprlib
 import unicodedata
 import warnings
 import zlib
@@ -22,7 +23,7 @@ from storyboard_cli.folder.layout import RESERVED, read_report
 from storyboard_cli.job.digests import file_sha256, relative_to_job, remember_sha256
 from storyboard_cli.job.inputs import DIGEST_RULE, INPUTS_KEY, InputProblem, Inputs, is_digest, shown_name, suffix_of
 from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
-from storyboard_cli.job.preflight import PRESETS
+from storyboard_cli.job.preflight import PRESETS, exists, expanded, is_pathlike
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 from storyboard_cli.steps import guided_steps
 
@@ -39,6 +40,7 @@ MIN_SIDE, MAX_SIDE = 64, 4096
 MAX_CANDIDATES = 64
 MAX_BUCKET = 64
 MAX_SEED = 2**63 - 1 - MAX_CANDIDATES
+MAX_PATH = 4096  # Linux's PATH_MAX
 
 TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots", INPUTS_KEY)
 SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control",
@@ -137,14 +139,147 @@ class _DuplicateKey(Exception):
         self.key, self.line = key, line
 
 
+MAX_ALIAS_VALUES = 100_000  # values YAML aliases may add to a job: a real one adds a few hundred
+MESSAGE_VALUE = 80  # characters of a value that a message quotes
+MAX_INT_TEXT = 100  # characters of an integer: no field takes more than 19 digits; int() of 4300+ refuses
+_INT_TAG = "tag:yaml.org,2002:int"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _TooLarge(Exception):
+    """The composed document would expand past a limit; located like a JobError (file aside)."""
+
+    def __init__(self, line: int, shot: str | None, field: str | None, message: str):
+        self.line, self.shot, self.field, self.message = line, shot, field, message
+
+
 class _Loader(yaml.SafeLoader):
-    pass
+    def construct_document(self, node: yaml.Node) -> Any:
+        # PyYAML shares an aliased node, so a 1 KB file of nested aliases composes to a few dozen nodes yet
+        # constructs (merge keys) or walks (repr, json) to billions of values: its size is counted first
+        _check_size(node)
+        return super().construct_document(node)
+
+
+# YAML 1.2's floats with an exponent (1e6, 1E-3, -2.5e+3, 1.5e3): YAML 1.1 needs a dot and a signed exponent,
+# and reads these as strings. A dotless number without an exponent (08) stays what 1.1 makes of it.
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+                              list("-+.0123456789"))
+
+
+def _children(node: yaml.Node) -> list[tuple[str | int | None, yaml.Node, yaml.Node | None]]:
+    """A composed node's children as (label, child, key node): a list's items by index; a mapping's keys
+    (label None) and values (label: the key's text)."""
+    if isinstance(node, yaml.SequenceNode):
+        return [(i, item, None) for i, item in enumerate(node.value)]
+    if isinstance(node, yaml.MappingNode):
+        return [pair for key, value in node.value for pair in
+                ((None, key, None), (key.value if isinstance(key, yaml.ScalarNode) else None, value, key))]
+    return []
+
+
+def _check_size(root: yaml.Node) -> None:
+    """Raises _TooLarge where aliases would add more than MAX_ALIAS_VALUES values, where an alias holds
+    itself, or where an integer is longer than MAX_INT_TEXT. Each node is counted once (its expanded size
+    memoised), in a loop rather than recursion: the cost is that of the text, not of its expansion."""
+    sizes: dict[int, int] = {}  # id(node) -> the values it expands to, itself included
+    open_: set[int] = set()  # the nodes whose children are being counted: the path from the root
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        if counted:
+            sizes[id(node)] = 1 + sum(sizes[id(child)] for _, child, _ in _children(node))
+            open_.discard(id(node))
+        elif id(node) in open_:
+            raise _TooLarge(*_where(root, node), "a YAML alias refers to a list or mapping that holds it")
+        elif id(node) not in sizes:
+            if isinstance(node, yaml.ScalarNode) and node.tag == _INT_TAG and len(node.value) > MAX_INT_TEXT:
+                _, shot, field = _where(root, node)
+                raise _TooLarge(node.start_mark.line + 1, shot, field,
+                                f"an integer of {len(node.value)} characters is too large for any field")
+            open_.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for _, child, _ in _children(node))
+    if sizes[id(root)] - len(sizes) > MAX_ALIAS_VALUES:
+        node = root  # named by the deepest node that alone is over the budget
+        while (big := max(_children(node), key=lambda c: sizes[id(c[1])], default=None)) and \
+                sizes[id(big[1])] > MAX_ALIAS_VALUES:
+            node = big[1]
+        raise _TooLarge(*_where(root, node), f"YAML aliases expand to more than {MAX_ALIAS_VALUES} values")
+
+
+def _where(root: yaml.Node, target: yaml.Node) -> tuple[int, str | None, str | None]:
+    """(line, shot, field) of a node, as first reached from the root: the line of the last mapping key on
+    the way there (else the node's), the shot under `shots:` and its id, the keys below it (`deepcache.branch`)."""
+    parents: dict[int, tuple[yaml.Node, str | int | None, yaml.Node | None] | None] = {id(root): None}
+    stack = [root]
+    while stack and id(target) not in parents:
+        node = stack.pop()
+        for label, child, key in _children(node):
+            if id(child) not in parents:
+                parents[id(child)] = (node, label, key)
+                stack.append(child)
+    path: list[tuple[str | int | None, yaml.Node, yaml.Node | None]] = []  # (label, node, key node), root down
+    node = target
+    while (up := parents.get(id(node))) is not None:
+        path.append((up[1], node, up[2]))
+        node = up[0]
+    path.reverse()
+    line = next((key.start_mark.line + 1 for _, _, key in reversed(path) if key is not None),
+                target.start_mark.line + 1)
+    shot = None
+    if len(path) >= 2 and path[0][0] == "shots" and isinstance(path[1][0], int):
+        shot, path = _shot_label(path[1][1], path[1][0]), path[2:]
+    field = ".".join(label for label, _, key in path if isinstance(label, str) and key.tag != _MERGE_TAG)
+    return line, shot, clip(field) or None
+
+
+def _shot_label(node: yaml.Node, index: int) -> str:
+    """A composed shot's id where it is a valid one, else its place in the list (`#3`)."""
+    for key, value in node.value if isinstance(node, yaml.MappingNode) else ():
+        if isinstance(key, yaml.ScalarNode) and key.value == "id" and isinstance(value, yaml.ScalarNode) \
+                and SHOT_ID.fullmatch(value.value):
+            return value.value
+    return f"#{index + 1}"
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded walk (the first items of each list and mapping, three levels deep), extended to
+    the mappings this loader builds and to integers too long for repr()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxset = 3, 4, 4, 4, 4
+        self.maxstring = self.maxlong = self.maxother = MESSAGE_VALUE
+
+    def repr__Located(self, x: _Located, level: int) -> str:  # noqa: N802 (reprlib's dispatch by type name)
+        return self.repr_dict(x, level)
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 4 * MESSAGE_VALUE:  # repr() of a huge int is quadratic, and refused past 4300 digits
+            return f"<an integer of {x.bit_length() * 30103 // 100000 + 1} digits>"
+        return super().repr_int(x, level)
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def clip(text: str, limit: int = MESSAGE_VALUE) -> str:
+    """`text` cut to `limit` characters, '...' marking the cut."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short_repr(value: Any) -> str:
+    """repr(value) as a message shows it: cut to MESSAGE_VALUE characters, without first building the full
+    repr of a huge value (an alias bomb, a megabyte of text)."""
+    return clip(_SHORT_REPR.repr(value))
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _Located:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
+        if key_node.tag == _MERGE_TAG:
             continue
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1
@@ -189,18 +324,20 @@ def _read_yaml(path: Path) -> Any:
     text = read_text(path)
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 (SafeLoader subclass)
+    except _TooLarge as e:
+        raise JobError(file, e.line, e.shot, e.field, e.message) from None
     except _DuplicateKey as e:
-        raise JobError(file, e.line, None, None, f"duplicate or invalid key {e.key!r}") from None
+        raise JobError(file, e.line, None, None, f"duplicate or invalid key {short_repr(e.key)}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else None
-        what = (e.problem or "invalid YAML").strip()
+        what = clip((e.problem or "invalid YAML").strip(), 2 * MESSAGE_VALUE)  # it may quote a tag of the file
         raise JobError(file, line, None, None, f"YAML syntax error: {what}") from None
     except yaml.reader.ReaderError as e:
         line = text[: e.position].count("\n") + 1
         raise JobError(file, line, None, None, f"YAML cannot contain the character {e.character!r}") from None
     except yaml.YAMLError as e:
-        raise JobError(file, None, None, None, f"YAML error: {e}") from None
+        raise JobError(file, None, None, None, f"YAML error: {clip(str(e), 2 * MESSAGE_VALUE)}") from None
     except RecursionError:
         raise JobError(file, None, None, None, "YAML nests too deeply") from None
 
@@ -257,9 +394,11 @@ class _Ctx:
         presets and hub ids are not files of this machine."""
         if self.roots is None or spec is None or spec in PRESETS:
             return
-        path = Path(spec).expanduser()
-        if spec.startswith((".", "/", "~")) or spec.endswith((".safetensors", ".ckpt")) or path.exists():
-            self.confine(path, line, None, field)
+        path = expanded(spec)
+        if path is None:  # `~user` of no user here: no folder of this server's either
+            raise self.fail(line, None, field, f"{clip(spec)} is outside the folders this server may read and write")
+        if is_pathlike(spec) or exists(path):
+            self.confine(path, line, None, field, clip(spec))
 
 
 def _line_of(mapping: Any, key: str, fallback: int | None = None) -> int | None:
@@ -273,7 +412,7 @@ def _check_keys(ctx: _Ctx, mapping: _Located, allowed: tuple[str, ...], shot: st
         if key in allowed:
             continue
         line = mapping.lines.get(key, mapping.line)
-        raise ctx.fail(line, shot, f"{prefix}{key}", f"unknown key{did_you_mean(str(key), allowed, known=True)}")
+        raise ctx.fail(line, shot, clip(f"{prefix}{key}"), f"unknown key{did_you_mean(str(key), allowed, known=True)}")
 
 
 def _type_name(value: Any) -> str:
@@ -283,15 +422,15 @@ def _type_name(value: Any) -> str:
 
 def _as_int(ctx: _Ctx, value: Any, line: int | None, shot: str | None, field: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ctx.fail(line, shot, field, f"must be an integer, got {_type_name(value)} ({value!r})")
+        raise ctx.fail(line, shot, field, f"must be an integer, got {_type_name(value)} ({short_repr(value)})")
     if not lo <= value <= hi:
-        raise ctx.fail(line, shot, field, f"must be between {lo} and {hi}, got {value}")
+        raise ctx.fail(line, shot, field, f"must be between {lo} and {hi}, got {short_repr(value)}")
     return value
 
 
 def _as_float(ctx: _Ctx, value: Any, line: int | None, shot: str | None, field: str, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ctx.fail(line, shot, field, f"must be a number, got {_type_name(value)} ({value!r})")
+        raise ctx.fail(line, shot, field, f"must be a number, got {_type_name(value)} ({short_repr(value)})")
     value = float(value)
     if not lo <= value <= hi:  # also rejects NaN
         raise ctx.fail(line, shot, field, f"must be between {lo:g} and {hi:g}, got {value:g}")
@@ -300,7 +439,7 @@ def _as_float(ctx: _Ctx, value: Any, line: int | None, shot: str | None, field: 
 
 def _as_str(ctx: _Ctx, value: Any, line: int | None, shot: str | None, field: str, *, empty_ok: bool) -> str:
     if not isinstance(value, str):
-        raise ctx.fail(line, shot, field, f"must be a string, got {_type_name(value)} ({value!r})")
+        raise ctx.fail(line, shot, field, f"must be a string, got {_type_name(value)} ({short_repr(value)})")
     if not empty_ok and not value.strip():
         raise ctx.fail(line, shot, field, "must not be empty")
     if "\x00" in value:
@@ -311,13 +450,15 @@ def _as_str(ctx: _Ctx, value: Any, line: int | None, shot: str | None, field: st
 def parse_size(text: Any) -> tuple[int, int]:
     """'WxH' or a named aspect -> (width, height). Raises ValueError with a reason."""
     if not isinstance(text, str):
-        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {_type_name(text)} ({text!r})")
+        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {_type_name(text)} "
+                         f"({short_repr(text)})")
     key = text.strip().lower()
     if key in NAMED_SIZES:
         return NAMED_SIZES[key]
-    m = re.fullmatch(r"(\d+)\s*[x×]\s*(\d+)", key)
+    m = re.fullmatch(r"(\d{1,9})\s*[x×]\s*(\d{1,9})", key)  # 9 digits: int() stays cheap, the range check says why
     if not m:
-        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {text!r}{did_you_mean(key, NAMED_SIZES)}")
+        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {short_repr(text)}"
+                         f"{did_you_mean(key, NAMED_SIZES)}")
     width, height = int(m.group(1)), int(m.group(2))
     for side in (width, height):
         if side % 8:
@@ -339,12 +480,12 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     shot_id = raw.get("id")
     if shot_id is None:
         raise ctx.fail(raw.line, f"#{index + 1}", "id", "missing")
-    label = shot_id if isinstance(shot_id, str) else f"#{index + 1}"
+    label = clip(shot_id) if isinstance(shot_id, str) else f"#{index + 1}"
     id_line = _line_of(raw, "id")
     shot_id = _as_str(ctx, shot_id, id_line, label, "id", empty_ok=False)
     if not SHOT_ID.fullmatch(shot_id):
-        label = shot_id if shot_id.isprintable() else f"#{index + 1}"  # the message stays one line
-        raise ctx.fail(id_line, label, "id", f"{SAFE_NAME_RULE} (it names a folder), got {shot_id!r}")
+        label = clip(shot_id) if shot_id.isprintable() else f"#{index + 1}"  # the message stays one line
+        raise ctx.fail(id_line, label, "id", f"{SAFE_NAME_RULE} (it names a folder), got {short_repr(shot_id)}")
     if shot_id.lower() in RESERVED:
         raise ctx.fail(id_line, label, "id", f"'{shot_id}' is a name bcg uses in the output folder "
                        f"({', '.join(RESERVED)}); choose another")
@@ -382,7 +523,7 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
     sampler, line = get("sampler")
     sampler = _as_str(ctx, sampler, line, shot_id, "sampler", empty_ok=False)
     if sampler not in SAMPLERS:
-        raise ctx.fail(line, shot_id, "sampler", f"unknown sampler {sampler!r} (known: {', '.join(SAMPLERS)})"
+        raise ctx.fail(line, shot_id, "sampler", f"unknown sampler {short_repr(sampler)} (known: {', '.join(SAMPLERS)})"
                        f"{did_you_mean(sampler, SAMPLERS)}")
     control, line = get("control")
     if control is not None:
@@ -400,7 +541,7 @@ def _deepcache(ctx: _Ctx, raw: Any, line: int | None, shot_id: str) -> tuple[int
         return NO_DEEPCACHE
     if not isinstance(raw, _Located):
         raise ctx.fail(line, shot_id, "deepcache", f"must be a mapping like {{interval: 3, branch: 0}}, or off; "
-                       f"got {_type_name(raw)} ({raw!r})")
+                       f"got {_type_name(raw)} ({short_repr(raw)})")
     _check_keys(ctx, raw, DEEPCACHE_KEYS, shot_id, prefix="deepcache.")
     if "interval" not in raw:
         raise ctx.fail(raw.line, shot_id, "deepcache.interval", "missing (the full UNet runs every N-th step)")
@@ -426,9 +567,9 @@ def _known_lora(ctx: _Ctx, name: Any, line: int | None, shot_id: str, field: str
     if isinstance(name, str) and name in loras:
         return name
     if not loras:
-        raise ctx.fail(line, shot_id, field, f"unknown LoRA {name!r}: the job has no top-level 'loras:' "
+        raise ctx.fail(line, shot_id, field, f"unknown LoRA {short_repr(name)}: the job has no top-level 'loras:' "
                        f"(name: file.safetensors)")
-    raise ctx.fail(line, shot_id, field, f"unknown LoRA {name!r} (the job's loras: {', '.join(loras)})"
+    raise ctx.fail(line, shot_id, field, f"unknown LoRA {short_repr(name)} (the job's loras: {clip(', '.join(loras))})"
                    f"{did_you_mean(str(name), loras)}")
 
 
@@ -448,8 +589,8 @@ def _shot_loras(ctx: _Ctx, prompt: str, prompt_line: int | None, raw: Any, line:
             scales[name] = _as_float(ctx, scale, name_line, shot_id, f"lora.{name}", lo, hi)
     try:
         text, tags = split_lora_tags(prompt)
-    except ValueError as e:
-        raise ctx.fail(prompt_line, shot_id, "prompt", str(e)) from None
+    except ValueError as e:  # it quotes the tag, which may be most of a long prompt
+        raise ctx.fail(prompt_line, shot_id, "prompt", clip(str(e), 2 * MESSAGE_VALUE)) from None
     for name, scale in tags:
         tag = f"<lora:{name}:{scale:g}>"
         _known_lora(ctx, name, prompt_line, shot_id, "prompt", loras)
@@ -590,14 +731,14 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
 
     version, line = _top_field(ctx, doc, "version", required=True)
     if version != 1 or isinstance(version, bool):
-        raise ctx.fail(line, None, "version", f"must be 1, got {version!r}")
+        raise ctx.fail(line, None, "version", f"must be 1, got {short_repr(version)}")
     name, line = _top_field(ctx, doc, "name")
     if name is None:
         name = _name_from_file(ctx, path, doc.line)
     else:
         name = _as_str(ctx, name, line, None, "name", empty_ok=False)
         if not SAFE_NAME.fullmatch(name):
-            raise ctx.fail(line, None, "name", f"{SAFE_NAME_RULE} (it names a folder), got {name!r}")
+            raise ctx.fail(line, None, "name", f"{SAFE_NAME_RULE} (it names a folder), got {short_repr(name)}")
     model, line = _top_field(ctx, doc, "model", required=True)
     model = _as_str(ctx, model, line, None, "model", empty_ok=False)
     ctx.confine_model(model, line, "model")
@@ -606,16 +747,15 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
         controlnet = _as_str(ctx, controlnet, line, None, "controlnet", empty_ok=False)
         ctx.confine_model(controlnet, line, "controlnet")
     output_dir, line = _top_field(ctx, doc, "output_dir")
-    output_dir = Path("outputs") / name if output_dir is None else Path(
-        _as_str(ctx, output_dir, line, None, "output_dir", empty_ok=False)).expanduser()  # as the model path
-    ctx.confine(path.resolve().parent / output_dir, line, None, "output_dir")
+    output_dir = Path("outputs") / name if output_dir is None else _output_dir(ctx, output_dir, line)
+    ctx.confine(path.resolve().parent / output_dir, line, None, "output_dir", clip(str(output_dir)))
 
     buckets, line = _top_field(ctx, doc, "buckets")
     if buckets is None:
         buckets = DEFAULT_BUCKETS
     else:
         if not isinstance(buckets, list) or not buckets:
-            raise ctx.fail(line, None, "buckets", f"must be a non-empty list of batch sizes, got {buckets!r}")
+            raise ctx.fail(line, None, "buckets", f"must be a non-empty list of batch sizes, got {short_repr(buckets)}")
         buckets = tuple(sorted({_as_int(ctx, b, line, None, "buckets", 1, MAX_BUCKET) for b in buckets}))
 
     defaults, line = _top_field(ctx, doc, "defaults")
@@ -647,6 +787,18 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
         seen[folded] = _line_of(raw, "id") or 0
         shots.append(shot)
     return Job(path, name, model, controlnet, output_dir, buckets, tuple(shots), loras)
+
+
+def _output_dir(ctx: _Ctx, raw: Any, line: int | None) -> Path:
+    """The job's `output_dir:`, `~` expanded as the model path is."""
+    text = _as_str(ctx, raw, line, None, "output_dir", empty_ok=False)
+    if len(text) > MAX_PATH:
+        raise ctx.fail(line, None, "output_dir", f"is {len(text)} characters long; a path has at most {MAX_PATH}")
+    folder = expanded(text)
+    if folder is None:
+        raise ctx.fail(line, None, "output_dir", f"{clip(text)}: {clip(text.split('/')[0])} names no user of "
+                       f"this machine")
+    return folder
 
 
 def job_of_folder(out_dir: Path) -> Job | None:
