@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -425,6 +426,9 @@ def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jo
 ServerOpt = Annotated[str, typer.Option("--server", help="The bcg serve URL, e.g. http://gpu-box:8188.")]
 TokenOpt = Annotated[Optional[str], typer.Option("--token", envvar="BCG_TOKEN", show_envvar=True,
                                                  help="Bearer token of the server (needed off loopback).")]
+WorkerTokenOpt = Annotated[Optional[str], typer.Option("--token", envvar=["BCG_WORKER_TOKEN", "BCG_TOKEN"],
+                                                       show_envvar=True, help="The server's worker token (its "
+                                                       "--worker-token, else its --token).")]
 PriorityOpt = Annotated[str, typer.Option(help="urgent, normal or bulk (bulk jobs age into urgent over 30 min).")]
 WarmOpt = Annotated[Optional[Path], typer.Option("--warm", callback=_user_path,
                                                  help="A job (YAML) whose model is loaded and whose shapes are "
@@ -457,8 +461,7 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
           compile: CompileOpt = "auto", fp8: Fp8Opt = False) -> None:
     """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
     from storyboard_cli.job.file import load_job
-    from storyboard_cli.serve.server import ServeOptions
-    from storyboard_cli.serve.server import serve as serving
+    from storyboard_cli.serve.server import ServeOptions, Service
 
     with _domain_errors():
         if warm is not None:
@@ -471,8 +474,10 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
                             dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()), warm=warm,
                             fp8=fp8, worker_token=worker_token, max_job_kb=max_job_kb, max_blob_mb=max_blob_mb,
                             max_workers=max_workers, allow_models=tuple(allow_model or ()))
-        err.print(f"bcg serve: http://{host}:{port} (docs at /docs), root {root}, workers: {', '.join(opts.gpus)}")
-        code = serving(opts)
+        service = Service(opts)  # the queue opened and the port bound: a start-up error is one line, before this
+        err.print(f"bcg serve: {service.url} (docs at {service.url}/docs), root {root}, workers: "
+                  f"{', '.join(opts.gpus)}")
+        code = service.run()
     raise typer.Exit(code)
 
 
@@ -484,7 +489,7 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
                                                      "visible here (they are sent whenever they are not).")] = False,
            root: Annotated[Path, typer.Option(help="Where this worker keeps its copies of job folders when it does "
                                                    "not share the server's filesystem.")] = Path("bcg-worker"),
-           warm: WarmOpt = None, token: TokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
+           warm: WarmOpt = None, token: WorkerTokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto", fp8: Fp8Opt = False) -> None:
     """Render the server's queue on this machine (job folders shared with the server, or uploaded)."""
     if gpu is not None:
@@ -508,6 +513,7 @@ def submit(job: JobArg, server: ServerOpt, priority: PriorityOpt = "normal",
            token: TokenOpt = None, json_out: JsonOpt = False) -> None:
     """Submit a job to a bcg serve server; print its id and URL (with --wait, its outcome)."""
     from storyboard_cli.serve import client
+    from storyboard_cli.serve.schedule import ImageState
 
     with _domain_errors():
         j = client.submit(job, server, priority=priority, key=key, token=token)
@@ -520,9 +526,15 @@ def submit(job: JobArg, server: ServerOpt, priority: PriorityOpt = "normal",
     else:
         out.print(j["id"])
     if wait:
-        failed = sum(i["state"] == "failed" for i in j["images"])
-        err.print(f"{j['state']}: {len(j['images']) - failed} images done, {failed} failed -> {j['sheet_url']}")
-        if j["state"] != client.JobState.SUCCEEDED:
+        states = Counter(i["state"] for i in j["images"])
+        for i in j["images"]:
+            if i["state"] == ImageState.FAILED:  # one line each, as `bcg render` prints its failed images
+                reason = " ".join(str(i["reason"]).split())
+                err.print(_styled("failed:", "yellow", f"shot {i['shot']} candidate {i['candidate']}: {reason}"))
+        canceled = f", {states[ImageState.CANCELED]} canceled" if states[ImageState.CANCELED] else ""
+        err.print(f"{j['state']}: {states[ImageState.DONE]} images done, {states[ImageState.FAILED]} failed"
+                  f"{canceled} -> {j['sheet_url']}")
+        if j["state"] != client.JobState.SUCCEEDED:  # as `bcg render` exits when images failed
             raise typer.Exit(exit_code(Status.FAILED))
 
 

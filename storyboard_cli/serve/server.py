@@ -1,6 +1,10 @@
 """`bcg serve`: the API on uvicorn plus one local worker process per `--gpus` entry (each a `bcg worker`
 against this server, so local and remote workers speak one protocol). Torch-free: the workers load torch.
 
+Start-up opens the queue and binds the port before anything is announced (Service), so a queue that cannot
+be used, a port in use or a public address without a token is one line and exit 2, never a banner followed
+by a traceback. The app's lifespan runs (its lease sweep ends a dead worker's leases with no worker calling).
+
 SIGTERM (or Ctrl-C): stop admitting (503) and leasing, ask the workers to stop after their running batch
 (SIGINT, their soft stop), wait for them up to the grace period, then stop serving and exit 0. A second
 signal stops at once.
@@ -8,10 +12,12 @@ signal stops at once.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,9 +29,12 @@ import uvicorn
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve.api import Settings, create_app
+from storyboard_cli.serve.store import Store
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "BCG_TOKEN"
+WORKER_TOKEN_ENV = "BCG_WORKER_TOKEN"  # `bcg worker` reads it before $BCG_TOKEN
+BACKLOG = 2048  # uvicorn's
 RESTART_DELAY_S = 2.0
 NO_WORKERS = "none"  # --gpus none: the API and the queue only (workers run elsewhere)
 
@@ -64,6 +73,42 @@ def check_bind(host: str, token: str | None) -> None:
                        "clients and workers can use the server")
 
 
+def http_url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 address in brackets (RFC 3986): `http://[::1]:8188`."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def local_url(bound: tuple) -> str:
+    """The URL this machine's workers call, from the listening socket's address: an unspecified address
+    (0.0.0.0, ::) is reached through the loopback of its family."""
+    host, port = bound[0], bound[1]
+    loopback = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    return http_url(loopback.get(host, host), port)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the banner; uvicorn serves on it. Raises BadInput (a port in use, an
+    address that is not this machine's)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise BadInput(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart needs no TIME_WAIT
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        reasons = {errno.EADDRINUSE: "the port is in use (another bcg serve?): stop that server or pick another "
+                                     "--port",
+                   errno.EADDRNOTAVAIL: "not an address of this machine: pick another --host",
+                   errno.EACCES: "not allowed (a port below 1024 needs privileges): pick another --port"}
+        raise BadInput(f"cannot listen on {http_url(host, port)}: {reasons.get(e.errno, e.strerror or e)}") from None
+    return sock
+
+
 def worker_command(url: str, gpu: str, opts: ServeOptions, index: int = 0) -> tuple[list[str], dict]:
     """The `bcg worker` command line and environment for one --gpus entry (the `index`-th of its value: `cpu,cpu`
     starts local-cpu and local-cpu-2, each its own row in the queue's worker table)."""
@@ -80,8 +125,9 @@ def worker_command(url: str, gpu: str, opts: ServeOptions, index: int = 0) -> tu
         argv += ["--dtype", opts.dtype]
     if opts.warm:
         argv += ["--warm", str(opts.warm)]
-    if opts.token:
-        env[TOKEN_ENV] = opts.token
+    env.pop(WORKER_TOKEN_ENV, None)
+    if opts.worker_token or opts.token:  # the worker routes' token
+        env[WORKER_TOKEN_ENV] = opts.worker_token or opts.token
     return argv, env
 
 
@@ -142,26 +188,44 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(opts: ServeOptions) -> int:
-    """Runs until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
-    check_bind(opts.host, opts.token)
-    settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token, opts.inputs,
-                        worker_token=opts.worker_token, max_job_kb=opts.max_job_kb, max_blob_mb=opts.max_blob_mb,
-                        max_workers=opts.max_workers, allow_models=opts.allow_models)
-    app = create_app(settings)
-    url = f"http://{'127.0.0.1' if opts.host in ('0.0.0.0', '::') else opts.host}:{opts.port}"
-    workers = Workers(url, opts)
+class Service:
+    """A server ready to run: its queue open, its app made and its port bound, each refused with one line
+    (BadInput) before anything is announced. `url`: where it serves (as --host names it); `workers_url`: what
+    its local workers call."""
 
-    def drain() -> None:
-        app.state.draining = True
-        workers.stop(opts.grace_s)
+    def __init__(self, opts: ServeOptions):
+        check_bind(opts.host, opts.token)
+        self.opts = opts
+        self.store = Store(opts.root)  # a damaged, foreign or read-only queue: QueueUnusable
+        try:
+            settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token, opts.inputs,
+                                worker_token=opts.worker_token, max_job_kb=opts.max_job_kb,
+                                max_blob_mb=opts.max_blob_mb, max_workers=opts.max_workers,
+                                allow_models=opts.allow_models)
+            self.app = create_app(settings, self.store)
+            self.sock = listen(opts.host, opts.port)
+        except BaseException:
+            self.store.close()
+            raise
+        bound = self.sock.getsockname()
+        self.url, self.workers_url = http_url(opts.host, bound[1]), local_url(bound)
 
-    server = _Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", lifespan="off"), drain)
-    workers.start()
-    try:
-        server.run()
-    finally:
-        if not server.draining:  # the server failed (a port in use): the workers go too
-            workers.stop(0.0)
-        app.state.store.close()
-    return 0 if server.started else 1
+    def run(self) -> int:
+        """Serves until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
+        app, workers = self.app, Workers(self.workers_url, self.opts)
+
+        def drain() -> None:
+            app.state.draining = True
+            workers.stop(self.opts.grace_s)
+
+        # lifespan on: the app's lease sweep runs in this process (it ends when the app shuts down)
+        server = _Server(uvicorn.Config(app, log_level="warning", lifespan="on"), drain)
+        workers.start()
+        try:
+            server.run(sockets=[self.sock])
+        finally:
+            if not server.draining:  # the server failed: the workers go too
+                workers.stop(0.0)
+            self.sock.close()
+            self.store.close()
+        return 0 if server.started else 1

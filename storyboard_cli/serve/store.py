@@ -10,6 +10,8 @@ lease that is gone (expired, its images leased again) is ignored and counted.
 from __future__ import annotations
 
 import json
+import os
+import re
 import sqlite3
 import threading
 import uuid
@@ -25,6 +27,9 @@ from storyboard_cli.serve.schedule import END, MAX_ATTEMPTS, TIERS, ImageState, 
 
 DB = "queue.sqlite3"
 DRAIN_WINDOW_S = 300.0
+APPLICATION_ID = 0x62636771  # PRAGMA application_id of a bcg queue ("bcgq"): another program's SQLite file is refused
+SCHEMA_VERSION = 1  # PRAGMA user_version: a queue written by a newer bcg is refused, not rewritten
+KEEP = "the file is the only record of the jobs this server accepted: keep it, never delete or overwrite it"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -51,6 +56,8 @@ CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NU
 CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, seen REAL NOT NULL, gpu TEXT,
   ready INTEGER NOT NULL DEFAULT 0);
 """
+# a queue made before application_id was set holds only these (sqlite_sequence: AUTOINCREMENT's)
+QUEUE_TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
 
 # counters kept in the database, so /metrics totals survive a restart
 RENDERED, CACHED, FAILED, EXPIRED, LATE, REJECTED_FULL, REJECTED_INVALID, RETRIES, OOMS, MODEL_LOADS = (
@@ -83,14 +90,92 @@ class IdempotencyConflict(BadInput):
     """The same Idempotency-Key came with another body."""
 
 
+class JobFinal(Exception):
+    """The job is already succeeded, failed or canceled: a cancel or a priority change would rewrite its
+    outcome, so it is refused and nothing changes. `state`: that final state."""
+
+    def __init__(self, job_id: str, state: str):
+        super().__init__(f"job {job_id} is already {state}")
+        self.state = state
+
+
+class QueueUnusable(BadInput):
+    """The queue file cannot be this server's queue (damaged, another program's, read-only, of a newer bcg);
+    refused before anything was written to it."""
+
+
+def _open(root: Path) -> sqlite3.Connection:
+    """The queue's connection (WAL, synchronous=FULL, stamped as a bcg queue). What could be someone's data
+    is only read until it is known to be a bcg queue this server can write; else QueueUnusable, one line."""
+    path = root / DB
+    _check_writable(root, path)
+    try:
+        db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    except sqlite3.Error as e:
+        raise _unusable(path, e) from None
+    try:
+        db.row_factory = sqlite3.Row
+        _identify(db, path)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")  # a write: a queue that cannot take one fails here
+    except sqlite3.Error as e:
+        db.close()
+        raise _unusable(path, e) from None
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _check_writable(root: Path, path: Path) -> None:
+    """The root folder made, and it and the queue file writable. The mode is read too, not only access():
+    root may write a 0444 file, and a file or folder someone made read-only is not the server's to write."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QueueUnusable(f"--root {root}: cannot make the folder ({e.strerror or e})") from None
+    keep = f"; {KEEP}" if path.exists() else ""
+    if not os.access(root, os.W_OK) or not root.stat().st_mode & 0o222:
+        raise QueueUnusable(f"--root {root} is read-only: the queue {path} and its journal are written there; "
+                            f"make the folder writable, or start on a copy in a writable folder{keep}")
+    if path.exists() and (not os.access(path, os.W_OK) or not path.stat().st_mode & 0o222):
+        raise QueueUnusable(f"{path} is read-only (mode {path.stat().st_mode & 0o777:o}): every job the server "
+                            f"accepts is written there; make it writable (chmod u+w){keep}")
+
+
+def _identify(db: sqlite3.Connection, path: Path) -> None:
+    """Reads (never writes) the file's header and tables: a bcg queue, an empty file, or a queue made before
+    the header was stamped pass; another program's database and a newer bcg's queue are refused."""
+    tables = sorted(r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+    app_id = db.execute("PRAGMA application_id").fetchone()[0]
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if app_id != APPLICATION_ID and (app_id or not set(tables) <= QUEUE_TABLES):
+        shown = ", ".join(t[:40] for t in tables[:3]) + (", ..." if len(tables) > 3 else "")
+        owner = f"application id {app_id:#x}, " if app_id else ""
+        raise QueueUnusable(f"{path} is not a bcg queue but another program's SQLite database ({owner}tables: "
+                            f"{shown or 'none'}); bcg left it untouched: give --root a folder of its own")
+    if version > SCHEMA_VERSION:
+        raise QueueUnusable(f"{path} is the queue of a newer bcg (schema {version}, this one reads up to "
+                            f"{SCHEMA_VERSION}): serve it with that bcg; {KEEP}")
+
+
+def _unusable(path: Path, e: sqlite3.Error) -> QueueUnusable:
+    """SQLite's refusal as the line a person can act on."""
+    code = getattr(e, "sqlite_errorcode", 0) & 0xFF  # the primary result code
+    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return QueueUnusable(f"{path} is damaged or not a SQLite database ({e}); {KEEP} (`sqlite3 {path} "
+                             ".recover` may save its jobs) and start on another --root meanwhile")
+    if code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM):
+        return QueueUnusable(f"{path} cannot be written ({e}): make it and its folder writable; {KEEP}")
+    return QueueUnusable(f"{path}: the queue cannot be opened ({e}); {KEEP}")
+
+
 class Store:
     def __init__(self, root: Path):
-        root.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(root / DB, isolation_level=None, check_same_thread=False, timeout=30)
-        self.db.row_factory = sqlite3.Row
+        self.db = _open(root)  # raises QueueUnusable
         self.lock = threading.Lock()
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
         if "mix" not in {r["name"] for r in self.db.execute("PRAGMA table_info(images)")}:  # a queue of v1
             self.db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
@@ -129,13 +214,29 @@ class Store:
 
     def _event(self, db, job_id: str, kind: str, now: float, **data) -> None:
         """One step of the job's progress stream, written in the transaction that made it (so a reader
-        resuming after event n misses none and sees none twice)."""
-        states = Counter({s: n for s, n in db.execute("SELECT state, COUNT(*) FROM images WHERE job = ? "
-                                                        "GROUP BY state", (job_id,))})
-        canceled = db.execute("SELECT canceled FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
-        body = {"job": job_id, "state": schedule.job_state(states, bool(canceled)), "at": now,
+        resuming after event n misses none and sees none twice). None after the stream's `end`: the job's
+        last event says its final state (a canceled job's leased images may still finish, unannounced)."""
+        job = db.execute("SELECT canceled, finished FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if kind != END and (job["canceled"] or job["finished"] is not None):  # its `end` is written
+            return
+        states = self._states(db, job_id)
+        body = {"job": job_id, "state": schedule.job_state(states, bool(job["canceled"])), "at": now,
                 "images_by_state": dict(states), **data}
         db.execute("INSERT INTO events (job, kind, data) VALUES (?, ?, ?)", (job_id, kind, json.dumps(body)))
+
+    def _states(self, db, job_id: str) -> Counter:
+        return Counter({s: n for s, n in db.execute("SELECT state, COUNT(*) FROM images WHERE job = ? "
+                                                      "GROUP BY state", (job_id,))})
+
+    def _open_job(self, db, job_id: str) -> bool:
+        """Whether the job exists; raises JobFinal when it is succeeded, failed or canceled."""
+        job = db.execute("SELECT canceled FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if job is None:
+            return False
+        state = schedule.job_state(self._states(db, job_id), bool(job["canceled"]))
+        if state not in (JobState.QUEUED, JobState.RUNNING):  # succeeded, failed or canceled
+            raise JobFinal(job_id, state)
+        return True
 
     def events(self, job_id: str, after: int) -> tuple[list[tuple[int, str, str]], bool]:
         """The job's events after sequence number `after` (seq, kind, JSON data), and whether its stream
@@ -352,7 +453,9 @@ class Store:
             db.execute("UPDATE images SET state = ?, reason = ?, done = ?, lease = NULL WHERE lease = ? "
                        "AND attempts >= ?", (ImageState.FAILED, f"its worker was lost {MAX_ATTEMPTS} times", now,
                                              lease_id, MAX_ATTEMPTS))
-            db.execute("UPDATE images SET state = ?, lease = NULL WHERE lease = ?", (ImageState.QUEUED, lease_id))
+            db.execute("UPDATE images SET state = CASE WHEN (SELECT canceled FROM jobs WHERE id = images.job) "
+                       "THEN ? ELSE ? END, lease = NULL WHERE lease = ?",
+                       (ImageState.CANCELED, ImageState.QUEUED, lease_id))  # a canceled job's are not leased again
             db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
             self._count(db, EXPIRED)
             self._count(db, FAILED, sum(r["attempts"] >= MAX_ATTEMPTS for r in held))
@@ -380,25 +483,26 @@ class Store:
     # jobs
 
     def cancel(self, job_id: str, now: float) -> bool:
-        """Queued images are canceled at once; leased ones when their batch is done."""
+        """Queued images are canceled at once; leased ones when their batch is done (the job is canceled from
+        now on, and its stream ends). False for no such job; JobFinal for one already final."""
         with self._tx() as db:
-            job = db.execute("SELECT canceled, finished FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            if job is None:
+            if not self._open_job(db, job_id):
                 return False
             db.execute("UPDATE jobs SET canceled = 1 WHERE id = ?", (job_id,))
             db.execute("UPDATE images SET state = ? WHERE job = ? AND state = ?",
                        (ImageState.CANCELED, job_id, ImageState.QUEUED))
             self._finished(db, job_id, now)
-            if not job["canceled"] and job["finished"] is None:
-                self._event(db, job_id, END, now)
+            self._event(db, job_id, END, now)
             return True
 
     def set_priority(self, job_id: str, priority: str, now: float) -> bool:
+        """False for no such job; JobFinal for one already final."""
         if priority not in TIERS:
             raise BadInput(f"priority must be one of {', '.join(TIERS)}, got {priority!r}")
         with self._tx() as db:
-            if not db.execute("UPDATE jobs SET priority = ? WHERE id = ?", (priority, job_id)).rowcount:
+            if not self._open_job(db, job_id):
                 return False
+            db.execute("UPDATE jobs SET priority = ? WHERE id = ?", (priority, job_id))
             self._event(db, job_id, "priority", now, priority=priority)
             return True
 
