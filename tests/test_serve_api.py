@@ -31,6 +31,13 @@ def post(client, body=JOB, **headers):
     return client.post("/v1/jobs", content=body, headers={**YAML, **headers})
 
 
+def register(client, name):
+    """The worker id the server issues for `name` (POST /v1/workers)."""
+    r = client.post("/v1/workers", json={"name": name})
+    assert r.status_code == 201, r.text
+    return r.json()["worker"]
+
+
 def test_a_bad_job_is_a_422_with_the_plan_message(client, tmp_path):
     bad = JOB.replace("steps: 2", "steps: 0")
     (tmp_path / "bad.yaml").write_text(bad)
@@ -93,10 +100,11 @@ def test_cancel_and_reprioritise(client):
 
 def test_the_lease_protocol_and_the_files(client):
     job = post(client).json()
-    lease = client.post("/v1/leases", json={"worker": "w"}).json()
+    w = register(client, "w")
+    lease = client.post("/v1/leases", json={"worker": w}).json()
     assert lease["job"] == job["id"] and len(lease["images"]) == 2
-    assert client.post("/v1/leases", json={"worker": "w2"}).status_code == 204
-    assert client.post(f"/v1/leases/{lease['lease']}/heartbeat").status_code == 200
+    assert client.post("/v1/leases", json={"worker": register(client, "w2")}).status_code == 204
+    assert client.post(f"/v1/leases/{lease['lease']}/heartbeat", json={"worker": w}).status_code == 200
     out = client.app.state.settings.root / "jobs" / job["id"] / "out"
     (out / "a").mkdir(parents=True)
     (out / "a" / "a_c0_s1.png").write_bytes(b"png")
@@ -130,23 +138,26 @@ def test_readyz_waits_for_a_worker_with_its_graphs_captured_healthz_does_not(tmp
         ok, body = ready()
         assert not ok and body["status"] == 503 and body["detail"] == "no worker seen in the last 30 s"
         assert c.get("/readyz").headers["content-type"] == PROBLEM
-        assert c.post("/v1/leases", json={"worker": "cold"}).status_code == 204  # says nothing: not ready
-        assert c.post("/v1/leases", json={"worker": "loading", "ready": False}).status_code == 204
+        cold, loading, hot = (register(c, name) for name in ("cold", "loading", "hot"))
+        ok, body = ready()  # registered, not ready
+        assert not ok and body["detail"].startswith("3 worker(s) seen in the last 30 s, none has its graphs captured")
+        assert c.post("/v1/leases", json={"worker": cold}).status_code == 204  # says nothing: not ready
+        assert c.post("/v1/leases", json={"worker": loading, "ready": False}).status_code == 204
         ok, body = ready()
-        assert not ok and body["detail"].startswith("2 worker(s) seen in the last 30 s, none has its graphs captured")
+        assert not ok and body["detail"].startswith("3 worker(s) seen in the last 30 s, none has its graphs captured")
         post(c)
-        lease = c.post("/v1/leases", json={"worker": "hot", "ready": True}).json()
+        lease = c.post("/v1/leases", json={"worker": hot, "ready": True}).json()
         assert ready() == (True, {"ready": True, "workers": 3, "workers_ready": 1})
         assert "bcg_workers_ready 1.0" in c.get("/metrics").text
         t[0] += 25  # "hot" renders; its heartbeats keep it counted, the idle ones stopped asking
-        assert c.post(f"/v1/leases/{lease['lease']}/heartbeat", json={"worker": "hot", "ready": True}).status_code == 200
+        assert c.post(f"/v1/leases/{lease['lease']}/heartbeat", json={"worker": hot, "ready": True}).status_code == 200
         t[0] += 25
         assert ready() == (True, {"ready": True, "workers": 1, "workers_ready": 1})
         t[0] += 31  # "hot" stopped heartbeating (killed): it no longer counts
         ok, body = ready()
         assert not ok and body["detail"] == "no worker seen in the last 30 s"
         assert "bcg_workers_ready 0.0" in c.get("/metrics").text
-        c.post("/v1/leases", json={"worker": "hot", "ready": True})
+        c.post("/v1/leases", json={"worker": register(c, "hot"), "ready": True})  # forgotten: it registers again
         assert ready()[0]
         app.state.draining = True  # SIGTERM: neither admitting nor ready
         assert c.get("/healthz").status_code == 503 and c.get("/readyz").json()["title"] == "draining"
@@ -181,14 +192,14 @@ def test_a_lease_lost_with_no_worker_left_is_ended_by_the_server_itself(tmp_path
     app = create_app(Settings(tmp_path / "root", lease_s=30, sweep_s=0.05), clock=lambda: t[0])
     with TestClient(app) as c:
         job = post(c).json()
-        lease = c.post("/v1/leases", json={"worker": "w"}).json()
+        lease = c.post("/v1/leases", json={"worker": register(c, "w")}).json()
         assert {i["state"] for i in c.get(f"/v1/jobs/{job['id']}").json()["images"]} == {"leased"}
         t[0] += 31  # past the lease; no worker calls again
         deadline = time.monotonic() + 5
         while {i["state"] for i in c.get(f"/v1/jobs/{job['id']}").json()["images"]} != {"queued"}:
             assert time.monotonic() < deadline, "the expired lease was not ended"
             time.sleep(0.05)
-        assert c.post(f"/v1/leases/{lease['lease']}/heartbeat").status_code == 410
+        assert c.post(f"/v1/leases/{lease['lease']}/complete", json={}).status_code == 410
 
 
 def test_local_workers_have_one_name_each(tmp_path):

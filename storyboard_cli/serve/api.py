@@ -1,14 +1,18 @@
 """The HTTP API (FastAPI): jobs in, their state out, the workers' lease protocol, /metrics. Torch-free:
 validation and planning run here without a model; rendering happens in the workers (worker.py).
 
-Errors are RFC 9457 problem+json. A bad job is a 422 whose `detail` is the line `bcg plan` prints
-(file:line, shot, field); a full queue a 503 with an integer Retry-After from the measured drain rate.
+Errors are RFC 9457 problem+json, and whatever a client or a worker sends gets a 4xx, never a 500 (edge.py:
+tokens, body caps, JSON that cannot surprise the parser). A bad job is a 422 whose `detail` is the line
+`bcg plan` prints (file:line, shot, field); a malformed body, header or query a 422 naming the field; a full
+queue a 503 with an integer Retry-After from the measured drain rate. /openapi.json describes every answer of
+every route (wire.py's models, the job body's schema, the tokens each route needs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import shutil
 import sqlite3
 import time
@@ -16,27 +20,37 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
 
-from fastapi import FastAPI, Header, Request, Response
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi import FastAPI, Header, Path as PathParam, Request, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
-from storyboard_cli.serve import blobs, metrics, uploads
-from storyboard_cli.serve.intake import content_hash, plan_submission, stored_inputs
-from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END
-from storyboard_cli.serve.store import LATE, QueueFull, Store, Work
+from storyboard_cli.serve import blobs, edge, metrics, uploads, wire
+from storyboard_cli.serve.edge import PROBLEM, problem
+from storyboard_cli.serve.intake import SAFE_FILE, content_hash, plan_submission, stored_inputs
+from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, TIERS
+from storyboard_cli.serve.store import LATE, JobFinal, QueueFull, Store, TooManyWorkers, UnknownWorker, Work
 
-PROBLEM = "application/problem+json"
+__all__ = ["PROBLEM", "Settings", "create_app", "problem"]
 JSON_TYPES = ("application/json",)
+JOB_TYPES = ("application/yaml", "application/json")  # what /openapi.json says a job body is (any is read as YAML)
 DRAINING_RETRY_S = 30
 EVENT_STREAM = "text/event-stream"
 EVENT_POLL_S = 0.2  # how often a stream looks for new events
 KEEPALIVE_S = 15.0
 RECONNECT_MS = 1000
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FILE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".html": "text/html",
+              ".json": "application/json", ".jsonl": "application/jsonl", ".md": "text/markdown",
+              ".yaml": "application/yaml"}  # a job folder's files; any other is application/octet-stream
+OCTETS = "application/octet-stream"
 log = logging.getLogger(__name__)
+
+Id = Annotated[str, PathParam(pattern=wire.NAME_PATTERN, description="an id this server issued")]
 
 
 @dataclass
@@ -52,11 +66,6 @@ class Settings:
     max_blob_mb: int = 2048  # a larger input file (PUT /v1/blobs/{sha256}) is a 413
     max_workers: int = 64  # registered workers at once (each has its own metric series)
     allow_models: tuple[str, ...] = ()  # hub ids (owner/name) jobs may name; none by default
-
-
-def problem(status: int, title: str, detail: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"type": "about:blank", "title": title, "status": status, "detail": detail},
-                        status_code=status, media_type=PROBLEM, headers=headers)
 
 
 def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
@@ -78,20 +87,13 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         finally:
             task.cancel()
 
-    app = FastAPI(title="bcg serve", version="1", description="SDXL storyboard jobs: queue, state, outputs.",
-                  lifespan=lifespan)
+    app = FastAPI(title="bcg serve", version="1", description=DESCRIPTION, lifespan=lifespan)
     app.state.store, app.state.draining, app.state.settings = store, False, settings
+    edge.install(app, settings)
+    app.openapi = lambda: app.openapi_schema or _openapi(app, settings)
     registry = metrics.registry(store, settings.lease_s, clock)
     app.state.blobs = blobs.BlobStore(settings.root)
     app.include_router(blobs.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20))
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        open_paths = ("/healthz", "/readyz", "/metrics")
-        if settings.token and request.url.path not in open_paths \
-                and request.headers.get("authorization") != f"Bearer {settings.token}":
-            return problem(401, "unauthorized", "this server needs `Authorization: Bearer <token>`")
-        return await call_next(request)
 
     def view(job_id: str, request: Request) -> dict | None:
         job = store.job(job_id, clock())
@@ -107,12 +109,27 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         return job
 
     def not_found(job_id: str) -> JSONResponse:
-        return problem(404, "no such job", f"no job {job_id!r}")
+        return problem(404, "no such job", f"no job {job_id}")
 
-    @app.post("/v1/jobs", status_code=202)
-    async def submit(request: Request, priority: str = DEFAULT_PRIORITY,
-                     idempotency_key: str | None = Header(None),
-                     x_job_filename: str | None = Header(None)):
+    def final(e: JobFinal) -> JSONResponse:
+        return problem(409, f"job {e.state}", str(e))
+
+    def as_view(job_id: str, request: Request, status: int = 200, headers: dict | None = None) -> JSONResponse:
+        job = view(job_id, request)
+        return JSONResponse(job, status_code=status, headers=headers) if job is not None else not_found(job_id)
+
+    @app.post("/v1/jobs", status_code=202, response_model=None, openapi_extra=JOB_BODY, responses={
+        202: {"model": wire.JobView, "description": "accepted: every image queued (Location: the job)"},
+        200: {"model": wire.JobView, "description": "the job first submitted with this Idempotency-Key "
+                                                    "(Idempotent-Replayed: true)"},
+        **_problems({422: "a job `bcg plan` refuses (file:line, shot, field), or an Idempotency-Key used for "
+                          "another body", 503: "the queue is full, or the server is stopping (Retry-After)"})})
+    async def submit(request: Request, priority: wire.Priority = DEFAULT_PRIORITY,
+                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
+                     x_job_filename: Annotated[str | None, Header(
+                         alias="X-Job-Filename", pattern=f"^{SAFE_FILE.pattern}$", description="the job file's name: errors name it, and a "
+                                                                       "job without `name:` is named after it")] = None):
+        """A job file (YAML or JSON, at most --max-job-kb), validated and planned as `bcg plan` does."""
         if app.state.draining:
             return problem(503, "shutting down", "the server is stopping; submit to another or retry",
                            {"Retry-After": str(DRAINING_RETRY_S)})
@@ -120,12 +137,13 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         json_body = request.headers.get("content-type", "").split(";")[0].strip() in JSON_TYPES
         filename = x_job_filename or ("job.json" if json_body else "job.yaml")
         if idempotency_key is not None:
+            same_body = {p: content_hash(body, filename, p) for p in TIERS}
             try:  # the first job's answer, without planning again (a key retried in a loop)
-                first = store.replay(idempotency_key, content_hash(body, filename, priority))
+                first = await run_in_threadpool(store.replay, idempotency_key, same_body[priority], same_body)
             except BadInput as e:
                 return problem(422, "refused", str(e))
             if first is not None:
-                return await _replay(first, request)
+                return replayed(first, request)
         job_id = uuid.uuid4().hex[:12]
         try:
             planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority,
@@ -144,45 +162,46 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             return problem(422, "refused", str(e))
         if not created:
             _discard(planned.path.parent)
-            return await _replay(new_id, request)
-        return JSONResponse(view(new_id, request), status_code=202, headers={"Location": f"/v1/jobs/{new_id}"})
+            return replayed(new_id, request)
+        return as_view(new_id, request, 202, {"Location": f"/v1/jobs/{new_id}"})
 
-    async def _replay(job_id: str, request: Request) -> JSONResponse:
-        return JSONResponse(view(job_id, request), status_code=200,
-                            headers={"Location": f"/v1/jobs/{job_id}", "Idempotent-Replayed": "true"})
+    def replayed(job_id: str, request: Request) -> JSONResponse:
+        return as_view(job_id, request, 200, {"Location": f"/v1/jobs/{job_id}", "Idempotent-Replayed": "true"})
 
-    @app.get("/v1/jobs/{job_id}")
-    def get_job(job_id: str, request: Request):
-        job = view(job_id, request)
-        return job if job is not None else not_found(job_id)
+    @app.get("/v1/jobs/{job_id}", response_model=None, responses={200: {"model": wire.JobView},
+                                                                   **_problems({404: "no such job"})})
+    def get_job(job_id: Id, request: Request):
+        return as_view(job_id, request)
 
-    @app.post("/v1/jobs/{job_id}/cancel")
-    def cancel(job_id: str, request: Request):
-        if not store.cancel(job_id, clock()):
-            return not_found(job_id)
-        return view(job_id, request)
-
-    @app.patch("/v1/jobs/{job_id}")
-    async def reprioritise(job_id: str, request: Request):
-        body = await request.json()
+    @app.post("/v1/jobs/{job_id}/cancel", response_model=None, responses={
+        200: {"model": wire.JobView, "description": "canceled: queued images at once, leased ones after their batch"},
+        **_problems({404: "no such job", 409: "the job is already succeeded, failed or canceled: nothing changed"})})
+    def cancel(job_id: Id, request: Request):
         try:
-            found = store.set_priority(job_id, str(body.get("priority")) if isinstance(body, dict) else "", clock())
-        except BadInput as e:
-            return problem(422, "invalid priority", str(e))
-        return view(job_id, request) if found else not_found(job_id)
+            found = store.cancel(job_id, clock())
+        except JobFinal as e:
+            return final(e)
+        return as_view(job_id, request) if found else not_found(job_id)
 
-    @app.get("/v1/jobs/{job_id}/events")
-    async def events(job_id: str, last_event_id: str | None = Header(None)):
+    @app.patch("/v1/jobs/{job_id}", response_model=None, responses={
+        200: {"model": wire.JobView, "description": "its queued images move to the new priority"},
+        **_problems({404: "no such job", 409: "the job is already succeeded, failed or canceled: nothing changed"})})
+    def reprioritise(job_id: Id, change: wire.PriorityChange, request: Request):
+        try:
+            found = store.set_priority(job_id, change.priority, clock())
+        except JobFinal as e:
+            return final(e)
+        return as_view(job_id, request) if found else not_found(job_id)
+
+    @app.get("/v1/jobs/{job_id}/events", response_class=EventStream, responses=_problems({404: "no such job"}))
+    def events(job_id: Id, last_event_id: Annotated[int | None, Header(
+            alias="Last-Event-ID", ge=0, le=wire.INT64_MAX, description="the last event id this client saw: the stream resumes after it")] = None):
         """Server-sent events: each change of the job, `id:` its sequence number; a client that reconnects
         with `Last-Event-ID` gets the events after it. The stream ends after the `end` event."""
         if store.job(job_id, clock()) is None:
             return not_found(job_id)
-        try:
-            after = int(last_event_id or 0)
-        except ValueError:
-            return problem(422, "bad Last-Event-ID", f"Last-Event-ID must be an event id, got {last_event_id!r}")
-        return StreamingResponse(_stream(job_id, after), media_type=EVENT_STREAM,
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(_stream(job_id, last_event_id or 0),
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _stream(job_id: str, after: int):
         yield f"retry: {RECONNECT_MS}\n\n"
@@ -202,98 +221,133 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                 quiet = 0.0
             await asyncio.sleep(EVENT_POLL_S)
 
-    @app.get("/v1/jobs/{job_id}/files/{path:path}")
-    def job_file(job_id: str, path: str):
+    @app.get("/v1/jobs/{job_id}/files/{path:path}", response_class=JobFile, responses={
+        200: {"description": "the file (PNG, the report, the contact sheet, a thumbnail, ...)",
+              "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in (*FILE_TYPES.values(), OCTETS)}},
+        **_problems({404: "no such job, or no such file in its folder"})})
+    def job_file(job_id: Id, path: str):
         job = store.job(job_id, clock())
         if job is None:
             return not_found(job_id)
         folder = Path(job["out_dir"]).resolve()
-        target = (folder / path).resolve()
-        if not target.is_relative_to(folder) or not target.is_file():
+        try:
+            target = (folder / path).resolve()
+            found = target.is_relative_to(folder) and target.is_file()
+        except (OSError, ValueError):  # a name too long, a NUL: no such file either
+            found = False
+        if not found:
             return problem(404, "no such file", f"{path} is not in the job's folder")
-        return FileResponse(target)
+        return FileResponse(target, media_type=FILE_TYPES.get(target.suffix.lower(), OCTETS))
 
-    # the workers' protocol: lease a batch, heartbeat while rendering it, complete it
+    # the workers' protocol: register, lease a batch, heartbeat while rendering it, complete it
 
-    @app.post("/v1/leases")
-    async def lease(request: Request):
-        body = await request.json()
+    @app.post("/v1/workers", status_code=201, response_model=None, responses={
+        201: {"model": wire.Registered, "description": "the id this worker names in its leases and heartbeats"},
+        **_problems({503: "--max-workers registrations are live (Retry-After: until the first can expire)"})})
+    async def register(body: wire.Registration):
+        """A worker's id, issued by the server. An id not seen within --lease-s (and holding no lease) is
+        forgotten: its leases and heartbeats then answer 404, and the worker registers again."""
+        try:
+            worker = await run_in_threadpool(store.register_worker, body.name, clock(), settings.max_workers,
+                                             settings.lease_s)
+        except BadInput as e:
+            return problem(422, "invalid worker name", str(e))
+        except TooManyWorkers as e:
+            return problem(503, "too many workers", str(e), {"Retry-After": str(e.retry_after)})
+        return JSONResponse({"worker": worker, "name": body.name, "lease_s": settings.lease_s}, status_code=201)
+
+    def unknown(e: UnknownWorker) -> JSONResponse:
+        return problem(404, "unknown worker", str(e))
+
+    def lost(when: str = "") -> JSONResponse:
+        return problem(410, "lease lost", f"the lease expired{when}; its images went back to the queue")
+
+    @app.post("/v1/leases", response_model=None, responses={
+        200: {"model": wire.Lease, "description": "a batch: its images, their jobs, the lease's time to live"},
+        204: {"description": "no work now (or the server is stopping): ask again later"},
+        **_problems({404: UNKNOWN_WORKER})})
+    async def lease(report: wire.WorkerReport):
         if app.state.draining:
             return Response(status_code=204)
-        got = store.lease(str(body.get("worker", "?")), clock(), settings.lease_s, _gpu(body), _ready(body))
-        if got is None:
-            return Response(status_code=204)
-        for job in got["jobs"].values():  # for a worker that does not share the server's filesystem
-            job["job_file"], job["job_text"] = Path(job["path"]).name, Path(job["path"]).read_text(encoding="utf-8")
-            job["inputs"] = stored_inputs(Path(job["path"]))  # the job's files by sha256: GET /v1/blobs/{sha256}
-        for image in got["images"]:
-            image["twin_url"] = f"/v1/jobs/{image['twin_of'][0]}/files/{image['twin_of'][1]}" if image["twin_of"] \
-                else None
-        return got
+        try:
+            got = await run_in_threadpool(_lease, store, report, clock(), settings.lease_s)
+        except UnknownWorker as e:
+            return unknown(e)
+        return JSONResponse(got) if got is not None else Response(status_code=204)
 
-    @app.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}")
-    async def upload(lease_id: str, job_id: str, path: str, request: Request):
+    @app.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}", response_model=None, openapi_extra=FILE_BODY,
+             responses={200: {"model": wire.StoredOutput}, **_problems({
+                 410: LEASE_GONE, 422: "not an output of this lease (nor its job's report)"})})
+    async def upload(lease_id: Id, job_id: Id, path: str, request: Request):
         """A worker without the server's filesystem sends a PNG of its lease (or a job's report)."""
-        held = store.lease_outputs(lease_id, clock())
+        held = await run_in_threadpool(store.lease_outputs, lease_id, clock())
         if held is None:
-            return problem(410, "lease lost", "the lease expired; its images went back to the queue")
+            return lost()
         if job_id not in held:
-            return problem(422, "not this lease's job", f"the lease holds no image of job {job_id!r}")
+            return problem(422, "not this lease's job", f"the lease holds no image of job {job_id}")
         data = await request.body()
         try:
             await run_in_threadpool(uploads.store_file, held[job_id][1], held[job_id][2], path, data)
         except BadInput as e:
             return problem(422, "not this lease's file", str(e))
-        return {"stored": path}
+        return JSONResponse({"stored": path})
 
-    @app.post("/v1/leases/{lease_id}/heartbeat")
-    async def heartbeat(lease_id: str, request: Request):
-        body = await request.json() if await request.body() else {}
-        worker = str(body["worker"]) if "worker" in body else None
-        if not store.heartbeat(lease_id, clock(), settings.lease_s, worker, _gpu(body), _ready(body)):
-            return problem(410, "lease lost", "the lease expired; its images went back to the queue")
-        return {"lease": lease_id}
+    @app.post("/v1/leases/{lease_id}/heartbeat", response_model=None, responses={
+        200: {"model": wire.LeaseAck, "description": "the lease runs for its ttl from now"},
+        **_problems({404: UNKNOWN_WORKER, 410: LEASE_GONE})})
+    async def heartbeat(lease_id: Id, report: wire.WorkerReport):
+        try:
+            held = await run_in_threadpool(store.heartbeat, lease_id, clock(), settings.lease_s, report.worker,
+                                           report.gpu, report.ready)
+        except UnknownWorker as e:
+            return unknown(e)
+        return JSONResponse({"lease": lease_id}) if held else lost()
 
-    @app.post("/v1/leases/{lease_id}/complete")
-    async def complete(lease_id: str, request: Request):
-        body = await request.json()
-        work = Work(tuple((str(b["shape"]), int(b["images"]), float(b["seconds"])) for b in body.get("batches", [])),
-                    int(body.get("out_of_memory", 0)), int(body.get("model_loads", 0)))
-        if body.get("manifest"):  # an uploading worker's images: their lines and the sheet, before they count
-            held = store.lease_outputs(lease_id, clock())
+    @app.post("/v1/leases/{lease_id}/complete", response_model=None, responses={
+        200: {"model": wire.LeaseAck, "description": "recorded: the images done, failed, or queued again"},
+        **_problems({410: LEASE_GONE + " (this completion is ignored)",
+                     422: "a manifest line for an output this lease did not upload"})})
+    async def complete(lease_id: Id, body: wire.Completion):
+        work = Work(tuple((b.shape, b.images, b.seconds) for b in body.batches), body.out_of_memory,
+                    body.model_loads)
+        if body.manifest:  # an uploading worker's images: their lines and the sheet, before they count
+            held = await run_in_threadpool(store.lease_outputs, lease_id, clock())
             if held is None:
                 store.count(LATE)
-                return problem(410, "lease lost", "the lease expired before this completion; it is ignored")
+                return lost(" before this completion")
             try:
-                for job_id, lines in dict(body["manifest"]).items():
+                for job_id, lines in body.manifest.items():
                     if job_id not in held:
-                        raise BadInput(f"the lease holds no image of job {job_id!r}")
+                        raise BadInput(f"the lease holds no image of job {job_id}")
                     await run_in_threadpool(uploads.record, held[job_id][1], held[job_id][0], held[job_id][2],
-                                            list(lines))
+                                            [line.model_dump() for line in lines])
             except BadInput as e:
                 return problem(422, "bad manifest", str(e))
-        ok = store.complete(lease_id, [int(i) for i in body.get("done", [])], [int(i) for i in body.get("cached", [])],
-                            {int(k): str(v) for k, v in body.get("failed", {}).items()}, clock(), work)
-        if not ok:
-            return problem(410, "lease lost", "the lease expired before this completion; it is ignored")
-        return {"lease": lease_id}
+        ok = await run_in_threadpool(store.complete, lease_id, body.done, body.cached,
+                                     {int(k): v for k, v in body.failed.items()}, clock(), work)
+        return JSONResponse({"lease": lease_id}) if ok else lost(" before this completion")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text (version 0.0.4)"}})
     def scrape():
-        return Response(metrics.exposition(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.exposition(registry), media_type=METRICS_TYPE)
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=None, responses={
+        200: {"model": wire.Health}, **_problems({503: "the server is stopping: it admits no job"})})
     def healthz():
         """Liveness and admission: 200 while the server accepts jobs (with or without workers), 503 while it
         drains. What a load balancer routes submissions on."""
         if app.state.draining:
             return problem(503, "draining", "the server is stopping: it admits no job")
-        return {"ok": True}
+        return JSONResponse({"ok": True})
 
-    @app.get("/readyz")
+    @app.get("/readyz", response_model=None, responses={
+        200: {"model": wire.Ready}, **_problems({503: "by design, until a worker is ready: no registered worker "
+                                                      "seen within --lease-s has its graphs captured (or the "
+                                                      "server is stopping)"})})
     def readyz():
-        """Ready: at least one worker seen within --lease-s has its model loaded and its graphs captured (it
-        says so with each lease request and heartbeat)."""
+        """Ready: at least one registered worker seen within --lease-s has its model loaded and its graphs
+        captured (it says so with each lease request and heartbeat)."""
         if app.state.draining:
             return problem(503, "draining", "the server is stopping")
         seen, ready = store.readiness(clock(), settings.lease_s)
@@ -302,23 +356,87 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                       "(a worker loads its model and captures them with its first batch)" if seen else
                       f"no worker seen in the last {settings.lease_s:g} s")
             return problem(503, "no ready worker", reason)
-        return {"ready": True, "workers": seen, "workers_ready": ready}
+        return JSONResponse({"ready": True, "workers": seen, "workers_ready": ready})
 
     return app
 
 
-def _gpu(body: dict) -> dict | None:
-    """The GPU figures a worker sent: numbers only (a CPU worker sends none)."""
-    gpu = body.get("gpu")
-    if not isinstance(gpu, dict):
+def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float) -> dict | None:
+    """The next batch for the worker, with what a worker that does not share the server's filesystem needs:
+    each job's text and its files' digests, and where to download a twin's PNG."""
+    got = store.lease(report.worker, now, ttl, report.gpu, report.ready)
+    if got is None:
         return None
-    return {k: float(v) for k, v in gpu.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def _ready(body: dict) -> bool:
-    """Whether the worker has its model loaded and its graphs captured (a worker that does not say: no)."""
-    return body.get("ready") is True
+    for job in got["jobs"].values():
+        job["job_file"], job["job_text"] = Path(job["path"]).name, Path(job["path"]).read_text(encoding="utf-8")
+        job["inputs"] = stored_inputs(Path(job["path"]))  # the job's files by sha256: GET /v1/blobs/{sha256}
+    for image in got["images"]:
+        image["twin_url"] = f"/v1/jobs/{image['twin_of'][0]}/files/{image['twin_of'][1]}" if image["twin_of"] \
+            else None
+    return got
 
 
 def _discard(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- what /openapi.json says
+
+DESCRIPTION = """SDXL storyboard jobs: queue, state, outputs; and the workers' lease protocol.
+
+Every error is `application/problem+json` (RFC 9457). With a token (`bcg serve --token`), every /v1 route needs
+`Authorization: Bearer <token>`; the worker routes (/v1/workers, /v1/leases) need the worker token
+(`--worker-token`, else the same), and `GET /v1/blobs/{sha256}` either. /healthz, /readyz, /metrics and this
+description (/docs, /redoc, /openapi.json) are open."""
+REF = "#/components/schemas/"
+PROBLEM_CONTENT = {PROBLEM: {"schema": {"$ref": REF + "Problem"}}}
+UNKNOWN_WORKER = "a worker id this server did not issue, or forgot (not seen within --lease-s): register again"
+LEASE_GONE = "the lease is gone: it expired and its images went back to the queue"
+JOB_BODY = {"requestBody": {"required": True, "description": "the job file, at most --max-job-kb",
+                            "content": {t: {"schema": {"$ref": REF + "JobDoc"}} for t in JOB_TYPES}}}
+FILE_BODY = {"requestBody": {"required": True, "description": "the file's bytes, at most --max-blob-mb",
+                             "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
+ANSWERS = {401: "the route's token is missing or wrong (WWW-Authenticate: Bearer)",
+           413: "the body is larger than its cap (--max-job-kb, --max-blob-mb, 4 MB for JSON)",
+           422: "a malformed body, header, path or query parameter: `detail` names it"}
+
+
+class EventStream(StreamingResponse):
+    media_type = EVENT_STREAM
+
+
+class JobFile(FileResponse):
+    media_type = FILE_TYPES[".png"]  # what /openapi.json shows first; each file is sent with its own type
+
+
+def _problems(answers: dict[int, str]) -> dict:
+    return {status: {"description": why, "content": PROBLEM_CONTENT} for status, why in answers.items()}
+
+
+def _openapi(app: FastAPI, settings: Settings) -> dict:
+    """FastAPI's schema, made true: every error answer problem+json, the job body and Problem as components
+    (FastAPI's own validation-error models gone: edge.py answers those), the 413 of every route with a body,
+    and the tokens each route needs on this server (none when it has none)."""
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {})
+    models = components.setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        models.pop(name, None)
+    models.update(wire.component_schemas((wire.JobDoc, wire.Problem)))
+    schemes = {name: {"type": "http", "scheme": "bearer", "description": f"the {name} token"}
+               for name, token in edge.tokens(settings).items() if token}
+    if schemes:
+        components["securitySchemes"] = schemes
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            answers = op["responses"]
+            for status, why in ANSWERS.items():
+                needed = {401: bool(edge.guarded(method.upper(), path, settings)), 413: "requestBody" in op,
+                          422: str(status) in answers}[status]
+                if needed:
+                    answers[str(status)] = {"description": why, "content": PROBLEM_CONTENT}
+            needs = edge.guarded(method.upper(), path, settings)
+            if needs:
+                op["security"] = [{name: []} for name in needs]
+    app.openapi_schema = schema
+    return schema

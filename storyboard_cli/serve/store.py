@@ -268,16 +268,22 @@ class Store:
 
     # submission
 
-    def replay(self, key: str, content_hash: str) -> str | None:
+    def replay(self, key: str, content_hash: str, same_body: dict[str, str] | None = None) -> str | None:
         """The job first submitted with this Idempotency-Key, if any; raises IdempotencyConflict when it
-        came with another body."""
+        came with another body. `same_body`: this body's content hash at each priority, so that the key
+        reused for the same job at another priority says so (not "another job")."""
         with self.lock:
-            return self._replay(self.db, key, content_hash)
+            return self._replay(self.db, key, content_hash, same_body)
 
-    def _replay(self, db, key: str, content_hash: str) -> str | None:
+    def _replay(self, db, key: str, content_hash: str, same_body: dict[str, str] | None = None) -> str | None:
         row = db.execute("SELECT id, content_hash FROM jobs WHERE idem_key = ?", (key,)).fetchone()
         if row and row["content_hash"] != content_hash:
-            raise IdempotencyConflict(f"Idempotency-Key {key!r} was used for another job ({row['id']})")
+            shown = key if len(key) <= 80 else key[:77] + "..."
+            first = next((p for p, h in (same_body or {}).items() if h == row["content_hash"]), None)
+            if first is not None:
+                raise IdempotencyConflict(f"Idempotency-Key {shown!r} was used for this job ({row['id']}) with "
+                                          f"priority {first}: PATCH /v1/jobs/{row['id']} changes its priority")
+            raise IdempotencyConflict(f"Idempotency-Key {shown!r} was used for another job ({row['id']})")
         return row["id"] if row else None
 
     def submit(self, job: Planned, key: str | None, max_queue: int, now: float) -> tuple[str, bool]:

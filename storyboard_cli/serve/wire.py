@@ -1,0 +1,258 @@
+"""What crosses `bcg serve`'s HTTP boundary, as pydantic models: the bodies the server validates before it acts
+(strict types: `"1"` is not an integer, `1` is not a boolean; every integer within 64 bits, every string, list
+and mapping bounded), the answers /openapi.json describes, and the job body's JSON schema. The worker and
+`bcg submit` (serve/client.py) send these same shapes. Torch-free.
+
+The job body is validated by job/file.py (file:line, shot, field), never by these models: `JobDoc` only
+describes it, from job/file.py's own limits, so the schema and the validator share one home per number.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import models_json_schema
+
+from storyboard_cli.folder.layout import RESERVED
+from storyboard_cli.job import file as job_file
+from storyboard_cli.job.file import SHOT_DEFAULTS
+from storyboard_cli.job.inputs import DIGEST
+from storyboard_cli.job.lora_files import SCALE_RANGE
+from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
+from storyboard_cli.serve.schedule import TIERS, ImageState, JobState
+
+INT64_MAX = 2**63 - 1
+MAX_LEASE_IMAGES = 4096  # far above a lease (one batch of at most MAX_BUCKET images, its riders included)
+MAX_BATCHES = 1024  # batches rendered for one lease (an out-of-memory retry splits one in two)
+NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # worker names and ids: they label metric series
+
+Priority = Literal[tuple(TIERS)]
+Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1-64 letters, digits, '_', '.' or '-'")]
+ImageId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+ImageKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$", description="an image id, in decimal")]
+JobId = Annotated[str, Field(min_length=1, max_length=64)]
+Text = Annotated[str, Field(max_length=4000)]
+Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+
+
+class Body(BaseModel):
+    """A request body: strict types, no field it does not name."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# ---------------------------------------------------------------- the workers' protocol
+
+
+class Registration(Body):
+    """POST /v1/workers: a worker's name (it labels the worker's metric series, with the id issued for it)."""
+
+    name: Name
+
+
+class Registered(BaseModel):
+    worker: str = Field(description="the id this worker names in its leases and heartbeats")
+    name: str
+    lease_s: float = Field(description="a lease's time to live; a worker not seen for this long is forgotten")
+
+
+class WorkerReport(Body):
+    """POST /v1/leases and POST /v1/leases/{lease_id}/heartbeat: who asks, its GPU's figures, whether it is
+    ready (its model loaded and its graphs captured: what /readyz counts)."""
+
+    worker: Name = Field(description="the id POST /v1/workers issued")
+    gpu: dict[Annotated[str, Field(min_length=1, max_length=64)],
+              Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]] | None = Field(
+        None, max_length=32, description="torch.cuda memory (bytes) and NVML utilisation (0-1); null on a CPU")
+    ready: bool = False
+
+
+class Batch(Body):
+    shape: Annotated[str, Field(pattern=r"^[1-9][0-9]{1,3}x[1-9][0-9]{1,3}$", description="WxH")]
+    images: Annotated[int, Field(ge=1, le=job_file.MAX_BUCKET)]
+    seconds: Seconds
+
+
+class ManifestLine(BaseModel):
+    """One line of an output folder's manifest (folder/outputs.py), for an output this lease uploaded."""
+
+    model_config = ConfigDict(extra="allow")
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class Completion(Body):
+    """POST /v1/leases/{lease_id}/complete: which of the lease's images landed, which failed and why, what the
+    worker measured, and (from a worker without the server's filesystem) the manifest lines of what it uploaded."""
+
+    done: list[ImageId] = Field([], max_length=MAX_LEASE_IMAGES)
+    cached: list[ImageId] = Field([], max_length=MAX_LEASE_IMAGES, description="of `done`: copied, not rendered")
+    failed: dict[ImageKey, Text] = Field({}, max_length=MAX_LEASE_IMAGES, description="image id -> reason")
+    batches: list[Batch] = Field([], max_length=MAX_BATCHES)
+    out_of_memory: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    model_loads: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    manifest: dict[JobId, list[ManifestLine]] = Field({}, max_length=MAX_LEASE_IMAGES)
+
+
+class LeasedJob(BaseModel):
+    path: str = Field(description="the job file on the server")
+    out_dir: str = Field(description="its output folder on the server")
+    job_file: str = Field(description="the job file's name")
+    job_text: str = Field(description="the job file's text (for a worker without the server's filesystem)")
+    inputs: dict[str, str] = Field(description="each file the job names -> its sha256 (GET /v1/blobs/{sha256})")
+
+
+class LeasedImage(BaseModel):
+    id: int
+    job: str
+    outputs: list[str]
+    twin: str | None = Field(description="a PNG already rendered with this image's fingerprint, on the server")
+    twin_of: list[str] | None = Field(description="[its job, its output path]")
+    twin_url: str | None = Field(description="where to download that PNG")
+
+
+class Lease(BaseModel):
+    lease: str
+    job: str = Field(description="the head job (the best ranked)")
+    jobs: dict[str, LeasedJob]
+    expires: float
+    ttl: float = Field(description="seconds: heartbeat well within it")
+    images: list[LeasedImage]
+
+
+class LeaseAck(BaseModel):
+    lease: str
+
+
+class StoredOutput(BaseModel):
+    stored: str
+
+
+# ---------------------------------------------------------------- jobs
+
+
+class PriorityChange(Body):
+    """PATCH /v1/jobs/{job_id}."""
+
+    priority: Priority
+
+
+class ImageView(BaseModel):
+    id: int
+    shot: str
+    candidate: int
+    seed: int
+    state: Literal[ImageState.QUEUED, ImageState.LEASED, ImageState.DONE, ImageState.FAILED, ImageState.CANCELED]
+    attempts: int
+    cached: bool
+    reason: str | None
+    outputs: list[str]
+    urls: list[str] = Field(description="the outputs' URLs, once done")
+
+
+class JobView(BaseModel):
+    id: str
+    name: str
+    state: Literal[JobState.ALL]
+    priority: Priority
+    submitted: float
+    finished: float | None
+    images_by_state: dict[str, int]
+    queue_position: int | None = Field(description="images queued ahead of this job's; null once none is open")
+    eta_s: float | None
+    images: list[ImageView]
+    url: str
+    report_url: str
+    sheet_url: str
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details: `detail` is one line a person can act on."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str
+
+
+class Health(BaseModel):
+    ok: bool
+
+
+class Ready(BaseModel):
+    ready: bool
+    workers: int
+    workers_ready: int
+
+
+# ---------------------------------------------------------------- the job body, described (job/file.py validates it)
+
+Scale = Annotated[float, Field(ge=SCALE_RANGE[0], le=SCALE_RANGE[1])]
+SafeName = Annotated[str, Field(pattern=f"^{job_file.SAFE_NAME.pattern}$")]
+NonEmpty = Annotated[str, Field(pattern=r"^[^\x00]*\S[^\x00]*$", description="not empty, no NUL")]
+
+
+class Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ControlDoc(Doc):
+    image: NonEmpty = Field(description="a control image: a name in the job's `inputs`, or a path under the "
+                                        "server's folders")
+    scale: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    end: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+
+
+class DeepCacheDoc(Doc):
+    interval: Annotated[int, Field(ge=2, le=job_file.MAX_INTERVAL)]
+    branch: Annotated[int, Field(ge=0, le=job_file.MAX_BRANCH)] = 0
+
+
+class ShotFields(Doc):
+    """What a shot sets, and what `defaults` sets for every shot."""
+
+    prompt: NonEmpty = Field(None, description="A1111 `<lora:name:scale>` tags name the job's `loras`")
+    negative: Annotated[str, Field(pattern=r"^[^\x00]*$")] | None = SHOT_DEFAULTS["negative"]
+    candidates: Annotated[int, Field(ge=1, le=job_file.MAX_CANDIDATES)] = SHOT_DEFAULTS["candidates"]
+    size: Annotated[str, Field(pattern=r"^\s*([0-9]+\s*[x×]\s*[0-9]+|[A-Za-z]+)\s*$",
+                               description=f"'WxH' (multiples of 8, {job_file.MIN_SIDE}-{job_file.MAX_SIDE}) or "
+                                           f"one of {', '.join(job_file.NAMED_SIZES)}")] = SHOT_DEFAULTS["size"]
+    seed: Annotated[int, Field(ge=0, le=job_file.MAX_SEED)] | None = None
+    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = SHOT_DEFAULTS["steps"]
+    guidance: Annotated[float, Field(ge=0.0, le=30.0)] = SHOT_DEFAULTS["guidance"]
+    sampler: Literal[tuple(SAMPLERS)] = SHOT_DEFAULTS["sampler"]
+    control: ControlDoc | None = Field(None, description="needs the job's `controlnet`")
+    lora: dict[str, Scale] | None = Field(None, description="name in the job's `loras` -> scale")
+    cfg_cutoff: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    deepcache: DeepCacheDoc | Literal[False] | None = None
+
+
+class ShotDoc(ShotFields):
+    id: Annotated[str, Field(pattern=f"^{job_file.SHOT_ID.pattern}$",
+                             description=f"names the shot's folder: unique (ignoring case), not one of "
+                                         f"{', '.join(RESERVED)}")]
+
+
+class JobDoc(Doc):
+    """A job file (`bcg plan`'s format), as YAML or JSON. A null top-level value is as if left out, except
+    for the required ones; within a shot (or `defaults`) only `negative`, `seed`, `control`, `lora`, `cfg_cutoff`
+    and `deepcache` may be null."""
+
+    version: Literal[1]
+    name: SafeName | None = Field(None, description="the output folder's name (default: from X-Job-Filename)")
+    model: NonEmpty = Field(description="a preset (tiny, sdxl-random), a hub id on the server's --allow-model "
+                                        "list, or a model under the server's folders")
+    controlnet: NonEmpty | None = None
+    output_dir: NonEmpty | None = None
+    buckets: list[Annotated[int, Field(ge=1, le=job_file.MAX_BUCKET)]] | None = Field(None, min_length=1)
+    loras: dict[SafeName, NonEmpty] | None = Field(None, description="name -> LoRA file (.safetensors)")
+    defaults: ShotFields | None = None
+    shots: list[ShotDoc] = Field(min_length=1)
+    inputs: dict[NonEmpty, Annotated[str, Field(pattern=f"^{DIGEST.pattern}$")]] | None = Field(
+        None, description="each file the job names -> its sha256, uploaded with PUT /v1/blobs/{sha256}")
+
+
+def component_schemas(models: tuple[type[BaseModel], ...], mode: str = "validation") -> dict[str, Any]:
+    """The models' JSON schemas as OpenAPI components (`#/components/schemas/<name>`), nested models included."""
+    _, top = models_json_schema([(m, mode) for m in models], ref_template="#/components/schemas/{model}")
+    return top.get("$defs", {})
