@@ -822,3 +822,23 @@ def _name_from_file(ctx: _Ctx, path: Path, line: int) -> str:
         raise ctx.fail(line, None, None, f"the file name {path.name!r} cannot name the output folder: "
                        f"add a top-level 'name:' ({SAFE_NAME_RULE})")
     return name
+
+
+def named_files(path: Path) -> list[str]:
+    """The files a job names (its LoRA files, its shots' and defaults' control images), as it writes them, in
+    file order, without validating the rest: what `bcg submit` uploads. Raises JobError for a file that is not
+    YAML."""
+    doc = _read_yaml(Path(path))
+    if not isinstance(doc, dict):
+        return []
+    names: list[str] = []
+    loras = doc.get("loras")
+    if isinstance(loras, dict):
+        names += [v for v in loras.values() if isinstance(v, str)]
+    defaults = doc.get("defaults")
+    shots = doc.get("shots")
+    for holder in ([defaults] if isinstance(defaults, dict) else []) + (shots if isinstance(shots, list) else []):
+        control = holder.get("control") if isinstance(holder, dict) else None
+        if isinstance(control, dict) and isinstance(control.get("image"), str):
+            names.append(control["image"])
+    return list(dict.fromkeys(n for n in names if n.strip()))

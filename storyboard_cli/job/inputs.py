@@ -18,7 +18,7 @@ from typing import Callable
 INPUTS_KEY = "inputs"
 DIGEST = re.compile(r"[0-9a-f]{64}")
 DIGEST_RULE = "a sha256: 64 lowercase hex digits"
-SUFFIX = re.compile(r"\.[a-z0-9]{1,10}")
+SUFFIX = re.compile(r"\.[a-z0-9]{1,16}")
 
 
 def is_digest(text: object) -> bool:

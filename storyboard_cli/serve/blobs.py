@@ -16,10 +16,10 @@ import os
 import stat
 import uuid
 from pathlib import Path
-from typing import Annotated, Iterable
+from typing import Iterable
 
 from storyboard_cli.errors import BadInput
-from storyboard_cli.job.inputs import DIGEST, DIGEST_RULE, is_digest
+from storyboard_cli.job.inputs import DIGEST_RULE, is_digest
 
 BLOBS = "blobs"
 TMP = "tmp"
@@ -152,87 +152,3 @@ class BlobWriter:
     def abort(self) -> None:
         self.f.close()
         self.tmp.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------- the HTTP routes
-
-def router(store_of, limit_of):
-    """The blob routes; `store_of(request)` gives the BlobStore, `limit_of(request)` the byte limit of one blob."""
-    from fastapi import APIRouter, Path as PathParam, Request
-    from fastapi.responses import FileResponse, JSONResponse
-    from pydantic import BaseModel, Field
-    from starlette.concurrency import run_in_threadpool
-
-    from storyboard_cli.serve.api import PROBLEM, problem
-
-    Digest = Annotated[str, PathParam(pattern=DIGEST.pattern, min_length=64, max_length=64,
-                                      description="sha256 of the file, 64 lowercase hex digits")]
-    problem_doc = {"content": {PROBLEM: {}}}
-
-    class Query(BaseModel):
-        digests: list[Annotated[str, Field(pattern=f"^{DIGEST.pattern}$")]] = Field(max_length=MAX_QUERY)
-
-    class Missing(BaseModel):
-        missing: list[str]
-
-    class Stored(BaseModel):
-        sha256: str
-        size: int
-        created: bool
-
-    api = APIRouter(prefix="/v1/blobs", tags=["inputs"])
-
-    @api.post("/missing", response_model=Missing, responses={422: problem_doc, 401: problem_doc})
-    def missing(query: Query, request: Request):
-        """Which of these input files (by sha256) the server lacks: upload those, then submit the job."""
-        return {"missing": store_of(request).missing(query.digests)}
-
-    @api.put("/{sha256}", status_code=201, response_model=Stored,
-             responses={200: {"model": Stored, "description": "already stored"}, 413: problem_doc,
-                        422: problem_doc, 401: problem_doc},
-             openapi_extra={"requestBody": {"required": True, "content": {
-                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-    async def put(sha256: Digest, request: Request):
-        """One input file, streamed; stored read-only once its bytes hash to `sha256`."""
-        store, limit = store_of(request), limit_of(request)
-        if store.has(sha256):
-            return JSONResponse({"sha256": sha256, "size": store.size(sha256), "created": False}, status_code=200)
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            return problem(413, "input too large", f"{int(declared)} bytes, more than this server's limit of "
-                           f"{limit // (1 << 20)} MB (--max-blob-mb)")
-        w = await run_in_threadpool(store.writer, sha256, limit)
-        pending, size = [], 0
-        try:
-            async for chunk in request.stream():
-                pending.append(chunk)
-                size += len(chunk)
-                if size >= 4 * CHUNK:  # hashed and written off the event loop, a few MB at a time
-                    await run_in_threadpool(_feed, w, pending)
-                    pending, size = [], 0
-            await run_in_threadpool(_feed, w, pending)
-            await run_in_threadpool(w.close)
-        except BlobTooLarge as e:
-            return problem(413, "input too large", str(e))
-        except DigestMismatch as e:
-            return problem(422, "digest mismatch", str(e))
-        except BaseException:
-            w.abort()
-            raise
-        return JSONResponse({"sha256": sha256, "size": w.n, "created": True}, status_code=201)
-
-    @api.get("/{sha256}", responses={200: {"content": {"application/octet-stream": {}}}, 404: problem_doc,
-                                     401: problem_doc, 422: problem_doc})
-    def get(sha256: Digest, request: Request):
-        """An input file by its sha256 (what a worker without the server's filesystem downloads)."""
-        store = store_of(request)
-        if not store.has(sha256):
-            return problem(404, "no such input", f"no input with sha256 {sha256}")
-        return FileResponse(store.path(sha256), media_type="application/octet-stream")
-
-    return api
-
-
-def _feed(w: BlobWriter, chunks: list[bytes]) -> None:
-    for chunk in chunks:
-        w.write(chunk)

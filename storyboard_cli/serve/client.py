@@ -9,12 +9,17 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
+import yaml
 
 from storyboard_cli.errors import BadInput, JobError, StoryboardError
+from storyboard_cli.job.digests import file_sha256
+from storyboard_cli.job.file import named_files
+from storyboard_cli.job.inputs import INPUTS_KEY
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, JobState
 
 FINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED)
 SUBMIT_TIMEOUT_S = 60.0
+UPLOAD_CHUNK = 1 << 20
 RECONNECTS = 5  # an event stream reopened this many times in a row before falling back to polling
 STREAM_READ_TIMEOUT_S = 60.0  # the server sends a keep-alive every 15 s
 
@@ -42,25 +47,101 @@ def _problem(r: httpx.Response) -> str:
         return r.text
 
 
-def submit(path: Path, server: str, priority: str = DEFAULT_PRIORITY, key: str | None = None,
-           token: str | None = None) -> dict:
-    """POSTs the job file; returns the job. A 422 is raised as the job error it carries."""
+def local_inputs(path: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """The files the job names that exist here (name as the job writes it -> file) and their sha256s. A name
+    with no file here is left to the server (a path under its own folders)."""
+    job_dir = Path(path).resolve().parent
+    files = {}
+    for name in named_files(path):
+        file = (job_dir / Path(name).expanduser()).resolve()
+        if file.is_file():
+            files[name] = file
+    return files, {name: file_sha256(file) for name, file in files.items()}
+
+
+def with_inputs(text: str, digests: dict[str, str]) -> str:
+    """The job text with a top-level `inputs:` naming each file by its sha256, added after the last line so
+    that every line an error can name keeps its number. A job that has `inputs:` already is left as it is."""
+    if not digests:
+        return text
     try:
-        body = Path(path).read_bytes()
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return text  # the server says what is wrong with it, at its line
+    if not isinstance(node, yaml.MappingNode) or any(k.value == INPUTS_KEY for k, _ in node.value):
+        return text
+    entries = {name: digests[name] for name in sorted(digests)}
+    if node.flow_style:  # a JSON (or flow-style YAML) job: one more key before the closing brace
+        body = text.rstrip()
+        if not body.endswith("}"):
+            return text
+        return body[:-1] + f', "{INPUTS_KEY}": {json.dumps(entries)}}}' + "\n"
+    lines = "".join(f"  {json.dumps(name)}: {digest}\n" for name, digest in entries.items())
+    return text + ("" if text.endswith("\n") else "\n") + f"{INPUTS_KEY}:  # added by bcg submit\n" + lines
+
+
+def upload_inputs(http: httpx.Client, files: dict[str, Path], digests: dict[str, str],
+                  on_upload: Callable[[str, int], None] | None = None) -> int:
+    """Sends the files the server lacks (POST /v1/blobs/missing, then PUT /v1/blobs/{sha256} each, streamed);
+    the bytes sent."""
+    if not digests:
+        return 0
+    r = http.post("/v1/blobs/missing", json={"digests": sorted(set(digests.values()))})
+    _raise_for(r)
+    missing, sent = set(r.json()["missing"]), 0
+    for name, digest in digests.items():
+        if digest not in missing:
+            continue
+        missing.discard(digest)
+        size = files[name].stat().st_size
+        with open(files[name], "rb") as f:
+            r = http.put(f"/v1/blobs/{digest}", content=iter(lambda: f.read(UPLOAD_CHUNK), b""),
+                         headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+                         timeout=httpx.Timeout(SUBMIT_TIMEOUT_S, write=None))
+        if r.status_code in (413, 422):
+            raise BadInput(f"{name}: {_problem(r)}")
+        _raise_for(r)
+        sent += size
+        if on_upload:
+            on_upload(name, size)
+    return sent
+
+
+def _raise_for(r: httpx.Response) -> None:
+    if r.status_code == 503:
+        raise QueueBusy(f"{r.request.url.host}: {_problem(r)}", int(r.headers.get("Retry-After", "1")))
+    if r.status_code >= 300:
+        raise ServerError(f"{r.request.url}: HTTP {r.status_code}: {_problem(r)}")
+
+
+def submit(path: Path, server: str, priority: str = DEFAULT_PRIORITY, key: str | None = None,
+           token: str | None = None, on_upload: Callable[[str, int], None] | None = None) -> dict:
+    """Uploads the files the job names that the server lacks, then POSTs the job naming them by sha256;
+    returns the job. A 422 is raised as the job error it carries, with this machine's path for the job file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise JobError(str(path), None, None, None, f"cannot read: {e.strerror}") from None
-    json_file = Path(path).suffix.lower() == ".json"
-    headers = {**_headers(token), "Content-Type": "application/json" if json_file else "application/yaml",
-               "X-Job-Filename": Path(path).name}
-    if key:
-        headers["Idempotency-Key"] = key
+    except UnicodeDecodeError:
+        text = None  # not UTF-8: the server names the byte
     try:
-        r = httpx.post(f"{server.rstrip('/')}/v1/jobs", content=body, params={"priority": priority}, headers=headers,
-                       timeout=SUBMIT_TIMEOUT_S)
+        with httpx.Client(base_url=server.rstrip("/"), headers=_headers(token), timeout=SUBMIT_TIMEOUT_S) as http:
+            if text is not None:
+                files, digests = local_inputs(path)
+                upload_inputs(http, files, digests, on_upload)
+                body = with_inputs(text, digests).encode()
+            else:
+                body = path.read_bytes()
+            headers = {"Content-Type": "application/json" if path.suffix.lower() == ".json" else "application/yaml",
+                       "X-Job-Filename": path.name}
+            if key:
+                headers["Idempotency-Key"] = key
+            r = http.post("/v1/jobs", content=body, params={"priority": priority}, headers=headers)
     except httpx.HTTPError as e:
         raise ServerError(f"{server}: {e}") from None
-    if r.status_code == 422:
-        raise BadInput(_problem(r).replace(Path(path).name, str(path), 1))
+    if r.status_code in (413, 422):
+        raise BadInput(_problem(r).replace(path.name, str(path), 1))
     if r.status_code == 503:
         raise QueueBusy(f"{server}: {_problem(r)}", int(r.headers.get("Retry-After", "1")))
     if r.status_code not in (200, 202):
@@ -158,21 +239,47 @@ def poll(server: str, job_id: str, token: str | None = None, timeout_s: float | 
         time.sleep(poll_s)
 
 
+class Unregistered(ServerError):
+    """404 on a lease or heartbeat: the server did not issue this worker id (it restarted on a fresh root) or
+    forgot it (not seen within --lease-s). The worker registers again."""
+
+
 class LeaseClient:
     """The worker's calls. Connection errors are retried by the caller's loop (the server may restart)."""
 
     def __init__(self, server: str, token: str | None = None):
+        self.server = server
         self.http = httpx.Client(base_url=server.rstrip("/"), headers=_headers(token), timeout=30)
 
+    def register(self, name: str) -> str:
+        """The worker id the server issues for this worker (named in its leases and heartbeats). Raises
+        QueueBusy while the server has --max-workers registered, BadInput for a name it refuses."""
+        r = self.http.post("/v1/workers", json={"name": name})
+        if r.status_code == 503:
+            raise QueueBusy(f"{self.server}: {_problem(r)}", int(r.headers.get("Retry-After", "1")))
+        if r.status_code == 422:
+            raise BadInput(f"worker name {name[:80]!r}: {_problem(r)}")
+        if r.status_code != 201:
+            raise ServerError(f"{self.server}: registering worker {name[:80]!r}: HTTP {r.status_code}: {_problem(r)}")
+        return str(r.json()["worker"])
+
     def lease(self, worker: str, gpu: dict | None = None, ready: bool = False) -> dict | None:
-        """The next batch, or None; `ready`: this worker's model is loaded and its graphs captured (/readyz)."""
+        """The next batch, or None; `ready`: this worker's model is loaded and its graphs captured (/readyz).
+        Raises Unregistered."""
         r = self.http.post("/v1/leases", json={"worker": worker, "gpu": gpu, "ready": ready})
+        self._registered(r, worker)
         r.raise_for_status()
         return None if r.status_code == 204 else r.json()
 
     def heartbeat(self, lease_id: str, worker: str, gpu: dict | None = None, ready: bool = False) -> bool:
-        return self.http.post(f"/v1/leases/{lease_id}/heartbeat",
-                              json={"worker": worker, "gpu": gpu, "ready": ready}).status_code == 200
+        """False when the lease is gone; raises Unregistered."""
+        r = self.http.post(f"/v1/leases/{lease_id}/heartbeat", json={"worker": worker, "gpu": gpu, "ready": ready})
+        self._registered(r, worker)
+        return r.status_code == 200
+
+    def _registered(self, r: httpx.Response, worker: str) -> None:
+        if r.status_code == 404:  # the lease routes answer 404 only for a worker id they do not know
+            raise Unregistered(f"{self.server}: worker {worker}: {_problem(r)}")
 
     def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str],
                  work: dict | None = None, manifest: dict[str, list] | None = None) -> bool:

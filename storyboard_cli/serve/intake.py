@@ -113,9 +113,14 @@ def stored_inputs(job_file: Path) -> dict[str, str]:
         return {}
 
 
-def served_job(job_file: Path, blobs: BlobStore) -> Job:
+def root_of(job_file: Path) -> Path:
+    """The server root of a job file it saved (<root>/jobs/<id>/<file>)."""
+    return Path(job_file).parent.parent.parent
+
+
+def served_job(job_file: Path) -> Job:
     """A served job loaded again on the server (its contact sheet): every file it names from the blob store."""
-    return load_job(job_file, inputs=Inputs(stored_inputs(job_file), blob=blobs.path))
+    return load_job(job_file, inputs=Inputs(stored_inputs(job_file), blob=BlobStore(root_of(job_file)).path))
 
 
 def _load(path: Path, filename: str, roots: tuple[Path, ...], inputs: Inputs, allow_models: tuple[str, ...]) -> Job:

@@ -12,7 +12,7 @@ from storyboard_cli.folder.layout import REPORT_JSON, REPORT_MD
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, atomic_write
 from storyboard_cli.folder.sink import ContactSheet
-from storyboard_cli.job.file import load_job
+from storyboard_cli.serve.intake import served_job
 
 REPORTS = (REPORT_JSON, REPORT_MD)
 
@@ -38,4 +38,4 @@ def record(out_dir: Path, job_file: Path, outputs: set[str], lines: list[dict]) 
         for line in lines:
             manifest.append(line)
         notes: list[str] = []
-        ContactSheet(out_dir, load_job(job_file), notes).update([])
+        ContactSheet(out_dir, served_job(job_file), notes).update([])  # its files from the blob store

@@ -13,6 +13,8 @@ under its --root and uploads what it wrote.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import signal
 import socket
 import threading
@@ -27,12 +29,16 @@ import numpy as np
 from storyboard_cli.errors import Status, StoryboardError, folder_error, one_line
 from storyboard_cli.folder.outputs import Manifest, atomic_write
 from storyboard_cli.folder.sink import OutputSink
+from storyboard_cli.job.digests import file_sha256
 from storyboard_cli.job.file import Job, load_job
+from storyboard_cli.job.inputs import InputProblem, Inputs
 from storyboard_cli.job.plan import make_batches
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession, warm
-from storyboard_cli.serve.client import LeaseClient
-from storyboard_cli.serve.intake import JOBS, OUT
+from storyboard_cli.serve.client import LeaseClient, QueueBusy, Unregistered
+from storyboard_cli.serve.blobs import BlobStore
+from storyboard_cli.serve.intake import JOBS, OUT, root_of
 from storyboard_cli.serve.uploads import REPORTS
+from storyboard_cli.serve.wire import NAME_PATTERN
 
 log = logging.getLogger(__name__)
 CACHED_BUCKET = "cached"  # the report's bucket row for copied twins
@@ -197,14 +203,67 @@ class Place:
     job_file: Path
     out_dir: Path
     upload: bool
+    inputs: Inputs | None = None  # how the job's files are read: by sha256, never by a path the job gives
 
 
-def place(job_id: str, job: dict, opts: WorkerOptions) -> Place:
+class InputFiles:
+    """Where this worker reads the files a leased job names, by their sha256: the server's blob store when this
+    machine sees it (a shared filesystem; each blob's bytes checked once per process), else its own store under
+    --root, each blob downloaded once (GET /v1/blobs/{sha256}) and checked as it arrives."""
+
+    def __init__(self, client: LeaseClient | None, root: Path):
+        self.client, self.cache, self.checked = client, BlobStore(root), set()
+
+    def for_job(self, job: dict) -> Inputs:
+        server = BlobStore(root_of(Path(job["path"])))
+        return Inputs(dict(job.get("inputs") or {}), blob=lambda digest, suffix: self.file(digest, suffix, server))
+
+    def file(self, digest: str, suffix: str, server: BlobStore) -> Path:
+        if digest in self.checked or (server.has(digest) and _sha256(server.path(digest)) == digest):
+            self.checked.add(digest)
+            try:
+                return server.path(digest, suffix)
+            except OSError:  # the server's store is read-only here: its named link is made in ours
+                self.cache.adopt(server.path(digest))
+        elif not self.cache.has(digest):
+            self._download(digest)
+        return self.cache.path(digest, suffix)
+
+    def _download(self, digest: str) -> None:
+        if self.client is None:
+            raise InputProblem(f"sha256 {digest[:12]}... is not in the server's store as this machine sees it")
+        writer = self.cache.writer(digest, None)
+        try:
+            with self.client.http.stream("GET", f"/v1/blobs/{digest}") as r:
+                if r.status_code != 200:
+                    raise InputProblem(f"sha256 {digest[:12]}...: the server answered HTTP {r.status_code}")
+                for chunk in r.iter_bytes(1 << 20):
+                    writer.write(chunk)
+            writer.close()  # checks the digest
+        except httpx.HTTPError as e:
+            writer.abort()
+            raise InputProblem(f"sha256 {digest[:12]}... not downloaded: {e}") from None
+        except BaseException:
+            writer.abort()
+            raise
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return file_sha256(path)
+    except OSError:
+        return None
+
+
+def place(job_id: str, job: dict, opts: WorkerOptions, files: InputFiles | None = None) -> Place:
     """Where one job of a lease renders: the server's job folder when this worker sees the very job file the
-    server saved (and --upload is off); else a copy under the worker's --root."""
+    server saved (and --upload is off); else a copy under the worker's --root. Its files are read by sha256
+    (`files`: from the server's blob store or this worker's)."""
+    files = files or InputFiles(None, opts.root.resolve())
+    inputs = files.for_job(job)
     server_file = Path(job["path"])
     if not opts.upload and _reads(server_file) == job["job_text"]:
-        return Place(server_file, Path(job["out_dir"]), False)
+        return Place(server_file, Path(job["out_dir"]), False, inputs)
     folder = opts.root.resolve() / JOBS / job_id
     job_file = folder / job["job_file"]
     if _reads(job_file) != job["job_text"]:
@@ -213,7 +272,7 @@ def place(job_id: str, job: dict, opts: WorkerOptions) -> Place:
             atomic_write(job_file, job["job_text"].encode())
         except OSError as e:
             raise folder_error(folder, e) from None
-    return Place(job_file, folder / OUT, True)
+    return Place(job_file, folder / OUT, True, inputs)
 
 
 def _reads(path: Path) -> str | None:
@@ -243,12 +302,14 @@ def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, P
     """Renders one lease into its jobs' folders (or this worker's copies); which of its images landed,
     failed or are left."""
     out = Outcome()
-    places = places or {j: Place(Path(v["path"]), Path(v["out_dir"]), False) for j, v in lease["jobs"].items()}
+    if places is None:  # the server's folders, seen here
+        files = InputFiles(None, opts.root.resolve())
+        places = {j: Place(Path(v["path"]), Path(v["out_dir"]), False, files.for_job(v)) for j, v in lease["jobs"].items()}
     sessions: dict[str, LeaseSession] = {}
     for job_id in sorted(lease["jobs"], key=lambda j: j != lease["job"]):  # the head first: it picks the models
         images = [i for i in lease["images"] if i["job"] == job_id]
         try:
-            job = load_job(places[job_id].job_file)
+            job = load_job(places[job_id].job_file, inputs=places[job_id].inputs)
             if job_id == lease["job"]:
                 hot.for_job(job)
             ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
@@ -326,7 +387,7 @@ class Heartbeat:
             try:
                 if not self.client.heartbeat(self.lease["lease"], self.worker, gpu_stats(self.hot), self.hot.ready):
                     self.lost = True
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, Unregistered) as e:  # Unregistered: the next lease request registers again
                 log.warning("heartbeat failed: %s", e)
 
 
@@ -341,10 +402,13 @@ class _Stop:
 
 
 def run_worker(opts: WorkerOptions) -> int:
-    """The worker loop: lease, render, complete, until stopped (SIGINT/SIGTERM: the running batch finishes,
-    the rest of the lease goes back to the queue). Returns how many leases it rendered."""
-    name = opts.name or f"{socket.gethostname()}-{id(opts):x}"
+    """The worker loop: register, lease, render, complete, until stopped (SIGINT/SIGTERM: the running batch
+    finishes, the rest of the lease goes back to the queue). It registers again whenever the server no longer
+    knows its id (a restart on a fresh root, or a registration that expired while it was stopped). Returns how
+    many leases it rendered."""
+    name = opts.name or default_name()
     client, hot, stop = LeaseClient(opts.server, opts.token), Hot(), _Stop()
+    files = InputFiles(client, opts.root.resolve())
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     rendered, backoff = 0, opts.poll_s
@@ -354,22 +418,34 @@ def run_worker(opts: WorkerOptions) -> int:
         hot.models, hot.engine = warm(job, RenderOptions(device=opts.device, dtype=opts.dtype, engine=opts.engine,
                                                          compile=opts.compile, fp8=opts.fp8))
         log.info("warm: %s loaded, its shapes captured", job.model)
+    worker = None  # the id the server issued
     try:
         while not stop.requested and (opts.max_leases is None or rendered < opts.max_leases):
             try:
-                lease = client.lease(name, gpu_stats(hot), hot.ready)
+                if worker is None:
+                    worker = client.register(name)
+                    log.info("registered with %s as %s (%s)", opts.server, worker, name)
+                lease = client.lease(worker, gpu_stats(hot), hot.ready)
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while
                 log.info("no lease from %s: %s", opts.server, e)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
                 continue
+            except QueueBusy as e:  # --max-workers are registered: one must leave (or expire) first
+                log.warning("%s", e)
+                _pause(e.retry_after, stop)
+                continue
+            except Unregistered as e:
+                log.info("%s: registering again", e)
+                worker = None
+                continue
             backoff = opts.poll_s
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
-            places = {job_id: place(job_id, job, opts) for job_id, job in lease["jobs"].items()}
+            places = {job_id: place(job_id, job, opts, files) for job_id, job in lease["jobs"].items()}
             t0 = time.perf_counter()
-            with Heartbeat(client, lease, name, hot):
+            with Heartbeat(client, lease, worker, hot):
                 fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                 outcome = render_lease(lease, hot, opts, places)
                 manifest = upload(client, lease, outcome, places)
@@ -385,6 +461,19 @@ def run_worker(opts: WorkerOptions) -> int:
     finally:
         client.close()
     return rendered
+
+
+def default_name() -> str:
+    """The host and process: unique on a machine (a host name that is not a valid worker name: `worker`)."""
+    host = socket.gethostname()[:48]
+    return f"{host if re.fullmatch(NAME_PATTERN, host) else 'worker'}-{os.getpid()}"
+
+
+def _pause(seconds: float, stop: _Stop) -> None:
+    """Sleeps `seconds`, or until SIGINT/SIGTERM."""
+    deadline = time.monotonic() + seconds
+    while not stop.requested and time.monotonic() < deadline:
+        time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 
 def upload(client: LeaseClient, lease: dict, outcome: Outcome, places: dict[str, Place]) -> dict[str, list] | None:
