@@ -3,7 +3,7 @@ service gives what `bcg render` gives (and /readyz turns ready once the worker h
 everything mid-job, a restart, and the job completes, pixel-equal, within seconds; SIGTERM drains and exits 0.
 
 The other serve test files start their servers and workers with the helpers here (Server, start_worker,
-stop, metric)."""
+stop, metric, register, worker_ids)."""
 
 import json
 import os
@@ -108,6 +108,20 @@ def metric(url, name, **labels):
     if not found:
         raise KeyError(name)
     return sum(found)
+
+
+def register(url, name):
+    """The worker id the server issues for `name` (what a test that leases by hand names in its calls)."""
+    r = httpx.post(url + "/v1/workers", json={"name": name}, timeout=10)
+    assert r.status_code == 201, r.text
+    return r.json()["worker"]
+
+
+def worker_ids(url, name):
+    """The ids of the registered workers called `name` that the server counts now (from /metrics)."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+    return {s.labels["worker"] for f in families for s in f.samples
+            if s.name == "bcg_worker_ready" and s.labels["name"] == name}
 
 
 def manifest_paths(out):

@@ -13,7 +13,7 @@ from storyboard_cli.cli import app
 from storyboard_cli.errors import Status, exit_code
 from storyboard_cli.serve import client
 
-from test_serve_e2e import Server, free_port
+from test_serve_e2e import Server, free_port, register
 
 JOB = """version: 1
 model: tiny
@@ -54,7 +54,7 @@ def read(url, n=None, last_id=None):
 
 
 def lease_and_complete(url, done=True):
-    lease = httpx.post(url + "/v1/leases", json={"worker": "t"}, timeout=10).json()
+    lease = httpx.post(url + "/v1/leases", json={"worker": register(url, "t")}, timeout=10).json()
     ids = [i["id"] for i in lease["images"]]
     httpx.post(f"{url}/v1/leases/{lease['lease']}/complete", json={"done": ids if done else []}, timeout=10)
     return ids
@@ -96,9 +96,10 @@ def test_a_stream_resumes_after_a_reconnect_and_ends_with_the_job(server):
 
 def _fail_every_lease(url, n):
     """Leases the queue's batches as they come and fails their images (no PNG needed), n leases in all."""
+    worker = register(url, "t")
     for _ in range(n):
         for _ in range(200):
-            r = httpx.post(url + "/v1/leases", json={"worker": "t"}, timeout=10)
+            r = httpx.post(url + "/v1/leases", json={"worker": worker}, timeout=10)
             if r.status_code == 200:
                 break
             threading.Event().wait(0.05)

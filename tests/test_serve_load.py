@@ -23,7 +23,8 @@ from storyboard_cli.serve import client
 from storyboard_cli.serve.store import DB
 
 from conftest import write_job
-from test_serve_e2e import Server, eventually, free_port, manifest_paths, metric, pixels, start_worker, stop
+from test_serve_e2e import (Server, eventually, free_port, manifest_paths, metric, pixels, register, start_worker, stop,
+                            worker_ids)
 
 pytestmark = pytest.mark.slow  # real server and worker processes rendering on 2 cores
 JOB = """version: 1
@@ -198,7 +199,8 @@ def test_a_worker_killed_mid_batch_loses_its_lease_and_another_finishes_its_imag
         assert max(i["attempts"] for i in job["images"]) == 2  # the killed batch was leased again
         events = list(client.events(server.url, job_id, timeout_s=10))
         lost = {i for e in events if e.kind == "lease_lost" for i in e.data["requeued"]}
-        by_survivor = {i for e in events if e.kind == "running" and e.data["worker"] == "survivor"
+        survivor = worker_ids(server.url, "survivor")
+        by_survivor = {i for e in events if e.kind == "running" and e.data["worker"] in survivor
                        for i in e.data["images"]}
         assert lost and lost <= by_survivor  # the other worker rendered the killed worker's images
         out = server.root / "jobs" / job_id / "out"
@@ -221,14 +223,16 @@ def test_a_poison_image_fails_after_3_attempts(tmp_path):
     try:
         job_id = post(server.url, JOB.format(n=666, images=1)).json()["id"]
         for attempt in (1, 2, 3):
-            lease = eventually(lambda: httpx.post(server.url + "/v1/leases", json={"worker": f"dies-{attempt}"},
+            dies = register(server.url, f"dies-{attempt}")
+            lease = eventually(lambda: httpx.post(server.url + "/v1/leases", json={"worker": dies},
                                                   timeout=10), lambda r: r.status_code == 200, 10).json()
             assert lease["job"] == job_id and [i["attempts"] for i in server.job(job_id)["images"]] == [attempt]
-        job = eventually(lambda: (httpx.post(server.url + "/v1/leases", json={"worker": "next"}, timeout=10),
+        nxt = register(server.url, "next")
+        job = eventually(lambda: (httpx.post(server.url + "/v1/leases", json={"worker": nxt}, timeout=10),
                                   server.job(job_id)), lambda got: got[1]["state"] in FINAL, 10)[1]
         assert job["state"] == "failed" and job["images"][0]["attempts"] == 3
         assert job["images"][0]["reason"] == "its worker was lost 3 times"
-        assert httpx.post(server.url + "/v1/leases", json={"worker": "next"}, timeout=10).status_code == 204
+        assert httpx.post(server.url + "/v1/leases", json={"worker": nxt}, timeout=10).status_code == 204
         assert metric(server.url, "bcg_images_failed_total") == 1 and metric(server.url, "bcg_lease_expiries_total") == 3
         assert metric(server.url, "bcg_image_retries_total") == 2
         assert [e.kind for e in client.events(server.url, job_id, timeout_s=10)][-2:] == ["lease_lost", "end"]

@@ -1,6 +1,7 @@
 """The queue without HTTP or torch: the scheduler's picks, and the store's leases, expiry, three strikes,
 late completions, dedup twins, idempotency and backpressure (milliseconds each)."""
 
+import functools
 import json
 import sqlite3
 from collections import Counter
@@ -13,7 +14,7 @@ from storyboard_cli.serve import schedule
 from storyboard_cli.serve.intake import Planned, PlannedImage
 from storyboard_cli.serve.schedule import ImageState, JobState, Waiting
 from storyboard_cli.serve.store import (BATCH_SECONDS, BUCKETS_S, DB, IMAGE_RENDER, JOB_LATENCY, QUEUE_WAIT,
-                                        IdempotencyConflict, QueueFull, Store, Work)
+                                        IdempotencyConflict, QueueFull, Store, UnknownWorker, Work)
 
 KEY = "64x64 2 steps euler"
 
@@ -30,6 +31,12 @@ def store(tmp_path):
     s = Store(tmp_path)
     yield s
     s.close()
+
+
+@functools.cache
+def worker(store, name):
+    """The id `store` issued to the worker called `name` (registered once, at time 0, for the whole test)."""
+    return store.register_worker(name, now=0, max_workers=64, ttl=1e9)
 
 
 def w(image, job, priority="normal", submitted=0.0, key=KEY, order=0, batch=4, fp=None, mix=None):
@@ -67,9 +74,9 @@ def test_job_state_from_image_states():
 
 def test_lease_complete_and_job_state(store):
     store.submit(planned("j1"), None, 100, now=0)
-    lease = store.lease("w", now=1, ttl=10)
+    lease = store.lease(worker(store, "w"), now=1, ttl=10)
     assert [i["id"] for i in lease["images"]] == [1, 2] and lease["jobs"]["j1"]["out_dir"] == "/j/j1/out"
-    assert store.lease("w2", now=1, ttl=10) is None  # the job's folder has one writer
+    assert store.lease(worker(store, "w2"), now=1, ttl=10) is None  # the job's folder has one writer
     assert store.job("j1", 1)["state"] == JobState.RUNNING
     assert store.complete(lease["lease"], done=[1], cached=[], failed={2: "NaN"}, now=2)
     job = store.job("j1", 2)
@@ -78,10 +85,10 @@ def test_lease_complete_and_job_state(store):
 
 def test_expired_lease_goes_back_to_the_queue_and_its_late_completion_is_ignored(store):
     store.submit(planned("j1"), None, 100, now=0)
-    lost = store.lease("w1", now=0, ttl=5)
+    lost = store.lease(worker(store, "w1"), now=0, ttl=5)
     assert store.heartbeat(lost["lease"], now=4, ttl=5)  # renewed until 9
-    assert store.lease("w2", now=8, ttl=5) is None
-    again = store.lease("w2", now=10, ttl=5)
+    assert store.lease(worker(store, "w2"), now=8, ttl=5) is None
+    again = store.lease(worker(store, "w2"), now=10, ttl=5)
     assert again and [i["id"] for i in again["images"]] == [1, 2]
     assert not store.heartbeat(lost["lease"], now=10, ttl=5)
     assert not store.complete(lost["lease"], done=[1, 2], cached=[], failed={}, now=11)
@@ -94,7 +101,7 @@ def test_expired_lease_goes_back_to_the_queue_and_its_late_completion_is_ignored
 def test_an_image_whose_worker_dies_three_times_fails(store):
     store.submit(planned("j1", n=1), None, 100, now=0)
     for t in (0, 10, 20):
-        assert store.lease("w", now=t, ttl=5)
+        assert store.lease(worker(store, "w"), now=t, ttl=5)
     store.expire(now=30)
     job = store.job("j1", 30)
     assert job["state"] == JobState.FAILED and job["images"][0]["attempts"] == 3
@@ -103,7 +110,7 @@ def test_an_image_whose_worker_dies_three_times_fails(store):
 
 def test_a_stopping_worker_returns_its_images_without_a_strike(store):
     store.submit(planned("j1"), None, 100, now=0)
-    lease = store.lease("w", now=0, ttl=5)
+    lease = store.lease(worker(store, "w"), now=0, ttl=5)
     assert store.complete(lease["lease"], done=[1], cached=[], failed={}, now=1)
     image = store.job("j1", 1)["images"][1]
     assert image["state"] == ImageState.QUEUED and image["attempts"] == 0
@@ -112,11 +119,11 @@ def test_a_stopping_worker_returns_its_images_without_a_strike(store):
 def test_a_twin_waits_for_the_first_render_then_is_leased_with_its_png(store):
     store.submit(planned("j1", n=1, fingerprint="same"), None, 100, now=0)
     store.submit(planned("j2", n=1, fingerprint="same"), None, 100, now=1)
-    first = store.lease("w1", now=2, ttl=5)
+    first = store.lease(worker(store, "w1"), now=2, ttl=5)
     assert first["job"] == "j1" and first["images"][0]["twin"] is None
-    assert store.lease("w2", now=2, ttl=5) is None  # rendering it twice at once would waste a GPU
+    assert store.lease(worker(store, "w2"), now=2, ttl=5) is None  # rendering it twice at once would waste a GPU
     store.complete(first["lease"], done=[1], cached=[], failed={}, now=3)
-    second = store.lease("w2", now=3, ttl=5)
+    second = store.lease(worker(store, "w2"), now=3, ttl=5)
     assert second["images"][0]["twin"] == "/j/j1/out/a/a_c0_s10.png"
     assert second["images"][0]["twin_of"] == ["j1", "a/a_c0_s10.png"]
     store.complete(second["lease"], done=[2], cached=[2], failed={}, now=4)
@@ -135,7 +142,7 @@ def test_a_full_queue_refuses_a_job_whole_with_the_drain_rate(store):
     with pytest.raises(QueueFull) as e:
         store.submit(planned("j2", n=3), None, 8, now=1)
     assert e.value.retry_after == schedule.UNKNOWN_DRAIN_S and store.job("j2", 1) is None
-    lease = store.lease("w", now=0, ttl=60)
+    lease = store.lease(worker(store, "w"), now=0, ttl=60)
     store.complete(lease["lease"], done=[1, 2, 3, 4], cached=[], failed={}, now=10)  # 4 images in 10 s
     store.submit(planned("j2", n=3), None, 8, now=10)
     with pytest.raises(QueueFull) as e:
@@ -149,7 +156,7 @@ def test_priorities_cancel_and_queue_position(store):
     store.submit(planned("n", batch=1), None, 100, now=0)
     store.submit(planned("u", priority="urgent", batch=1), None, 100, now=5)
     assert store.job("n", 5)["queue_position"] == 2 and store.job("u", 5)["queue_position"] == 0
-    assert store.lease("w", now=6, ttl=5)["job"] == "u"
+    assert store.lease(worker(store, "w"), now=6, ttl=5)["job"] == "u"
     assert store.set_priority("n", "urgent", 6) and store.job("n", 6)["queue_position"] == 0
     with pytest.raises(BadInput):
         store.set_priority("n", "asap", 6)
@@ -173,12 +180,12 @@ def _kinds(store, job_id, after=0):
 
 def test_every_change_is_an_event_in_order_and_the_stream_ends_once(store):
     store.submit(planned("j1"), None, 100, now=0)
-    lease = store.lease("w", now=1, ttl=5)
+    lease = store.lease(worker(store, "w"), now=1, ttl=5)
     store.set_priority("j1", "urgent", now=2)
     store.complete(lease["lease"], done=[1], cached=[], failed={}, now=3)
-    again = store.lease("w", now=4, ttl=5)
+    again = store.lease(worker(store, "w"), now=4, ttl=5)
     store.expire(now=10)  # lost: image 2 back to the queue
-    last = store.lease("w", now=11, ttl=5)
+    last = store.lease(worker(store, "w"), now=11, ttl=5)
     assert _kinds(store, "j1") == (["queued", "running", "priority", "images", "running", "lease_lost", "running"],
                                    False)
     store.complete(last["lease"], done=[2], cached=[], failed={}, now=12)
@@ -193,7 +200,7 @@ def test_every_change_is_an_event_in_order_and_the_stream_ends_once(store):
 
 def test_a_canceled_job_ends_its_stream_at_once_and_only_once(store):
     store.submit(planned("j1"), None, 100, now=0)
-    lease = store.lease("w", now=1, ttl=5)
+    lease = store.lease(worker(store, "w"), now=1, ttl=5)
     assert store.cancel("j1", now=2) and store.cancel("j1", now=3)
     store.complete(lease["lease"], done=[1, 2], cached=[], failed={}, now=4)
     kinds, _ = _kinds(store, "j1")
@@ -203,10 +210,10 @@ def test_a_canceled_job_ends_its_stream_at_once_and_only_once(store):
 
 def test_latencies_are_histograms_and_workers_report_their_gpu(store):
     store.submit(planned("j1", n=3), None, 100, now=0)
-    lease = store.lease("w", now=2, ttl=5, gpu={"memory_allocated_bytes": 7.0})
+    lease = store.lease(worker(store, "w"), now=2, ttl=5, gpu={"memory_allocated_bytes": 7.0})
     work = Work(batches=(("64x64", 3, 1.5),), out_of_memory=1, model_loads=1)
     store.complete(lease["lease"], done=[1, 2, 3], cached=[], failed={}, now=4, work=work)
-    store.seen("cpu-worker", None, now=4)
+    store.seen(worker(store, "cpu-worker"), None, now=4)
     s = store.stats(now=4, worker_window_s=60)
     counts, total = s["histograms"][QUEUE_WAIT, ""]
     assert sum(counts) == 3 and total == 6.0 and counts[BUCKETS_S.index(2.5)] == 3  # 2 s each: the 2.5 s bucket
@@ -214,8 +221,8 @@ def test_latencies_are_histograms_and_workers_report_their_gpu(store):
     assert s["histograms"][BATCH_SECONDS, "64x64"] == ([0] * 5 + [1] + [0] * 10, 1.5)
     assert s["histograms"][JOB_LATENCY, ""][1] == 4.0
     assert s["counters"]["out_of_memory"] == 1 and s["counters"]["model_loads"] == 1
-    assert s["workers"] == {"w": {"memory_allocated_bytes": 7.0}, "cpu-worker": None}
-    assert store.stats(now=100, worker_window_s=60)["workers"] == {}  # not seen for a while: gone
+    assert {x.name: x.gpu for x in s["workers"]} == {"w": {"memory_allocated_bytes": 7.0}, "cpu-worker": None}
+    assert store.stats(now=100, worker_window_s=60)["workers"] == []  # not seen for a while: gone
     assert s["images_per_s"] > 0
 
 
@@ -231,11 +238,11 @@ def test_room_left_in_a_batch_goes_to_other_jobs_of_the_same_mix():
 def test_a_mixed_lease_holds_every_job_it_touches_until_it_completes(store):
     store.submit(planned("j1", n=1, mix="m"), None, 100, now=0)
     store.submit(planned("j2", n=2, mix="m"), None, 100, now=1)
-    lease = store.lease("w", now=2, ttl=5)
+    lease = store.lease(worker(store, "w"), now=2, ttl=5)
     assert lease["job"] == "j1" and set(lease["jobs"]) == {"j1", "j2"}
     assert [(i["id"], i["job"]) for i in lease["images"]] == [(1, "j1"), (2, "j2"), (3, "j2")]
     store.submit(planned("j3", n=1, mix="m"), None, 100, now=2)
-    other = store.lease("w2", now=2, ttl=5)
+    other = store.lease(worker(store, "w2"), now=2, ttl=5)
     assert set(other["jobs"]) == {"j3"}  # j2's folder has its writer
     assert store.complete(lease["lease"], done=[1, 2], cached=[], failed={3: "NaN"}, now=3)
     assert store.job("j1", 3)["state"] == JobState.SUCCEEDED and store.job("j2", 3)["state"] == JobState.FAILED
@@ -246,7 +253,7 @@ def test_a_mixed_lease_holds_every_job_it_touches_until_it_completes(store):
         assert rows[-1][1] == "end"
     store.submit(planned("j4", n=1, mix="n"), None, 100, now=3)
     store.submit(planned("j5", n=1, mix="n"), None, 100, now=3)
-    lost = store.lease("w", now=3, ttl=1)
+    lost = store.lease(worker(store, "w"), now=3, ttl=1)
     assert set(lost["jobs"]) == {"j4", "j5"}
     store.expire(now=10)  # its worker died: both jobs' images back to the queue, each job told
     for job_id in ("j4", "j5"):
@@ -254,12 +261,17 @@ def test_a_mixed_lease_holds_every_job_it_touches_until_it_completes(store):
         assert rows[-1][1] == "lease_lost" and store.job(job_id, 10)["images_by_state"] == {"queued": 1}
 
 
-def test_a_queue_from_before_readiness_opens_and_its_workers_are_not_ready(tmp_path):
-    with sqlite3.connect(tmp_path / DB) as db:
-        db.execute("CREATE TABLE workers (name TEXT PRIMARY KEY, seen REAL NOT NULL, gpu TEXT)")
-        db.execute("INSERT INTO workers VALUES ('old', 10, 'null')")
+def test_a_queue_from_before_registration_opens_and_its_self_named_workers_are_gone(tmp_path):
+    Store(tmp_path).close()
+    with sqlite3.connect(tmp_path / DB) as db:  # the worker table of a queue before registration: rows by name
+        db.execute("DROP TABLE workers")
+        db.execute("CREATE TABLE workers (name TEXT PRIMARY KEY, seen REAL NOT NULL, gpu TEXT, "
+                   "ready INTEGER NOT NULL DEFAULT 0)")
+        db.execute("INSERT INTO workers VALUES ('old', 10, 'null', 1)")
     s = Store(tmp_path)
-    assert s.readiness(now=10, window_s=5) == (1, 0)
-    s.seen("old", None, now=11, ready=True)
+    assert s.readiness(now=10, window_s=5) == (0, 0)
+    with pytest.raises(UnknownWorker):  # the worker registers again
+        s.seen("old", None, now=11, ready=True)
+    s.seen(s.register_worker("old", now=11, max_workers=1, ttl=5), None, now=11, ready=True)
     assert s.readiness(now=11, window_s=5) == (1, 1) and s.readiness(now=17, window_s=5) == (0, 0)
     s.close()

@@ -49,7 +49,8 @@ def test_uploads_are_confined_to_the_lease_and_dropped_once_it_is_lost(tmp_path)
     app = create_app(Settings(tmp_path / "root", lease_s=10), clock=lambda: t[0])
     with TestClient(app) as c:
         job = c.post("/v1/jobs", content=JOB, headers=YAML).json()
-        lease = c.post("/v1/leases", json={"worker": "w"}).json()
+        worker = c.post("/v1/workers", json={"name": "w"}).json()["worker"]
+        lease = c.post("/v1/leases", json={"worker": worker}).json()
         assert lease["jobs"][job["id"]]["job_text"] == JOB and lease["jobs"][job["id"]]["job_file"] == "job.yaml"
         mine = lease["images"][0]["outputs"][0]
         url = f"/v1/leases/{lease['lease']}/files/{job['id']}/"

@@ -1,7 +1,8 @@
 """/metrics: Prometheus text, read from the store at each scrape (totals and histograms live in the
 database, so they survive a restart). GPU figures are what each worker's last lease request or heartbeat
 carried (torch.cuda's memory statistics, NVML's utilisation where it is installed); a CPU worker has none,
-and none are shown for it. Torch-free."""
+and none are shown for it. Per-worker series exist only for registered workers seen within --lease-s (at
+most --max-workers), labelled by the id the server issued and the worker's name. Torch-free."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ HISTOGRAMS = {  # histogram name in the store -> (metric, help, label name or No
                                                "or failed jobs).", None),
     queue.BATCH_SECONDS: ("batch_seconds", "Seconds per rendered batch, by image shape.", "shape"),
 }
+WORKER = ["worker", "name"]  # the id the server issued, the name the worker registered with
 GPU_MEMORY = {"allocated": "memory_allocated_bytes", "reserved": "memory_reserved_bytes",
               "peak": "max_memory_allocated_bytes", "total": "total_memory_bytes"}
 
@@ -64,8 +66,8 @@ class StoreCollector:
         yield rejected
         yield from histograms(s["histograms"])
         yield from workers(s["workers"])
-        yield GaugeMetricFamily(PREFIX + "workers_ready", "Workers seen lately whose model is loaded and graphs "
-                                "captured (what /readyz waits for).", value=self.store.readiness(now, self.window)[1])
+        yield GaugeMetricFamily(PREFIX + "workers_ready", "Registered workers seen lately whose model is loaded and "
+                                "graphs captured (what /readyz waits for).", value=sum(w.ready for w in s["workers"]))
 
 
 def histograms(observed: dict[tuple[str, str], tuple[list[int], float]]):
@@ -84,21 +86,26 @@ def histograms(observed: dict[tuple[str, str], tuple[list[int], float]]):
         yield family
 
 
-def workers(seen: dict[str, dict | None]):
-    """The workers seen lately; GPU memory and utilisation only for those that have a GPU and said so."""
-    yield GaugeMetricFamily(PREFIX + "workers", "Workers that asked for work or renewed a lease lately.",
+def workers(seen: list[queue.Seen]):
+    """The registered workers seen lately (at most --max-workers: ids the server issued, never names a client
+    made up), each labelled by its id and name; GPU memory and utilisation only for those that have a GPU and
+    said so."""
+    yield GaugeMetricFamily(PREFIX + "workers", "Registered workers that asked for work or renewed a lease lately.",
                             value=len(seen))
+    ready = GaugeMetricFamily(PREFIX + "worker_ready", "1 once the worker's model is loaded and graphs captured.",
+                              labels=WORKER)
     memory = GaugeMetricFamily(PREFIX + "worker_gpu_memory_bytes", "A worker's GPU memory (torch.cuda).",
-                               labels=["worker", "kind"])
+                               labels=[*WORKER, "kind"])
     utilisation = GaugeMetricFamily(PREFIX + "worker_gpu_utilization_ratio", "A worker's GPU busy fraction (NVML).",
-                                    labels=["worker"])
-    for name, gpu in sorted(seen.items()):
+                                    labels=WORKER)
+    for w in seen:
+        ready.add_metric([w.id, w.name], float(w.ready))
         for kind, key in GPU_MEMORY.items():
-            if gpu and gpu.get(key) is not None:
-                memory.add_metric([name, kind], gpu[key])
-        if gpu and gpu.get("utilization") is not None:
-            utilisation.add_metric([name], gpu["utilization"])
-    yield from (memory, utilisation)
+            if w.gpu and w.gpu.get(key) is not None:
+                memory.add_metric([w.id, w.name, kind], w.gpu[key])
+        if w.gpu and w.gpu.get("utilization") is not None:
+            utilisation.add_metric([w.id, w.name], w.gpu["utilization"])
+    yield from (ready, memory, utilisation)
 
 
 def registry(store: queue.Store, worker_window_s: float, clock: Callable[[], float] = time.time) -> CollectorRegistry:

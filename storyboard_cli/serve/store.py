@@ -5,11 +5,16 @@ HTTP), one connection behind one lock. Torch-free.
 Leases: a worker leases one batch of one job for `ttl` seconds and renews it by heartbeat. A lease that
 expires goes back to the queue; an image whose lease was lost MAX_ATTEMPTS times fails. A completion for a
 lease that is gone (expired, its images leased again) is ignored and counted.
+
+Workers: the server issues each worker its id on registration, and forgets it once it has not been seen for
+its ttl (--lease-s) and holds no lease. Leases and heartbeats name that id, so the worker table (and the
+metric series per worker) holds at most --max-workers live rows, whatever names clients invent.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sqlite3
@@ -53,8 +58,8 @@ CREATE TABLE IF NOT EXISTS histograms (name TEXT NOT NULL, label TEXT NOT NULL, 
   n INTEGER NOT NULL, PRIMARY KEY (name, label, bucket));
 CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NULL, total REAL NOT NULL,
   PRIMARY KEY (name, label));
-CREATE TABLE IF NOT EXISTS workers (name TEXT PRIMARY KEY, seen REAL NOT NULL, gpu TEXT,
-  ready INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS workers (id TEXT PRIMARY KEY, name TEXT NOT NULL, seen REAL NOT NULL, ttl REAL NOT NULL,
+  gpu TEXT, ready INTEGER NOT NULL DEFAULT 0);
 """
 # a queue made before application_id was set holds only these (sqlite_sequence: AUTOINCREMENT's)
 QUEUE_TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
@@ -78,12 +83,39 @@ class Work:
     model_loads: int = 0
 
 
+@dataclass(frozen=True)
+class Seen:
+    """A registered worker seen lately: its issued id, its name, its GPU figures (None on a CPU), ready."""
+
+    id: str
+    name: str
+    gpu: dict | None
+    ready: bool
+
+
 class QueueFull(Exception):
     """Refused whole: the queue holds too many images. `retry_after` in seconds."""
 
     def __init__(self, retry_after: int, depth: int):
         super().__init__(f"the queue holds {depth} images; retry in {retry_after} s")
         self.retry_after, self.depth = retry_after, depth
+
+
+class TooManyWorkers(Exception):
+    """Refused registration: --max-workers registrations are live. `retry_after` in seconds (until the
+    first of them can expire)."""
+
+    def __init__(self, retry_after: int, live: int):
+        super().__init__(f"{live} workers are registered, the most this server takes; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class UnknownWorker(Exception):
+    """A worker id this server did not issue, or whose registration expired: the worker registers again."""
+
+    def __init__(self, worker: str):
+        super().__init__(f"worker {worker[:80]!r} is not registered here (or no longer): register again "
+                         "(POST /v1/workers)")
 
 
 class IdempotencyConflict(BadInput):
@@ -179,8 +211,9 @@ class Store:
         self.db.executescript(SCHEMA)
         if "mix" not in {r["name"] for r in self.db.execute("PRAGMA table_info(images)")}:  # a queue of v1
             self.db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
-        if "ready" not in {r["name"] for r in self.db.execute("PRAGMA table_info(workers)")}:  # before /readyz
-            self.db.execute("ALTER TABLE workers ADD COLUMN ready INTEGER NOT NULL DEFAULT 0")
+        if "ttl" not in {r["name"] for r in self.db.execute("PRAGMA table_info(workers)")}:  # before registration
+            self.db.execute("DROP TABLE workers")  # rows named by the workers themselves: they register again
+            self.db.executescript(SCHEMA)
 
     def close(self) -> None:
         self.db.close()
@@ -248,19 +281,45 @@ class Store:
                                     (job_id, END, after)).fetchone() is not None
         return [tuple(r) for r in rows], ended
 
+    # workers: ids issued on registration, forgotten with their last lease
+
+    def register_worker(self, name: str, now: float, max_workers: int, ttl: float) -> str:
+        """A new worker id (`w-` and 12 hex digits) for the worker called `name`. Raises TooManyWorkers while
+        `max_workers` registrations are live (seen within their `ttl`, or holding a live lease): each has its own
+        metric series. `name` is checked at the edge (wire.Registration)."""
+        with self._tx() as db:
+            self._forget(db, now)
+            live = db.execute("SELECT COUNT(*), MIN(seen + ttl) FROM workers").fetchone()
+            if live[0] >= max_workers:
+                full = TooManyWorkers(max(math.ceil(live[1] - now), 1), live[0])
+            else:
+                full, worker = None, f"w-{uuid.uuid4().hex[:12]}"
+                db.execute("INSERT INTO workers (id, name, seen, ttl) VALUES (?, ?, ?, ?)", (worker, name, now, ttl))
+        if full is not None:  # raised after the commit: the expired registrations stay forgotten
+            raise full
+        return worker
+
     def seen(self, worker: str, gpu: dict | None, now: float, ready: bool = False) -> None:
         """A worker asked for work or renewed a lease; `gpu`: its device's memory and utilisation (None on
-        a CPU); `ready`: its model is loaded and its graphs captured."""
+        a CPU); `ready`: its model is loaded and its graphs captured. Raises UnknownWorker."""
         with self._tx() as db:
             self._seen(db, worker, gpu, now, ready)
 
     def _seen(self, db, worker: str, gpu: dict | None, now: float, ready: bool = False) -> None:
-        db.execute("INSERT INTO workers VALUES (?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET seen = ?, gpu = ?, "
-                   "ready = ?", (worker, now, json.dumps(gpu), ready, now, json.dumps(gpu), ready))
+        self._forget(db, now)
+        if db.execute("SELECT 1 FROM workers WHERE id = ?", (worker,)).fetchone() is None:  # never issued, or expired
+            raise UnknownWorker(worker)
+        db.execute("UPDATE workers SET seen = ?, gpu = ?, ready = ? WHERE id = ?",
+                   (now, json.dumps(gpu), ready, worker))
+
+    def _forget(self, db, now: float) -> None:
+        """Registrations not seen within their ttl and holding no live lease: their ids and series are gone."""
+        db.execute("DELETE FROM workers WHERE seen + ttl < ? AND id NOT IN "
+                   "(SELECT worker FROM leases WHERE expires >= ?)", (now, now))
 
     def readiness(self, now: float, window_s: float) -> tuple[int, int]:
-        """(workers seen within the window, those of them ready): a worker that stops asking for work and
-        heartbeating drops out of both."""
+        """(registered workers seen within the window, those of them ready): a worker that stops asking for
+        work and heartbeating drops out of both."""
         with self.lock:
             row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(ready), 0) FROM workers WHERE seen >= ?",
                                   (now - window_s,)).fetchone()
@@ -452,6 +511,7 @@ class Store:
         with self._tx() as db:
             if db.execute("SELECT 1 FROM leases WHERE expires < ? LIMIT 1", (now,)).fetchone():
                 self._expire(db, now)
+            self._forget(db, now)
 
     def _expire(self, db, now: float) -> None:
         for (lease_id,) in db.execute("SELECT id FROM leases WHERE expires < ?", (now,)).fetchall():
@@ -537,8 +597,8 @@ class Store:
 
     def stats(self, now: float, worker_window_s: float) -> dict:
         """What /metrics shows: queue depth per priority (images, jobs), jobs per state, the counters, the
-        histograms ({(name, label): (per-bucket counts, sum)}), the workers seen within the window (name ->
-        GPU stats or None) and the images finished per second."""
+        histograms ({(name, label): (per-bucket counts, sum)}), the registered workers seen within the window
+        (Seen) and the images finished per second."""
         with self.lock:
             db = self.db
             depth = {p: [0, 0] for p in TIERS}
@@ -557,10 +617,11 @@ class Store:
                 histograms[name, label] = ([0] * (len(BUCKETS_S) + 1), total)
             for name, label, bucket, n in db.execute("SELECT name, label, bucket, n FROM histograms"):
                 histograms[name, label][0][bucket] = n
-            seen = db.execute("SELECT name, gpu FROM workers WHERE seen >= ?",
+            seen = db.execute("SELECT id, name, gpu, ready FROM workers WHERE seen >= ? ORDER BY id",
                               (now - worker_window_s,)).fetchall()
             rate = self._drain_rate(db, now)
         jobs = Counter(schedule.job_state(c, canceled[j]) for j, c in per_job.items())
         return {"depth": depth, "jobs": {s: jobs[s] for s in JobState.ALL}, "counters": counters, "leases": leases,
-                "histograms": histograms, "workers": {r[0]: json.loads(r[1]) for r in seen},
+                "histograms": histograms,
+                "workers": [Seen(r["id"], r["name"], json.loads(r["gpu"] or "null"), bool(r["ready"])) for r in seen],
                 "images_per_s": rate or 0.0}
