@@ -5,6 +5,7 @@ import functools
 import json
 import sqlite3
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
 from storyboard_cli.serve.intake import Planned, PlannedImage
 from storyboard_cli.serve.schedule import ImageState, JobState, Waiting
-from storyboard_cli.serve.store import (BATCH_SECONDS, BUCKETS_S, DB, IMAGE_RENDER, JOB_LATENCY, QUEUE_WAIT,
-                                        IdempotencyConflict, QueueFull, Store, UnknownWorker, Work)
+from storyboard_cli.serve.store import (APPLICATION_ID, BATCH_SECONDS, BUCKETS_S, DB, IMAGE_RENDER, JOB_LATENCY,
+                                        QUEUE_WAIT, IdempotencyConflict, JobFinal, QueueFull, QueueUnusable, Store,
+                                        UnknownWorker, Work)
 
 KEY = "64x64 2 steps euler"
 
@@ -201,11 +203,14 @@ def test_every_change_is_an_event_in_order_and_the_stream_ends_once(store):
 def test_a_canceled_job_ends_its_stream_at_once_and_only_once(store):
     store.submit(planned("j1"), None, 100, now=0)
     lease = store.lease(worker(store, "w"), now=1, ttl=5)
-    assert store.cancel("j1", now=2) and store.cancel("j1", now=3)
-    store.complete(lease["lease"], done=[1, 2], cached=[], failed={}, now=4)
-    kinds, _ = _kinds(store, "j1")
-    assert kinds == ["queued", "running", "end", "images"]
+    assert store.cancel("j1", now=2)
+    with pytest.raises(JobFinal) as again:
+        store.cancel("j1", now=3)
+    assert again.value.state == JobState.CANCELED
+    store.complete(lease["lease"], done=[1, 2], cached=[], failed={}, now=4)  # its running batch finishes
+    assert _kinds(store, "j1") == (["queued", "running", "end"], False)  # and says nothing after the end
     assert json.loads(store.events("j1", 0)[0][2][2])["state"] == JobState.CANCELED
+    assert store.job("j1", 4)["state"] == JobState.CANCELED
 
 
 def test_latencies_are_histograms_and_workers_report_their_gpu(store):
@@ -275,3 +280,106 @@ def test_a_queue_from_before_registration_opens_and_its_self_named_workers_are_g
     s.seen(s.register_worker("old", now=11, max_workers=1, ttl=5), None, now=11, ready=True)
     assert s.readiness(now=11, window_s=5) == (1, 1) and s.readiness(now=17, window_s=5) == (0, 0)
     s.close()
+
+
+def _final_jobs(store):
+    """Three jobs, one per final state: succeeded, failed, canceled."""
+    for t, job_id in enumerate(("ok", "bad", "gone")):
+        store.submit(planned(job_id, n=1), None, 100, now=t)
+    ok, bad = (store.lease(worker(store, "w"), now=3, ttl=5) for _ in range(2))
+    assert (ok["job"], bad["job"]) == ("ok", "bad")
+    store.complete(ok["lease"], done=[ok["images"][0]["id"]], cached=[], failed={}, now=4)
+    store.complete(bad["lease"], done=[], cached=[], failed={bad["images"][0]["id"]: "NaN"}, now=4)
+    store.cancel("gone", now=4)
+    return {"ok": JobState.SUCCEEDED, "bad": JobState.FAILED, "gone": JobState.CANCELED}
+
+
+def test_a_final_job_refuses_cancel_and_priority_and_nothing_changes(store):
+    for job_id, state in _final_jobs(store).items():
+        before = store.job(job_id, 5), store.events(job_id, 0)
+        assert before[0]["state"] == state and json.loads(before[1][0][-1][2])["state"] == state
+        for change in (lambda: store.cancel(job_id, now=5), lambda: store.set_priority(job_id, "urgent", now=5)):
+            with pytest.raises(JobFinal) as refused:
+                change()
+            assert refused.value.state == state and str(refused.value) == f"job {job_id} is already {state}"
+        assert (store.job(job_id, 5), store.events(job_id, 0)) == before, job_id  # state, priority, stream
+    assert store.cancel("none", now=5) is False and store.set_priority("none", "bulk", now=5) is False
+
+
+def test_a_canceled_job_whose_lease_is_lost_is_not_leased_again(store):
+    store.submit(planned("j1", n=3, batch=2), None, 100, now=0)
+    lease = store.lease(worker(store, "w"), now=1, ttl=5)
+    assert len(lease["images"]) == 2
+    assert store.cancel("j1", now=2)  # a running job: its queued image at once, the leased two with their lease
+    assert store.job("j1", 2)["images_by_state"] == {"leased": 2, "canceled": 1}
+    store.expire(now=10)  # the worker died
+    job = store.job("j1", 10)
+    assert job["state"] == JobState.CANCELED and job["images_by_state"] == {"canceled": 3}
+    assert store.lease(worker(store, "w"), now=11, ttl=5) is None
+    assert _kinds(store, "j1") == (["queued", "running", "end"], False)
+    assert job["finished"] == 10
+
+
+def _queue_file(tmp_path, make):
+    root = tmp_path / "root"
+    root.mkdir()
+    make(root / DB)
+    return root, (root / DB).read_bytes()
+
+
+def _foreign(path):
+    with closing(sqlite3.connect(path)) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+        db.commit()
+
+
+def _newer(path):
+    Store(path.parent).close()
+    with closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA user_version = 99")
+
+
+@pytest.mark.parametrize("make, says, ours", [
+    (lambda p: p.write_bytes(bytes(range(256)) * 64), "is damaged or not a SQLite database", True),
+    (_foreign, "is not a bcg queue but another program's SQLite database (tables: users)", False),
+    (_newer, "is the queue of a newer bcg (schema 99", True),
+], ids=["corrupt", "foreign", "newer"])
+def test_a_queue_file_that_is_not_ours_is_refused_in_one_line_and_left_as_it_was(tmp_path, make, says, ours):
+    root, before = _queue_file(tmp_path, make)
+    with pytest.raises(QueueUnusable) as refused:
+        Store(root)
+    message = str(refused.value)
+    assert message.startswith(f"{root / DB} ") and says in message and "\n" not in message
+    assert (root / DB).read_bytes() == before and sorted(p.name for p in root.iterdir()) == [DB]  # no journal either
+    if ours:
+        assert "only record of the jobs" in message and "never delete or overwrite it" in message
+
+
+@pytest.mark.parametrize("lock", ["file", "folder"])
+def test_a_read_only_queue_is_refused_with_what_to_do(tmp_path, lock):
+    root, before = _queue_file(tmp_path, lambda p: Store(p.parent).close())
+    target = root / DB if lock == "file" else root
+    mode = target.stat().st_mode
+    target.chmod(0o444 if lock == "file" else 0o555)
+    try:
+        with pytest.raises(QueueUnusable) as refused:
+            Store(root)
+    finally:
+        target.chmod(mode)
+    message = str(refused.value)
+    assert "read-only" in message and str(root) in message and "make" in message and "writable" in message
+    assert "only record of the jobs" in message and (root / DB).read_bytes() == before
+
+
+def test_a_queue_from_before_the_stamp_opens_and_is_stamped(tmp_path):
+    s = Store(tmp_path)
+    s.submit(planned("j1"), None, 100, now=0)
+    s.close()
+    with sqlite3.connect(tmp_path / DB) as db:  # as a bcg that did not stamp its queue left it
+        db.execute("PRAGMA application_id = 0")
+        db.execute("PRAGMA user_version = 0")
+    s = Store(tmp_path)
+    assert s.job("j1", 1)["state"] == JobState.QUEUED
+    s.close()
+    with sqlite3.connect(tmp_path / DB) as db:
+        assert db.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
