@@ -131,15 +131,16 @@ def _ipv6_loopback() -> bool:
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_an_ipv6_host_is_bracketed_for_the_banner_and_the_local_workers(tmp_path):
     """The local worker reaches the server at http://[::1]:PORT (unbracketed, it crashed and was restarted
-    forever), with the token in its environment."""
+    forever), with the worker token in its environment (the client token opens no worker route)."""
     port, log = free_port(), tmp_path / "serve.log"
     url = f"http://[::1]:{port}"
     with open(log, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "serve", "--root", str(tmp_path / "root"),
-                                 "--port", str(port), "--gpus", "cpu", "--host", "::1", "--token", "t"], cwd=ROOT,
+                                 "--port", str(port), "--gpus", "cpu", "--host", "::1", "--token", "t", "--worker-token",
+                                 "w"], cwd=ROOT,
                                 start_new_session=True, stderr=stderr)
     try:
-        eventually(lambda: _workers(url), lambda n: n == 1, 90, 0.5)  # registered over [::1], with the token
+        eventually(lambda: _workers(url), lambda n: n == 1, 90, 0.5)  # registered over [::1], with its token
         said = log.read_text()
         assert f"{BANNER} {url} (docs at {url}/docs)" in said and "exited with" not in said, said  # never restarted
         os.kill(proc.pid, signal.SIGTERM)
