@@ -516,7 +516,8 @@ def submit(job: JobArg, server: ServerOpt, priority: PriorityOpt = "normal",
     from storyboard_cli.serve.schedule import ImageState
 
     with _domain_errors():
-        j = client.submit(job, server, priority=priority, key=key, token=token)
+        j = client.submit(job, server, priority=priority, key=key, token=token, on_inputs=lambda sent, present: err.print(
+            f"inputs: {len(sent)} uploaded ({_size(sum(n for _, n in sent))}), {present} already on the server"))
         err.print(f"{j['id']}: {j['state']} ({len(j['images'])} images) {j['url']}")
         if wait:
             j = client.wait(server, j["id"], token=token, on_event=lambda e: err.print(

@@ -76,7 +76,8 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
               f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}"]
     if item.control_image is not None:
         end = f", end {item.control_end:.3g}" if item.control_end < 1 else ""
-        fields.append(f"ControlNet: {item.control_image.name} (scale {item.control_scale:g}{end})")
+        name = Path(item.control_file).name if item.control_file else item.control_image.name  # as the job names it
+        fields.append(f"ControlNet: {name} (scale {item.control_scale:g}{end})")
     if loras:
         # quoted as A1111's infotext_utils.quote: the value holds ':' and ','
         fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")

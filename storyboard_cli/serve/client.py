@@ -80,15 +80,14 @@ def with_inputs(text: str, digests: dict[str, str]) -> str:
     return text + ("" if text.endswith("\n") else "\n") + f"{INPUTS_KEY}:  # added by bcg submit\n" + lines
 
 
-def upload_inputs(http: httpx.Client, files: dict[str, Path], digests: dict[str, str],
-                  on_upload: Callable[[str, int], None] | None = None) -> int:
+def upload_inputs(http: httpx.Client, files: dict[str, Path], digests: dict[str, str]) -> list[tuple[str, int]]:
     """Sends the files the server lacks (POST /v1/blobs/missing, then PUT /v1/blobs/{sha256} each, streamed);
-    the bytes sent."""
+    the (name, bytes) of each file sent."""
     if not digests:
-        return 0
+        return []
     r = http.post("/v1/blobs/missing", json={"digests": sorted(set(digests.values()))})
     _raise_for(r)
-    missing, sent = set(r.json()["missing"]), 0
+    missing, sent = set(r.json()["missing"]), []
     for name, digest in digests.items():
         if digest not in missing:
             continue
@@ -101,9 +100,7 @@ def upload_inputs(http: httpx.Client, files: dict[str, Path], digests: dict[str,
         if r.status_code in (413, 422):
             raise BadInput(f"{name}: {_problem(r)}")
         _raise_for(r)
-        sent += size
-        if on_upload:
-            on_upload(name, size)
+        sent.append((name, size))
     return sent
 
 
@@ -115,9 +112,10 @@ def _raise_for(r: httpx.Response) -> None:
 
 
 def submit(path: Path, server: str, priority: str = DEFAULT_PRIORITY, key: str | None = None,
-           token: str | None = None, on_upload: Callable[[str, int], None] | None = None) -> dict:
+           token: str | None = None, on_inputs: Callable[[list[tuple[str, int]], int], None] | None = None) -> dict:
     """Uploads the files the job names that the server lacks, then POSTs the job naming them by sha256;
-    returns the job. A 422 is raised as the job error it carries, with this machine's path for the job file."""
+    returns the job. A 422 is raised as the job error it carries, with this machine's path for the job file.
+    `on_inputs(sent, present)`: the files uploaded (name, bytes) and how many the server had already."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -129,7 +127,9 @@ def submit(path: Path, server: str, priority: str = DEFAULT_PRIORITY, key: str |
         with httpx.Client(base_url=server.rstrip("/"), headers=_headers(token), timeout=SUBMIT_TIMEOUT_S) as http:
             if text is not None:
                 files, digests = local_inputs(path)
-                upload_inputs(http, files, digests, on_upload)
+                sent = upload_inputs(http, files, digests)
+                if on_inputs and digests:
+                    on_inputs(sent, len(set(digests.values())) - len(sent))
                 body = with_inputs(text, digests).encode()
             else:
                 body = path.read_bytes()

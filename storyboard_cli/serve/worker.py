@@ -209,17 +209,19 @@ class Place:
 class InputFiles:
     """Where this worker reads the files a leased job names, by their sha256: the server's blob store when this
     machine sees it (a shared filesystem; each blob's bytes checked once per process), else its own store under
-    --root, each blob downloaded once (GET /v1/blobs/{sha256}) and checked as it arrives."""
+    --root, each blob downloaded once (GET /v1/blobs/{sha256}) and checked as it arrives. `shared` False
+    (--upload): the server's filesystem is not used even where it is visible."""
 
-    def __init__(self, client: LeaseClient | None, root: Path):
-        self.client, self.cache, self.checked = client, BlobStore(root), set()
+    def __init__(self, client: LeaseClient | None, root: Path, shared: bool = True):
+        self.client, self.cache, self.checked, self.shared = client, BlobStore(root), set(), shared
 
     def for_job(self, job: dict) -> Inputs:
-        server = BlobStore(root_of(Path(job["path"])))
+        server = BlobStore(root_of(Path(job["path"]))) if self.shared else None
         return Inputs(dict(job.get("inputs") or {}), blob=lambda digest, suffix: self.file(digest, suffix, server))
 
-    def file(self, digest: str, suffix: str, server: BlobStore) -> Path:
-        if digest in self.checked or (server.has(digest) and _sha256(server.path(digest)) == digest):
+    def file(self, digest: str, suffix: str, server: BlobStore | None) -> Path:
+        if server is not None and (digest in self.checked or (server.has(digest) and
+                                                              _sha256(server.path(digest)) == digest)):
             self.checked.add(digest)
             try:
                 return server.path(digest, suffix)
@@ -408,7 +410,7 @@ def run_worker(opts: WorkerOptions) -> int:
     many leases it rendered."""
     name = opts.name or default_name()
     client, hot, stop = LeaseClient(opts.server, opts.token), Hot(), _Stop()
-    files = InputFiles(client, opts.root.resolve())
+    files = InputFiles(client, opts.root.resolve(), shared=not opts.upload)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     rendered, backoff = 0, opts.poll_s
