@@ -367,26 +367,29 @@ class _Ctx:
         """A file the job names: (the file to read, the name the outputs record). Named in the job's inputs
         (by sha256), it is read from the blob store; else it is a path from the job's folder, confined on the
         service and there copied into the blob store before anything reads it."""
-        inputs, fail = self.inputs, (lambda why: self.fail(line, shot, field, why))
+        inputs, fail, name = self.inputs, (lambda why: self.fail(line, shot, field, why)), clip(rel)
         digest = inputs.digests.get(rel) if inputs is not None else None
         blobs = inputs is not None and inputs.blob is not None
-        path = (job_dir / Path(rel).expanduser()).resolve()
+        local = expanded(rel)
+        if local is None:
+            raise fail(f"{name}: {clip(rel.split('/')[0])} names no user of this machine")
+        path = (job_dir / local).resolve()
         if not (digest is not None and blobs):
-            self.confine(path, line, shot, field, rel)
+            self.confine(path, line, shot, field, name)
             if not (path.is_file() if is_file else path.exists()):
-                raise fail(f"file not found: {rel}")
+                raise fail(f"file not found: {name}")
         if blobs:
             try:
                 if digest is None:
                     if inputs.adopt is None:
-                        raise fail(f"{rel} is not among the job's uploaded inputs")
+                        raise fail(f"{name} is not among the job's uploaded inputs")
                     digest = inputs.adopt(path)
                 inputs.used[rel] = digest
                 return inputs.blob(digest, suffix_of(rel)), shown_name(rel, job_dir)
             except (InputProblem, BadInput) as e:
-                raise fail(f"{rel}: {e}") from None
+                raise fail(f"{name}: {e}") from None
         if digest is not None and file_sha256(path) != digest:
-            raise fail(f"{rel} changed since its sha256 was recorded in '{INPUTS_KEY}:' ({digest[:12]}...)")
+            raise fail(f"{name} changed since its sha256 was recorded in '{INPUTS_KEY}:' ({digest[:12]}...)")
         return path, relative_to_job(path, job_dir)
 
     def confine_model(self, spec: str | None, line: int | None, field: str) -> None:

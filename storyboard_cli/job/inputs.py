@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from storyboard_cli.job.preflight import expanded
+
 INPUTS_KEY = "inputs"
 DIGEST = re.compile(r"[0-9a-f]{64}")
 DIGEST_RULE = "a sha256: 64 lowercase hex digits"
@@ -53,7 +55,7 @@ class Inputs:
 def shown_name(rel: str, job_dir: Path) -> str:
     """The name the outputs record for a file: as the job writes it, relative to the job's folder
     (`control/pose.png`, `../shared/pose.png`), normalised but with no symlink followed."""
-    path = Path(rel).expanduser()
+    path = expanded(rel) or Path(rel)
     if path.is_absolute():
         try:
             return Path(os.path.relpath(os.path.normpath(path), job_dir)).as_posix()
