@@ -33,6 +33,15 @@ defaults: {{steps: 2, size: 64x64}}
 shots:
   - {{id: a, prompt: a castle number {n}, seed: {n}, candidates: {images}}}
 """
+UPLOADING_JOB = """version: 1
+model: tiny
+controlnet: tiny
+defaults: {{steps: 2, size: 64x64}}
+shots:
+  - {{id: a, prompt: a castle number {n}, seed: {n}, control: {{image: guide.png, scale: 0.5}}}}
+inputs:
+  guide.png: {digest}
+"""
 YAML = {"Content-Type": "application/yaml"}
 SUBMISSIONS, CONCURRENCY, DEADLINE_S = 300, 16, 120
 CAP = 8  # --max-queue-images
@@ -66,15 +75,36 @@ def done(server, job_id):
     return server.wait(job_id, lambda j: j["state"] in FINAL)
 
 
+def guide(n: int) -> tuple[bytes, str]:
+    """A control image of its own for submission n (a 64x64 PNG), and its sha256."""
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    pixels = np.full((64, 64, 3), n % 251, dtype=np.uint8)
+    pixels[0, 0] = (n // 251, n % 251, 7)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue(), hashlib.sha256(buf.getvalue()).hexdigest()
+
+
 async def _submit_all(url):
     """16 clients share the 300 submissions, each sending its next one when its last is answered; after a 503
-    a client waits BACKOFF_S (less than the Retry-After: the test stays short, the queue stays full)."""
+    a client waits BACKOFF_S (less than the Retry-After: the test stays short, the queue stays full). Each
+    submission is the two-step flow `bcg submit` runs: which of its inputs the server lacks, the upload of its
+    own control image, then the job naming it by sha256; the latency is the three together."""
     numbers, answers = iter(range(SUBMISSIONS)), []
+    guides = {n: guide(n) for n in range(SUBMISSIONS)}
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
         async def one_client():
             for n in numbers:
+                data, digest = guides[n]
                 t0 = time.perf_counter()
-                r = await c.post("/v1/jobs", content=JOB.format(n=n, images=1), headers=YAML)
+                missing = (await c.post("/v1/blobs/missing", json={"digests": [digest]})).json()["missing"]
+                if missing:
+                    assert (await c.put(f"/v1/blobs/{digest}", content=data)).status_code == 201
+                r = await c.post("/v1/jobs", content=UPLOADING_JOB.format(n=n, digest=digest), headers=YAML)
                 answers.append((r.status_code, time.perf_counter() - t0, r.headers.get("retry-after"),
                                 r.json().get("id")))
                 if r.status_code == 503:

@@ -81,7 +81,8 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
     named = Inputs(blob=blobs.path, adopt=lambda p: blobs.adopt(p, blob_limit))
     try:
         job = _load(path, filename, (root, *inputs), named, allow_models)
-        atomic_write(folder / INPUTS_FILE, json.dumps(named.used, sort_keys=True).encode())
+        (folder / INPUTS_FILE).write_bytes(json.dumps(named.used, sort_keys=True).encode())  # as the job file: the
+        # queue's row is the durable record; the blobs it names were synced when they were stored
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
