@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storyboard_cli.errors import BadInput, JobError, ModelError, StoryboardError
-from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
