@@ -1,18 +1,20 @@
 """/metrics: Prometheus text, read from the store at each scrape (totals and histograms live in the
 database, so they survive a restart). GPU figures are what each worker's last lease request or heartbeat
-carried (torch.cuda's memory statistics, NVML's utilisation where it is installed); a CPU worker has none,
-and none are shown for it. Per-worker series exist only for registered workers seen within --lease-s (at
-most --max-workers), labelled by the id the server issued and the worker's name. Torch-free."""
+carried (torch.cuda's memory statistics; NVML's utilisation, power and energy where it is installed); a CPU
+worker has none, and none are shown for it. Per-worker series exist only for registered workers seen within
+--lease-s (at most --max-workers), labelled by the id the server issued and the worker's name. Torch-free."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from storyboard_cli.serve import store as queue
+from storyboard_cli.serve.schedule import TIERS
 
 PREFIX = "bcg_"
 COUNTERS = {  # counter name in the store -> (metric, help)
@@ -26,17 +28,40 @@ COUNTERS = {  # counter name in the store -> (metric, help)
     queue.MODEL_LOADS: ("model_loads", "Models loaded by workers (a hot worker loads once per model)."),
 }
 REJECTED = {queue.REJECTED_FULL: "queue_full", queue.REJECTED_INVALID: "too_large"}
-HISTOGRAMS = {  # histogram name in the store -> (metric, help, label name or None)
-    queue.QUEUE_WAIT: ("queue_wait_seconds", "Seconds from a job's submission to its image's first lease.", None),
-    queue.IMAGE_RENDER: ("image_render_seconds", "Seconds of rendering per image (its batch's time / images).",
-                         None),
-    queue.JOB_LATENCY: ("job_latency_seconds", "Seconds from submission to the job's last image (succeeded "
-                                               "or failed jobs).", None),
-    queue.BATCH_SECONDS: ("batch_seconds", "Seconds per rendered batch, by image shape.", "shape"),
+
+
+@dataclass(frozen=True)
+class Histogram:
+    metric: str
+    help: str
+    label: str | None = None
+    shown: tuple[str, ...] = ("",)  # label values exposed, empty, before their first observation
+
+
+HISTOGRAMS = {  # histogram name in the store -> its exposition (bounds: store.bounds)
+    queue.QUEUE_WAIT: Histogram("queue_wait_seconds", "Seconds from a job's submission to its image's first lease, "
+                                "by the job's priority.", "priority", TIERS),
+    queue.IMAGE_RENDER: Histogram("image_render_seconds", "Seconds of rendering per image (its batch's time / "
+                                  "images)."),
+    queue.JOB_LATENCY: Histogram("job_latency_seconds", "Seconds from submission to the job's last image "
+                                 "(succeeded or failed jobs)."),
+    queue.BATCH_SECONDS: Histogram("batch_seconds", "Seconds per rendered batch, by image shape.", "shape", ()),
+    queue.FIRST_IMAGE: Histogram("time_to_first_image_seconds", "Seconds from a job's submission to its first "
+                                 "finished image (rendered or cached), by the job's priority.", "priority", TIERS),
+    queue.BATCH_FILL: Histogram("batch_fill_ratio", "A rendered batch's images over its bucket's rows (1: no "
+                                "padded rows)."),
+    queue.WORKER_STARTUP: Histogram("worker_startup_seconds", "Seconds from a worker's start to the first lease "
+                                    "it took ready (its model loaded, its graphs captured)."),
 }
 WORKER = ["worker", "name"]  # the id the server issued, the name the worker registered with
 GPU_MEMORY = {"allocated": "memory_allocated_bytes", "reserved": "memory_reserved_bytes",
               "peak": "max_memory_allocated_bytes", "total": "total_memory_bytes"}
+GPU_SERIES = {  # a worker's GPU figure (worker.gpu_stats) -> (family, metric, help), one series per worker
+    "utilization": (GaugeMetricFamily, "worker_gpu_utilization_ratio", "A worker's GPU busy fraction (NVML)."),
+    "power_watts": (GaugeMetricFamily, "worker_gpu_power_watts", "A worker's GPU power draw in watts (NVML)."),
+    "energy_joules": (CounterMetricFamily, "worker_gpu_energy_joules", "Joules a worker's GPU has used since its "
+                      "driver loaded (NVML)."),
+}
 
 
 class StoreCollector:
@@ -48,14 +73,18 @@ class StoreCollector:
         s = self.store.stats(now, self.window)
         images = GaugeMetricFamily(PREFIX + "queue_images", "Images queued or rendering.", labels=["priority"])
         jobs = GaugeMetricFamily(PREFIX + "queue_jobs", "Jobs with images queued or rendering.", labels=["priority"])
+        oldest = GaugeMetricFamily(PREFIX + "queue_oldest_age_seconds", "Seconds the oldest image waiting for a "
+                                   "lease has waited since its job's submission (0: none waits).", labels=["priority"])
         for prio, (n_images, n_jobs) in s["depth"].items():
             images.add_metric([prio], n_images)
             jobs.add_metric([prio], n_jobs)
+        for prio, age in self.store.slo_stats(now)["oldest_queued_s"].items():
+            oldest.add_metric([prio], age)
         by_state = GaugeMetricFamily(PREFIX + "jobs", "Jobs by state.", labels=["state"])
         for state, n in s["jobs"].items():
             by_state.add_metric([state], n)
         leases = GaugeMetricFamily(PREFIX + "leases", "Batches leased to workers now.", value=s["leases"])
-        yield from (images, jobs, by_state, leases)
+        yield from (images, jobs, oldest, by_state, leases)
         yield GaugeMetricFamily(PREFIX + "images_per_second", "Images finished per second over the last 5 minutes.",
                                 value=s["images_per_s"])
         for name, (metric, text) in COUNTERS.items():
@@ -71,41 +100,41 @@ class StoreCollector:
 
 
 def histograms(observed: dict[tuple[str, str], tuple[list[int], float]]):
-    bounds = [str(b) for b in queue.BUCKETS_S] + ["+Inf"]
-    for name, (metric, text, label) in HISTOGRAMS.items():
-        family = HistogramMetricFamily(PREFIX + metric, text, labels=[label] if label else None)
-        rows = {lab: v for (n, lab), v in observed.items() if n == name}
-        if not label and not rows:  # an unlabelled histogram is shown, empty, from the start
-            rows = {"": ([0] * len(bounds), 0.0)}
+    for name, h in HISTOGRAMS.items():
+        bounds = [str(b) for b in queue.bounds(name)] + ["+Inf"]
+        family = HistogramMetricFamily(PREFIX + h.metric, h.help, labels=[h.label] if h.label else None)
+        rows = {lab: ([0] * len(bounds), 0.0) for lab in h.shown}  # series an alert names exist from the start
+        rows.update({lab: v for (n, lab), v in observed.items() if n == name})
         for lab, (counts, total) in sorted(rows.items()):
             cumulative, running = [], 0
             for bound, n in zip(bounds, counts):
                 running += n
                 cumulative.append((bound, running))
-            family.add_metric([lab] if label else [], cumulative, total)
+            family.add_metric([lab] if h.label else [], cumulative, total)
         yield family
 
 
 def workers(seen: list[queue.Seen]):
     """The registered workers seen lately (at most --max-workers: ids the server issued, never names a client
-    made up), each labelled by its id and name; GPU memory and utilisation only for those that have a GPU and
-    said so."""
+    made up), each labelled by its id and name; GPU memory, utilisation, power and energy only for those that
+    have a GPU and said so."""
     yield GaugeMetricFamily(PREFIX + "workers", "Registered workers that asked for work or renewed a lease lately.",
                             value=len(seen))
     ready = GaugeMetricFamily(PREFIX + "worker_ready", "1 once the worker's model is loaded and graphs captured.",
                               labels=WORKER)
     memory = GaugeMetricFamily(PREFIX + "worker_gpu_memory_bytes", "A worker's GPU memory (torch.cuda).",
                                labels=[*WORKER, "kind"])
-    utilisation = GaugeMetricFamily(PREFIX + "worker_gpu_utilization_ratio", "A worker's GPU busy fraction (NVML).",
-                                    labels=WORKER)
+    figures = {key: family(PREFIX + metric, text, labels=WORKER) for key, (family, metric, text) in GPU_SERIES.items()}
     for w in seen:
         ready.add_metric([w.id, w.name], float(w.ready))
+        gpu = w.gpu or {}
         for kind, key in GPU_MEMORY.items():
-            if w.gpu and w.gpu.get(key) is not None:
-                memory.add_metric([w.id, w.name, kind], w.gpu[key])
-        if w.gpu and w.gpu.get("utilization") is not None:
-            utilisation.add_metric([w.id, w.name], w.gpu["utilization"])
-    yield from (ready, memory, utilisation)
+            if gpu.get(key) is not None:
+                memory.add_metric([w.id, w.name, kind], gpu[key])
+        for key, family in figures.items():
+            if gpu.get(key) is not None:
+                family.add_metric([w.id, w.name], gpu[key])
+    yield from (ready, memory, *figures.values())
 
 
 def registry(store: queue.Store, worker_window_s: float, clock: Callable[[], float] = time.time) -> CollectorRegistry:

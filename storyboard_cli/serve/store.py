@@ -71,6 +71,16 @@ RENDERED, CACHED, FAILED, EXPIRED, LATE, REJECTED_FULL, REJECTED_INVALID, RETRIE
 # histograms kept in the database (observations per bucket, and their sum)
 QUEUE_WAIT, IMAGE_RENDER, JOB_LATENCY, BATCH_SECONDS = "queue_wait", "image_render", "job_latency", "batch"
 BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+# the SLO histograms: submission to a job's first finished image (label: the job's priority), a batch's real
+# rows over its bucket's rows, a worker's seconds from its start to the first lease it takes ready
+FIRST_IMAGE, BATCH_FILL, WORKER_STARTUP = "first_image", "batch_fill", "worker_startup"
+FILL_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # eighths: a bucket of 8 one row at a time
+BUCKETS = {BATCH_FILL: FILL_BUCKETS}  # a histogram's own bounds; every other one is in seconds, BUCKETS_S
+
+
+def bounds(name: str) -> tuple[float, ...]:
+    """The histogram's bucket bounds (the +Inf bucket after the last)."""
+    return BUCKETS.get(name, BUCKETS_S)
 
 
 @dataclass(frozen=True)
@@ -239,7 +249,8 @@ class Store:
             self._count(db, name, n)
 
     def _observe(self, db, name: str, label: str, value: float) -> None:
-        bucket = next((i for i, le in enumerate(BUCKETS_S) if value <= le), len(BUCKETS_S))  # last: +Inf
+        les = bounds(name)
+        bucket = next((i for i, le in enumerate(les) if value <= le), len(les))  # last: +Inf
         db.execute("INSERT INTO histograms VALUES (?, ?, ?, 1) ON CONFLICT(name, label, bucket) DO UPDATE "
                    "SET n = n + 1", (name, label, bucket))
         db.execute("INSERT INTO histogram_sums VALUES (?, ?, ?) ON CONFLICT(name, label) DO UPDATE "
@@ -614,7 +625,7 @@ class Store:
             leases = db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
             histograms: dict[tuple[str, str], tuple[list[int], float]] = {}
             for name, label, total in db.execute("SELECT name, label, total FROM histogram_sums"):
-                histograms[name, label] = ([0] * (len(BUCKETS_S) + 1), total)
+                histograms[name, label] = ([0] * (len(bounds(name)) + 1), total)
             for name, label, bucket, n in db.execute("SELECT name, label, bucket, n FROM histograms"):
                 histograms[name, label][0][bucket] = n
             seen = db.execute("SELECT id, name, gpu, ready FROM workers WHERE seen >= ? ORDER BY id",
@@ -625,3 +636,22 @@ class Store:
                 "histograms": histograms,
                 "workers": [Seen(r["id"], r["name"], json.loads(r["gpu"] or "null"), bool(r["ready"])) for r in seen],
                 "images_per_s": rate or 0.0}
+
+    def slo_stats(self, now: float) -> dict:
+        """What /metrics shows beside `stats` for the service objectives: per priority, the seconds the
+        oldest image still waiting for a lease has waited since its job's submission (0 when none waits)."""
+        with self.lock:
+            rows = self.db.execute("SELECT j.priority, MIN(j.submitted) FROM images i JOIN jobs j ON j.id = i.job "
+                                   "WHERE i.state = ? GROUP BY j.priority", (ImageState.QUEUED,)).fetchall()
+        oldest = {p: 0.0 for p in TIERS}
+        oldest.update({prio: max(now - submitted, 0.0) for prio, submitted in rows})
+        return {"oldest_queued_s": oldest}
+
+    def _first_image(self, db, job_id: str, landed: int, now: float) -> tuple[str, float] | None:
+        """(the job's priority, seconds since its submission) when the `landed` images a completion has just
+        recorded as done, in this transaction, are the job's first: what FIRST_IMAGE observes. None otherwise."""
+        if not landed:
+            return None
+        row = db.execute("SELECT priority, submitted, (SELECT COUNT(*) FROM images WHERE job = ? AND state = ?) "
+                         "AS done FROM jobs WHERE id = ?", (job_id, ImageState.DONE, job_id)).fetchone()
+        return (row["priority"], now - row["submitted"]) if row and row["done"] == landed else None
