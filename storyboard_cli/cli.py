@@ -20,6 +20,7 @@ from rich.text import Text
 from storyboard_cli import __version__
 from storyboard_cli.errors import BadInput, Interrupted, Status, StoryboardError, exit_code, plural
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
+from storyboard_cli.job.plan import decimal_size as _size
 from storyboard_cli.folder.layout import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -90,92 +91,45 @@ def plan(job: JobArg, json_out: JsonOpt = False,
          draft: Annotated[bool, _flag("--draft", "The job as `bcg render --draft` renders it.")] = False) -> None:
     """Validate a job and print its bucket table, without loading a model."""
     from storyboard_cli.job.file import as_draft, load_job
-    from storyboard_cli.job.plan import (bucket_table, deepcache_note, disk_estimate, lora_swaps, lora_table,
-                                         make_batches, work_items)
-    from storyboard_cli.job.preflight import check_destination, check_model_path, free_bytes
-    from storyboard_cli.job.prompts import long_prompts
+    from storyboard_cli.job.plan import summary
 
     with _domain_errors():
         j = load_job(job)
-        j = as_draft(j) if draft else j
-        check_model_path(j.model, "model")
-        check_model_path(j.controlnet, "controlnet")
-        check_destination(j.output_dir)
-        items = work_items(j)
-        batches = make_batches(items, j.buckets)
-        rows, sets, swaps, warnings = bucket_table(batches), lora_table(batches), lora_swaps(batches), long_prompts(j)
-        note = deepcache_note(j)
-    total_images = sum(s.candidates for s in j.shots)
-    disk, free = disk_estimate(j), free_bytes(j.output_dir)
-    if free is not None and disk > free:
-        warnings.append(f"the images need about {_size(disk)} on disk, {j.output_dir} has {_size(free)} free")
+        s = summary(as_draft(j) if draft else j)
     if json_out:
-        out.print_json(json.dumps({
-            "job": str(job), "name": j.name, "model": j.model, "controlnet": j.controlnet,
-            "output_dir": str(j.output_dir), "shots": len(j.shots), "images": total_images,
-            "unique_images": len(items), "disk_bytes_estimate": disk, "buckets": [
-                {"bucket": r.key.label, "width": r.key.width, "height": r.key.height, "steps": r.key.steps,
-                 "sampler": r.key.sampler, "control": r.key.control, "images": r.images, "unique": r.unique,
-                 "batches": list(r.batches), "rows": r.rows, "padded_rows": r.padded_rows,
-                 "waste": round(r.waste, 4), "row_steps": r.row_steps, "levers": r.key.levers,
-                 "guided_steps": r.key.guided_steps, "cfg_cutoff": r.key.cfg_cutoff,
-                 "control_steps": r.key.control_steps,
-                 "deepcache": ({"interval": r.key.deepcache[0], "branch": r.key.deepcache[1]}
-                               if r.key.deepcache[0] else None),
-                 "flops_saved_estimate": round(r.key.flops_saved, 4)} for r in rows],
-            "notes": [note] if note else [],
-            "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash} for n, f in j.loras.items()},
-            "lora_sets": [{"set": r.label, "images": r.images, "batches": r.batches} for r in sets],
-            "lora_swaps": swaps, "prompt_warnings": [str(w) for w in warnings]}))
+        out.print_json(json.dumps(s.to_json()))
         return
-    for w in warnings:
-        err.print(Text.assemble(("warning: ", "yellow"), str(w)))
-    table = Table(title=f"{j.name}: {plural(len(j.shots), 'shot')}, {plural(total_images, 'image')} "
-                        f"({len(items)} distinct), model {j.model}", title_justify="left")
-    levered = any(r.key.levers for r in rows)
+    for w in s.warnings:
+        err.print(Text.assemble(("warning: ", "yellow"), w))
+    table = Table(title=f"{j.name}: {plural(len(j.shots), 'shot')}, {plural(s.images, 'image')} "
+                        f"({s.unique_images} distinct), model {j.model}", title_justify="left")
+    rows, levered = s.buckets, s.levered
     cols = ("size", "steps", "sampler", "control", "images", "batches", "UNet rows", "padding", "rows x steps")
     for col in cols + (("levers", "saving (est.)") if levered else ()):
         table.add_column(col, justify="left" if col in ("size", "sampler", "batches", "levers") else "right")
     for r in rows:
         k = r.key
-        batches = ", ".join(f"{n}x{b}" for b, n in sorted(_count(r.batches).items(), reverse=True))
+        batches = ", ".join(f"{n}x{b}" for b, n in sorted(Counter(r.batches).items(), reverse=True))
         extra = (k.levers, f"{100 * k.flops_saved:.0f}%" if k.levers else "") if levered else ()
         table.add_row(f"{k.width}x{k.height}", str(k.steps), k.sampler, "yes" if k.control else "", str(r.images),
                       batches, str(r.rows), f"{r.padded_rows} ({100 * r.waste:.0f}%)", f"{r.row_steps:,}", *extra)
     table.add_section()
-    saved = sum(r.key.flops_saved * r.row_steps for r in rows) / max(1, sum(r.row_steps for r in rows))
     table.add_row("total", "", "", "", str(sum(r.images for r in rows)), str(sum(len(r.batches) for r in rows)),
                   str(sum(r.rows for r in rows)), str(sum(r.padded_rows for r in rows)),
-                  f"{sum(r.row_steps for r in rows):,}", *(("", f"{100 * saved:.0f}%") if levered else ()))
+                  f"{sum(r.row_steps for r in rows):,}", *(("", f"{100 * s.flops_saved:.0f}%") if levered else ()))
     out.print(table)
     if levered:
         out.print("saving (est.): the UNet and ControlNet FLOPs the draft levers skip against full steps (a guided "
                   "step counts 2 rows per image, a conditional one 1, a DeepCache shallow step its share of the UNet, "
                   "a step after the ControlNet's end saves the ControlNet's); the time saved is smaller "
                   "(docs/PERFORMANCE.md, \"Draft renders\")")
-    if note:
-        out.print(note)
-    out.print(f"output: {j.output_dir} (about {_size(disk)} of PNGs)   buckets: {list(j.buckets)}   "
+    if s.note:
+        out.print(s.note)
+    out.print(f"output: {j.output_dir} (about {_size(s.disk_bytes)} of PNGs)   buckets: {list(j.buckets)}   "
               "(UNet rows count CFG: 2 per image)")
     if j.loras:
-        out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({plural(r.images, 'image')})" for r in sets)
-                  + f"; {plural(swaps, 'swap')}")
-
-
-def _size(nbytes: float) -> str:
-    """1.5 MB, 2.0 TB: decimal units, as disks are sold and `df -H` shows them."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if nbytes < 1000 or unit == "TB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1000
-    return ""
-
-
-def _count(values) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for v in values:
-        counts[v] = counts.get(v, 0) + 1
-    return counts
+        out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({plural(r.images, 'image')})"
+                                                            for r in s.lora_sets) + f"; {plural(s.lora_swaps, 'swap')}")
 
 
 @app.command()
@@ -189,7 +143,7 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
                                                                           "shots it marks for reroll.",
                                                                           callback=_user_path)] = None,
            draft: Annotated[bool, _flag("--draft", "Draft candidates, faster: every shot with cfg_cutoff "
-                                                   f"{DRAFT_CUTOFF:g} and DeepCache interval {DRAFT_DEEPCACHE[0]}, "
+                                                   f"{DRAFT_CUTOFF:g} and DeepCache interval {DRAFT_DEEPCACHE.interval}, "
                                                    "into <out>/draft/, marked as drafts.")] = False,
            draft_out: Annotated[Optional[Path], typer.Option("--draft-out", help="The draft folder (default: "
                                                                                 "<out>/draft).",

@@ -33,6 +33,39 @@ class StepKind:
 FULL = StepKind()
 StepPlan = tuple[StepKind, ...]  # one kind per step, fixed before the loop: the host picks each step's graph
 
+
+@dataclass(frozen=True, order=True)
+class DeepCache:
+    """DeepCache's schedule (a shot's `deepcache:`): the whole UNet every `interval`-th step, writing the feature
+    that enters up block `branch`, and its shallow path on that feature between. Interval 0: off, and falsy."""
+
+    interval: int = 0
+    branch: int = 0
+
+    def __bool__(self) -> bool:
+        return self.interval > 0
+
+    @property
+    def label(self) -> str:
+        """"deepcache 3/b0" ("" when off): how `bcg plan`, a bucket's label and the contact sheet name it."""
+        return f"deepcache {self.interval}/b{self.branch}" if self else ""
+
+    def to_json(self) -> dict[str, int] | None:
+        """{"interval": 3, "branch": 0}, None when off: in a PNG's settings, the report and `bcg plan --json`."""
+        return {"interval": self.interval, "branch": self.branch} if self else None
+
+    @classmethod
+    def from_json(cls, value: object) -> DeepCache:
+        """The form `to_json` writes, read back (a PNG's settings); anything else is off."""
+        if not isinstance(value, dict):
+            return cls()
+        interval, branch = value.get("interval"), value.get("branch", 0)
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (interval, branch))
+        return cls(interval, branch) if ints else cls()
+
+
+NO_DEEPCACHE = DeepCache()
+
 # a DeepCache shallow step's FLOPs against the full UNet's, per branch: SDXL-base at 1024x1024, counted with
 # torch.utils.flop_counter on the meta device (tests/test_draft.py counts them again). Time is not FLOPs:
 # the shallow path is the UNet's most memory-bound part (bench part `draft` measures the time)
@@ -67,6 +100,24 @@ def step_plan(steps: int, guided: int, interval: int = 0, branch: int = 0, contr
         cache = "" if interval < 2 or i < start else ("write" if (i - start) % interval == 0 else "read")
         kinds.append(StepKind(i < guided, cache, branch if cache else 0, control is None or i < control))
     return tuple(kinds)
+
+
+def levers_label(steps: int, guided: bool, cfg_cutoff: float = 1.0, control: bool = False, control_end: float = 1.0,
+                 deepcache: DeepCache = NO_DEEPCACHE) -> str:
+    """What a loop does differently from a full render, in the words of `bcg plan`, a bucket's label and the
+    contact sheet ("" when nothing): e.g. "cfg_cutoff 0.5 (16/30 guided), control end 0.5 (15/30 steps),
+    deepcache 3/b0"; "no CFG" where no step is guided (`guided`: guidance > 1)."""
+    parts = []
+    guided_n = guided_steps(steps, cfg_cutoff) if guided else 0
+    if not guided_n:
+        parts.append("no CFG")
+    elif guided_n < steps:
+        parts.append(f"cfg_cutoff {cfg_cutoff:g} ({guided_n}/{steps} guided)")
+    if control and (control_n := control_steps(steps, control_end)) < steps:
+        parts.append(f"control end {control_end:.3g} ({control_n}/{steps} steps)")
+    if deepcache:
+        parts.append(deepcache.label)
+    return ", ".join(parts)
 
 
 def plan_label(plan: StepPlan) -> str:

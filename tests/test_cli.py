@@ -356,7 +356,7 @@ def test_reroll_renders_new_candidates_and_keeps_every_image(rendered, tmp_path)
 
 def test_compile_progress_off_a_terminal_is_one_line_per_module_state(capsys):
     from storyboard_cli import cli
-    from storyboard_cli.engine.builds import CompileEvent
+    from storyboard_cli.engine.kernels.builds import CompileEvent
 
     with cli._compile_progress(quiet=False) as on_event:
         on_event(CompileEvent("unet 1024x1024", "compiling", 1.0, 300.0))
@@ -481,14 +481,14 @@ def test_sheet_of_an_empty_folder_or_with_another_job_says_so(rendered, tmp_path
 
 
 def test_plan_estimates_the_disk_and_warns_when_it_will_not_fit(tmp_path, monkeypatch):
-    from storyboard_cli.job import preflight
+    from storyboard_cli.job import plan
 
     shots = "".join(f"  - {{id: s{i}, prompt: x, size: 1024x1024, candidates: 50}}\n" for i in range(20))
     path = write_job(tmp_path, f"version: 1\nmodel: tiny\nshots:\n{shots}")
     result = runner.invoke(app, ["plan", str(path)])
     assert result.exit_code == 0 and "(about 1.6 GB of PNGs)" in result.output and "warning" not in result.output
     assert json.loads(runner.invoke(app, ["plan", str(path), "--json"]).stdout)["disk_bytes_estimate"] == 1572864000
-    monkeypatch.setattr(preflight, "free_bytes", lambda folder: 10**9)
+    monkeypatch.setattr(plan, "free_bytes", lambda folder: 10**9)
     result = runner.invoke(app, ["plan", str(path)])
     assert result.exit_code == 0
     assert "warning: the images need about 1.6 GB on disk, " in result.output and "has 1.0 GB free" in result.output

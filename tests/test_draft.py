@@ -12,8 +12,9 @@ from conftest import write_job
 from storyboard_cli.cli import app
 from storyboard_cli.folder.layout import read_chunk
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE, as_draft, load_job
-from storyboard_cli.job.plan import NO_DEEPCACHE, bucket_table, make_batches, work_items
-from storyboard_cli.steps import CONTROLNET_FLOPS, SHALLOW_FLOPS, guided_steps, step_costs, step_plan
+from storyboard_cli.job.plan import bucket_table, make_batches, work_items
+from storyboard_cli.steps import (CONTROLNET_FLOPS, NO_DEEPCACHE, SHALLOW_FLOPS, DeepCache, guided_steps, levers_label,
+                                  step_costs, step_plan)
 
 runner = CliRunner()
 JOB = """version: 1
@@ -34,6 +35,22 @@ def _pixels(path) -> np.ndarray:
 # ---------------------------------------------------------------- the job and the plan (no torch)
 
 
+def test_deepcache_has_one_label_and_one_json_form():
+    on = DeepCache(3, 1)
+    assert on.label == "deepcache 3/b1" and on.to_json() == {"interval": 3, "branch": 1}
+    assert DeepCache.from_json(on.to_json()) == on and DeepCache.from_json({"interval": 2}) == DeepCache(2, 0)
+    assert not NO_DEEPCACHE and NO_DEEPCACHE.label == "" and NO_DEEPCACHE.to_json() is None
+    assert DeepCache.from_json({"interval": "3"}) == DeepCache.from_json(None) == NO_DEEPCACHE
+    assert sorted([on, NO_DEEPCACHE]) == [NO_DEEPCACHE, on]  # a bucket key holding it stays ordered
+
+
+def test_levers_label_names_each_lever_that_changes_the_loop():
+    assert levers_label(30, True) == "" and levers_label(30, False) == "no CFG"
+    assert levers_label(30, True, 0.5, True, 0.5, DeepCache(3, 0)) == \
+           "cfg_cutoff 0.5 (16/30 guided), control end 0.5 (15/30 steps), deepcache 3/b0"
+    assert levers_label(30, True, 0.99, True, 1.0) == ""  # the cut-off and the end at the last step: a full loop
+
+
 def test_guided_steps_count_as_diffusers_callback():
     assert [guided_steps(30, r) for r in (0.0, 0.5, 0.7, 1.0)] == [1, 16, 22, 30]
     assert guided_steps(4, 0.99) == 4
@@ -43,10 +60,10 @@ def test_fields_defaults_and_levers(job_dir):
     job = load_job(write_job(job_dir, JOB.replace("defaults: {", "defaults: {cfg_cutoff: 0.5, deepcache: "
                                                                  "{interval: 3}, ")))
     a, b, c = job.shots
-    assert (a.cfg_cutoff, a.deepcache, a.draft) == (0.5, (3, 0), False)
+    assert (a.cfg_cutoff, a.deepcache, a.draft) == (0.5, DeepCache(3, 0), False)
     items = {i.shot: i for i in work_items(job)}
-    assert (items["a"].cfg_cutoff, items["a"].deepcache) == (0.5, (3, 0))
-    assert (items["b"].cfg_cutoff, items["b"].deepcache) == (1.0, (3, 0))  # guidance 1: nothing to cut
+    assert (items["a"].cfg_cutoff, items["a"].deepcache) == (0.5, DeepCache(3, 0))
+    assert (items["b"].cfg_cutoff, items["b"].deepcache) == (1.0, DeepCache(3, 0))  # guidance 1: nothing to cut
     assert (items["c"].cfg_cutoff, items["c"].deepcache) == (0.5, NO_DEEPCACHE)  # ControlNet: the cut-off only
     keys = {i.shot: i.key for i in items.values()}
     assert keys["a"].guided_steps == 3 and keys["b"].guided_steps == 0 and not keys["b"].guided
@@ -85,7 +102,7 @@ def test_control_end_field_fingerprint_and_draft(job_dir):
     text = JOB.replace("control: {image: control/hero_pose.png}", "control: {image: control/hero_pose.png, end: 0.5}")
     job = load_job(write_job(job_dir, text.replace("defaults: {", "defaults: {deepcache: {interval: 2}, ")))
     c = {i.shot: i for i in work_items(job)}["c"]
-    assert c.control_end == 0.5 and c.deepcache == (2, 0)  # DeepCache after the ControlNet's end
+    assert c.control_end == 0.5 and c.deepcache == DeepCache(2, 0)  # DeepCache after the ControlNet's end
     assert c.settings("tiny", "tiny")["control_end"] == 0.5 and "control end 0.5 (2/4 steps)" in c.key.label
     # end 1.0 written out is today's shot: the same fingerprint, nothing renders again
     full = load_job(write_job(job_dir, JOB.replace("hero_pose.png}", "hero_pose.png, end: 1.0}"), "full.yaml"))
@@ -240,6 +257,27 @@ def test_a_rebuilt_draft_sheet_keeps_the_drafts_current(drafted):
     assert "settings changed" not in (out / "draft" / "index.html").read_text()
 
 
+A_LEVERS = "cfg_cutoff 0.5 (3/4 guided), deepcache 3/b0"
+C_LEVERS = "cfg_cutoff 0.5 (3/4 guided), control end 0.75 (3/4 steps), deepcache 3/b0"
+
+
+def test_the_sheet_names_the_levers_as_bcg_plan_does(drafted, tmp_path):
+    import shutil
+
+    path, out, _, _ = drafted
+    plan = json.loads(runner.invoke(app, ["plan", str(path), "--draft", "--json"]).stdout)
+    assert {A_LEVERS, C_LEVERS, "no CFG, deepcache 3/b0"} == {b["levers"] for b in plan["buckets"]}
+    page = (out / "draft" / "index.html").read_text()  # from the job
+    assert f"<dt>levers</dt><dd>{A_LEVERS}</dd>" in page and f"<dt>levers</dt><dd>{C_LEVERS}</dd>" in page
+    alone = tmp_path / "draft"  # a folder whose job is gone: the levers from its PNGs' settings
+    shutil.copytree(out / "draft", alone)
+    report = json.loads((alone / "report.json").read_text())
+    (alone / "report.json").write_text(json.dumps(report | {"job": str(tmp_path / "gone.yaml")}))
+    assert runner.invoke(app, ["sheet", str(alone)]).exit_code == 0
+    page = (alone / "index.html").read_text()
+    assert f"<dt>levers</dt><dd>{A_LEVERS}</dd>" in page and f"<dt>levers</dt><dd>{C_LEVERS}</dd>" in page
+
+
 def test_final_renders_the_picks_at_full_quality_with_their_seeds(drafted, tmp_path):
     import shutil
 
@@ -284,7 +322,7 @@ def test_bad_draft_options_exit_2_in_one_line(drafted, tmp_path, args, message):
 
 def _graph_render(job, out, models, capturer=None):
     """A render on the graph runner with CPU replays (tests/test_draft_engine.py) instead of CUDA graphs."""
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.run.render import RenderOptions, render
     from test_draft_engine import cpu_replays
 

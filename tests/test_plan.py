@@ -1,10 +1,12 @@
 """Pure tests for planning: bucket choice, padding, dedup, seeds."""
 
 import pytest
+from typer.testing import CliRunner
 
-from conftest import write_job
-from storyboard_cli.job.file import load_job
-from storyboard_cli.job.plan import bucket_table, cut, make_batches, work_items
+from conftest import DATA, ROOT, write_job
+from storyboard_cli.cli import app
+from storyboard_cli.job.file import as_draft, load_job
+from storyboard_cli.job.plan import bucket_table, cut, make_batches, summary, work_items
 
 
 @pytest.mark.parametrize("n,buckets,sizes", [
@@ -172,3 +174,23 @@ def test_first_candidate_continues_a_shots_candidates(tmp_path):
     more = replace(job, shots=(replace(job.shots[0], first_candidate=2),))
     assert [(i.k, i.seed, i.outputs) for i in work_items(more)] == [
         (2, 12, ("a/a_c2_s12.png",)), (3, 13, ("a/a_c3_s13.png",))]
+
+
+@pytest.mark.parametrize("args,expected", [(["--json"], "levers.json"), (["--draft", "--json"], "levers-draft.json"),
+                                           ([], "levers.txt")])
+def test_bcg_plan_prints_what_it_always_printed(args, expected, monkeypatch):
+    """`bcg plan` byte for byte as recorded in tests/data/plan (a job with every lever, LoRA sets, a prompt CLIP cuts)."""
+    monkeypatch.chdir(ROOT)  # the job's path as given, its LoRA file's path under ROOT
+    result = CliRunner().invoke(app, ["plan", "tests/data/plan/levers.yaml", *args])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.replace(str(ROOT), "<ROOT>") == (DATA / "plan" / expected).read_text()
+
+
+def test_the_plan_summary_holds_what_bcg_plan_shows():
+    job = load_job(DATA / "plan" / "levers.yaml")
+    s = summary(job)
+    assert (s.images, s.unique_images, s.lora_swaps, s.levered) == (12, 12, 2, True)
+    assert [r.label for r in s.lora_sets] == ["none", "mei 0.5", "mei 0.3"] and s.disk_bytes == 1671168
+    assert len(s.warnings) == 1 and "CLIP reads 77" in s.warnings[0] and "DeepCache is off" in s.note
+    assert s.to_json()["buckets"] == [r.to_json() for r in s.buckets]
+    assert 0 < s.flops_saved < 1 and summary(as_draft(job)).note is None  # a draft's ControlNet ends: DeepCache after

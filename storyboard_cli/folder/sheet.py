@@ -28,7 +28,8 @@ from storyboard_cli.folder.lock import held
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import Job, job_of_folder
 from storyboard_cli.job.lora_files import lora_set_label
-from storyboard_cli.job.plan import levers, work_items
+from storyboard_cli.job.plan import shot_levers_label, work_items
+from storyboard_cli.steps import DeepCache, levers_label
 
 THUMB_PX = 256  # longest side of a thumbnail
 EDITED = "edited outside bcg: kept as it is (render --force renders it again)"
@@ -206,8 +207,7 @@ def _settings_of_shot(shot) -> dict:
     if shot.control:
         s["control"] = f"{shot.control.image.name} (scale {shot.control.scale:g})"
         s["control_image"] = str(shot.control.image)
-    cutoff, deepcache, _, end = levers(shot)
-    s["levers"] = _levers_text(cutoff, deepcache[0] and {"interval": deepcache[0], "branch": deepcache[1]}, end)
+    s["levers"] = shot_levers_label(shot)
     return s
 
 
@@ -218,20 +218,20 @@ def _settings_of_meta(meta: dict) -> dict:
     if meta.get("control_image"):
         s["control"] = f"{Path(str(meta['control_image'])).name} (scale {meta.get('control_scale', '?')})"
         s["control_image"] = str(meta["control_image"])
-    s["levers"] = _levers_text(meta.get("cfg_cutoff", 1.0), meta.get("deepcache"), meta.get("control_end", 1.0))
+    s["levers"] = _levers_of_meta(meta)
     return s
 
 
-def _levers_text(cfg_cutoff: object, deepcache: object, control_end: object = 1.0) -> str:
-    """The draft levers an image used, for the sheet ("" for a full render)."""
-    parts = []
-    if isinstance(cfg_cutoff, (int, float)) and cfg_cutoff < 1:
-        parts.append(f"cfg_cutoff {cfg_cutoff:g}")
-    if isinstance(control_end, (int, float)) and control_end < 1:
-        parts.append(f"ControlNet end {control_end:.3g}")
-    if isinstance(deepcache, dict):
-        parts.append(f"DeepCache interval {deepcache.get('interval', '?')}, branch {deepcache.get('branch', '?')}")
-    return "; ".join(parts)
+def _levers_of_meta(meta: dict) -> str:
+    """The draft levers an image's settings record, as `bcg plan` names them ("" for a full render, or settings
+    too damaged to tell)."""
+    steps, guidance = meta.get("steps"), meta.get("guidance")
+    cutoff, end = meta.get("cfg_cutoff", 1.0), meta.get("control_end", 1.0)
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (steps, guidance, cutoff, end))
+    if not numbers or not isinstance(steps, int) or steps < 1:
+        return ""
+    return levers_label(steps, guidance > 1, cutoff, bool(meta.get("control_image")), end,
+                        DeepCache.from_json(meta.get("deepcache")))
 
 
 def _loras_text(loras: object) -> str:

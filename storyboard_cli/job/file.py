@@ -25,7 +25,7 @@ from storyboard_cli.job.inputs import DIGEST_RULE, INPUTS_KEY, InputProblem, Inp
 from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.job.preflight import PRESETS, exists, expanded, is_pathlike
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
-from storyboard_cli.steps import guided_steps
+from storyboard_cli.steps import NO_DEEPCACHE, DeepCache, guided_steps
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", 
              "lora", "cfg_cutoff", "deepcache")
 CONTROL_KEYS = ("image", "scale", "end")
 DEEPCACHE_KEYS = ("interval", "branch")
-NO_DEEPCACHE = (0, 0)  # (interval, branch): DeepCache off
 MAX_INTERVAL = 10
 MAX_BRANCH = 2  # SDXL's UNet has 3 up blocks: branches 0 (the shallowest skip) to 2
 # `bcg render --draft`: the levers every shot gets (docs/PERFORMANCE.md, "Draft renders"): guidance on the
@@ -55,7 +54,7 @@ MAX_BRANCH = 2  # SDXL's UNet has 3 up blocks: branches 0 (the shallowest skip) 
 # full UNet every 3rd step on the shallowest branch (its paper's SDXL setting); a ControlNet stops where the
 # guidance stops (the composition it holds is set in the early, noisy steps), and DeepCache runs after it
 DRAFT_CUTOFF = 0.5
-DRAFT_DEEPCACHE = (3, 0)
+DRAFT_DEEPCACHE = DeepCache(3, 0)
 SHOT_DEFAULTS: dict[str, Any] = {
     "negative": "",
     "candidates": 1,
@@ -108,7 +107,7 @@ class Shot:
     first_candidate: int = 0  # > 0 only for candidates added later (bcg render --reroll)
     loras: tuple[tuple[str, float], ...] = ()  # (name in Job.loras, scale), sorted by name, no zero scales
     cfg_cutoff: float = 1.0  # the fraction of the steps that use guidance (1.0: every step)
-    deepcache: tuple[int, int] = NO_DEEPCACHE  # (interval, branch); interval 0: off
+    deepcache: DeepCache = NO_DEEPCACHE
     draft: bool = False  # rendered by `bcg render --draft`: marked so in every output
 
 
@@ -538,7 +537,7 @@ def _resolve_shot(ctx: _Ctx, raw: Any, index: int, defaults: _Located, job_dir: 
                 loras=lora_scales, cfg_cutoff=cfg_cutoff, deepcache=deepcache)
 
 
-def _deepcache(ctx: _Ctx, raw: Any, line: int | None, shot_id: str) -> tuple[int, int]:
+def _deepcache(ctx: _Ctx, raw: Any, line: int | None, shot_id: str) -> DeepCache:
     """`deepcache: {interval: N, branch: K}` (branch 0 when left out); `off`, `false` or nothing: off."""
     if raw is None or raw is False:
         return NO_DEEPCACHE
@@ -552,7 +551,7 @@ def _deepcache(ctx: _Ctx, raw: Any, line: int | None, shot_id: str) -> tuple[int
                        MAX_INTERVAL)
     branch = _as_int(ctx, raw.get("branch", 0), _line_of(raw, "branch", raw.line), shot_id, "deepcache.branch", 0,
                      MAX_BRANCH)
-    return interval, branch
+    return DeepCache(interval, branch)
 
 
 def as_draft(job: Job) -> Job:

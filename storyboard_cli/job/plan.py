@@ -9,9 +9,12 @@ from pathlib import Path
 
 from storyboard_cli.folder.layout import output_name
 from storyboard_cli.job.digests import SHORT, file_sha256, weights_digest
-from storyboard_cli.job.file import NO_DEEPCACHE, Job, LoraFile, Shot
+from storyboard_cli.job.file import Job, LoraFile, Shot
 from storyboard_cli.job.lora_files import lora_set_label
-from storyboard_cli.steps import StepPlan, control_steps, guided_steps, step_costs, step_plan
+from storyboard_cli.job.preflight import check_destination, check_model_path, free_bytes
+from storyboard_cli.job.prompts import long_prompts
+from storyboard_cli.steps import (NO_DEEPCACHE, DeepCache, StepPlan, control_steps, guided_steps, levers_label,
+                                  step_costs, step_plan)
 
 LoraScales = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name: one LoRA set
 
@@ -29,7 +32,7 @@ class BucketKey:
     loras: LoraScales = ()
     guided: bool = True  # False: every image's guidance <= 1, the conditional rows alone at every step
     cfg_cutoff: float = 1.0
-    deepcache: tuple[int, int] = NO_DEEPCACHE  # (interval, branch); with control: after the ControlNet's end
+    deepcache: DeepCache = NO_DEEPCACHE  # with control: after the ControlNet's end
     control_end: float = 1.0  # the fraction of the steps the ControlNet runs (a batch with control)
 
     @property
@@ -44,21 +47,13 @@ class BucketKey:
     @property
     def plan(self) -> StepPlan:
         """Each step's kind (steps.step_plan): one plan per batch."""
-        return step_plan(self.steps, self.guided_steps, *self.deepcache, self.control_steps)
+        return step_plan(self.steps, self.guided_steps, self.deepcache.interval, self.deepcache.branch,
+                         self.control_steps)
 
     @property
     def levers(self) -> str:
         """What the batches do differently from a full render ("" when nothing): the label's tail."""
-        parts = []
-        if not self.guided:
-            parts.append("no CFG")
-        elif self.guided_steps < self.steps:
-            parts.append(f"cfg_cutoff {self.cfg_cutoff:g} ({self.guided_steps}/{self.steps} guided)")
-        if self.control and self.control_steps < self.steps:
-            parts.append(f"control end {self.control_end:.3g} ({self.control_steps}/{self.steps} steps)")
-        if self.deepcache[0]:
-            parts.append(f"deepcache {self.deepcache[0]}/b{self.deepcache[1]}")
-        return ", ".join(parts)
+        return levers_label(self.steps, self.guided, self.cfg_cutoff, self.control, self.control_end, self.deepcache)
 
     @property
     def label(self) -> str:
@@ -94,7 +89,7 @@ class WorkItem:
     control_file: str = ""  # the control image as seen from the job file's folder
     loras: tuple[tuple[LoraFile, float], ...] = ()  # sorted by name, no zero scales
     cfg_cutoff: float = 1.0  # 1.0 where it does not apply (guidance <= 1: no guided step to cut)
-    deepcache: tuple[int, int] = NO_DEEPCACHE  # off where it does not apply (a ControlNet that runs to the end)
+    deepcache: DeepCache = NO_DEEPCACHE  # off where it does not apply (a ControlNet that runs to the end)
     draft: bool = False
     control_end: float = 1.0  # 1.0 where it does not apply (no ControlNet, or one that runs every step)
 
@@ -134,8 +129,8 @@ class WorkItem:
                            "shorthash": f.shorthash} for f, scale in self.loras]
         if self.cfg_cutoff < 1:
             s["cfg_cutoff"] = self.cfg_cutoff
-        if self.deepcache[0]:
-            s["deepcache"] = {"interval": self.deepcache[0], "branch": self.deepcache[1]}
+        if self.deepcache:
+            s["deepcache"] = self.deepcache.to_json()
         if self.draft:
             s["draft"] = True
         return s
@@ -194,7 +189,7 @@ def work_items(job: Job) -> list[WorkItem]:
     return list(items.values())
 
 
-def levers(shot: Shot) -> tuple[float, tuple[int, int], bool, float]:
+def levers(shot: Shot) -> tuple[float, DeepCache, bool, float]:
     """(cfg_cutoff, deepcache, draft, control_end) as they apply to the shot's images: no cut-off where there is no
     guidance to cut (guidance <= 1, or a cut-off that keeps every step), a ControlNet's end only where it stops
     before the last step, and DeepCache with a ControlNet only when it stops (DeepCache runs after it: its
@@ -205,10 +200,16 @@ def levers(shot: Shot) -> tuple[float, tuple[int, int], bool, float]:
     return (shot.cfg_cutoff if cut_off else 1.0), deepcache, shot.draft, (shot.control.end if ends else 1.0)
 
 
+def shot_levers_label(shot: Shot) -> str:
+    """The draft levers a shot's images use, as `bcg plan` names them (`levers_label`; "" for a full render)."""
+    cutoff, deepcache, _, end = levers(shot)
+    return levers_label(shot.steps, shot.guidance > 1, cutoff, shot.control is not None, end, deepcache)
+
+
 def deepcache_dropped(job: Job) -> list[str]:
     """The shots that ask for DeepCache but have a ControlNet that runs to the last step: they get the cut-off
     only."""
-    return [s.id for s in job.shots if s.deepcache[0] and levers(s)[1] == NO_DEEPCACHE]
+    return [s.id for s in job.shots if s.deepcache and not levers(s)[1]]
 
 
 def deepcache_note(job: Job) -> str | None:
@@ -226,11 +227,11 @@ def shot_levers(job: Job) -> list[dict]:
     they apply (see `levers`), and whether the shot is a draft."""
     rows = []
     for s in job.shots:
-        cutoff, (interval, branch), _, end = levers(s)
+        cutoff, deepcache, _, end = levers(s)
         rows.append({"shot": s.id, "draft": s.draft, "steps": s.steps,
                      "guided_steps": guided_steps(s.steps, cutoff) if s.guidance > 1 else 0,
-                     "cfg_cutoff": cutoff, "deepcache": {"interval": interval, "branch": branch} if interval else None,
-                     "deepcache_dropped": bool(s.deepcache[0] and not interval),
+                     "cfg_cutoff": cutoff, "deepcache": deepcache.to_json(),
+                     "deepcache_dropped": bool(s.deepcache and not deepcache),
                      "control_steps": control_steps(s.steps, end) if s.control else None})
     return rows
 
@@ -288,6 +289,16 @@ class BucketRow:
     def row_steps(self) -> int:
         return self.rows * self.key.steps
 
+    def to_json(self) -> dict:
+        """The row in `bcg plan --json`."""
+        k = self.key
+        return {"bucket": k.label, "width": k.width, "height": k.height, "steps": k.steps, "sampler": k.sampler,
+                "control": k.control, "images": self.images, "unique": self.unique, "batches": list(self.batches),
+                "rows": self.rows, "padded_rows": self.padded_rows, "waste": round(self.waste, 4),
+                "row_steps": self.row_steps, "levers": k.levers, "guided_steps": k.guided_steps,
+                "cfg_cutoff": k.cfg_cutoff, "control_steps": k.control_steps, "deepcache": k.deepcache.to_json(),
+                "flops_saved_estimate": round(k.flops_saved, 4)}
+
 
 def bucket_table(batches: list[Batch]) -> list[BucketRow]:
     rows: dict[BucketKey, BucketRow] = {}
@@ -319,6 +330,9 @@ class LoraSetRow:
     def label(self) -> str:
         return lora_set_label(self.loras)
 
+    def to_json(self) -> dict:
+        return {"set": self.label, "images": self.images, "batches": self.batches}
+
 
 def lora_table(batches: list[Batch]) -> list[LoraSetRow]:
     """One row per LoRA set, in the order the batches run them (what `bcg plan` shows, with `lora_swaps`)."""
@@ -336,3 +350,70 @@ PNG_BYTES_PER_PIXEL = 1.5  # what a rendered frame takes as bcg writes it (PNG, 
 def disk_estimate(job: Job) -> int:
     """The bytes the job's images take on disk, roughly (every candidate, each its own file)."""
     return int(sum(s.candidates * s.width * s.height for s in job.shots) * PNG_BYTES_PER_PIXEL)
+
+
+def decimal_size(nbytes: float) -> str:
+    """1.5 MB, 2.0 TB: decimal units, as disks are sold and `df -H` shows them."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return ""
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    """What `bcg plan` shows of a job, found without loading a model (`summary`)."""
+
+    job: Job
+    unique_images: int  # images denoised: identical requests once
+    buckets: tuple[BucketRow, ...]
+    lora_sets: tuple[LoraSetRow, ...]  # in render order
+    lora_swaps: int
+    warnings: tuple[str, ...]  # the prompts CLIP cuts, then the disk where the images will not fit
+    note: str | None  # about ControlNet shots that asked for DeepCache (deepcache_note)
+    disk_bytes: int  # the images' size on disk, roughly
+
+    @property
+    def images(self) -> int:
+        """Files written: every candidate of every shot."""
+        return sum(s.candidates for s in self.job.shots)
+
+    @property
+    def levered(self) -> bool:
+        """Whether a bucket runs a draft lever (or no guidance): the table shows the levers and the saving."""
+        return any(r.key.levers for r in self.buckets)
+
+    @property
+    def flops_saved(self) -> float:
+        """The job's FLOPs the levers save, its buckets weighed by their rows x steps."""
+        return sum(r.key.flops_saved * r.row_steps for r in self.buckets) / max(1, sum(r.row_steps for r in self.buckets))
+
+    def to_json(self) -> dict:
+        """`bcg plan --json`."""
+        j = self.job
+        return {"job": str(j.path), "name": j.name, "model": j.model, "controlnet": j.controlnet,
+                "output_dir": str(j.output_dir), "shots": len(j.shots), "images": self.images,
+                "unique_images": self.unique_images, "disk_bytes_estimate": self.disk_bytes,
+                "buckets": [r.to_json() for r in self.buckets], "notes": [self.note] if self.note else [],
+                "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash}
+                          for n, f in j.loras.items()},
+                "lora_sets": [r.to_json() for r in self.lora_sets], "lora_swaps": self.lora_swaps,
+                "prompt_warnings": list(self.warnings)}
+
+
+def summary(job: Job) -> PlanSummary:
+    """`bcg plan`: the model paths and the output folder checked (BadInput, ModelError), the job's images planned
+    into batches, what CLIP will cut from the prompts, and whether the images fit on the disk."""
+    check_model_path(job.model, "model")
+    check_model_path(job.controlnet, "controlnet")
+    check_destination(job.output_dir)
+    items = work_items(job)
+    batches = make_batches(items, job.buckets)
+    warnings = [str(w) for w in long_prompts(job)]
+    disk, free = disk_estimate(job), free_bytes(job.output_dir)
+    if free is not None and disk > free:
+        warnings.append(f"the images need about {decimal_size(disk)} on disk, {job.output_dir} has "
+                        f"{decimal_size(free)} free")
+    return PlanSummary(job, len(items), tuple(bucket_table(batches)), tuple(lora_table(batches)), lora_swaps(batches),
+                       tuple(warnings), deepcache_note(job), disk)
