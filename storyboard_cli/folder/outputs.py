@@ -9,6 +9,7 @@ import io
 import json
 import os
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from storyboard_cli.job.file import Job
 
-from storyboard_cli.errors import BadInput
+from storyboard_cli.errors import BadInput, RenderFailure
 from storyboard_cli.folder.layout import (MANIFEST, REPLACED, manifest_records, parse_output_name, read_fingerprint,
                                           read_report)
 from storyboard_cli.job.lora_files import a1111_lora_hashes, lora_tags
@@ -83,28 +84,104 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
         fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")
     if item.cfg_cutoff < 1:
         fields.append(f"CFG cutoff: {item.cfg_cutoff:g}")
-    if item.deepcache[0]:
-        fields.append(f"DeepCache: interval {item.deepcache[0]} branch {item.deepcache[1]}")
+    if item.deepcache:
+        fields.append(f"DeepCache: interval {item.deepcache.interval} branch {item.deepcache.branch}")
     if item.draft:
         fields.append("Draft: true")
     lines.append(", ".join(fields))
     return "\n".join(lines)
 
 
+def png_text(item: WorkItem, model: str, controlnet: str | None) -> dict[str, str]:
+    """The text chunks of an output PNG, keyword -> text, in the order they are written."""
+    settings = item.settings(model, controlnet)
+    meta = {"fingerprint": item.fingerprint(model, controlnet), **settings, "shot": item.shot, "candidate": item.k}
+    return {"parameters": parameters_text(item, settings, model), "bcg": json.dumps(meta, sort_keys=True)}
+
+
+def _png_info(text: dict[str, str]):
+    """The PngInfo PIL writes `text` from: tEXt where the text is latin-1, iTXt otherwise."""
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    for key, value in text.items():
+        info.add_text(key, value)
+    return info
+
+
 def png_bytes(pixels, item: WorkItem, model: str, controlnet: str | None) -> bytes:
     """pixels: uint8 [H, W, 3] (numpy or torch on CPU); `item` as `owner` gives it for one output."""
-    from PIL import Image, PngImagePlugin
+    from PIL import Image
 
     array = pixels.numpy() if hasattr(pixels, "numpy") else pixels
     image = Image.fromarray(array, "RGB")
-    settings = item.settings(model, controlnet)
-    info = PngImagePlugin.PngInfo()
-    info.add_text("parameters", parameters_text(item, settings, model))
-    meta = {"fingerprint": item.fingerprint(model, controlnet), **settings, "shot": item.shot, "candidate": item.k}
-    info.add_text("bcg", json.dumps(meta, sort_keys=True))
     buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=info, compress_level=4)
+    image.save(buf, format="PNG", pnginfo=_png_info(png_text(item, model, controlnet)), compress_level=4)
     return buf.getvalue()
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TEXT_CHUNKS = (b"tEXt", b"zTXt", b"iTXt")
+
+
+class RetagError(RenderFailure):
+    """A PNG that is not as png_bytes writes it (damaged, or another layout): its pixels must be re-encoded."""
+
+
+def _chunk(cid: bytes, data: bytes) -> bytes:
+    """One PNG chunk: length, type, data, CRC of type and data (as PIL's putchunk)."""
+    return len(data).to_bytes(4, "big") + cid + data + zlib.crc32(data, zlib.crc32(cid)).to_bytes(4, "big")
+
+
+def _chunk_spans(data: bytes) -> list[tuple[bytes, int, int]]:
+    """(type, start, end) of each chunk, every CRC checked (the pixel data's too: no decompression); raises
+    RetagError for a bad signature, a bad CRC, a file cut short or bytes after IEND."""
+    if data[:8] != PNG_SIGNATURE:
+        raise RetagError("not a PNG (no PNG signature)")
+    view, spans, pos = memoryview(data), [], 8
+    while not spans or spans[-1][0] != b"IEND":
+        if pos + 12 > len(data):
+            raise RetagError(f"PNG cut short at byte {pos} (no IEND)")
+        end = pos + 12 + int.from_bytes(view[pos:pos + 4], "big")
+        if end > len(data):
+            raise RetagError(f"PNG cut short in a chunk at byte {pos}")
+        cid = bytes(view[pos + 4:pos + 8])
+        if zlib.crc32(view[pos + 4:end - 4]) != int.from_bytes(view[end - 4:end], "big"):
+            raise RetagError(f"bad CRC in the {cid!r} chunk at byte {pos}")
+        spans.append((cid, pos, end))
+        pos = end
+    if pos != len(data):
+        raise RetagError(f"{len(data) - pos} bytes after IEND")
+    return spans
+
+
+def retag_png(data: bytes, item: WorkItem, model: str, controlnet: str | None) -> bytes:
+    """A PNG that png_bytes wrote (a deduplicated twin's), carrying `item`'s text chunks instead of its own: the
+    same bytes png_bytes(its pixels, item, ...) gives, without decoding or re-encoding the pixels (IHDR, IDAT
+    and IEND are copied as they are). Raises RetagError where the input is damaged or laid out otherwise
+    (other chunks than IHDR, text, IDAT, IEND; not 8-bit RGB at the item's size); the caller then re-encodes."""
+    from PIL import Image
+
+    spans = _chunk_spans(data)
+    kinds = [cid for cid, _, _ in spans]
+    first_idat = kinds.index(b"IDAT") if b"IDAT" in kinds else -1
+    odd = [k for k in kinds[1:first_idat] if k not in TEXT_CHUNKS] + [k for k in kinds[first_idat:-1] if k != b"IDAT"]
+    if kinds[0] != b"IHDR" or first_idat < 0 or odd:
+        raise RetagError(f"PNG chunks {b' '.join(kinds[:12]).decode('latin-1')}: not as bcg writes them")
+    ihdr = data[spans[0][1] + 8:spans[0][2] - 4]
+    want = item.width.to_bytes(4, "big") + item.height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])  # 8-bit RGB
+    if ihdr != want:
+        size = f"{int.from_bytes(ihdr[:4], 'big')}x{int.from_bytes(ihdr[4:8], 'big')}" if len(ihdr) == 13 else "?"
+        raise RetagError(f"PNG header {size} {ihdr[8:].hex()}: not the {item.width}x{item.height} 8-bit RGB of "
+                         f"{item.outputs[0]}")
+    text = png_text(item, model, controlnet)
+    chunks = [_chunk(cid, body) for cid, body, *_ in _png_info(text).chunks]
+    out = b"".join([PNG_SIGNATURE, data[spans[0][1]:spans[0][2]], *chunks, data[spans[first_idat][1]:]])
+    # read back as every reader will: the text chunks (CRC-checked by PIL) without decoding the pixels
+    with Image.open(io.BytesIO(out)) as im:
+        if im.mode != "RGB" or im.size != (item.width, item.height) or dict(im.info) != text:
+            raise RetagError(f"retagged PNG for {item.outputs[0]} does not read back as written")
+    return out
 
 
 def sha256_of(path: Path) -> str | None:
