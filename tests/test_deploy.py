@@ -1,0 +1,268 @@
+"""deploy/: the scaling examples parse, name only options `bcg serve` and `bcg worker` have and series /metrics
+exposes, and run where their tools exist: promtool checks and unit-tests the SLO rules (Debian's `prometheus`
+package), the Slurm script starts a real worker (srun stood in by exec) that renders a job, and docker compose
+brings up the server and CPU workers where a Docker daemon with compose answers (skipped otherwise)."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from functools import cache
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from storyboard_cli.serve import metrics
+from storyboard_cli.serve.store import Store
+
+from conftest import ROOT
+from test_serve_e2e import Server, eventually, free_port, metric, stop
+
+DEPLOY = ROOT / "deploy"
+COMPOSE, RULES = DEPLOY / "docker-compose.yml", DEPLOY / "prometheus-rules.yml"
+RULE_TESTS = DEPLOY / "prometheus-rules.test.yml"
+KUBERNETES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+SLURM = DEPLOY / "slurm-workers.sh"
+PROMTOOL = shutil.which("promtool")
+JOB = """version: 1
+model: tiny
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, seed: 1, candidates: 2}
+"""
+DEADLINE_S = 120
+JOB_DEADLINE_S = 300
+
+
+@cache
+def cli_help(command: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(the options, the environment variables) `bcg <command> --help` lists: the rows of its options table."""
+    out = subprocess.run([sys.executable, "-m", "storyboard_cli", command, "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "250", "NO_COLOR": "1"})
+    assert out.returncode == 0, out.stderr
+    options = frozenset(re.findall(r"^\S\s+(?:\*\s+)?(--[a-z0-9][a-z0-9-]*)", out.stdout, re.M))
+    assert {"--token", "--help"} <= options, out.stdout  # the table was read
+    return options, frozenset(re.findall(r"\bBCG_[A-Z_]+", out.stdout))
+
+
+def check_call(argv: list[str], where: str) -> None:
+    """`bcg <command> --option ...` as a file writes it: a command bcg has, and only options it has."""
+    assert argv[0] == "bcg" and argv[1] in ("serve", "worker"), f"{where}: {argv}"
+    used = {a.split("=")[0] for a in argv[2:] if a.startswith("--")}
+    assert used, f"{where}: {argv}"
+    unknown = used - cli_help(argv[1])[0]
+    assert not unknown, f"{where}: `bcg {argv[1]}` has no option {sorted(unknown)}"
+
+
+def bcg_calls(node, where: str):
+    """Every `bcg` command line in a parsed YAML document: (argv, the container or service holding it)."""
+    if isinstance(node, dict):
+        command = node.get("command")
+        if isinstance(command, list) and command[:1] == ["bcg"]:
+            yield [str(a) for a in command], node
+        for key, value in node.items():
+            yield from bcg_calls(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from bcg_calls(value, f"{where}[{i}]")
+
+
+def option(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+@cache
+def exposed() -> frozenset[str]:
+    """Every sample name /metrics can expose, read from the exposition of a real store (the series of a
+    family without samples yet, from its type)."""
+    with tempfile.TemporaryDirectory() as root:
+        store = Store(Path(root))
+        try:
+            text = metrics.exposition(metrics.registry(store, worker_window_s=60, clock=lambda: 0.0)).decode()
+        finally:
+            store.close()
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
+    return frozenset(f.name + s for f in text_string_to_metric_families(text) for s in suffixes[f.type])
+
+
+def test_every_file_parses():
+    assert yaml.safe_load(COMPOSE.read_text())["services"]
+    assert yaml.safe_load(RULES.read_text())["groups"]
+    assert yaml.safe_load(RULE_TESTS.read_text())["tests"]
+    assert yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["rule_files"] == [RULES.name]
+    assert {p.name for p in KUBERNETES} == {"server.yaml", "worker.yaml", "keda.yaml", "hpa.yaml",
+                                           "prometheus-adapter.yaml"}
+    for path in KUBERNETES:
+        assert all(doc for doc in yaml.safe_load_all(path.read_text())), path
+    assert subprocess.run(["bash", "-n", str(SLURM)], capture_output=True, timeout=30).returncode == 0
+
+
+def test_the_compose_file_runs_one_server_and_workers_on_its_volume_with_real_options():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    server = services["server"]
+    argv = server["command"]
+    check_call(argv, "server")
+    root, port = option(argv, "--root"), option(argv, "--port")
+    assert option(argv, "--gpus") == "none" and option(argv, "--host") == "0.0.0.0"
+    serve_env = cli_help("serve")[1]
+    assert {"BCG_TOKEN", "BCG_WORKER_TOKEN"} <= set(server["environment"]) <= serve_env  # off loopback: a token
+    assert server["ports"] == [f"127.0.0.1:${{BCG_PORT:-{port}}}:{port}"]
+    workers = {name: s for name, s in services.items() if s.get("command", [])[:2] == ["bcg", "worker"]}
+    assert set(workers) == {"worker-gpu0", "worker-gpu1", "worker-cpu"}
+    for name, worker in workers.items():
+        check_call(worker["command"], name)
+        assert option(worker["command"], "--server") == f"http://server:{port}", name
+        assert set(worker["environment"]) == {"BCG_WORKER_TOKEN"} <= cli_help("worker")[1]
+        assert worker["environment"]["BCG_WORKER_TOKEN"] == server["environment"]["BCG_WORKER_TOKEN"]
+        assert f"bcg-root:{root}" in worker["volumes"], name  # the job folders at the server's paths
+        assert worker["stop_signal"] == "SIGINT" and worker["depends_on"]["server"]["condition"] == "service_healthy"
+    assert f"bcg-root:{root}" in server["volumes"]
+    gpus = [w["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for w in workers.values()
+            if "deploy" in w]
+    assert gpus == [["0"], ["1"]]  # one GPU each, not the first one twice
+    assert option(workers["worker-cpu"]["command"], "--device") == "cpu"
+
+
+def test_kubernetes_scales_the_worker_deployment_on_the_queue_depth():
+    docs = {(d["kind"], d["metadata"]["name"]): d for p in KUBERNETES for d in yaml.safe_load_all(p.read_text())
+            if "kind" in d}
+    deployment = docs["Deployment", "bcg-worker"]
+    service = docs["Service", "bcg-server"]
+    server = docs["StatefulSet", "bcg-server"]["spec"]["template"]["spec"]
+    assert docs["StatefulSet", "bcg-server"]["spec"]["replicas"] == 1  # the queue's one writer
+    (serve,) = [argv for argv, _ in bcg_calls(server, "server")]
+    (work,) = [argv for argv, _ in bcg_calls(deployment, "worker")]
+    check_call(serve, "server.yaml")
+    check_call(work, "worker.yaml")
+    assert option(work, "--server") == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert option(serve, "--port") == str(service["spec"]["ports"][0]["port"])
+    claims = {v["persistentVolumeClaim"]["claimName"] for spec in (server, deployment["spec"]["template"]["spec"])
+              for v in spec["volumes"]}
+    assert claims == {docs["PersistentVolumeClaim", "bcg-shared"]["metadata"]["name"]}
+    scaled = docs["ScaledObject", "bcg-worker"]["spec"]
+    hpa = docs["HorizontalPodAutoscaler", "bcg-worker"]["spec"]
+    assert scaled["scaleTargetRef"]["name"] == hpa["scaleTargetRef"]["name"] == "bcg-worker"
+    assert scaled["minReplicaCount"] == 0 and hpa["minReplicas"] == 1
+    (trigger,) = scaled["triggers"]
+    assert trigger["metadata"]["query"] == "sum(bcg_queue_images)" and "bcg_queue_images" in exposed()
+    (external,) = hpa["metrics"]
+    assert external["external"]["metric"]["name"] == "bcg_queue_images"
+    adapter = yaml.safe_load((DEPLOY / "kubernetes" / "prometheus-adapter.yaml").read_text())
+    assert [r["name"]["as"] for r in adapter["rules"]["external"]] == ["bcg_queue_images"]
+
+
+def test_the_slo_rules_name_only_series_that_metrics_exposes():
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    recorded = {r["record"] for r in rules if "record" in r}
+    named = set()
+    for r in rules:
+        expr = r["expr"]
+        for name in recorded:
+            expr = expr.replace(name, "")
+        named |= set(re.findall(r"(?<![\w:])bcg_[a-z0-9_]+(?![\w:])", expr))
+    assert named and not named - exposed(), sorted(named - exposed())
+    assert {"bcg_queue_wait_seconds_bucket", "bcg_queue_oldest_age_seconds", "bcg_time_to_first_image_seconds_bucket",
+            "bcg_batch_fill_ratio_bucket", "bcg_worker_startup_seconds_bucket",
+            "bcg_worker_gpu_energy_joules_total"} <= named
+    alerts = {r["alert"]: r["expr"] for r in rules if "alert" in r}
+    assert all(f'priority="{p}"' in alerts["BcgQueueWaitHigh"] for p in ("urgent", "normal", "bulk"))
+    assert "0.95" in next(r["expr"] for r in rules if r.get("record") == "priority:bcg_queue_wait_seconds:p95_10m")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="no promtool (Debian: apt-get install prometheus)")
+def test_promtool_checks_the_rules_and_their_unit_tests_pass():
+    for argv in (["check", "rules", str(RULES)], ["check", "config", str(DEPLOY / "prometheus.yml")],
+                 ["test", "rules", str(RULE_TESTS)]):
+        out = subprocess.run([PROMTOOL, *argv], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "SUCCESS" in out.stdout + out.stderr
+
+
+def slurm_calls() -> list[list[str]]:
+    script = SLURM.read_text().replace("\\\n", " ")
+    return [line.split("#")[0].split()[1:] for line in script.splitlines() if line.startswith("srun bcg ")]
+
+
+def test_the_slurm_script_asks_one_gpu_per_task_and_stops_softly():
+    text = SLURM.read_text()
+    assert re.search(r"^#SBATCH --array=\d+-\d+$", text, re.M) and "#SBATCH --gres=gpu:1" in text
+    assert "#SBATCH --signal=INT@" in text  # the worker's soft stop before the time limit
+    (argv,) = slurm_calls()
+    check_call([a.strip('"') for a in argv], "slurm-workers.sh")
+
+
+@pytest.mark.slow
+def test_the_slurm_script_starts_a_worker_that_renders_a_job(tmp_path):
+    """The array task as Slurm runs it, srun replaced by exec: the worker registers under the task's name,
+    renders the job, and on SIGINT stops and exits 0; arguments after the script's reach `bcg worker`."""
+    server = Server(tmp_path / "root", free_port()).start(gpus="none", extra=("--worker-token", "task-token"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(f'#!/bin/sh\n[ "$1" = bcg ] || exit 97\nshift\nexec {sys.executable} -m storyboard_cli "$@"\n')
+    srun.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "BCG_SERVER": server.url,
+           "BCG_WORKER_TOKEN": "task-token", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}
+    task = subprocess.Popen(["bash", str(SLURM), "--device", "cpu"], cwd=ROOT, env=env, start_new_session=True)
+    try:
+        r = httpx.post(server.url + "/v1/jobs", content=JOB, headers={"Content-Type": "application/yaml"}, timeout=10)
+        assert r.status_code == 202, r.text
+        job = eventually(lambda: server.job(r.json()["id"]), lambda j: j["state"] not in ("queued", "running"),
+                         JOB_DEADLINE_S)  # a worker's start (torch, the tiny model) takes long on a busy machine
+        assert job["state"] == "succeeded", job
+        families = text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=10).text)
+        ready = {s.labels["name"]: s.value for f in families for s in f.samples if s.name == "bcg_worker_ready"}
+        assert ready == {"slurm-7-3": 1.0}  # the task's name, from Slurm's variables
+        os.killpg(task.pid, signal.SIGINT)
+        assert task.wait(60) == 0
+    finally:
+        stop(task)
+        server.kill_everything()
+
+
+def docker_compose() -> list[str] | None:
+    """`docker compose` where a Docker daemon answers and the compose plugin is installed, else None."""
+    if shutil.which("docker") is None:
+        return None
+    for argv in (["docker", "info"], ["docker", "compose", "version"]):
+        try:
+            if subprocess.run(argv, capture_output=True, timeout=30).returncode != 0:
+                return None
+        except subprocess.TimeoutExpired:
+            return None
+    return ["docker", "compose", "-f", str(COMPOSE)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(docker_compose() is None, reason="no Docker daemon with the compose plugin")
+def test_docker_compose_runs_the_server_and_two_cpu_workers_that_render_a_job():
+    compose, port = docker_compose(), free_port()
+    tokens = {"BCG_TOKEN": uuid.uuid4().hex, "BCG_WORKER_TOKEN": uuid.uuid4().hex}
+    env = {**os.environ, **tokens, "BCG_PORT": str(port), "COMPOSE_PROJECT_NAME": f"bcg-test-{uuid.uuid4().hex[:8]}"}
+
+    def run(*argv, timeout=120):
+        out = subprocess.run([*compose, *argv], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out
+
+    run("config", "--quiet")
+    try:
+        run("--profile", "cpu", "up", "-d", "--build", "--scale", "worker-cpu=2", "--wait", "--wait-timeout", "600",
+            timeout=1800)  # the first build downloads torch
+        url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {tokens['BCG_TOKEN']}"}
+        r = httpx.post(url + "/v1/jobs", content=JOB, headers={"Content-Type": "application/yaml", **auth}, timeout=10)
+        assert r.status_code == 202, r.text
+        job = eventually(lambda: httpx.get(f"{url}/v1/jobs/{r.json()['id']}", headers=auth, timeout=10).json(),
+                         lambda j: j["state"] not in ("queued", "running"), JOB_DEADLINE_S)
+        assert job["state"] == "succeeded", job
+        assert eventually(lambda: metric(url, "bcg_workers"), lambda n: n == 2, DEADLINE_S) == 2
+    finally:
+        run("--profile", "cpu", "down", "-v", "--timeout", "30", timeout=300)
