@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from storyboard_cli.bench.fp8 import fp8_ready
 from storyboard_cli.engine.base import shape_label
 from storyboard_cli.engine.build import graph_runner
 from storyboard_cli.engine.compiled import artifact_path, module_of, targets
@@ -216,8 +217,6 @@ def compile_slice(job: Job, models: SdxlModels, loop: DiffusersLoop, log: Callab
     BasicTransformerBlock compiled once and reused) on the job's shots at its most common size, side by
     side with (a) and with (e) bcg on its compiled kernels, on that slice (and (f), bcg --fp8, on a GPU with FP8).
     Run last: it compiles the shared UNet's blocks (undone at the end)."""
-    from storyboard_cli.bench.fp8 import fp8_ready
-
     sizes = [(s.width, s.height) for s in job.shots]
     size = max(set(sizes), key=sizes.count)
     part = replace(job, shots=tuple(s for s in job.shots if (s.width, s.height) == size))

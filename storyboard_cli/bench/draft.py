@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from storyboard_cli.bench.contenders import bcg_render
+from storyboard_cli.bench.drift import drift_summary, picture_drift
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import graph_runner
 from storyboard_cli.engine.eager import EagerEngine
@@ -134,34 +135,6 @@ def draft_capture(job: Job, models: SdxlModels, log: Callable[[str], None]) -> d
     return rec
 
 
-def _drift(draft_dir: Path, full_dir: Path) -> list[dict]:
-    """PSNR (dB, 8-bit) and mean absolute difference (0-255) of every draft PNG against the full render's PNG of
-    the same path (the same shot, candidate and seed)."""
-    import numpy as np
-    from PIL import Image
-
-    rows = []
-    for draft in sorted(draft_dir.glob("*/*.png")):
-        rel = draft.relative_to(draft_dir)
-        full = full_dir / rel
-        if not full.is_file():
-            continue
-        a, b = (np.asarray(Image.open(p).convert("RGB"), dtype=np.float64) for p in (draft, full))
-        mse = float(((a - b) ** 2).mean())
-        rows.append({"image": rel.as_posix(), "psnr_db": 10 * np.log10(255**2 / mse) if mse else float("inf"),
-                     "mad": float(np.abs(a - b).mean())})
-    return rows
-
-
-def drift_summary(rows: list[dict]) -> dict:
-    """PSNR (median, min over the finite ones) and mean absolute difference (median, max) of `_drift`'s rows."""
-    if not rows:
-        return {}
-    finite = [d["psnr_db"] for d in rows if d["psnr_db"] != float("inf")]
-    return {"psnr_db": {"median": statistics.median(finite) if finite else None, "min": min(finite, default=None)},
-            "mad": {"median": statistics.median(d["mad"] for d in rows), "max": max(d["mad"] for d in rows)}}
-
-
 def draft_job(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
     """The bench job rendered without and with the draft preset (ControlNet shots included), side by side,
     each render capturing its own graphs (--compile off): images/s and their ratio; then every draft image
@@ -169,7 +142,7 @@ def draft_job(job: Job, models: SdxlModels, log: Callable[[str], None]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         full = bcg_render(job, models, Path(tmp) / "full")
         draft = bcg_render(as_draft(job), models, Path(tmp) / "draft")
-        drift = _drift(Path(tmp) / "draft", Path(tmp) / "full")
+        drift = picture_drift(Path(tmp) / "draft", Path(tmp) / "full")
     rec = {"full": full, "draft": draft, "ratio": draft["images_per_s"] / full["images_per_s"],
            "denoise_ratio": full["stages_s"]["denoise"] / draft["stages_s"]["denoise"], "drift": drift}
     rec.update(drift_summary(drift))

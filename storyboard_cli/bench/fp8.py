@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.bench.draft import _drift, drift_summary
+from storyboard_cli.bench.drift import drift_summary, picture_drift
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import compiled_kernels
 from storyboard_cli.engine.eager import sample_step
@@ -68,5 +68,5 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def image_drift(fp8_dir: Path, fp16_dir: Path) -> dict:
     """PSNR (dB, 8-bit) and mean absolute difference of every FP8 picture against the fp16 one of the same seed."""
-    rows = _drift(fp8_dir, fp16_dir)
+    rows = picture_drift(fp8_dir, fp16_dir)
     return {"images": rows, **drift_summary(rows)}
