@@ -1,6 +1,10 @@
 """The HTTP API through FastAPI's TestClient (no server process, no model): validation as `bcg plan`,
-202 + Location, backpressure, idempotency, cancel and priority, the lease protocol, /metrics."""
+202 + Location, backpressure, idempotency, cancel and priority, the lease protocol, /metrics; and what a
+client or worker can send wrong (malformed bodies, headers, queries; oversized bodies; the wrong token; a
+final job): always a 4xx problem+json with one line of detail, never a 500. /openapi.json says all of it."""
 
+import asyncio
+import hashlib
 import json
 
 import pytest
@@ -8,7 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from storyboard_cli.errors import JobError
-from storyboard_cli.job.file import load_job
+from storyboard_cli.job.file import SHOT_KEYS, TOP_KEYS, load_job
 from storyboard_cli.serve.api import PROBLEM, Settings, create_app
 
 JOB = """version: 1
@@ -29,6 +33,18 @@ def client(tmp_path):
 
 def post(client, body=JOB, **headers):
     return client.post("/v1/jobs", content=body, headers={**YAML, **headers})
+
+
+def problem_of(r, status):
+    """The problem+json body of `r`, checked: the status, the media type, one line of detail that shows no
+    Python repr, traceback or server path."""
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == PROBLEM
+    body = r.json()
+    detail = body["detail"]
+    assert body["status"] == status and body["title"] and detail and "\n" not in detail and len(detail) <= 300
+    assert not any(s in detail for s in ("object at 0x", "Traceback", "/tmp/", "/root", "site-packages")), detail
+    return body
 
 
 def register(client, name):
@@ -89,6 +105,14 @@ def test_idempotent_retries_return_the_first_job(client):
     assert other.status_code == 422 and "another job" in other.json()["detail"]
 
 
+def test_a_key_reused_for_the_same_job_at_another_priority_says_so(client):
+    first = post(client, **{"Idempotency-Key": "k"}).json()
+    r = client.post("/v1/jobs?priority=urgent", content=JOB, headers={**YAML, "Idempotency-Key": "k"})
+    detail = problem_of(r, 422)["detail"]
+    assert f"was used for this job ({first['id']}) with priority normal" in detail and "another" not in detail
+    assert post(client, **{"Idempotency-Key": "k"}).status_code == 200  # the same request again: replayed
+
+
 def test_cancel_and_reprioritise(client):
     job = post(client).json()
     r = client.patch(f"/v1/jobs/{job['id']}", json={"priority": "urgent"})
@@ -107,14 +131,30 @@ def test_the_lease_protocol_and_the_files(client):
     assert client.post(f"/v1/leases/{lease['lease']}/heartbeat", json={"worker": w}).status_code == 200
     out = client.app.state.settings.root / "jobs" / job["id"] / "out"
     (out / "a").mkdir(parents=True)
-    (out / "a" / "a_c0_s1.png").write_bytes(b"png")
+    lines = []
+    for image in lease["images"]:
+        path = image["outputs"][0]
+        (out / path).write_bytes(b"png " + path.encode())
+        lines.append({"path": path, "sha256": hashlib.sha256(b"png " + path.encode()).hexdigest()})
     ids = [i["id"] for i in lease["images"]]
-    assert client.post(f"/v1/leases/{lease['lease']}/complete", json={"done": ids}).status_code == 200
-    assert client.post(f"/v1/leases/{lease['lease']}/complete", json={"done": ids}).status_code == 410
+    complete = f"/v1/leases/{lease['lease']}/complete"
+    # the server is the folder's one writer: no line, a line for a file that is not there, a wrong sha256: refused
+    assert client.post(complete, json={"done": ids}).status_code == 422
+    assert client.post(complete, json={"done": ids, "manifest": {job["id"]: lines[:1]}}).status_code == 422
+    wrong = [lines[0], {**lines[1], "sha256": "0" * 64}]
+    assert client.post(complete, json={"done": ids, "manifest": {job["id"]: wrong}}).status_code == 422
+    assert not (out / "manifest.jsonl").exists()  # nothing recorded by a refused completion
+    assert client.post(complete, json={"done": ids, "manifest": {job["id"]: lines}}).status_code == 200
+    assert client.post(complete, json={"done": ids, "manifest": {job["id"]: lines}}).status_code == 410
+    recorded = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(r["path"] for r in recorded) == sorted(line["path"] for line in lines)
     got = client.get(f"/v1/jobs/{job['id']}").json()
     assert got["state"] == "succeeded" and got["queue_position"] is None
     url = got["images"][0]["urls"][0]
-    assert client.get(url).content == b"png"
+    assert client.get(url).content == b"png " + got["images"][0]["outputs"][0].encode()
+    client.app.state.refresher.flush()  # the report and the sheet, rebuilt by the server once the job ended
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "done" and report["images_rendered"] == 2 and (out / "index.html").is_file()
     assert client.get(f"/v1/jobs/{job['id']}/files/../../../queue.sqlite3").status_code == 404
 
 
@@ -171,6 +211,29 @@ def test_a_token_guards_everything_but_health_and_metrics(tmp_path):
         assert c.get("/metrics").status_code == 200
 
 
+def test_the_worker_token_guards_the_worker_routes_and_either_token_reads_an_input(tmp_path):
+    app = create_app(Settings(tmp_path / "root", token="client", worker_token="worker"))
+    client, worker = {"Authorization": "Bearer client"}, {"Authorization": "Bearer worker"}
+    with TestClient(app) as c:
+        assert post(c, **client).status_code == 202
+        assert problem_of(post(c, **worker), 401)["detail"].endswith("with the client token")
+        assert c.post("/v1/workers", json={"name": "w"}, headers=client).status_code == 401
+        w = c.post("/v1/workers", json={"name": "w"}, headers=worker).json()["worker"]
+        assert c.post("/v1/leases", json={"worker": w}, headers=client).status_code == 401
+        assert c.post("/v1/leases", json={"worker": w}, headers=worker).status_code == 200
+        assert c.post("/v1/leases/x/heartbeat", json={"worker": w}, headers=client).status_code == 401
+        blob = "/v1/blobs/" + "0" * 64
+        assert [c.get(blob, headers=h).status_code for h in (client, worker, {})] == [404, 404, 401]
+        assert c.post("/v1/blobs/missing", json={"digests": []}, headers=worker).status_code == 401
+        r = c.get("/v1/jobs/x", headers={"Authorization": "Bearer \u00e9t\u00e9".encode("latin-1")})  # not ASCII
+        assert problem_of(r, 401) and r.headers["www-authenticate"] == "Bearer"
+        for path in ("/openapi.json", "/docs", "/redoc", "/healthz", "/metrics"):  # no job data: open
+            assert c.get(path).status_code == 200, path
+    app = create_app(Settings(tmp_path / "root2", worker_token="worker"))  # no client token: only workers need one
+    with TestClient(app) as c:
+        assert post(c).status_code == 202 and c.post("/v1/workers", json={"name": "w"}).status_code == 401
+
+
 def test_serve_with_a_bad_warm_job_is_one_line_before_anything_starts(tmp_path):
     from typer.testing import CliRunner
 
@@ -210,3 +273,193 @@ def test_local_workers_have_one_name_each(tmp_path):
     workers = Workers("http://127.0.0.1:1", ServeOptions(tmp_path, gpus=("cpu", "cpu", "0", "none")))
     names = [argv[argv.index("--name") + 1] for argv, _ in workers.commands]
     assert names == ["local-cpu", "local-cpu-2", "local-0"]
+
+
+def leased(client):
+    """A job of two images and a live lease on them: (job, worker id, lease)."""
+    job = post(client).json()
+    worker = register(client, "w")
+    return job, worker, client.post("/v1/leases", json={"worker": worker}).json()
+
+
+HUGE = "9" * 100_000  # a JSON integer Python's parser refuses to convert (a ValueError, once a 500)
+WORKER_BODIES = ["", "null", "[]", '"x"', "{", '{"worker": 7}', '{"worker": "w", "ready": "yes"}',
+                 '{"worker": "w", "ready": 1}', '{"worker": "w", "gpu": [1]}', '{"worker": "w", "gpu": {"u": true}}',
+                 '{"worker": "w", "gpu": {"u": NaN}}', '{"worker": "w", "gpu": {"u": 1e999}}', f'{{"worker": {HUGE}}}',
+                 '{"worker": "w", "spare": 1}', '{"worker": "a b"}', "[" * 100_000]
+COMPLETIONS = ["", "null", "[]", '"x"', '{"done": "1"}', '{"done": [1.5]}', '{"done": ["1"]}', f'{{"done": [{HUGE}]}}',
+               '{"done": [99999999999999999999999999]}', '{"failed": {"x": "r"}}', '{"failed": {"1": 2}}',
+               '{"batches": [{"shape": "64x64", "images": 0, "seconds": 1}]}',
+               '{"batches": [{"shape": "a\\nb", "images": 1, "seconds": 1}]}',
+               '{"batches": [{"shape": "64x64", "images": 9999999999, "seconds": 1}]}',
+               '{"out_of_memory": -1}', '{"model_loads": true}', '{"manifest": {"j": [{}]}}',
+               '{"manifest": {"j": [{"path": "\\ud800"}]}}', '{"done": [], "extra": 1}']
+
+
+@pytest.mark.parametrize("body", WORKER_BODIES)
+def test_a_malformed_lease_request_or_heartbeat_is_a_422_problem(client, body):
+    job, worker, lease = leased(client)
+    for route in ("/v1/leases", f"/v1/leases/{lease['lease']}/heartbeat"):
+        problem_of(client.post(route, content=body, headers={"Content-Type": "application/json"}), 422)
+    assert client.post(f"/v1/leases/{lease['lease']}/heartbeat", json={"worker": worker}).status_code == 200
+
+
+@pytest.mark.parametrize("body", COMPLETIONS)
+def test_a_malformed_completion_is_a_422_problem_and_changes_nothing(client, body):
+    job, worker, lease = leased(client)
+    url = f"/v1/leases/{lease['lease']}/complete"
+    detail = problem_of(client.post(url, content=body, headers={"Content-Type": "application/json"}), 422)["detail"]
+    assert HUGE not in detail and "ud800" not in detail
+    assert {i["state"] for i in client.get(f"/v1/jobs/{job['id']}").json()["images"]} == {"leased"}
+    failed = {str(i["id"]): "a reason" for i in lease["images"]}
+    assert client.post(url, json={"failed": failed, "batches": [{"shape": "64x64", "images": 2, "seconds": 0.5}],
+                                  "out_of_memory": 1, "model_loads": 1}).status_code == 200
+    assert client.get(f"/v1/jobs/{job['id']}").json()["state"] == "failed"
+
+
+def test_a_100000_digit_integer_names_itself_in_one_line(client):
+    detail = problem_of(client.post("/v1/workers", content=f'{{"name": {HUGE}}}',
+                                    headers={"Content-Type": "application/json"}), 422)["detail"]
+    assert detail == "body: not valid JSON (an integer of 100000 digits is beyond 64 bits)"
+
+
+@pytest.mark.parametrize("content,headers", [
+    ("priority=urgent", {"Content-Type": "application/x-www-form-urlencoded"}), ("urgent", {}),
+    ("{", {"Content-Type": "application/json"}), ('{"priority": "asap"}', {"Content-Type": "application/json"}),
+    ('{"priority": "urgent", "x": 1}', {"Content-Type": "application/json"}), ("null", {"Content-Type": "application/json"}),
+    (f'{{"priority": {HUGE}}}', {"Content-Type": "application/json"})])
+def test_a_malformed_patch_is_a_422_problem(client, content, headers):
+    job = post(client).json()
+    problem_of(client.patch(f"/v1/jobs/{job['id']}", content=content, headers=headers), 422)
+    assert client.get(f"/v1/jobs/{job['id']}").json()["priority"] == "normal"
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999999999", "x", "-1", " ", "1.5", HUGE[:5000]])
+def test_an_out_of_range_last_event_id_is_a_422_problem(client, value):
+    job = post(client).json()
+    detail = problem_of(client.get(f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": value}), 422)["detail"]
+    assert detail.startswith("header Last-Event-ID: ")
+
+
+@pytest.mark.parametrize("query,headers", [("priority=asap", {}), ("", {"X-Job-Filename": "../x.yaml"}),
+                                           ("", {"Idempotency-Key": "k" * 300}), ("", {"X-Job-Filename": "out"})])
+def test_a_malformed_submission_query_or_header_is_a_422_problem(client, query, headers):
+    problem_of(client.post(f"/v1/jobs?{query}", content=JOB, headers={**YAML, **headers}), 422)
+
+
+def test_cancel_or_patch_of_a_final_job_is_a_409_naming_its_state_and_changes_nothing(client):
+    def final(state, outcome):
+        job, worker, lease = leased(client)
+        ids = [i["id"] for i in lease["images"]]
+        if outcome == "done":
+            out = client.app.state.settings.root / "jobs" / job["id"] / "out"
+            for image in lease["images"]:
+                (out / image["outputs"][0]).parent.mkdir(parents=True, exist_ok=True)
+                (out / image["outputs"][0]).write_bytes(b"png")
+            lines = [{"path": i["outputs"][0], "sha256": hashlib.sha256(b"png").hexdigest()} for i in lease["images"]]
+            assert client.post(f"/v1/leases/{lease['lease']}/complete",
+                               json={"done": ids, "manifest": {job["id"]: lines}}).status_code == 200
+        elif outcome == "failed":
+            client.post(f"/v1/leases/{lease['lease']}/complete", json={"failed": {str(i): "why" for i in ids}})
+        else:
+            assert client.post(f"/v1/jobs/{job['id']}/cancel").json()["state"] == "canceled"
+            client.post(f"/v1/leases/{lease['lease']}/complete", json={})
+        assert client.get(f"/v1/jobs/{job['id']}").json()["state"] == state
+        return job["id"]
+
+    for state, outcome in (("succeeded", "done"), ("failed", "failed"), ("canceled", "cancel")):
+        job_id = final(state, outcome)
+        events = client.get(f"/v1/jobs/{job_id}/events").text
+        for r in (client.post(f"/v1/jobs/{job_id}/cancel"), client.patch(f"/v1/jobs/{job_id}", json={"priority": "bulk"})):
+            assert problem_of(r, 409)["detail"] == f"job {job_id} is already {state}"
+        got = client.get(f"/v1/jobs/{job_id}").json()
+        assert got["state"] == state and got["priority"] == "normal"
+        assert client.get(f"/v1/jobs/{job_id}/events").text == events  # the stream did not move either
+        last = json.loads(events.strip().split("\n")[-1].removeprefix("data: "))
+        assert last["state"] == state  # the job and its stream agree
+
+
+def test_a_job_body_over_max_job_kb_is_a_413_before_it_is_parsed(tmp_path):
+    app = create_app(Settings(tmp_path / "root", max_job_kb=1))
+    bomb = "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x}\n# " + "x" * 2000 + "\n"
+    with TestClient(app) as c:
+        assert "--max-job-kb" in problem_of(post(c, bomb), 413)["detail"]
+        assert not (tmp_path / "root" / "jobs").exists() or not list((tmp_path / "root" / "jobs").iterdir())
+        assert post(c).status_code == 202
+
+
+def test_other_bodies_are_capped_and_a_worker_upload_at_max_blob_mb(client, tmp_path):
+    job, worker, lease = leased(client)
+    big = b'{"done": [' + b"1," * (2 << 20) + b'1]}'  # 4 MB and more of valid JSON
+    assert "4 MB" in problem_of(client.post(f"/v1/leases/{lease['lease']}/complete", content=big,
+                                            headers={"Content-Type": "application/json"}), 413)["detail"]
+    app = create_app(Settings(tmp_path / "root2", max_blob_mb=1))
+    with TestClient(app) as c:
+        job, worker, lease = leased(c)
+        url = f"/v1/leases/{lease['lease']}/files/{job['id']}/{lease['images'][0]['outputs'][0]}"
+        octets = {"Content-Type": "application/octet-stream"}
+        assert "--max-blob-mb" in problem_of(c.put(url, content=b"x" * ((1 << 20) + 1), headers=octets), 413)["detail"]
+        problem_of(c.put(url, content=b"png"), 415)
+        assert c.put(url, content=b"png", headers=octets).status_code == 200
+
+
+def test_a_body_without_content_length_is_cut_at_the_first_chunk_past_its_cap(tmp_path):
+    """What uvicorn hands the app for a chunked upload: the body in pieces and no Content-Length. The app
+    reads one piece past the cap, answers 413 and reads no further."""
+    app = create_app(Settings(tmp_path / "root", max_job_kb=64))
+    chunk, reads, sent = b"#" * 16384 + b"\n", [0], []
+
+    async def receive():
+        reads[0] += 1
+        await asyncio.sleep(0)
+        return {"type": "http.request", "body": chunk, "more_body": reads[0] < 1000}  # 16 MB, unless cut
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/jobs", "raw_path": b"/v1/jobs", "query_string": b"",
+             "headers": [(b"content-type", b"application/yaml")], "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": "", "app": app}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert sent[0]["status"] == 413 and reads[0] == 64 * 1024 // len(chunk) + 1
+    assert json.loads(sent[1]["body"])["detail"] == "the body is larger than 64 KB (--max-job-kb)"
+
+
+def test_unknown_routes_methods_and_files_are_problems_and_405_lists_every_method(client):
+    problem_of(client.get("/nope"), 404)
+    for method in ("DELETE", "OPTIONS", "PUT"):
+        r = client.request(method, "/v1/jobs/x")
+        assert problem_of(r, 405) and r.headers["allow"] == "GET, PATCH"
+    job = post(client).json()
+    for path in ("%00", "a" * 5000, "..%2f..%2fqueue.sqlite3", "\udcff".encode("utf-8", "surrogatepass").hex()):
+        problem_of(client.get(f"/v1/jobs/{job['id']}/files/{path}"), 404)
+    problem_of(client.get("/v1/jobs/a%00b"), 422)  # not an id this server issues
+
+
+def test_the_openapi_schema_says_every_answer_and_describes_the_job(tmp_path):
+    spec = create_app(Settings(tmp_path / "root", token="t")).openapi()
+    operations = {(m.upper(), p): op for p, ops in spec["paths"].items() for m, op in ops.items()}
+    for (method, path), op in operations.items():
+        for status, answer in op["responses"].items():
+            if int(status) >= 400:
+                assert list(answer["content"]) == [PROBLEM], (method, path, status)
+        assert ("requestBody" in op) == ("413" in op["responses"]), (method, path)
+        assert bool(op.get("security")) == path.startswith("/v1/") == ("401" in op["responses"]), (method, path)
+    job = operations["POST", "/v1/jobs"]
+    assert set(job["requestBody"]["content"]) == {"application/yaml", "application/json"}
+    assert {"200", "202", "401", "413", "422", "503"} <= set(job["responses"])
+    assert {"404", "409"} <= set(operations["POST", "/v1/jobs/{job_id}/cancel"]["responses"])
+    assert {"404", "409", "422"} <= set(operations["PATCH", "/v1/jobs/{job_id}"]["responses"])
+    assert {"404", "410"} <= set(operations["POST", "/v1/leases/{lease_id}/heartbeat"]["responses"])
+    assert {"200", "204", "404"} <= set(operations["POST", "/v1/leases"]["responses"])
+    assert "503" in operations["GET", "/readyz"]["responses"] and "503" in operations["POST", "/v1/workers"]["responses"]
+    assert list(operations["GET", "/metrics"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert list(operations["GET", "/v1/jobs/{job_id}/events"]["responses"]["200"]["content"]) == ["text/event-stream"]
+    assert "image/png" in operations["GET", "/v1/jobs/{job_id}/files/{path}"]["responses"]["200"]["content"]
+    models = spec["components"]["schemas"]
+    assert set(models["JobDoc"]["properties"]) == set(TOP_KEYS) and models["JobDoc"]["additionalProperties"] is False
+    assert set(models["ShotDoc"]["properties"]) == set(SHOT_KEYS)
+    assert "HTTPValidationError" not in models
+    open_spec = create_app(Settings(tmp_path / "root2")).openapi()  # no token: the schema asks for none
+    assert "securitySchemes" not in open_spec["components"]
+    assert not any(op.get("security") for ops in open_spec["paths"].values() for op in ops.values())

@@ -41,22 +41,29 @@ def worker(store, name):
     return store.register_worker(name, now=0, max_workers=64, ttl=1e9)
 
 
-def w(image, job, priority="normal", submitted=0.0, key=KEY, order=0, batch=4, fp=None, mix=None):
-    return Waiting(image, job, priority, submitted, key, fp or f"{job}{image}", order, batch, mix)
+def w(image, job, priority="normal", submitted=0.0, key=KEY, order=0, batch=4, fp=None, mix=None, cost=1.0):
+    return Waiting(image, job, priority, submitted, key, fp or f"{job}{image}", order, batch, mix, cost)
 
 
 def test_pick_takes_the_best_ranked_job_and_its_images_of_one_key_up_to_its_bucket():
     waiting = [w(1, "late", submitted=100), w(2, "early", order=1), w(3, "early", order=0),
                w(4, "early", key="other", order=2), w(5, "early", order=3), w(6, "early", order=4, batch=2)]
-    assert [x.image for x in schedule.pick(waiting, set(), set())] == [3, 2, 5, 6]
-    assert [x.image for x in schedule.pick(waiting, {"early"}, set())] == [1]  # one lease per job folder
-    assert [x.image for x in schedule.pick(waiting, set(), {"early3", "early2", "early5", "early6"})] == [4]
+    assert [x.image for x in schedule.pick(waiting, set())] == [3, 2, 5, 6]
+    assert [x.image for x in schedule.pick(waiting, {"early3", "early2", "early5", "early6"})] == [4]  # twins wait
+
+
+def test_a_jobs_batch_with_the_most_work_goes_first_unless_the_worker_has_another_warm():
+    small = [w(i, "j", key="512", order=i, cost=0.26, mix="m512") for i in range(4)]
+    large = [w(4, "j", key="1024", order=4, cost=1.05, mix="m1024")]  # one 1024x1024 image outweighs four 512s
+    assert [x.image for x in schedule.pick(small + large, set())] == [4]
+    assert [x.image for x in schedule.pick(small + large, set(), frozenset({"m512"}))] == [0, 1, 2, 3]  # affinity
+    assert [x.image for x in schedule.pick(small + large, set(), frozenset({"elsewhere"}))] == [4]
 
 
 def test_urgent_jumps_the_queue_and_bulk_ages_into_it():
-    assert schedule.pick([w(1, "n", submitted=0), w(2, "u", "urgent", submitted=200)], set(), set())[0].job == "u"
+    assert schedule.pick([w(1, "n", submitted=0), w(2, "u", "urgent", submitted=200)], set())[0].job == "u"
     old_bulk, new_urgent = w(1, "b", "bulk", submitted=0), w(2, "u", "urgent", submitted=1801)
-    assert schedule.pick([old_bulk, new_urgent], set(), set())[0].job == "b"  # nothing starves
+    assert schedule.pick([old_bulk, new_urgent], set())[0].job == "b"  # nothing starves
 
 
 def test_retry_after_is_a_whole_number_of_seconds_from_the_drain_rate():
@@ -234,13 +241,23 @@ def test_latencies_are_histograms_and_workers_report_their_gpu(store):
 def test_room_left_in_a_batch_goes_to_other_jobs_of_the_same_mix():
     waiting = [w(1, "a", order=0, batch=4, mix="m"), w(2, "b", submitted=1, mix="m"), w(3, "c", submitted=2, mix="x"),
                w(4, "d", submitted=3, mix="m", fp="b2"), w(5, "e", submitted=4, mix="m"), w(6, "f", submitted=5, mix="m")]
-    assert [x.image for x in schedule.pick(waiting, set(), set())] == [1, 2, 5, 6]  # one per fingerprint
-    assert [x.image for x in schedule.pick(waiting, {"e"}, set())] == [1, 2, 6]  # e's folder is being written
-    assert [x.image for x in schedule.pick([w(1, "a", batch=1, mix="m"), w(2, "b", mix="m")], set(), set())] == [1]
-    assert [x.image for x in schedule.pick([w(1, "a"), w(2, "b")], set(), set())] == [1]  # no mix: alone
+    assert [x.image for x in schedule.pick(waiting, set())] == [1, 2, 5, 6]  # one per fingerprint
+    assert [x.image for x in schedule.pick(waiting, {"e5"})] == [1, 2, 6]  # e5's twin is being rendered
+    assert [x.image for x in schedule.pick([w(1, "a", batch=1, mix="m"), w(2, "b", mix="m")], set())] == [1]
+    assert [x.image for x in schedule.pick([w(1, "a"), w(2, "b")], set())] == [1]  # no mix: alone
 
 
-def test_a_mixed_lease_holds_every_job_it_touches_until_it_completes(store):
+def test_a_jobs_batches_are_leased_to_several_workers_at_once(store):
+    store.submit(planned("j", n=6, batch=2), None, 100, now=0)
+    leases = [store.lease(worker(store, f"w{n}"), now=1, ttl=5) for n in range(3)]
+    assert [[i["id"] for i in lease["images"]] for lease in leases] == [[1, 2], [3, 4], [5, 6]]
+    assert store.lease(worker(store, "w3"), now=1, ttl=5) is None
+    assert store.job("j", 1)["images_by_state"] == {"leased": 6}
+    store.expire(now=10)  # the three workers lost: every batch back in the queue
+    assert store.job("j", 10)["images_by_state"] == {"queued": 6}
+
+
+def test_a_mixed_lease_carries_every_job_it_touches(store):
     store.submit(planned("j1", n=1, mix="m"), None, 100, now=0)
     store.submit(planned("j2", n=2, mix="m"), None, 100, now=1)
     lease = store.lease(worker(store, "w"), now=2, ttl=5)
@@ -248,7 +265,7 @@ def test_a_mixed_lease_holds_every_job_it_touches_until_it_completes(store):
     assert [(i["id"], i["job"]) for i in lease["images"]] == [(1, "j1"), (2, "j2"), (3, "j2")]
     store.submit(planned("j3", n=1, mix="m"), None, 100, now=2)
     other = store.lease(worker(store, "w2"), now=2, ttl=5)
-    assert set(other["jobs"]) == {"j3"}  # j2's folder has its writer
+    assert set(other["jobs"]) == {"j3"}
     assert store.complete(lease["lease"], done=[1, 2], cached=[], failed={3: "NaN"}, now=3)
     assert store.job("j1", 3)["state"] == JobState.SUCCEEDED and store.job("j2", 3)["state"] == JobState.FAILED
     for job_id, images in (("j1", [1]), ("j2", [2, 3])):

@@ -29,10 +29,10 @@ from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
-from storyboard_cli.serve import blobs, edge, metrics, uploads, wire
+from storyboard_cli.serve import blob_routes, blobs, edge, folders, metrics, wire
 from storyboard_cli.serve.edge import PROBLEM, problem
 from storyboard_cli.serve.intake import SAFE_FILE, content_hash, plan_submission, stored_inputs
-from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, TIERS
+from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, TIERS, JobState
 from storyboard_cli.serve.store import LATE, JobFinal, QueueFull, Store, TooManyWorkers, UnknownWorker, Work
 
 __all__ = ["PROBLEM", "Settings", "create_app", "problem"]
@@ -51,6 +51,13 @@ OCTETS = "application/octet-stream"
 log = logging.getLogger(__name__)
 
 Id = Annotated[str, PathParam(pattern=wire.NAME_PATTERN, description="an id this server issued")]
+IdempotencyKey = Annotated[str, Header(alias="Idempotency-Key", min_length=1, max_length=255,
+                                       description="a retry with the same key and body answers the first job")]
+JobFilename = Annotated[str, Header(alias="X-Job-Filename", pattern=f"^{SAFE_FILE.pattern}$",
+                                    description="the job file's name: errors name it, and a job without `name:` "
+                                                "is named after it")]
+LastEventId = Annotated[int, Header(alias="Last-Event-ID", ge=0, le=wire.MAX_INT,
+                                    description="the last event id this client saw: the stream resumes after it")]
 
 
 @dataclass
@@ -86,14 +93,22 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             yield
         finally:
             task.cancel()
+            await run_in_threadpool(refresher.close)  # the last reports and sheets written
 
     app = FastAPI(title="bcg serve", version="1", description=DESCRIPTION, lifespan=lifespan)
     app.state.store, app.state.draining, app.state.settings = store, False, settings
+    refresher = app.state.refresher = folders.Refresher(lambda job_id: _served(store, job_id, clock()), clock)
+
+    def landed(job_ids) -> None:
+        """Batches of these jobs landed (or they ended): their reports and sheets are rebuilt."""
+        for job_id in job_ids:
+            state = store.job_state(job_id)
+            refresher.touch(job_id, now=state is None or state in JobState.FINAL)
     edge.install(app, settings)
     app.openapi = lambda: app.openapi_schema or _openapi(app, settings)
     registry = metrics.registry(store, settings.lease_s, clock)
     app.state.blobs = blobs.BlobStore(settings.root)
-    app.include_router(blobs.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20))
+    app.include_router(blob_routes.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20))
 
     def view(job_id: str, request: Request) -> dict | None:
         job = store.job(job_id, clock())
@@ -125,10 +140,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         **_problems({422: "a job `bcg plan` refuses (file:line, shot, field), or an Idempotency-Key used for "
                           "another body", 503: "the queue is full, or the server is stopping (Retry-After)"})})
     async def submit(request: Request, priority: wire.Priority = DEFAULT_PRIORITY,
-                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key", min_length=1, max_length=255)] = None,
-                     x_job_filename: Annotated[str | None, Header(
-                         alias="X-Job-Filename", pattern=f"^{SAFE_FILE.pattern}$", description="the job file's name: errors name it, and a "
-                                                                       "job without `name:` is named after it")] = None):
+                     idempotency_key: IdempotencyKey = None, x_job_filename: JobFilename = None):
         """A job file (YAML or JSON, at most --max-job-kb), validated and planned as `bcg plan` does."""
         if app.state.draining:
             return problem(503, "shutting down", "the server is stopping; submit to another or retry",
@@ -181,6 +193,8 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             found = store.cancel(job_id, clock())
         except JobFinal as e:
             return final(e)
+        if found:
+            landed([job_id])
         return as_view(job_id, request) if found else not_found(job_id)
 
     @app.patch("/v1/jobs/{job_id}", response_model=None, responses={
@@ -194,13 +208,12 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         return as_view(job_id, request) if found else not_found(job_id)
 
     @app.get("/v1/jobs/{job_id}/events", response_class=EventStream, responses=_problems({404: "no such job"}))
-    def events(job_id: Id, last_event_id: Annotated[int | None, Header(
-            alias="Last-Event-ID", ge=0, le=wire.INT64_MAX, description="the last event id this client saw: the stream resumes after it")] = None):
+    def events(job_id: Id, last_event_id: LastEventId = 0):
         """Server-sent events: each change of the job, `id:` its sequence number; a client that reconnects
         with `Last-Event-ID` gets the events after it. The stream ends after the `end` event."""
         if store.job(job_id, clock()) is None:
             return not_found(job_id)
-        return EventStream(_stream(job_id, last_event_id or 0),
+        return EventStream(_stream(job_id, last_event_id),
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _stream(job_id: str, after: int):
@@ -222,8 +235,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             await asyncio.sleep(EVENT_POLL_S)
 
     @app.get("/v1/jobs/{job_id}/files/{path:path}", response_class=JobFile, responses={
-        200: {"description": "the file (PNG, the report, the contact sheet, a thumbnail, ...)",
-              "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in (*FILE_TYPES.values(), OCTETS)}},
+        200: {"description": "the file (PNG, the report, the contact sheet, a thumbnail, ...)", "content": FILES},
         **_problems({404: "no such job, or no such file in its folder"})})
     def job_file(job_id: Id, path: str):
         job = store.job(job_id, clock())
@@ -277,9 +289,12 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 
     @app.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}", response_model=None, openapi_extra=FILE_BODY,
              responses={200: {"model": wire.StoredOutput}, **_problems({
-                 410: LEASE_GONE, 422: "not an output of this lease (nor its job's report)"})})
+                 410: LEASE_GONE, 415: f"the body is not sent as {OCTETS}",
+                 422: "not an output of this lease"})})
     async def upload(lease_id: Id, job_id: Id, path: str, request: Request):
-        """A worker without the server's filesystem sends a PNG of its lease (or a job's report)."""
+        """A worker without the server's filesystem sends a PNG of its lease."""
+        if request.headers.get("content-type", "").split(";")[0].strip() != OCTETS:
+            return problem(415, "unsupported media type", f"send the file's bytes as {OCTETS}")
         held = await run_in_threadpool(store.lease_outputs, lease_id, clock())
         if held is None:
             return lost()
@@ -287,7 +302,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             return problem(422, "not this lease's job", f"the lease holds no image of job {job_id}")
         data = await request.body()
         try:
-            await run_in_threadpool(uploads.store_file, held[job_id][1], held[job_id][2], path, data)
+            await run_in_threadpool(folders.store_upload, held[job_id][1], held[job_id][2], path, data)
         except BadInput as e:
             return problem(422, "not this lease's file", str(e))
         return JSONResponse({"stored": path})
@@ -308,24 +323,29 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         **_problems({410: LEASE_GONE + " (this completion is ignored)",
                      422: "a manifest line for an output this lease did not upload"})})
     async def complete(lease_id: Id, body: wire.Completion):
-        work = Work(tuple((b.shape, b.images, b.seconds) for b in body.batches), body.out_of_memory,
+        """The lease's results. Each done image's files are checked (in the job's folder, their sha256 the one
+        their manifest line names) and their lines recorded in the transaction that marks them done: the server
+        is the one writer of the job's manifest, report and sheet."""
+        work = Work(tuple((b.shape, b.images, b.seconds, b.bucket) for b in body.batches), body.out_of_memory,
                     body.model_loads)
-        if body.manifest:  # an uploading worker's images: their lines and the sheet, before they count
-            held = await run_in_threadpool(store.lease_outputs, lease_id, clock())
-            if held is None:
-                store.count(LATE)
-                return lost(" before this completion")
-            try:
-                for job_id, lines in body.manifest.items():
-                    if job_id not in held:
-                        raise BadInput(f"the lease holds no image of job {job_id}")
-                    await run_in_threadpool(uploads.record, held[job_id][1], held[job_id][0], held[job_id][2],
-                                            [line.model_dump() for line in lines])
-            except BadInput as e:
-                return problem(422, "bad manifest", str(e))
-        ok = await run_in_threadpool(store.complete, lease_id, body.done, body.cached,
-                                     {int(k): v for k, v in body.failed.items()}, clock(), work)
-        return JSONResponse({"lease": lease_id}) if ok else lost(" before this completion")
+        held = await run_in_threadpool(store.lease_outputs, lease_id, clock())
+        worker = await run_in_threadpool(store.lease_worker, lease_id)
+        if held is None:
+            store.count(LATE)
+            return lost(" before this completion")
+        try:
+            checked = await run_in_threadpool(folders.check, held, {j: [line.model_dump() for line in lines]
+                                                                    for j, lines in body.manifest.items()})
+            ok = await run_in_threadpool(store.complete, lease_id, body.done, body.cached,
+                                         {int(k): v for k, v in body.failed.items()}, clock(), work,
+                                         lambda done: folders.record(held, checked, done))
+        except BadInput as e:
+            return problem(422, "bad manifest", str(e))
+        if not ok:
+            return lost(" before this completion")
+        await run_in_threadpool(folders.keep_reports, held, lease_id, worker, body.reports)
+        landed(held)
+        return JSONResponse({"lease": lease_id})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text (version 0.0.4)"}})
@@ -364,7 +384,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float) -> dict | None:
     """The next batch for the worker, with what a worker that does not share the server's filesystem needs:
     each job's text and its files' digests, and where to download a twin's PNG."""
-    got = store.lease(report.worker, now, ttl, report.gpu, report.ready)
+    got = store.lease(report.worker, now, ttl, report.gpu, report.ready, frozenset(report.warm))
     if got is None:
         return None
     for job in got["jobs"].values():
@@ -374,6 +394,14 @@ def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float) -> d
         image["twin_url"] = f"/v1/jobs/{image['twin_of'][0]}/files/{image['twin_of'][1]}" if image["twin_of"] \
             else None
     return got
+
+
+def _served(store: Store, job_id: str, now: float) -> dict | None:
+    """A job as the folder writer needs it: its view in the store and its job file."""
+    job = store.job(job_id, now)
+    if job is not None:
+        job["path"] = str(store.job_file(job_id))
+    return job
 
 
 def _discard(folder: Path) -> None:
@@ -394,6 +422,7 @@ UNKNOWN_WORKER = "a worker id this server did not issue, or forgot (not seen wit
 LEASE_GONE = "the lease is gone: it expired and its images went back to the queue"
 JOB_BODY = {"requestBody": {"required": True, "description": "the job file, at most --max-job-kb",
                             "content": {t: {"schema": {"$ref": REF + "JobDoc"}} for t in JOB_TYPES}}}
+FILES = {t: {"schema": {"type": "string", "format": "binary"}} for t in (*FILE_TYPES.values(), OCTETS)}
 FILE_BODY = {"requestBody": {"required": True, "description": "the file's bytes, at most --max-blob-mb",
                              "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
 ANSWERS = {401: "the route's token is missing or wrong (WWW-Authenticate: Bearer)",

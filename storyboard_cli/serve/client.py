@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import httpx
 import yaml
@@ -20,6 +20,7 @@ from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, JobState
 FINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED)
 SUBMIT_TIMEOUT_S = 60.0
 UPLOAD_CHUNK = 1 << 20
+MAX_WARM = 256  # mixes a worker names as warm (wire.WorkerReport)
 RECONNECTS = 5  # an event stream reopened this many times in a row before falling back to polling
 STREAM_READ_TIMEOUT_S = 60.0  # the server sends a keep-alive every 15 s
 
@@ -263,10 +264,15 @@ class LeaseClient:
             raise ServerError(f"{self.server}: registering worker {name[:80]!r}: HTTP {r.status_code}: {_problem(r)}")
         return str(r.json()["worker"])
 
-    def lease(self, worker: str, gpu: dict | None = None, ready: bool = False) -> dict | None:
-        """The next batch, or None; `ready`: this worker's model is loaded and its graphs captured (/readyz).
-        Raises Unregistered."""
-        r = self.http.post("/v1/leases", json={"worker": worker, "gpu": gpu, "ready": ready})
+    def lease(self, worker: str, gpu: dict | None = None, ready: bool = False, warm: Iterable[str] = (),
+              uptime_s: float | None = None) -> dict | None:
+        """The next batch, or None; `ready`: this worker's model is loaded and its graphs captured (/readyz);
+        `warm`: the mixes it has prepared (leased first); `uptime_s`: seconds since it started. Raises
+        Unregistered."""
+        body = {"worker": worker, "gpu": gpu, "ready": ready, "warm": sorted(warm)[-MAX_WARM:]}
+        if uptime_s is not None:
+            body["uptime_s"] = round(uptime_s, 3)
+        r = self.http.post("/v1/leases", json=body)
         self._registered(r, worker)
         r.raise_for_status()
         return None if r.status_code == 204 else r.json()
@@ -282,12 +288,14 @@ class LeaseClient:
             raise Unregistered(f"{self.server}: worker {worker}: {_problem(r)}")
 
     def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str],
-                 work: dict | None = None, manifest: dict[str, list] | None = None) -> bool:
-        """`work`: batches (shape, images, seconds), out_of_memory, model_loads, as the worker measured them;
-        `manifest`: the lines of the outputs it uploaded, by job."""
+                 work: dict | None = None, manifest: dict[str, list] | None = None,
+                 reports: dict[str, dict] | None = None) -> bool:
+        """`work`: batches (shape, images, bucket, seconds), out_of_memory, model_loads, as the worker measured
+        them; `manifest`: by job, the manifest line of each image it wrote (the server records them);
+        `reports`: by job, its report of this lease (merged into the job's)."""
         r = self.http.post(f"/v1/leases/{lease_id}/complete",
                            json={"done": done, "cached": cached, "failed": failed, **(work or {}),
-                                 "manifest": manifest or {}})
+                                 "manifest": manifest or {}, "reports": reports or {}})
         return r.status_code == 200
 
     def upload(self, lease_id: str, job_id: str, path: str, data: bytes) -> bool:

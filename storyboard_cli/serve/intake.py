@@ -40,6 +40,7 @@ class PlannedImage:
     key: str
     fingerprint: str
     mix: str  # images of different jobs with the same mix may share a batch (model, bucket key, LoRA contents)
+    cost: float = 1.0  # denoising work, megapixel-steps (a ControlNet adds half): what orders a job's batches
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
         shutil.rmtree(folder, ignore_errors=True)
         raise
     images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model, job.controlnet),
-                                mix_key(job, i)) for n, i in enumerate(work_items(job)))
+                                mix_key(job, i), work(i)) for n, i in enumerate(work_items(job)))
     return Planned(job_id, job.name, path, folder / OUT, priority, content_hash(body, filename, priority),
                    max(job.buckets), images)
 
@@ -98,6 +99,12 @@ def mix_key(job: Job, item: WorkItem) -> str:
     loras = [(f.name, f.sha256, scale) for f, scale in item.loras]
     blob = json.dumps([job.model, job.controlnet, item.key.label, loras]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def work(item: WorkItem) -> float:
+    """An image's denoising work in megapixel-steps, a ControlNet's steps counted at half a UNet's."""
+    control = 0.5 * item.steps * item.control_end if item.control_image is not None else 0.0
+    return round(item.width * item.height / 1e6 * (item.steps + control), 4)
 
 
 def content_hash(body: bytes, filename: str, priority: str) -> str:

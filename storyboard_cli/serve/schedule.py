@@ -2,8 +2,10 @@
 
 Priority tiers with aging: an image ranks by its job's submission time plus its tier's delay, so a bulk
 job submitted 30 minutes ago ranks with an urgent one submitted now, and nothing starves. A lease is one
-batch: the best-ranked free image, then the images of its job with the same bucket key (shape, steps,
-sampler, control, LoRA set) in plan order, up to the job's largest bucket.
+batch of the best-ranked job: any number of workers lease batches of one job at once (the server is its
+folder's one writer). Within the job, the batch with the most work goes first (longest processing time
+first: the job's tail is short), except that a worker gets a batch it has warm (same models, shape, steps,
+sampler, control, LoRA set: nothing to capture, no LoRA swap) before one it would have to prepare.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ImageState:
 class JobState:
     QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELED = "queued", "running", "succeeded", "failed", "canceled"
     ALL = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELED)
+    FINAL = (SUCCEEDED, FAILED, CANCELED)
 
 
 @dataclass(frozen=True)
@@ -42,26 +45,33 @@ class Waiting:
     order: int  # its place in the job's plan
     batch: int  # the job's largest bucket
     mix: str | None = None  # images of other jobs with the same mix may share its batch (None: none may)
+    cost: float = 1.0  # its denoising work (steps x pixels, more with a ControlNet): what orders a job's batches
 
 
 def rank(priority: str, submitted: float) -> float:
     return submitted + TIERS[priority]
 
 
-def pick(waiting: list[Waiting], busy_jobs: set[str], busy_fingerprints: set[str]) -> list[Waiting]:
-    """The next lease's images: none of a job another lease holds (its folder has one writer), none whose
-    twin is being rendered (it is copied once that lands). The best-ranked image's job fills the batch
-    first; room left goes to other jobs' images of the same mix (same models, shape and LoRA set), best
-    ranked first, one image per fingerprint."""
-    free = [w for w in waiting if w.job not in busy_jobs and w.fingerprint not in busy_fingerprints]
+def pick(waiting: list[Waiting], busy_fingerprints: set[str], warm: frozenset[str] = frozenset()) -> list[Waiting]:
+    """The next lease's images: none whose twin is being rendered (it is copied once that lands). The
+    best-ranked job's batch: of its bucket keys, one whose mix is in `warm` (what the asking worker has
+    prepared) before the others, then the one whose next batch has the most work; its images in plan order,
+    up to the job's largest bucket. Room left goes to other jobs' images of the same mix (same models, shape
+    and LoRA set), best ranked first, one image per fingerprint."""
+    free = [w for w in waiting if w.fingerprint not in busy_fingerprints]
     if not free:
         return []
     head = min(free, key=_order)
-    same = sorted((w for w in free if w.job == head.job and w.key == head.key), key=lambda w: w.order)
-    picked = same[: head.batch]
-    if head.mix is not None and len(picked) < head.batch:
+    groups: dict[str, list[Waiting]] = {}
+    for w in free:
+        if w.job == head.job:
+            groups.setdefault(w.key, []).append(w)
+    same = max(groups.values(), key=lambda g: (g[0].mix in warm, _work(g, head.batch), -min(w.order for w in g)))
+    picked = sorted(same, key=lambda w: w.order)[: head.batch]
+    first = picked[0]
+    if first.mix is not None and len(picked) < head.batch:
         fingerprints = {w.fingerprint for w in picked}
-        for w in sorted((w for w in free if w.job != head.job and w.mix == head.mix), key=_order):
+        for w in sorted((w for w in free if w.job != head.job and w.mix == first.mix), key=_order):
             if len(picked) == head.batch:
                 break
             if w.fingerprint not in fingerprints:
@@ -72,6 +82,11 @@ def pick(waiting: list[Waiting], busy_jobs: set[str], busy_fingerprints: set[str
 
 def _order(w: Waiting) -> tuple:
     return rank(w.priority, w.submitted), w.job, w.order
+
+
+def _work(group: list[Waiting], batch: int) -> float:
+    """The denoising work of the next batch cut from a job's images of one bucket key."""
+    return sum(sorted((w.cost for w in group), reverse=True)[:batch])
 
 
 def retry_after(excess_images: int, drain_per_s: float | None) -> int:

@@ -24,6 +24,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
@@ -45,7 +46,7 @@ CREATE TABLE IF NOT EXISTS images (
   id INTEGER PRIMARY KEY, job TEXT NOT NULL REFERENCES jobs(id), ord INTEGER NOT NULL, shot TEXT NOT NULL,
   k INTEGER NOT NULL, seed INTEGER NOT NULL, outputs TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
   state TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, lease TEXT, reason TEXT, cached INTEGER NOT NULL DEFAULT 0,
-  done REAL, mix TEXT);
+  done REAL, mix TEXT, cost REAL NOT NULL DEFAULT 1);
 CREATE INDEX IF NOT EXISTS images_state ON images(state);
 CREATE INDEX IF NOT EXISTS images_job ON images(job);
 CREATE INDEX IF NOT EXISTS images_fingerprint ON images(fingerprint, state);
@@ -85,10 +86,10 @@ def bounds(name: str) -> tuple[float, ...]:
 
 @dataclass(frozen=True)
 class Work:
-    """What a worker measured while rendering a lease: (shape, images, seconds) per batch, out-of-memory
-    retries, model loads."""
+    """What a worker measured while rendering a lease: (shape, images, seconds, bucket or None) per batch,
+    out-of-memory retries, model loads."""
 
-    batches: tuple[tuple[str, int, float], ...] = ()
+    batches: tuple[tuple, ...] = ()  # (shape, images, seconds[, bucket])
     out_of_memory: int = 0
     model_loads: int = 0
 
@@ -219,8 +220,11 @@ class Store:
         self.db = _open(root)  # raises QueueUnusable
         self.lock = threading.Lock()
         self.db.executescript(SCHEMA)
-        if "mix" not in {r["name"] for r in self.db.execute("PRAGMA table_info(images)")}:  # a queue of v1
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(images)")}
+        if "mix" not in columns:  # a queue of v1
             self.db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
+        if "cost" not in columns:  # before batches were ordered by their work
+            self.db.execute("ALTER TABLE images ADD COLUMN cost REAL NOT NULL DEFAULT 1")
         if "ttl" not in {r["name"] for r in self.db.execute("PRAGMA table_info(workers)")}:  # before registration
             self.db.execute("DROP TABLE workers")  # rows named by the workers themselves: they register again
             self.db.executescript(SCHEMA)
@@ -382,10 +386,10 @@ class Store:
                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                    (job.id, key, job.content_hash, job.name, str(job.path), str(job.out_dir), job.priority, now,
                     job.batch))
-        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state, mix)"
-                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state, mix, cost)"
+                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        [(job.id, i.order, i.shot, i.k, i.seed, json.dumps(i.outputs), i.key, i.fingerprint,
-                         ImageState.QUEUED, i.mix) for i in job.images])
+                         ImageState.QUEUED, i.mix, i.cost) for i in job.images])
         self._event(db, job.id, "queued", now, priority=job.priority)
 
     def _depth(self, db) -> int:
@@ -401,19 +405,21 @@ class Store:
 
     # leases
 
-    def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None, ready: bool = False) -> dict | None:
+    def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None, ready: bool = False,
+              warm: frozenset[str] = frozenset()) -> dict | None:
         """The next batch for `worker`, or None when nothing is free: `job` (the head job, the best ranked),
-        `jobs` (each job of the batch: its job file and output folder), `images` (each with its job)."""
+        `jobs` (each job of the batch: its job file and output folder), `images` (each with its job and mix).
+        `warm`: the mixes the worker has prepared (schedule.pick prefers them)."""
         with self._tx() as db:
             self._seen(db, worker, gpu, now, ready)
             self._expire(db, now)
-            rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, i.mix, j.priority, j.submitted, "
-                              "j.batch FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?",
+            rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, i.mix, i.cost, j.priority, "
+                              "j.submitted, j.batch FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?",
                               (ImageState.QUEUED,))
             waiting = [Waiting(r["id"], r["job"], r["priority"], r["submitted"], r["key"], r["fingerprint"], r["ord"],
-                               r["batch"], r["mix"]) for r in rows]
-            busy = db.execute("SELECT job, fingerprint FROM images WHERE state = ?", (ImageState.LEASED,)).fetchall()
-            picked = schedule.pick(waiting, {r[0] for r in busy}, {r[1] for r in busy})
+                               r["batch"], r["mix"], r["cost"]) for r in rows]
+            busy = db.execute("SELECT fingerprint FROM images WHERE state = ?", (ImageState.LEASED,)).fetchall()
+            picked = schedule.pick(waiting, {r[0] for r in busy}, warm)
             if not picked:
                 return None
             lease_id, head = uuid.uuid4().hex, picked[0].job
@@ -431,7 +437,7 @@ class Store:
             images, jobs = [], {}
             for w in picked:
                 r = db.execute("SELECT outputs, fingerprint FROM images WHERE id = ?", (w.image,)).fetchone()
-                images.append({"id": w.image, "job": w.job, "outputs": json.loads(r["outputs"]),
+                images.append({"id": w.image, "job": w.job, "outputs": json.loads(r["outputs"]), "mix": w.mix,
                                **self._twin(db, r["fingerprint"])})
                 if w.job not in jobs:
                     job = db.execute("SELECT path, out_dir FROM jobs WHERE id = ?", (w.job,)).fetchone()
@@ -475,18 +481,26 @@ class Store:
             return db.execute("UPDATE leases SET expires = ? WHERE id = ?", (now + ttl, lease_id)).rowcount == 1
 
     def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str], now: float,
-                 work: Work | None = None) -> bool:
+                 work: Work | None = None, record: Callable[[dict[str, set[str]]], None] | None = None) -> bool:
         """Records a lease's results; its images not named go back to the queue without a strike (a worker
-        stopping). False, and nothing recorded, when the lease is gone."""
+        stopping). False, and nothing recorded, when the lease is gone. `record({job: outputs of its done
+        images})` runs inside the transaction, before it commits (the job folders' manifest lines): if it
+        raises, nothing is recorded."""
         work = work or Work()
         with self._tx() as db:
             self._expire(db, now)
             if db.execute("SELECT 1 FROM leases WHERE id = ?", (lease_id,)).fetchone() is None:
                 self._count(db, LATE)
                 return False
-            held = db.execute("SELECT i.id, i.job, j.canceled FROM images i JOIN jobs j ON j.id = i.job "
+            held = db.execute("SELECT i.id, i.job, j.canceled, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
                               "WHERE i.lease = ?", (lease_id,)).fetchall()
-            for image, _, canceled in held:
+            if record is not None:
+                outputs: dict[str, set[str]] = {}
+                for image, job_id, _, paths in held:
+                    if image in done:
+                        outputs.setdefault(job_id, set()).update(json.loads(paths))
+                record(outputs)
+            for image, _, canceled, _ in held:
                 if image in done:
                     db.execute("UPDATE images SET state = ?, cached = ?, done = ?, lease = NULL WHERE id = ?",
                                (ImageState.DONE, image in cached, now, image))
@@ -504,7 +518,7 @@ class Store:
             self._count(db, FAILED, len(set(failed) & held_ids))
             self._count(db, OOMS, work.out_of_memory)
             self._count(db, MODEL_LOADS, work.model_loads)
-            for shape, images, seconds in work.batches:
+            for shape, images, seconds, *_ in work.batches:
                 self._observe(db, BATCH_SECONDS, shape, seconds)
                 for _ in range(images):
                     self._observe(db, IMAGE_RENDER, "", seconds / images)
@@ -582,6 +596,27 @@ class Store:
             db.execute("UPDATE jobs SET priority = ? WHERE id = ?", (priority, job_id))
             self._event(db, job_id, "priority", now, priority=priority)
             return True
+
+    def job_state(self, job_id: str) -> str | None:
+        """The job's state (None: no such job)."""
+        with self.lock:
+            canceled = self.db.execute("SELECT canceled FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if canceled is None:
+                return None
+            states = self._states(self.db, job_id)
+        return schedule.job_state(states, bool(canceled[0]))
+
+    def lease_worker(self, lease_id: str) -> str | None:
+        """The worker holding a lease (None: no such lease)."""
+        with self.lock:
+            row = self.db.execute("SELECT worker FROM leases WHERE id = ?", (lease_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def job_file(self, job_id: str) -> Path | None:
+        """The job file a served job was saved as (its folder holds the job's inputs and leases' reports)."""
+        with self.lock:
+            row = self.db.execute("SELECT path FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else Path(row[0])
 
     def job(self, job_id: str, now: float) -> dict | None:
         """The job with its images, its state, the images queued ahead of it and an ETA."""

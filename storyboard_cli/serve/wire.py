@@ -1,7 +1,7 @@
 """What crosses `bcg serve`'s HTTP boundary, as pydantic models: the bodies the server validates before it acts
-(strict types: `"1"` is not an integer, `1` is not a boolean; every integer within 64 bits, every string, list
-and mapping bounded), the answers /openapi.json describes, and the job body's JSON schema. The worker and
-`bcg submit` (serve/client.py) send these same shapes. Torch-free.
+(strict types: `"1"` is not an integer, `1` is not a boolean; every integer within 2^53, so within 64 bits;
+every string, list and mapping bounded), the answers /openapi.json describes, and the job body's JSON schema.
+The worker and `bcg submit` (serve/client.py) send these same shapes. Torch-free.
 
 The job body is validated by job/file.py (file:line, shot, field), never by these models: `JobDoc` only
 describes it, from job/file.py's own limits, so the schema and the validator share one home per number.
@@ -19,18 +19,19 @@ from storyboard_cli.job import file as job_file
 from storyboard_cli.job.file import SHOT_DEFAULTS
 from storyboard_cli.job.inputs import DIGEST
 from storyboard_cli.job.lora_files import SCALE_RANGE
+from storyboard_cli.job.preflight import PRESETS
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 from storyboard_cli.serve.schedule import TIERS, ImageState, JobState
 
-INT64_MAX = 2**63 - 1
+MAX_INT = 2**53 - 1  # I-JSON's exact integers (RFC 7493): within int64, and no JSON tool rounds them
 MAX_LEASE_IMAGES = 4096  # far above a lease (one batch of at most MAX_BUCKET images, its riders included)
 MAX_BATCHES = 1024  # batches rendered for one lease (an out-of-memory retry splits one in two)
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # worker names and ids: they label metric series
 
 Priority = Literal[tuple(TIERS)]
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1-64 letters, digits, '_', '.' or '-'")]
-ImageId = Annotated[int, Field(ge=0, le=INT64_MAX)]
-ImageKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$", description="an image id, in decimal")]
+ImageId = Annotated[int, Field(ge=0, le=MAX_INT)]
+ImageKey = Annotated[str, Field(pattern=r"^[0-9]{1,15}$", description="an image id, in decimal")]
 JobId = Annotated[str, Field(min_length=1, max_length=64)]
 Text = Annotated[str, Field(max_length=4000)]
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
@@ -66,12 +67,18 @@ class WorkerReport(Body):
               Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]] | None = Field(
         None, max_length=32, description="torch.cuda memory (bytes) and NVML utilisation (0-1); null on a CPU")
     ready: bool = False
+    warm: list[Annotated[str, Field(max_length=64)]] = Field(
+        [], max_length=256, description="the mixes (models, bucket key, LoRA set) this worker has prepared: "
+                                        "it is leased those first")
+    uptime_s: Seconds | None = Field(None, description="seconds since the worker started")
 
 
 class Batch(Body):
     shape: Annotated[str, Field(pattern=r"^[1-9][0-9]{1,3}x[1-9][0-9]{1,3}$", description="WxH")]
     images: Annotated[int, Field(ge=1, le=job_file.MAX_BUCKET)]
     seconds: Seconds
+    bucket: Annotated[int, Field(ge=1, le=job_file.MAX_BUCKET)] | None = Field(
+        None, description="the bucket it ran in (images over bucket: how full it was)")
 
 
 class ManifestLine(BaseModel):
@@ -91,7 +98,11 @@ class Completion(Body):
     batches: list[Batch] = Field([], max_length=MAX_BATCHES)
     out_of_memory: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     model_loads: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    manifest: dict[JobId, list[ManifestLine]] = Field({}, max_length=MAX_LEASE_IMAGES)
+    manifest: dict[JobId, list[ManifestLine]] = Field({}, max_length=MAX_LEASE_IMAGES,
+                                                      description="per job, the manifest line of each image written")
+    reports: dict[JobId, dict[str, Any]] = Field({}, max_length=MAX_LEASE_IMAGES,
+                                                 description="per job, the worker's report of this lease (its "
+                                                             "stages, buckets, graphs): merged into the job's report")
 
 
 class LeasedJob(BaseModel):
@@ -106,6 +117,7 @@ class LeasedImage(BaseModel):
     id: int
     job: str
     outputs: list[str]
+    mix: str | None = Field(None, description="what must match for images to share a batch (a worker's `warm`)")
     twin: str | None = Field(description="a PNG already rendered with this image's fingerprint, on the server")
     twin_of: list[str] | None = Field(description="[its job, its output path]")
     twin_url: str | None = Field(description="where to download that PNG")
@@ -240,8 +252,8 @@ class JobDoc(Doc):
 
     version: Literal[1]
     name: SafeName | None = Field(None, description="the output folder's name (default: from X-Job-Filename)")
-    model: NonEmpty = Field(description="a preset (tiny, sdxl-random), a hub id on the server's --allow-model "
-                                        "list, or a model under the server's folders")
+    model: Literal[PRESETS] | NonEmpty = Field(description="a preset, a hub id on the server's --allow-model list, or "
+                                                       "a model folder or file under the server's folders")
     controlnet: NonEmpty | None = None
     output_dir: NonEmpty | None = None
     buckets: list[Annotated[int, Field(ge=1, le=job_file.MAX_BUCKET)]] | None = Field(None, min_length=1)

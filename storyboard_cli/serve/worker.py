@@ -1,13 +1,15 @@
 """A worker: leases batches from the server, renders them with the model (and its engine) kept hot across
-jobs, writes them into the job's folder exactly as `bcg render` does, reports back. The only serve module
+jobs, writes their PNGs into the job's folder exactly as `bcg render` writes them (atomically), and reports
+back each image's manifest line and its own figures. The server is the one writer of the folder's manifest,
+report and contact sheet, so any number of workers render batches of one job at once. The only serve module
 that renders; it drives the engine through `RenderSession` (run/render.py), never directly.
 
-Each job of a lease is one `LeaseSession`: a RenderSession on the job's folder (its lock, reconcile,
-OutputSink, OOM policy, report, contact sheet) whose pending images are cut to the leased ones. The lease's
-first job renders; the others ride in its batches, each image delivered to its own job's sink. Images whose
-twin (same fingerprint) was rendered before are read from that PNG and written through their sink, with
-their job's metadata. A worker that does not see the server's job folders renders into copies of them
-under its --root and uploads what it wrote.
+Each job of a lease is one `LeaseSession`: a RenderSession whose pending images are the leased ones, with no
+folder lock, no reconcile and no sheet, whose manifest lines are kept for the completion (`Recorder`) and
+whose report is sent, not written. The lease's first job renders; the others ride in its batches, each image
+delivered to its own job's sink. Images whose twin (same fingerprint) was rendered before are read from that
+PNG and written through their sink, with their job's metadata. A worker that does not see the server's job
+folders renders into copies of them under its --root and uploads the PNGs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import signal
 import socket
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,17 +29,16 @@ import httpx
 import numpy as np
 
 from storyboard_cli.errors import Status, StoryboardError, folder_error, one_line
-from storyboard_cli.folder.outputs import Manifest, atomic_write
+from storyboard_cli.folder.outputs import Pending, atomic_write
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.digests import file_sha256
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import InputProblem, Inputs
-from storyboard_cli.job.plan import make_batches
+from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession, warm
 from storyboard_cli.serve.client import LeaseClient, QueueBusy, Unregistered
 from storyboard_cli.serve.blobs import BlobStore
 from storyboard_cli.serve.intake import JOBS, OUT, root_of
-from storyboard_cli.serve.uploads import REPORTS
 from storyboard_cli.serve.wire import NAME_PATTERN
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Hot:
     spec: tuple | None = None
     models: object = None
     engine: object = None
+    warm: set[str] = field(default_factory=set)  # the mixes rendered with these models: the server leases them first
 
     @property
     def ready(self) -> bool:
@@ -81,6 +83,7 @@ class Hot:
         lacking = job.controlnet is not None and self.models is not None and self.models.controlnet is None
         if spec != self.spec or lacking:  # another model, or a ControlNet the first job did not need
             self.spec, self.models, self.engine = spec, None, None
+            self.warm.clear()
 
 
 @dataclass
@@ -90,12 +93,41 @@ class Outcome:
     failed: dict[int, str] = field(default_factory=dict)
     stopped: bool = False
     work: dict = field(default_factory=dict)  # what the server's histograms and counters record
+    records: dict[str, list[dict]] = field(default_factory=dict)  # job id -> manifest lines of its images written
+    reports: dict[str, dict] = field(default_factory=dict)  # job id -> this lease's report of it
+
+
+class Recorder:
+    """Where a lease's manifest lines go: kept for the completion, in which the server records them (the
+    job folder's manifest has one writer, the server)."""
+
+    path = Path("manifest.jsonl")  # named in a write error
+
+    def __init__(self):
+        self.records: dict[str, dict] = {}
+
+    def append(self, record: dict) -> None:
+        self.records[record["path"]] = record
+
+    def compact(self) -> None:
+        pass
+
+
+class NoSheet:
+    """A lease's contact sheet: none (the server rebuilds the job's as batches land)."""
+
+    path = None
+
+    def update(self, failures, running: bool = False, final: bool = True) -> None:
+        pass
 
 
 class LeaseSession(RenderSession):
-    """One job's part of a lease: a RenderSession on its folder whose pending images are cut to the leased
-    ones. The head session (the lease's first job) renders; the riders (other jobs' images in the same
-    batches) only open their folder and sink, and the head's policy delivers their images to them."""
+    """One job's part of a lease: a RenderSession whose pending images are the leased ones. It writes their
+    PNGs and nothing else of the folder: no lock (other workers render other batches of the job at once), no
+    reconcile, no sheet; its manifest lines (`recorder`) and report (`report`) go back with the completion.
+    The head session (the lease's first job) renders; the riders (other jobs' images in the same batches)
+    only open their sink, and the head's policy delivers their images to them."""
 
     def __init__(self, job: Job, opts: RenderOptions, images: list[dict], hot: Hot):
         super().__init__(job, opts, None, hot.models, hot.engine)
@@ -103,17 +135,26 @@ class LeaseSession(RenderSession):
         self.mine = {p for image in images for p in image["outputs"]}
         self.twins = {image["outputs"][0]: image["twin"] for image in images if image["twin"]}
         self.copied: set[str] = set()
-        self.timed: list[dict] = []  # per rendered batch: shape, images, seconds
+        self.timed: list[dict] = []  # per rendered batch: shape, images, bucket, seconds
         self.riders: list[LeaseSession] = []
+        self.sheet = NoSheet()
+        self.recorder = Recorder()
+        self.report: dict | None = None
+
+    def lock(self):
+        return nullcontext()  # the server writes the folder's manifest; PNGs land atomically
 
     def find_pending(self):
-        pending, manifest = super().find_pending()
-        pending.items = [replace(i, outputs=tuple(p for p in i.outputs if p in self.mine))
-                         for i in pending.items if self.mine.intersection(i.outputs)]
-        return pending, manifest
+        items = [replace(i, outputs=tuple(p for p in i.outputs if p in self.mine))
+                 for i in work_items(self.job) if self.mine.intersection(i.outputs)]
+        return Pending(items=items), self.recorder
+
+    def publish(self, report: dict, keep_last: bool):
+        self.report = report  # sent with the completion; the server merges the job's
+        return report, None
 
     def ride(self) -> None:
-        """A rider's part of `prepare`: its folder reconciled and its sink open (no models)."""
+        """A rider's part of `prepare`: its pending images and its sink (no models)."""
         manifest = self.prepare_folder()
         if self.pending.items:
             self.sink = self.open_sink(manifest)
@@ -131,7 +172,7 @@ class LeaseSession(RenderSession):
             t0 = time.perf_counter()
             yield batch  # rendered before the loop asks for the next one
             self.timed.append({"shape": f"{batch.key.width}x{batch.key.height}", "images": len(batch.items),
-                               "seconds": round(time.perf_counter() - t0, 4)})
+                               "bucket": batch.size, "seconds": round(time.perf_counter() - t0, 4)})
 
     def copy_twin(self, item) -> bool:
         """Writes the item from its twin's PNG, if it has one that can be read."""
@@ -162,8 +203,8 @@ class Router:
 
 
 def render_together(head: LeaseSession, riders: list[LeaseSession]) -> dict[LeaseSession, RenderResult]:
-    """The head's render with the riders' images in its batches: each rider's folder locked and its sink open
-    for the whole render; its manifest, report and sheet finished after."""
+    """The head's render with the riders' images in its batches: each rider's sink open for the whole render,
+    its report finished after."""
     with ExitStack() as held:
         for rider in riders:
             held.enter_context(rider.lock())
@@ -333,15 +374,20 @@ def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, P
         hot.models, hot.engine = head.models, head.engine
     for session, result in results.items():
         failed = {f["path"]: f["reason"] for f in result.failed}
+        written = session.recorder.records
         for image in session.images:
             paths = image["outputs"]
             reason = next((failed[p] for p in paths if p in failed), None)
             if reason is not None:
                 out.failed[image["id"]] = reason
-            elif all((result.out_dir / p).is_file() for p in paths):
+            elif all(p in written for p in paths):
                 out.done.append(image["id"])
                 if session.copied.issuperset(paths):
                     out.cached.append(image["id"])
+        job_id = session.images[0]["job"]
+        out.records[job_id] = list(written.values())
+        if session.report is not None:
+            out.reports[job_id] = session.report
     out.stopped = results[head].status == Status.INTERRUPTED
     return out
 
@@ -369,6 +415,15 @@ def gpu_stats(hot: Hot) -> dict | None:
         handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")  # this device whatever CUDA_VISIBLE_DEVICES
     except Exception:  # noqa: BLE001 - NVML missing or refused: its figures are left out, not guessed
         return stats
+    readings = {"utilization": lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100,  # percent
+                "power_watts": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,  # milliwatts
+                "energy_joules": lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3}  # millijoules
+    for key, read in readings.items():
+        try:
+            stats[key] = read()
+        except pynvml.NVMLError:  # not supported on this board
+            pass
+    return stats
 
 
 class Heartbeat:
@@ -413,6 +468,7 @@ def run_worker(opts: WorkerOptions) -> int:
     finishes, the rest of the lease goes back to the queue). It registers again whenever the server no longer
     knows its id (a restart on a fresh root, or a registration that expired while it was stopped). Returns how
     many leases it rendered."""
+    started = time.monotonic()
     name = opts.name or default_name()
     client, hot, stop = LeaseClient(opts.server, opts.token), Hot(), _Stop()
     files = InputFiles(client, opts.root.resolve(), shared=not opts.upload)
@@ -432,7 +488,7 @@ def run_worker(opts: WorkerOptions) -> int:
                 if worker is None:
                     worker = client.register(name)
                     log.info("registered with %s as %s (%s)", opts.server, worker, name)
-                lease = client.lease(worker, gpu_stats(hot), hot.ready)
+                lease = client.lease(worker, gpu_stats(hot), hot.ready, hot.warm, time.monotonic() - started)
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while
                 log.info("no lease from %s: %s", opts.server, e)
                 time.sleep(backoff)
@@ -455,11 +511,12 @@ def run_worker(opts: WorkerOptions) -> int:
             with Heartbeat(client, lease, worker, hot):
                 fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                 outcome = render_lease(lease, hot, opts, places)
-                manifest = upload(client, lease, outcome, places)
+                uploaded = upload(client, lease, outcome, places)
             t1 = time.perf_counter()
             rendered += 1
-            if manifest is not None:
-                _report(client, lease, outcome, manifest)
+            hot.warm.update(i["mix"] for i in lease["images"] if i.get("mix") and i["id"] in outcome.done)
+            if uploaded:
+                _report(client, lease, outcome)
             batches = sum(b["seconds"] for b in outcome.work.get("batches", ()))
             log.info("lease %s: %d images in %.2f s (batches %.2f s, the rest: folder, PNGs, report, sheet), "
                      "completed in %.2f s", lease["lease"], len(lease["images"]), t1 - t0, batches,
@@ -483,33 +540,28 @@ def _pause(seconds: float, stop: _Stop) -> None:
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 
-def upload(client: LeaseClient, lease: dict, outcome: Outcome, places: dict[str, Place]) -> dict[str, list] | None:
-    """Sends the finished PNGs and the report of each job rendered in a copy to the server; returns their
-    manifest lines by job (None when the lease was lost meanwhile: the images are someone else's now)."""
-    lines = {}
+def upload(client: LeaseClient, lease: dict, outcome: Outcome, places: dict[str, Place]) -> bool:
+    """Sends the finished PNGs of each job rendered in a copy to the server; False when the lease was lost
+    meanwhile (the images are someone else's now)."""
     for job_id, where in places.items():
         if not where.upload:
             continue
-        records = Manifest(where.out_dir).records
-        paths = [p for image in lease["images"] if image["job"] == job_id and image["id"] in outcome.done
-                 for p in image["outputs"]]
-        for path in paths + [p for p in REPORTS if (where.out_dir / p).is_file()]:
+        for path in [r["path"] for r in outcome.records.get(job_id, ())]:
             try:
                 if not client.upload(lease["lease"], job_id, path, (where.out_dir / path).read_bytes()):
                     log.warning("lease %s was lost while uploading: its images went back to the queue", lease["lease"])
-                    return None
+                    return False
             except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (from the copy)
                 log.warning("uploading %s of lease %s: %s", path, lease["lease"], e)
-                return None
-        lines[job_id] = [records[p] for p in paths if p in records]
-    return lines
+                return False
+    return True
 
 
-def _report(client: LeaseClient, lease: dict, outcome: Outcome, manifest: dict[str, list], tries: int = 5) -> None:
+def _report(client: LeaseClient, lease: dict, outcome: Outcome, tries: int = 5) -> None:
     for attempt in range(tries):
         try:
             if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed, outcome.work,
-                                   manifest):
+                                   outcome.records, outcome.reports):
                 log.warning("lease %s was lost before it completed: the server ignored its results", lease["lease"])
             return
         except httpx.HTTPError as e:

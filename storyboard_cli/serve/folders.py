@@ -1,0 +1,229 @@
+"""The server is the one writer of its job folders, whatever the number of workers rendering a job: workers write
+their PNGs (atomically, on the shared filesystem, or by upload); the server checks each and records its manifest
+line in the transaction that completes the batch, and rebuilds the job's report (merged from the leases'
+figures) and contact sheet as batches land. Torch-free.
+
+- `store_upload`: a PNG a worker without the server's filesystem sends, where a worker on it would have written it.
+- `check`: a completion's manifest lines, each for an output of the lease, its file in the job's folder (a
+  regular file, not a link) and its bytes hashing to the line's sha256. Read off the event loop, before the
+  store's lock is taken.
+- `record`: inside `Store.complete`'s transaction: one line per output of each done image, appended to the
+  folder's manifest.jsonl (the one format `bcg render` writes); an output without a checked line refuses the
+  completion, nothing recorded.
+- `Refresher`: a thread that rebuilds a job's report.json/.md and index.html at most every REFRESH_S while it
+  renders, and once more when it ends (a sheet is a scan of the folder: rebuilt per batch, a long job would
+  spend more time on its sheet than on its images).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from storyboard_cli.errors import BadInput, Status
+from storyboard_cli.folder.outputs import Manifest, atomic_write
+from storyboard_cli.folder.report import Report, Timings, build_report, write_report
+from storyboard_cli.folder.sink import ContactSheet
+from storyboard_cli.serve.intake import served_job
+from storyboard_cli.serve.schedule import ImageState, JobState
+
+log = logging.getLogger(__name__)
+LEASES = "leases"  # <root>/jobs/<id>/leases/<lease>.json: each completed lease's report of the job
+REFRESH_S = 2.0
+STATUS = {JobState.SUCCEEDED: Status.DONE, JobState.FAILED: Status.FAILED, JobState.CANCELED: Status.INTERRUPTED}
+
+Held = dict[str, tuple[Path, Path, set[str]]]  # Store.lease_outputs: job -> (job file, output folder, outputs)
+
+
+def check(held: Held, manifest: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
+    """The completion's lines by job and path, each checked against the file it names. Raises BadInput."""
+    checked: dict[str, dict[str, dict]] = {}
+    for job_id, lines in manifest.items():
+        if job_id not in held:
+            raise BadInput(f"the lease holds no image of job {job_id}")
+        _, out_dir, outputs = held[job_id]
+        for line in lines:
+            path = line.get("path")
+            if path not in outputs:
+                raise BadInput(f"manifest line for {str(path)[:80]!r}: not an output of this lease")
+            digest = line.get("sha256")
+            if not isinstance(digest, str) or _sha256(out_dir / path) != digest:
+                raise BadInput(f"{path}: the file in the job's folder is missing or is not the one its line names")
+            checked.setdefault(job_id, {})[path] = line
+    return checked
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        h = hashlib.sha256()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+        return h.hexdigest()
+
+
+def record(held: Held, checked: dict[str, dict[str, dict]], done: dict[str, set[str]]) -> None:
+    """The manifest lines of the done images' outputs, appended to their jobs' manifests (the store's
+    transaction is open: raising refuses the completion)."""
+    for job_id, outputs in done.items():
+        lines = checked.get(job_id, {})
+        missing = sorted(outputs - set(lines))
+        if missing:
+            raise BadInput(f"{missing[0]}: reported done without its manifest line")
+        manifest = Manifest(held[job_id][1])
+        for path in sorted(outputs):
+            manifest.append(lines[path])
+
+
+def store_upload(out_dir: Path, outputs: set[str], path: str, data: bytes) -> None:
+    """A PNG of a lease from a worker without the server's filesystem, written atomically where a worker on
+    it would have written it. Raises BadInput for anything but one of the lease's outputs."""
+    if path not in outputs:
+        raise BadInput(f"{path[:80]!r} is not an output of this lease")
+    atomic_write(out_dir / path, data)
+
+
+def keep_reports(held: Held, lease_id: str, worker: str | None, reports: dict[str, dict]) -> None:
+    """Each job's report of a completed lease, beside the job file (what the job's report is merged from)."""
+    for job_id, report in reports.items():
+        if job_id in held:
+            folder = held[job_id][0].parent / LEASES
+            atomic_write(folder / f"{lease_id}.json", json.dumps({"worker": worker, "report": report}).encode())
+
+
+def merged_report(job: dict, job_file: Path, now: float) -> dict:
+    """The job's report: the leases' figures merged (stage seconds and buckets summed, a row per worker), its
+    images and failures as the queue has them, its wall time from submission to its end (or now)."""
+    leases = []
+    for f in sorted((job_file.parent / LEASES).glob("*.json")):
+        try:
+            leases.append(json.loads(f.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    reports = [entry["report"] for entry in leases]
+    timings = Timings()
+    for r in reports:
+        timings.merge(Report.from_json(r).timings)
+    first = reports[0] if reports else {}
+    images = job["images"]
+    done = [i for i in images if i["state"] == ImageState.DONE]
+    failures = [{"path": p, "shot": i["shot"], "reason": i["reason"] or "failed"}
+                for i in images if i["state"] == ImageState.FAILED for p in i["outputs"]]
+    end = job["finished"] or now
+    graphs = {json.dumps(g, sort_keys=True): g for r in reports for g in r.get("graphs", [])}
+    peaks = [r["peak_memory_mb"] for r in reports if r.get("peak_memory_mb") is not None]
+    report = build_report(
+        job=str(job_file), out_dir=Path(job["out_dir"]), device=first.get("device", "none"),
+        dtype=first.get("dtype", "none"), engine=first.get("engine", "none"), model=first.get("model", ""),
+        timings=timings, wall_s=end - job["submitted"], rendered=sum(len(i["outputs"]) for i in done), skipped=0,
+        failed=failures, peak_mem_mb=max(peaks) if peaks else None, graphs=list(graphs.values()),
+        status=STATUS.get(job["state"], job["state"]),
+        notes=list(dict.fromkeys(n for r in reports for n in r.get("notes", []))),
+        run={"id": job["id"], "started": _iso(job["submitted"]), "finished": _iso(job["finished"])},
+        shots=first.get("shots"))
+    report["workers"] = _workers(leases)
+    return report
+
+
+def _workers(leases: list[dict]) -> list[dict]:
+    """A row per worker, in the report's workers table (as a multi-GPU render's): its leases' images, failures,
+    load and capture seconds and busy time summed; `host` is the id the server issued it."""
+    rows: dict[str, dict] = {}
+    for entry in leases:
+        r, name = entry["report"], entry.get("worker") or "?"
+        row = rows.setdefault(name, {"rank": len(rows), "host": name, "device": r.get("device"), "images": 0,
+                                     "failed": 0, "load_s": 0.0, "capture_s": 0.0, "busy_s": 0.0, "idle_s": 0.0})
+        stages = r.get("stages_s", {})
+        row["images"] += r.get("images_rendered", 0)
+        row["failed"] += r.get("images_failed", 0)
+        row["load_s"] = round(row["load_s"] + stages.get("load", 0.0), 3)
+        row["capture_s"] = round(row["capture_s"] + stages.get("capture", 0.0), 3)
+        row["busy_s"] = round(row["busy_s"] + r.get("wall_s", 0.0), 3)
+    for row in rows.values():
+        row["images_per_s"] = round(row["images"] / row["busy_s"], 4) if row["busy_s"] else 0.0
+    return list(rows.values())
+
+
+def _iso(t: float | None) -> str | None:
+    return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+class Refresher:
+    """Rebuilds a job's report and contact sheet off the request path: `touch(job)` after a batch lands (at
+    most every REFRESH_S per job), `touch(job, now=True)` when it ends."""
+
+    def __init__(self, job_of: Callable[[str], dict | None], clock: Callable[[], float] = time.time,
+                 every_s: float = REFRESH_S):
+        self.job_of, self.clock, self.every_s = job_of, clock, every_s
+        self.due: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="bcg-folders", daemon=True)
+        self.thread.start()
+
+    def touch(self, job_id: str, now: bool = False) -> None:
+        with self.wake:
+            at = time.monotonic() if now else max(time.monotonic(), self.last.get(job_id, 0.0) + self.every_s)
+            self.due[job_id] = min(self.due.get(job_id, at), at)
+            self.wake.notify()
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Waits until every touched job has been rebuilt (tests, and the server's drain)."""
+        deadline = time.monotonic() + timeout_s
+        with self.wake:
+            for job_id in self.due:
+                self.due[job_id] = time.monotonic()
+            self.wake.notify()
+            while self.due and time.monotonic() < deadline:
+                self.wake.wait(0.05)
+
+    def close(self) -> None:
+        self.flush()
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self.wake:
+                while not self.stopping and not [j for j, at in self.due.items() if at <= time.monotonic()]:
+                    soonest = min(self.due.values(), default=None)
+                    self.wake.wait(None if soonest is None else max(soonest - time.monotonic(), 0.01))
+                if self.stopping:
+                    return
+                ready = [j for j, at in self.due.items() if at <= time.monotonic()]
+            for job_id in ready:
+                try:
+                    self.rebuild(job_id)
+                except Exception:  # noqa: BLE001 - a view of the folder: the images and the queue are what count
+                    log.warning("job %s: report or sheet not rebuilt", job_id, exc_info=True)
+                with self.wake:
+                    self.last[job_id] = time.monotonic()
+                    self.due.pop(job_id, None)
+                    self.wake.notify_all()
+
+    def rebuild(self, job_id: str) -> None:
+        job = self.job_of(job_id)
+        if job is None:
+            return
+        job_file, out_dir = Path(job["path"]), Path(job["out_dir"])
+        report = merged_report(job, job_file, self.clock())
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_report(out_dir, report)
+        notes: list[str] = []
+        ContactSheet(out_dir, served_job(job_file), notes).update(report["failures"],
+                                                                   running=job["state"] in (JobState.QUEUED, JobState.RUNNING))
