@@ -24,6 +24,7 @@ from storyboard_cli.serve.store import Store
 
 from conftest import ROOT
 from test_serve_e2e import Server, eventually, free_port, metric, stop
+from test_serve_prometheus import JOB  # 3 images of the tiny model
 
 DEPLOY = ROOT / "deploy"
 COMPOSE, RULES = DEPLOY / "docker-compose.yml", DEPLOY / "prometheus-rules.yml"
@@ -31,12 +32,6 @@ RULE_TESTS = DEPLOY / "prometheus-rules.test.yml"
 KUBERNETES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
 SLURM = DEPLOY / "slurm-workers.sh"
 PROMTOOL = shutil.which("promtool")
-JOB = """version: 1
-model: tiny
-defaults: {steps: 2, size: 64x64}
-shots:
-  - {id: a, prompt: a castle, seed: 1, candidates: 2}
-"""
 DEADLINE_S = 120
 JOB_DEADLINE_S = 300
 
