@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ROOT, write_job
+from conftest import DATA, ROOT, write_job
 from storyboard_cli.folder.layout import SHARDS
 from storyboard_cli.folder.outputs import Manifest, read_fingerprint
+from storyboard_cli.folder.report import Report, Timings, build_report
 from storyboard_cli.folder.shards import merge_shards, shard_manifest
 from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
 from storyboard_cli.run import dist
@@ -319,32 +320,59 @@ def test_merge_shards_keeps_the_newest_line_and_removes_the_shards(tmp_path):
     assert merge_shards(tmp_path) == 0
 
 
-def _worker_report(rank, images, busy, arrived, status="done"):
-    return {"job": "j", "status": status, "device": "cpu", "wall_s": 10.0, "images_rendered": images,
-            "images_failed": 0, "images_per_s": 0.0, "steps_per_s": 2.0, "peak_memory_mb": None,
-            "stages_s": {"load": 1.0, "capture": 0.5, "denoise": busy}, "failures": [], "notes": ["n"],
-            "buckets": [{"bucket": "1 x 64x64", "images": images, "batches": images, "rows": 2 * images,
-                         "steps": 3 * images, "denoise_s": busy, "ms_per_step": 0.0}],
-            "rank": rank, "host": "h", "busy_s": busy, "arrived_s": arrived}
+def _worker_report(rank, rendered, denoise, wall, failed, peak, busy, arrived, status="done", notes=("a",)) -> dict:
+    """A worker's report as it sends it to rank 0 (two buckets, rank 0's graphs and draft shot)."""
+    t = Timings(stages={"load": 1.23456, "capture": 0.5 + rank / 3, "encode": 0.1, "denoise": denoise, "decode": 0.2,
+                        "save": 0.3})
+    b = t.bucket("1024x1024 30 steps euler")
+    b.images, b.batches, b.rows, b.steps, b.denoise_s = rendered, 2, 16, 60, denoise * 0.9
+    c = t.bucket("832x1216 30 steps euler +control")
+    c.images, c.batches, c.rows, c.steps, c.denoise_s = 1, 1, 2, 30 + rank, denoise * 0.1
+    report = build_report(job="jobs/x.yaml", out_dir=Path("out/x"), device=f"cuda:{rank}", dtype="float16",
+                          engine="graph", model="sdxl", timings=t, wall_s=wall, rendered=rendered, skipped=3,
+                          failed=failed, peak_mem_mb=peak, graphs=[{"shape": "8x1024x1024", "state": "graph"}],
+                          status=status, notes=list(notes), run={"id": "r1", "started": "s", "finished": "f"},
+                          shots=[{"shot": "a", "draft": False}, {"shot": "b", "draft": rank == 0}])
+    return report | {"rank": rank, "host": f"h{rank}", "busy_s": busy, "arrived_s": arrived}
+
+
+WORKERS = [_worker_report(0, 8, 12.3456789, 20.123456, [], 1234.56, 15.6789, 17.00012),
+           _worker_report(1, 6, 9.87654321, 18.7654321, [{"path": "b/y.png", "shot": "b", "reason": "oom"}], None,
+                          13.1111, 16.5, status="failed", notes=("a", "b"))]
+
+
+def test_report_json_keeps_its_keys_order_and_figures():
+    """report.json (a render's, a worker's on its way to rank 0, the merged one) as tests/data/report/reports.json
+    recorded it, key order included."""
+    want = json.loads((DATA / "report" / "reports.json").read_text())
+    single = build_report(job="j.yaml", out_dir=Path("o"), device="cpu", dtype="float32", engine="eager",
+                          model="tiny", timings=Timings(stages={"load": 0.11111, "capture": 0.0, "denoise": 2.71828}),
+                          wall_s=3.14159, rendered=7, skipped=1, failed=[{"path": "a/x.png", "shot": "a", "reason": "r"}],
+                          peak_mem_mb=None, graphs=[], status="failed", notes=["n"], stopped_by=15, error="e", shots=[])
+    merged = Report.merge([Report.from_json(r) for r in WORKERS]).to_json()
+    for got, name in ((single, "single"), (WORKERS[0], "worker"), (merged, "merged")):
+        assert json.dumps(got) == json.dumps(want[name]), name
+    assert all(Report.from_json(r).to_json() == r for r in (single, *WORKERS, merged))  # the file and back
 
 
 def test_merged_report_sums_workers_and_measures_idle_on_each_clock():
-    merged = dist.merge_reports([_worker_report(0, 6, 3.0, 9.0), _worker_report(1, 4, 2.0, 7.5, status="failed")])
-    assert merged["images_rendered"] == 10 and merged["status"] == "failed"
-    assert [w["idle_s"] for w in merged["workers"]] == [0.0, 1.5]
-    assert [w["images_per_s"] for w in merged["workers"]] == [2.0, 2.0]
-    assert merged["wall_s"] == 10.0 and merged["buckets"][0]["images"] == 10 and merged["notes"] == ["n"]
-    assert merged["render_s"] == 4.0 and merged["steps_per_s"] == 4.0
-    assert "rank" not in merged and "arrived_s" not in merged
+    merged = Report.merge([Report.from_json(r) for r in WORKERS])
+    assert merged.images_rendered == 14 and merged.images_failed == 1 and merged.status == "failed"
+    assert [w["idle_s"] for w in merged.workers] == [0.0, 0.5] and merged.wall_s == round(20.123456 + 0.0, 3)
+    assert [w["images_per_s"] for w in merged.workers] == [round(8 / 15.6789, 4), round(6 / 13.1111, 4)]
+    assert merged.buckets[0]["images"] == 14 and merged.notes == ["a", "b"] and merged.peak_memory_mb == 1234.6
+    assert merged.render_s == round(0.5 + 15.679 + 0.0, 3) and merged.steps_per_s == round(
+        sum(r["steps_per_s"] for r in WORKERS), 3)
+    assert merged.graphs == WORKERS[0]["graphs"] and merged.draft  # rank 0's
+    assert not {"rank", "host", "busy_s", "arrived_s"} & set(merged.to_json())
 
 
 def test_the_markdown_report_has_a_workers_table():
     from storyboard_cli.folder.report import markdown
 
-    merged = dist.merge_reports([_worker_report(0, 6, 3.0, 9.0), _worker_report(1, 4, 2.0, 7.5)])
-    text = markdown(merged | {"dtype": "float32", "engine": "eager", "model": "tiny", "images_skipped": 0,
-                              "graphs": []})
-    assert "## Workers" in text and "| 1 | h | cpu | 4 | 0 |" in text
+    merged = Report.merge([Report.from_json(r) for r in WORKERS])
+    text = markdown(replace(merged, graphs=[], shots=[]).to_json())
+    assert "## Workers" in text and "| 1 | h1 | cuda:1 | 6 | 1 |" in text
 
 
 def test_a_worker_keeps_to_its_lora_set_within_a_tier():

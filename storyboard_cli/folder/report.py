@@ -7,12 +7,14 @@ import signal
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from storyboard_cli.folder.layout import REPORT_JSON, REPORT_MD
+from storyboard_cli.errors import Status, StoryboardError
+from storyboard_cli.folder.layout import REPORT_JSON, REPORT_MD, read_report
 from storyboard_cli.folder.outputs import atomic_write
+from storyboard_cli.job.file import Job, as_draft, load_job
 
 if TYPE_CHECKING:
     from storyboard_cli.models.lora import Swap
@@ -76,12 +78,6 @@ class Timings:
         for b in other.buckets.values():
             self.bucket(b.label).add(b)
 
-    @classmethod
-    def from_report(cls, report: dict) -> Timings:
-        """The timings a report was built from (as rounded there)."""
-        return cls(stages=dict(report["stages_s"]),
-                   buckets={row["bucket"]: BucketTiming.from_row(row) for row in report["buckets"]})
-
     def stages_s(self) -> dict[str, float]:
         return {k: round(v, 4) for k, v in self.stages.items()}
 
@@ -98,29 +94,131 @@ def lora_section(swaps: list[Swap] | None) -> dict | None:
             "layers": [s.layers for s in swaps], "sets": [list(s.labels) for s in swaps]}
 
 
-def build_report(*, job: str, out_dir: Path, device: str, dtype: str, engine: str, model: str,
-                 timings: Timings, wall_s: float, rendered: int, skipped: int, failed: list[dict],
-                 peak_mem_mb: float | None, graphs: list[dict], status: str, notes: list[str],
-                 run: dict | None = None, stopped_by: int | None = None, error: str | None = None,
-                 lora_swaps: list[Swap] | None = None, shots: list[dict] | None = None) -> dict:
-    """`run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted render; `error`:
-    what ended a failed one; `shots`: what each shot used (plan.shot_levers)."""
-    shots = shots or []
-    total_steps = sum(b.steps for b in timings.buckets.values())
-    extra = {"run": run or {}, "stopped_by": signal.Signals(stopped_by).name if stopped_by else None,
-             "error": error, "lora": lora_section(lora_swaps)}
-    return {
-        "job": job, "output_dir": str(out_dir), "status": status, **extra, "device": device, "dtype": dtype,
-        "engine": engine, "model": model, "wall_s": round(wall_s, 3),
-        "images_rendered": rendered, "images_skipped": skipped, "images_failed": len(failed),
-        "images_per_s": round(rendered / wall_s, 4) if wall_s else 0.0,
-        "steps_per_s": round(total_steps / timings.stages["denoise"], 3) if timings.stages["denoise"] else 0.0,
-        "peak_memory_mb": None if peak_mem_mb is None else round(peak_mem_mb, 1),
-        "stages_s": timings.stages_s(),
-        "buckets": timings.bucket_rows(),
-        "graphs": graphs, "failures": failed, "notes": notes,
-        "draft": any(s["draft"] for s in shots), "shots": shots,
-    }
+def _per_s(count: float, seconds: float, digits: int) -> float:
+    """A rate as the report rounds it; 0.0 for no time."""
+    return round(count / seconds, digits) if seconds else 0.0
+
+
+@dataclass(frozen=True)
+class WorkerShare:
+    """What a torchrun worker sends with its report for rank 0's merge (not written to report.json)."""
+
+    rank: int
+    host: str
+    busy_s: float  # from its first claim to its report
+    arrived_s: float  # from the moment the plan was shared to its report, by its own clock
+
+
+@dataclass(frozen=True)
+class Report:
+    """report.json, one field per key, in its order, with its rounding: what one render did (`build`), or a
+    multi-GPU render's workers together (`merge`). `to_json` and `from_json` carry it to the file and back."""
+
+    job: str
+    output_dir: str
+    status: str
+    run: dict[str, str]  # id, started, finished
+    stopped_by: str | None  # the signal that stopped an interrupted render
+    error: str | None  # what ended a failed one
+    lora: dict[str, Any] | None  # the LoRA swaps (lora_section)
+    device: str
+    dtype: str
+    engine: str
+    model: str
+    wall_s: float
+    images_rendered: int
+    images_skipped: int
+    images_failed: int
+    images_per_s: float  # over the wall time
+    steps_per_s: float  # while denoising
+    peak_memory_mb: float | None  # None on the CPU
+    stages_s: dict[str, float]
+    buckets: list[dict[str, Any]]  # BucketTiming.row()
+    graphs: list[dict[str, Any]]  # Engine.describe()
+    failures: list[dict[str, Any]]  # path, shot, reason
+    notes: list[str]
+    draft: bool
+    shots: list[dict[str, Any]]  # what each shot used (plan.shot_levers)
+    # a multi-GPU render's (`merge`): the wall time less weight loading, and each worker's row
+    render_s: float | None = None
+    render_images_per_s: float | None = None
+    workers: list[dict[str, Any]] | None = None
+    share: WorkerShare | None = None  # a worker's report on its way to the merge
+
+    @classmethod
+    def build(cls, *, job: str, out_dir: Path, device: str, dtype: str, engine: str, model: str, timings: Timings,
+              wall_s: float, rendered: int, skipped: int, failed: list[dict], peak_mem_mb: float | None,
+              graphs: list[dict], status: str, notes: list[str], run: dict | None = None,
+              stopped_by: int | None = None, error: str | None = None, lora_swaps: list[Swap] | None = None,
+              shots: list[dict] | None = None) -> Report:
+        """One render's report. `run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted
+        render; `error`: what ended a failed one; `shots`: what each shot used (plan.shot_levers)."""
+        shots = shots or []
+        total_steps = sum(b.steps for b in timings.buckets.values())
+        return cls(job=job, output_dir=str(out_dir), status=status, run=run or {},
+                   stopped_by=signal.Signals(stopped_by).name if stopped_by else None, error=error,
+                   lora=lora_section(lora_swaps), device=device, dtype=dtype, engine=engine, model=model,
+                   wall_s=round(wall_s, 3), images_rendered=rendered, images_skipped=skipped,
+                   images_failed=len(failed), images_per_s=_per_s(rendered, wall_s, 4),
+                   steps_per_s=_per_s(total_steps, timings.stages["denoise"], 3),
+                   peak_memory_mb=None if peak_mem_mb is None else round(peak_mem_mb, 1),
+                   stages_s=timings.stages_s(), buckets=timings.bucket_rows(), graphs=graphs, failures=failed,
+                   notes=notes, draft=any(s["draft"] for s in shots), shots=shots)
+
+    @classmethod
+    def merge(cls, reports: list[Report]) -> Report:
+        """Every worker's report (rank order, each with its share) -> the job's: counts summed, stage seconds summed
+        over workers, buckets merged, and a `workers` table (busy, idle, images/s per GPU). A worker's idle time is
+        how long before the last one it finished (`arrived_s`: each by its own clock, so no clocks are compared
+        across machines). The rest is rank 0's (its run, its graphs)."""
+        first = reports[0]
+        end = max(r.share.arrived_s for r in reports)
+        idle_s = [end - r.share.arrived_s for r in reports]
+        rendered = sum(r.images_rendered for r in reports)
+        wall = first.wall_s + idle_s[0]  # rank 0 is the last to finish: it waited for the others
+        timings = Timings(stages={})
+        for r in reports:
+            timings.merge(r.timings)
+        workers = [{"rank": r.share.rank, "host": r.share.host, "device": r.device, "images": r.images_rendered,
+                    "failed": r.images_failed, "load_s": r.stages_s["load"], "capture_s": r.stages_s["capture"],
+                    "busy_s": round(r.share.busy_s, 3), "idle_s": round(idle, 3),
+                    "images_per_s": _per_s(r.images_rendered, r.share.busy_s, 4)} for r, idle in zip(reports, idle_s)]
+        render_s = max(w["capture_s"] + w["busy_s"] + w["idle_s"] for w in workers)  # weight loading excluded
+        peaks = [r.peak_memory_mb for r in reports if r.peak_memory_mb is not None]
+        return replace(first, share=None, status=Status.worst(r.status for r in reports), wall_s=round(wall, 3),
+                       images_rendered=rendered, images_failed=sum(r.images_failed for r in reports),
+                       images_per_s=_per_s(rendered, wall, 4), render_s=round(render_s, 3),
+                       render_images_per_s=_per_s(rendered, render_s, 4),
+                       steps_per_s=round(sum(r.steps_per_s for r in reports), 3),
+                       peak_memory_mb=max(peaks) if peaks else None, stages_s=timings.stages_s(),
+                       buckets=timings.bucket_rows(), failures=[f for r in reports for f in r.failures],
+                       notes=list(dict.fromkeys(n for r in reports for n in r.notes)), workers=workers)
+
+    @property
+    def timings(self) -> Timings:
+        """The stage and bucket timings it was built from (as rounded here)."""
+        return Timings(stages=dict(self.stages_s),
+                       buckets={row["bucket"]: BucketTiming.from_row(row) for row in self.buckets})
+
+    def to_json(self) -> dict[str, Any]:
+        """report.json's object; a merged report's figures after the rest, a worker's share last."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "share"}
+        if self.workers is None:
+            for name in ("render_s", "render_images_per_s", "workers"):
+                del out[name]
+        return out | (asdict(self.share) if self.share else {})
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Report:
+        """A report as `to_json` wrote it (a worker's share included)."""
+        share = WorkerShare(**{f.name: data[f.name] for f in fields(WorkerShare)}) if "rank" in data else None
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "share"},
+                   share=share)
+
+
+def build_report(**kwargs: Any) -> dict:
+    """One render's report as report.json holds it (`Report.build`)."""
+    return Report.build(**kwargs).to_json()
 
 
 def markdown(report: dict) -> str:
@@ -192,3 +290,15 @@ def write_report(out_dir: Path, report: dict) -> tuple[Path, Path]:
     atomic_write(js, (json.dumps(report, indent=2) + "\n").encode())
     atomic_write(md, markdown(report).encode())
     return js, md
+
+
+def job_of_folder(out_dir: Path) -> Job | None:
+    """The job that rendered `out_dir` (its report.json names the job file), if that file still loads."""
+    report = read_report(out_dir)
+    if not report or not isinstance(report.get("job"), str):
+        return None
+    try:
+        job = load_job(report["job"])
+    except StoryboardError:
+        return None
+    return as_draft(job) if report.get("draft") is True else job  # a draft folder: the job as --draft ran it

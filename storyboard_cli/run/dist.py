@@ -35,7 +35,7 @@ from storyboard_cli.errors import BadInput, OutputLocked, RenderFailure, Status
 from storyboard_cli.folder.layout import read_report
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending
-from storyboard_cli.folder.report import Timings, write_report
+from storyboard_cli.folder.report import Report, WorkerShare, write_report
 from storyboard_cli.folder.shards import merge_shards, shard_manifest
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import Batch
@@ -141,47 +141,6 @@ def claim(store, batches: list[Batch], rank: int = 0) -> Iterator[Batch]:
             yield batches[i]
 
 
-# --- the merged report ---------------------------------------------------------------------------
-
-def merge_reports(reports: list[dict]) -> dict:
-    """Every worker's report (rank order) -> the job's: counts summed, stage seconds summed over
-    workers, buckets merged, and a `workers` table (busy, idle, images/s per GPU). A worker's idle
-    time is how long before the last one it finished (`arrived_s`: seconds since the plan was shared,
-    each by its own clock: no clocks are compared across machines)."""
-    first = reports[0]
-    end = max(r["arrived_s"] for r in reports)
-    idle_s = [end - r["arrived_s"] for r in reports]
-    rendered = sum(r["images_rendered"] for r in reports)
-    wall = first["wall_s"] + idle_s[0]  # rank 0 is the last to finish: it waited for the others
-    timings = Timings(stages={})
-    for r in reports:
-        timings.merge(Timings.from_report(r))
-    workers = [{"rank": r["rank"], "host": r["host"], "device": r["device"], "images": r["images_rendered"],
-                "failed": r["images_failed"], "load_s": r["stages_s"]["load"], "capture_s": r["stages_s"]["capture"],
-                "busy_s": round(r["busy_s"], 3), "idle_s": round(idle, 3),
-                "images_per_s": round(r["images_rendered"] / r["busy_s"], 4) if r["busy_s"] else 0.0}
-               for r, idle in zip(reports, idle_s)]
-    render_s = max(w["capture_s"] + w["busy_s"] + w["idle_s"] for w in workers)  # weight loading excluded
-    peaks = [r["peak_memory_mb"] for r in reports if r["peak_memory_mb"] is not None]
-    return {
-        **{k: v for k, v in first.items() if k not in ("rank", "host", "busy_s", "arrived_s")},
-        "status": Status.worst(r["status"] for r in reports),
-        "wall_s": round(wall, 3),
-        "images_rendered": rendered,
-        "images_failed": sum(r["images_failed"] for r in reports),
-        "images_per_s": round(rendered / wall, 4) if wall else 0.0,
-        "render_s": round(render_s, 3),
-        "render_images_per_s": round(rendered / render_s, 4) if render_s else 0.0,
-        "steps_per_s": round(sum(r["steps_per_s"] for r in reports), 3),
-        "peak_memory_mb": max(peaks) if peaks else None,
-        "stages_s": timings.stages_s(),
-        "buckets": timings.bucket_rows(),
-        "failures": [f for r in reports for f in r["failures"]],
-        "notes": list(dict.fromkeys(n for r in reports for n in r["notes"])),
-        "workers": workers,
-    }
-
-
 def _wait(store, keys: list[str], deadline: float | None = None) -> bool:
     """Waits until `keys` are set (or the deadline passes), polling: between two polls a signal handler
     runs, which it cannot while the store's own blocking wait is in C."""
@@ -268,10 +227,9 @@ class DistSession(rendering.RenderSession):
         """Every worker posts its figures to the store; rank 0 waits for all of them (a few seconds at most
         after a stop; not at all after an error of its own), merges the shards and writes the job's report."""
         now = time.perf_counter()
-        mine = {**report, "rank": self.w.rank, "host": socket.gethostname(),
-                "busy_s": now - self.t_run if self.t_run else 0.0,
-                "arrived_s": now - self.t_pending if self.t_pending else 0.0}
-        self.store.set(f"report/{self.w.rank}", json.dumps(mine))
+        share = WorkerShare(self.w.rank, socket.gethostname(), busy_s=now - self.t_run if self.t_run else 0.0,
+                            arrived_s=now - self.t_pending if self.t_pending else 0.0)
+        self.store.set(f"report/{self.w.rank}", json.dumps(replace(Report.from_json(report), share=share).to_json()))
         if not self.w.leader:
             # rank 0 speaks for the job (the report, the exit code): a worker whose share is finished exits
             # 0, so that torchrun never stops rank 0 while it merges (a failed image is in the report)
@@ -279,7 +237,7 @@ class DistSession(rendering.RenderSession):
         if report["status"] == Status.ERROR:
             return super().publish(report, keep_last)
         seen = self._gather(stopped=report["status"] == Status.INTERRUPTED)
-        merged = merge_reports([json.loads(self.store.get(f"report/{r}")) for r in seen])
+        merged = Report.merge([Report.from_json(json.loads(self.store.get(f"report/{r}"))) for r in seen]).to_json()
         if len(seen) < self.w.world:
             merged["status"] = Status.INTERRUPTED
             merged["notes"].append(f"{self.w.world - len(seen)} of {self.w.world} workers sent no figures; "
