@@ -18,12 +18,9 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Iterable
 
 from storyboard_cli.errors import BadInput
-
-if TYPE_CHECKING:
-    from storyboard_cli.job.file import Job
 
 REPORT_JSON, REPORT_MD = "report.json", "report.md"
 MANIFEST = "manifest.jsonl"
@@ -144,10 +141,10 @@ def candidate_files(out_dir: Path, shot: str) -> list[tuple[str, int, int, os.st
     return sorted(found, key=lambda f: f[1])
 
 
-def shot_order(out_dir: Path, job: Job | None = None) -> list[str]:
-    """Shot ids in the job's order, then manifest order, then any other folder holding candidate
-    images (sorted)."""
-    ids = list(dict.fromkeys(s.id for s in job.shots)) if job else []
+def shot_order(out_dir: Path, first: Iterable[str] = ()) -> list[str]:
+    """Shot ids: `first` (the job's, in its order), then manifest order, then any other folder holding
+    candidate images (sorted)."""
+    ids = list(dict.fromkeys(first))
     try:
         ids += [r["shot"] for r in manifest_records(out_dir) if isinstance(r.get("shot"), str)]
     except OSError:

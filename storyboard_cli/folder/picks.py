@@ -27,7 +27,8 @@ from storyboard_cli.folder.layout import (DRAFT, INDEX, PICKS_GENERATOR, PICKS_J
                                           candidate_files, parse_output_name, read_chunk, read_fingerprint, read_json,
                                           refuse_foreign, select_name, shot_order, written_by_bcg)
 from storyboard_cli.folder.outputs import atomic_write
-from storyboard_cli.job.file import Job, Shot, as_draft, job_of_folder, read_text
+from storyboard_cli.folder.report import job_of_folder
+from storyboard_cli.job.file import Job, Shot, as_draft, read_text
 
 PICK_KEYS = ("picks", "reroll", "round")
 
@@ -91,6 +92,10 @@ def _check_file(file: str, line: int, shot: str, rel: str, out_dir: Path) -> str
     return rel
 
 
+def _shot_ids(job: Job | None) -> list[str]:
+    return [s.id for s in job.shots] if job else []
+
+
 def load_picks(path: str | Path, out_dir: str | Path, job: Job | None = None) -> Picks:
     """Reads and checks picks.yaml against the output folder (and the job, when given): every shot known,
     every picked file a candidate of its shot on disk, one pick per shot, no shot both picked and rerolled.
@@ -102,7 +107,7 @@ def load_picks(path: str | Path, out_dir: str | Path, job: Job | None = None) ->
         raise JobError(file, 1, None, None, "the picks file is empty")
     if not isinstance(root, yaml.MappingNode):
         raise JobError(file, _line(root), None, None, "the top level must be a mapping with 'picks' and 'reroll'")
-    known = [s.id for s in job.shots] if job else shot_order(out_dir, job_of_folder(out_dir))
+    known = [s.id for s in job.shots] if job else shot_order(out_dir, _shot_ids(job_of_folder(out_dir)))
     where = f"the job {job.path}" if job else f"the output folder {out_dir}"
     sections: dict[str, object] = {}
     for key_node, value_node in root.value:
@@ -171,7 +176,7 @@ def _apply_picks(out_dir: Path, picks: Picks, job: Job | None = None) -> list[Pa
     parameters), removes selects bcg wrote earlier that are no longer picked, and records the picks in
     `<out>/picks.json`. Never replaces a file bcg did not write: it checks every target before copying."""
     out_dir = Path(out_dir)
-    order = shot_order(out_dir, job or job_of_folder(out_dir))
+    order = shot_order(out_dir, _shot_ids(job or job_of_folder(out_dir)))
     missing = [s for s in picks.picks if s not in order]
     if missing:
         raise BadInput(f"{picks.path}: shot '{missing[0]}' is not in {out_dir}'s job")

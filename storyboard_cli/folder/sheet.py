@@ -26,7 +26,8 @@ from storyboard_cli.folder.layout import (CONTROL_THUMB, INDEX, INDEX_MARK, SHEE
                                           shot_order, thumb_name)
 from storyboard_cli.folder.lock import held
 from storyboard_cli.folder.outputs import atomic_write
-from storyboard_cli.job.file import Job, job_of_folder
+from storyboard_cli.folder.report import job_of_folder
+from storyboard_cli.job.file import Job
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.plan import shot_levers_label, work_items
 from storyboard_cli.steps import DeepCache, levers_label
@@ -340,7 +341,7 @@ class SheetWriter:
             for shot in job.shots:
                 settings.setdefault(shot.id, _settings_of_shot(shot))
         rows = []
-        for shot_id in shot_order(self.out_dir, job):
+        for shot_id in shot_order(self.out_dir, [s.id for s in job.shots] if job else ()):
             cands: dict[str, Candidate] = {}
             for rel, k, seed, st in candidate_files(self.out_dir, shot_id):
                 meta = self._chunk(rel, st)

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from storyboard_cli.errors import BadInput, JobError, StoryboardError, did_you_mean, one_line
-from storyboard_cli.folder.layout import RESERVED, read_report
+from storyboard_cli.errors import BadInput, JobError, did_you_mean, one_line
+from storyboard_cli.folder.layout import RESERVED
 from storyboard_cli.job.digests import file_sha256, relative_to_job, remember_sha256
 from storyboard_cli.job.inputs import DIGEST_RULE, INPUTS_KEY, InputProblem, Inputs, is_digest, shown_name, suffix_of
 from storyboard_cli.job.lora_files import LORA_TAG, SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
@@ -801,18 +801,6 @@ def _output_dir(ctx: _Ctx, raw: Any, line: int | None) -> Path:
         raise ctx.fail(line, None, "output_dir", f"{clip(text)}: {clip(text.split('/')[0])} names no user of "
                        f"this machine")
     return folder
-
-
-def job_of_folder(out_dir: Path) -> Job | None:
-    """The job that rendered `out_dir` (its report.json names it), if that file still loads."""
-    report = read_report(out_dir)
-    if not report or not isinstance(report.get("job"), str):
-        return None
-    try:
-        job = load_job(report["job"])
-    except StoryboardError:
-        return None
-    return as_draft(job) if report.get("draft") is True else job  # a draft folder: the job as --draft ran it
 
 
 def _name_from_file(ctx: _Ctx, path: Path, line: int) -> str:
