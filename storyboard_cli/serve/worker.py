@@ -393,37 +393,21 @@ def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, P
 
 
 def gpu_stats(hot: Hot) -> dict | None:
-    """The worker's GPU memory (torch.cuda), once a model is loaded on one, and where nvidia-ml-py is installed
-    NVML's utilisation (0-1), power draw (W) and energy used since the driver loaded (J); None on a CPU or
-    before the first load. A figure NVML cannot give (no NVML, a board or MIG slice without the sensor) is
-    left out, never zero."""
+    """The worker's GPU memory (torch.cuda) and, where nvidia-ml-py is installed, NVML's utilisation, power
+    and energy (serve/nvml.py), once a model is loaded on one; None on a CPU or before the first load."""
     models = hot.models
     if models is None or models.device.type != "cuda":
         return None
     import torch
 
+    from storyboard_cli.serve import nvml
+
     d = models.device
     props = torch.cuda.get_device_properties(d)
-    stats = {"memory_allocated_bytes": torch.cuda.memory_allocated(d),
-             "memory_reserved_bytes": torch.cuda.memory_reserved(d),
-             "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(d),
-             "total_memory_bytes": props.total_memory}
-    try:
-        import pynvml  # nvidia-ml-py
-
-        pynvml.nvmlInit()  # counted: each call's init is one more reference, as torch.cuda.utilization's
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{props.uuid}")  # this device whatever CUDA_VISIBLE_DEVICES
-    except Exception:  # noqa: BLE001 - NVML missing or refused: its figures are left out, not guessed
-        return stats
-    readings = {"utilization": lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100,  # percent
-                "power_watts": lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3,  # milliwatts
-                "energy_joules": lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1e3}  # millijoules
-    for key, read in readings.items():
-        try:
-            stats[key] = read()
-        except pynvml.NVMLError:  # not supported on this board
-            pass
-    return stats
+    return {"memory_allocated_bytes": torch.cuda.memory_allocated(d),
+            "memory_reserved_bytes": torch.cuda.memory_reserved(d),
+            "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(d),
+            "total_memory_bytes": props.total_memory, **nvml.figures(f"GPU-{props.uuid}")}
 
 
 class Heartbeat:
