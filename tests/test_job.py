@@ -157,11 +157,11 @@ def test_shot_ids_that_name_bcgs_own_files_are_refused(tmp_path, shot_id):
 
 
 def test_a_control_image_shared_by_shots_is_decoded_once(job_dir, monkeypatch):
-    import storyboard_cli.job.file as job_module
+    from PIL import Image
 
     loads = []
-    real = job_module._check_image
-    monkeypatch.setattr(job_module, "_check_image", lambda *a: loads.append(a) or real(*a))
+    real = Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **k: loads.append(a) or real(*a, **k))
     load_job(write_job(job_dir, "version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n" + "".join(
         f"  - {{id: s{i}, prompt: x, control: {{image: control/hero_pose.png}}}}\n" for i in range(5))))
     assert len(loads) == 1

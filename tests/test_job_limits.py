@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from conftest import write_job
 from storyboard_cli.cli import app
 from storyboard_cli.errors import JobError, ModelError
-from storyboard_cli.job.file import MAX_ALIAS_VALUES, load_job, short_repr
+from storyboard_cli.job.file import load_job
+from storyboard_cli.job.yaml_loader import MAX_ALIAS_VALUES, short_repr
 from storyboard_cli.job.preflight import check_model_path
 
 runner = CliRunner()

@@ -28,7 +28,8 @@ from storyboard_cli.folder.layout import (DRAFT, INDEX, PICKS_GENERATOR, PICKS_J
                                           refuse_foreign, select_name, shot_order, written_by_bcg)
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.folder.report import job_of_folder
-from storyboard_cli.job.file import Job, Shot, as_draft, read_text
+from storyboard_cli.job.file import Job, Shot, as_draft
+from storyboard_cli.job.yaml_loader import read_text
 
 PICK_KEYS = ("picks", "reroll", "round")
 

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from storyboard_cli.errors import BadInput, ModelError, did_you_mean, folder_error
+from storyboard_cli.job.yaml_loader import clip, short_repr
 
 PRESETS = ("tiny", "sdxl-random")  # the names models/loader.py builds itself
 # `owner/name`, as huggingface_hub's validate_repo_id takes a repo id (1-96 of [A-Za-z0-9_.-] a part, no
@@ -78,8 +79,6 @@ def check_model_path(spec: str | None, field: str) -> None:
     whether the hub has it is found when it loads."""
     if spec is None or spec in PRESETS:
         return
-    from storyboard_cli.job.file import clip, short_repr  # file.py imports PRESETS from here
-
     if exists(expanded(spec)):
         return
     if is_pathlike(spec):

@@ -1,0 +1,122 @@
+"""The job file's values checked where they are read: `Context` (the file being read, its errors located at
+file:line, shot and field; the files it names, confined to the service's folders and read through its blob store)
+and the checks of keys, types and ranges. No torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from storyboard_cli.errors import BadInput, JobError, did_you_mean
+from storyboard_cli.job.digests import file_sha256, relative_to_job
+from storyboard_cli.job.inputs import INPUTS_KEY, InputProblem, Inputs, shown_name, suffix_of
+from storyboard_cli.job.preflight import PRESETS, exists, expanded, is_pathlike
+from storyboard_cli.job.yaml_loader import SHOT_ID, Located, clip, short_repr
+
+SAFE_NAME = SHOT_ID
+SAFE_NAME_RULE = "must be 1-64 letters, digits, '_', '-' or '.', starting with a letter or digit"
+
+
+class Context:
+    """Where we are in the file, to build located errors."""
+
+    def __init__(self, file: str, roots: tuple[Path, ...] | None = None, inputs: Inputs | None = None):
+        self.file = file
+        self.images_checked: set[Path] = set()  # control images decoded once per job, however many shots use them
+        self.roots = None if roots is None else tuple(Path(r).resolve() for r in roots)
+        self.inputs = inputs
+
+    def fail(self, line: int | None, shot: str | None, field: str | None, message: str) -> JobError:
+        return JobError(self.file, line, shot, field, message)
+
+    def confine(self, path: Path, line: int | None, shot: str | None, field: str, shown: str | None = None) -> None:
+        """With roots (the render service), a file the job names, symlinks followed, must lie under one."""
+        if self.roots is not None and not any(path.resolve().is_relative_to(r) for r in self.roots):
+            raise self.fail(line, shot, field, f"{shown or path} is outside the folders this server may read and write")
+
+    def input_file(self, rel: str, job_dir: Path, line: int | None, shot: str | None, field: str,
+                   is_file: bool = True) -> tuple[Path, str]:
+        """A file the job names: (the file to read, the name the outputs record). Named in the job's inputs
+        (by sha256), it is read from the blob store; else it is a path from the job's folder, confined on the
+        service and there copied into the blob store before anything reads it."""
+        inputs, fail, name = self.inputs, (lambda why: self.fail(line, shot, field, why)), clip(rel)
+        digest = inputs.digests.get(rel) if inputs is not None else None
+        blobs = inputs is not None and inputs.blob is not None
+        local = expanded(rel)
+        if local is None:
+            raise fail(f"{name}: {clip(rel.split('/')[0])} names no user of this machine")
+        path = (job_dir / local).resolve()
+        if not (digest is not None and blobs):
+            self.confine(path, line, shot, field, name)
+            if not (path.is_file() if is_file else path.exists()):
+                raise fail(f"file not found: {name}")
+        if blobs:
+            try:
+                if digest is None:
+                    if inputs.adopt is None:
+                        raise fail(f"{name} is not among the job's uploaded inputs")
+                    digest = inputs.adopt(path)
+                inputs.used[rel] = digest
+                return inputs.blob(digest, suffix_of(rel)), shown_name(rel, job_dir)
+            except (InputProblem, BadInput) as e:
+                raise fail(f"{name}: {e}") from None
+        if digest is not None and file_sha256(path) != digest:
+            raise fail(f"{name} changed since its sha256 was recorded in '{INPUTS_KEY}:' ({digest[:12]}...)")
+        return path, relative_to_job(path, job_dir)
+
+    def confine_model(self, spec: str | None, line: int | None, field: str) -> None:
+        """A model named by a local path (as the loader reads it: from the working folder) is confined too;
+        presets and hub ids are not files of this machine."""
+        if self.roots is None or spec is None or spec in PRESETS:
+            return
+        path = expanded(spec)
+        if path is None:  # `~user` of no user here: no folder of this server's either
+            raise self.fail(line, None, field, f"{clip(spec)} is outside the folders this server may read and write")
+        if is_pathlike(spec) or exists(path):
+            self.confine(path, line, None, field, clip(spec))
+
+
+def line_of(mapping: Any, key: str, fallback: int | None = None) -> int | None:
+    if isinstance(mapping, Located):
+        return mapping.lines.get(key, mapping.line)
+    return fallback
+
+
+def check_keys(ctx: Context, mapping: Located, allowed: tuple[str, ...], shot: str | None, prefix: str = "") -> None:
+    for key in mapping:
+        if key in allowed:
+            continue
+        line = mapping.lines.get(key, mapping.line)
+        raise ctx.fail(line, shot, clip(f"{prefix}{key}"), f"unknown key{did_you_mean(str(key), allowed, known=True)}")
+
+
+def type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", type(None): "empty"}.get(type(value), "a mapping" if isinstance(value, dict) else type(value).__name__)
+
+
+def as_int(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ctx.fail(line, shot, field, f"must be an integer, got {type_name(value)} ({short_repr(value)})")
+    if not lo <= value <= hi:
+        raise ctx.fail(line, shot, field, f"must be between {lo} and {hi}, got {short_repr(value)}")
+    return value
+
+
+def as_float(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ctx.fail(line, shot, field, f"must be a number, got {type_name(value)} ({short_repr(value)})")
+    value = float(value)
+    if not lo <= value <= hi:  # also rejects NaN
+        raise ctx.fail(line, shot, field, f"must be between {lo:g} and {hi:g}, got {value:g}")
+    return value
+
+
+def as_str(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, *, empty_ok: bool) -> str:
+    if not isinstance(value, str):
+        raise ctx.fail(line, shot, field, f"must be a string, got {type_name(value)} ({short_repr(value)})")
+    if not empty_ok and not value.strip():
+        raise ctx.fail(line, shot, field, "must not be empty")
+    if "\x00" in value:
+        raise ctx.fail(line, shot, field, "must not contain NUL characters")
+    return value
