@@ -16,32 +16,25 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import ROOT
+from storyboard_cli.bench.synthetic_lora import random_factors, save_kohya, save_peft
 from storyboard_cli.errors import ModelError
 from storyboard_cli.job.lora_files import (LoraFileError, a1111_lora_hashes, architecture_mismatch, inspect_lora,
                                            lora_problem, lora_tags, split_lora_tags)
 from storyboard_cli.models.lora import LoraApplier, read_lora, set_key
-from storyboard_cli.models.synthetic_lora import random_factors, save_kohya, save_peft
 
-RTOL = 1e-4  # relative L2 error of the final latents, fp32 on the CPU (as test_parity)
+from helpers.reference import RTOL, diffusers_pipeline, rel_error
+
 W, H, STEPS, GUIDANCE = 64, 64, 4, 6.5
 PROMPT, NEGATIVE = "a lighthouse in a storm, ink drawing", "blurry"
 
 
 @pytest.fixture(scope="module")
-def models(tiny_cpu):
-    """Our own copy: these tests write weights (and always put them back, but others share tiny_cpu)."""
-    m = copy.deepcopy(tiny_cpu)
-    m.controlnet = None
-    return m
-
-
-@pytest.fixture(scope="module")
-def files(models, tmp_path_factory):
+def files(lora_models, tmp_path_factory):
     """Two LoRAs in each format: A on the UNet + both text encoders, B on the UNet only (LoCon in Kohya)."""
     folder = tmp_path_factory.mktemp("loras")
-    lpb = models.unet.config.layers_per_block
-    a = random_factors(models, seed=1, rank=4, text_encoders=True)
-    b = random_factors(models, seed=2, rank=2, text_encoders=False, convs=True)
+    lpb = lora_models.unet.config.layers_per_block
+    a = random_factors(lora_models, seed=1, rank=4, text_encoders=True)
+    b = random_factors(lora_models, seed=2, rank=2, text_encoders=False, convs=True)
     return {
         ("kohya", "a"): save_kohya(folder / "kohya_a.safetensors", a, lpb, alpha=2.0),
         ("kohya", "b"): save_kohya(folder / "kohya_b.safetensors", b, lpb, alpha=2.0, conv_alpha=1.0),
@@ -51,96 +44,82 @@ def files(models, tmp_path_factory):
     }
 
 
-def _pipeline(models):
-    import diffusers
-
-    return diffusers.StableDiffusionXLPipeline(
-        vae=models.vae, text_encoder=models.text_encoders[0], text_encoder_2=models.text_encoders[1],
-        tokenizer=models.tokenizers[0], tokenizer_2=models.tokenizers[1], unet=models.unet,
-        scheduler=diffusers.EulerDiscreteScheduler.from_config(models.scheduler_config))
-
-
 def _latents(pipe):
-    pipe.set_progress_bar_config(disable=True)
     return pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=H, width=W, num_inference_steps=STEPS,
                 guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(7),
                 output_type="latent").images
 
 
-def _reference(models, loras):
+def _reference(lora_models, loras):
     """diffusers' own path: PEFT adapters on a deep copy, weighted with set_adapters."""
-    ref = copy.deepcopy(models)
-    pipe = _pipeline(ref)
+    ref = copy.deepcopy(lora_models)
+    pipe = diffusers_pipeline(ref)
     for name, (path, _) in loras.items():
         pipe.load_lora_weights(str(path), adapter_name=name)
     pipe.set_adapters(list(loras), [scale for _, scale in loras.values()])
     return _latents(pipe)
 
 
-def _ours(models, loras):
-    applier = LoraApplier(models)
-    active = {name: (read_lora(name, path, models.unet.config), scale) for name, (path, scale) in loras.items()}
+def _ours(lora_models, loras):
+    applier = LoraApplier(lora_models)
+    active = {name: (read_lora(name, path, lora_models.unet.config), scale) for name, (path, scale) in loras.items()}
     applier.apply(active)
     try:
-        return _latents(_pipeline(models))
+        return _latents(diffusers_pipeline(lora_models))
     finally:
         applier.apply({})
 
 
-def _rel(a, b):
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
-
-
 @pytest.fixture(scope="module")
-def base_latents(models):
-    return _latents(_pipeline(models))
+def base_latents(lora_models):
+    return _latents(diffusers_pipeline(lora_models))
 
 
 @pytest.mark.parametrize("fmt", ["kohya", "peft"])
 @pytest.mark.parametrize("which", ["a", "b", "a+b"], ids=["unet+te", "unet-only", "two-loras"])
-def test_same_latents_as_diffusers(models, files, base_latents, fmt, which):
+def test_same_latents_as_diffusers(lora_models, files, base_latents, fmt, which):
     scales = {"a": 0.8, "b": -1.3}
     loras = {n: (files[(fmt, n)], scales[n]) for n in which.split("+")}
-    want = _reference(models, loras)
-    got = _ours(models, loras)
-    assert _rel(want, base_latents) > 50 * RTOL, "the LoRA must change the picture for this test to mean anything"
-    err = _rel(got, want)
+    want = _reference(lora_models, loras)
+    got = _ours(lora_models, loras)
+    assert rel_error(want, base_latents) > 50 * RTOL, "the LoRA must change the picture for this test to mean anything"
+    err = rel_error(got, want)
     assert err < RTOL, f"{fmt} {which}: relative error {err:.2e}"
 
 
-def test_layers_land_where_the_factors_were_made_for(models, files):
+def test_layers_land_where_the_factors_were_made_for(lora_models, files):
     """Placement, independent of diffusers: W - W0 == scale * alpha/r * up @ down on every layer."""
     factors = files["factors"]["b"]  # rank 2, alpha 2 on linears, 1 on the LoCon convolutions
-    applier = LoraApplier(models)
-    weights = read_lora("b", files[("kohya", "b")], models.unet.config)
-    before = {n: p.detach().clone() for n, p in models.unet.named_parameters()}
+    applier = LoraApplier(lora_models)
+    weights = read_lora("b", files[("kohya", "b")], lora_models.unet.config)
+    before = {n: p.detach().clone() for n, p in lora_models.unet.named_parameters()}
     applier.apply({"b": (weights, 0.5)})
     try:
         for (component, module), (down, up) in factors.items():
             alpha = 1.0 if down.dim() == 4 else 2.0
             want = 0.5 * alpha / 2 * (up.flatten(1) @ down.flatten(1)).view(before[f"{module}.weight"].shape)
-            got = models.unet.get_submodule(module).weight - before[f"{module}.weight"]
+            got = lora_models.unet.get_submodule(module).weight - before[f"{module}.weight"]
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=module)
         touched = {f"{m}.weight" for _, m in factors}
-        for n, p in models.unet.named_parameters():
+        for n, p in lora_models.unet.named_parameters():
             if n not in touched:
                 assert torch.equal(p, before[n]), n
     finally:
         applier.apply({})
 
 
-def _all_params(models):
-    return [(f"{c}.{n}", p) for c, root in (("unet", models.unet), ("te1", models.text_encoders[0]),
-                                            ("te2", models.text_encoders[1])) for n, p in root.named_parameters()]
+def _all_params(lora_models):
+    return [(f"{c}.{n}", p) for c, root in (("unet", lora_models.unet), ("te1", lora_models.text_encoders[0]),
+                                            ("te2", lora_models.text_encoders[1])) for n, p in root.named_parameters()]
 
 
-def test_swaps_keep_storages_and_restore_w0_bit_exactly(models, files):
-    params = _all_params(models)
+def test_swaps_keep_storages_and_restore_w0_bit_exactly(lora_models, files):
+    params = _all_params(lora_models)
     pointers = {n: p.data_ptr() for n, p in params}
     base = {n: p.detach().clone() for n, p in params}
-    a = read_lora("a", files[("kohya", "a")], models.unet.config)
-    b = read_lora("b", files[("peft", "b")], models.unet.config)
-    applier = LoraApplier(models)
+    a = read_lora("a", files[("kohya", "a")], lora_models.unet.config)
+    b = read_lora("b", files[("peft", "b")], lora_models.unet.config)
+    applier = LoraApplier(lora_models)
 
     applier.apply({"a": (a, 1.0)})
     with_a = {n: p.detach().clone() for n, p in params}
@@ -159,9 +138,9 @@ def test_swaps_keep_storages_and_restore_w0_bit_exactly(models, files):
     assert applier.apply({}) == 0.0 and len(applier.swaps) == 63, "the same set again is no swap"
 
 
-def test_prompt_cache_key_only_names_text_encoder_loras(models, files):
-    a = read_lora("a", files[("kohya", "a")], models.unet.config)
-    b = read_lora("b", files[("kohya", "b")], models.unet.config)
+def test_prompt_cache_key_only_names_text_encoder_loras(lora_models, files):
+    a = read_lora("a", files[("kohya", "a")], lora_models.unet.config)
+    b = read_lora("b", files[("kohya", "b")], lora_models.unet.config)
     assert a.text_encoders and not b.text_encoders
     active = {"a": (a, 0.5), "b": (b, 1.0)}
     assert [k[0] for k in set_key(active)] == ["a", "b"]
@@ -169,14 +148,14 @@ def test_prompt_cache_key_only_names_text_encoder_loras(models, files):
     assert set_key({"a": (a, 0.0)}) == ()
 
 
-def test_a_lora_for_other_layers_is_refused_by_name(models, tmp_path):
+def test_a_lora_for_other_layers_is_refused_by_name(lora_models, tmp_path):
     path = tmp_path / "wide.safetensors"
     save_file({"lora_unet_down_blocks_1_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 999),
                "lora_unet_down_blocks_1_attentions_0_proj_in.lora_up.weight": torch.zeros(64, 4)}, str(path))
-    weights = read_lora("wide", path, models.unet.config)
+    weights = read_lora("wide", path, lora_models.unet.config)
     with pytest.raises(ModelError, match=r"LoRA 'wide' \(wide.safetensors\): unet.down_blocks.1.attentions.0"
                                          r".proj_in is \[64, 64\] in this model, the LoRA makes \[64, 999\]"):
-        LoraApplier(models).register(weights)
+        LoraApplier(lora_models).register(weights)
 
 
 # --- inspection (no torch needed) -------------------------------------------------------------

@@ -11,9 +11,9 @@ from storyboard_cli.folder.report import lora_section
 from storyboard_cli.job.file import load_job
 from storyboard_cli.job.plan import lora_swaps, make_batches, work_items
 from storyboard_cli.run.batch import BatchRunner
-from test_lora import models  # noqa: F401 - the fixture: our own copy of the tiny models, weights get written
 
-RTOL = 1e-4  # as test_parity / test_lora
+from helpers.reference import RTOL, diffusers_pipeline, rel_error
+
 MEI = ROOT / "jobs" / "loras" / "mei.safetensors"
 W, H, STEPS, GUIDANCE, SEED = 64, 64, 4, 6.5, 7
 PROMPT, NEGATIVE = "a lighthouse in a storm, ink drawing", "blurry"
@@ -25,10 +25,10 @@ def _job(tmp_path, shots: str, name: str = "job.yaml"):
                                         f"negative: {NEGATIVE}}}\nshots:\n{shots}", name))
 
 
-def _render(models, job):
+def _render(lora_models, job):
     """Every batch of the job through one BatchRunner, in plan order -> ({output: latents}, {output: pixels},
     runner); the runner is closed (weights restored) before it returns."""
-    runner = BatchRunner(models, EagerEngine(models), loras=job.loras.values())
+    runner = BatchRunner(lora_models, EagerEngine(lora_models), loras=job.loras.values())
     latents, pixels = {}, {}
     try:
         for batch in make_batches(work_items(job), job.buckets):
@@ -42,15 +42,8 @@ def _render(models, job):
     return latents, pixels, runner
 
 
-def _diffusers(models, loras: dict[str, float]):
-    import diffusers
-
-    ref = copy.deepcopy(models)
-    pipe = diffusers.StableDiffusionXLPipeline(
-        vae=ref.vae, text_encoder=ref.text_encoders[0], text_encoder_2=ref.text_encoders[1],
-        tokenizer=ref.tokenizers[0], tokenizer_2=ref.tokenizers[1], unet=ref.unet,
-        scheduler=diffusers.EulerDiscreteScheduler.from_config(ref.scheduler_config))
-    pipe.set_progress_bar_config(disable=True)
+def _diffusers(lora_models, loras: dict[str, float]):
+    pipe = diffusers_pipeline(copy.deepcopy(lora_models))
     for name in loras:
         pipe.load_lora_weights(str(MEI), adapter_name=name)
     if loras:
@@ -60,40 +53,36 @@ def _diffusers(models, loras: dict[str, float]):
                 output_type="latent").images[0]
 
 
-def _rel(a, b):
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
-
-
-def test_a_shot_with_a_lora_equals_diffusers_load_lora_weights(models, tmp_path):
+def test_a_shot_with_a_lora_equals_diffusers_load_lora_weights(lora_models, tmp_path):
     job = _job(tmp_path, f"  - {{id: plain, prompt: '{PROMPT}', seed: {SEED}}}\n"
                          f"  - {{id: mei, prompt: '{PROMPT} <lora:mei:0.8>', seed: {SEED}}}\n")
-    latents, _, runner = _render(models, job)
+    latents, _, runner = _render(lora_models, job)
     plain, mei = latents["plain/plain_c0_s7.png"], latents["mei/mei_c0_s7.png"]
-    want_plain, want_mei = _diffusers(models, {}), _diffusers(models, {"mei": 0.8})
-    assert _rel(want_mei, want_plain) > 50 * RTOL, "the LoRA must change the picture for this test to mean anything"
-    assert _rel(plain, want_plain) < RTOL
-    assert _rel(mei, want_mei) < RTOL, f"relative error {_rel(mei, want_mei):.2e}"
+    want_plain, want_mei = _diffusers(lora_models, {}), _diffusers(lora_models, {"mei": 0.8})
+    assert rel_error(want_mei, want_plain) > 50 * RTOL, "the LoRA must change the picture for this test to mean anything"
+    assert rel_error(plain, want_plain) < RTOL
+    assert rel_error(mei, want_mei) < RTOL, f"relative error {rel_error(mei, want_mei):.2e}"
     assert [s.after for s in runner.lora_swaps()] == [(("mei", job.loras["mei"].sha256, 0.8),), ()]
 
 
-def test_the_prompt_tag_and_the_lora_field_give_the_same_pixels(models, tmp_path):
+def test_the_prompt_tag_and_the_lora_field_give_the_same_pixels(lora_models, tmp_path):
     tag = _job(tmp_path, f"  - {{id: a, prompt: '{PROMPT} <lora:mei:0.8>', seed: 3}}\n", "tag.yaml")
     field = _job(tmp_path, f"  - {{id: a, prompt: '{PROMPT}', lora: {{mei: 0.8}}, seed: 3}}\n", "field.yaml")
     (a,), (b,) = work_items(tag), work_items(field)
     assert a.fingerprint("tiny", None) == b.fingerprint("tiny", None)
-    _, one, _ = _render(models, tag)
-    _, two, _ = _render(models, field)
+    _, one, _ = _render(lora_models, tag)
+    _, two, _ = _render(lora_models, field)
     assert torch.equal(one["a/a_c0_s3.png"], two["a/a_c0_s3.png"])
 
 
-def test_swaps_follow_the_plan_and_the_weights_come_back_bit_for_bit(models, tmp_path):
-    params = [p for root in (models.unet, *models.text_encoders) for p in root.parameters()]
+def test_swaps_follow_the_plan_and_the_weights_come_back_bit_for_bit(lora_models, tmp_path):
+    params = [p for root in (lora_models.unet, *lora_models.text_encoders) for p in root.parameters()]
     before = [p.detach().clone() for p in params]
     pointers = [p.data_ptr() for p in params]
     job = _job(tmp_path, "  - {id: a, prompt: x, lora: {mei: 1}}\n  - {id: b, prompt: y}\n"
                          "  - {id: c, prompt: z, lora: {mei: 0.5}}\n  - {id: d, prompt: w, lora: {mei: 1}}\n")
     batches = make_batches(work_items(job), job.buckets)
-    latents, pixels, runner = _render(models, job)
+    latents, pixels, runner = _render(lora_models, job)
     assert len(pixels) == 4 and all(p is not None for p in pixels.values())
     swaps = runner.lora_swaps()
     assert len(swaps) == lora_swaps(batches) + 1 == 3  # mei 1, mei 0.5, then back to the model's own
@@ -104,10 +93,10 @@ def test_swaps_follow_the_plan_and_the_weights_come_back_bit_for_bit(models, tmp
     assert [p.data_ptr() for p in params] == pointers
 
 
-def test_a_text_encoder_lora_is_part_of_the_prompt_cache_key(models, tmp_path):
+def test_a_text_encoder_lora_is_part_of_the_prompt_cache_key(lora_models, tmp_path):
     """The same prompt under mei and without: two encodings, not one reused."""
     job = _job(tmp_path, "  - {id: a, prompt: same, lora: {mei: 1}}\n  - {id: b, prompt: same}\n")
-    runner = BatchRunner(models, EagerEngine(models), loras=job.loras.values())
+    runner = BatchRunner(lora_models, EagerEngine(lora_models), loras=job.loras.values())
     try:
         embeds = {}
         for batch in make_batches(work_items(job), job.buckets):

@@ -8,25 +8,11 @@ from conftest import ROOT
 from storyboard_cli.engine.conditioning import Control, PromptCache, conditioning, load_control_image
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.sampling import draw_noise, schedule
-from storyboard_cli.samplers import SAMPLERS
 
-RTOL = 1e-4  # relative L2 error of the final latents, fp32 on the CPU
+from helpers.reference import RTOL, diffusers_pipeline, rel_error
+
 W, H, STEPS, GUIDANCE = 128, 96, 8, 6.5
 PROMPT, NEGATIVE = "a lighthouse in a storm, ink drawing", "blurry"
-
-
-def _pipeline(models, sampler, control):
-    import diffusers
-
-    parts = dict(vae=models.vae, text_encoder=models.text_encoders[0], text_encoder_2=models.text_encoders[1],
-                 tokenizer=models.tokenizers[0], tokenizer_2=models.tokenizers[1], unet=models.unet,
-                 scheduler=getattr(diffusers, SAMPLERS[sampler].scheduler).from_config(models.scheduler_config))
-    if control:
-        pipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=models.controlnet)
-    else:
-        pipe = diffusers.StableDiffusionXLPipeline(**parts)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 @pytest.mark.parametrize("control", [False, True], ids=["plain", "controlnet"])
@@ -39,7 +25,7 @@ def test_same_latents_as_diffusers(tiny_cpu, sampler, control, negative):
     if control:
         kwargs = dict(image=Image.open(control_path).convert("RGB").resize((W, H), Image.LANCZOS),
                       controlnet_conditioning_scale=0.7)
-    want = _pipeline(models, sampler, control)(
+    want = diffusers_pipeline(models, sampler, control)(
         prompt=PROMPT, negative_prompt=negative or None, height=H, width=W, num_inference_steps=STEPS,
         guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent",
         **kwargs).images
@@ -53,5 +39,5 @@ def test_same_latents_as_diffusers(tiny_cpu, sampler, control, negative):
         ctl = Control(image, torch.full((2, 1, 1, 1), 0.7))
     got = EagerEngine(models).sample(x, sched, noise, cond, ctl, torch.tensor([GUIDANCE]))
 
-    err = (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()
+    err = rel_error(got, want)
     assert err < RTOL, f"{sampler}: relative error {err:.2e}"
