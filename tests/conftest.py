@@ -39,6 +39,17 @@ def tiny_cpu():
     return load_sdxl("tiny", "tiny", "cpu", torch.float32)
 
 
+@pytest.fixture(scope="module")
+def lora_models(tiny_cpu):
+    """A module's own copy of the tiny models, without ControlNet: its tests write LoRA weights into them (and put
+    them back, but other modules share tiny_cpu)."""
+    import copy
+
+    models = copy.deepcopy(tiny_cpu)
+    models.controlnet = None
+    return models
+
+
 @pytest.fixture
 def job_dir(tmp_path):
     """A scratch folder holding copies of the example job's control images."""

@@ -10,9 +10,9 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from conftest import ROOT, write_job
+from storyboard_cli.bench.synthetic_lora import random_factors, save_kohya, save_peft
 from storyboard_cli.cli import app
 from storyboard_cli.job.lora_files import SDXL_CONFIGS, lora_problem
-from storyboard_cli.models.synthetic_lora import random_factors, save_kohya, save_peft
 
 MEI = ROOT / "jobs" / "loras" / "mei.safetensors"
 FC1 = "lora_te1_text_model_encoder_layers_{}_mlp_fc1"

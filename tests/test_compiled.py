@@ -15,12 +15,12 @@ import time
 import pytest
 import torch
 
+from storyboard_cli.bench.synthetic_lora import unet_targets
 from storyboard_cli.engine import compiled as C
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.builds import Builds
 from storyboard_cli.engine.eager import StepCalls
 from storyboard_cli.models.loader import load_sdxl
-from storyboard_cli.models.synthetic_lora import unet_targets
 
 pytestmark = pytest.mark.slow
 SIDE = 128  # pixels: latent 16 x 16

@@ -95,7 +95,7 @@ def lora_swap_reaches_the_graph(setup, tmp_path, rtol: float, variant: str = "co
     weights, and what is derived from them: channels_last copies, FP8 weights and scales), equal to the eager step
     within `rtol`; the empty set restores it."""
     from storyboard_cli.models.lora import LoraApplier, read_lora
-    from storyboard_cli.models.synthetic_lora import random_factors, save_kohya
+    from storyboard_cli.bench.synthetic_lora import random_factors, save_kohya
 
     models, runner, eager = setup
     factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, 3, 8, relative=0.1).items()}

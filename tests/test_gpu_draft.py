@@ -65,7 +65,7 @@ def test_deepcache_after_another_shape(setup):
 def test_lora_swapped_in_place_reaches_the_draft_graphs(setup, tmp_path):
     """Graphs of every draft kind captured before a swap replay with the new weights, and none is captured again."""
     from storyboard_cli.models.lora import LoraApplier, read_lora
-    from storyboard_cli.models.synthetic_lora import random_factors, save_kohya
+    from storyboard_cli.bench.synthetic_lora import random_factors, save_kohya
 
     models, runner, eager, rtol = setup
     factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, seed=3, rank=4).items()}

@@ -4,7 +4,7 @@ the new weights, matching the eager step after the swap, and no shape is capture
 import pytest
 import torch
 
-from storyboard_cli.models.synthetic_lora import random_factors, save_kohya
+from storyboard_cli.bench.synthetic_lora import random_factors, save_kohya
 from test_gpu import _close, _inputs
 
 pytestmark = pytest.mark.gpu

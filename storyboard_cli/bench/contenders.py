@@ -253,7 +253,7 @@ def lora_job(job: Job, models: SdxlModels, folder: Path, count: int = 3, rank: i
     given to its shots in turn, at 0.8: a job that swaps weights between its LoRA sets."""
     from storyboard_cli.job.file import LoraFile
     from storyboard_cli.models.lora import inspect_lora
-    from storyboard_cli.models.synthetic_lora import random_factors, save_kohya
+    from storyboard_cli.bench.synthetic_lora import random_factors, save_kohya
 
     loras = {}
     for i in range(count):

@@ -1,5 +1,6 @@
-"""Synthetic LoRA files, written as trainers write them, from random low-rank factors: for the tests
-(tiny preset), the committed example, and the bench (SDXL-sized, to time swaps and LoRA jobs).
+"""Synthetic LoRA files, written as trainers write them, from random low-rank factors: for `bcg bench`'s LoRA part
+(SDXL-sized, to time swaps and a job with LoRAs), which needs them at run time, so they ship with the bench; the
+tests (tiny preset) and `benchmarks/loras.py` (the committed example, swap timing) read them from here too.
 
 - Kohya / A1111 (sd-scripts' SDXL networks): `lora_unet_<sgm block name>` and `lora_te1_` / `lora_te2_`
   keys, `.lora_down.weight`, `.lora_up.weight` and `.alpha` per layer; LoCon adds the resnets' convolutions.
@@ -7,7 +8,6 @@
   with diffusers' `lora_adapter_metadata` (the LoraConfig: r, lora_alpha).
 
 The factors are recorded by the model's own module names, so a test can check where they land.
-`python bench/loras.py example OUT.safetensors` writes the committed example (jobs/loras/README.md).
 """
 
 from __future__ import annotations
@@ -107,49 +107,4 @@ def save_peft(path: Path, factors: Factors, lora_alpha: float | None = None) -> 
         metadata = {"lora_adapter_metadata": json.dumps(config), "format": "pt"}
     save_file(state, str(path), metadata=metadata)
     return path
-
-
-def write_example(out: str) -> None:
-    """The committed example: a rank-4 "character" LoRA on the tiny preset, UNet + both text encoders,
-    in sd-scripts' format, stored in fp16 (as trainers save)."""
-    from storyboard_cli.models.loader import load_sdxl
-
-    models = load_sdxl("tiny", None, "cpu", torch.float32)
-    factors = random_factors(models, seed=10, rank=4, text_encoders=True)
-    factors = {k: (d.half(), u.half()) for k, (d, u) in factors.items()}
-    metadata = {"ss_network_module": "networks.lora", "ss_network_dim": "4", "ss_network_alpha": "4",
-                "ss_base_model_version": "sdxl_base_v1-0", "ss_output_name": "mei",
-                "bcg_note": "random factors for the tiny preset: storyboard_cli/models/synthetic_lora.py, seed 10"}
-    save_kohya(Path(out), factors, models.unet.config.layers_per_block, alpha=4.0, metadata=metadata)
-
-
-def time_swaps(spec: str, device: str, rank: int, rounds: int = 5) -> dict:
-    """Median seconds of a swap between two LoRAs (UNet + both text encoders) and back to none."""
-    import statistics
-    import tempfile
-
-    from storyboard_cli.models.loader import load_sdxl
-    from storyboard_cli.models.lora import LoraApplier, read_lora
-
-    dtype = torch.float32 if device == "cpu" else torch.float16
-    models = load_sdxl(spec, None, device, dtype)
-    lpb = models.unet.config.layers_per_block
-    with tempfile.TemporaryDirectory() as tmp:
-        loras = {}
-        for name, seed in (("a", 1), ("b", 2)):
-            factors = {k: (d.half(), u.half()) for k, (d, u) in random_factors(models, seed, rank).items()}
-            path = save_kohya(Path(tmp) / f"{name}.safetensors", factors, lpb, alpha=rank)
-            loras[name] = read_lora(name, path, models.unet.config)
-        applier = LoraApplier(models)
-        for w in loras.values():
-            applier.register(w)
-        for _ in range(rounds):
-            applier.apply({"a": (loras["a"], 0.8)})
-            applier.apply({"b": (loras["b"], 0.6)})
-            applier.apply({"a": (loras["a"], 0.5), "b": (loras["b"], 0.5)})
-            applier.apply({})
-    swaps = applier.swaps[4:]  # the first round warms up
-    return {"model": spec, "device": device, "rank": rank, "layers": len(loras["a"].layers),
-            "median_s": statistics.median(s.seconds for s in swaps), "max_s": max(s.seconds for s in swaps),
-            "swaps": len(swaps), "w0_bytes": applier.resident_bytes()}
 
