@@ -17,7 +17,8 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.folder import outputs, sheet
 from storyboard_cli.folder.charts import bench_svgs
 from storyboard_cli.folder.picks import apply_picks, load_picks, reroll_shots, rerolled, with_rerolls
-from storyboard_cli.folder.sheet import SCRIPT, SheetWriter, write_sheet
+from storyboard_cli.folder.sheet import SheetWriter, write_sheet
+from storyboard_cli.folder.sheet_assets import SCRIPT, csp_hash
 from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
 
@@ -117,7 +118,7 @@ def test_user_text_is_escaped_and_only_our_script_runs(job, out):
     assert [s.get("type") for s in page.scripts] == ["application/json", None]
     assert text.count("</script>") == 2
     # the content security policy lets only the script with our hash run
-    assert sheet.esc(sheet._csp_hash(SCRIPT)) in text and "unsafe-inline" not in text
+    assert sheet.esc(csp_hash(SCRIPT)) in text and "unsafe-inline" not in text
     for svg in text.split("<svg")[1:]:  # the charts are well-formed XML
         ET.fromstring("<svg" + svg.split("</svg>")[0] + "</svg>")
 
