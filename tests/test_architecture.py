@@ -107,7 +107,7 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
 TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
               "serve/intake.py", "serve/store.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
               "serve/server.py", "serve/folders.py", "serve/blobs.py", "serve/blob_routes.py", "serve/edge.py",
-              "serve/wire.py"]
+              "serve/wire.py", "serve/nvml.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
 # builds one; capture and bench's parts, which time them
 ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench/contenders.py", "bench/steps.py",

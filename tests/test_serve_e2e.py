@@ -221,7 +221,7 @@ def _check_metrics_after_one_job(url, images):
         return next(s.value for s in families[name].samples
                     if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()))
 
-    assert sample("bcg_queue_wait_seconds", "_count") == images
+    assert sample("bcg_queue_wait_seconds", "_count", priority="normal") == images
     assert sample("bcg_image_render_seconds", "_count") == images and sample("bcg_image_render_seconds", "_sum") > 0
     assert sample("bcg_job_latency_seconds", "_count") == 1
     assert sample("bcg_job_latency_seconds", "_bucket", le="+Inf") == 1

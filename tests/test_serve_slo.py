@@ -86,7 +86,6 @@ def test_the_fill_ratio_has_its_own_eighths_and_the_seconds_histograms_keep_thei
     assert urgent["0.25"] == 0 and urgent["0.5"] == 1 and urgent["30.0"] == 1 and urgent["60.0"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="Store.lease observes QUEUE_WAIT with the label '', not the job's priority")
 def test_queue_wait_is_observed_by_the_jobs_priority(store):
     store.submit(planned("u", n=1, priority="urgent"), None, 100, now=0)
     store.submit(planned("b", n=2, priority="bulk"), None, 100, now=0)

@@ -227,7 +227,7 @@ def test_latencies_are_histograms_and_workers_report_their_gpu(store):
     store.complete(lease["lease"], done=[1, 2, 3], cached=[], failed={}, now=4, work=work)
     store.seen(worker(store, "cpu-worker"), None, now=4)
     s = store.stats(now=4, worker_window_s=60)
-    counts, total = s["histograms"][QUEUE_WAIT, ""]
+    counts, total = s["histograms"][QUEUE_WAIT, "normal"]
     assert sum(counts) == 3 and total == 6.0 and counts[BUCKETS_S.index(2.5)] == 3  # 2 s each: the 2.5 s bucket
     assert s["histograms"][IMAGE_RENDER, ""][1] == pytest.approx(1.5) and sum(s["histograms"][IMAGE_RENDER, ""][0]) == 3
     assert s["histograms"][BATCH_SECONDS, "64x64"] == ([0] * 5 + [1] + [0] * 10, 1.5)

@@ -384,7 +384,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float) -> dict | None:
     """The next batch for the worker, with what a worker that does not share the server's filesystem needs:
     each job's text and its files' digests, and where to download a twin's PNG."""
-    got = store.lease(report.worker, now, ttl, report.gpu, report.ready, frozenset(report.warm))
+    got = store.lease(report.worker, now, ttl, report.gpu, report.ready, frozenset(report.warm), report.uptime_s)
     if got is None:
         return None
     for job in got["jobs"].values():

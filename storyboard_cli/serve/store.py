@@ -60,7 +60,7 @@ CREATE TABLE IF NOT EXISTS histograms (name TEXT NOT NULL, label TEXT NOT NULL, 
 CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NULL, total REAL NOT NULL,
   PRIMARY KEY (name, label));
 CREATE TABLE IF NOT EXISTS workers (id TEXT PRIMARY KEY, name TEXT NOT NULL, seen REAL NOT NULL, ttl REAL NOT NULL,
-  gpu TEXT, ready INTEGER NOT NULL DEFAULT 0);
+  gpu TEXT, ready INTEGER NOT NULL DEFAULT 0, first_ready REAL);
 """
 # a queue made before application_id was set holds only these (sqlite_sequence: AUTOINCREMENT's)
 QUEUE_TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
@@ -225,7 +225,10 @@ class Store:
             self.db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
         if "cost" not in columns:  # before batches were ordered by their work
             self.db.execute("ALTER TABLE images ADD COLUMN cost REAL NOT NULL DEFAULT 1")
-        if "ttl" not in {r["name"] for r in self.db.execute("PRAGMA table_info(workers)")}:  # before registration
+        worker_columns = {r["name"] for r in self.db.execute("PRAGMA table_info(workers)")}
+        if "ttl" in worker_columns and "first_ready" not in worker_columns:  # before the start-up histogram
+            self.db.execute("ALTER TABLE workers ADD COLUMN first_ready REAL")
+        if "ttl" not in worker_columns:  # before registration
             self.db.execute("DROP TABLE workers")  # rows named by the workers themselves: they register again
             self.db.executescript(SCHEMA)
 
@@ -406,7 +409,7 @@ class Store:
     # leases
 
     def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None, ready: bool = False,
-              warm: frozenset[str] = frozenset()) -> dict | None:
+              warm: frozenset[str] = frozenset(), uptime_s: float | None = None) -> dict | None:
         """The next batch for `worker`, or None when nothing is free: `job` (the head job, the best ranked),
         `jobs` (each job of the batch: its job file and output folder), `images` (each with its job and mix).
         `warm`: the mixes the worker has prepared (schedule.pick prefers them)."""
@@ -423,15 +426,18 @@ class Store:
             if not picked:
                 return None
             lease_id, head = uuid.uuid4().hex, picked[0].job
+            if ready and uptime_s is not None and db.execute(
+                    "UPDATE workers SET first_ready = ? WHERE id = ? AND first_ready IS NULL", (now, worker)).rowcount:
+                self._observe(db, WORKER_STARTUP, "", uptime_s)  # its first lease taken ready
             db.execute("INSERT INTO leases VALUES (?, ?, ?, ?)", (lease_id, worker, head, now + ttl))
             ids = [w.image for w in picked]
-            for image, attempts, submitted in db.execute(
-                    f"SELECT i.id, i.attempts, j.submitted FROM images i JOIN jobs j ON j.id = i.job "
+            for image, attempts, submitted, priority in db.execute(
+                    f"SELECT i.id, i.attempts, j.submitted, j.priority FROM images i JOIN jobs j ON j.id = i.job "
                     f"WHERE i.id IN ({','.join('?' * len(ids))})", ids).fetchall():
                 if attempts:  # its last lease was lost
                     self._count(db, RETRIES)
                 else:
-                    self._observe(db, QUEUE_WAIT, "", now - submitted)
+                    self._observe(db, QUEUE_WAIT, priority, now - submitted)
             db.executemany("UPDATE images SET state = ?, lease = ?, attempts = attempts + 1 WHERE id = ?",
                            [(ImageState.LEASED, lease_id, i) for i in ids])
             images, jobs = [], {}
@@ -518,13 +524,18 @@ class Store:
             self._count(db, FAILED, len(set(failed) & held_ids))
             self._count(db, OOMS, work.out_of_memory)
             self._count(db, MODEL_LOADS, work.model_loads)
-            for shape, images, seconds, *_ in work.batches:
+            for shape, images, seconds, *bucket in work.batches:
                 self._observe(db, BATCH_SECONDS, shape, seconds)
+                if bucket and bucket[0]:
+                    self._observe(db, BATCH_FILL, "", images / bucket[0])
                 for _ in range(images):
                     self._observe(db, IMAGE_RENDER, "", seconds / images)
             for job_id in dict.fromkeys(r[1] for r in held):
                 mine = {r[0] for r in held if r[1] == job_id}
-                self._event(db, job_id, "images", now, done=sorted((done_ - cached_) & mine),
+                first = self._first_image(db, job_id, len(done_ & mine), now)
+                if first is not None:
+                    self._observe(db, FIRST_IMAGE, *first)
+                self._event(db, job_id, "images", now, lease=lease_id, done=sorted((done_ - cached_) & mine),
                             cached=sorted(cached_ & mine),
                             failed={str(k): v for k, v in failed.items() if k in mine})
                 self._finished(db, job_id, now)
