@@ -1,4 +1,6 @@
-"""`bcg`: parses options, calls one library function, prints. The only module that prints or exits."""
+"""`bcg`: parses options, calls one library function, prints. With cli_common.py (the consoles, the shared options,
+the error mapping), cli_progress.py (progress on stderr) and cli_engine.py (`capture`, `bench`), the only modules
+that print or exit."""
 
 from __future__ import annotations
 
@@ -8,57 +10,29 @@ import os
 import sys
 import warnings
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from storyboard_cli import __version__
-from storyboard_cli.errors import BadInput, Interrupted, Status, StoryboardError, exit_code, plural
+from storyboard_cli.cli_common import (CompileOpt, DeviceOpt, DtypeOpt, EngineOpt, Fp8Opt, JobArg, JobOpt, JsonOpt,
+                                       OutOpt, err, out)
+from storyboard_cli.cli_common import domain_errors as _domain_errors
+from storyboard_cli.cli_common import flag as _flag
+from storyboard_cli.cli_common import styled as _styled
+from storyboard_cli.cli_common import user_path as _user_path
+from storyboard_cli.cli_engine import bench, capture
+from storyboard_cli.cli_progress import render_progress
+from storyboard_cli.errors import BadInput, Interrupted, Status, exit_code, plural
+from storyboard_cli.folder.layout import REPLACED, SELECTS
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
 from storyboard_cli.job.plan import decimal_size as _size
-from storyboard_cli.folder.layout import REPLACED, SELECTS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out.")
-# markup off: paths, prompts and ids are printed as they are (`[wip]` stays, `[/]` cannot break a line);
-# styled words go through _styled
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160, markup=False, highlight=False)
-err = Console(stderr=True, soft_wrap=True, markup=False, highlight=False)
-
-
-def _styled(label: str, style: str, text: str = "") -> Text:
-    """`label` in `style`, then `text` verbatim (never read as markup)."""
-    return Text.assemble((label, style), (f" {text}" if text else ""))
-
-
-def _flag(name: str, help: str):
-    """A boolean option shown as a bare flag (`--force`, not `--force <bool>`)."""
-    return typer.Option(name, metavar="", help=help)
-
-
-def _user_path(value: Path | None) -> Path | None:
-    """`~` expanded in every path a user gives (`--out=~/x` and a script's quoted '~/x' reach us unexpanded)."""
-    return value.expanduser() if value is not None else None
-
-
-JobArg = Annotated[Path, typer.Argument(help="The job file (YAML).", show_default=False, callback=_user_path)]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: the job's output_dir).",
-                                                callback=_user_path)]
-DeviceOpt = Annotated[Optional[str], typer.Option(help="cpu or cuda (default: cuda when available).")]
-DtypeOpt = Annotated[Optional[str], typer.Option(help="fp16, bf16 or fp32 (default: fp16 on cuda, fp32 on cpu).")]
-EngineOpt = Annotated[str, typer.Option(help="auto (graphs on CUDA, eager on CPU), graph or eager.")]
-CompileOpt = Annotated[str, typer.Option(help="Compiled kernels inside the CUDA graphs: auto, on or off.")]
-JsonOpt = Annotated[bool, _flag("--json", "Print one JSON summary object on stdout.")]
-Fp8Opt = Annotated[bool, _flag("--fp8", "The compiled UNet's transformer layers in FP8 (static scales, calibrated "
-                                        "once per model): faster steps, slightly different pictures (an FP8 GPU: "
-                                        "Ada, Hopper or later).")]
-JobOpt = Annotated[Optional[Path], typer.Option("--job", help="The job that rendered the folder (default: the "
-                                                                "one its report names).", callback=_user_path)]
 
 
 def _version(value: bool) -> None:
@@ -71,19 +45,6 @@ def _version(value: bool) -> None:
 def _main(version: Annotated[bool, typer.Option("--version", metavar="", callback=_version, is_eager=True,
                                                 help="Print the version and exit.")] = False) -> None:
     """Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out."""
-
-
-def _error(e: StoryboardError) -> None:
-    err.print(_styled("error:", "bold red", str(e)))
-    raise typer.Exit(e.exit_code)
-
-
-@contextmanager
-def _domain_errors():
-    try:
-        yield
-    except StoryboardError as e:
-        _error(e)
 
 
 @app.command()
@@ -143,7 +104,8 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
                                                                           "shots it marks for reroll.",
                                                                           callback=_user_path)] = None,
            draft: Annotated[bool, _flag("--draft", "Draft candidates, faster: every shot with cfg_cutoff "
-                                                   f"{DRAFT_CUTOFF:g} and DeepCache interval {DRAFT_DEEPCACHE.interval}, "
+                                                   f"{DRAFT_CUTOFF:g} and DeepCache interval "
+                                                   f"{DRAFT_DEEPCACHE.interval}, "
                                                    "into <out>/draft/, marked as drafts.")] = False,
            draft_out: Annotated[Optional[Path], typer.Option("--draft-out", help="The draft folder (default: "
                                                                                 "<out>/draft).",
@@ -181,7 +143,7 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
         opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
                                        retry_failed=retry_failed, compile=compile, shots=tuple(shot or ()),
                                        fp8=fp8)
-        with _progress(quiet or not dist.leader()) as on_event:
+        with render_progress(quiet or not dist.leader()) as on_event:
             result = dist.render(job=j, opts=opts, on_event=on_event)
     if not dist.leader():  # rank 0 speaks for the job
         raise typer.Exit(exit_code(result.status, result.signal))
@@ -259,122 +221,8 @@ def pick(out_dir: FolderArg,
     err.print(f"{len(written)} selects in {Path(out_dir) / SELECTS}")
 
 
-@app.command()
-def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes to capture (default: the named "
-                                                               "sizes at --buckets).", show_default=False,
-                                                               callback=_user_path)] = None,
-            warm: Annotated[bool, _flag("--warm", "Capture, check and time every shape now.")] = False,
-            model: Annotated[str, typer.Option(help="Model when no job is given.")] = "sdxl-random",
-            controlnet: Annotated[Optional[str], typer.Option(help="Also capture ControlNet shapes with this "
-                                                                   "ControlNet (no job given).")] = None,
-            buckets: Annotated[str, typer.Option(help="Batch sizes when no job is given.")] = "1,2,4,8",
-            steps: Annotated[int, typer.Option(min=2, max=200, help="Steps per timed loop.")] = 10,
-            device: DeviceOpt = None, dtype: DtypeOpt = None, compile: CompileOpt = "auto",
-            fp8: Fp8Opt = False, json_out: JsonOpt = False,
-            draft: Annotated[bool, _flag("--draft", "The job as `bcg render --draft` renders it: its draft "
-                                                    "graphs too.")] = False) -> None:
-    """Compile the kernels a job needs (once per model, GPU and torch; kept under $BCG_CACHE), then
-    capture its CUDA graphs (the step kinds of its draft levers too), check them against the uncompiled step
-    and time them."""
-    from storyboard_cli.job.file import as_draft, load_job
-    from storyboard_cli.run import capture as capturing
-
-    with _domain_errors():
-        sizes = _bucket_sizes(buckets)
-        if draft and job is None:
-            raise BadInput("bcg capture --draft needs a job")
-        j = load_job(job) if job else None
-        j = as_draft(j) if draft and j else j
-        with _compile_progress(quiet=json_out) as on_event:
-            labels, loops, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes,
-                                             device=device, dtype=dtype, warm=warm, steps=steps, compile=compile,
-                                             fp8=fp8, on_event=on_event)
-    if json_out:
-        timings = [r.__dict__ | {"speedup": r.speedup} for r in rows]
-        out.print_json(json.dumps({"shapes": labels, "loops": loops, "timings": timings}))
-        return
-    if not warm:
-        out.print(f"{len(labels)} shapes (batch x width x height): {', '.join(labels)}")
-        if loops:
-            out.print(f"{len(loops)} draft loops on them:\n  " + "\n  ".join(loops))
-        out.print("run with --warm to capture, check and time them")
-        return
-    table = Table(title="CUDA graphs", title_justify="left")
-    for col in ("shape", "state", "capture s", "pool MB", "eager ms/step", "graph ms/step", "speedup", "note"):
-        table.add_column(col, justify="left" if col in ("shape", "state", "note") else "right")
-    for r in rows:
-        table.add_row(r.shape, r.state, f"{r.capture_s:.2f}", f"{r.pool_mb:.0f}",
-                      f"{r.eager_ms:.1f}" if r.eager_ms else "-", f"{r.graph_ms:.1f}" if r.graph_ms else "-",
-                      f"{r.speedup:.2f}x" if r.speedup else "-", r.reason)
-    out.print(table)
-    pools = [r.pool_mb for r in rows if r.state == "graph"]
-    if pools:
-        out.print(f"{len(pools)} graphs share one pool: {sum(pools):.0f} MB in all, "
-                  f"{sum(pools) / max(max(pools), 1e-9):.2f}x the largest graph's {max(pools):.0f} MB")
-
-
-@contextmanager
-def _compile_progress(quiet: bool):
-    """One bar per module being compiled (elapsed against the measured estimate); notes as dim lines."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("compiling {task.fields[module]}"), BarColumn(), TimeElapsedColumn(),
-                  TextColumn("of about {task.fields[estimate]:.0f} s  {task.fields[state]}"), console=err,
-                  disable=quiet or not err.is_terminal) as bar:
-        tasks: dict[str, int] = {}
-
-        def on_event(event) -> None:
-            if isinstance(event, str):
-                err.print(Text(event, style="dim"))
-                return
-            if event.module not in tasks:
-                tasks[event.module] = bar.add_task("", total=event.estimate_s, module=event.module,
-                                                   estimate=event.estimate_s, state="")
-                if not err.is_terminal and not quiet:
-                    err.print(f"bcg: compiling {event.module} (about {event.estimate_s:.0f} s)")
-            done = event.state != "compiling"
-            bar.update(tasks[event.module], completed=event.estimate_s if done else min(event.elapsed_s,
-                                                                                         event.estimate_s),
-                       state="" if not done else f"{event.state} in {event.elapsed_s:.0f} s {event.message}")
-            if done and not err.is_terminal and not quiet:
-                err.print(f"bcg: {event.module} {event.state} in {event.elapsed_s:.0f} s {event.message}".rstrip())
-
-        yield on_event
-
-
-def _bucket_sizes(text: str) -> tuple[int, ...]:
-    from storyboard_cli.errors import BadInput
-    from storyboard_cli.job.file import MAX_BUCKET
-
-    try:
-        sizes = tuple(sorted({int(b) for b in text.split(",")}))
-    except ValueError:
-        sizes = ()
-    if not sizes or not all(1 <= b <= MAX_BUCKET for b in sizes):
-        raise BadInput(f"--buckets: expected batch sizes from 1 to {MAX_BUCKET} like 1,2,4, got {text!r}")
-    return sizes
-
-
-@app.command()
-def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jobs/bench.yaml"),
-          quick: Annotated[bool, _flag("--quick", "Tiny model on the CPU, a smoke run (< 1 min).")] = False,
-          model: Annotated[Optional[str], typer.Option(help="Weights to bench (default: the job's model).")] = None,
-          parts: Annotated[str, typer.Option(help="What to run: job, micro, lora, draft, curves, ... "
-                                                  "(comma-separated).")] = "job,micro",
-          with_compile: Annotated[bool, _flag("--with-compile", "Also run diffusers + torch.compile "
-                                              "(compiles per shape: many minutes).")] = False,
-          results: Annotated[Path, typer.Option(help="Folder for the JSON and Markdown results.")] = Path("bench/results"),
-          ) -> None:
-    """Measure bcg against the plain diffusers loop (and torch.compile) on one job, in one run."""
-    from storyboard_cli.bench import harness, report
-
-    with _domain_errors():
-        rec = harness.run(job_path=job, model=model, quick=quick, parts=tuple(p.strip() for p in parts.split(",")),
-                          with_compile=with_compile, results_dir=results,
-                          log=lambda line: err.print(line))
-    out.print(report.markdown(rec))
-    out.print(f"written: {', '.join(rec['written'])}")
-
+app.command()(capture)
+app.command()(bench)
 
 
 ServerOpt = Annotated[str, typer.Option("--server", help="The bcg serve URL, e.g. http://gpu-box:8188.")]
@@ -491,56 +339,6 @@ def submit(job: JobArg, server: ServerOpt, priority: PriorityOpt = "normal",
                   f"{canceled} -> {j['sheet_url']}")
         if j["state"] != client.JobState.SUCCEEDED:  # as `bcg render` exits when images failed
             raise typer.Exit(exit_code(Status.FAILED))
-
-
-@contextmanager
-def _progress(quiet: bool = False):
-    """A Rich bar on stderr when it is a terminal; elsewhere (CI, nohup, a pod's log) one plain line per
-    batch; nothing with --quiet. A stop request is answered at once in every case."""
-    if quiet or not err.is_terminal:
-        yield _ProgressLines(quiet).on_event
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("{task.fields[shot]}", markup=False, style="bold"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=err, transient=False) as bar:
-        task = bar.add_task("render", total=None, shot="loading")
-
-        def on_event(event) -> None:
-            if event.kind == "start":
-                bar.update(task, total=event.total, completed=0, shot="loading model")
-            elif event.kind in ("image", "failed"):
-                bar.update(task, completed=event.done, shot=event.shot)
-                if event.kind == "failed":
-                    bar.console.print(_styled("failed:", "yellow", event.message))
-            elif event.kind == "batch":
-                bar.update(task, shot=f"{event.shot} ({event.message})")
-            elif event.kind == "stopping":
-                bar.console.print(_styled(event.message, "bold yellow"))
-
-        yield on_event
-
-
-class _ProgressLines:
-    """Progress for a log: `bcg: 12/40 images, 1.52 images/s, ETA 21 s` after each batch."""
-
-    def __init__(self, quiet: bool):
-        self.quiet = quiet
-        self.t0: float | None = None
-
-    def on_event(self, event) -> None:
-        import time
-
-        if event.kind == "stopping":
-            err.print(_styled(event.message, "bold yellow"))
-        elif self.quiet:
-            return
-        elif event.kind == "batch" and self.t0 is None:
-            self.t0 = time.perf_counter()
-        elif event.kind == "progress" and self.t0 is not None:
-            rate = event.done / max(time.perf_counter() - self.t0, 1e-9)
-            eta = f"{(event.total - event.done) / rate:.0f} s" if rate > 0 else "?"
-            err.print(f"bcg: {event.done}/{event.total} images, {rate:.2f} images/s, ETA {eta}")
 
 
 def main() -> None:

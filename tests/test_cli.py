@@ -355,10 +355,10 @@ def test_reroll_renders_new_candidates_and_keeps_every_image(rendered, tmp_path)
 
 
 def test_compile_progress_off_a_terminal_is_one_line_per_module_state(capsys):
-    from storyboard_cli import cli
+    from storyboard_cli.cli_progress import compile_progress
     from storyboard_cli.engine.kernels.builds import CompileEvent
 
-    with cli._compile_progress(quiet=False) as on_event:
+    with compile_progress(quiet=False) as on_event:
         on_event(CompileEvent("unet 1024x1024", "compiling", 1.0, 300.0))
         on_event(CompileEvent("controlnet 1024x1024", "compiling", 1.0, 200.0))
         on_event(CompileEvent("unet 1024x1024", "compiling", 2.0, 300.0))
