@@ -1,5 +1,7 @@
 """CPU tests of the engine bookkeeping: shape keys, engine choice, fallback to eager with a reason."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -25,8 +27,24 @@ def test_shape_key_identity_and_order():
 
 
 def test_both_engines_implement_the_protocol(tiny_cpu):
-    for engine in (EagerEngine(tiny_cpu), GraphRunner(tiny_cpu)):
-        assert isinstance(engine, Engine)
+def _fits(impl: inspect.Signature, declared: inspect.Signature) -> bool:
+    """Whether every call that `declared` allows fits `impl`: the same parameters in the same order, kind and
+    default; any more only with a default."""
+    want, have = list(declared.parameters.values()), list(impl.parameters.values())
+    same = [(p.name, p.kind, p.default) for p in want] == [(p.name, p.kind, p.default) for p in have[: len(want)]]
+    return same and all(p.default is not p.empty for p in have[len(want):])
+
+
+    """isinstance against a runtime-checkable Protocol only looks the names up: each method's parameters are held to
+    the Protocol's too, so a call written against Engine runs on either engine."""
+    methods = [n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")]
+    assert methods == ["sample", "prepare", "release", "can_run", "describe"]
+    assert not _fits(inspect.signature(lambda self, shapes: None), inspect.signature(Engine.prepare))
+    for engine, name in ((EagerEngine(tiny_cpu), "eager"), (GraphRunner(tiny_cpu), "graph")):
+        assert isinstance(engine, Engine) and engine.name == name
+        for method in methods:
+            impl, declared = inspect.signature(getattr(type(engine), method)), inspect.signature(getattr(Engine, method))
+            assert _fits(impl, declared), f"{type(engine).__name__}.{method}{impl} against Engine.{method}{declared}"
     eager = EagerEngine(tiny_cpu)
     eager.prepare([Shape(8, 64, 64, True)])
     eager.release()
