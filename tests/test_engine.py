@@ -26,7 +26,6 @@ def test_shape_key_identity_and_order():
     assert Shape(4, 1024, 1024, True).label == "4x1024x1024 +control"
 
 
-def test_both_engines_implement_the_protocol(tiny_cpu):
 def _fits(impl: inspect.Signature, declared: inspect.Signature) -> bool:
     """Whether every call that `declared` allows fits `impl`: the same parameters in the same order, kind and
     default; any more only with a default."""
@@ -35,6 +34,7 @@ def _fits(impl: inspect.Signature, declared: inspect.Signature) -> bool:
     return same and all(p.default is not p.empty for p in have[len(want):])
 
 
+def test_both_engines_implement_the_protocol(tiny_cpu):
     """isinstance against a runtime-checkable Protocol only looks the names up: each method's parameters are held to
     the Protocol's too, so a call written against Engine runs on either engine."""
     methods = [n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")]
