@@ -51,8 +51,8 @@ def test_two_jobs_share_a_batch_and_each_png_equals_its_solo_render(tmp_path, ti
 
         def lease_of(job_id):
             events = httpx.get(f"{server.url}/v1/jobs/{job_id}/events", timeout=10).text
-            return [json.loads(line[6:])["lease"] for line in events.splitlines()
-                    if line.startswith("data: ") and '"lease"' in line]
+            return sorted({json.loads(line[6:])["lease"] for line in events.splitlines()
+                           if line.startswith("data: ") and '"lease"' in line})
 
         assert len(lease_of(ids[0])) == 1 and lease_of(ids[0]) == lease_of(ids[1])  # one lease for both jobs
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}

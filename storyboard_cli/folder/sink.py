@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from storyboard_cli.errors import write_error
-from storyboard_cli.folder.outputs import (Manifest, Pending, Writer, atomic_write, manifest_record, owner, png_bytes,
-                                           set_aside)
+from storyboard_cli.folder.outputs import (Manifest, Pending, RetagError, Writer, atomic_write, manifest_record, owner,
+                                           png_bytes, retag_png, set_aside)
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import WorkItem
@@ -91,10 +91,15 @@ class OutputSink:
             landing.append(self.encoder.submit(self._land, pixels, item, path, aside))
         self.writer.submit(self._save, item, landing, bucket)
 
+    def copy(self, item: WorkItem, png: bytes, bucket: str) -> None:
+        """Like `submit`, from a PNG of the same image made for another job (a dedup twin): each output gets
+        the twin's pixel data as it is, with its own metadata (no decode, no zlib)."""
+        self.submit(item, _Twin(png), bucket)
+
     def _land(self, pixels, item: WorkItem, path: str, aside: bool) -> str:
         """An encoder thread: one output file (its own shot and candidate in the metadata) as an atomic PNG write,
         after setting aside the edited file it replaces; returns the bytes' sha256."""
-        data = png_bytes(pixels, owner(item, path), self.job.model, self.job.controlnet)
+        data = _encoded(pixels, owner(item, path), self.job.model, self.job.controlnet)
         target = self.out_dir / path
         try:
             if aside:
@@ -134,3 +139,27 @@ class OutputSink:
             self.writer.close(cancel=cancel)
         finally:
             self.encoder.shutdown(wait=True, cancel_futures=cancel)
+
+
+class _Twin:
+    """A twin's PNG bytes, handed to the encoders in place of pixels."""
+
+    def __init__(self, png: bytes):
+        self.png = png
+
+
+def _encoded(pixels, item: WorkItem, model: str, controlnet: str | None) -> bytes:
+    """The output file's bytes: pixels encoded, or a twin's PNG retagged with this item's metadata (decoded and
+    encoded again only when it is not laid out as bcg writes its PNGs)."""
+    if not isinstance(pixels, _Twin):
+        return png_bytes(pixels, item, model, controlnet)
+    try:
+        return retag_png(pixels.png, item, model, controlnet)
+    except RetagError:
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        with Image.open(io.BytesIO(pixels.png)) as image:
+            return png_bytes(np.asarray(image.convert("RGB")), item, model, controlnet)

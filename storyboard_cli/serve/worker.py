@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 from storyboard_cli.errors import Status, StoryboardError, folder_error, one_line
 from storyboard_cli.folder.outputs import Pending, atomic_write
@@ -175,11 +174,12 @@ class LeaseSession(RenderSession):
                                "bucket": batch.size, "seconds": round(time.perf_counter() - t0, 4)})
 
     def copy_twin(self, item) -> bool:
-        """Writes the item from its twin's PNG, if it has one that can be read."""
-        pixels = _pixels(self.twins.get(item.outputs[0]))
-        if pixels is None:
+        """Writes the item from its twin's PNG (its pixel data kept, the metadata its own), if there is one
+        that can be read."""
+        png = _read(self.twins.get(item.outputs[0]))
+        if png is None:
             return False
-        self.sink.submit(item, pixels, CACHED_BUCKET)
+        self.sink.copy(item, png, CACHED_BUCKET)
         self.copied.update(item.outputs)
         return True
 
@@ -223,15 +223,12 @@ def render_together(head: LeaseSession, riders: list[LeaseSession]) -> dict[Leas
             results[rider] = rider.finish(status)
     return results
 
-def _pixels(path: str | None) -> np.ndarray | None:
-    """The twin's pixels (uint8 [H, W, 3]); None when there is none or it is gone."""
+def _read(path: str | None) -> bytes | None:
+    """The twin's PNG bytes; None when there is none or it is gone."""
     if path is None:
         return None
-    from PIL import Image
-
     try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
+        return Path(path).read_bytes()
     except OSError:
         return None
 
