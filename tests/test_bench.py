@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 from conftest import ROOT
 from storyboard_cli.cli import app
 
-pytestmark = pytest.mark.slow
 
 
+@pytest.mark.slow
 def test_bench_quick(tmp_path):
     result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml"), "--quick", "--results", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -36,6 +36,7 @@ def test_full_bench_needs_cuda():
     assert result.exit_code == 2 and "--quick" in result.output
 
 
+@pytest.mark.slow
 def test_bench_quick_lora_part(tmp_path):
     """3 synthetic LoRAs spread over the bench job: the job renders with them, swaps are timed."""
     result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml"), "--quick", "--parts", "lora",
@@ -48,6 +49,7 @@ def test_bench_quick_lora_part(tmp_path):
     assert "LoRA job" in (tmp_path / record.name.replace(".json", ".md")).read_text()
 
 
+@pytest.mark.slow
 def test_bench_quick_draft_part(tmp_path):
     """The draft part end to end on tiny (what bench/gpu_draft.sh runs on a GPU): the loops side by side, the
     bench job with and without --draft, the drift of every draft against its full render."""

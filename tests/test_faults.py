@@ -14,7 +14,6 @@ from conftest import ROOT, write_job
 from storyboard_cli.cli import app
 from storyboard_cli.folder.outputs import read_fingerprint
 
-pytestmark = pytest.mark.slow
 # enough images, and steps, that a render stopped after its third image is stopped mid-job even when the refused
 # second render (in this process, between its first and third image) is slow to start on a loaded machine
 N = 16
@@ -46,6 +45,7 @@ def _check_consistent(out):
     return pngs
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_finishes_what_is_missing(tmp_path):
     """Also: while the first render runs, a second one into the same folder is refused, naming its holder."""
     job = write_job(tmp_path, JOB)
@@ -69,6 +69,7 @@ def test_kill_9_then_rerun_finishes_what_is_missing(tmp_path):
     assert all(p.stat().st_mtime_ns == t for p, t in done_before.items())  # nothing finished was redone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_keeps_finished_images_and_exits_130(tmp_path, presses):
     job = write_job(tmp_path, JOB)
@@ -88,6 +89,7 @@ def test_ctrl_c_keeps_finished_images_and_exits_130(tmp_path, presses):
 
 
 
+@pytest.mark.slow
 def test_a_huge_control_image_is_one_line_of_ours_not_pils_warning(tmp_path):
     from PIL import Image
 

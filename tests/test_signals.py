@@ -16,7 +16,6 @@ from conftest import ROOT, write_job
 from storyboard_cli.cli import app
 from storyboard_cli.folder.layout import LOCK, read_fingerprint
 
-pytestmark = pytest.mark.slow
 JOB = "version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {id: a, prompt: x, steps: 3, size: 64x64, candidates: 12}\n"
 
 # run in the child before bcg's main(): batches after the third (or loading) take `HANG` seconds, so a
@@ -58,6 +57,7 @@ def _start(tmp_path, hang_at, *args, **env):
     return proc, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_stop_mid_batch_with_a_partial_report(tmp_path, sig):
     proc, out = _start(tmp_path, "batch")
@@ -85,6 +85,7 @@ def test_sigterm_and_sighup_stop_mid_batch_with_a_partial_report(tmp_path, sig):
     assert again.exit_code == 0 and json.loads(again.stdout)["images_skipped"] == 3
 
 
+@pytest.mark.slow
 def test_first_ctrl_c_says_so_at_once_and_is_honoured_during_loading(tmp_path):
     proc, out = _start(tmp_path, "load", LOAD_S="4")
     t0 = time.time()
@@ -124,6 +125,7 @@ def _holders(out, go, hold_s, n):
                              text=True, env=env) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_exactly_one_of_many_racing_processes_gets_the_lock(tmp_path):
     for trial in range(4):
         out, go = tmp_path / f"out{trial}", tmp_path / f"go{trial}"
@@ -136,6 +138,7 @@ def test_exactly_one_of_many_racing_processes_gets_the_lock(tmp_path):
         assert not (out / LOCK).exists()
 
 
+@pytest.mark.slow
 def test_a_killed_holder_releases_the_lock_and_a_stale_file_is_no_lock(job_dir, tmp_path):
     job = write_job(job_dir, "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x, steps: 2, size: 64x64}\n")
     out, go = tmp_path / "out", tmp_path / "go"
