@@ -88,7 +88,7 @@ def bench(job: Annotated[Path, typer.Argument(help="The bench job.")] = Path("jo
                                                   "(comma-separated).")] = "job,micro",
           with_compile: Annotated[bool, flag("--with-compile", "Also run diffusers + torch.compile "
                                              "(compiles per shape: many minutes).")] = False,
-          results: Annotated[Path, typer.Option(help="Folder for the JSON and Markdown results.")] = Path("bench/results"),
+          results: Annotated[Path, typer.Option(help="Folder for the JSON and Markdown results.")] = Path("benchmarks/runs"),
           ) -> None:
     """Measure bcg against the plain diffusers loop (and torch.compile) on one job, in one run."""
     from storyboard_cli.bench import harness, report

@@ -51,7 +51,7 @@ def test_bench_quick_lora_part(tmp_path):
 
 @pytest.mark.slow
 def test_bench_quick_draft_part(tmp_path):
-    """The draft part end to end on tiny (what bench/gpu_draft.sh runs on a GPU): the loops side by side, the
+    """The draft part end to end on tiny (what `benchmarks/gpu.sh draft` runs on a GPU): the loops side by side, the
     bench job with and without --draft, the drift of every draft against its full render."""
     result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml"), "--quick", "--parts", "draft",
                                       "--results", str(tmp_path)])

@@ -342,7 +342,7 @@ def test_reroll_render_keeps_every_image_and_the_sheet_shows_the_new_ones(job, o
 
 
 def test_bench_svgs_from_a_real_record():
-    rec = json.loads((ROOT / "bench/results/2026-11-29-nvidia-h200.json").read_text())
+    rec = json.loads((ROOT / "tests/data/bench_record.json").read_text())  # benchmarks/results/graphs/2026-11-29-bench.json
     svgs = bench_svgs(rec, {"a_diffusers": "(a) diffusers <loop>"})
     assert set(svgs) == {"contenders", "step_curve", "step_curve_control"}
     for text in svgs.values():

@@ -71,7 +71,7 @@ class Results:
 
 
 def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts: tuple[str, ...] = ("job", "micro"),
-        with_compile: bool = False, results_dir: Path = Path("bench/results"),
+        with_compile: bool = False, results_dir: Path = Path("benchmarks/runs"),
         log: Callable[[str], None] = print) -> dict:
     if not quick and not torch.cuda.is_available():
         raise BadInput("bcg bench: the full run measures CUDA graphs and needs a CUDA device; "

@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: the measurements behind docs/PERFORMANCE.md as named legs (benchmarks/README.md says
+# which leg measures which claim). From the repository root:
+#
+#   OUT=/some/dir [ARTZ=art.tgz] [FP8=1] [LIMIT=560] [CLOCKS=1] bash benchmarks/gpu.sh LEG[:ARG][@GPU] ...
+#   SMOKE=1 OUT=/tmp/x bash benchmarks/gpu.sh draft serve scout   # the same steps on the CPU, tiny preset
+#
+# Each leg runs on GPU 0 unless @GPU names another (@1b: a second lane on GPU 1, beside @1); the legs of a lane run
+# one after another, the lanes side by side.
+# Every step stops at its own cap or at LIMIT seconds after the start, whichever comes first (a step that runs past
+# it dumps every thread's Python stack into its log). ARTZ: a tarball of compiled artifacts to start the shared cache
+# with (the art.tgz of an earlier call). FP8=1: build, cold, ready, curves and first with --fp8. CLOCKS=1: the GPUs'
+# clocks, power and throttle reasons every second (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and
+# Markdown, walls.txt, machine.txt); the shared cache's artifacts, when a leg built any: $OUT/art.tgz.
+#
+# Legs (ARG where a leg takes one):
+#   tests[:FILES]     pytest -m gpu, each file in a process of its own; FILES: names of tests/test_*.py joined by
+#                     commas (gpu,gpu_draft,...; default every GPU test file)
+#   rng               tests/test_gpu_compiled.py with probes/rng_probe.py: after which test the CUDA generator breaks
+#   build             `bcg capture jobs/bench.yaml --warm --compile on --steps 4` on the shared cache: the job's
+#                     kernels built side by side, then every shape captured, checked against eager and timed
+#   cold              the same on an empty cache of its own: a cold build's wall time
+#   ready             benchmarks/ready.py: a new process ready after the weights (the shared cache's kernels)
+#   job[:PARTS]       `bcg bench jobs/bench.yaml --parts PARTS` (default a_diffusers,e_bcg_compiled,f_bcg_fp8)
+#   slice             `--parts b_slice`: (a), (b) diffusers' regional compile, (e), (f) on the 1024x1024 shots
+#   curves            `--parts curves,profile`: step curves plain against compiled, the kernel profile
+#                     (FP8=1: `--parts fp8`, FP8's step curves and per-step drift)
+#   first             `--parts first_render` (FP8=1: first_render_fp8) on an empty cache of its own; the builds it
+#                     started are stopped after it
+#   draft             `--parts draft`: the draft levers' loops, the job with and without --draft, their capture
+#   capture           `bcg capture jobs/bench.yaml --warm --compile off`, then the same with --draft, each a process
+#   pool              probes/pool_probe.py in fresh processes (bcg's expandable segments, torch's default
+#                     allocator), then `--parts draft_capture`
+#   vae               probes/vae_scout.py at 1024x1024 (ARG: its --variants), then 832x1216
+#   scout[:VARIANTS]  probes/fp8_scout.py (default plain,prod,fp8,fp8_eager,fp8_eager_fast; plain,prod,cdt: tuning)
+#   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
+#   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
+#   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
+# serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
+set -uo pipefail
+: "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
+[ $# -gt 0 ] || { sed -n '2,43p' "$0"; exit 2; }
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
+export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
+LIMIT=${LIMIT:-560}
+SMOKE=${SMOKE:-0}
+FP8_FLAG=$([ "${FP8:-0}" = 1 ] && echo --fp8)
+GPU_TESTS=gpu,gpu_draft,gpu_lora,gpu_compiled,gpu_fp8,groupnorm
+R=$(mktemp -d /tmp/gpu-call.XXXX)
+mkdir -p "$OUT" "$BCG_CACHE/compiled"
+[ -n "${ARTZ:-}" ] && tar xzf "$ARTZ" -C "$BCG_CACHE/compiled"
+ls "$BCG_CACHE/compiled" > "$R/cache_at_start.txt"
+
+pack() {
+  for f in "$R"/*/*-server.pid; do [ -f "$f" ] && kill -KILL -- "-$(cat "$f")" 2>/dev/null; done  # serve's servers
+  [ -n "${SMI:-}" ] && kill "$SMI" 2>/dev/null
+  ls -la --full-time "$BCG_CACHE/compiled" > "$R/cache_at_end.txt" 2>&1
+  mkdir -p "$R/builds"; cp "$BCG_CACHE"/compiled/*.{log,build.json} "$R/builds/" 2>/dev/null
+  tar czf "$OUT/logs.tgz" -C "$R" .
+  if ! diff -q <(ls "$BCG_CACHE/compiled") "$R/cache_at_start.txt" > /dev/null; then
+    (cd "$BCG_CACHE/compiled" && tar czf "$OUT/art.tgz" $(ls *.pt2 *.ok *.build.json fp8-scales-*.json 2>/dev/null))
+  fi
+}
+trap pack EXIT
+
+left() { echo $((LIMIT - 10 - SECONDS)); }
+# step NAME CAP CMD...: CMD under the smaller of CAP and what is left of LIMIT; stdout and stderr in NAME.log
+# (NAME.json takes stdout when STDOUT=json); its exit status and times in walls.txt
+step() {
+  local name=$1 cap=$2 limit; shift 2
+  limit=$(left); [ "$cap" -lt "$limit" ] && limit=$cap
+  if [ "$limit" -lt 20 ]; then echo "$name: not run, ${limit}s of the limit left" >> "$R/walls.txt"; return 1; fi
+  local start=$SECONDS out="$R/$name.log"
+  [ "${STDOUT:-}" = json ] && out="$R/$name.json"
+  timeout -s ABRT -k 15 "$limit" "$@" > "$out" 2>> "$R/$name.log"
+  local rc=$?
+  echo "$name rc=$rc from ${start}s to ${SECONDS}s (limit ${limit}s)" >> "$R/walls.txt"
+  return $rc
+}
+bench() {  # NAME CAP PARTS [ARGS...]: one `bcg bench` run of the bench job, its record in NAME/
+  local name=$1 cap=$2 parts=$3; shift 3
+  step "$name" "$cap" python -m storyboard_cli bench jobs/bench.yaml --parts "$parts" --results "$R/$name" \
+    $([ "$SMOKE" = 1 ] && echo --quick) "$@"
+}
+stop_builds() {  # the compiled-kernel builds a leg started on cache $1: they run in sessions of their own
+  for e in /proc/[0-9]*/environ; do
+    grep -qzx "BCG_CACHE=$1" "$e" 2>/dev/null && kill "$(basename "$(dirname "$e")")" 2>/dev/null
+  done
+}
+
+leg() {  # LEG ARG NAME
+  local leg=$1 arg=$2 n=$3
+  case $leg in
+  tests)
+    for t in $(tr , " " <<< "${arg:-$GPU_TESTS}"); do
+      step "$n-$t" 200 python -m pytest -q -m gpu "tests/test_$t.py" -p no:cacheprovider
+    done;;
+  rng)
+    step "$n" 150 env PYTHONPATH="$PWD/benchmarks/probes:$PYTHONPATH" python -m pytest -q -s -m gpu \
+      tests/test_gpu_compiled.py -p rng_probe -p no:cacheprovider;;
+  build|cold)
+    local cache=$BCG_CACHE
+    [ "$leg" = cold ] && cache=/tmp/bcg-cold && rm -rf "$cache" && mkdir -p "$cache"
+    STDOUT=json step "$n" 540 env BCG_CACHE="$cache" python -m storyboard_cli capture jobs/bench.yaml --warm \
+      --compile on --steps 4 $FP8_FLAG --json
+    [ "$leg" = cold ] && mkdir -p "$R/$n-builds" && cp "$cache"/compiled/*.{log,build.json} "$R/$n-builds/" 2>/dev/null
+    python benchmarks/capture_table.py "$R/$n.json" >> "$R/$n.log";;
+  ready)
+    step "$n" 150 python benchmarks/ready.py jobs/bench.yaml "$R/$n.json" $FP8_FLAG;;
+  job)
+    bench "$n" 540 "${arg:-a_diffusers,e_bcg_compiled,f_bcg_fp8}";;
+  slice)
+    bench "$n" 300 b_slice;;
+  curves)
+    bench "$n" 540 "$([ -n "$FP8_FLAG" ] && echo fp8 || echo curves,profile)";;
+  first)
+    rm -rf /tmp/bcg-first && mkdir -p /tmp/bcg-first
+    BCG_CACHE=/tmp/bcg-first bench "$n" 540 "$([ -n "$FP8_FLAG" ] && echo first_render_fp8 || echo first_render)"
+    ls -la /tmp/bcg-first/compiled > "$R/$n-cache-at-end.txt" 2>&1
+    stop_builds /tmp/bcg-first; sleep 2;;
+  draft)
+    bench "$n" 540 draft;;
+  capture)
+    for mode in plain draft; do
+      STDOUT=json step "$n-$mode" 240 python -m storyboard_cli capture jobs/bench.yaml --warm --compile off \
+        $([ $mode = draft ] && echo --draft) --json
+    done;;
+  pool)
+    local probe name order conf
+    for probe in expandable:write,read,cond-write,cond-read: \
+                 segments:write,read,cond-write,cond-read:expandable_segments:False \
+                 segments-today-then-deepcache:full,write,read:expandable_segments:False; do
+      IFS=: read -r name order conf <<< "$probe"
+      step "$n-probe-$name" 90 env ${conf:+PYTORCH_CUDA_ALLOC_CONF=$conf} \
+        python benchmarks/probes/pool_probe.py "$R/$n-probe-$name.json" --order "$order"
+    done
+    bench "$n" 300 draft_capture;;
+  vae)
+    step "$n" 240 python benchmarks/probes/vae_scout.py --out "$R/$n.json" --budget 200 ${arg:+--variants $arg} \
+      --no-overlap $([ "$SMOKE" = 1 ] && echo --model tiny)
+    step "$n-832x1216" 120 python benchmarks/probes/vae_scout.py --out "$R/$n-832x1216.json" --size 832x1216 \
+      --budget 100 --variants fp32,wide,product --no-overlap $([ "$SMOKE" = 1 ] && echo --model tiny);;
+  scout)
+    local smoke=""
+    [ "$SMOKE" = 1 ] && smoke="--model tiny --side 256 --min-tokens 64 --build-missing --loops 2 --replays 2"
+    step "$n" 560 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" \
+      TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#PLAN[@]} )) python benchmarks/probes/fp8_scout.py \
+      --variants "${arg:-plain,prod,fp8,fp8_eager,fp8_eager_fast}" --budget "$(( $(left) - 30 ))" \
+      --out "$R/$n.json" --build-dir "/tmp/fp8-build-$n" $smoke;;
+  load)
+    local a b
+    a=$(ls "$BCG_CACHE"/compiled/unet-1024x1024-*.pt2 | head -1); b=$(ls "$BCG_CACHE"/compiled/unet-1216x832-*.pt2 | head -1)
+    for run in 1 2 3; do
+      (while true; do echo "-- $(date +%T)"; ps -eo pid,ppid,etimes,pcpu,rss,args --forest | cut -c1-200 | tail -n 25
+                      sleep 3; done) > "$R/$n-$run-ps.log" 2>&1 &
+      local sampler=$!
+      step "$n-$run" 80 env $([ $run = 3 ] && echo TORCHINDUCTOR_COMPILE_THREADS=1) \
+        python -X faulthandler benchmarks/probes/load_probe.py "$a" "$b"
+      kill $sampler
+    done;;
+  serve)
+    local args="--gpus 0,1 --model sdxl-random --images ${IMAGES:-32} --steps ${STEPS:-20} --size 1024x1024"
+    [ "$SMOKE" = 1 ] && args="--gpus cpu,cpu --model tiny --images 8 --steps 2 --size 256x256"
+    local phase limit
+    for phase in $(tr , " " <<< "${arg:-render,serve1,serve2}"); do
+      limit=$(case $phase in render) echo 150;; serve1) echo 200;; *) echo 540;; esac)
+      [ "$limit" -gt "$(left)" ] && limit=$(left)
+      step "$n-$phase" "$limit" env -u CUDA_VISIBLE_DEVICES python benchmarks/serve_gpu.py $args --phases "$phase" \
+        --deadline-s $((limit - 10)) --out "$R/$n"
+    done;;
+  gpus)
+    step "$n" 540 env -u CUDA_VISIBLE_DEVICES python benchmarks/two_gpus.py "${arg:-bench}" --work "/tmp/two-gpus-$n" \
+      --out "$R/$n.json";;
+  *)
+    echo "$n: no leg named $leg (benchmarks/gpu.sh lists them)" >> "$R/walls.txt";;
+  esac
+}
+
+{ nproc; free -g | head -2; nvidia-smi -L; git log --oneline -1
+  python -c "import torch, diffusers; print(torch.__version__, diffusers.__version__)"; } > "$R/machine.txt" 2>&1
+if [ "${CLOCKS:-0}" = 1 ]; then
+  nvidia-smi --query-gpu=index,timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+    --format=csv -l 1 > "$R/clocks.csv" 2>&1 &
+  SMI=$!
+fi
+declare -A PLAN
+i=0
+for spec in "$@"; do
+  i=$((i + 1)); lane=0
+  [[ $spec == *@* ]] && lane=${spec##*@} && spec=${spec%@*}
+  PLAN[$lane]+="$i:$spec "
+done
+for lane in "${!PLAN[@]}"; do
+  (export CUDA_VISIBLE_DEVICES=${lane%%[!0-9]*}
+   for item in ${PLAN[$lane]}; do
+     n=${item%%:*}; spec=${item#*:}; leg=${spec%%:*}; arg=""
+     [[ $spec == *:* ]] && arg=${spec#*:}
+     leg "$leg" "$arg" "$n-$leg-gpu$lane"
+   done) &
+done
+wait
+cat "$R/walls.txt"
+for f in "$R"/*.log; do echo "== $(basename "$f")"; grep -v Warning "$f" | tail -n 4; done
+cat "$R"/*/*.md 2>/dev/null | head -n 60
+true

@@ -1,0 +1,137 @@
+"""The benchmark area (docs/ARCHITECTURE.md, "The benchmark area"; benchmarks/README.md): every record and raw file
+that docs/PERFORMANCE.md and the READMEs cite exists, the records are kept by topic, gpu.sh runs the legs its header
+and the README name, the scripts import names the package has, and the package and the tests never import them."""
+
+import ast
+import fnmatch
+import importlib
+import json
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+RESULTS = BENCH / "results"
+RAW = RESULTS / "raw.tar.xz"
+PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
+README = BENCH / "README.md"
+GPU_SH = BENCH / "gpu.sh"
+TOPICS = {p.name for p in RESULTS.iterdir() if p.is_dir()}
+
+
+def _braces(pattern: str) -> list[str]:
+    """'a-{b,c}-*.json' -> ['a-b-*.json', 'a-c-*.json'], as the shell expands it."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if not m:
+        return [pattern]
+    return [x for alt in m.group(1).split(",") for x in _braces(pattern[:m.start()] + alt + pattern[m.end():])]
+
+
+def _quoted(path: Path) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", path.read_text(encoding="utf-8"))
+
+
+def _record_paths() -> list[tuple[str, str]]:
+    """(document, path pattern) for every path under benchmarks/ a document quotes; benchmarks/README.md also names
+    records from results/ (`compiled/...`)."""
+    cited = []
+    for doc in (PERFORMANCE, ROOT / "README.md", README):
+        for text in _quoted(doc):
+            for word in text.split():
+                word = word.rstrip(",;:)")
+                if word.startswith("benchmarks/") and not word.startswith("benchmarks/gpu.sh"):
+                    cited.append((doc.name, word))
+                elif doc == README and word.split("/")[0] in TOPICS:
+                    cited.append((doc.name, f"benchmarks/results/{word}"))
+    return cited
+
+
+def test_the_documents_cite_records():
+    assert len(_record_paths()) > 50
+
+
+@pytest.mark.parametrize("doc, pattern", _record_paths())
+def test_every_cited_file_exists(doc, pattern):
+    for alt in _braces(pattern):
+        assert list(ROOT.glob(alt)) or (ROOT / alt).exists(), f"{doc} cites {alt}, which is not there"
+
+
+def test_every_raw_file_performance_cites_is_in_the_archive():
+    with tarfile.open(RAW) as tar:
+        names = tar.getnames()
+    cited = re.findall(r"raw\s+`(20[^`]+)`", PERFORMANCE.read_text(encoding="utf-8"))
+    assert len(cited) > 20
+    for pattern in cited:
+        for alt in _braces(pattern):
+            assert fnmatch.filter(names, alt) or fnmatch.filter(names, alt + "*"), f"raw {alt} is not in {RAW.name}"
+
+
+def test_results_are_json_records_by_topic():
+    loose = [p.name for p in RESULTS.iterdir() if p.is_file() and not re.fullmatch(r"raw(-[\d-]+)?\.tar\.xz", p.name)]
+    assert not loose, f"results/ holds topic folders and raw archives only: {loose}"
+    for topic in TOPICS:
+        files = list((RESULTS / topic).iterdir())
+        assert files, topic
+        for f in files:
+            assert f.suffix in (".json", ".jsonl"), f
+            assert f.suffix == ".jsonl" or re.fullmatch(r"\d{4}-\d\d-\d\d-[a-z0-9x.-]+\.json", f.name), f
+            for line in f.read_text(encoding="utf-8").splitlines() if f.suffix == ".jsonl" else [f.read_text()]:
+                json.loads(line)
+
+
+def _legs() -> tuple[set[str], set[str]]:
+    """gpu.sh's legs as its header lists them, and as its `leg` function's cases run them."""
+    text = GPU_SH.read_text(encoding="utf-8")
+    header = text[text.index("# Legs"):text.index("\nset -uo")]
+    listed = set(re.findall(r"^#   (\w+)", header, re.M))
+    body = text[text.index("leg() {"):]
+    cases = {name for label in re.findall(r"^  ([\w|]+)\)$", body, re.M) for name in label.split("|")}
+    return listed, cases
+
+
+def test_gpu_sh_runs_the_legs_it_lists():
+    subprocess.run(["bash", "-n", str(GPU_SH)], check=True)
+    listed, cases = _legs()
+    assert listed == cases and len(cases) > 10
+
+
+def test_the_readme_names_only_legs_gpu_sh_has():
+    _, legs = _legs()
+    text = README.read_text(encoding="utf-8")
+    named = set(re.search(r"the legs: `([^`]+)`", text.replace("\n", " ")).group(1).split())
+    assert {n.split("[")[0] for n in named} == legs
+    table = text[text.index("| script (`bench/`) | legs |"):text.index("## Probes")]
+    for cell in re.findall(r"^\| `[\w.]+` \| (.+) \|$", table, re.M):
+        for spec in " ".join(re.findall(r"`([^`]+)`", cell)).split():
+            if "=" not in spec and not spec.startswith(("python", "benchmarks/")):
+                assert spec.split(":")[0].split("@")[0] in legs, spec
+
+
+def _script_imports() -> list[tuple[str, str, str]]:
+    out = []
+    for path in sorted(BENCH.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("storyboard_cli"):
+                out += [(path.relative_to(ROOT).as_posix(), node.module, a.name) for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("script, module, name", _script_imports())
+def test_the_scripts_import_what_the_package_has(script, module, name):
+    mod = importlib.import_module(module)
+    assert hasattr(mod, name) or importlib.util.find_spec(f"{module}.{name}"), f"{script}: {module}.{name}"
+
+
+def test_neither_the_package_nor_the_tests_import_the_benchmarks():
+    importing = []
+    for path in [*(ROOT / "storyboard_cli").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+                importing.append(path.relative_to(ROOT).as_posix())
+    assert not importing
