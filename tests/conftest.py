@@ -78,9 +78,10 @@ def artifacts(tmp_path_factory):
     loadable."""
     import torch
 
-    from storyboard_cli.engine import compiled as C
     from storyboard_cli.engine.base import Shape
-    from storyboard_cli.engine.builds import Builds
+    from storyboard_cli.engine.kernels.artifacts import targets
+    from storyboard_cli.engine.kernels.builds import Builds
+    from storyboard_cli.engine.kernels.calls import CompiledKernels
     from storyboard_cli.models.loader import load_sdxl
 
     root = tmp_path_factory.mktemp("compiled")
@@ -92,8 +93,8 @@ def artifacts(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CXX", str(cxx))  # the build children inherit it
         builds = Builds(models.device, events.append, notes=notes)
-        k = C.CompiledKernels(models, builds, root=root)
-        k.want(C.targets([Shape(4, 128, 128, True)], True))
+        k = CompiledKernels(models, builds, root=root)
+        k.want(targets([Shape(4, 128, 128, True)], True))
         assert [t.label for t in k.waiting] == ["unet 128x128", "controlnet 128x128"]
         k.start()
         builds.wait()

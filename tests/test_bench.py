@@ -75,7 +75,8 @@ def test_the_draft_capture_groups_are_todays_keys_and_the_rest(tiny_cpu):
     from types import SimpleNamespace
 
     from storyboard_cli.bench.draft import _groups
-    from storyboard_cli.engine.graphs import GraphRunner, GraphStats
+    from storyboard_cli.engine.graph.keys import GraphStats
+    from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.steps import StepKind
 
     runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(64, 64))

@@ -16,19 +16,22 @@ import pytest
 import torch
 
 from storyboard_cli.bench.synthetic_lora import unet_targets
-from storyboard_cli.engine import compiled as C
 from storyboard_cli.engine.base import Shape
-from storyboard_cli.engine.builds import Builds
 from storyboard_cli.engine.eager import StepCalls
+from storyboard_cli.engine.kernels.artifacts import (Target, artifact_key, artifact_path, fits, loads_here, module_of,
+                                                     targets)
+from storyboard_cli.engine.kernels.builds import Builds
+from storyboard_cli.engine.kernels.calls import CompiledKernels
+from storyboard_cli.engine.kernels.export import example_inputs, text_dims
 from storyboard_cli.models.loader import load_sdxl
 
 pytestmark = pytest.mark.slow
 SIDE = 128  # pixels: latent 16 x 16
 
 
-def kernels(models, root, builds=None) -> C.CompiledKernels:
-    k = C.CompiledKernels(models, builds, root=root)
-    k.want(C.targets([Shape(4, SIDE, SIDE, True)], models.controlnet is not None))
+def kernels(models, root, builds=None) -> CompiledKernels:
+    k = CompiledKernels(models, builds, root=root)
+    k.want(targets([Shape(4, SIDE, SIDE, True)], models.controlnet is not None))
     return k
 
 
@@ -41,7 +44,7 @@ def _inputs(models, rows, control, seed=0):
     g = torch.Generator().manual_seed(seed)
     h = w = SIDE // 8
     unet = models.unet
-    text_dim, pooled_dim = C.text_dims(unet)
+    text_dim, pooled_dim = text_dims(unet)
     latents = torch.randn(rows, 4, h, w, generator=g)
     t = torch.full((rows,), 500.0)  # as the step passes it
     embeds, pooled = torch.randn(rows, 77, text_dim, generator=g), torch.randn(rows, pooled_dim, generator=g)
@@ -142,43 +145,43 @@ def test_the_timestep_is_exported_as_float32_whatever_the_default_dtype(models_c
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float16)
     try:
-        args = C.example_inputs(module, C.module_of(models_cn, module), 2, 16, 16)
+        args = example_inputs(module, module_of(models_cn, module), 2, 16, 16)
     finally:
         torch.set_default_dtype(before)
     assert args[1].dtype == torch.float32 and args[1].dim() == 0
 
 
 def test_shapes_outside_the_compiled_ranges_are_named():
-    assert C.fits(8, 1024, 1024) is None
-    assert C.fits(1, 832, 1216) is None
-    assert "exceed" in C.fits(16, 1024, 1024)
-    assert "outside" in C.fits(1, 1000, 1000)
-    assert "outside" in C.fits(1, 4096, 1024)
+    assert fits(8, 1024, 1024) is None
+    assert fits(1, 832, 1216) is None
+    assert "exceed" in fits(16, 1024, 1024)
+    assert "outside" in fits(1, 1000, 1000)
+    assert "outside" in fits(1, 4096, 1024)
 
 
 def test_one_artifact_per_module_and_size():
     shapes = [Shape(8, 1024, 1024, False), Shape(1, 1024, 1024, True), Shape(2, 832, 1216, False),
               Shape(4, 1000, 1000, False)]
-    assert [t.label for t in C.targets(shapes, controlnet=True)] == ["unet 1024x1024", "unet 1216x832",
-                                                                    "controlnet 1024x1024"]
-    assert [t.label for t in C.targets(shapes, controlnet=False)] == ["unet 1024x1024", "unet 1216x832"]
+    assert [t.label for t in targets(shapes, controlnet=True)] == ["unet 1024x1024", "unet 1216x832",
+                                                                  "controlnet 1024x1024"]
+    assert [t.label for t in targets(shapes, controlnet=False)] == ["unet 1024x1024", "unet 1216x832"]
 
 
 def test_the_key_follows_what_changes_the_code(models_cn):
-    unet, square = models_cn.unet, C.Target("unet", 128, 128)
-    key = C.artifact_key(square, unet)
-    assert key == C.artifact_key(square, unet)
-    assert key != C.artifact_key(C.Target("unet", 128, 192), unet)
-    assert key != C.artifact_key(C.Target("controlnet", 128, 128), unet)
+    unet, square = models_cn.unet, Target("unet", 128, 128)
+    key = artifact_key(square, unet)
+    assert key == artifact_key(square, unet)
+    assert key != artifact_key(Target("unet", 128, 192), unet)
+    assert key != artifact_key(Target("controlnet", 128, 128), unet)
     half = load_sdxl("tiny", None, "cpu", torch.bfloat16).unet
-    assert C.artifact_key(square, half) != key
+    assert artifact_key(square, half) != key
 
 
 def test_a_corrupt_artifact_is_reported_and_never_crashes(tmp_path, artifacts):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    unet = C.Target("unet", SIDE, SIDE)
-    good = C.artifact_path(unet, models.unet, artifacts)
-    bad = C.artifact_path(unet, models.unet, tmp_path)
+    unet = Target("unet", SIDE, SIDE)
+    good = artifact_path(unet, models.unet, artifacts)
+    bad = artifact_path(unet, models.unet, tmp_path)
     bad.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 3])  # a truncated copy
     k = kernels(models, tmp_path)
     assert k.ready(1, SIDE, SIDE, False) is not None and "not used" in k.notes[0]
@@ -192,12 +195,13 @@ def test_a_copied_cache_keeps_its_load_markers(tmp_path, artifacts, monkeypatch)
 
     for f in sorted(artifacts.glob("unet-*"), key=lambda f: f.suffix != ".ok"):  # markers first, as `cp *` does
         shutil.copy(f, tmp_path / f.name)
-    monkeypatch.setattr(C.subprocess, "run", lambda *a, **k: pytest.fail("a load check ran"))
+    monkeypatch.setattr("storyboard_cli.engine.kernels.artifacts.subprocess.run",
+                        lambda *a, **k: pytest.fail("a load check ran"))
     (path,) = tmp_path.glob("unet-*.pt2")
-    assert C.loads_here(path)
+    assert loads_here(path)
     path.write_bytes(path.read_bytes()[:4096])  # not the artifact the marker vouches for
     monkeypatch.undo()
-    assert not C.loads_here(path) and path.with_suffix(".bad").is_file()
+    assert not loads_here(path) and path.with_suffix(".bad").is_file()
 
 
 def test_no_artifact_means_plain_with_a_reason(tmp_path):
@@ -211,8 +215,8 @@ def test_a_second_build_of_one_artifact_waits_for_the_first(tmp_path):
     import fcntl
 
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    target = C.Target("unet", SIDE, SIDE)
-    path = C.artifact_path(target, models.unet, tmp_path)
+    target = Target("unet", SIDE, SIDE)
+    path = artifact_path(target, models.unet, tmp_path)
     with open(path.with_suffix(".lock"), "a+") as held:  # another process's build, in progress
         fcntl.flock(held, fcntl.LOCK_EX)
         builds = Builds(models.device)
@@ -226,8 +230,8 @@ def test_a_second_build_of_one_artifact_waits_for_the_first(tmp_path):
 
 def test_a_build_that_fails_is_remembered_and_named(tmp_path):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    target = C.Target("unet", SIDE, SIDE)
-    path = C.artifact_path(target, models.unet, tmp_path)
+    target = Target("unet", SIDE, SIDE)
+    path = artifact_path(target, models.unet, tmp_path)
     path.with_suffix(".failed").write_text("the compiler said no\n")
     notes = []
     builds = Builds(models.device, notes=notes)
@@ -237,8 +241,8 @@ def test_a_build_that_fails_is_remembered_and_named(tmp_path):
 
 def test_a_killed_build_child_fails_with_its_signal(tmp_path, monkeypatch):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    target = C.Target("unet", SIDE, SIDE)
-    path = C.artifact_path(target, models.unet, tmp_path)
+    target = Target("unet", SIDE, SIDE)
+    path = artifact_path(target, models.unet, tmp_path)
     notes = []
     builds = Builds(models.device, notes=notes)
     builds.want([(target, path, models.unet)])
@@ -254,11 +258,12 @@ def test_a_killed_build_child_fails_with_its_signal(tmp_path, monkeypatch):
 def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None, side: int = SIDE,
                            model: str = "tiny") -> str:
     """What a second process gets from the cache folder `root`: 'loaded', or the notes."""
-    code = ("import sys, torch; from pathlib import Path; from storyboard_cli.engine import compiled as C;"
+    code = ("import sys, torch; from pathlib import Path;"
+            "from storyboard_cli.engine.kernels.calls import CompiledKernels;"
             "from storyboard_cli.engine.base import Shape; from storyboard_cli.models.loader import load_sdxl;"
             f"m = load_sdxl({model!r}, {controlnet!r}, {device!r}, torch.{dtype});"
-            "k = C.CompiledKernels(m, None, root=Path(sys.argv[1]));"
-            f"k.want(C.targets([Shape(1, {side}, {side}, m.controlnet is not None)], m.controlnet is not None));"
+            "k = CompiledKernels(m, None, root=Path(sys.argv[1]));"
+            f"k.want(k.targets([Shape(1, {side}, {side}, m.controlnet is not None)]));"
             f"why = k.ready(1, {side}, {side}, m.controlnet is not None);"
             "print('loaded' if why is None else [why, k.notes])")
     done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300)
@@ -268,7 +273,7 @@ def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None
 def test_a_size_switches_to_its_compiled_kernels_when_its_build_lands(artifacts, tmp_path):
     """Between batches the runner looks at the builds: a size is plain until its kernels land, then
     compiled (a graph of its own, captured and checked on its next batch)."""
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
 
     class Later:  # builds that finish at their second poll, into the session's artifacts
         def __init__(self):
@@ -284,7 +289,7 @@ def test_a_size_switches_to_its_compiled_kernels_when_its_build_lands(artifacts,
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     notes = []
     runner = GraphRunner(models, max_batch=1, max_hw=(SIDE, SIDE),
-                         compiled=C.CompiledKernels(models, Later(), notes, root=tmp_path))
+                         compiled=CompiledKernels(models, Later(), notes, root=tmp_path))
     runner.capturer = lambda key: object()  # the bookkeeping of a capture, without a GPU
     runner.prepare([Shape(1, SIDE, SIDE, False)])  # nothing cached: the plain graph, and a build started
     assert runner.shape_key(1, SIDE, SIDE, False).variant == "plain" and "in the background" in notes[0]

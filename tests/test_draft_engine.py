@@ -9,18 +9,16 @@ import torch
 
 from storyboard_cli.engine.conditioning import PromptCache, conditioning, guided_rows
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.graphs import GraphRunner, ShapeKey, Warmed
+from storyboard_cli.engine.graph.keys import ShapeKey, Warmed
+from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.sampling import draw_noise, schedule
 from storyboard_cli.run.capture import synthetic_inputs
 from storyboard_cli.steps import FULL, StepKind, step_plan
-from test_parity import RTOL, _pipeline
+
+from helpers.reference import RTOL, diffusers_pipeline, rel_error
 
 W, H, STEPS, GUIDANCE = 128, 96, 10, 6.5
 PROMPT, NEGATIVE = "a lighthouse in a storm, ink drawing", "blurry"
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()
 
 
 def _inputs(models, seeds, guidance, sampler="euler", steps=STEPS):
@@ -57,16 +55,16 @@ def test_cutoff_equals_diffusers_cfg_cutoff_callback(tiny_cpu, cutoff, sampler):
     from storyboard_cli.steps import guided_steps
 
     models, seed = tiny_cpu, 4321
-    want = _pipeline(models, sampler, False)(
+    want = diffusers_pipeline(models, sampler, False)(
         prompt=PROMPT, negative_prompt=NEGATIVE, height=H, width=W, num_inference_steps=STEPS,
         guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent",
         callback_on_step_end=SDXLCFGCutoffCallback(cutoff_step_ratio=cutoff)).images
     sched, x, noise, cond, guidance = _inputs(models, [seed], [GUIDANCE], sampler)
     plan = step_plan(STEPS, guided_steps(STEPS, cutoff))
     got = EagerEngine(models).sample(x, sched, noise, cond, None, guidance, plan)
-    assert _rel(got, want) < RTOL
+    assert rel_error(got, want) < RTOL
     full = EagerEngine(models).sample(x, sched, noise, cond, None, guidance)
-    assert _rel(full, want) > 10 * RTOL  # the cut-off changed the result: the comparison can tell
+    assert rel_error(full, want) > 10 * RTOL  # the cut-off changed the result: the comparison can tell
 
 
 def test_guidance_1_on_the_conditional_rows_alone_is_todays_result(tiny_cpu):
@@ -75,7 +73,7 @@ def test_guidance_1_on_the_conditional_rows_alone_is_todays_result(tiny_cpu):
     sched, x, noise, cond, guidance = _inputs(tiny_cpu, [3, 4], [1.0, 0.5], "euler_a")
     today = EagerEngine(tiny_cpu).sample(x, sched, noise, cond, None, guidance)
     got = EagerEngine(tiny_cpu).sample(x, sched, noise, cond, None, guidance, step_plan(STEPS, 0))
-    assert _rel(got, today) < 1e-5
+    assert rel_error(got, today) < 1e-5
     calls = []
     handle = tiny_cpu.unet.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["encoder_hidden_states"].shape[0]),
                                                      with_kwargs=True)
@@ -98,7 +96,7 @@ def test_control_end_equals_diffusers_control_guidance_end(tiny_cpu, end):
     from storyboard_cli.steps import control_steps
 
     models, seed, path = tiny_cpu, 99, ROOT / "jobs" / "control" / "hero_pose.png"
-    want = _pipeline(models, "euler", True)(
+    want = diffusers_pipeline(models, "euler", True)(
         prompt=PROMPT, negative_prompt=NEGATIVE, height=H, width=W, num_inference_steps=STEPS,
         guidance_scale=GUIDANCE, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent",
         image=Image.open(path).convert("RGB").resize((W, H), Image.LANCZOS), controlnet_conditioning_scale=0.9,
@@ -107,9 +105,9 @@ def test_control_end_equals_diffusers_control_guidance_end(tiny_cpu, end):
     ctl = Control(load_control_image(path, W, H)[None].repeat(2, 1, 1, 1), torch.full((2, 1, 1, 1), 0.9))
     plan = step_plan(STEPS, STEPS, control=control_steps(STEPS, end))
     got = EagerEngine(models).sample(x, sched, noise, cond, ctl, guidance, plan)
-    assert _rel(got, want) < RTOL
+    assert rel_error(got, want) < RTOL
     to_the_end = EagerEngine(models).sample(x, sched, noise, cond, ctl, guidance)
-    assert _rel(to_the_end, want) > 10 * RTOL
+    assert rel_error(to_the_end, want) > 10 * RTOL
 
 
 # ---------------------------------------------------------------- DeepCache, the published algorithm
@@ -186,10 +184,10 @@ def test_deepcache_equals_the_published_algorithm(tiny_cpu, interval, branch):
                                          step_plan(STEPS, STEPS, interval, branch))
     finally:
         handle.remove()
-    assert _rel(got, want) < RTOL
+    assert rel_error(got, want) < RTOL
     assert len(mids) == len(range(0, STEPS, interval))  # the deep path ran on the full steps only
     full = EagerEngine(models).sample(x, sched, noise, cond, None, guidance)
-    assert _rel(full, want) > 100 * RTOL
+    assert rel_error(full, want) > 100 * RTOL
 
 
 def test_a_branch_the_unet_lacks_is_refused(tiny_cpu):
@@ -212,7 +210,7 @@ def cpu_replays(runner: GraphRunner) -> list:
             captured.append(key)
 
         def replay(self):
-            runner._step(runner.buf.view(self.key))
+            runner.stepper(runner.buf.view(self.key))
 
     runner.capturer = Replay
     return captured
@@ -237,7 +235,7 @@ def test_graph_step_kinds_equal_the_eager_engine(tiny_cpu, control, levers, cont
     captured = cpu_replays(runner)
     got = runner.sample(x, sched, None, cond, ctl, guidance, plan)
     want = EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance, plan)
-    assert _rel(got, want) < 1e-6
+    assert rel_error(got, want) < 1e-6
     # a step after the ControlNet's end replays the graph of a batch without one
     assert {(k.step, k.control) for k in captured} == {(replace(s, control=True), control and s.control) for s in plan}
     assert all(runner.stats[k].checked for k in captured)
@@ -245,7 +243,7 @@ def test_graph_step_kinds_equal_the_eager_engine(tiny_cpu, control, levers, cont
     # a second batch through the same graphs (the feature buffer holds the last batch's): same again
     x2 = torch.randn_like(x)
     again = runner.sample(x2, sched, None, cond, ctl, guidance, plan)
-    assert _rel(again, EagerEngine(tiny_cpu).sample(x2, sched, None, cond, ctl, guidance, plan)) < 1e-6
+    assert rel_error(again, EagerEngine(tiny_cpu).sample(x2, sched, None, cond, ctl, guidance, plan)) < 1e-6
     assert len(captured) == len(set(plan))
 
 
@@ -267,30 +265,28 @@ def test_prepare_captures_each_shapes_step_kinds(tiny_cpu):
 @pytest.mark.parametrize("broken,corrupt", [(StepKind(False, "read", 0), lambda v: v.x.mul_(2)),
                                             (StepKind(True, "write", 0), lambda v: v.feature.mul_(2))],
                          ids=["shallow-output", "full-feature"])
-def test_a_failed_check_of_a_draft_kind_falls_back_to_eager(tiny_cpu, monkeypatch, broken, corrupt):
+def test_a_failed_check_of_a_draft_kind_falls_back_to_eager(tiny_cpu, broken, corrupt):
     """A graph whose output, or whose written DeepCache feature, differs from the eager step's is not used."""
     x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 1, H, W, False)
     sched = schedule("euler", 4, tiny_cpu.scheduler_config)
     plan = step_plan(4, 2, 2, 0)
     runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(H, W))
     cpu_replays(runner)
-    real = runner._step
-    monkeypatch.setattr(runner, "_step", lambda v: (real(v), corrupt(v) if v.key.step == broken else None))
+    runner.stepper = lambda v: (runner.step(v), corrupt(v) if v.key.step == broken else None)
     got = runner.sample(x, sched, None, cond, ctl, guidance, plan)
     assert torch.equal(got, EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance, plan))
     failed = [s for s in runner.stats.values() if s.state == "eager"]
     assert [s.key.step for s in failed] == [broken] and "replay check failed" in failed[0].reason
 
 
-def test_a_replay_whose_prediction_is_off_fails_its_check_though_its_next_latents_are_close(tiny_cpu, monkeypatch):
+def test_a_replay_whose_prediction_is_off_fails_its_check_though_its_next_latents_are_close(tiny_cpu):
     """The first-replay check compares the prediction (the denoised latents) too: at the first, noisiest step a wrong
     noise prediction moves the next latents by a fraction of its error, and a broken kernel could pass on them."""
     x, cond, ctl, guidance = synthetic_inputs(tiny_cpu, 1, H, W, False)
     sched = schedule("euler", 4, tiny_cpu.scheduler_config)
     runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(H, W))
     cpu_replays(runner)
-    real = runner._step
-    monkeypatch.setattr(runner, "_step", lambda v: (real(v), v.prev.mul_(1.05)))  # the prediction 5% off
+    runner.stepper = lambda v: (runner.step(v), v.prev.mul_(1.05))  # the prediction 5% off
     got = runner.sample(x, sched, None, cond, ctl, guidance)
     assert torch.equal(got, EagerEngine(tiny_cpu).sample(x, sched, None, cond, ctl, guidance))
     (stats,) = runner.stats.values()
@@ -301,7 +297,7 @@ def test_which_step_kinds_run_on_compiled_kernels(tiny_cpu):
     """The conditional-rows step runs the compiled kernels where its B rows fit the artifacts (2 rows at least);
     DeepCache's steps call into the UNet's blocks, so they stay plain in a compiled bucket."""
 
-    class Ready:  # compiled kernels for every shape (engine/compiled.py CompiledKernels' role)
+    class Ready:  # compiled kernels for every shape (engine/kernels/calls.py CompiledKernels' role)
         def reserve(self, max_batch, max_pixels):
             pass
 
@@ -371,7 +367,7 @@ def test_todays_step_shares_deepcache_full_steps_graph(tiny_cpu):
     assert torch.equal(runner.sample(x, sched, None, cond, ctl, guidance, cond_only),
                        eager.sample(x, sched, None, cond, ctl, guidance, cond_only))
     x2 = torch.randn_like(x)
-    assert _rel(runner.sample(x2, sched, None, cond, ctl, guidance, plan),
+    assert rel_error(runner.sample(x2, sched, None, cond, ctl, guidance, plan),
                 eager.sample(x2, sched, None, cond, ctl, guidance, plan)) < 1e-6
     assert len(captured) == 4, [k.label for k in captured]
 

@@ -8,7 +8,8 @@ import torch
 from storyboard_cli.engine import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, graph_runner
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.graphs import GraphRunner, GraphStats, ShapeKey
+from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey
+from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.sampling import schedule
 from storyboard_cli.samplers import ancestral_split, dpmpp_2m_coeffs, euler_coeffs
 from storyboard_cli.errors import BadInput

@@ -1,4 +1,4 @@
-"""FP8 UNet kernels (`--fp8`, engine/fp8.py) on the CPU (AOTInductor builds CPU code, and torch._scaled_mm runs
+"""FP8 UNet kernels (`--fp8`, engine/kernels/fp8.py) on the CPU (AOTInductor builds CPU code, and torch._scaled_mm runs
 there): which Linears go FP8, the artifact computing exactly the FP8 UNet, calibration stored once per model, a
 LoRA swap re-quantising the FP8 weights in place, the options refused where they cannot run. One tiny FP8 UNet
 artifact (128x128) is built per session; the GPU side is tests/test_gpu_fp8.py."""
@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from storyboard_cli.engine import compiled as C
-from storyboard_cli.engine import fp8 as F
-from storyboard_cli.engine import graphs
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import check_engine
-from storyboard_cli.engine.builds import Builds
 from storyboard_cli.engine.eager import StepCalls, unet_call
+from storyboard_cli.engine.kernels import fp8 as F
+from storyboard_cli.engine.kernels.artifacts import Target, artifact_key, artifact_path, options, targets
+from storyboard_cli.engine.kernels.builds import Builds
+from storyboard_cli.engine.kernels.calls import CompiledKernels
+from storyboard_cli.engine.kernels.export import fuse_projections
+from storyboard_cli.engine.variants import VARIANTS
 from storyboard_cli.errors import BadInput
 from storyboard_cli.models.loader import load_sdxl
 from test_compiled import SIDE, _inputs, _rel, _run
@@ -28,10 +31,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = Shape(4, SIDE, SIDE, False)
 FP8_TWINS = 1.5e-2  # compiled FP8 against the same FP8 arithmetic in eager PyTorch (below)
+CHECK_RTOL = VARIANTS["fp8"].check_rtol  # the first-replay check's limit
 
 
-def fp8_kernels(models, root, builds=None) -> C.CompiledKernels:
-    k = C.CompiledKernels(models, builds, root=root, fp8=True)
+def fp8_kernels(models, root, builds=None) -> CompiledKernels:
+    k = CompiledKernels(models, builds, root=root, variant="fp8")
     k.want(k.targets([SHAPE]))
     k.reserve(SHAPE.batch, SIDE * SIDE)
     return k
@@ -44,7 +48,7 @@ def fp8_root(tmp_path_factory):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     notes = []
     builds = Builds(models.device, notes=notes)
-    k = C.CompiledKernels(models, builds, notes, root=root, fp8=True)
+    k = CompiledKernels(models, builds, notes, root=root, variant="fp8")
     assert [t.label for t in k.want(k.targets([SHAPE]))] == ["unet 128x128 fp8"]
     k.wait()
     assert k.ready(*SHAPE) is None, notes
@@ -55,7 +59,7 @@ def fp8_reference(models, x_scales: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The FP8 UNet in eager PyTorch: a copy of the rendering UNet, fused and swapped as the export's, holding the
     FP8 weights and scales the artifact is bound to."""
     unet = copy.deepcopy(models.unet)
-    C.fuse_projections(unet, processor=True)
+    fuse_projections(unet, processor=True)
     F.swap_in(unet)
     tensors = {**F.weights(models, models.unet), **x_scales}
     with torch.no_grad():
@@ -75,7 +79,7 @@ def _unet_only(inputs):
 
 def test_the_fp8_linears_are_the_transformers_image_token_layers():
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    C.fuse_projections(models.unet)
+    fuse_projections(models.unet)
     names = F.linears(models.unet)
     blocks = [n for n, m in models.unet.named_modules() if type(m).__name__ == "BasicTransformerBlock"]
     transformers = [n for n, m in models.unet.named_modules() if type(m).__name__ == "Transformer2DModel"]
@@ -94,8 +98,8 @@ def test_the_artifact_computes_the_fp8_unet(fp8_root):
     quantisation's error, real and inside the first-replay check's limit."""
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     k = fp8_kernels(models, fp8_root)
-    assert k.ready(*SHAPE) is None and graphs.CHECK_RTOL["fp8"] == F.CHECK_RTOL
-    reference = fp8_reference(models, k.x_scales)
+    assert k.ready(*SHAPE) is None
+    reference = fp8_reference(models, k.constants["fp8"].x_scales)
     for rows in (2, 8):
         inputs = _unet_only(_inputs(models, rows, False, seed=rows))
         with torch.no_grad():
@@ -105,18 +109,19 @@ def test_the_artifact_computes_the_fp8_unet(fp8_root):
         # fp8 rounds to 3 mantissa bits: where the compiler's fused producer (LayerNorm, GEGLU) differs from eager's
         # in the last fp32 bit, an element can land on the next fp8 value (9e-3 measured, against 3.3e-2 to float)
         assert _rel(got, want) < min(FP8_TWINS, _rel(want, full) / 2)
-        assert 1e-3 < _rel(got, full) < F.CHECK_RTOL
+        assert 1e-3 < _rel(got, full) < CHECK_RTOL
 
 
 def test_scales_are_calibrated_once_per_model_and_stored(fp8_root, tmp_path):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     first, second = [], []
-    C.CompiledKernels(models, None, first, root=tmp_path, fp8=True)
-    k = C.CompiledKernels(models, None, second, root=tmp_path, fp8=True)
+    CompiledKernels(models, None, first, root=tmp_path, variant="fp8")
+    k = CompiledKernels(models, None, second, root=tmp_path, variant="fp8")
     assert "calibrated now" in first[0] and "stored" in second[0]
-    stored = json.loads(k.scales_file.read_text())
+    scales = k.constants["fp8"]
+    stored = json.loads(scales.file.read_text())
     assert set(stored["amax"]) == set(F.linears(models.unet)) and all(a > 0 for a in stored["amax"].values())
-    assert k.x_scales[next(iter(k.x_scales))].dtype == torch.float32
+    assert scales.x_scales[next(iter(scales.x_scales))].dtype == torch.float32
     other = load_sdxl("tiny", None, "cpu", torch.float32)
     with torch.no_grad():
         other.unet.conv_in.weight.mul_(1.5)  # fine-tuned weights: another model
@@ -149,7 +154,7 @@ def test_a_lora_swap_requantizes_the_fp8_weights_in_place(fp8_root):
         before = _run(k, *inputs)
         applier.apply({"x": (lora, 0.8)})
         after = _run(k, *inputs)
-        want = unet_call(fp8_reference(models, k.x_scales), *inputs[:5], None, None)
+        want = unet_call(fp8_reference(models, k.constants["fp8"].x_scales), *inputs[:5], None, None)
         assert not torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
         applier.restore()
         restored = _run(k, *inputs)
@@ -161,13 +166,13 @@ def test_a_lora_swap_requantizes_the_fp8_weights_in_place(fp8_root):
 
 def test_fp8_artifacts_have_their_own_key_and_name():
     models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
-    t16, t8 = C.Target("unet", 1024, 1024), C.Target("unet", 1024, 1024, "fp8")
+    t16, t8 = Target("unet", 1024, 1024), Target("unet", 1024, 1024, "fp8")
     assert (t16.label, t8.label) == ("unet 1024x1024", "unet 1024x1024 fp8")
-    assert C.artifact_key(t16, models.unet) != C.artifact_key(t8, models.unet)
-    assert C.artifact_path(t8, models.unet).name.startswith("unet-fp8-1024x1024-")
-    assert "max_autotune_gemm_backends" not in C.options(t16) and C.options(t8)["max_autotune_gemm_backends"] == "ATEN"
+    assert artifact_key(t16, models.unet) != artifact_key(t8, models.unet)
+    assert artifact_path(t8, models.unet).name.startswith("unet-fp8-1024x1024-")
+    assert "max_autotune_gemm_backends" not in options(t16) and options(t8)["max_autotune_gemm_backends"] == "ATEN"
     # the ControlNet stays fp16: one ControlNet artifact serves fp16 and FP8 renders
-    labels = [t.label for t in C.targets([Shape(2, 1024, 1024, True)], True, fp8=True)]
+    labels = [t.label for t in targets([Shape(2, 1024, 1024, True)], True, "fp8")]
     assert labels == ["unet 1024x1024 fp8", "controlnet 1024x1024"]
 
 
@@ -211,12 +216,18 @@ def test_serve_fp8_starts_its_workers_with_fp8(tmp_path):
 
 def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):
     """With --fp8 a size runs on the best kernels loaded: its fp16 ones (from the cache) while the FP8 ones build,
-    FP8 once they land; an FP8 graph that fails its check falls back to the fp16 kernels, those to the plain graph.
-    (The kernels are stand-ins: which graph a shape gets is the runner's choice, made before any capture.)"""
-    from storyboard_cli.engine.graphs import GraphRunner
+    FP8 once they land; an FP8 graph that fails its capture or check falls back to the fp16 kernels, those to the
+    plain graph, in one loop within the batch. (The kernels are stand-ins whose captures fail: which graph a shape
+    gets is the runner's choice, made before any capture; the plain graph replays its step on the CPU.)"""
+    from types import SimpleNamespace
+
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
 
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    k = C.CompiledKernels(models, None, root=tmp_path, fp8=True)
+    k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
     runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k)
     shape = (2, SIDE, SIDE, False)
     assert runner.shape_key(*shape).variant == "plain"
@@ -226,11 +237,25 @@ def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):
     fp8 = runner.shape_key(*shape)
     assert fp8.variant == "fp8" and fp8.label.endswith(" fp8")
     assert k.calls_for("fp8").unet.keywords == {"variant": "fp8"}
-    runner._fall_back(fp8, "replay check failed")
-    assert runner.stats[fp8].state == "compiled" and runner.shape_key(*shape).variant == "compiled"
-    runner._fall_back(runner.shape_key(*shape), "replay check failed")
-    assert runner.shape_key(*shape).variant == "plain"
-    assert runner.graph(fp8) is None  # a variant that fell back is never captured again
+    captured = []
+
+    def capture(key):
+        captured.append(key.variant)
+        if key.variant != "plain":
+            raise RuntimeError(f"{key.variant} kernels are stand-ins")
+        return SimpleNamespace(replay=lambda: runner.stepper(runner.buf.view(key)))
+
+    runner.capturer = capture
+    x, cond, _, guidance = synthetic_inputs(models, 2, SIDE, SIDE, False)
+    sched = schedule("euler", 3, models.scheduler_config)
+    got = runner.sample(x, sched, None, cond, None, guidance)
+    assert torch.equal(got, EagerEngine(models).sample(x, sched, None, cond, None, guidance))
+    assert captured == ["fp8", "compiled", "plain"]
+    compiled = replace(fp8, variant="compiled")
+    assert runner.stats[fp8].state == "compiled" and "capture failed: fp8 kernels" in runner.stats[fp8].reason
+    assert runner.stats[compiled].state == "plain" and runner.shape_key(*shape).variant == "plain"
+    assert runner.stats_of(Shape(*shape)).state == "graph" and runner.stats_of(Shape(*shape)).checked
+    assert runner.graph(fp8) is None and runner.graph(compiled) is None  # a variant that fell back: never again
     # the other sizes keep their best variant; a shape with a ControlNet needs the ControlNet's kernels too
     assert runner.shape_key(2, 2 * SIDE, SIDE, False).variant == "plain"
     assert k.variants(2, SIDE, SIDE, True) == []
@@ -242,11 +267,11 @@ def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, art
     import shutil
 
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    k = C.CompiledKernels(models, None, root=tmp_path, fp8=True)
+    k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
     assert [t.label for t in k.want(k.targets([SHAPE]))] == ["unet 128x128 fp8"]  # wanted: the FP8 one only
     for f in [*artifacts.glob("unet-128x128-*"), *fp8_root.glob("unet-fp8-*")]:
         shutil.copy(f, tmp_path / f.name)
-    k = C.CompiledKernels(models, None, root=tmp_path, fp8=True)
+    k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
     assert k.want(k.targets([SHAPE])) == []
     assert k.variants(*SHAPE) == ["fp8", "compiled"]
     k.reserve(SHAPE.batch, SIDE * SIDE)
@@ -255,4 +280,4 @@ def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, art
         full = _run(StepCalls.eager(models), *inputs)
         fp16 = _run(k.calls_for("compiled"), *inputs)
         fp8 = _run(k.calls_for("fp8"), *inputs)
-    assert _rel(fp16, full) < 1e-4 and 1e-3 < _rel(fp8, full) < F.CHECK_RTOL
+    assert _rel(fp16, full) < 1e-4 and 1e-3 < _rel(fp8, full) < CHECK_RTOL

@@ -13,7 +13,7 @@ SIZES = [(256, 256), (320, 192)]
 
 @pytest.fixture(scope="module", params=["fp32", "fp16"])
 def setup(request):
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.models.loader import load_sdxl
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[request.param]
@@ -90,7 +90,7 @@ def test_padding_rows_do_not_change_real_rows(setup):
 
 
 def test_injected_capture_failure_falls_back_to_eager(setup, monkeypatch):
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
 
     models, _, eager, rtol = setup
     runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
@@ -109,18 +109,16 @@ def test_a_capture_that_fails_inside_cuda_leaves_the_pool_usable(setup, monkeypa
     """A capture that fails inside the capture (here a host sync, which CUDA refuses while capturing) falls back to
     eager for its shape, and the next capture into the same pool still works (torch leaves the allocator recording
     into the pool after such a failure; the runner ends that)."""
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
 
     models, _, eager, rtol = setup
     runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
-    real = runner._step
-
     def syncing(v):
-        real(v)
+        runner.step(v)
         if v.key.batch == 1 and torch.cuda.is_current_stream_capturing():
             v.x.sum().item()
 
-    monkeypatch.setattr(runner, "_step", syncing)
+    runner.stepper = syncing
     one = _inputs(models, 1, 256, 256, False)
     _close(runner.sample(*one), eager.sample(*one), rtol)
     assert runner.stats[runner.shape_key(1, 256, 256, False)].state == "eager"
@@ -133,7 +131,7 @@ def test_a_capture_that_fails_inside_cuda_leaves_the_pool_usable(setup, monkeypa
 
 def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(setup):
     """LoRA swaps weights with param.data.copy_ after the graphs exist: a replay must use the new values."""
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
 
     models, _, eager, rtol = setup
     runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
@@ -162,7 +160,7 @@ def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(setup):
 
 
 def test_growing_the_buffers_recaptures_and_still_matches_eager(setup):
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
 
     models, _, eager, rtol = setup
     runner = GraphRunner(models, max_batch=1, max_hw=(192, 192))

@@ -6,15 +6,15 @@ compiled graphs with no new capture and no pointer changed."""
 import pytest
 import torch
 
-from storyboard_cli.engine import compiled as C
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.kernels.export import text_dims
 from test_compiled import loads_in_a_new_process
 from test_gpu import _close, _inputs
 
 pytestmark = pytest.mark.gpu
 SIDE = 1024
-# the runner's own first-replay check (one step, graphs.CHECK_RTOL) and the module calls below are the close
+# the runner's own first-replay check (one step, its variant's check_rtol) and the module calls below are the close
 # comparisons; over a few steps a random-weight network in fp16 grows the kernels' rounding difference, and
 # guidance would multiply it: the loops run at guidance 1
 RTOL = 0.05
@@ -66,7 +66,7 @@ def unit_eps(models, calls, timestep: float, control: bool, seed: int) -> torch.
     inputs: random latents and text embeddings (as the step's c_in scales latents), 4 rows, float32."""
     g = torch.Generator().manual_seed(seed)
     rows, h = 4, SIDE // 8
-    text_dim, pooled_dim = C.text_dims(models.unet)
+    text_dim, pooled_dim = text_dims(models.unet)
     new = lambda *shape: torch.randn(*shape, generator=g).to(models.device, models.dtype)  # noqa: E731
     latents, embeds, pooled = new(rows, 4, h, h), new(rows, 77, text_dim), new(rows, pooled_dim)
     time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], device=models.device, dtype=models.dtype).expand(rows, 6)
@@ -129,14 +129,18 @@ def test_a_check_failure_falls_back_to_the_plain_graph(setup, monkeypatch):
     """The compiled graph fails its check (and was the runner's only graph, so its pool went with it): the shape runs
     its PLAIN graph, captured into a new pool and checked, not eager (capturing into the dead pool's handle tripped an
     allocator assert, and that failed capture left the default CUDA generator in capture mode)."""
-    from storyboard_cli.engine import graphs
+    from dataclasses import replace
+
+    from storyboard_cli.engine.graph.keys import ShapeKey
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.variants import VARIANTS
 
     models, runner, eager = setup
-    fresh = graphs.GraphRunner(models, max_batch=1, max_hw=(SIDE, SIDE), compiled=runner.compiled)
-    monkeypatch.setattr(graphs, "CHECK_RTOL", {"plain": graphs.CHECK_RTOL["plain"], "compiled": -1.0})
+    fresh = GraphRunner(models, max_batch=1, max_hw=(SIDE, SIDE), compiled=runner.compiled)
+    monkeypatch.setitem(VARIANTS, "compiled", replace(VARIANTS["compiled"], check_rtol=-1.0))
     args = _unguided(_inputs(models, 1, SIDE, SIDE, False, "euler", steps=3))
     got = fresh.sample(*args)
-    key = graphs.ShapeKey(1, SIDE, SIDE, False, "float16", "compiled")
+    key = ShapeKey(1, SIDE, SIDE, False, "float16", "compiled")
     assert fresh.stats[key].state == "plain" and "relative error" in fresh.stats[key].reason
     plain = fresh.shape_key(1, SIDE, SIDE, False)
     assert plain.variant == "plain" and fresh.stats[plain].state == "graph" and fresh.stats[plain].checked, \

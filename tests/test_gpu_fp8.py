@@ -6,8 +6,8 @@ reaches the FP8 weights with no new capture and no pointer changed."""
 import pytest
 import torch
 
-from storyboard_cli.engine import fp8 as F
 from storyboard_cli.engine.eager import StepCalls
+from storyboard_cli.engine.variants import VARIANTS
 from test_gpu_compiled import compiled_setup, lora_swap_reaches_the_graph, replay_is_checked, unit_eps
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def test_fp8_module_call_against_the_eager_unet(setup, timestep):
     got = unit_eps(models, runner.compiled, timestep, False, 1)
     want = unit_eps(models, StepCalls.eager(models), timestep, False, 1)
     err = (torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item()
-    assert 2e-3 < err < F.CHECK_RTOL, err
+    assert 2e-3 < err < VARIANTS["fp8"].check_rtol, err
 
 
 def test_a_lora_swap_reaches_the_fp8_graph(setup, tmp_path):

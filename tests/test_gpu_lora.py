@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
 def test_a_graph_captured_before_a_swap_replays_with_the_new_weights(tmp_path, dtype, rtol):
     from storyboard_cli.engine.eager import EagerEngine
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.models.loader import load_sdxl
     from storyboard_cli.models.lora import LoraApplier, read_lora
 

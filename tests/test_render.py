@@ -149,7 +149,7 @@ def test_out_of_memory_splits_the_batch(job, tmp_path, tiny_cpu, monkeypatch):
 
 def test_out_of_memory_at_capture_frees_graphs_and_splits(job, tmp_path, tiny_cpu, monkeypatch):
     """Capture runs out of memory at every size: the batch is split down to one image, then eager."""
-    from storyboard_cli.engine.graphs import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner
 
     runner = GraphRunner(tiny_cpu, max_batch=4, max_hw=(128, 128))
 

@@ -17,8 +17,9 @@ import torch
 from storyboard_cli.bench.fp8 import fp8_ready
 from storyboard_cli.engine.base import shape_label
 from storyboard_cli.engine.build import graph_runner
-from storyboard_cli.engine.compiled import artifact_path, module_of, targets
 from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.kernels.artifacts import artifact_path, module_of, targets
+from storyboard_cli.engine.variants import top
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.groupnorm import narrow
@@ -200,7 +201,7 @@ def first_render(job: Job, models: SdxlModels, log: Callable[[str], None], fp8: 
     without its kernels (they compile in the background while the plain graphs render) against the same render
     with `--compile off`, side by side on the same models; off first, so the builds' CPU load cannot slow it."""
     shapes = batch_shapes(make_batches(work_items(job), job.buckets))
-    cached = [t.label for t in targets(shapes, models.controlnet is not None, fp8)
+    cached = [t.label for t in targets(shapes, models.controlnet is not None, top(asked=fp8))
               if artifact_path(t, module_of(models, t.module)).is_file()]
     with tempfile.TemporaryDirectory() as tmp:
         off = bcg_render(job, models, Path(tmp) / "off", compile="off")

@@ -106,8 +106,7 @@ def draft_capture(job: Job, models: SdxlModels, log: Callable[[str], None]) -> d
     today = {runner.shape_key(*s) for s in shapes}
     runner.prepare(shapes, kinds)
     rec = _groups(runner, today)
-    feature = runner.buf.feature
-    rec["feature_buffer_mb"] = feature.numel() * feature.element_size() / 2**20 if feature is not None else 0.0
+    rec["feature_buffer_mb"] = runner.feature_mb()
     rec["graphs"] = runner.describe()
     log(f"draft capture: plain {json.dumps(rec['plain'])}, extra {json.dumps(rec['extra'])}")
     runner.release("bench part done")

@@ -10,8 +10,8 @@ import torch
 
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import compiled_kernels, graph_runner
-from storyboard_cli.engine.compiled import targets
 from storyboard_cli.engine.eager import StepCalls, denoise
+from storyboard_cli.engine.kernels.artifacts import targets
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.run.capture import synthetic_inputs, time_shapes
 

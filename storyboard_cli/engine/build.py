@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Callable
 
 from storyboard_cli.engine.base import Engine, Shape
-from storyboard_cli.engine.builds import Builds
-from storyboard_cli.engine.compiled import CompiledKernels
 from storyboard_cli.engine.device import DTYPES, device_name, dtype_flag, dtype_name, resolve_device  # noqa: F401
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.graphs import GraphRunner
+from storyboard_cli.engine.graph.runner import GraphRunner
+from storyboard_cli.engine.kernels.builds import Builds
+from storyboard_cli.engine.kernels.calls import CompiledKernels
+from storyboard_cli.engine.variants import top
 from storyboard_cli.errors import BadInput
 from storyboard_cli.models.loader import SdxlModels
 
@@ -45,14 +46,14 @@ def check_engine(kind: str, compile: str, device, fp8: bool = False) -> None:
 
 def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, notes: list[str],
                      on_event: Callable | None = None, fp8: bool = False) -> CompiledKernels | None:
-    """The one place that chooses compiled kernels for the graphs (engine/compiled.py, engine/builds.py):
+    """The one place that chooses compiled kernels for the graphs (engine/kernels/):
     "off" never; "auto" loads what the cache has for these shapes and compiles the rest in the background
     while the plain graphs render; "on" compiles what is missing first, side by side, with progress events.
-    `fp8`: the UNet's FP8 kernels (engine/fp8.py) instead of its fp16 ones."""
+    `fp8`: the UNet's FP8 kernels (engine/kernels/fp8.py) instead of its fp16 ones."""
     if compile == "off" or models.device.type != "cuda":
         return None
     builds = Builds(models.device, on_event, retry_failed=compile == "on", notes=notes)
-    kernels = CompiledKernels(models, builds, notes, fp8=fp8)
+    kernels = CompiledKernels(models, builds, notes, variant=top(asked=fp8))
     if compile == "on" and kernels.want(kernels.targets(shapes)):
         kernels.wait()
     return kernels

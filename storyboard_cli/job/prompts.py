@@ -13,8 +13,8 @@ from functools import lru_cache
 
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job
+from storyboard_cli.models.tokenizers import CLIP_TOKENS
 
-CLIP_TOKENS = 77  # what CLIP's position embeddings hold: start + 75 + end
 SHOWN_WORDS = 12  # of the dropped text, in a warning: a pasted wall of text is cut to its first words
 
 

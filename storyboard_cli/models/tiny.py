@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from storyboard_cli.models.tokenizers import CLIP_TOKENS
+
 TINY_VERSION = "tiny-v2"
 TOKENIZER_MERGES: list[str] = []  # byte-level only: 514 tokens, no hub needed
 
@@ -33,7 +35,7 @@ VAE = dict(
 TEXT = dict(
     bos_token_id=512, eos_token_id=2, pad_token_id=513, hidden_size=32, intermediate_size=37, layer_norm_eps=1e-5,
     num_attention_heads=4, num_hidden_layers=3, vocab_size=514, hidden_act="quick_gelu", projection_dim=32,
-    max_position_embeddings=77,
+    max_position_embeddings=CLIP_TOKENS,
 )
 # the second encoder is wider, as OpenCLIP-bigG is wider than CLIP-L: single-file loading tells them apart by width
 TEXT_2 = {**TEXT, "hidden_size": 48, "intermediate_size": 53, "hidden_act": "gelu"}

@@ -6,6 +6,7 @@ import gzip
 from pathlib import Path
 
 CLIP_BPE = Path(__file__).parent / "configs" / "clip_bpe_simple_vocab_16e6.txt.gz"
+CLIP_TOKENS = 77  # what CLIP's position embeddings hold: start + 75 + end (the text embeddings' rows)
 
 
 def bytes_to_unicode() -> list[str]:
@@ -39,4 +40,4 @@ def make_tokenizer(merges: list[str], pad_token: str = "<|endoftext|>"):
     from transformers import CLIPTokenizer
 
     pairs = [tuple(m.split()) for m in merges]
-    return CLIPTokenizer(vocab=clip_vocab(merges), merges=pairs, pad_token=pad_token, model_max_length=77)
+    return CLIPTokenizer(vocab=clip_vocab(merges), merges=pairs, pad_token=pad_token, model_max_length=CLIP_TOKENS)

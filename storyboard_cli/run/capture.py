@@ -12,7 +12,7 @@ from storyboard_cli.engine.build import check_engine, graph_runner
 from storyboard_cli.engine.conditioning import PromptCache, conditioning, control
 from storyboard_cli.engine.device import resolve_device
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.graphs import GraphRunner
+from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.sampling import schedule
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import NAMED_SIZES, Job
@@ -93,7 +93,7 @@ def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], st
             eager_engine.sample(x, warm, None, cond, ctl, guidance)  # warm-up
             eager_ms = _timed_loop(eager_engine, x, sched, cond, ctl, guidance, repeats)
         runner.sample(x, sched, None, cond, ctl, guidance)  # first replay: checked against eager
-        st = runner.stats[runner.shape_key(*shape)]
+        st = runner.stats_of(shape)
         graph_ms = _timed_loop(runner, x, sched, cond, ctl, guidance, repeats) if runner.can_run(shape) else None
         row(ShapeTiming(st.key.label, st.state, st.reason, st.capture_s, st.pool_mb, eager_ms, graph_ms, st.compile_s))
         for plan in sorted(plans.get(shape, ())):
@@ -106,7 +106,7 @@ def _plan_row(runner: GraphRunner, shape: Shape, plan: StepPlan, x, cond, ctl, g
     sched = schedule("euler", len(plan), runner.models.scheduler_config)
     runner.sample(x, sched, None, cond, ctl, guidance, plan)
     # a kind that fell back stops the loop's captures: the kinds after it have no stats
-    stats = [s for s in (runner.stats.get(runner.shape_key(*shape, kind)) for kind in set(plan)) if s is not None]
+    stats = [s for s in (runner.stats_of(shape, kind) for kind in set(plan)) if s is not None]
     failed = [s for s in stats if s.state != "graph"]
     graph_ms = None if failed else _timed_loop(runner, x, sched, cond, ctl, guidance, repeats, plan)
     state = failed[0].state if failed else "graph"
@@ -141,7 +141,7 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
             warm: bool = False, steps: int = 10, compile: str = "auto", fp8: bool = False,
             on_event: Callable[[object], None] | None = None) -> tuple[list[str], list[str], list[ShapeTiming]]:
     """The shapes a job (or the named sizes x buckets) needs and the job's draft loops on them; with `warm`,
-    compiles the kernels the cache lacks (unless `compile` is "off"; progress as engine.compiled.CompileEvent),
+    compiles the kernels the cache lacks (unless `compile` is "off"; progress as engine.kernels.builds.CompileEvent),
     then captures, checks and times every shape and loop. Notes (why compiled kernels are not used) arrive as
     strings."""
     dev, dt = resolve_device(device, dtype)

@@ -1,12 +1,14 @@
 """What identifies a captured graph and what it cost: `ShapeKey` (everything that changes a tensor shape or the
 captured kernels), `Warmed` (which kernels a warm-up or capture has run, so a later capture may skip its warm-up)
-and `GraphStats` (a graph's state, capture seconds, pool and replay times). engine/graphs.py captures and replays."""
+and `GraphStats` (a graph's state, capture seconds, pool and replay times). engine/graph/runner.py captures and
+replays."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from storyboard_cli.engine.base import Shape, shape_label
+from storyboard_cli.engine.variants import PLAIN
 from storyboard_cli.steps import FULL, StepKind
 
 
@@ -19,7 +21,7 @@ class ShapeKey:
     width: int
     control: bool
     dtype: str
-    variant: str = "plain"  # "plain": the eager modules captured; "compiled": compiled kernels captured
+    variant: str = PLAIN  # a row of engine/variants.py: "fp8" or "compiled" (their kernels), "plain" (the modules)
     step: StepKind = FULL  # draft mode's step kinds: conditional rows only, DeepCache full / shallow
 
     @property
@@ -28,7 +30,7 @@ class ShapeKey:
 
     @property
     def label(self) -> str:
-        variant = "" if self.variant == "plain" else f" {self.variant}"
+        variant = "" if self.variant == PLAIN else f" {self.variant}"
         step = f" {self.step.label}" if self.step.label else ""
         return f"{shape_label(self.batch, self.width, self.height, self.control)} {self.dtype}{variant}{step}"
 
@@ -60,7 +62,7 @@ class Warmed:
 @dataclass
 class GraphStats:
     key: ShapeKey
-    state: str = "pending"  # "graph" | "eager" | "plain" (a compiled shape fell back) | "released"
+    state: str = "pending"  # "graph" | "released" | what it fell back to: "eager" or a lower variant ("plain", ...)
     reason: str = ""
     checked: bool = False  # the first replay matched the eager step
     capture_s: float = 0.0

@@ -1,5 +1,6 @@
 """FP8 compiled UNet kernels (`--fp8`): the Linear layers of the UNet's transformer blocks in float8_e4m3fn with
-STATIC per-tensor scales, inside the same per-size artifacts as the fp16 recipe (engine/compiled.py).
+STATIC per-tensor scales, inside the same per-size artifacts as the fp16 recipe (engine/kernels/): the recipe module of
+the `fp8` row of engine/variants.py.
 
 - Which Linears: every Linear of a transformer block that reads image tokens (the fused q/k/v of self-attention,
   the cross-attention's query, the attention outputs, the GEGLU and feed-forward output, proj_in/proj_out). The
@@ -14,7 +15,7 @@ STATIC per-tensor scales, inside the same per-size artifacts as the fp16 recipe 
   pointers stay valid. The input scales stay the base model's: a LoRA that makes an input larger saturates at
   448 x scale.
 - FP8 changes the pictures more than compiled fp16 does (docs/PERFORMANCE.md, "FP8"): it is asked for, never
-  chosen for the user; its first-replay check has its own limit (CHECK_RTOL).
+  chosen for the user; its first-replay check has its own limit (its row's `check_rtol`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,6 @@ import torch
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-# noise-prediction relative L2 error of the FP8 UNet against the fp16 eager UNet: 3.4e-2 to 3.5e-2 measured on
-# sdxl-random at t = 999 / 500 / 50 (H200; the quantisation's, the same without the compiler). Broken kernels
-# measured 1.2e-1 and more (docs/PERFORMANCE.md): the limit sits between
-CHECK_RTOL = 8e-2
 CALIBRATION_T = (999.0, 750.0, 500.0, 250.0, 50.0)  # the sampler's range, noisiest first
 CALIBRATION_PROMPTS = ("a storyboard frame, a character in a room, ink and wash",
                        "wide shot of a city street at night, cinematic lighting",
@@ -72,7 +70,7 @@ class Fp8Linear(torch.nn.Module):
 def linears(unet: torch.nn.Module) -> dict[str, str]:
     """name of each Linear the FP8 kernels run (in the fused module the export sees) -> the name of the module
     whose input is its input in the rendering process (whose attention processors call to_q, to_k and to_v
-    apart). Needs fused projections (compiled.fuse_projections)."""
+    apart). Needs fused projections (kernels/export.py fuse_projections)."""
     from diffusers.models.attention_processor import Attention
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
@@ -216,3 +214,19 @@ def scales(models: Any, root: Path) -> tuple[dict[str, float], Path, bool]:
                                "prompts": CALIBRATION_PROMPTS, "amax": amax}, indent=1) + "\n")
     os.replace(tmp, path)
     return amax, path, True
+
+
+class InputScales:
+    """The FP8 artifacts' constants beyond the UNet's own tensors (the `fp8` row's `constants`), prepared once per run
+    before any LoRA is applied: the base model's input scales, from `root` when stored, else calibrated now; and per
+    artifact the FP8 weights and weight scales derived from the live weights (`tensors`)."""
+
+    def __init__(self, models: Any, root: Path):
+        t0 = time.perf_counter()
+        amax, self.file, calibrated = scales(models, root)
+        self.x_scales = input_scales(amax, models.unet, models.device)
+        how = f"calibrated now in {time.perf_counter() - t0:.1f} s" if calibrated else "stored"
+        self.note = f"UNet kernels in FP8 (--fp8): input scales {how}, {self.file}"
+
+    def tensors(self, models: Any, unet: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {**weights(models, unet), **self.x_scales}

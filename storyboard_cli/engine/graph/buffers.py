@@ -13,10 +13,11 @@ from storyboard_cli.engine.conditioning import Cond, Control
 from storyboard_cli.engine.deepcache import feature_capacity, feature_shape
 from storyboard_cli.engine.sampling import Schedule
 from storyboard_cli.models.loader import SdxlModels
+from storyboard_cli.models.tokenizers import CLIP_TOKENS
 from storyboard_cli.samplers import MAX_STEPS
 
 if TYPE_CHECKING:
-    from storyboard_cli.engine.keys import ShapeKey
+    from storyboard_cli.engine.graph.keys import ShapeKey
 
 
 class Buffers:
@@ -35,7 +36,7 @@ class Buffers:
         self.table = torch.zeros(MAX_STEPS, 6, device=dev)
         self.index = torch.zeros(1, dtype=torch.long, device=dev)
         self.guidance = torch.zeros(b, device=dev)
-        self.embeds = torch.zeros(rows, 77, text_dim, device=dev, dtype=m.dtype)
+        self.embeds = torch.zeros(rows, CLIP_TOKENS, text_dim, device=dev, dtype=m.dtype)
         self.pooled = torch.zeros(rows, pooled_dim, device=dev, dtype=m.dtype)
         self.time_ids = torch.zeros(rows, 6, device=dev, dtype=m.dtype)
         has_control = m.controlnet is not None

@@ -1,8 +1,10 @@
 """GraphRunner: the whole denoising step (CFG doubling, ControlNet, UNet, guidance, sampler update)
-captured as one CUDA graph per shape, replayed once per step. The only file that touches CUDA graphs.
+captured as one CUDA graph per shape, replayed once per step. The only file that names CUDA graphs: the rest of the
+package drives the runner through the Engine protocol, and capture and the bench read what it did through its public
+methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
 
-- Static input buffers (`Buffers`, engine/buffers.py) are allocated once, at the largest batch and latent size the job
-  needs, and sliced per shape; every value that changes between steps or batches (latents,
+- Static input buffers (`Buffers`, engine/graph/buffers.py) are allocated once, at the largest batch and latent size
+  the job needs, and sliced per shape; every value that changes between steps or batches (latents,
   sigma/timestep and sampler coefficients, embeds, time ids, guidance, control image and scale)
   lives in them. Nothing that varies is baked into a graph.
 - The step index is a device tensor the graph itself increments, and the sampler's coefficients are
@@ -12,15 +14,15 @@ captured as one CUDA graph per shape, replayed once per step. The only file that
   after a warm-up on a side stream, unless a graph already captured ran every kernel of this one at the
   same rows and size (`Warmed`: draft mode's kinds of a shape, a conditional step of B rows after a guided
   step of B / 2 images); a capture without one that fails is tried again after one. The first replay of
-  each is checked against the eager step on the same inputs; a capture failure or a mismatch marks that
-  shape eager (a compiled shape: plain), with the reason.
-- Draft mode's step kinds (sampling.StepKind: the conditional rows alone after the guidance cut-off or at
+  each is checked against the eager step on the same inputs; a capture failure or a mismatch sends that
+  shape down the variant table (engine/variants.py: FP8 -> compiled -> plain -> eager), with the reason.
+- Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
   guidance <= 1; DeepCache's full step writing its feature and its shallow step reading it) are more
   graphs of the same shape, in the same pool, over the same static buffers (the feature has one more):
   the plan is fixed before the loop, so the host picks each step's graph and the loop stays replays only.
   Where a shape has DeepCache's full step, today's step of the same rows is that graph (`writers`): one capture
   less, the same result to the bit (the feature's copy is on the side).
-- Compiled kernels (engine/compiled.py) are looked at between batches: a size whose kernels became
+- Compiled kernels (engine/kernels/) are looked at between batches: a size whose kernels became
   ready since the last batch gets a compiled graph from its next batch on.
 - A shape larger than the buffers grows them (`ensure_capacity`); that drops the graphs captured so
   far, which are captured again on use.
@@ -39,25 +41,21 @@ import torch
 
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.conditioning import Cond, Control
-from storyboard_cli.engine.buffers import Buffers, Views
-from storyboard_cli.engine.compiled import MAX_ROWS, MIN_ROWS, CompiledKernels
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
-from storyboard_cli.engine.fp8 import CHECK_RTOL as FP8_RTOL
-from storyboard_cli.engine.keys import GraphStats, ShapeKey, Warmed
+from storyboard_cli.engine.graph.buffers import Buffers, Views
+from storyboard_cli.engine.graph.check import first_replay
+from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
+from storyboard_cli.engine.kernels.calls import CompiledKernels
+from storyboard_cli.engine.kernels.export import MAX_ROWS, MIN_ROWS
 from storyboard_cli.engine.sampling import Schedule
+from storyboard_cli.engine.variants import EAGER, PLAIN, VARIANTS
 from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.steps import FULL, StepKind, StepPlan
 
 
 log = logging.getLogger(__name__)
-# relative L2 error allowed between a first replay and the eager step, in the next latents and in the prediction
-# (the denoised latents: at the check's first, noisiest step the UNet's output dominates them, where the next latents
-# move by a fraction of it). Plain graphs run the eager kernels (0 measured). Compiled kernels round once where eager
-# rounds after every op: 1.6e-3 in the SDXL UNet's fp16 noise prediction on an H200 (bench/fp8_scout.py); an
-# artifact that read its timestep as fp16 bits was 1.2e-1 to 1.6e-1 off (docs/PERFORMANCE.md). FP8 kernels: fp8.CHECK_RTOL
-CHECK_RTOL = {"plain": 2e-2, "compiled": 2e-2, "fp8": FP8_RTOL}
 # eager steps on a side stream before a capture: one does the lazy inits (kernel modules, library handles, a
 # compiled artifact's kernels) for the shapes it runs; a second cost a whole step per graph (a draft render captures
 # 35) and changed nothing the GPU tests see (every kind captured and checked against eager)
@@ -69,9 +67,9 @@ class GraphRunner:
 
     def __init__(self, models: SdxlModels, max_batch: int = 1, max_hw: tuple[int, int] = (64, 64),
                  compiled: CompiledKernels | None = None):
-        """`compiled`: compiled module calls (engine/compiled.py) for the shapes whose kernels are ready;
+        """`compiled`: compiled module calls (engine/kernels/calls.py) for the shapes whose kernels are ready;
         those shapes get ShapeKey.variant "fp8" (--fp8) or "compiled" (fp16), the best the kernels loaded so far
-        offer; a variant that fails its check falls back to the next, the last to "plain"."""
+        offer; a variant that fails its check falls back along engine/variants.py, the last graph to "plain"."""
         self.models, self.compiled = models, compiled
         self.demoted: dict[Shape, set[str]] = {}  # the variants of a shape that failed (capture or check)
         self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
@@ -84,8 +82,10 @@ class GraphRunner:
         # capture less; it also writes the feature, a copy nothing reads until a full step of a caching batch
         # writes it again)
         self.writers: dict[tuple[Shape, bool], StepKind] = {}
-        # the seam a test (or another capture backend) replaces: ShapeKey -> captured graph, or raises
+        # the seams a test (or another capture backend) replaces: ShapeKey -> captured graph, or raises; and the step
+        # every warm-up and capture runs on a graph's buffers (`step`; a test wraps it to break or probe a capture)
         self.capturer: Callable[[ShapeKey], object] = self._capture
+        self.stepper: Callable[[Views], None] = self.step
         self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
         self._allocate(max_batch, max_hw[0] * max_hw[1])
 
@@ -121,11 +121,11 @@ class GraphRunner:
             control, step = False, replace(step, control=True)
         shape = Shape(batch, height, width, control)
         rows = 2 * batch if step.guided else batch
-        variant = "plain"
+        variant = PLAIN
         if self.compiled is not None and not step.cache and MIN_ROWS <= rows <= MAX_ROWS:
             failed = self.demoted.get(shape, set())
-            variant = next((v for v in self.compiled.variants(*shape) if v not in failed), "plain")
-        if variant == "plain" and not step.cache:  # a plain step whose DeepCache twin the runner captures: that graph
+            variant = next((v for v in self.compiled.variants(*shape) if v not in failed), PLAIN)
+        if variant == PLAIN and not step.cache:  # a plain step whose DeepCache twin the runner captures: that graph
             step = self.writers.get((shape, step.guided), step)
         return ShapeKey(*shape, dtype_name(self.models.dtype), variant, step)
 
@@ -139,14 +139,24 @@ class GraphRunner:
 
     def can_run(self, shape: Shape) -> bool:
         """Whether `shape` replays a graph (it has not fallen back to eager)."""
-        stats = self.stats.get(self.shape_key(*shape))
-        return self.models.device.type == "cuda" and (stats is None or stats.state != "eager")
+        stats = self.stats_of(shape)
+        return self.models.device.type == "cuda" and (stats is None or stats.state != EAGER)
+
+    def stats_of(self, shape: Shape, kind: StepKind = FULL) -> GraphStats | None:
+        """The stats of the graph `shape`'s step of `kind` runs on now (None before its first capture)."""
+        return self.stats.get(self.shape_key(*shape, kind))
+
+    def feature_mb(self) -> float:
+        """MB of DeepCache's feature buffer (0 while no graph caches)."""
+        feature = self.buf.feature
+        return 0.0 if feature is None else feature.numel() * feature.element_size() / 2**20
 
     # ------------------------------------------------------------------ the captured step
 
-    def _step(self, v: Views) -> None:
+    def step(self, v: Views) -> None:
+        """One step on the static buffers of `v.key`'s graph: what its warm-up runs and its capture records."""
         row = self.buf.table.index_select(0, self.buf.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
-        calls = None if v.key.variant == "plain" else self.compiled.calls_for(v.key.variant)
+        calls = None if v.key.variant == PLAIN else self.compiled.calls_for(v.key.variant)
         x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance,
                                        calls, v.key.step, v.feature)
         v.x.copy_(x_next)
@@ -198,7 +208,7 @@ class GraphRunner:
             with torch.cuda.stream(side):  # lazy inits outside the graph
                 for _ in range(WARMUP_STEPS):
                     self.buf.index.zero_()
-                    self._step(v)
+                    self.stepper(v)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
         warmed = time.perf_counter()
@@ -207,7 +217,7 @@ class GraphRunner:
         stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                self._step(v)
+                self.stepper(v)
                 body = time.perf_counter()
             self._spent = (warmed - t0, time.perf_counter() - body)
         except BaseException:
@@ -238,15 +248,17 @@ class GraphRunner:
                 pass
 
     def _fall_back(self, key: ShapeKey, reason: str) -> None:
-        """A plain shape runs eager from now on; a compiled one falls back to its next variant (FP8 to fp16 compiled
-        where loaded, then the plain graph). `stats.state` names what it fell back to."""
+        """`key`'s variant fails for its shape: the shape falls back along the table (engine/variants.py), to the next
+        variant whose kernels are loaded (FP8 to fp16 compiled where loaded, then the plain graph), a plain graph to
+        eager. `stats.state` names what it fell back to."""
         stats = self.stats.setdefault(key, GraphStats(key))
         self.graphs.pop(key, None)
         if not self.graphs:  # the pool died with its last graph: capturing into its handle again trips an allocator
             self.pool = None  # assert (use_count > 0, CUDACachingAllocator.cpp), seen when a first compiled graph fell back
-        if key.variant != "plain":
+        stats.state = VARIANTS[key.variant].fallback
+        if stats.state != EAGER:
             self.demoted.setdefault(key.shape, set()).add(key.variant)
-        stats.state = "eager" if key.variant == "plain" else self.shape_key(*key.shape, key.step).variant
+            stats.state = self.shape_key(*key.shape, key.step).variant  # the next row loaded for this size
         stats.reason = reason
         log.warning("graph %s falls back to %s: %s", key.label, stats.state, reason)
 
@@ -269,7 +281,7 @@ class GraphRunner:
             return None
         stats = self.stats.setdefault(key, GraphStats(key))
         stats.state = "graph"
-        if key.variant != "plain":
+        if key.variant != PLAIN:
             stats.compile_s = self.compiled.compile_s(key.height, key.width)
         return self.graphs[key]
 
@@ -321,40 +333,11 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ running
 
-    def _check(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, x: torch.Tensor, sched: Schedule,
-               cond: Cond, control: Control | None, guidance: torch.Tensor) -> bool:
-        """First replay vs the eager step on the same inputs (then the buffers are reloaded by the caller),
-        at guidance 1: CFG multiplies the difference of two fp16 kernel orders (compiled against plain) by
-        up to 2g - 1 where the conditional and unconditional predictions are close; the check is there to
-        catch broken kernels, and the guidance arithmetic is the same code in both."""
-        guidance = torch.ones_like(guidance)
-        control = control if key.control else None  # a step after the ControlNet's end
-        v = self.buf.view(key)
-        v.load(self.buf, x, sched, cond, control, guidance)
-        # DeepCache: a shallow step reads the feature in the buffer (the eager step reads the same copy);
-        # a full step's written feature is checked with its output
-        feature = None if v.feature is None else v.feature.clone()
-        graph.replay()
-        replayed, predicted = v.x.clone(), v.prev.clone()  # clones: the next replay overwrites the static buffers
-        row = sched.table[0].to(x.device)
-        expect, denoised = sample_step(self.models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, control,
-                                       guidance, None, key.step, feature)
-        pairs = [(replayed, expect), (predicted, denoised)]
-        if key.step.cache == "write":  # the feature each wrote (a conditional step: its half) is checked too
-            rows = slice(None) if key.step.guided else slice(key.batch, None)
-            pairs.append((v.feature[rows], feature[rows]))
-        err = 0.0
-        for got, want in pairs:
-            finite = torch.isfinite(want)
-            if not torch.equal(finite, torch.isfinite(got)):
-                self._fall_back(key, "replay check failed: NaN/inf pattern differs from eager")
-                return False
-            diff = torch.linalg.vector_norm((got - want)[finite], dtype=torch.float32)
-            scale = torch.linalg.vector_norm(want[finite], dtype=torch.float32).clamp_min(1e-6)
-            err = max(err, (diff / scale).item())
-        limit = CHECK_RTOL[key.variant]
-        if err > limit:
-            self._fall_back(key, f"replay check failed: relative error {err:.2e} > {limit:.0e}")
+    def _check(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, *inputs) -> bool:
+        """The first replay against the eager step (graph/check.py); a failure falls back with the reason."""
+        err, problem = first_replay(self.models, self.buf, key, graph.replay, *inputs)
+        if problem:
+            self._fall_back(key, f"replay check failed: {problem}")
             return False
         self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}"
         return True
@@ -374,28 +357,39 @@ class GraphRunner:
         if self.compiled is not None:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
+        shape = Shape(b, 8 * h, 8 * w, control is not None)
         plan = plan or (FULL,) * sched.steps
-        self._share(Shape(b, 8 * h, 8 * w, control is not None), set(plan))
-        key_of = {k: self.shape_key(b, 8 * h, 8 * w, control is not None, k) for k in set(plan)}  # once a kind
-        keys = [key_of[k] for k in plan]
-        graphs = {}
-        for key in sorted(key_of.values(), key=lambda k: (k.step.cache != "write", k.step)):
-            graphs[key] = self._checked_graph(key, x, sched, cond, control, guidance)
-            if graphs[key] is None:  # a compiled shape falls back to its plain graph, a plain one to eager
-                fallback = self.sample if key.variant != "plain" else self.eager.sample
-                return fallback(x, sched, noise, cond, control, guidance, plan)
-        v = self.buf.view(keys[0])  # every kind of the shape views the same buffers
+        self._share(shape, set(plan))
+        graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, control, guidance))
+        if graphs is None:
+            return self.eager.sample(x, sched, noise, cond, control, guidance, plan)
+        steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
+        v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, control, guidance)
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
-        for i, key in enumerate(keys):
+        for i, (key, graph) in enumerate(steps):
             if segment is None or segment[0] != key:
                 self._time(segment, i)
                 segment = (key, self._event(), i)
             if noise is not None:
                 v.noise.copy_(noise[i])
-            graphs[key].replay()
-        self._time(segment, len(keys))
+            graph.replay()
+        self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
+
+    def _plan_graphs(self, shape: Shape, kinds: set[StepKind], inputs: tuple) -> dict | None:
+        """kind -> (key, graph) for each of `kinds`, captured and checked (DeepCache's full step before its shallow
+        one) on the best variant left to it; None when a plain graph failed: the shape runs eager. The one fallback
+        loop: a graph that fails moves its shape one row down the variant table (`_fall_back`) and every kind is keyed
+        again, so each pass runs one row lower, and the plain row's failure ends it."""
+        while True:
+            key_of = {kind: self.shape_key(*shape, kind) for kind in kinds}
+            failed = next((key for key in sorted(set(key_of.values()), key=lambda k: (k.step.cache != "write", k.step))
+                           if self._checked_graph(key, *inputs) is None), None)
+            if failed is None:
+                return {kind: (key, self.graphs[key]) for kind, key in key_of.items()}
+            if VARIANTS[failed.variant].fallback == EAGER:
+                return None
 
     def _event(self) -> torch.cuda.Event | None:
         if self.models.device.type != "cuda":  # a test's replays on the CPU (GraphRunner.capturer)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from storyboard_cli.engine.compiled import Target, build
+from storyboard_cli.engine.kernels.artifacts import Target, build
 from storyboard_cli.engine.device import DTYPES, dtype_flag
 
 CORES_PER_BUILD = 2  # a build is mostly one Python thread (tracing, lowering, scheduling) plus compile workers
@@ -163,7 +163,7 @@ class Builds:
         config.write_text(json.dumps(dict(b.model.config), default=str))
         device = self.device if self.device.index is not None or self.device.type != "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
-        cmd = [sys.executable, "-m", "storyboard_cli.engine.builds", b.target.module, type(b.model).__name__,
+        cmd = [sys.executable, "-m", "storyboard_cli.engine.kernels.builds", b.target.module, type(b.model).__name__,
                str(config), dtype_flag(b.model.dtype), str(device), str(b.target.height), str(b.target.width), str(b.path),
                b.target.precision]
         # every child gets every core for its compile workers: one build's serial stretches (tracing,

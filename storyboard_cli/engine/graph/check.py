@@ -1,0 +1,52 @@
+"""A graph's first replay checked against the eager step on the same inputs: the one test that a captured graph (its
+variant's kernels, the static buffers it reads) computes the step. The limit is the variant's (engine/variants.py)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from storyboard_cli.engine.conditioning import Cond, Control
+from storyboard_cli.engine.eager import sample_step
+from storyboard_cli.engine.graph.buffers import Buffers
+from storyboard_cli.engine.graph.keys import ShapeKey
+from storyboard_cli.engine.sampling import Schedule
+from storyboard_cli.engine.variants import VARIANTS
+from storyboard_cli.models.loader import SdxlModels
+
+
+def first_replay(models: SdxlModels, buf: Buffers, key: ShapeKey, replay: Callable[[], None], x: torch.Tensor,
+                 sched: Schedule, cond: Cond, control: Control | None, guidance: torch.Tensor) -> tuple[float, str]:
+    """(relative error, why it fails or "") of one replay of `key`'s graph against the eager step, in the next latents
+    and in the prediction (the denoised latents: at the check's first, noisiest step the UNet's output dominates them,
+    where the next latents move by a fraction of it). The caller reloads the buffers after. At guidance 1: CFG
+    multiplies the difference of two fp16 kernel orders (compiled against plain) by up to 2g - 1 where the conditional
+    and unconditional predictions are close; the check is there to catch broken kernels, and the guidance arithmetic
+    is the same code in both."""
+    guidance = torch.ones_like(guidance)
+    control = control if key.control else None  # a step after the ControlNet's end
+    v = buf.view(key)
+    v.load(buf, x, sched, cond, control, guidance)
+    # DeepCache: a shallow step reads the feature in the buffer (the eager step reads the same copy);
+    # a full step's written feature is checked with its output
+    feature = None if v.feature is None else v.feature.clone()
+    replay()
+    replayed, predicted = v.x.clone(), v.prev.clone()  # clones: the next replay overwrites the static buffers
+    row = sched.table[0].to(x.device)
+    expect, denoised = sample_step(models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, control,
+                                   guidance, None, key.step, feature)
+    pairs = [(replayed, expect), (predicted, denoised)]
+    if key.step.cache == "write":  # the feature each wrote (a conditional step: its half) is checked too
+        rows = slice(None) if key.step.guided else slice(key.batch, None)
+        pairs.append((v.feature[rows], feature[rows]))
+    err = 0.0
+    for got, want in pairs:
+        finite = torch.isfinite(want)
+        if not torch.equal(finite, torch.isfinite(got)):
+            return float("nan"), "NaN/inf pattern differs from eager"
+        diff = torch.linalg.vector_norm((got - want)[finite], dtype=torch.float32)
+        scale = torch.linalg.vector_norm(want[finite], dtype=torch.float32).clamp_min(1e-6)
+        err = max(err, (diff / scale).item())
+    limit = VARIANTS[key.variant].check_rtol
+    return err, f"relative error {err:.2e} > {limit:.0e}" if err > limit else ""

@@ -1,0 +1,210 @@
+"""The step's module calls on compiled kernels (`CompiledKernels`, a `StepCalls`): the artifacts
+(engine/kernels/artifacts.py) loaded with their constants bound to the rendering modules' own tensors, one per module
+and size, in the variants of one run (engine/variants.py: with --fp8 the FP8 UNets, the fp16 ones beside them where
+the cache has them). They run inside GraphRunner's graphs."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.eager import StepCalls
+from storyboard_cli.engine.kernels.artifacts import (MODULES, Target, artifact_path, fits, loads_here, module_of,
+                                                     open_package, targets)
+from storyboard_cli.engine.kernels.export import Residuals, channels_last_weights, fuse_projections, nhwc
+from storyboard_cli.engine.variants import COMPILED, VARIANTS, chain
+from storyboard_cli.errors import one_line
+from storyboard_cli.models.tiny import cache_root
+
+
+def load(target: Target, models: Any, path: Path, constants: Any = None) -> Callable:
+    """The compiled call, its constants bound to the rendering modules' own tensors (the fused attention
+    weights, the channels_last convolution copies, every other parameter as it is) and to what its variant's
+    `constants` (prepared once per run) adds: an FP8 artifact's FP8 weights and scales derived from them, and its
+    calibrated input scales."""
+    model, prefix = module_of(models, target.module), f"{target.module}."
+    compiled = open_package(path)
+    tensors = {prefix + n: t for n, t in model.state_dict(keep_vars=True).items()}
+    tensors.update({prefix + n: t for n, t in channels_last_weights(models, model).items()})
+    if constants is not None:
+        tensors.update({prefix + n: t for n, t in constants.tensors(models, model).items()})
+    wanted = compiled.get_constant_fqns()
+    missing = [n for n in wanted if n not in tensors]
+    if missing:
+        raise RuntimeError(f"artifact wants {len(missing)} constants the model lacks, e.g. {missing[0]}")
+    constants = {n: tensors[n].detach() for n in wanted}  # the same storages, without autograd state
+    compiled.load_constants(constants, check_full_update=True, user_managed=True)
+    compiled.bcg_constants = constants  # user-managed: the loader keeps pointers, we keep the tensors alive
+    return compiled
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    """The exported calls take the timestep as a scalar; the step passes a row of its coefficient table
+    expanded to [2B]. Cloned: a view into the table is not 16-byte aligned, which compiled kernels assume."""
+    return t.reshape(-1)[0].clone()
+
+
+class CompiledKernels(StepCalls):
+    """The step's module calls on compiled kernels, one artifact per module and size (see StepCalls).
+
+    Holds the artifacts loaded so far; `builds` (engine/kernels/builds.py) makes the missing ones in the
+    background, and `poll` (between batches) loads what they finished, so a size switches to its
+    compiled graph as soon as its kernels are ready. A shape without ControlNet feeds the UNet's residual
+    inputs from one zero buffer (read-only views: the compiled code never writes its inputs)."""
+
+    def __init__(self, models: Any, builds: Any = None, notes: list[str] | None = None, root: Path | None = None,
+                 variant: str = COMPILED):
+        """`variant`: the best compiled row of engine/variants.py this run uses ("fp8" with --fp8: the UNet's artifacts
+        are the FP8 ones); the compiled rows it falls back to are loaded where the cache has them, never built. Each
+        row's `constants` are prepared here (FP8's input scales: calibrated once per model, then read from the cache),
+        so the UNet must carry no LoRA now."""
+        self.models, self.builds, self.root, self.variant = models, builds, root, variant
+        self.chain = [v for v in chain(variant) if v.compiled]  # best first
+        self.notes = notes if notes is not None else []
+        self.residuals = Residuals.of(models.unet)
+        self.calls: dict[Target, Callable] = {}
+        self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
+        self.load_s: dict[Target, float] = {}  # seconds each load and constant binding took
+        self.waiting: list[Target] = []  # missing, handed to the builds at `start`
+        super().__init__(self._unet, self._controlnet)
+        self.zeros = torch.zeros(0, dtype=models.dtype, device=models.device)
+        for module in MODULES:
+            if module_of(models, module) is not None:
+                fuse_projections(module_of(models, module))  # before any graph holds a pointer to to_q & co
+        self.constants = {v.name: v.constants(models, root or cache_root() / "compiled")
+                          for v in self.chain if v.constants is not None}
+        self.notes.extend(c.note for c in self.constants.values())
+
+    def targets(self, shapes: Iterable[Shape]) -> list[Target]:
+        """What these shapes are built for: the UNet in this run's precision, the ControlNets."""
+        return targets(shapes, self.models.controlnet is not None, self.variant)
+
+    def unet_target(self, height: int, width: int, variant: str | None = None) -> Target:
+        """The UNet artifact of a variant ("compiled": fp16, "fp8"; None: this run's best)."""
+        return Target("unet", height, width, VARIANTS[variant or self.variant].precision)
+
+    def variants(self, batch: int, height: int, width: int, control: bool) -> list[str]:
+        """The ShapeKey variants this shape can run on now, best first (the run's compiled rows whose UNet kernels for
+        its size are loaded): with --fp8 its FP8 kernels, then the fp16 ones when the cache had them (while the FP8
+        ones build, or after they failed their check)."""
+        if fits(batch, height, width) is not None or (control and Target("controlnet", height, width) not in self.calls):
+            return []
+        return self._loaded(height, width)
+
+    def _loaded(self, height: int, width: int) -> list[str]:
+        """The variants whose UNet kernels for this size are loaded, best first."""
+        return [v.name for v in self.chain if self.unet_target(height, width, v.name) in self.calls]
+
+    def calls_for(self, variant: str) -> StepCalls:
+        """The step's module calls on one variant's kernels (what a graph of that variant captures)."""
+        return StepCalls(partial(self._unet, variant=variant), self._controlnet)
+
+    def path(self, target: Target) -> Path:
+        return artifact_path(target, module_of(self.models, target.module), self.root)
+
+    def add(self, target: Target, path: Path) -> bool:
+        """Loads one artifact; False (and a note) if it cannot be used, and that size keeps its plain graph."""
+        try:
+            if not loads_here(path):
+                raise RuntimeError("it does not load on this machine")
+            t0 = time.perf_counter()
+            self.calls[target] = load(target, self.models, path, self.constants.get(target.variant.name))
+            self.load_s[target] = time.perf_counter() - t0
+            return True
+        except Exception as e:  # noqa: BLE001 - any broken artifact: plain graphs, and say why
+            self.notes.append(f"compiled kernels for {target.label} not used: {path.name}: {one_line(e, 200)}")
+            return False
+
+    def want(self, targets: Iterable[Target]) -> list[Target]:
+        """Loads what the cache has for `targets`; returns the ones it lacks (also kept for `start`). The UNets of the
+        rows this run falls back to (with --fp8: the fp16 ones) are loaded too where the cache has them (never built):
+        a size runs on them until its best kernels land."""
+        targets = list(targets)
+        for t in targets:
+            if t != self.unet_target(t.height, t.width):
+                continue
+            for lower in self.chain[1:]:
+                fallback = self.unet_target(t.height, t.width, lower.name)
+                path = self.path(fallback)
+                if fallback not in self.calls and path.is_file():
+                    self.add(fallback, path)
+        for t in targets:
+            if t in self.calls or t in self.waiting:
+                continue
+            path = self.path(t)
+            if path.is_file() and self.add(t, path):
+                continue
+            for f in (path, path.with_suffix(".ok"), path.with_suffix(".bad")):
+                f.unlink(missing_ok=True)  # a broken artifact is rebuilt, not tried again (a loaded copy stays mapped)
+            self.waiting.append(t)
+        return list(self.waiting)
+
+    def start(self, background: bool = True) -> None:
+        """Hands what is missing to the builds (never waits: `wait` does)."""
+        todo = [t for t in self.waiting if self.builds is not None and t not in self.builds.builds]
+        if todo:
+            self.builds.want([(t, self.path(t), module_of(self.models, t.module)) for t in todo])
+            if background:
+                self.notes.append(f"compiling kernels for {', '.join(t.label for t in todo)} in the background; "
+                                  f"their shapes switch to them as they finish (a build still running at the "
+                                  f"end goes on, for the next render)")
+
+    def poll(self) -> None:
+        """Loads the artifacts the builds finished since the last call (a few ms when none did)."""
+        if self.builds is not None:
+            self._take(self.builds.poll())
+
+    def wait(self) -> None:
+        """Starts what is missing and loads it when built, side by side (`--compile on`, `capture --warm`)."""
+        self.start(background=False)
+        if self.builds is not None:
+            self._take(self.builds.wait())
+
+    def _take(self, ready: list[tuple[Target, Path, float]]) -> None:
+        for t, path, seconds in ready:
+            if t in self.waiting and self.add(t, path):
+                self.waiting.remove(t)
+                self.built_s[t] = seconds
+                self.notes.append(f"compiled kernels for {t.label} ready after {seconds:.0f} s")
+
+    def reserve(self, max_batch: int, max_pixels: int) -> None:
+        """The zero residuals for the largest shape, allocated before any capture (graphs keep the pointer)."""
+        rows, latent = 2 * max_batch, max_pixels // 64
+        need = rows * max(c * latent // (d * d) for c, d in (*self.residuals.down, self.residuals.mid))
+        if self.zeros.numel() < need:
+            self.zeros = torch.zeros(need, dtype=self.models.dtype, device=self.models.device)
+
+    def ready(self, batch: int, height: int, width: int, control: bool) -> str | None:
+        """None if this shape can run on this run's best kernels now (FP8 with --fp8), else why not."""
+        why = fits(batch, height, width)
+        if why:
+            return why
+        need = [self.unet_target(height, width)] + ([Target("controlnet", height, width)] if control else [])
+        lacking = [t.label for t in need if t not in self.calls]
+        return f"no compiled kernels for {', '.join(lacking)} yet" if lacking else None
+
+    def compile_s(self, height: int, width: int) -> float:
+        return self.built_s.get(self.unet_target(height, width), 0.0)
+
+    def _zero_residuals(self, rows: int, h: int, w: int):
+        def view(c: int, d: int) -> torch.Tensor:  # channels_last views, as the artifact reads them
+            return self.zeros[: rows * c * (h // d) * (w // d)].view(rows, h // d, w // d, c).permute(0, 3, 1, 2)
+        return view(*self.residuals.mid), tuple(view(c, d) for c, d in self.residuals.down)
+
+    def _unet(self, latents, t, embeds, pooled, time_ids, mid, down, variant: str | None = None):
+        """`variant`: which UNet kernels ("compiled", "fp8"); None: the best loaded for the size."""
+        rows, _, h, w = latents.shape
+        if mid is None:
+            mid, down = self._zero_residuals(rows, h, w)
+        # the artifact reads its inputs with the strides it was compiled for: the compiled ControlNet's
+        # residuals are channels_last already (no copy); any other layout is made so
+        mid, down = nhwc(mid), tuple(nhwc(d) for d in down)
+        call = self.calls[self.unet_target(8 * h, 8 * w, variant or self._loaded(8 * h, 8 * w)[0])]
+        return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down)
+
+    def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):
+        call = self.calls[Target("controlnet", 8 * latents.shape[2], 8 * latents.shape[3])]
+        return call(latents, _scalar(t), embeds, pooled, time_ids, image, scale)

@@ -1,0 +1,172 @@
+"""What the export sees: the step's UNet and ControlNet calls as modules, their example inputs with the rows dynamic,
+and the compiled recipe applied to the module (`export`; engine/kernels/artifacts.py compiles and packages it).
+
+- The recipe: the attention projections fused as diffusers' `fuse_qkv_projections` (one GEMM for q, k and v), every
+  convolution weight channels_last (NHWC convolutions, no layout flips), 1x1 convolutions as matmuls (an inductor
+  option), then the variant's own rewrite (engine/variants.py: FP8's Linears). The rendering process keeps its own
+  attention processors and NCHW weights, so the plain graphs and the eager step are untouched: to_q, to_k and to_v
+  become views into the fused weight, and the convolutions' channels_last weights are copies that every in-place
+  weight write refreshes (SdxlModels.written). A LoRA swap reaches the compiled kernels as it reaches the plain ones,
+  and no pointer a graph holds changes.
+- The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros, so one UNet
+  artifact per size serves both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from storyboard_cli.engine.eager import controlnet_call, unet_call
+from storyboard_cli.models.tokenizers import CLIP_TOKENS
+
+if TYPE_CHECKING:
+    from storyboard_cli.engine.kernels.artifacts import Target
+
+MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the images
+# the most rows an artifact takes: 8 images guided (the default buckets' largest, CFG doubled) or the conditional rows
+# of 16; a batch of more rows runs the plain graphs
+MAX_ROWS = 16
+RECIPE = ("fused-qkv", "channels-last-weights")  # part of the key: what `export` does to the module
+
+
+class UNetCall(torch.nn.Module):
+    """The step's UNet call (engine/eager.py unet_call) as a module to export: down is a tuple."""
+
+    def __init__(self, unet: torch.nn.Module):
+        super().__init__()
+        self.unet = unet
+
+    def forward(self, latents, t, embeds, pooled, time_ids, mid, down):
+        return unet_call(self.unet, latents, t, embeds, pooled, time_ids, mid, list(down))
+
+
+class ControlNetCall(torch.nn.Module):
+    """The step's ControlNet call (engine/eager.py controlnet_call) as a module to export."""
+
+    def __init__(self, controlnet: torch.nn.Module):
+        super().__init__()
+        self.controlnet = controlnet
+
+    def forward(self, latents, t, embeds, pooled, time_ids, image, scale):
+        return controlnet_call(self.controlnet, latents, t, embeds, pooled, time_ids, image, scale)
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """Shapes of the UNet's ControlNet residual inputs, as multiples of the latent side: (channels, divisor)."""
+
+    down: tuple[tuple[int, int], ...]
+    mid: tuple[int, int]
+
+    @classmethod
+    def of(cls, unet: torch.nn.Module) -> Residuals:
+        # as diffusers' ControlNetModel: conv_in, then each down block's resnets and downsampler
+        cfg = unet.config
+        chans, divisor = [(cfg.block_out_channels[0], 1)], 1
+        for i, c in enumerate(cfg.block_out_channels):
+            chans += [(c, divisor)] * cfg.layers_per_block
+            if i < len(cfg.block_out_channels) - 1:
+                divisor *= 2
+                chans.append((c, divisor))
+        return cls(tuple(chans), (cfg.block_out_channels[-1], divisor))
+
+    def zeros(self, rows: int, h: int, w: int, dtype: torch.dtype, device: torch.device):
+        mid = torch.zeros(rows, self.mid[0], h // self.mid[1], w // self.mid[1], dtype=dtype, device=device)
+        return mid, [torch.zeros(rows, c, h // d, w // d, dtype=dtype, device=device) for c, d in self.down]
+
+
+def text_dims(model: torch.nn.Module) -> tuple[int, int]:
+    """(token embedding width, pooled embedding width) from a UNet's or ControlNet's own config (SDXL's
+    text_time embedding: the pooled text plus 6 time ids of addition_time_embed_dim each)."""
+    cfg = model.config
+    return cfg.cross_attention_dim, cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+
+
+def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: int) -> tuple:
+    """Inputs of the exported call for `model` at latent size h x w (values do not matter)."""
+    dtype, device = model.dtype, model.device
+    text_dim, pooled_dim = text_dims(model)
+    latents = torch.randn(rows, 4, h, w, dtype=dtype, device=device)
+    # float32 whatever the default dtype (a build child sets the model's): the step passes its float32 timestep,
+    # and an artifact reads its inputs as the dtypes it was exported with, unchecked
+    t = torch.tensor(500.0, dtype=torch.float32, device=device)
+    embeds = torch.randn(rows, CLIP_TOKENS, text_dim, dtype=dtype, device=device)
+    pooled = torch.randn(rows, pooled_dim, dtype=dtype, device=device)
+    time_ids = torch.tensor([8 * h, 8 * w, 0, 0, 8 * h, 8 * w], dtype=dtype, device=device).expand(rows, 6).clone()
+    if module == "controlnet":
+        image = torch.rand(rows, 3, 8 * h, 8 * w, dtype=dtype, device=device)
+        return latents, t, embeds, pooled, time_ids, image, torch.ones(rows, 1, 1, 1, dtype=dtype, device=device)
+    mid, down = Residuals.of(model).zeros(rows, h, w, dtype, device)
+    # channels_last, as the compiled ControlNet (channels_last convolutions) hands them over
+    mid, down = nhwc(mid), tuple(nhwc(d) for d in down)
+    return latents, t, embeds, pooled, time_ids, mid, down
+
+
+def nhwc(t: torch.Tensor) -> torch.Tensor:
+    """channels_last, as the artifacts' convolutions read their inputs."""
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def dynamic_shapes(args: tuple) -> tuple:
+    """torch.export Dims: the rows of every batched input dynamic (2..MAX_ROWS), everything else static."""
+    from torch.export import Dim
+
+    rows = Dim("rows", min=MIN_ROWS, max=MAX_ROWS)
+
+    def spec(a):
+        return tuple(spec(x) for x in a) if isinstance(a, tuple) else (None if a.dim() == 0 else {0: rows})
+    return tuple(spec(a) for a in args)
+
+
+def fuse_projections(model: torch.nn.Module, processor: bool = False) -> None:
+    """Attention projections fused as diffusers' fuse_qkv_projections (q, k, v of self-attention; k, v of
+    cross-attention), with to_q/to_k/to_v left as views into the fused weight: one storage, so a write
+    to either (a LoRA swap) is seen by both. `processor`: also switch to diffusers' fused processor (the
+    export does; the rendering process keeps its processors, and with them the plain step's numbers)."""
+    from diffusers.models.attention_processor import Attention, FusedAttnProcessor2_0
+
+    with torch.no_grad():
+        for attn in model.modules():
+            if not isinstance(attn, Attention) or getattr(attn, "bcg_fused", False):
+                continue
+            attn.fuse_projections()
+            fused, parts = ((attn.to_kv, (attn.to_k, attn.to_v)) if attn.is_cross_attention
+                            else (attn.to_qkv, (attn.to_q, attn.to_k, attn.to_v)))
+            fused.requires_grad_(False)
+            start = 0
+            for part in parts:
+                n = part.weight.shape[0]
+                part.weight.data = fused.weight.data[start:start + n]  # a row slice: contiguous
+                if part.bias is not None:
+                    part.bias.data = fused.bias.data[start:start + n]
+                start += n
+            attn.bcg_fused = True
+    if processor:
+        model.set_attn_processor(FusedAttnProcessor2_0())
+
+
+def channels_last_weights(models: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> a channels_last copy of each 4-d weight of `model` (what the artifact's convolutions read),
+    made once and registered with `models`, whose `written` refreshes a copy after an in-place write."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 4:
+            out[name] = models.copy_of(p, lambda t: t.contiguous(memory_format=torch.channels_last))
+    return out
+
+
+def export(target: Target, model: torch.nn.Module) -> torch.export.ExportedProgram:
+    """`model` (a UNet or ControlNet: its values do not matter) with the recipe applied, its call exported for
+    `target`'s image size, the rows dynamic."""
+    fuse_projections(model, processor=True)
+    model.to(memory_format=torch.channels_last)
+    rewrite = target.variant.rewrite
+    if rewrite is not None:
+        rewrite(model)
+    wrapper = UNetCall(model) if target.module == "unet" else ControlNetCall(model)
+    args = example_inputs(target.module, model, MIN_ROWS, target.height // 8, target.width // 8)
+    with torch.no_grad():
+        return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(args), strict=False)
