@@ -6,7 +6,7 @@ Variants (--variants, comma-separated):
   plain      the eager UNet call captured in a CUDA graph
   prod       the production fp16 artifact for the size, from $BCG_CACHE/compiled (built here only with
              --build-missing: the CPU smoke test)
-  cdt        the production recipe (compiled.build, same INDUCTOR_OPTIONS) compiled with
+  cdt        the production recipe (artifacts.build, same INDUCTOR_OPTIONS) compiled with
              coordinate_descent_tuning=True
   fp8        the production recipe on a copy of the UNet whose transformer Linears run in FP8: calibrated
              once (eager steps at several timesteps, each Linear's input amax), activation scale amax / 448,
@@ -47,9 +47,11 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.engine import compiled as C
-from storyboard_cli.engine.builds import DTYPES
+from storyboard_cli.engine.device import DTYPES
 from storyboard_cli.engine.eager import StepCalls, unet_call
+from storyboard_cli.engine.kernels.artifacts import INDUCTOR_OPTIONS, Target, build
+from storyboard_cli.engine.kernels.calls import CompiledKernels, load
+from storyboard_cli.engine.kernels.export import fuse_projections, text_dims
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 
 VARIANTS = ("plain", "prod", "cdt", "fp8", "fp8_eager", "fp8_eager_fast")
@@ -189,7 +191,7 @@ def step_inputs(models: SdxlModels, rows: int, side: int, t: float, seed: int) -
     as probes/precision.py makes them."""
     h = side // 8
     g = torch.Generator().manual_seed(seed)
-    text_dim, pooled_dim = C.text_dims(models.unet)
+    text_dim, pooled_dim = text_dims(models.unet)
     dev, dt = models.device, models.dtype
     return (torch.randn(rows, 4, h, h, generator=g).to(dev, dt), torch.full((rows,), t, device=dev),
             torch.randn(rows, 77, text_dim, generator=g).to(dev, dt),
@@ -275,8 +277,8 @@ def fresh_unet(models: SdxlModels) -> torch.nn.Module:
     return model.to_empty(device=models.device).to(dtype=models.dtype).eval().requires_grad_(False)
 
 
-def build_variant(name: str, target: C.Target, module: torch.nn.Module, folder: Path, seconds: float) -> tuple:
-    """compiled.build (the production recipe) under this variant's inductor options, stopped after `seconds`.
+def build_variant(name: str, target: Target, module: torch.nn.Module, folder: Path, seconds: float) -> tuple:
+    """artifacts.build (the production recipe) under this variant's inductor options, stopped after `seconds`.
     Returns (path or None, stats)."""
     import torch._inductor.config
 
@@ -285,7 +287,7 @@ def build_variant(name: str, target: C.Target, module: torch.nn.Module, folder: 
     t0 = time.perf_counter()
     try:
         with within(seconds), torch._inductor.config.patch(options):
-            stats = C.build(target, module, path)
+            stats = build(target, module, path)
     except OutOfBudget as e:
         return None, {"error": f"build stopped: {e} (the budget)", "wall_s": round(time.perf_counter() - t0, 1)}
     except Exception as e:  # noqa: BLE001 - a scout records any failure and goes on with the rest
@@ -302,8 +304,8 @@ def wrapper_facts(path: Path) -> dict:
     return {"wrapper_scaled_mm": text.count("_scaled_mm"), "wrapper_float8": text.count("float8")}
 
 
-def production_artifact(models: SdxlModels, target: C.Target, build_missing: bool, folder: Path, rec: Record,
-                        seconds: float) -> C.CompiledKernels | None:
+def production_artifact(models: SdxlModels, target: Target, build_missing: bool, folder: Path, rec: Record,
+                        seconds: float) -> CompiledKernels | None:
     """CompiledKernels with the production artifact for `target`: the cache's file under its key, else any
     file of that module and size in the cache (a key that moved with the package under edit), else (smoke
     test) a fresh build."""
@@ -325,9 +327,9 @@ def production_artifact(models: SdxlModels, target: C.Target, build_missing: boo
     return k
 
 
-def kernels(models: SdxlModels, target: C.Target) -> C.CompiledKernels:
+def kernels(models: SdxlModels, target: Target) -> CompiledKernels:
     """An empty CompiledKernels with its zero residuals for 8 images of the target's size (before a capture)."""
-    k = C.CompiledKernels(models)
+    k = CompiledKernels(models)
     k.reserve(ROWS[0] // 2, target.height * target.width)
     return k
 
@@ -367,19 +369,19 @@ def main() -> None:
     rec = Record(args.out, variants=variants, model=args.model, dtype=str(dtype), side=args.side,
                  torch=torch.__version__, gpu=torch.cuda.get_device_name() if cuda else None,
                  cores=len(os.sched_getaffinity(0)), budget_s=args.budget, min_tokens=args.min_tokens,
-                 inductor_options=C.INDUCTOR_OPTIONS, notes=[])
+                 inductor_options=INDUCTOR_OPTIONS, notes=[])
     torch.manual_seed(0)
     t0 = time.perf_counter()
     models = load_sdxl(args.model, None, device, dtype)
     rec.put("load_s", round(time.perf_counter() - t0, 1))
-    target = C.Target("unet", args.side, args.side)
+    target = Target("unet", args.side, args.side)
     builds = [v for v in ("cdt", "fp8") if v in variants]
 
     # the FP8 copy first: a deep copy of the UNet before CompiledKernels fuses the rendering module in place
     def fp8_copy() -> torch.nn.Module:
         t0 = time.perf_counter()
         q = copy.deepcopy(models.unet)
-        C.fuse_projections(q, processor=True)  # calibrate what is compiled: the fused to_qkv / to_kv
+        fuse_projections(q, processor=True)  # calibrate what is compiled: the fused to_qkv / to_kv
         calib = [step_inputs(models, 4, args.side, t, 100 + i) for i, t in enumerate(CALIBRATION_T)]
         done = quantize(q, calibrate(q, calib), args.min_tokens)
         rec.put("fp8_quantize", {**done, "seconds": round(time.perf_counter() - t0, 1), "calibration_t": CALIBRATION_T,
@@ -390,7 +392,7 @@ def main() -> None:
     if fp8_unet is None and "fp8" in builds:
         builds.remove("fp8")
     # before any capture: fusing later would move the weights the plain graph reads (CompiledKernels fuses)
-    C.fuse_projections(models.unet)
+    fuse_projections(models.unet)
 
     with torch.no_grad():
         plain = StepCalls.eager(models).unet
@@ -453,7 +455,7 @@ def main() -> None:
         try:
             k = kernels(models, target)
             if name == "fp8":  # bound to the FP8 copy's tensors, as production binds the rendering module's
-                k.calls[target] = C.load(target, dataclasses.replace(models, unet=fp8_unet, copies={}), path)
+                k.calls[target] = load(target, dataclasses.replace(models, unet=fp8_unet, copies={}), path)
             elif not k.add(target, path):
                 raise RuntimeError("; ".join(k.notes))
             calls[name] = k.unet

@@ -1,4 +1,4 @@
-"""Seconds a copied artifact's load check takes (the child process `compiled.loads_here` starts when an
+"""Seconds a copied artifact's load check takes (the child process `artifacts.loads_here` starts when an
 artifact has no marker naming its digest), and its load into a process, for each artifact given.
 
     python benchmarks/probes/load_check.py CACHE/compiled/*.pt2
@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from storyboard_cli.engine.compiled import loads_here
+from storyboard_cli.engine.kernels.artifacts import loads_here
 
 for src in sys.argv[1:]:
     with tempfile.TemporaryDirectory() as d:

@@ -14,10 +14,12 @@ import time
 
 import torch
 
-from storyboard_cli.engine import compiled as C
 from storyboard_cli.engine.base import Shape
-from storyboard_cli.engine.builds import Builds
 from storyboard_cli.engine.eager import StepCalls
+from storyboard_cli.engine.kernels.artifacts import targets
+from storyboard_cli.engine.kernels.builds import Builds
+from storyboard_cli.engine.kernels.calls import CompiledKernels
+from storyboard_cli.engine.kernels.export import text_dims
 from storyboard_cli.models.loader import load_sdxl
 
 
@@ -25,16 +27,16 @@ def main(model: str, dtype_name: str, side: int) -> None:
     dtype = getattr(torch, dtype_name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     m = load_sdxl(model, None, device, dtype)
-    k = C.CompiledKernels(m, Builds(m.device))
+    k = CompiledKernels(m, Builds(m.device))
     built = None
-    if k.want(C.targets([Shape(1, side, side, False)], False)):
+    if k.want(targets([Shape(1, side, side, False)], False)):
         t0 = time.perf_counter()
         k.wait()
         built = round(time.perf_counter() - t0, 1)
     k.reserve(1, side * side)
     h = side // 8
     g = torch.Generator().manual_seed(0)
-    text_dim, pooled_dim = C.text_dims(m.unet)
+    text_dim, pooled_dim = text_dims(m.unet)
     inputs = (torch.randn(2, 4, h, h, generator=g), torch.full((2,), 500.0), torch.randn(2, 77, text_dim, generator=g),
               torch.randn(2, pooled_dim, generator=g),
               torch.tensor([side, side, 0, 0, side, side], dtype=torch.float32).expand(2, 6).clone())

@@ -42,7 +42,7 @@ class Engine(Protocol):
                control: Control | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
         """Initial latents x [B, 4, h, w] -> final latents [B, 4, h, w] float32. `noise`: per-step noise
         [steps, B, 4, h, w] for ancestral samplers, else None; `guidance` [B]; `plan`: each step's kind
-        (draft renders: sampling.step_plan), None for every step guided and whole."""
+        (draft renders: steps.step_plan), None for every step guided and whole."""
         ...
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:

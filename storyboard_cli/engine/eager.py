@@ -125,7 +125,7 @@ class EagerEngine:
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
                control: Control | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
         """x [B, 4, h, w] initial latents on the device -> final latents [B, 4, h, w] float32. `plan`: each
-        step's kind (sampling.step_plan); None: every step guided, the UNet whole (FULL)."""
+        step's kind (steps.step_plan); None: every step guided, the UNet whole (FULL)."""
         table = sched.table.to(x.device)
         prev = torch.zeros_like(x)
         zero = torch.zeros_like(x)

@@ -47,7 +47,7 @@ class RenderOptions:
     retry_failed: bool = False
     compile: str = "auto"  # auto | on | off: compiled kernels inside the graphs
     shots: tuple[str, ...] = ()  # only these shots (ids or glob patterns); () for all
-    fp8: bool = False  # the compiled UNet's FP8 kernels (engine/fp8.py)
+    fp8: bool = False  # the compiled UNet's FP8 kernels (engine/kernels/fp8.py)
 
 
 @dataclass
