@@ -47,7 +47,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # more (docs/PERFORMANCE.md): the limit sits between
     Variant(FP8, COMPILED, 8e-2, "fp8", ("fp8-linears",), fp8.OPTIONS, fp8.swap_in, fp8.InputScales, asked=True),
     # compiled kernels round once where eager rounds after every op: 1.6e-3 in the SDXL UNet's fp16 noise prediction
-    # on an H200 (bench/fp8_scout.py); an artifact that read its timestep as fp16 bits was 1.2e-1 to 1.6e-1 off
+    # on an H200 (benchmarks/probes/fp8_scout.py); an artifact that read its timestep as fp16 bits was 1.2e-1 to
+    # 1.6e-1 off
     Variant(COMPILED, PLAIN, 2e-2, "fp16"),
     Variant(PLAIN, EAGER, 2e-2),  # the eager kernels captured (0 measured)
 )}

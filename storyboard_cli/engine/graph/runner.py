@@ -232,7 +232,8 @@ class GraphRunner:
         pool fails ("already recording", seen on the H200 even after ending it by hand). The graphs captured so far
         keep the pool; later captures go to a new one (their memory is not shared with the old pool's). It also
         raises before the default CUDA generator leaves capture mode, after which every CUDA random op outside a
-        capture fails ("Offset increment outside graph capture", bench/rng_trace.py): an empty capture ends it."""
+        capture fails ("Offset increment outside graph capture", benchmarks/probes/rng_trace.py): an empty capture
+        ends it."""
         torch.cuda.set_stream(stream)
         end = getattr(torch._C, "_cuda_endAllocateToPool", None)
         if end is not None:

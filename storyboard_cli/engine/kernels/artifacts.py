@@ -174,7 +174,7 @@ def open_package(path: Path) -> Any:
     """The compiled call in an artifact, as `aoti_load_package` gives it, without that function's device
     survey: before the loader it compares the machine with the one that built the package, only to warn,
     and finding the CPU's vector ISA compiles and runs test programs: 35-50 s in a fresh process on the
-    H200 (bench/load_probe.py), where the load itself takes 0.02 s. The artifact key already names the
+    H200 (benchmarks/probes/load_probe.py), where the load itself takes 0.02 s. The artifact key already names the
     GPU, CUDA, triton and torch that built it."""
     from torch._inductor.package import AOTICompiledModel
 
