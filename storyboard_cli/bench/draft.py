@@ -28,7 +28,7 @@ from storyboard_cli.steps import FULL, step_plan
 
 # the step loops `draft_steps` times side by side: (cfg_cutoff, DeepCache interval), branch 0
 DRAFT_LOOPS = {"full": (1.0, 0), "deepcache_3": (1.0, 3), "cfg_cutoff_0.5": (0.5, 0), "cfg_cutoff_0.7": (0.7, 0),
-               "draft_preset": (DRAFT_CUTOFF, DRAFT_DEEPCACHE[0])}
+               "draft_preset": (DRAFT_CUTOFF, DRAFT_DEEPCACHE.interval)}
 
 
 def _loop_s(engine, x, sched, cond, guidance, plan) -> float:
@@ -54,7 +54,7 @@ def draft_steps(models: SdxlModels, log: Callable[[str], None], batch: int = 8, 
     cuda = models.device.type == "cuda"
     shape = Shape(batch, side, side, False)
     sched = schedule("euler", steps, models.scheduler_config)
-    plans = {name: step_plan(steps, guided_steps(steps, cutoff), interval, DRAFT_DEEPCACHE[1])
+    plans = {name: step_plan(steps, guided_steps(steps, cutoff), interval, DRAFT_DEEPCACHE.branch)
              for name, (cutoff, interval) in DRAFT_LOOPS.items()}
     engine = graph_runner(models, [shape], compile="off") if cuda else EagerEngine(models)
     engine.prepare([shape], {shape: set().union(*plans.values())})
