@@ -92,13 +92,18 @@ class BatchRunner:
                  loras: Iterable[LoraFile] = ()):
         self.models, self.engine = models, engine
         self.fallback: Engine = EagerEngine(models)  # for the out-of-memory policy's last retry
-        self.timings = timings or Timings()
         self.prompts = PromptCache(models)
         self.schedules: dict[tuple[str, int], Schedule] = {}
         self.controls = BoundedCache(CONTROL_CACHE_BYTES)
         self.lora = LoraApplier(models)
         self._lora_weights: dict[tuple[Path, str], LoraWeights] = {}
         self.unusable: dict[str, str] = {}  # LoRA name -> why these models reject it
+        self.adopt(timings or Timings(), loras)
+
+    def adopt(self, timings: Timings, loras: Iterable[LoraFile]) -> None:
+        """The runner kept for another render on the same models (a render service's worker: its prompt, schedule,
+        control image and LoRA caches and the LoRA set applied stay): that render's timings, its LoRA files."""
+        self.timings, self.unusable = timings, {}
         for f in loras:
             try:
                 self.lora_weights(f)

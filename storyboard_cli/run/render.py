@@ -182,6 +182,14 @@ class RenderSession:
         """Writes the report (unless the last one is kept); returns the report and its paths."""
         return report, None if keep_last else write_report(self.out_dir, report)
 
+    def batch_runner(self) -> BatchRunner:
+        """The runner of this render's batches, its job's LoRA files read and registered."""
+        return BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
+
+    def release(self, runner: BatchRunner) -> None:
+        """After the render: the models' own weights back (after LoRAs), for whoever holds them next."""
+        runner.close()
+
     def capture_ahead(self, shapes: list[Shape]) -> list[Shape]:
         """The shapes the engine captures before the first batch; the others are captured on first use."""
         return shapes
@@ -206,7 +214,7 @@ class RenderSession:
                 self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile,
                                            fp8=self.opts.fp8)
         with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
-            runner = BatchRunner(self.models, self.engine, self.timings, loras=self.job.loras.values())
+            runner = self.batch_runner()
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())
         with self.timings.stage("capture"):
             self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches))
@@ -277,7 +285,7 @@ class RenderSession:
                 raise folder_error(self.out_dir, e) from None
         self.sheet.update(report["failures"])  # every worker's, after a multi-GPU run
         if self.policy:
-            self.policy.runner.close()  # the models' own weights back (after LoRAs)
+            self.release(self.policy.runner)
         return RenderResult(report["status"], self.out_dir, report["images_rendered"], skipped=self.pending.skipped,
                             failed=report["failures"], wall_s=wall, device=device_name(self.device),
                             engine=report["engine"], report=report, report_paths=paths, notes=report["notes"],

@@ -43,6 +43,7 @@ from storyboard_cli.serve.wire import NAME_PATTERN
 log = logging.getLogger(__name__)
 CACHED_BUCKET = "cached"  # the report's bucket row for copied twins
 TWINS = "twins"  # under an uploading worker's root: twins' PNGs downloaded from the server
+JOBS_KEPT = 16  # jobs a worker keeps loaded (their batches come in turn while they render)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,18 @@ class Hot:
     models: object = None
     engine: object = None
     warm: set[str] = field(default_factory=set)  # the mixes rendered with these models: the server leases them first
+    runner: object = None  # the BatchRunner kept across leases: its caches, and the LoRA set applied, stay
+    jobs: dict = field(default_factory=dict)  # (job id, its text, its inputs, its file) -> the Job, loaded once
+
+    def job(self, job_id: str, leased: dict, where: Place) -> Job:
+        """The leased job, validated once per worker (its control images decoded, its LoRA files read), not once
+        per lease: a job's later batches find it here."""
+        key = (job_id, leased.get("job_text"), tuple(sorted((leased.get("inputs") or {}).items())), where.job_file)
+        if key not in self.jobs:
+            while len(self.jobs) >= JOBS_KEPT:
+                self.jobs.pop(next(iter(self.jobs)))
+            self.jobs[key] = load_job(where.job_file, inputs=where.inputs)
+        return self.jobs[key]
 
     @property
     def ready(self) -> bool:
@@ -81,7 +94,7 @@ class Hot:
         spec = (job.model, job.controlnet)
         lacking = job.controlnet is not None and self.models is not None and self.models.controlnet is None
         if spec != self.spec or lacking:  # another model, or a ControlNet the first job did not need
-            self.spec, self.models, self.engine = spec, None, None
+            self.spec, self.models, self.engine, self.runner = spec, None, None, None
             self.warm.clear()
 
 
@@ -130,6 +143,7 @@ class LeaseSession(RenderSession):
 
     def __init__(self, job: Job, opts: RenderOptions, images: list[dict], hot: Hot):
         super().__init__(job, opts, None, hot.models, hot.engine)
+        self.hot = hot
         self.images = images
         self.mine = {p for image in images for p in image["outputs"]}
         self.twins = {image["outputs"][0]: image["twin"] for image in images if image["twin"]}
@@ -147,6 +161,18 @@ class LeaseSession(RenderSession):
         items = [replace(i, outputs=tuple(p for p in i.outputs if p in self.mine))
                  for i in work_items(self.job) if self.mine.intersection(i.outputs)]
         return Pending(items=items), self.recorder
+
+    def batch_runner(self):
+        """The worker's runner, kept across leases while its models stay (a new one for new models)."""
+        runner = self.hot.runner
+        if runner is None or runner.models is not self.models or runner.engine is not self.engine:
+            runner = self.hot.runner = super().batch_runner()
+        else:
+            runner.adopt(self.timings, self.job.loras.values())
+        return runner
+
+    def release(self, runner) -> None:
+        pass  # the LoRA set stays applied for the next lease (a LoRA swap only when the set changes)
 
     def publish(self, report: dict, keep_last: bool):
         self.report = report  # sent with the completion; the server merges the job's
@@ -349,7 +375,7 @@ def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, P
     for job_id in sorted(lease["jobs"], key=lambda j: j != lease["job"]):  # the head first: it picks the models
         images = [i for i in lease["images"] if i["job"] == job_id]
         try:
-            job = load_job(places[job_id].job_file, inputs=places[job_id].inputs)
+            job = hot.job(job_id, lease["jobs"][job_id], places[job_id])
             if job_id == lease["job"]:
                 hot.for_job(job)
             ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
