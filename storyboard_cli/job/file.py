@@ -18,9 +18,10 @@ from storyboard_cli.folder.layout import RESERVED
 from storyboard_cli.job.inputs import INPUTS_KEY, Inputs
 from storyboard_cli.job.lora_files import LORA_TAG
 from storyboard_cli.job.preflight import expanded
-from storyboard_cli.job.references import LoraFile, ShotControl, declared_inputs, resolve_control, resolve_loras, shot_loras
-from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_int, as_str, check_keys, line_of,
-                                       type_name)
+from storyboard_cli.job.references import (LoraFile, ShotControl, declared_inputs, resolve_control, resolve_loras,
+                                           shot_loras)
+from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_int, as_str, check_keys,
+                                       line_of, type_name)
 from storyboard_cli.job.yaml_loader import SHOT_ID, Located, clip, read_yaml, short_repr
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 from storyboard_cli.steps import NO_DEEPCACHE, DeepCache, guided_steps

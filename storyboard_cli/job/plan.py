@@ -387,7 +387,8 @@ class PlanSummary:
     @property
     def flops_saved(self) -> float:
         """The job's FLOPs the levers save, its buckets weighed by their rows x steps."""
-        return sum(r.key.flops_saved * r.row_steps for r in self.buckets) / max(1, sum(r.row_steps for r in self.buckets))
+        row_steps = sum(r.row_steps for r in self.buckets)
+        return sum(r.key.flops_saved * r.row_steps for r in self.buckets) / max(1, row_steps)
 
     def to_json(self) -> dict:
         """`bcg plan --json`."""
