@@ -16,6 +16,23 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.run.capture import synthetic_inputs
 
 
+def test_the_variant_table_falls_back_down_its_rows_to_eager():
+    """Each row falls back to a row below it, so the fallback loop ends; the chain is fp8 -> compiled -> plain -> eager;
+    a compiled row's artifacts are told apart by their precision; FP8 only where it is asked for."""
+    from storyboard_cli.engine.kernels.artifacts import Target
+    from storyboard_cli.engine.variants import EAGER, VARIANTS, chain, top
+
+    names = list(VARIANTS)
+    for i, row in enumerate(VARIANTS.values()):
+        assert row.fallback == EAGER or names.index(row.fallback) > i, row.name
+    assert [v.name for v in chain("fp8")] + [EAGER] == ["fp8", "compiled", "plain", "eager"]
+    assert [v.name for v in chain("compiled")] == ["compiled", "plain"]
+    compiled = [v for v in VARIANTS.values() if v.compiled]
+    assert len({v.precision for v in compiled}) == len(compiled)
+    assert all(Target("unet", 64, 64, v.precision).variant is v for v in compiled)
+    assert (top(), top(asked=True)) == ("compiled", "fp8")
+
+
 def test_shape_key_identity_and_order():
     a = ShapeKey(4, 1024, 1024, False, "float16")
     assert a == ShapeKey(4, 1024, 1024, False, "float16")

@@ -1,7 +1,7 @@
 """FP8 UNet kernels (`--fp8`, engine/kernels/fp8.py) on the CPU (AOTInductor builds CPU code, and torch._scaled_mm runs
 there): which Linears go FP8, the artifact computing exactly the FP8 UNet, calibration stored once per model, a
-LoRA swap re-quantising the FP8 weights in place, the options refused where they cannot run. One tiny FP8 UNet
-artifact (128x128) is built per session; the GPU side is tests/test_gpu_fp8.py."""
+LoRA swap re-quantising the FP8 weights in place, the options refused where they cannot run. The tiny FP8 UNet
+artifact (128x128) is conftest's `artifacts`, built once a session; the GPU side is tests/test_gpu_fp8.py."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ from storyboard_cli.engine.build import check_engine
 from storyboard_cli.engine.eager import StepCalls, unet_call
 from storyboard_cli.engine.kernels import fp8 as F
 from storyboard_cli.engine.kernels.artifacts import Target, artifact_key, artifact_path, options, targets
-from storyboard_cli.engine.kernels.builds import Builds
 from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.export import fuse_projections
 from storyboard_cli.engine.variants import VARIANTS
 from storyboard_cli.errors import BadInput
 from storyboard_cli.models.loader import load_sdxl
-from test_compiled import SIDE, _inputs, _rel, _run
+
+from helpers.kernels import SIDE, run_calls, step_inputs
+from helpers.reference import rel_error
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,20 +40,6 @@ def fp8_kernels(models, root, builds=None) -> CompiledKernels:
     k.want(k.targets([SHAPE]))
     k.reserve(SHAPE.batch, SIDE * SIDE)
     return k
-
-
-@pytest.fixture(scope="session")
-def fp8_root(tmp_path_factory):
-    """A tiny FP8 UNet artifact built as `bcg capture --warm --fp8` builds it: a child process."""
-    root = tmp_path_factory.mktemp("fp8")
-    models = load_sdxl("tiny", None, "cpu", torch.float32)
-    notes = []
-    builds = Builds(models.device, notes=notes)
-    k = CompiledKernels(models, builds, notes, root=root, variant="fp8")
-    assert [t.label for t in k.want(k.targets([SHAPE]))] == ["unet 128x128 fp8"]
-    k.wait()
-    assert k.ready(*SHAPE) is None, notes
-    return root
 
 
 def fp8_reference(models, x_scales: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -93,26 +80,26 @@ def test_the_fp8_linears_are_the_transformers_image_token_layers():
     assert not [n for n in names if n.startswith(("time_embedding", "add_embedding"))]
 
 
-def test_the_artifact_computes_the_fp8_unet(fp8_root):
+def test_the_artifact_computes_the_fp8_unet(artifacts):
     """Compiled against the same FP8 arithmetic in eager PyTorch: equal to rounding. Against the float UNet: the
     quantisation's error, real and inside the first-replay check's limit."""
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    k = fp8_kernels(models, fp8_root)
+    k = fp8_kernels(models, artifacts)
     assert k.ready(*SHAPE) is None
     reference = fp8_reference(models, k.constants["fp8"].x_scales)
     for rows in (2, 8):
-        inputs = _unet_only(_inputs(models, rows, False, seed=rows))
+        inputs = _unet_only(step_inputs(models, rows, False, seed=rows))
         with torch.no_grad():
-            got = _run(k, *inputs)
+            got = run_calls(k, *inputs)
             want = unet_call(reference, *inputs[:5], None, None)
-            full = _run(StepCalls.eager(models), *inputs)
+            full = run_calls(StepCalls.eager(models), *inputs)
         # fp8 rounds to 3 mantissa bits: where the compiler's fused producer (LayerNorm, GEGLU) differs from eager's
         # in the last fp32 bit, an element can land on the next fp8 value (9e-3 measured, against 3.3e-2 to float)
-        assert _rel(got, want) < min(FP8_TWINS, _rel(want, full) / 2)
-        assert 1e-3 < _rel(got, full) < CHECK_RTOL
+        assert rel_error(got, want) < min(FP8_TWINS, rel_error(want, full) / 2)
+        assert 1e-3 < rel_error(got, full) < CHECK_RTOL
 
 
-def test_scales_are_calibrated_once_per_model_and_stored(fp8_root, tmp_path):
+def test_scales_are_calibrated_once_per_model_and_stored(tmp_path):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     first, second = [], []
     CompiledKernels(models, None, first, root=tmp_path, variant="fp8")
@@ -129,14 +116,14 @@ def test_scales_are_calibrated_once_per_model_and_stored(fp8_root, tmp_path):
     assert F.fingerprint(load_sdxl("tiny", None, "cpu", torch.float32)) == F.fingerprint(models)
 
 
-def test_a_lora_swap_requantizes_the_fp8_weights_in_place(fp8_root):
+def test_a_lora_swap_requantizes_the_fp8_weights_in_place(artifacts):
     """A LoRA on a q projection (a view into the fused q/k/v, whose FP8 copy is what the artifact reads) and on a
     feed-forward layer: the FP8 weights and their scales follow in place, the artifact computes the FP8 UNet of
     the new weights, and the empty set restores them bit for bit."""
     from storyboard_cli.models.lora import LoraApplier, LoraLayer, LoraWeights
 
     models = load_sdxl("tiny", None, "cpu", torch.float32)
-    k = fp8_kernels(models, fp8_root)
+    k = fp8_kernels(models, artifacts)
     block = "down_blocks.1.attentions.0.transformer_blocks.0"
     g = torch.Generator().manual_seed(7)
     layers = []
@@ -148,18 +135,18 @@ def test_a_lora_swap_requantizes_the_fp8_weights_in_place(fp8_root):
     q, s = models.derived[f"fp8:{block}.attn1.to_qkv"][0]
     ff = models.derived[f"fp8:{block}.ff.net.2"][0][0]
     ptrs, q0, s0 = (q.data_ptr(), s.data_ptr(), ff.data_ptr()), q.clone(), s.clone()
-    inputs = _unet_only(_inputs(models, 4, False, seed=11))
+    inputs = _unet_only(step_inputs(models, 4, False, seed=11))
     applier = LoraApplier(models)
     with torch.no_grad():
-        before = _run(k, *inputs)
+        before = run_calls(k, *inputs)
         applier.apply({"x": (lora, 0.8)})
-        after = _run(k, *inputs)
+        after = run_calls(k, *inputs)
         want = unet_call(fp8_reference(models, k.constants["fp8"].x_scales), *inputs[:5], None, None)
         assert not torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
         applier.restore()
-        restored = _run(k, *inputs)
+        restored = run_calls(k, *inputs)
     assert (q.data_ptr(), s.data_ptr(), ff.data_ptr()) == ptrs
-    assert _rel(after, before) > 1e-3 and _rel(after, want) < FP8_TWINS
+    assert rel_error(after, before) > 1e-3 and rel_error(after, want) < FP8_TWINS
     assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
     assert torch.equal(restored, before)
 
@@ -252,7 +239,7 @@ def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):
     assert torch.equal(got, EagerEngine(models).sample(x, sched, None, cond, None, guidance))
     assert captured == ["fp8", "compiled", "plain"]
     compiled = replace(fp8, variant="compiled")
-    assert runner.stats[fp8].state == "compiled" and "capture failed: fp8 kernels" in runner.stats[fp8].reason
+    assert runner.stats[fp8].state == "compiled" and "fp8 kernels are stand-ins" in runner.stats[fp8].reason
     assert runner.stats[compiled].state == "plain" and runner.shape_key(*shape).variant == "plain"
     assert runner.stats_of(Shape(*shape)).state == "graph" and runner.stats_of(Shape(*shape)).checked
     assert runner.graph(fp8) is None and runner.graph(compiled) is None  # a variant that fell back: never again
@@ -261,7 +248,7 @@ def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):
     assert k.variants(2, SIDE, SIDE, True) == []
 
 
-def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, artifacts, fp8_root):
+def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, artifacts):
     """`want` with --fp8: a size's fp16 UNet is loaded where the cache has it (never built), its FP8 one is what is
     built; with both loaded the size runs FP8, and both compute what they should."""
     import shutil
@@ -269,15 +256,15 @@ def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, art
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
     assert [t.label for t in k.want(k.targets([SHAPE]))] == ["unet 128x128 fp8"]  # wanted: the FP8 one only
-    for f in [*artifacts.glob("unet-128x128-*"), *fp8_root.glob("unet-fp8-*")]:
+    for f in [*artifacts.glob("unet-128x128-*"), *artifacts.glob("unet-fp8-*")]:
         shutil.copy(f, tmp_path / f.name)
     k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
     assert k.want(k.targets([SHAPE])) == []
     assert k.variants(*SHAPE) == ["fp8", "compiled"]
     k.reserve(SHAPE.batch, SIDE * SIDE)
-    inputs = _unet_only(_inputs(models, 4, False, seed=4))
+    inputs = _unet_only(step_inputs(models, 4, False, seed=4))
     with torch.no_grad():
-        full = _run(StepCalls.eager(models), *inputs)
-        fp16 = _run(k.calls_for("compiled"), *inputs)
-        fp8 = _run(k.calls_for("fp8"), *inputs)
-    assert _rel(fp16, full) < 1e-4 and 1e-3 < _rel(fp8, full) < CHECK_RTOL
+        full = run_calls(StepCalls.eager(models), *inputs)
+        fp16 = run_calls(k.calls_for("compiled"), *inputs)
+        fp8 = run_calls(k.calls_for("fp8"), *inputs)
+    assert rel_error(fp16, full) < 1e-4 and 1e-3 < rel_error(fp8, full) < CHECK_RTOL

@@ -1,1 +1,1 @@
-"""The engine's CUDA graphs: the graph runner, its static buffers and the keys and stats of its graphs."""
+"""The engine stage's CUDA graphs: the graph runner, its static buffers, its keys and the first-replay check."""
