@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from storyboard_cli.errors import Status, StoryboardError, folder_error, one_line
+from storyboard_cli.folder.layout import MANIFEST
 from storyboard_cli.folder.outputs import Pending, atomic_write
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.digests import file_sha256
@@ -113,7 +114,7 @@ class Recorder:
     """Where a lease's manifest lines go: kept for the completion, in which the server records them (the
     job folder's manifest has one writer, the server)."""
 
-    path = Path("manifest.jsonl")  # named in a write error
+    path = Path(MANIFEST)  # named in a write error
 
     def __init__(self):
         self.records: dict[str, dict] = {}
