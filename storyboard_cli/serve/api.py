@@ -158,6 +158,10 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                 return replayed(first, request)
         job_id = uuid.uuid4().hex[:12]
         try:
+            await run_in_threadpool(store.refuse_if_full, settings.max_queue_images, clock())
+        except QueueFull as e:
+            return problem(503, "queue full", str(e), {"Retry-After": str(e.retry_after)})
+        try:
             planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority,
                                               settings.inputs, app.state.blobs, settings.allow_models,
                                               settings.max_blob_mb << 20)

@@ -384,6 +384,17 @@ class Store:
             raise refused
         return job.id, True
 
+    def refuse_if_full(self, max_queue: int, now: float) -> None:
+        """Raises QueueFull (counted) when the queue cannot take a single image more: a submission is refused
+        before it is planned (its job file written, its control images decoded), the cheapest answer under load."""
+        with self._tx() as db:
+            depth = self._depth(db)
+            if depth < max_queue:
+                return
+            self._count(db, REJECTED_FULL)
+            refused = QueueFull(schedule.retry_after(depth + 1 - max_queue, self._drain_rate(db, now)), depth)
+        raise refused
+
     def _insert(self, db, job: Planned, key: str | None, now: float) -> None:
         db.execute("INSERT INTO jobs (id, idem_key, content_hash, name, path, out_dir, priority, submitted, batch)"
                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
