@@ -19,9 +19,28 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`pytest -m gpu` runs in one process (pyproject's addopts ask for two xdist workers): the GPU tests share one
+    device and build one set of kernels."""
+    if config.getoption("markexpr") == "gpu" and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses, config.option.dist = None, "no"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the kernel tests are `slow` by their fixture
 def pytest_collection_modifyitems(config, items):
+    """A test that asks for the kernel artifacts is `slow` (their build takes minutes on two cores). The xdist groups (`-n 2 --dist loadgroup`, pyproject's addopts): one worker runs every test that starts
+    processes (`slow`: servers, workers, renders, signals, each timed against its own limits), one after another as
+    in a run without xdist; the tests of the kernel artifacts go to one worker, which builds them once. The other
+    tests spread over both workers. Without CUDA, the GPU tests are skipped."""
     import torch
 
+    for item in items:
+        if "artifacts" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.xdist_group("kernels"))
+        elif "slow" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("processes"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
@@ -37,6 +56,22 @@ def tiny_cpu():
     from storyboard_cli.models.loader import load_sdxl
 
     return load_sdxl("tiny", "tiny", "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module", params=["fp32", "fp16"])
+def tiny_cuda(request):
+    """The GPU tests' tiny models on CUDA in fp32 and fp16, one graph runner over them (up to 8 images of 320x320),
+    the eager engine, and the relative error allowed between the two. Each module that asks gets its own."""
+    import torch
+
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.models.loader import load_sdxl
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[request.param]
+    models = load_sdxl("tiny", "tiny", "cuda", dtype)
+    runner = GraphRunner(models, max_batch=8, max_hw=(320, 320))
+    return models, runner, EagerEngine(models), (1e-4 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.fixture(scope="module")
@@ -71,33 +106,35 @@ case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ ;; *) exec g++ "$@
 
 @pytest.fixture(scope="session")
 def artifacts(tmp_path_factory):
-    """A tiny UNet and ControlNet artifact built the way `bcg capture --warm` builds them: child
-    processes, side by side, with a compiler that links libstdc++ statically. A library with its own
-    copy of libstdc++ crashed at load on the GPU image (AOTInductor's loader parses the device string
-    with std::regex, which reads the copy's never-initialised locale); bcg's link options must keep it
-    loadable."""
+    """The CPU kernel artifacts of the compiled and FP8 tests, built once a session into one folder the way `bcg
+    capture --warm` (and `--fp8`) builds them, child processes side by side: a tiny UNet and ControlNet at 128x128
+    and the UNet's FP8 twin. The compiler links libstdc++ statically: a library with its own copy of libstdc++
+    crashed at load on the GPU image (AOTInductor's loader parses the device string with std::regex, which reads
+    the copy's never-initialised locale); bcg's link options must keep it loadable."""
     import torch
 
     from storyboard_cli.engine.base import Shape
-    from storyboard_cli.engine.kernels.artifacts import targets
     from storyboard_cli.engine.kernels.builds import Builds
     from storyboard_cli.engine.kernels.calls import CompiledKernels
     from storyboard_cli.models.loader import load_sdxl
+
+    from helpers.kernels import SIDE
 
     root = tmp_path_factory.mktemp("compiled")
     cxx = root / "g++"
     cxx.write_text(STATIC_CXX)
     cxx.chmod(0o755)
-    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
     events, notes = [], []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CXX", str(cxx))  # the build children inherit it
-        builds = Builds(models.device, events.append, notes=notes)
-        k = CompiledKernels(models, builds, root=root)
-        k.want(targets([Shape(4, 128, 128, True)], True))
-        assert [t.label for t in k.waiting] == ["unet 128x128", "controlnet 128x128"]
-        k.start()
+        builds = Builds(torch.device("cpu"), events.append, notes=notes)
+        fp16 = CompiledKernels(load_sdxl("tiny", "tiny", "cpu", torch.float32), builds, notes, root=root)
+        fp8 = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32), builds, notes, root=root, variant="fp8")
+        wanted = [k.want(k.targets([Shape(4, SIDE, SIDE, control)])) for k, control in ((fp16, True), (fp8, False))]
+        assert [[t.label for t in w] for w in wanted] == [["unet 128x128", "controlnet 128x128"], ["unet 128x128 fp8"]]
+        for k in (fp16, fp8):
+            k.start(background=False)
         builds.wait()
-    assert notes == []
-    assert {e.module for e in events if e.state == "done"} == {"unet 128x128", "controlnet 128x128"}
+    assert not [n for n in notes if "fail" in n or "not used" in n], notes
+    assert {e.module for e in events if e.state == "done"} == {"unet 128x128", "controlnet 128x128", "unet 128x128 fp8"}
     return root

@@ -3,13 +3,11 @@ one per module and size, the cache key, the lock that keeps two processes from b
 loading with the rendering modules' own weights (fused attention views, channels_last conv copies),
 in-place weight writes reaching them, the zero residuals, fallbacks.
 
-One tiny UNet and one tiny ControlNet artifact (128x128) are built per session (about a minute on two
-cores); the GPU side (compiled kernels inside CUDA graphs) is tests/test_gpu_compiled.py."""
+The tiny UNet and ControlNet artifacts (128x128) are conftest's `artifacts`, built once a session (about a minute
+on two cores; the tests that ask for them are `slow`); the GPU side (compiled kernels inside CUDA graphs) is tests/test_gpu_compiled.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -22,11 +20,11 @@ from storyboard_cli.engine.kernels.artifacts import (Target, artifact_key, artif
                                                      targets)
 from storyboard_cli.engine.kernels.builds import Builds
 from storyboard_cli.engine.kernels.calls import CompiledKernels
-from storyboard_cli.engine.kernels.export import example_inputs, text_dims
+from storyboard_cli.engine.kernels.export import example_inputs
 from storyboard_cli.models.loader import load_sdxl
 
-pytestmark = pytest.mark.slow
-SIDE = 128  # pixels: latent 16 x 16
+from helpers.kernels import SIDE, loads_in_a_new_process, run_calls, step_inputs
+from helpers.reference import rel_error
 
 
 def kernels(models, root, builds=None) -> CompiledKernels:
@@ -40,43 +38,16 @@ def models_cn():
     return load_sdxl("tiny", "tiny", "cpu", torch.float32)
 
 
-def _inputs(models, rows, control, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = w = SIDE // 8
-    unet = models.unet
-    text_dim, pooled_dim = text_dims(unet)
-    latents = torch.randn(rows, 4, h, w, generator=g)
-    t = torch.full((rows,), 500.0)  # as the step passes it
-    embeds, pooled = torch.randn(rows, 77, text_dim, generator=g), torch.randn(rows, pooled_dim, generator=g)
-    time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], dtype=torch.float32).expand(rows, 6).clone()
-    image = scale = None
-    if control:
-        image = torch.rand(rows, 3, SIDE, SIDE, generator=g)
-        scale = torch.full((rows, 1, 1, 1), 0.7)
-    return latents, t, embeds, pooled, time_ids, image, scale
-
-
-def _run(calls: StepCalls, latents, t, embeds, pooled, time_ids, image, scale):
-    mid = down = None
-    if image is not None:
-        mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids, image, scale)
-    return calls.unet(latents, t, embeds, pooled, time_ids, mid, down)
-
-
-def _rel(a, b):
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
-
-
 @pytest.mark.parametrize("rows,control", [(2, False), (8, False), (4, True), (16, True)])
 def test_compiled_calls_match_the_modules_at_any_row_count(artifacts, models_cn, rows, control):
     k = kernels(models_cn, artifacts)
     assert k.waiting == [] and k.ready(rows // 2, SIDE, SIDE, control) is None
     k.reserve(rows // 2, SIDE * SIDE)
-    inputs = _inputs(models_cn, rows, control)
+    inputs = step_inputs(models_cn, rows, control)
     with torch.no_grad():
-        got, expect = _run(k, *inputs), _run(StepCalls.eager(models_cn), *inputs)
+        got, expect = run_calls(k, *inputs), run_calls(StepCalls.eager(models_cn), *inputs)
     assert got.shape == expect.shape
-    assert _rel(got, expect) < 1e-4
+    assert rel_error(got, expect) < 1e-4
 
 
 def test_the_rendering_modules_keep_their_own_attention_and_layout(artifacts):
@@ -85,11 +56,11 @@ def test_the_rendering_modules_keep_their_own_attention_and_layout(artifacts):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     attn = models.unet.down_blocks[1].attentions[0].transformer_blocks[0].attn1
     processor = type(attn.processor)
-    inputs = _inputs(models, 2, False)
+    inputs = step_inputs(models, 2, False)
     with torch.no_grad():
-        before = _run(StepCalls.eager(models), *inputs)
+        before = run_calls(StepCalls.eager(models), *inputs)
         kernels(models, artifacts)
-        after = _run(StepCalls.eager(models), *inputs)
+        after = run_calls(StepCalls.eager(models), *inputs)
     assert torch.equal(before, after)
     assert type(attn.processor) is processor
     assert attn.to_q.weight.data_ptr() == attn.to_qkv.weight.data_ptr()
@@ -111,7 +82,7 @@ def test_a_lora_swap_reaches_the_compiled_kernels(artifacts):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     k = kernels(models, artifacts)
     k.reserve(1, SIDE * SIDE)
-    inputs = _inputs(models, 2, False, seed=3)
+    inputs = step_inputs(models, 2, False, seed=3)
     attn = "down_blocks.1.attentions.0.transformer_blocks.0.attn1"
     conv = models.unet.down_blocks[0].resnets[0].conv1
     g = torch.Generator().manual_seed(5)
@@ -126,15 +97,15 @@ def test_a_lora_swap_reaches_the_compiled_kernels(artifacts):
     ptrs = (fused.data_ptr(), copy.data_ptr(), conv.weight.data_ptr())
     applier = LoraApplier(models)
     with torch.no_grad():
-        before = _run(k, *inputs)
+        before = run_calls(k, *inputs)
         applier.apply({"x": (lora, 0.5)})
-        after, expect = _run(k, *inputs), _run(StepCalls.eager(models), *inputs)
+        after, expect = run_calls(k, *inputs), run_calls(StepCalls.eager(models), *inputs)
         assert torch.equal(copy, conv.weight) and copy.is_contiguous(memory_format=torch.channels_last)
         applier.restore()
-        restored = _run(k, *inputs)
+        restored = run_calls(k, *inputs)
     assert (fused.data_ptr(), copy.data_ptr(), conv.weight.data_ptr()) == ptrs
-    assert _rel(after, before) > 1e-3
-    assert _rel(after, expect) < 1e-4
+    assert rel_error(after, before) > 1e-3
+    assert rel_error(after, expect) < 1e-4
     assert torch.equal(restored, before)
 
 
@@ -193,7 +164,7 @@ def test_a_copied_cache_keeps_its_load_markers(tmp_path, artifacts, monkeypatch)
     its digests: no child-process load check per artifact (tens of seconds each on a GPU)."""
     import shutil
 
-    for f in sorted(artifacts.glob("unet-*"), key=lambda f: f.suffix != ".ok"):  # markers first, as `cp *` does
+    for f in sorted(artifacts.glob("unet-128x128-*"), key=lambda f: f.suffix != ".ok"):  # markers first, as `cp *` does
         shutil.copy(f, tmp_path / f.name)
     monkeypatch.setattr("storyboard_cli.engine.kernels.artifacts.subprocess.run",
                         lambda *a, **k: pytest.fail("a load check ran"))
@@ -239,6 +210,7 @@ def test_a_build_that_fails_is_remembered_and_named(tmp_path):
     assert builds.active == [] and "the compiler said no" in notes[0] and "--warm" in notes[0]
 
 
+@pytest.mark.slow
 def test_a_killed_build_child_fails_with_its_signal(tmp_path, monkeypatch):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     target = Target("unet", SIDE, SIDE)
@@ -253,21 +225,6 @@ def test_a_killed_build_child_fails_with_its_signal(tmp_path, monkeypatch):
     while builds.active and time.time() < deadline:
         builds.poll()
     assert "killed by signal 9" in notes[0] and path.with_suffix(".failed").is_file() and not path.exists()
-
-
-def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None, side: int = SIDE,
-                           model: str = "tiny") -> str:
-    """What a second process gets from the cache folder `root`: 'loaded', or the notes."""
-    code = ("import sys, torch; from pathlib import Path;"
-            "from storyboard_cli.engine.kernels.calls import CompiledKernels;"
-            "from storyboard_cli.engine.base import Shape; from storyboard_cli.models.loader import load_sdxl;"
-            f"m = load_sdxl({model!r}, {controlnet!r}, {device!r}, torch.{dtype});"
-            "k = CompiledKernels(m, None, root=Path(sys.argv[1]));"
-            f"k.want(k.targets([Shape(1, {side}, {side}, m.controlnet is not None)]));"
-            f"why = k.ready(1, {side}, {side}, m.controlnet is not None);"
-            "print('loaded' if why is None else [why, k.notes])")
-    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300)
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
 
 
 def test_a_size_switches_to_its_compiled_kernels_when_its_build_lands(artifacts, tmp_path):

@@ -28,7 +28,6 @@ from storyboard_cli.models.loader import load_sdxl
 from helpers.kernels import SIDE, run_calls, step_inputs
 from helpers.reference import rel_error
 
-pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = Shape(4, SIDE, SIDE, False)
 FP8_TWINS = 1.5e-2  # compiled FP8 against the same FP8 arithmetic in eager PyTorch (below)

@@ -3,80 +3,51 @@
 import pytest
 import torch
 
-from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.sampling import draw_noise, schedule
-from storyboard_cli.run.capture import synthetic_inputs
+from helpers.gpu import assert_rel_close, loop_inputs
 
 pytestmark = pytest.mark.gpu
 SIZES = [(256, 256), (320, 192)]
 
 
-@pytest.fixture(scope="module", params=["fp32", "fp16"])
-def setup(request):
-    from storyboard_cli.engine.graph.runner import GraphRunner
-    from storyboard_cli.models.loader import load_sdxl
-
-    dtype = {"fp32": torch.float32, "fp16": torch.float16}[request.param]
-    models = load_sdxl("tiny", "tiny", "cuda", dtype)
-    runner = GraphRunner(models, max_batch=8, max_hw=(320, 320))
-    return models, runner, EagerEngine(models), (1e-4 if dtype == torch.float32 else 2e-2)
-
-
-def _inputs(models, batch, w, h, control, sampler="euler_a", steps=6, seed=0):
-    sched = schedule(sampler, steps, models.scheduler_config)
-    x, cond, ctl, guidance = synthetic_inputs(models, batch, w, h, control)
-    x0, noise = draw_noise([seed + i for i in range(batch)], steps, (4, h // 8, w // 8), sched)
-    guidance = torch.linspace(3.0, 8.0, batch, device=models.device)  # per-row guidance
-    if ctl is not None:
-        ctl.scale = torch.linspace(0.3, 1.2, batch, device=models.device, dtype=models.dtype).repeat(2).view(-1, 1, 1, 1)
-    noise = None if noise is None else noise.to(models.device)
-    return x0.to(models.device), sched, noise, cond, ctl, guidance
-
-
-def _close(a, b, rtol):
-    err = (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
-    assert err < rtol, f"relative error {err:.2e}"
-
-
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])
 @pytest.mark.parametrize("control", [False, True])
 @pytest.mark.parametrize("sampler", ["euler_a", "dpmpp_2m"])
-def test_replay_matches_eager(setup, batch, control, sampler):
-    models, runner, eager, rtol = setup
+def test_replay_matches_eager(tiny_cuda, batch, control, sampler):
+    models, runner, eager, rtol = tiny_cuda
     for w, h in SIZES:
-        args = _inputs(models, batch, w, h, control, sampler)
+        args = loop_inputs(models, batch, w, h, control, sampler)
         got = runner.sample(*args)
         want = eager.sample(*args)
         assert runner.stats[runner.shape_key(batch, h, w, control)].state == "graph"
-        _close(got, want, rtol)
+        assert_rel_close(got, want, rtol)
 
 
-def test_no_stale_buffers_between_batches(setup):
-    models, runner, eager, rtol = setup
-    a = _inputs(models, 4, 256, 256, True, seed=1)
-    b = _inputs(models, 4, 256, 256, True, seed=2)
+def test_no_stale_buffers_between_batches(tiny_cuda):
+    models, runner, eager, rtol = tiny_cuda
+    a = loop_inputs(models, 4, 256, 256, True, seed=1)
+    b = loop_inputs(models, 4, 256, 256, True, seed=2)
     first = runner.sample(*a)
     other = runner.sample(*b)  # overwrites every static buffer
     again = runner.sample(*a)
-    _close(again, first, rtol / 10 if rtol > 1e-3 else 1e-6)
-    _close(other, eager.sample(*b), rtol)
+    assert_rel_close(again, first, rtol / 10 if rtol > 1e-3 else 1e-6)
+    assert_rel_close(other, eager.sample(*b), rtol)
     assert not torch.allclose(first, other)
 
 
-def test_pool_sharing_after_capture_in_another_shape(setup):
-    models, runner, eager, rtol = setup
-    a = _inputs(models, 2, 320, 192, False, seed=3)
+def test_pool_sharing_after_capture_in_another_shape(tiny_cuda):
+    models, runner, eager, rtol = tiny_cuda
+    a = loop_inputs(models, 2, 320, 192, False, seed=3)
     runner.sample(*a)
-    runner.sample(*_inputs(models, 8, 256, 256, True, seed=4))  # may capture a new, larger graph in the pool
-    runner.sample(*_inputs(models, 1, 192, 320, False, seed=5))  # a new capture after both
-    _close(runner.sample(*a), eager.sample(*a), rtol)
+    runner.sample(*loop_inputs(models, 8, 256, 256, True, seed=4))  # may capture a new, larger graph in the pool
+    runner.sample(*loop_inputs(models, 1, 192, 320, False, seed=5))  # a new capture after both
+    assert_rel_close(runner.sample(*a), eager.sample(*a), rtol)
 
 
-def test_padding_rows_do_not_change_real_rows(setup):
+def test_padding_rows_do_not_change_real_rows(tiny_cuda):
     from storyboard_cli.engine.conditioning import Cond, Control
 
-    models, runner, eager, rtol = setup
-    x, sched, noise, cond, ctl, guidance = _inputs(models, 1, 256, 256, True, seed=6)
+    models, runner, eager, rtol = tiny_cuda
+    x, sched, noise, cond, ctl, guidance = loop_inputs(models, 1, 256, 256, True, seed=6)
     alone = runner.sample(x, sched, noise, cond, ctl, guidance)
     # a bucket of 4 whose rows 1-3 are padding copies of row 0 (CFG rows: 4 negatives, then 4 positives)
     rows4 = lambda t: t.repeat_interleave(4, dim=0)  # noqa: E731
@@ -85,33 +56,33 @@ def test_padding_rows_do_not_change_real_rows(setup):
                            Control(rows4(ctl.image), rows4(ctl.scale)), guidance.repeat(4))
     # batch-size-dependent kernel choices (cuDNN convolutions use TF32 by default) move fp32 by ~1e-3
     tol = max(rtol, 3e-3)
-    _close(padded[:1], alone, tol)
-    _close(padded[3:], alone, tol)
+    assert_rel_close(padded[:1], alone, tol)
+    assert_rel_close(padded[3:], alone, tol)
 
 
-def test_injected_capture_failure_falls_back_to_eager(setup, monkeypatch):
+def test_injected_capture_failure_falls_back_to_eager(tiny_cuda, monkeypatch):
     from storyboard_cli.engine.graph.runner import GraphRunner
 
-    models, _, eager, rtol = setup
+    models, _, eager, rtol = tiny_cuda
     runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
 
     def failing(key):
         raise RuntimeError("injected for the test")
 
     runner.capturer = failing
-    args = _inputs(models, 2, 256, 256, False)
-    _close(runner.sample(*args), eager.sample(*args), 1e-6)
+    args = loop_inputs(models, 2, 256, 256, False)
+    assert_rel_close(runner.sample(*args), eager.sample(*args), 1e-6)
     st = runner.stats[runner.shape_key(2, 256, 256, False)]
     assert st.state == "eager" and "injected" in st.reason
 
 
-def test_a_capture_that_fails_inside_cuda_leaves_the_pool_usable(setup, monkeypatch):
+def test_a_capture_that_fails_inside_cuda_leaves_the_pool_usable(tiny_cuda, monkeypatch):
     """A capture that fails inside the capture (here a host sync, which CUDA refuses while capturing) falls back to
     eager for its shape, and the next capture into the same pool still works (torch leaves the allocator recording
     into the pool after such a failure; the runner ends that)."""
     from storyboard_cli.engine.graph.runner import GraphRunner
 
-    models, _, eager, rtol = setup
+    models, _, eager, rtol = tiny_cuda
     runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
     def syncing(v):
         runner.step(v)
@@ -119,23 +90,23 @@ def test_a_capture_that_fails_inside_cuda_leaves_the_pool_usable(setup, monkeypa
             v.x.sum().item()
 
     runner.stepper = syncing
-    one = _inputs(models, 1, 256, 256, False)
-    _close(runner.sample(*one), eager.sample(*one), rtol)
+    one = loop_inputs(models, 1, 256, 256, False)
+    assert_rel_close(runner.sample(*one), eager.sample(*one), rtol)
     assert runner.stats[runner.shape_key(1, 256, 256, False)].state == "eager"
     # torch leaves the default CUDA generator in capture mode after such a failure; the runner ends that too
     torch.empty(4, device=models.device).uniform_()
-    two = _inputs(models, 2, 256, 256, False)
-    _close(runner.sample(*two), eager.sample(*two), rtol)
+    two = loop_inputs(models, 2, 256, 256, False)
+    assert_rel_close(runner.sample(*two), eager.sample(*two), rtol)
     assert runner.stats[runner.shape_key(2, 256, 256, False)].state == "graph"
 
 
-def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(setup):
+def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(tiny_cuda):
     """LoRA swaps weights with param.data.copy_ after the graphs exist: a replay must use the new values."""
     from storyboard_cli.engine.graph.runner import GraphRunner
 
-    models, _, eager, rtol = setup
+    models, _, eager, rtol = tiny_cuda
     runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
-    args = _inputs(models, 2, 256, 256, True, sampler="euler", seed=7)
+    args = loop_inputs(models, 2, 256, 256, True, sampler="euler", seed=7)
     before = runner.sample(*args)
     key = runner.shape_key(2, 256, 256, True)
     assert runner.stats[key].state == "graph" and runner.stats[key].checked
@@ -150,27 +121,27 @@ def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(setup):
         assert (weight.data_ptr(), control_weight.data_ptr()) == pointers
         after = runner.sample(*args)  # a replay of the graph captured before the update: no new capture
         assert runner.stats[key].replays == 2 * args[1].steps
-        _close(after, eager.sample(*args), rtol)
+        assert_rel_close(after, eager.sample(*args), rtol)
         assert not torch.allclose(after, before)
     finally:
         with torch.no_grad():
             weight.copy_(saved)
             control_weight.copy_(saved_control)
-    _close(runner.sample(*args), before, rtol / 10 if rtol > 1e-3 else 1e-6)
+    assert_rel_close(runner.sample(*args), before, rtol / 10 if rtol > 1e-3 else 1e-6)
 
 
-def test_growing_the_buffers_recaptures_and_still_matches_eager(setup):
+def test_growing_the_buffers_recaptures_and_still_matches_eager(tiny_cuda):
     from storyboard_cli.engine.graph.runner import GraphRunner
 
-    models, _, eager, rtol = setup
+    models, _, eager, rtol = tiny_cuda
     runner = GraphRunner(models, max_batch=1, max_hw=(192, 192))
-    small = _inputs(models, 1, 192, 192, False, seed=8)
-    _close(runner.sample(*small), eager.sample(*small), rtol)
-    large = _inputs(models, 4, 256, 256, True, seed=9)
-    _close(runner.sample(*large), eager.sample(*large), rtol)  # grown, not run eager
+    small = loop_inputs(models, 1, 192, 192, False, seed=8)
+    assert_rel_close(runner.sample(*small), eager.sample(*small), rtol)
+    large = loop_inputs(models, 4, 256, 256, True, seed=9)
+    assert_rel_close(runner.sample(*large), eager.sample(*large), rtol)  # grown, not run eager
     assert runner.stats[runner.shape_key(4, 256, 256, True)].state == "graph"
     assert runner.stats[runner.shape_key(1, 192, 192, False)].state == "released"
-    _close(runner.sample(*small), eager.sample(*small), rtol)  # captured again into the new buffers
+    assert_rel_close(runner.sample(*small), eager.sample(*small), rtol)  # captured again into the new buffers
     st = runner.stats[runner.shape_key(1, 192, 192, False)]
     assert st.state == "graph" and st.checked
 

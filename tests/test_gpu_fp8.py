@@ -8,7 +8,8 @@ import torch
 
 from storyboard_cli.engine.eager import StepCalls
 from storyboard_cli.engine.variants import VARIANTS
-from test_gpu_compiled import compiled_setup, lora_swap_reaches_the_graph, replay_is_checked, unit_eps
+
+from helpers.gpu import compiled_setup, lora_swap_reaches_the_graph, replay_is_checked, unit_eps
 
 pytestmark = pytest.mark.gpu
 # over 4 steps at guidance 1 the FP8 loop against the fp16 eager loop (the quantisation's 3.4e-2 per prediction,

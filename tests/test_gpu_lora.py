@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from storyboard_cli.bench.synthetic_lora import random_factors, save_kohya
-from test_gpu import _close, _inputs
+
+from helpers.gpu import assert_rel_close, loop_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +27,7 @@ def test_a_graph_captured_before_a_swap_replays_with_the_new_weights(tmp_path, d
     pointers = [p.data_ptr() for p in models.unet.parameters()]
 
     runner, eager = GraphRunner(models, max_batch=2, max_hw=(256, 256)), EagerEngine(models)
-    args = _inputs(models, 2, 256, 256, True, sampler="euler", seed=5)
+    args = loop_inputs(models, 2, 256, 256, True, sampler="euler", seed=5)
     before = runner.sample(*args)  # captures and checks
     key = runner.shape_key(2, 256, 256, True)
     captured = runner.stats[key].capture_s
@@ -34,9 +35,9 @@ def test_a_graph_captured_before_a_swap_replays_with_the_new_weights(tmp_path, d
     try:
         after = runner.sample(*args)
         assert runner.stats[key].capture_s == captured and len(runner.graphs) == 1  # no new capture
-        _close(after, eager.sample(*args), rtol)
+        assert_rel_close(after, eager.sample(*args), rtol)
         assert not torch.allclose(after, before)
     finally:
         applier.apply({})
     assert [p.data_ptr() for p in models.unet.parameters()] == pointers
-    _close(runner.sample(*args), before, rtol / 10 if rtol > 1e-3 else 1e-6)
+    assert_rel_close(runner.sample(*args), before, rtol / 10 if rtol > 1e-3 else 1e-6)

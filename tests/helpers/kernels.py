@@ -1,0 +1,53 @@
+"""What the CPU compiled-kernel tests share (tests/test_compiled.py, test_fp8.py; test_gpu_compiled.py loads through a
+new process too): the artifacts' image size, one step's module inputs and calls, a load in a second process."""
+
+import subprocess
+import sys
+
+import torch
+
+from storyboard_cli.engine.eager import StepCalls
+from storyboard_cli.engine.kernels.export import text_dims
+
+SIDE = 128  # pixels: latent 16 x 16
+
+
+def step_inputs(models, rows, control, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = w = SIDE // 8
+    unet = models.unet
+    text_dim, pooled_dim = text_dims(unet)
+    latents = torch.randn(rows, 4, h, w, generator=g)
+    t = torch.full((rows,), 500.0)  # as the step passes it
+    embeds, pooled = torch.randn(rows, 77, text_dim, generator=g), torch.randn(rows, pooled_dim, generator=g)
+    time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], dtype=torch.float32).expand(rows, 6).clone()
+    image = scale = None
+    if control:
+        image = torch.rand(rows, 3, SIDE, SIDE, generator=g)
+        scale = torch.full((rows, 1, 1, 1), 0.7)
+    return latents, t, embeds, pooled, time_ids, image, scale
+
+
+
+def run_calls(calls: StepCalls, latents, t, embeds, pooled, time_ids, image, scale):
+    mid = down = None
+    if image is not None:
+        mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids, image, scale)
+    return calls.unet(latents, t, embeds, pooled, time_ids, mid, down)
+
+
+
+def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None, side: int = SIDE,
+                           model: str = "tiny") -> str:
+    """What a second process gets from the cache folder `root`: 'loaded', or the notes."""
+    code = ("import sys, torch; from pathlib import Path;"
+            "from storyboard_cli.engine.kernels.calls import CompiledKernels;"
+            "from storyboard_cli.engine.base import Shape; from storyboard_cli.models.loader import load_sdxl;"
+            f"m = load_sdxl({model!r}, {controlnet!r}, {device!r}, torch.{dtype});"
+            "k = CompiledKernels(m, None, root=Path(sys.argv[1]));"
+            f"k.want(k.targets([Shape(1, {side}, {side}, m.controlnet is not None)]));"
+            f"why = k.ready(1, {side}, {side}, m.controlnet is not None);"
+            "print('loaded' if why is None else [why, k.notes])")
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300)
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+
