@@ -141,6 +141,26 @@ def test_the_scripts_import_what_the_package_has(script, module, name, attrs):
         assert not [a for a in attrs if not hasattr(obj, a)], f"{script}: {module}.{name} lacks {attrs}"
 
 
+def _test_imports() -> list[tuple[str, str, str]]:
+    """(script, module, name) for each name a script takes from the tests' modules (run with PYTHONPATH=tests)."""
+    out = []
+    for path in sorted(BENCH.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and \
+                    (ROOT / "tests" / (node.module.replace(".", "/") + ".py")).is_file():
+                out += [(path.relative_to(ROOT).as_posix(), node.module, a.name) for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("script, module, name", _test_imports())
+def test_the_scripts_import_what_the_tests_have(script, module, name):
+    tree = ast.parse((ROOT / "tests" / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8"))
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    defined |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert name in defined, f"{script}: tests/{module} has no {name}"
+
+
 def test_neither_the_package_nor_the_tests_import_the_benchmarks():
     importing = []
     for path in [*(ROOT / "storyboard_cli").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:

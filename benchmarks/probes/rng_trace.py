@@ -16,7 +16,7 @@ from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.variants import VARIANTS
 from storyboard_cli.models.loader import load_sdxl
-from test_gpu import _inputs
+from helpers.gpu import loop_inputs
 
 SIDE = 1024
 
@@ -50,7 +50,7 @@ def main() -> None:
     traced(EagerEngine, "sample")
     VARIANTS.update({n: replace(VARIANTS[n], check_rtol=-1.0) for n in ("plain", "compiled")})
     fresh = GraphRunner(models, max_batch=1, max_hw=(SIDE, SIDE), compiled=runner.compiled)
-    x, sched, noise, cond, ctl, guidance = _inputs(models, 1, SIDE, SIDE, False, "euler", steps=3)
+    x, sched, noise, cond, ctl, guidance = loop_inputs(models, 1, SIDE, SIDE, False, "euler", steps=3)
     fresh.sample(x, sched, noise, cond, ctl, torch.ones_like(guidance))
     print("after the sample:", usable(), [(s.key.label, s.state, s.reason) for s in fresh.stats.values()])
     g = torch.cuda.CUDAGraph()
