@@ -324,7 +324,7 @@ def _graph_render(job, out, models, capturer=None):
     """A render on the graph runner with CPU replays (tests/test_draft_engine.py) instead of CUDA graphs."""
     from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.run.render import RenderOptions, render
-    from test_draft_engine import cpu_replays
+    from helpers.graphs import cpu_replays
 
     runner = GraphRunner(models, max_batch=1, max_hw=(64, 64))
     cpu_replays(runner)

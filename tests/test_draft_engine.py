@@ -15,6 +15,7 @@ from storyboard_cli.engine.sampling import draw_noise, schedule
 from storyboard_cli.run.capture import synthetic_inputs
 from storyboard_cli.steps import FULL, StepKind, step_plan
 
+from helpers.graphs import cpu_replays
 from helpers.reference import RTOL, diffusers_pipeline, rel_error
 
 W, H, STEPS, GUIDANCE = 128, 96, 10, 6.5
@@ -197,23 +198,6 @@ def test_a_branch_the_unet_lacks_is_refused(tiny_cpu):
 
 
 # ---------------------------------------------------------------- the graph runner's step kinds
-
-
-def cpu_replays(runner: GraphRunner) -> list:
-    """The graph runner with each 'graph' replaying its captured step function on the static buffers: the
-    buffers, the step counter, the plan's graph choice and the first-replay checks, without a GPU."""
-    captured = []
-
-    class Replay:
-        def __init__(self, key: ShapeKey):
-            self.key = key
-            captured.append(key)
-
-        def replay(self):
-            runner.stepper(runner.buf.view(self.key))
-
-    runner.capturer = Replay
-    return captured
 
 
 LEVERS = {"full": (10, 0, 0), "cutoff": (5, 0, 0), "cond-only": (0, 0, 0), "deepcache": (10, 3, 0),

@@ -17,21 +17,11 @@ from storyboard_cli.job.file import load_job
 from storyboard_cli.job.yaml_loader import MAX_ALIAS_VALUES, short_repr
 from storyboard_cli.job.preflight import check_model_path
 
+from helpers.yaml_bombs import alias_bomb
+
 runner = CliRunner()
 BUDGET = f"YAML aliases expand to more than {MAX_ALIAS_VALUES} values"
 SHORT = 300  # characters: a message quoting a huge value stays about this long at most
-
-
-def _levels(name: str, levels: int = 9) -> list[str]:
-    """Nine nested levels of `&a [*a x9]`: 387 million strings once expanded, a few hundred bytes written."""
-    out = [f"&{name}0 [{', '.join(['lol'] * 9)}]"]
-    out += [f"&{name}{i} [{', '.join([f'*{name}{i - 1}'] * 9)}]" for i in range(1, levels)]
-    return out
-
-
-def _bomb() -> str:
-    return "version: 1\nmodel: tiny\nshots:\n  - id: s1\n    prompt:\n" + "".join(
-        f"      - {level}\n" for level in _levels("a"))
 
 
 def _load_error(tmp_path, text: str) -> str:
@@ -48,7 +38,7 @@ def _load_error(tmp_path, text: str) -> str:
 
 
 def test_an_alias_bomb_is_refused_before_it_expands(tmp_path):
-    path = write_job(tmp_path, _bomb())
+    path = write_job(tmp_path, alias_bomb())
     assert len(path.read_bytes()) < 1024
     start = time.perf_counter()
     with pytest.raises(JobError) as info:
@@ -90,7 +80,7 @@ print(json.dumps({"rc": p.returncode, "stderr": p.stderr, "wall_s": time.perf_co
 
 
 def test_bcg_plan_on_the_bomb_is_one_line_exit_2_quickly_and_small(tmp_path):
-    path = write_job(tmp_path, _bomb())
+    path = write_job(tmp_path, alias_bomb())
     # a fresh process runs the plan, so that no earlier child counts in its children's peak RSS
     run = subprocess.run([sys.executable, "-c", WRAPPER, str(path)], capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from test_job_limits import _bomb
+from helpers.yaml_bombs import alias_bomb
 from test_serve_e2e import Server, free_port
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def big_body(port):
 
 def test_a_bomb_and_a_huge_body_leave_real_jobs_accepted_and_health_fast(tmp_path):
     server = Server(tmp_path / "root", free_port()).start(gpus="none", extra=("--max-queue-images", "1000000"))
-    bomb = _bomb().encode()
+    bomb = alias_bomb().encode()
     assert len(bomb) <= 1024
     end = time.monotonic() + LOAD_S
     jobs, bombs, bigs, health, errors = [], [], [], [], []
