@@ -86,6 +86,17 @@ def lora_models(tiny_cpu):
 
 
 @pytest.fixture
+def server(tmp_path):
+    """A `bcg serve` on a free port (tests/helpers/serve.py's Server, not started), killed after the test."""
+    from helpers.serve import Server, free_port
+
+    s = Server(tmp_path / "root", free_port())
+    yield s
+    if s.proc and s.proc.poll() is None:
+        s.kill_everything()
+
+
+@pytest.fixture
 def job_dir(tmp_path):
     """A scratch folder holding copies of the example job's control images."""
     shutil.copytree(ROOT / "jobs" / "control", tmp_path / "control")

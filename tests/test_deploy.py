@@ -23,8 +23,7 @@ from storyboard_cli.serve import metrics
 from storyboard_cli.serve.store import Store
 
 from conftest import ROOT
-from test_serve_e2e import Server, eventually, free_port, metric, stop
-from test_serve_prometheus import JOB  # 3 images of the tiny model
+from helpers.serve import JOB_3_IMAGES as JOB, Server, eventually, free_port, metric, stop
 
 DEPLOY = ROOT / "deploy"
 COMPOSE, RULES = DEPLOY / "docker-compose.yml", DEPLOY / "prometheus-rules.yml"

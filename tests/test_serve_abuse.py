@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from helpers.yaml_bombs import alias_bomb
-from test_serve_e2e import Server, free_port
+from helpers.serve import Server, free_port
 
 pytestmark = pytest.mark.slow
 JOB = """version: 1

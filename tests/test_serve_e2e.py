@@ -1,14 +1,10 @@
 """`bcg serve` as a real process on 127.0.0.1 with one CPU worker and the tiny model: a job through the
 service gives what `bcg render` gives (and /readyz turns ready once the worker has rendered); kill -9 of
-everything mid-job, a restart, and the job completes, pixel-equal, within seconds; SIGTERM drains and exits 0.
-
-The other serve test files start their servers and workers with the helpers here (Server, start_worker,
-stop, metric, register, worker_ids)."""
+everything mid-job, a restart, and the job completes, pixel-equal, within seconds; SIGTERM drains and exits 0."""
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +12,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
@@ -26,7 +21,8 @@ from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve import client
 
-from conftest import ROOT, write_job
+from conftest import write_job
+from helpers.serve import eventually, manifest_paths, metric, pixels
 
 pytestmark = pytest.mark.slow
 JOB = """version: 1
@@ -37,109 +33,6 @@ shots:
   - {id: a, prompt: a castle, seed: 1, candidates: 3}
   - {id: b, prompt: a tower, seed: 7, candidates: 2}
 """
-DEADLINE_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, root, port):
-        self.root, self.port, self.url = root, port, f"http://127.0.0.1:{port}"
-        self.proc = None
-
-    def start(self, lease_s=3, gpus="cpu", extra=()):
-        self.proc = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "serve", "--root", str(self.root),
-                                      "--port", str(self.port), "--gpus", gpus, "--lease-s", str(lease_s),
-                                      "--grace-s", "30", *extra], cwd=ROOT, start_new_session=True,
-                                     env=dict(os.environ))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        raise AssertionError("the server did not answer within 30 s")
-
-    def job(self, job_id):
-        return httpx.get(f"{self.url}/v1/jobs/{job_id}", timeout=10).json()
-
-    def wait(self, job_id, until):
-        return eventually(lambda: self.job(job_id), until)
-
-    def kill_everything(self):
-        stop(self.proc)
-
-
-def eventually(get, ok, timeout_s=DEADLINE_S, poll_s=0.2):
-    """Calls get() until ok(its value) (bounded in time); returns that value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = get()
-        if ok(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {value}")
-        time.sleep(poll_s)
-
-
-def start_worker(url, name, *extra):
-    """A `bcg worker` process rendering on the CPU, in its own process group."""
-    return subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", url, "--device", "cpu",
-                             "--name", name, *extra], cwd=ROOT, start_new_session=True)
-
-
-def stop(proc):
-    """kill -9 of the process's group (the server's: its workers too), if it still runs."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def metric(url, name, **labels):
-    """The sum of /metrics samples named `name` whose labels include `labels`."""
-    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
-    found = [s.value for f in families for s in f.samples
-             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
-    if not found:
-        raise KeyError(name)
-    return sum(found)
-
-
-def register(url, name):
-    """The worker id the server issues for `name` (what a test that leases by hand names in its calls)."""
-    r = httpx.post(url + "/v1/workers", json={"name": name}, timeout=10)
-    assert r.status_code == 201, r.text
-    return r.json()["worker"]
-
-
-def worker_ids(url, name):
-    """The ids of the registered workers called `name` that the server counts now (from /metrics)."""
-    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
-    return {s.labels["worker"] for f in families for s in f.samples
-            if s.name == "bcg_worker_ready" and s.labels["name"] == name}
-
-
-def manifest_paths(out):
-    return [json.loads(line)["path"] for line in (out / MANIFEST).read_text().splitlines()]
-
-
-@pytest.fixture
-def server(tmp_path):
-    s = Server(tmp_path / "root", free_port())
-    yield s
-    if s.proc and s.proc.poll() is None:
-        s.kill_everything()
-
-
-def pixels(path):
-    return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
-
-
 def test_a_job_through_serve_equals_bcg_render_and_sigterm_exits_0(server, tmp_path, tiny_cpu):
     path = write_job(tmp_path, JOB)
     server.start()

@@ -13,7 +13,8 @@ from storyboard_cli.cli import app
 from storyboard_cli.errors import Status, exit_code
 from storyboard_cli.serve import client
 
-from test_serve_e2e import Server, free_port, register
+from helpers.serve import Server, free_port, register
+
 
 JOB = """version: 1
 model: tiny

@@ -28,7 +28,7 @@ from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve.api import Settings, create_app
 
 from conftest import ROOT
-from test_serve_e2e import Server, free_port, start_worker, stop
+from helpers.serve import Server, free_port, start_worker, stop
 
 DEADLINE_S = 240
 

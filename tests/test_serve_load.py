@@ -23,8 +23,9 @@ from storyboard_cli.serve import client
 from storyboard_cli.serve.store import DB
 
 from conftest import write_job
-from test_serve_e2e import (Server, eventually, free_port, manifest_paths, metric, pixels, register, start_worker, stop,
-                            worker_ids)
+from helpers.serve import (Server, eventually, free_port, manifest_paths, metric, pixels, register, start_worker, stop,
+
+                          worker_ids)
 
 pytestmark = pytest.mark.slow  # real server and worker processes rendering on 2 cores
 JOB = """version: 1

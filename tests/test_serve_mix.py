@@ -15,7 +15,7 @@ from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
 
 from conftest import write_job
-from test_serve_e2e import Server, free_port, pixels, start_worker, stop
+from helpers.serve import Server, free_port, pixels, start_worker, stop
 
 HEAD = """version: 1
 model: tiny

@@ -20,8 +20,7 @@ from storyboard_cli.serve.server import ServeOptions, local_url, worker_command
 from storyboard_cli.serve.store import DB, Store
 
 from conftest import ROOT, write_job
-from test_serve_e2e import server  # noqa: F401 - the fixture: a Server on a free port, killed after the test
-from test_serve_e2e import eventually, free_port, metric, register, start_worker, stop
+from helpers.serve import eventually, free_port, metric, register, start_worker, stop
 
 pytestmark = pytest.mark.slow  # real server, worker and submit processes
 BANNER = "bcg serve:"

@@ -8,7 +8,8 @@ import subprocess
 import httpx
 import pytest
 
-from test_serve_e2e import Server, eventually, free_port, stop
+from helpers.serve import JOB_3_IMAGES as JOB, Server, eventually, free_port, stop
+
 
 pytestmark = pytest.mark.slow
 PROMETHEUS = shutil.which("prometheus")
@@ -16,12 +17,6 @@ CONFIG = """global: {{scrape_interval: 1s, evaluation_interval: 1s}}
 scrape_configs:
   - job_name: bcg
     static_configs: [{{targets: ["127.0.0.1:{port}"]}}]
-"""
-JOB = """version: 1
-model: tiny
-defaults: {steps: 2, size: 64x64}
-shots:
-  - {id: a, prompt: a castle, seed: 1, candidates: 3}
 """
 DEADLINE_S = 30
 

@@ -19,7 +19,7 @@ from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve import client
 
 from conftest import write_job
-from test_serve_e2e import Server, eventually, free_port, start_worker, stop, worker_ids
+from helpers.serve import Server, eventually, free_port, start_worker, stop, worker_ids
 
 JOB = """version: 1
 model: tiny

@@ -6,26 +6,17 @@ import json
 import sqlite3
 from collections import Counter
 from contextlib import closing
-from pathlib import Path
 
 import pytest
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
-from storyboard_cli.serve.intake import Planned, PlannedImage
 from storyboard_cli.serve.schedule import ImageState, JobState, Waiting
 from storyboard_cli.serve.store import (APPLICATION_ID, BATCH_SECONDS, BUCKETS_S, DB, IMAGE_RENDER, JOB_LATENCY,
                                         QUEUE_WAIT, IdempotencyConflict, JobFinal, QueueFull, QueueUnusable, Store,
                                         UnknownWorker, Work)
 
-KEY = "64x64 2 steps euler"
-
-
-def planned(job_id, n=2, priority="normal", key=KEY, fingerprint=None, batch=4, content="c", mix=None) -> Planned:
-    images = tuple(PlannedImage(i, "a", i, 10 + i, (f"a/a_c{i}_s{10 + i}.png",), key,
-                                (fingerprint or job_id) + str(i), mix or job_id) for i in range(n))
-    return Planned(job_id, job_id, Path("/j") / job_id / "job.yaml", Path("/j") / job_id / "out", priority, content,
-                   batch, images)
+from helpers.serve import KEY, planned
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from storyboard_cli.serve.api import Settings, create_app
 from storyboard_cli.serve.worker import WorkerOptions, place
 
 from conftest import write_job
-from test_serve_e2e import Server, free_port, pixels, start_worker, stop
+from helpers.serve import Server, free_port, pixels, start_worker, stop
 
 JOB = """version: 1
 model: tiny

@@ -16,8 +16,7 @@ from storyboard_cli.serve.api import PROBLEM, Settings, create_app
 from storyboard_cli.serve import store as queue
 
 from conftest import ROOT
-from test_serve_e2e import Server, free_port, start_worker, stop, worker_ids
-from test_serve_store import planned
+from helpers.serve import Server, free_port, planned, start_worker, stop, worker_ids
 
 JOB = """version: 1
 model: tiny

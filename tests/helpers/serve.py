@@ -1,0 +1,133 @@
+"""`bcg serve` and `bcg worker` as real processes on 127.0.0.1 for the serve tests (conftest's `server` fixture is one
+Server on a free port, killed after its test), what they read back (metrics, manifests, pixels), and a planned job for
+the store's own tests."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from storyboard_cli.folder.layout import MANIFEST
+from storyboard_cli.serve.intake import Planned, PlannedImage
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 90
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root, port):
+        self.root, self.port, self.url = root, port, f"http://127.0.0.1:{port}"
+        self.proc = None
+
+    def start(self, lease_s=3, gpus="cpu", extra=()):
+        self.proc = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "serve", "--root", str(self.root),
+                                      "--port", str(self.port), "--gpus", gpus, "--lease-s", str(lease_s),
+                                      "--grace-s", "30", *extra], cwd=ROOT, start_new_session=True,
+                                     env=dict(os.environ))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError("the server did not answer within 30 s")
+
+    def job(self, job_id):
+        return httpx.get(f"{self.url}/v1/jobs/{job_id}", timeout=10).json()
+
+    def wait(self, job_id, until):
+        return eventually(lambda: self.job(job_id), until)
+
+    def kill_everything(self):
+        stop(self.proc)
+
+
+def eventually(get, ok, timeout_s=DEADLINE_S, poll_s=0.2):
+    """Calls get() until ok(its value) (bounded in time); returns that value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = get()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {value}")
+        time.sleep(poll_s)
+
+
+def start_worker(url, name, *extra):
+    """A `bcg worker` process rendering on the CPU, in its own process group."""
+    return subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", url, "--device", "cpu",
+                             "--name", name, *extra], cwd=ROOT, start_new_session=True)
+
+
+def stop(proc):
+    """kill -9 of the process's group (the server's: its workers too), if it still runs."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def metric(url, name, **labels):
+    """The sum of /metrics samples named `name` whose labels include `labels`."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+    found = [s.value for f in families for s in f.samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    if not found:
+        raise KeyError(name)
+    return sum(found)
+
+
+def register(url, name):
+    """The worker id the server issues for `name` (what a test that leases by hand names in its calls)."""
+    r = httpx.post(url + "/v1/workers", json={"name": name}, timeout=10)
+    assert r.status_code == 201, r.text
+    return r.json()["worker"]
+
+
+def worker_ids(url, name):
+    """The ids of the registered workers called `name` that the server counts now (from /metrics)."""
+    families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+    return {s.labels["worker"] for f in families for s in f.samples
+            if s.name == "bcg_worker_ready" and s.labels["name"] == name}
+
+
+def manifest_paths(out):
+    return [json.loads(line)["path"] for line in (out / MANIFEST).read_text().splitlines()]
+
+
+def pixels(path):
+    return np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
+
+
+# three images of the tiny model: the job the metrics and deploy tests submit
+JOB_3_IMAGES = """version: 1
+model: tiny
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, seed: 1, candidates: 3}
+"""
+KEY = "64x64 2 steps euler"  # the bucket key of the store tests' planned images
+
+
+def planned(job_id, n=2, priority="normal", key=KEY, fingerprint=None, batch=4, content="c", mix=None) -> Planned:
+    images = tuple(PlannedImage(i, "a", i, 10 + i, (f"a/a_c{i}_s{10 + i}.png",), key,
+                                (fingerprint or job_id) + str(i), mix or job_id) for i in range(n))
+    return Planned(job_id, job_id, Path("/j") / job_id / "job.yaml", Path("/j") / job_id / "out", priority, content,
+                   batch, images)
+
