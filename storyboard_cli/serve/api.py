@@ -18,7 +18,6 @@ import sqlite3
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Callable
 
@@ -31,6 +30,7 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
 from storyboard_cli.serve import blob_routes, blobs, edge, folders, metrics, wire
 from storyboard_cli.serve.edge import PROBLEM, problem
+from storyboard_cli.serve.settings import Settings
 from storyboard_cli.serve.intake import SAFE_FILE, content_hash, plan_submission, stored_inputs
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, TIERS, JobState
 from storyboard_cli.serve.store import LATE, JobFinal, QueueFull, Store, TooManyWorkers, UnknownWorker, Work
@@ -58,21 +58,6 @@ JobFilename = Annotated[str, Header(alias="X-Job-Filename", pattern=f"^{SAFE_FIL
                                                 "is named after it")]
 LastEventId = Annotated[int, Header(alias="Last-Event-ID", ge=0, le=wire.MAX_INT,
                                     description="the last event id this client saw: the stream resumes after it")]
-
-
-@dataclass
-class Settings:
-    root: Path
-    max_queue_images: int = 1000
-    lease_s: float = 60.0
-    token: str | None = None  # required as `Authorization: Bearer <token>` when set
-    inputs: tuple[Path, ...] = ()  # folders besides root that jobs may read (control images, LoRAs, models)
-    sweep_s: float | None = None  # how often expired leases are ended without a worker's call (None: lease_s / 4)
-    worker_token: str | None = None  # guards the worker routes (registration, leases); None: the client token
-    max_job_kb: int = 1024  # a larger job body is a 413, refused before it is parsed
-    max_blob_mb: int = 2048  # a larger input file (PUT /v1/blobs/{sha256}) is a 413
-    max_workers: int = 64  # registered workers at once (each has its own metric series)
-    allow_models: tuple[str, ...] = ()  # hub ids (owner/name) jobs may name; none by default
 
 
 def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] = time.time) -> FastAPI:

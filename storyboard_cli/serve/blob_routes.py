@@ -13,8 +13,8 @@ from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.job.inputs import DIGEST
 from storyboard_cli.serve.blobs import CHUNK, MAX_QUERY, BlobStore, BlobTooLarge, BlobWriter, DigestMismatch
+from storyboard_cli.serve.edge import PROBLEM, problem
 
-PROBLEM = "application/problem+json"
 PROBLEM_DOC = {"content": {PROBLEM: {}}}
 Digest = Annotated[str, PathParam(pattern=f"^{DIGEST.pattern}$", min_length=64, max_length=64,
                                   description="sha256 of the file, 64 lowercase hex digits")]
@@ -36,8 +36,6 @@ class BlobStored(BaseModel):
 
 def router(store_of: Callable[[Request], BlobStore], limit_of: Callable[[Request], int]) -> APIRouter:
     """The blob routes; `store_of(request)` gives the BlobStore, `limit_of(request)` the byte limit of one blob."""
-    from storyboard_cli.serve.api import problem
-
     api = APIRouter(prefix="/v1/blobs", tags=["inputs"])
 
     @api.post("/missing", response_model=BlobsMissing, responses={422: PROBLEM_DOC, 401: PROBLEM_DOC})

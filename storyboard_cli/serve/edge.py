@@ -8,7 +8,8 @@
   Content-Length over the cap is refused before a byte is read; a body without one is counted as it arrives
   and refused at the first chunk past the cap, the rest left unread.
 - JSON parsed without Python's surprises: an integer of more digits than any 64-bit one, NaN or Infinity,
-  or nesting past the parser's depth is a 422, never a 500.
+  a lone surrogate escape, or nesting past the parser's depth is a 422, never a 500; a number without a
+  fraction (2.0) is an integer, as JSON Schema counts them.
 - Every error is RFC 9457 problem+json with a one-line detail that shows no Python repr and no server path.
 """
 
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 if TYPE_CHECKING:
-    from storyboard_cli.serve.api import Settings
+    from storyboard_cli.serve.settings import Settings
 
 PROBLEM = "application/problem+json"
 JSON_CAP = 4 << 20  # bytes: any body but a job's or a file's
@@ -138,15 +139,21 @@ def parse_json(raw: bytes) -> Any:
             raise json.JSONDecodeError(f"an integer of {len(text)} digits is beyond 64 bits", "", 0)
         return int(text)
 
+    def number(text: str) -> float | int:
+        value = float(text)  # 2.0 is the integer 2, as JSON Schema counts integers
+        return int(value) if value.is_integer() and abs(value) <= 2**63 else value
+
     def constant(name: str) -> None:
         raise json.JSONDecodeError(f"{name} is not JSON", "", 0)
 
     try:
-        return json.loads(raw, parse_int=integer, parse_constant=constant)
+        value = json.loads(raw, parse_int=integer, parse_float=number, parse_constant=constant)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate escape (\ud800) is no text
     except RecursionError:
         raise json.JSONDecodeError("nested too deeply", "", 0) from None
-    except UnicodeDecodeError:
-        raise json.JSONDecodeError("not UTF-8 text", "", 0) from None
+    except UnicodeError:
+        raise json.JSONDecodeError("not Unicode text (not UTF-8, or a lone surrogate escape)", "", 0) from None
+    return value
 
 
 class _JSONRequest(Request):
@@ -208,8 +215,8 @@ async def http_error(request: Request, e: HTTPException) -> JSONResponse:
     elif e.status_code == 405:
         headers["Allow"] = ", ".join(allowed_methods(request))
         detail = f"{request.method} is not a method of {request.url.path} (it has {headers['Allow']})"
-    elif e.status_code == 400:
-        detail = "the body could not be read"
+    elif e.status_code == 400 and e.__cause__ is not None:  # FastAPI's: a body its JSON parser choked on
+        return problem(422, "invalid request", "body: not valid JSON")
     return problem(e.status_code, HTTPStatus(e.status_code).phrase.lower(), detail, headers)
 
 
