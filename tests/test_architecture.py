@@ -109,7 +109,8 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
 # torch-free at run time, through everything they import: `bcg plan`, job validation, the folder's readers and
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
 TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
-              "serve/intake.py", "serve/store.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
+              "serve/intake.py", "serve/store.py", "serve/queue_file.py", "serve/queue_workers.py",
+              "serve/queue_stats.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
               "serve/server.py", "serve/folders.py", "serve/blobs.py", "serve/blob_routes.py", "serve/edge.py",
               "serve/wire.py", "serve/nvml.py", "serve/settings.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that

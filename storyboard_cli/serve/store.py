@@ -1,27 +1,18 @@
-"""The durable queue: one SQLite file under the server's root (WAL, synchronous=FULL: a job the API
-accepted survives kill -9 and a power cut). One process writes it (the server; workers reach it over
-HTTP), one connection behind one lock. Torch-free.
+"""The durable queue: jobs, their images and leases, in the queue file (queue_file.py: one SQLite file,
+written by one process, the server; workers reach it over HTTP). One `Store`, one connection behind one lock,
+its parts in their own modules: the registered workers (queue_workers.py) and the counters, histograms and
+/metrics reads (queue_stats.py). Torch-free.
 
 Leases: a worker leases one batch of one job for `ttl` seconds and renews it by heartbeat. A lease that
 expires goes back to the queue; an image whose lease was lost MAX_ATTEMPTS times fails. A completion for a
 lease that is gone (expired, its images leased again) is ignored and counted.
-
-Workers: the server issues each worker its id on registration, and forgets it once it has not been seen for
-its ttl (--lease-s) and holds no lease. Leases and heartbeats name that id, so the worker table (and the
-metric series per worker) holds at most --max-workers live rows, whatever names clients invent.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import re
-import sqlite3
-import threading
 import uuid
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,59 +20,20 @@ from typing import Callable
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
 from storyboard_cli.serve.intake import Planned
+from storyboard_cli.serve.queue_file import APPLICATION_ID, DB, QueueUnusable
+from storyboard_cli.serve.queue_stats import (BATCH_FILL, BATCH_SECONDS, BUCKETS_S, CACHED, EXPIRED, FAILED,
+                                              FILL_BUCKETS, FIRST_IMAGE, IMAGE_RENDER, JOB_LATENCY, LATE,
+                                              MODEL_LOADS, OOMS, QUEUE_WAIT, REJECTED_FULL, REJECTED_INVALID,
+                                              RENDERED, RETRIES, WORKER_STARTUP, QueueStats, bounds)
+from storyboard_cli.serve.queue_workers import Seen, TooManyWorkers, UnknownWorker, WorkerRegistry
 from storyboard_cli.serve.schedule import END, MAX_ATTEMPTS, TIERS, ImageState, JobState, Waiting
 
-DB = "queue.sqlite3"
-DRAIN_WINDOW_S = 300.0
-APPLICATION_ID = 0x62636771  # PRAGMA application_id of a bcg queue ("bcgq"): another program's SQLite file is refused
-SCHEMA_VERSION = 1  # PRAGMA user_version: a queue written by a newer bcg is refused, not rewritten
-KEEP = "the file is the only record of the jobs this server accepted: keep it, never delete or overwrite it"
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-  id TEXT PRIMARY KEY, idem_key TEXT UNIQUE, content_hash TEXT NOT NULL, name TEXT NOT NULL, path TEXT NOT NULL,
-  out_dir TEXT NOT NULL, priority TEXT NOT NULL, submitted REAL NOT NULL, batch INTEGER NOT NULL,
-  canceled INTEGER NOT NULL DEFAULT 0, finished REAL);
-CREATE TABLE IF NOT EXISTS images (
-  id INTEGER PRIMARY KEY, job TEXT NOT NULL REFERENCES jobs(id), ord INTEGER NOT NULL, shot TEXT NOT NULL,
-  k INTEGER NOT NULL, seed INTEGER NOT NULL, outputs TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
-  state TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, lease TEXT, reason TEXT, cached INTEGER NOT NULL DEFAULT 0,
-  done REAL, mix TEXT, cost REAL NOT NULL DEFAULT 1);
-CREATE INDEX IF NOT EXISTS images_state ON images(state);
-CREATE INDEX IF NOT EXISTS images_job ON images(job);
-CREATE INDEX IF NOT EXISTS images_fingerprint ON images(fingerprint, state);
-CREATE TABLE IF NOT EXISTS leases (id TEXT PRIMARY KEY, worker TEXT NOT NULL, job TEXT NOT NULL, expires REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, kind TEXT NOT NULL,
-  data TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS events_job ON events(job, seq);
-CREATE TABLE IF NOT EXISTS histograms (name TEXT NOT NULL, label TEXT NOT NULL, bucket INTEGER NOT NULL,
-  n INTEGER NOT NULL, PRIMARY KEY (name, label, bucket));
-CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NULL, total REAL NOT NULL,
-  PRIMARY KEY (name, label));
-CREATE TABLE IF NOT EXISTS workers (id TEXT PRIMARY KEY, name TEXT NOT NULL, seen REAL NOT NULL, ttl REAL NOT NULL,
-  gpu TEXT, ready INTEGER NOT NULL DEFAULT 0, first_ready REAL);
-"""
-# a queue made before application_id was set holds only these (sqlite_sequence: AUTOINCREMENT's)
-QUEUE_TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
-
-# counters kept in the database, so /metrics totals survive a restart
-RENDERED, CACHED, FAILED, EXPIRED, LATE, REJECTED_FULL, REJECTED_INVALID, RETRIES, OOMS, MODEL_LOADS = (
-    "images_rendered", "images_cached", "images_failed", "lease_expiries", "late_completions",
-    "rejected_queue_full", "rejected_invalid", "image_retries", "out_of_memory", "model_loads")
-# histograms kept in the database (observations per bucket, and their sum)
-QUEUE_WAIT, IMAGE_RENDER, JOB_LATENCY, BATCH_SECONDS = "queue_wait", "image_render", "job_latency", "batch"
-BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
-# the SLO histograms: submission to a job's first finished image (label: the job's priority), a batch's real
-# rows over its bucket's rows, a worker's seconds from its start to the first lease it takes ready
-FIRST_IMAGE, BATCH_FILL, WORKER_STARTUP = "first_image", "batch_fill", "worker_startup"
-FILL_BUCKETS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)  # eighths: a bucket of 8 one row at a time
-BUCKETS = {BATCH_FILL: FILL_BUCKETS}  # a histogram's own bounds; every other one is in seconds, BUCKETS_S
-
-
-def bounds(name: str) -> tuple[float, ...]:
-    """The histogram's bucket bounds (the +Inf bucket after the last)."""
-    return BUCKETS.get(name, BUCKETS_S)
+# what other modules import from here, wherever it is defined
+__all__ = ["APPLICATION_ID", "BATCH_FILL", "BATCH_SECONDS", "BUCKETS_S", "CACHED", "DB", "EXPIRED", "FAILED",
+           "FILL_BUCKETS", "FIRST_IMAGE", "IMAGE_RENDER", "JOB_LATENCY", "LATE", "MODEL_LOADS", "OOMS", "QUEUE_WAIT",
+           "REJECTED_FULL", "REJECTED_INVALID", "RENDERED", "RETRIES", "WORKER_STARTUP", "IdempotencyConflict",
+           "JobFinal", "QueueFull", "QueueUnusable", "Seen", "Store", "TooManyWorkers", "UnknownWorker", "Work",
+           "bounds"]
 
 
 @dataclass(frozen=True)
@@ -94,14 +46,6 @@ class Work:
     model_loads: int = 0
 
 
-@dataclass(frozen=True)
-class Seen:
-    """A registered worker seen lately: its issued id, its name, its GPU figures (None on a CPU), ready."""
-
-    id: str
-    name: str
-    gpu: dict | None
-    ready: bool
 
 
 class QueueFull(Exception):
@@ -111,22 +55,6 @@ class QueueFull(Exception):
         super().__init__(f"the queue holds {depth} images; retry in {retry_after} s")
         self.retry_after, self.depth = retry_after, depth
 
-
-class TooManyWorkers(Exception):
-    """Refused registration: --max-workers registrations are live. `retry_after` in seconds (until the
-    first of them can expire)."""
-
-    def __init__(self, retry_after: int, live: int):
-        super().__init__(f"{live} workers are registered, the most this server takes; retry in {retry_after} s")
-        self.retry_after = retry_after
-
-
-class UnknownWorker(Exception):
-    """A worker id this server did not issue, or whose registration expired: the worker registers again."""
-
-    def __init__(self, worker: str):
-        super().__init__(f"worker {worker[:80]!r} is not registered here (or no longer): register again "
-                         "(POST /v1/workers)")
 
 
 class IdempotencyConflict(BadInput):
@@ -142,126 +70,10 @@ class JobFinal(Exception):
         self.state = state
 
 
-class QueueUnusable(BadInput):
-    """The queue file cannot be this server's queue (damaged, another program's, read-only, of a newer bcg);
-    refused before anything was written to it."""
 
-
-def _open(root: Path) -> sqlite3.Connection:
-    """The queue's connection (WAL, synchronous=FULL, stamped as a bcg queue). What could be someone's data
-    is only read until it is known to be a bcg queue this server can write; else QueueUnusable, one line."""
-    path = root / DB
-    _check_writable(root, path)
-    try:
-        db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
-    except sqlite3.Error as e:
-        raise _unusable(path, e) from None
-    try:
-        db.row_factory = sqlite3.Row
-        _identify(db, path)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")
-        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")  # a write: a queue that cannot take one fails here
-    except sqlite3.Error as e:
-        db.close()
-        raise _unusable(path, e) from None
-    except BaseException:
-        db.close()
-        raise
-    return db
-
-
-def _check_writable(root: Path, path: Path) -> None:
-    """The root folder made, and it and the queue file writable. The mode is read too, not only access():
-    root may write a 0444 file, and a file or folder someone made read-only is not the server's to write."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise QueueUnusable(f"--root {root}: cannot make the folder ({e.strerror or e})") from None
-    keep = f"; {KEEP}" if path.exists() else ""
-    if not os.access(root, os.W_OK) or not root.stat().st_mode & 0o222:
-        raise QueueUnusable(f"--root {root} is read-only: the queue {path} and its journal are written there; "
-                            f"make the folder writable, or start on a copy in a writable folder{keep}")
-    if path.exists() and (not os.access(path, os.W_OK) or not path.stat().st_mode & 0o222):
-        raise QueueUnusable(f"{path} is read-only (mode {path.stat().st_mode & 0o777:o}): every job the server "
-                            f"accepts is written there; make it writable (chmod u+w){keep}")
-
-
-def _identify(db: sqlite3.Connection, path: Path) -> None:
-    """Reads (never writes) the file's header and tables: a bcg queue, an empty file, or a queue made before
-    the header was stamped pass; another program's database and a newer bcg's queue are refused."""
-    tables = sorted(r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
-    app_id = db.execute("PRAGMA application_id").fetchone()[0]
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    if app_id != APPLICATION_ID and (app_id or not set(tables) <= QUEUE_TABLES):
-        shown = ", ".join(t[:40] for t in tables[:3]) + (", ..." if len(tables) > 3 else "")
-        owner = f"application id {app_id:#x}, " if app_id else ""
-        raise QueueUnusable(f"{path} is not a bcg queue but another program's SQLite database ({owner}tables: "
-                            f"{shown or 'none'}); bcg left it untouched: give --root a folder of its own")
-    if version > SCHEMA_VERSION:
-        raise QueueUnusable(f"{path} is the queue of a newer bcg (schema {version}, this one reads up to "
-                            f"{SCHEMA_VERSION}): serve it with that bcg; {KEEP}")
-
-
-def _unusable(path: Path, e: sqlite3.Error) -> QueueUnusable:
-    """SQLite's refusal as the line a person can act on."""
-    code = getattr(e, "sqlite_errorcode", 0) & 0xFF  # the primary result code
-    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
-        return QueueUnusable(f"{path} is damaged or not a SQLite database ({e}); {KEEP} (`sqlite3 {path} "
-                             ".recover` may save its jobs) and start on another --root meanwhile")
-    if code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM):
-        return QueueUnusable(f"{path} cannot be written ({e}): make it and its folder writable; {KEEP}")
-    return QueueUnusable(f"{path}: the queue cannot be opened ({e}); {KEEP}")
-
-
-class Store:
-    def __init__(self, root: Path):
-        self.db = _open(root)  # raises QueueUnusable
-        self.lock = threading.Lock()
-        self.db.executescript(SCHEMA)
-        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(images)")}
-        if "mix" not in columns:  # a queue of v1
-            self.db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
-        if "cost" not in columns:  # before batches were ordered by their work
-            self.db.execute("ALTER TABLE images ADD COLUMN cost REAL NOT NULL DEFAULT 1")
-        worker_columns = {r["name"] for r in self.db.execute("PRAGMA table_info(workers)")}
-        if "ttl" in worker_columns and "first_ready" not in worker_columns:  # before the start-up histogram
-            self.db.execute("ALTER TABLE workers ADD COLUMN first_ready REAL")
-        if "ttl" not in worker_columns:  # before registration
-            self.db.execute("DROP TABLE workers")  # rows named by the workers themselves: they register again
-            self.db.executescript(SCHEMA)
-
-    def close(self) -> None:
-        self.db.close()
-
-    @contextmanager
-    def _tx(self):
-        with self.lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.db
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-            self.db.execute("COMMIT")
-
-    def _count(self, db, name: str, n: int = 1) -> None:
-        if n:
-            db.execute("INSERT INTO counters VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + ?",
-                       (name, n, n))
-
-    def count(self, name: str, n: int = 1) -> None:
-        with self._tx() as db:
-            self._count(db, name, n)
-
-    def _observe(self, db, name: str, label: str, value: float) -> None:
-        les = bounds(name)
-        bucket = next((i for i, le in enumerate(les) if value <= le), len(les))  # last: +Inf
-        db.execute("INSERT INTO histograms VALUES (?, ?, ?, 1) ON CONFLICT(name, label, bucket) DO UPDATE "
-                   "SET n = n + 1", (name, label, bucket))
-        db.execute("INSERT INTO histogram_sums VALUES (?, ?, ?) ON CONFLICT(name, label) DO UPDATE "
-                   "SET total = total + ?", (name, label, value, value))
+class Store(WorkerRegistry, QueueStats):
+    """The queue: jobs, their images, leases and progress events (its workers and figures: the classes it
+    inherits, sharing its connection and lock)."""
 
     def _event(self, db, job_id: str, kind: str, now: float, **data) -> None:
         """One step of the job's progress stream, written in the transaction that made it (so a reader
@@ -298,50 +110,6 @@ class Store:
             ended = self.db.execute("SELECT 1 FROM events WHERE job = ? AND kind = ? AND seq <= ?",
                                     (job_id, END, after)).fetchone() is not None
         return [tuple(r) for r in rows], ended
-
-    # workers: ids issued on registration, forgotten with their last lease
-
-    def register_worker(self, name: str, now: float, max_workers: int, ttl: float) -> str:
-        """A new worker id (`w-` and 12 hex digits) for the worker called `name`. Raises TooManyWorkers while
-        `max_workers` registrations are live (seen within their `ttl`, or holding a live lease): each has its own
-        metric series. `name` is checked at the edge (wire.Registration)."""
-        with self._tx() as db:
-            self._forget(db, now)
-            live = db.execute("SELECT COUNT(*), MIN(seen + ttl) FROM workers").fetchone()
-            if live[0] >= max_workers:
-                full = TooManyWorkers(max(math.ceil(live[1] - now), 1), live[0])
-            else:
-                full, worker = None, f"w-{uuid.uuid4().hex[:12]}"
-                db.execute("INSERT INTO workers (id, name, seen, ttl) VALUES (?, ?, ?, ?)", (worker, name, now, ttl))
-        if full is not None:  # raised after the commit: the expired registrations stay forgotten
-            raise full
-        return worker
-
-    def seen(self, worker: str, gpu: dict | None, now: float, ready: bool = False) -> None:
-        """A worker asked for work or renewed a lease; `gpu`: its device's memory and utilisation (None on
-        a CPU); `ready`: its model is loaded and its graphs captured. Raises UnknownWorker."""
-        with self._tx() as db:
-            self._seen(db, worker, gpu, now, ready)
-
-    def _seen(self, db, worker: str, gpu: dict | None, now: float, ready: bool = False) -> None:
-        self._forget(db, now)
-        if db.execute("SELECT 1 FROM workers WHERE id = ?", (worker,)).fetchone() is None:  # never issued, or expired
-            raise UnknownWorker(worker)
-        db.execute("UPDATE workers SET seen = ?, gpu = ?, ready = ? WHERE id = ?",
-                   (now, json.dumps(gpu), ready, worker))
-
-    def _forget(self, db, now: float) -> None:
-        """Registrations not seen within their ttl and holding no live lease: their ids and series are gone."""
-        db.execute("DELETE FROM workers WHERE seen + ttl < ? AND id NOT IN "
-                   "(SELECT worker FROM leases WHERE expires >= ?)", (now, now))
-
-    def readiness(self, now: float, window_s: float) -> tuple[int, int]:
-        """(registered workers seen within the window, those of them ready): a worker that stops asking for
-        work and heartbeating drops out of both."""
-        with self.lock:
-            row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(ready), 0) FROM workers WHERE seen >= ?",
-                                  (now - window_s,)).fetchone()
-        return row[0], row[1]
 
     # submission
 
@@ -408,14 +176,6 @@ class Store:
 
     def _depth(self, db) -> int:
         return db.execute("SELECT COUNT(*) FROM images WHERE state IN (?, ?)", ImageState.OPEN).fetchone()[0]
-
-    def _drain_rate(self, db, now: float) -> float | None:
-        """Images finished per second over the last few minutes, or since the first job was submitted if
-        that is later (None before any has)."""
-        since = now - DRAIN_WINDOW_S
-        n = db.execute("SELECT COUNT(*) FROM images WHERE done >= ?", (since,)).fetchone()[0]
-        first = db.execute("SELECT MIN(submitted) FROM jobs").fetchone()[0]
-        return n / max(now - max(since, first), 1.0) if n else None
 
     # leases
 
@@ -662,53 +422,3 @@ class Store:
                 "images": [{"id": r["id"], "shot": r["shot"], "candidate": r["k"], "seed": r["seed"],
                             "state": r["state"], "attempts": r["attempts"], "cached": bool(r["cached"]),
                             "reason": r["reason"], "outputs": json.loads(r["outputs"])} for r in images]}
-
-    def stats(self, now: float, worker_window_s: float) -> dict:
-        """What /metrics shows: queue depth per priority (images, jobs), jobs per state, the counters, the
-        histograms ({(name, label): (per-bucket counts, sum)}), the registered workers seen within the window
-        (Seen) and the images finished per second."""
-        with self.lock:
-            db = self.db
-            depth = {p: [0, 0] for p in TIERS}
-            for prio, images, jobs in db.execute(
-                    "SELECT j.priority, COUNT(*), COUNT(DISTINCT j.id) FROM images i JOIN jobs j ON j.id = i.job "
-                    "WHERE i.state IN (?, ?) GROUP BY j.priority", ImageState.OPEN):
-                depth[prio] = [images, jobs]
-            per_job: dict[str, Counter] = {}
-            canceled = {r[0]: bool(r[1]) for r in db.execute("SELECT id, canceled FROM jobs")}
-            for job, state, n in db.execute("SELECT job, state, COUNT(*) FROM images GROUP BY job, state"):
-                per_job.setdefault(job, Counter())[state] = n
-            counters = {r[0]: r[1] for r in db.execute("SELECT name, value FROM counters")}
-            leases = db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
-            histograms: dict[tuple[str, str], tuple[list[int], float]] = {}
-            for name, label, total in db.execute("SELECT name, label, total FROM histogram_sums"):
-                histograms[name, label] = ([0] * (len(bounds(name)) + 1), total)
-            for name, label, bucket, n in db.execute("SELECT name, label, bucket, n FROM histograms"):
-                histograms[name, label][0][bucket] = n
-            seen = db.execute("SELECT id, name, gpu, ready FROM workers WHERE seen >= ? ORDER BY id",
-                              (now - worker_window_s,)).fetchall()
-            rate = self._drain_rate(db, now)
-        jobs = Counter(schedule.job_state(c, canceled[j]) for j, c in per_job.items())
-        return {"depth": depth, "jobs": {s: jobs[s] for s in JobState.ALL}, "counters": counters, "leases": leases,
-                "histograms": histograms,
-                "workers": [Seen(r["id"], r["name"], json.loads(r["gpu"] or "null"), bool(r["ready"])) for r in seen],
-                "images_per_s": rate or 0.0}
-
-    def slo_stats(self, now: float) -> dict:
-        """What /metrics shows beside `stats` for the service objectives: per priority, the seconds the
-        oldest image still waiting for a lease has waited since its job's submission (0 when none waits)."""
-        with self.lock:
-            rows = self.db.execute("SELECT j.priority, MIN(j.submitted) FROM images i JOIN jobs j ON j.id = i.job "
-                                   "WHERE i.state = ? GROUP BY j.priority", (ImageState.QUEUED,)).fetchall()
-        oldest = {p: 0.0 for p in TIERS}
-        oldest.update({prio: max(now - submitted, 0.0) for prio, submitted in rows})
-        return {"oldest_queued_s": oldest}
-
-    def _first_image(self, db, job_id: str, landed: int, now: float) -> tuple[str, float] | None:
-        """(the job's priority, seconds since its submission) when the `landed` images a completion has just
-        recorded as done, in this transaction, are the job's first: what FIRST_IMAGE observes. None otherwise."""
-        if not landed:
-            return None
-        row = db.execute("SELECT priority, submitted, (SELECT COUNT(*) FROM images WHERE job = ? AND state = ?) "
-                         "AS done FROM jobs WHERE id = ?", (job_id, ImageState.DONE, job_id)).fetchone()
-        return (row["priority"], now - row["submitted"]) if row and row["done"] == landed else None
