@@ -37,6 +37,19 @@ Text = Annotated[str, Field(max_length=4000)]
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
 
 
+class Closed:
+    """`Closed[dict[K, V]]`: a mapping whose every key must match K's pattern, in the JSON schema too
+    (`additionalProperties: false` beside the `patternProperties` pydantic writes, which alone let any key in)."""
+
+    def __class_getitem__(cls, mapping):
+        return Annotated[mapping, cls()]
+
+    def __get_pydantic_json_schema__(self, core_schema, handler):
+        schema = handler(core_schema)
+        schema["additionalProperties"] = False
+        return schema
+
+
 class Body(BaseModel):
     """A request body: strict types, no field it does not name."""
 
@@ -94,7 +107,7 @@ class Completion(Body):
 
     done: list[ImageId] = Field([], max_length=MAX_LEASE_IMAGES)
     cached: list[ImageId] = Field([], max_length=MAX_LEASE_IMAGES, description="of `done`: copied, not rendered")
-    failed: dict[ImageKey, Text] = Field({}, max_length=MAX_LEASE_IMAGES, description="image id -> reason")
+    failed: Closed[dict[ImageKey, Text]] = Field({}, max_length=MAX_LEASE_IMAGES, description="image id -> reason")
     batches: list[Batch] = Field([], max_length=MAX_BATCHES)
     out_of_memory: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     model_loads: Annotated[int, Field(ge=0, le=1_000_000)] = 0
@@ -257,10 +270,11 @@ class JobDoc(Doc):
     controlnet: NonEmpty | None = None
     output_dir: NonEmpty | None = None
     buckets: list[Annotated[int, Field(ge=1, le=job_file.MAX_BUCKET)]] | None = Field(None, min_length=1)
-    loras: dict[SafeName, NonEmpty] | None = Field(None, description="name -> LoRA file (.safetensors)")
+    loras: Closed[dict[SafeName, NonEmpty]] | None = Field(None, description="name -> LoRA file (.safetensors)")
     defaults: ShotFields | None = None
     shots: list[ShotDoc] = Field(min_length=1)
-    inputs: dict[NonEmpty, Annotated[str, Field(pattern=f"^{DIGEST.pattern}$")]] | None = Field(
+    inputs: Closed[dict[Annotated[str, Field(pattern=r"^[\s\S]*\S[\s\S]*$")],
+                        Annotated[str, Field(pattern=f"^{DIGEST.pattern}$")]]] | None = Field(
         None, description="each file the job names -> its sha256, uploaded with PUT /v1/blobs/{sha256}")
 
 

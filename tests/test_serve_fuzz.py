@@ -1,0 +1,75 @@
+"""Schemathesis, the OpenAPI fuzzer, against a real `bcg serve --gpus none` process on 127.0.0.1: every check
+(`--checks all`), a fixed seed and a one-minute budget. It must find nothing (no answer of 500 or more, no status,
+content type or body the schema does not describe, no schema-invalid request accepted), and /healthz must still
+answer within a second afterwards.
+
+The server runs with limits the fuzzer cannot reach, so that every 503 it could see is one the schema documents and
+test_serve_api.py exercises (a full queue, --max-workers registrations, /readyz before a worker is ready), not one
+that the run's own submissions and registrations cause; and with a token, so the `ignored_auth` check sees each
+route refuse a request without it. One worker is registered and ready before the run: /readyz answers 200.
+
+Every check runs. `positive_data_acceptance` (a schema-valid request must not be refused) is told two answers of
+this API that a JSON schema cannot rule out:
+- 410, on the lease routes: a lease id is issued by the server and expires, so a well-formed one may be gone;
+  410 Gone is the protocol's answer for it (the worker then drops the batch), as 404 is for an unknown job.
+- 422, on POST /v1/jobs and PUT /v1/blobs/{sha256}: a job is refused as `bcg plan` refuses it when it names a file
+  or model the server does not have, a LoRA the job does not list, two shots with one id; a blob when its bytes
+  do not hash to its name. Which files exist and which bytes hash to what is no schema's to say.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from helpers.serve import Server, free_port
+
+
+pytestmark = pytest.mark.slow
+TOKEN = "fuzz-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+BUDGET_S = 60
+SEED = 20261201
+DEFAULT_ACCEPTED = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx"]  # schemathesis's own list
+CONFIG = f"""
+[checks.positive_data_acceptance]
+expected-statuses = {json.dumps(DEFAULT_ACCEPTED + ["410"])}
+
+[[operations]]
+include-name = ["POST /v1/jobs", "PUT /v1/blobs/{{sha256}}"]
+checks.positive_data_acceptance.expected-statuses = {json.dumps(DEFAULT_ACCEPTED + ["422"])}
+"""
+
+
+def test_schemathesis_finds_nothing_and_the_server_stays_healthy(tmp_path):
+    server = Server(tmp_path / "root", free_port()).start(
+        lease_s=3600, gpus="none", extra=("--token", TOKEN, "--max-queue-images", "100000000",
+                                          "--max-workers", "100000000"))
+    try:
+        worker = httpx.post(server.url + "/v1/workers", json={"name": "ready"}, headers=AUTH, timeout=10).json()
+        httpx.post(server.url + "/v1/leases", json={"worker": worker["worker"], "ready": True}, headers=AUTH,
+                   timeout=10)
+        assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
+        (tmp_path / "schemathesis.toml").write_text(CONFIG)
+        run = subprocess.run(
+            [sys.executable, "-m", "schemathesis.cli", "--config-file", str(tmp_path / "schemathesis.toml"), "run",
+             f"{server.url}/openapi.json", "--checks", "all", "--seed", str(SEED), "--max-time", str(BUDGET_S),
+             "--workers", "1", "--request-timeout", "10", "--max-response-time", "5", "--generation-database",
+             "none", "-H", f"Authorization: Bearer {TOKEN}", "--no-color"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=BUDGET_S + 120)
+        out = run.stdout + run.stderr
+        cases = re.search(r"(\d+) generated", out)
+        print(out.split("SUMMARY")[-1])
+        found = "\n".join(line[:300] for line in out.split("FAILURES")[-1].split("WARNINGS")[0].splitlines()
+                          if line.strip() and "st replay" not in line)
+        assert run.returncode == 0 and "failure" not in out.split("SUMMARY")[-1], found[-8000:]
+        assert cases and int(cases[1]) > 500, out[-3000:]
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/healthz", timeout=1).status_code == 200
+        assert time.monotonic() - t0 < 1
+    finally:
+        server.kill_everything()
