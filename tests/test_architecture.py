@@ -112,7 +112,8 @@ TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "job/*", "folder/*", "run/
               "serve/intake.py", "serve/store.py", "serve/queue_file.py", "serve/queue_workers.py",
               "serve/queue_stats.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
               "serve/server.py", "serve/folders.py", "serve/blobs.py", "serve/blob_routes.py", "serve/edge.py",
-              "serve/wire.py", "serve/nvml.py", "serve/settings.py"]
+              "serve/wire.py", "serve/nvml.py", "serve/settings.py", "serve/inputs_cache.py",
+              "serve/worker_options.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
 # builds one; capture and bench's parts, which time them
 ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench/contenders.py", "bench/steps.py",
@@ -167,6 +168,16 @@ def test_torch_free_modules_import_no_torch_at_run_time():
     code = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# the serve modules that render, and so import torch: the worker loop and the lease render it calls
+SERVE_RENDER = {"serve/worker.py", "serve/lease_session.py"}
+
+
+def test_every_serve_module_but_the_workers_render_is_torch_free():
+    """The API process never loads a model: a new serve module is torch-free (in TORCH_FREE) unless it renders."""
+    serve = {_rel(p) for p in SOURCES if _rel(p).startswith("serve/") and p.name != "__init__.py"}
+    assert serve - set(_expand(TORCH_FREE)) == SERVE_RENDER
 
 
 def test_only_the_drivers_import_the_engine():

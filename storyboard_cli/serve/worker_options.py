@@ -1,0 +1,24 @@
+"""`WorkerOptions`: what `bcg worker` was started with, as its loop, its places and its lease renders read
+them. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    server: str
+    name: str = ""
+    device: str | None = None
+    dtype: str | None = None
+    engine: str = "auto"
+    compile: str = "auto"
+    fp8: bool = False  # the UNet's FP8 kernels (bcg render --fp8)
+    token: str | None = None
+    poll_s: float = 0.5
+    max_leases: int | None = None  # stop after this many (tests); None: until stopped
+    upload: bool = False  # send the PNGs back even when the server's job folders are visible here
+    root: Path = Path("bcg-worker")  # copies of job folders, when the server's are not visible here
+    warm: Path | None = None  # a job whose model and shapes are made ready before the first lease
