@@ -3,6 +3,7 @@ start-up errors (a damaged, foreign or read-only queue, a port in use, a public 
 one line and exit 2 before any banner; an IPv6 host is bracketed in the banner and in its local workers' URL;
 `bcg submit --wait` names each failed image and exits 3."""
 
+import hashlib
 import os
 import signal
 import socket
@@ -195,9 +196,16 @@ def test_submit_wait_names_each_failed_image_and_exits_3(server, tmp_path):
         assert len(images) == 3
         tower = next(i["id"] for i in server.job(lease["job"])["images"] if i["shot"] == "b")
         done = [i for i in images if i != tower]
+        out_dir = server.root / "jobs" / lease["job"] / "out"
+        lines = []
+        for i in done:  # what a worker writes: each PNG, and its manifest line with the completion
+            path = images[i]["outputs"][0]
+            (out_dir / path).parent.mkdir(parents=True, exist_ok=True)
+            (out_dir / path).write_bytes(b"png " + path.encode())
+            lines.append({"path": path, "sha256": hashlib.sha256(b"png " + path.encode()).hexdigest()})
         r = httpx.post(f"{server.url}/v1/leases/{lease['lease']}/complete",
-                       json={"done": done, "cached": [], "failed": {str(tower): "out of memory\nat 64x64"}},
-                       timeout=10)
+                       json={"done": done, "cached": [], "failed": {str(tower): "out of memory\nat 64x64"},
+                             "manifest": {lease["job"]: lines}}, timeout=10)
         assert r.status_code == 200, r.text
         out, err = submit.communicate(timeout=60)
     finally:

@@ -27,6 +27,7 @@ shots:
   - {id: a, prompt: a castle, seed: 1, candidates: 2}
   - {id: b, prompt: a tower, seed: 7, candidates: 1}
 """
+OCTETS = {"Content-Type": "application/octet-stream"}
 YAML = {"Content-Type": "application/yaml"}
 
 
@@ -54,20 +55,20 @@ def test_uploads_are_confined_to_the_lease_and_dropped_once_it_is_lost(tmp_path)
         assert lease["jobs"][job["id"]]["job_text"] == JOB and lease["jobs"][job["id"]]["job_file"] == "job.yaml"
         mine = lease["images"][0]["outputs"][0]
         url = f"/v1/leases/{lease['lease']}/files/{job['id']}/"
-        assert c.put(url + mine, content=b"png").status_code == 200
+        assert c.put(url + mine, content=b"png", headers=OCTETS).status_code == 200
         out = tmp_path / "root" / "jobs" / job["id"] / "out"
         assert (out / mine).read_bytes() == b"png"
         for foreign in ("b/b_c0_s7.png", "../job.yaml", MANIFEST, "a/../../job.yaml"):
-            r = c.put(url + foreign, content=b"x")
+            r = c.put(url + foreign, content=b"x", headers=OCTETS)
             assert r.status_code in (404, 422), foreign
         assert (tmp_path / "root" / "jobs" / job["id"] / "job.yaml").read_text() == JOB
-        assert c.put(f"/v1/leases/{lease['lease']}/files/other/{mine}", content=b"x").status_code == 422
+        assert c.put(f"/v1/leases/{lease['lease']}/files/other/{mine}", content=b"x", headers=OCTETS).status_code == 422
         line = {"path": mine, "shot": "a"}
         for manifest in ({job["id"]: [{"path": "b/x.png"}]}, {"other": [line]}):
             bad = c.post(f"/v1/leases/{lease['lease']}/complete", json={"done": [], "manifest": manifest})
             assert bad.status_code == 422
         t[0] = 100.0  # the lease expires
-        assert c.put(url + mine, content=b"late").status_code == 410
+        assert c.put(url + mine, content=b"late", headers=OCTETS).status_code == 410
         late = c.post(f"/v1/leases/{lease['lease']}/complete",
                       json={"done": [lease["images"][0]["id"]], "manifest": {job["id"]: [line]}})
         assert late.status_code == 410 and not (out / MANIFEST).exists()
