@@ -7,6 +7,9 @@ The server runs with limits the fuzzer cannot reach, so that every 503 it could 
 test_serve_api.py exercises (a full queue, --max-workers registrations, /readyz before a worker is ready), not one
 that the run's own submissions and registrations cause; and with a token, so the `ignored_auth` check sees each
 route refuse a request without it. One worker is registered and ready before the run: /readyz answers 200.
+Half the job and lease ids the fuzzer sends are real ones (a canceled job, a live lease), so it reaches past the
+404s: the job's view and its event stream, a PATCH or cancel of a final job (409), a heartbeat or completion of a
+lease that exists.
 
 Every check runs. `positive_data_acceptance` (a schema-valid request must not be refused) is told two answers of
 this API that a JSON schema cannot rule out:
@@ -35,13 +38,22 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BUDGET_S = 60
 SEED = 20261201
 DEFAULT_ACCEPTED = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx"]  # schemathesis's own list
-CONFIG = f"""
+JOB = "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: a castle, steps: 2, size: 64x64}\n"
+CONFIG = """
 [checks.positive_data_acceptance]
-expected-statuses = {json.dumps(DEFAULT_ACCEPTED + ["410"])}
+expected-statuses = {accepted}
 
 [[operations]]
 include-name = ["POST /v1/jobs", "PUT /v1/blobs/{{sha256}}"]
-checks.positive_data_acceptance.expected-statuses = {json.dumps(DEFAULT_ACCEPTED + ["422"])}
+checks.positive_data_acceptance.expected-statuses = {accepted_422}
+
+[dictionaries.jobs]
+values = ["{job}"]
+[dictionaries.leases]
+values = ["{lease}"]
+[parameters]
+"path.job_id" = {{ dictionary = "jobs", probability = 0.5 }}
+"path.lease_id" = {{ dictionary = "leases", probability = 0.5 }}
 """
 
 
@@ -50,11 +62,21 @@ def test_schemathesis_finds_nothing_and_the_server_stays_healthy(tmp_path):
         lease_s=3600, gpus="none", extra=("--token", TOKEN, "--max-queue-images", "100000000",
                                           "--max-workers", "100000000"))
     try:
-        worker = httpx.post(server.url + "/v1/workers", json={"name": "ready"}, headers=AUTH, timeout=10).json()
-        httpx.post(server.url + "/v1/leases", json={"worker": worker["worker"], "ready": True}, headers=AUTH,
-                   timeout=10)
+        def call(method, path, **kwargs):
+            r = httpx.request(method, server.url + path, headers={**AUTH, **kwargs.pop("headers", {})}, timeout=10,
+                              **kwargs)
+            assert r.status_code in (200, 201, 202), r.text
+            return r.json()
+
+        worker = call("POST", "/v1/workers", json={"name": "ready"})["worker"]
+        canceled = call("POST", "/v1/jobs", content=JOB, headers={"Content-Type": "application/yaml"})["id"]
+        call("POST", f"/v1/jobs/{canceled}/cancel")
+        call("POST", "/v1/jobs", content=JOB, headers={"Content-Type": "application/yaml"})
+        lease = call("POST", "/v1/leases", json={"worker": worker, "ready": True})["lease"]
         assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
-        (tmp_path / "schemathesis.toml").write_text(CONFIG)
+        config = CONFIG.format(accepted=json.dumps(DEFAULT_ACCEPTED + ["410"]),
+                               accepted_422=json.dumps(DEFAULT_ACCEPTED + ["422"]), job=canceled, lease=lease)
+        (tmp_path / "schemathesis.toml").write_text(config)
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "--config-file", str(tmp_path / "schemathesis.toml"), "run",
              f"{server.url}/openapi.json", "--checks", "all", "--seed", str(SEED), "--max-time", str(BUDGET_S),

@@ -196,7 +196,9 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             return final(e)
         return as_view(job_id, request) if found else not_found(job_id)
 
-    @app.get("/v1/jobs/{job_id}/events", response_class=EventStream, responses=_problems({404: "no such job"}))
+    @app.get("/v1/jobs/{job_id}/events", response_class=EventStream, responses={
+        200: {"description": "the job's events, each as it happens; the stream ends after `end`",
+              "content": {EVENT_STREAM: {"schema": EVENT}}}, **_problems({404: "no such job"})})
     def events(job_id: Id, last_event_id: LastEventId = 0):
         """Server-sent events: each change of the job, `id:` its sequence number; a client that reconnects
         with `Last-Event-ID` gets the events after it. The stream ends after the `end` event."""
@@ -414,6 +416,11 @@ JOB_BODY = {"requestBody": {"required": True, "description": "the job file, at m
 FILES = {t: {"schema": {"type": "string", "format": "binary"}} for t in (*FILE_TYPES.values(), OCTETS)}
 FILE_BODY = {"requestBody": {"required": True, "description": "the file's bytes, at most --max-blob-mb",
                              "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
+EVENT = {"type": "object", "required": ["event", "data"], "properties": {  # one server-sent event
+    "event": {"type": "string", "description": "queued, running, images, lease_lost, priority; `end` last"},
+    "id": {"type": "string", "pattern": "^[0-9]+$", "description": "its sequence number (Last-Event-ID)"},
+    "retry": {"type": "integer"},
+    "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {"$ref": REF + "JobEvent"}}}}
 ANSWERS = {401: "the route's token is missing or wrong (WWW-Authenticate: Bearer)",
            413: "the body is larger than its cap (--max-job-kb, --max-blob-mb, 4 MB for JSON)",
            422: "a malformed body, header, path or query parameter: `detail` names it"}
@@ -440,7 +447,7 @@ def _openapi(app: FastAPI, settings: Settings) -> dict:
     models = components.setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         models.pop(name, None)
-    models.update(wire.component_schemas((wire.JobDoc, wire.Problem)))
+    models.update(wire.component_schemas((wire.JobDoc, wire.JobEvent, wire.Problem)))
     schemes = {name: {"type": "http", "scheme": "bearer", "description": f"the {name} token"}
                for name, token in edge.tokens(settings).items() if token}
     if schemes:

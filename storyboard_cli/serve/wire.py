@@ -191,6 +191,17 @@ class JobView(BaseModel):
     sheet_url: str
 
 
+class JobEvent(BaseModel):
+    """The `data` of one of a job's server-sent events: the job's state after the change, and the change's own
+    fields (a lease's worker and images, a new priority, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    job: str
+    state: Literal[JobState.ALL]
+    at: float
+    images_by_state: dict[str, int]
+
+
 class Problem(BaseModel):
     """RFC 9457 problem details: `detail` is one line a person can act on."""
 
