@@ -412,22 +412,43 @@ def test_a_body_without_content_length_is_cut_at_the_first_chunk_past_its_cap(tm
     """What uvicorn hands the app for a chunked upload: the body in pieces and no Content-Length. The app
     reads one piece past the cap, answers 413 and reads no further."""
     app = create_app(Settings(tmp_path / "root", max_job_kb=64))
-    chunk, reads, sent = b"#" * 16384 + b"\n", [0], []
+    chunk, reads = b"#" * 16384 + b"\n", [0]
 
     async def receive():
         reads[0] += 1
         await asyncio.sleep(0)
         return {"type": "http.request", "body": chunk, "more_body": reads[0] < 1000}  # 16 MB, unless cut
 
+    sent = asgi_post(app, "/v1/jobs", [(b"content-type", b"application/yaml")], receive)
+    assert sent[0]["status"] == 413 and reads[0] == 64 * 1024 // len(chunk) + 1
+    assert json.loads(sent[1]["body"])["detail"] == "the body is larger than 64 KB (--max-job-kb)"
+
+
+@pytest.mark.parametrize("length,status", [(b"\xb2", 422), (b"9" * 5000, 413), (b"-1", 422), (b"2", 422)])
+def test_a_content_length_that_is_no_number_or_past_any_cap_is_a_4xx(tmp_path, length, status):
+    """Headers as uvicorn hands them over (TestClient would set its own Content-Length)."""
+    app = create_app(Settings(tmp_path / "root"))
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    sent = asgi_post(app, "/v1/workers", [(b"content-type", b"application/json"), (b"content-length", length)],
+                     receive)
+    assert sent[0]["status"] == status and json.loads(sent[1]["body"])["status"] == status
+
+
+def asgi_post(app, path, headers, receive):
+    """A POST straight into the ASGI app (bounded in time); the messages it sent back."""
+    sent = []
+
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/jobs", "raw_path": b"/v1/jobs", "query_string": b"",
-             "headers": [(b"content-type", b"application/yaml")], "http_version": "1.1", "scheme": "http",
-             "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 1), "root_path": "", "app": app}
+    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "headers": headers, "http_version": "1.1", "scheme": "http", "server": ("127.0.0.1", 80),
+             "client": ("127.0.0.1", 1), "root_path": "", "app": app}
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
-    assert sent[0]["status"] == 413 and reads[0] == 64 * 1024 // len(chunk) + 1
-    assert json.loads(sent[1]["body"])["detail"] == "the body is larger than 64 KB (--max-job-kb)"
+    return sent
 
 
 def test_unknown_routes_methods_and_files_are_problems_and_405_lists_every_method(client):

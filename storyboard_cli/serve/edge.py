@@ -108,7 +108,7 @@ class Edge:
                                  {"WWW-Authenticate": "Bearer"})(scope, receive, send)
         cap, option = body_cap(method, path, self.settings)
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > cap:
+        if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
             return await problem(413, "body too large", BodyTooLarge(cap, option).detail)(scope, receive, send)
         read = 0
 
