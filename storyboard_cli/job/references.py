@@ -17,7 +17,7 @@ from storyboard_cli.job.digests import remember_sha256
 from storyboard_cli.job.inputs import DIGEST_RULE, INPUTS_KEY, Inputs, is_digest
 from storyboard_cli.job.lora_files import SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_str, check_keys, line_of,
-                                       type_name)
+                                       type_name, unicode_text)
 from storyboard_cli.job.yaml_loader import MESSAGE_VALUE, Located, clip, short_repr
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,9 @@ def declared_inputs(ctx: Context, raw: Any, line: int | None) -> None:
         ctx.inputs = Inputs()
     for name, digest in raw.items():
         name_line = line_of(raw, name, line)
-        if not isinstance(name, str) or not name.strip():
+        if not isinstance(name, str) or not name.strip() or unicode_text(name) is None:
             raise ctx.fail(name_line, None, INPUTS_KEY, "each key must be a file name as the job writes it")
+        name = unicode_text(name)
         if not is_digest(digest):
             raise ctx.fail(name_line, None, f"{INPUTS_KEY}.{name[:80]}", f"must be {DIGEST_RULE}")
         ctx.inputs.digests.setdefault(name, digest)

@@ -112,9 +112,26 @@ def as_float(ctx: Context, value: Any, line: int | None, shot: str | None, field
     return value
 
 
+def unicode_text(value: str) -> str | None:
+    """`value` as Unicode text: a surrogate pair that a JSON escape left split (`"\\ud83d\\ude0d"`) joined; None when
+    a lone surrogate remains (no file, path or PNG chunk can hold it)."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        try:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16")
+        except UnicodeDecodeError:
+            return None
+
+
 def as_str(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, *, empty_ok: bool) -> str:
     if not isinstance(value, str):
         raise ctx.fail(line, shot, field, f"must be a string, got {type_name(value)} ({short_repr(value)})")
+    text = unicode_text(value)
+    if text is None:
+        raise ctx.fail(line, shot, field, "must be Unicode text (it holds a lone UTF-16 surrogate)")
+    value = text
     if not empty_ok and not value.strip():
         raise ctx.fail(line, shot, field, "must not be empty")
     if "\x00" in value:

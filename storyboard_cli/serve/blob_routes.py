@@ -7,7 +7,7 @@ from typing import Annotated, Callable
 
 from fastapi import APIRouter, Request
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
@@ -18,6 +18,10 @@ from storyboard_cli.serve.edge import PROBLEM, problem
 PROBLEM_DOC = {"content": {PROBLEM: {}}}
 Digest = Annotated[str, PathParam(pattern=f"^{DIGEST.pattern}$", min_length=64, max_length=64,
                                   description="sha256 of the file, 64 lowercase hex digits")]
+
+
+class Octets(Response):
+    media_type = "application/octet-stream"
 
 
 class BlobQuery(BaseModel):
@@ -77,8 +81,8 @@ def router(store_of: Callable[[Request], BlobStore], limit_of: Callable[[Request
             raise
         return JSONResponse({"sha256": sha256, "size": w.n, "created": True}, status_code=201)
 
-    @api.get("/{sha256}", responses={200: {"content": {"application/octet-stream": {}}}, 404: PROBLEM_DOC,
-                                     401: PROBLEM_DOC, 422: PROBLEM_DOC})
+    @api.get("/{sha256}", response_class=Octets, responses={200: {"description": "the file's bytes"},
+                                                             404: PROBLEM_DOC, 401: PROBLEM_DOC, 422: PROBLEM_DOC})
     def get(sha256: Digest, request: Request):
         """An input file by its sha256 (what a worker without the server's filesystem downloads)."""
         store = store_of(request)
