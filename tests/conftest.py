@@ -27,19 +27,30 @@ def pytest_cmdline_main(config):
         config.option.numprocesses, config.option.dist = None, "no"
 
 
+def _starts_servers(item) -> bool:
+    """Whether the test's module starts `bcg serve` or `bcg worker` processes (tests/helpers/serve.py), marked slow
+    or not: two such servers at once would compete for the cores their latency checks assume."""
+    module = getattr(item, "module", None)
+    helpers = [getattr(getattr(module, name, None), "__module__", None) for name in ("Server", "start_worker")]
+    return "server" in item.fixturenames or "helpers.serve" in helpers
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the kernel tests are `slow` by their fixture
 def pytest_collection_modifyitems(config, items):
-    """A test that asks for the kernel artifacts is `slow` (their build takes minutes on two cores). The xdist groups (`-n 2 --dist loadgroup`, pyproject's addopts): one worker runs every test that starts
-    processes (`slow`: servers, workers, renders, signals, each timed against its own limits), one after another as
-    in a run without xdist; the tests of the kernel artifacts go to one worker, which builds them once. The other
-    tests spread over both workers. Without CUDA, the GPU tests are skipped."""
+    """A test that asks for the kernel artifacts is `slow` (their build takes minutes on two cores). The xdist
+    groups (`-n 2 --dist loadgroup`, pyproject's addopts): one worker runs every test that starts processes (`slow`:
+    servers, workers, renders, signals, each timed against its own limits; and every test of a module that starts
+    servers), one after another as in a run without xdist; the tests of the kernel artifacts go to one worker, which
+    builds them once. The other tests spread over both workers. Without CUDA, the GPU tests are skipped."""
     import torch
 
     for item in items:
+        if item.get_closest_marker("xdist_group"):  # the module chose its own
+            continue
         if "artifacts" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("kernels"))
-        elif "slow" in item.keywords:
+        elif "slow" in item.keywords or _starts_servers(item):
             item.add_marker(pytest.mark.xdist_group("processes"))
     if torch.cuda.is_available():
         return

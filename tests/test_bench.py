@@ -8,6 +8,9 @@ from typer.testing import CliRunner
 from conftest import ROOT
 from storyboard_cli.cli import app
 
+# the quick benches run in this process and start no server: an xdist group of their own, not the process
+# tests' (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("bench")
 
 
 @pytest.mark.slow
