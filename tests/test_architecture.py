@@ -113,7 +113,7 @@ TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "job/*", "folder/*", "run/
               "serve/queue_stats.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
               "serve/server.py", "serve/folders.py", "serve/blobs.py", "serve/blob_routes.py", "serve/edge.py",
               "serve/wire.py", "serve/nvml.py", "serve/settings.py", "serve/inputs_cache.py",
-              "serve/worker_options.py"]
+              "serve/worker_options.py", "serve/openapi.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
 # builds one; capture and bench's parts, which time them
 ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench/contenders.py", "bench/steps.py",
@@ -252,26 +252,6 @@ def test_no_import_circle():
     circles = _circles()
     assert [c for c in circles if c not in CIRCLES_TO_CUT] == [], "modules that import one another"
     assert [c for c in CIRCLES_TO_CUT if c not in circles] == [], "no longer a circle: take it out of CIRCLES_TO_CUT"
-
-
-TESTS = Path(__file__).resolve().parent
-# modules whose every test starts `bcg serve` with workers, marked slow whole by the service's authors (to mark per test)
-SLOW_WHOLE = {"test_serve_abuse.py", "test_serve_e2e.py", "test_serve_fuzz.py", "test_serve_load.py",
-              "test_serve_process.py", "test_serve_prometheus.py"}
-
-
-def test_test_modules_share_through_conftest_and_helpers_and_mark_slow_per_test():
-    """A test module imports no other test module: shared fixtures are in conftest.py, shared functions in
-    tests/helpers/. `slow` marks a test, not a module: a module-wide mark would drop its fast tests from `make
-    test-fast` (SLOW_WHOLE: the modules not yet converted)."""
-    modules = sorted(TESTS.glob("test_*.py"))
-    assert len(modules) > 40
-    names = {p.stem for p in modules}
-    imports = [f"{p.name} imports {m}" for p in modules for m in sorted({n.split(".")[0] for n in _imports(p)} & names)]
-    assert imports == []
-    whole = {p.name for p in modules for node in _tree(p).body if isinstance(node, ast.Assign)
-             and [ast.unparse(t) for t in node.targets] == ["pytestmark"] and "mark.slow" in ast.unparse(node.value)}
-    assert whole <= SLOW_WHOLE, f"mark these modules' slow tests one by one: {sorted(whole - SLOW_WHOLE)}"
 
 
 TESTS = Path(__file__).resolve().parent

@@ -21,14 +21,15 @@ from pathlib import Path
 from typing import Annotated, Callable
 
 from fastapi import FastAPI, Header, Path as PathParam, Request, Response
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
 from storyboard_cli.serve import blob_routes, blobs, edge, folders, metrics, wire
 from storyboard_cli.serve.edge import PROBLEM, problem
+from storyboard_cli.serve.openapi import (DESCRIPTION, EVENT, EVENT_STREAM, FILE_BODY, FILE_TYPES, FILES, JOB_BODY,
+                                          LEASE_GONE, OCTETS, UNKNOWN_WORKER, EventStream, JobFile, problems, schema)
 from storyboard_cli.serve.settings import Settings
 from storyboard_cli.serve.intake import SAFE_FILE, content_hash, plan_submission, stored_inputs
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, TIERS, JobState
@@ -36,17 +37,11 @@ from storyboard_cli.serve.store import LATE, JobFinal, QueueFull, Store, TooMany
 
 __all__ = ["PROBLEM", "Settings", "create_app", "problem"]
 JSON_TYPES = ("application/json",)
-JOB_TYPES = ("application/yaml", "application/json")  # what /openapi.json says a job body is (any is read as YAML)
 DRAINING_RETRY_S = 30
-EVENT_STREAM = "text/event-stream"
 EVENT_POLL_S = 0.2  # how often a stream looks for new events
 KEEPALIVE_S = 15.0
 RECONNECT_MS = 1000
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-FILE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".html": "text/html",
-              ".json": "application/json", ".jsonl": "application/jsonl", ".md": "text/markdown",
-              ".yaml": "application/yaml"}  # a job folder's files; any other is application/octet-stream
-OCTETS = "application/octet-stream"
 log = logging.getLogger(__name__)
 
 Id = Annotated[str, PathParam(pattern=wire.NAME_PATTERN, description="an id this server issued")]
@@ -89,7 +84,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             state = store.job_state(job_id)
             refresher.touch(job_id, now=state is None or state in JobState.FINAL)
     edge.install(app, settings)
-    app.openapi = lambda: app.openapi_schema or _openapi(app, settings)
+    app.openapi = lambda: app.openapi_schema or schema(app, settings)
     registry = metrics.registry(store, settings.lease_s, clock)
     app.state.blobs = blobs.BlobStore(settings.root)
     app.include_router(blob_routes.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20))
@@ -121,7 +116,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         202: {"model": wire.JobView, "description": "accepted: every image queued (Location: the job)"},
         200: {"model": wire.JobView, "description": "the job first submitted with this Idempotency-Key "
                                                     "(Idempotent-Replayed: true)"},
-        **_problems({422: "a job `bcg plan` refuses (file:line, shot, field), or an Idempotency-Key used for "
+        **problems({422: "a job `bcg plan` refuses (file:line, shot, field), or an Idempotency-Key used for "
                           "another body", 503: "the queue is full, or the server is stopping (Retry-After)"})})
     async def submit(request: Request, priority: wire.Priority = DEFAULT_PRIORITY,
                      idempotency_key: IdempotencyKey = None, x_job_filename: JobFilename = None):
@@ -169,13 +164,13 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         return as_view(job_id, request, 200, {"Location": f"/v1/jobs/{job_id}", "Idempotent-Replayed": "true"})
 
     @app.get("/v1/jobs/{job_id}", response_model=None, responses={200: {"model": wire.JobView},
-                                                                   **_problems({404: "no such job"})})
+                                                                   **problems({404: "no such job"})})
     def get_job(job_id: Id, request: Request):
         return as_view(job_id, request)
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=None, responses={
         200: {"model": wire.JobView, "description": "canceled: queued images at once, leased ones after their batch"},
-        **_problems({404: "no such job", 409: "the job is already succeeded, failed or canceled: nothing changed"})})
+        **problems({404: "no such job", 409: "the job is already succeeded, failed or canceled: nothing changed"})})
     def cancel(job_id: Id, request: Request):
         try:
             found = store.cancel(job_id, clock())
@@ -187,7 +182,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 
     @app.patch("/v1/jobs/{job_id}", response_model=None, responses={
         200: {"model": wire.JobView, "description": "its queued images move to the new priority"},
-        **_problems({404: "no such job", 409: "the job is already succeeded, failed or canceled: nothing changed"})})
+        **problems({404: "no such job", 409: "the job is already succeeded, failed or canceled: nothing changed"})})
     def reprioritise(job_id: Id, change: wire.PriorityChange, request: Request):
         try:
             found = store.set_priority(job_id, change.priority, clock())
@@ -197,7 +192,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 
     @app.get("/v1/jobs/{job_id}/events", response_class=EventStream, responses={
         200: {"description": "the job's events, each as it happens; the stream ends after `end`",
-              "content": {EVENT_STREAM: {"schema": EVENT}}}, **_problems({404: "no such job"})})
+              "content": {EVENT_STREAM: {"schema": EVENT}}}, **problems({404: "no such job"})})
     def events(job_id: Id, last_event_id: LastEventId = 0):
         """Server-sent events: each change of the job, `id:` its sequence number; a client that reconnects
         with `Last-Event-ID` gets the events after it. The stream ends after the `end` event."""
@@ -226,7 +221,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 
     @app.get("/v1/jobs/{job_id}/files/{path:path}", response_class=JobFile, responses={
         200: {"description": "the file (PNG, the report, the contact sheet, a thumbnail, ...)", "content": FILES},
-        **_problems({404: "no such job, or no such file in its folder"})})
+        **problems({404: "no such job, or no such file in its folder"})})
     def job_file(job_id: Id, path: str):
         job = store.job(job_id, clock())
         if job is None:
@@ -245,7 +240,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 
     @app.post("/v1/workers", status_code=201, response_model=None, responses={
         201: {"model": wire.Registered, "description": "the id this worker names in its leases and heartbeats"},
-        **_problems({503: "--max-workers registrations are live (Retry-After: until the first can expire)"})})
+        **problems({503: "--max-workers registrations are live (Retry-After: until the first can expire)"})})
     async def register(body: wire.Registration):
         """A worker's id, issued by the server. An id not seen within --lease-s (and holding no lease) is
         forgotten: its leases and heartbeats then answer 404, and the worker registers again."""
@@ -267,7 +262,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     @app.post("/v1/leases", response_model=None, responses={
         200: {"model": wire.Lease, "description": "a batch: its images, their jobs, the lease's time to live"},
         204: {"description": "no work now (or the server is stopping): ask again later"},
-        **_problems({404: UNKNOWN_WORKER})})
+        **problems({404: UNKNOWN_WORKER})})
     async def lease(report: wire.WorkerReport):
         if app.state.draining:
             return Response(status_code=204)
@@ -278,7 +273,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         return JSONResponse(got) if got is not None else Response(status_code=204)
 
     @app.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}", response_model=None, openapi_extra=FILE_BODY,
-             responses={200: {"model": wire.StoredOutput}, **_problems({
+             responses={200: {"model": wire.StoredOutput}, **problems({
                  410: LEASE_GONE, 415: f"the body is not sent as {OCTETS}",
                  422: "not an output of this lease"})})
     async def upload(lease_id: Id, job_id: Id, path: str, request: Request):
@@ -299,7 +294,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 
     @app.post("/v1/leases/{lease_id}/heartbeat", response_model=None, responses={
         200: {"model": wire.LeaseAck, "description": "the lease runs for its ttl from now"},
-        **_problems({404: UNKNOWN_WORKER, 410: LEASE_GONE})})
+        **problems({404: UNKNOWN_WORKER, 410: LEASE_GONE})})
     async def heartbeat(lease_id: Id, report: wire.WorkerReport):
         try:
             held = await run_in_threadpool(store.heartbeat, lease_id, clock(), settings.lease_s, report.worker,
@@ -310,7 +305,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
 
     @app.post("/v1/leases/{lease_id}/complete", response_model=None, responses={
         200: {"model": wire.LeaseAck, "description": "recorded: the images done, failed, or queued again"},
-        **_problems({410: LEASE_GONE + " (this completion is ignored)",
+        **problems({410: LEASE_GONE + " (this completion is ignored)",
                      422: "a manifest line for an output this lease did not upload"})})
     async def complete(lease_id: Id, body: wire.Completion):
         """The lease's results. Each done image's files are checked (in the job's folder, their sha256 the one
@@ -343,7 +338,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         return Response(metrics.exposition(registry), media_type=METRICS_TYPE)
 
     @app.get("/healthz", response_model=None, responses={
-        200: {"model": wire.Health}, **_problems({503: "the server is stopping: it admits no job"})})
+        200: {"model": wire.Health}, **problems({503: "the server is stopping: it admits no job"})})
     def healthz():
         """Liveness and admission: 200 while the server accepts jobs (with or without workers), 503 while it
         drains. What a load balancer routes submissions on."""
@@ -352,7 +347,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
         return JSONResponse({"ok": True})
 
     @app.get("/readyz", response_model=None, responses={
-        200: {"model": wire.Ready}, **_problems({503: "by design, until a worker is ready: no registered worker "
+        200: {"model": wire.Ready}, **problems({503: "by design, until a worker is ready: no registered worker "
                                                       "seen within --lease-s has its graphs captured (or the "
                                                       "server is stopping)"})})
     def readyz():
@@ -396,71 +391,3 @@ def _served(store: Store, job_id: str, now: float) -> dict | None:
 
 def _discard(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- what /openapi.json says
-
-DESCRIPTION = """SDXL storyboard jobs: queue, state, outputs; and the workers' lease protocol.
-
-Every error is `application/problem+json` (RFC 9457). With a token (`bcg serve --token`), every /v1 route needs
-`Authorization: Bearer <token>`; the worker routes (/v1/workers, /v1/leases) need the worker token
-(`--worker-token`, else the same), and `GET /v1/blobs/{sha256}` either. /healthz, /readyz, /metrics and this
-description (/docs, /redoc, /openapi.json) are open."""
-REF = "#/components/schemas/"
-PROBLEM_CONTENT = {PROBLEM: {"schema": {"$ref": REF + "Problem"}}}
-UNKNOWN_WORKER = "a worker id this server did not issue, or forgot (not seen within --lease-s): register again"
-LEASE_GONE = "the lease is gone: it expired and its images went back to the queue"
-JOB_BODY = {"requestBody": {"required": True, "description": "the job file, at most --max-job-kb",
-                            "content": {t: {"schema": {"$ref": REF + "JobDoc"}} for t in JOB_TYPES}}}
-FILES = {t: {"schema": {"type": "string", "format": "binary"}} for t in (*FILE_TYPES.values(), OCTETS)}
-FILE_BODY = {"requestBody": {"required": True, "description": "the file's bytes, at most --max-blob-mb",
-                             "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
-EVENT = {"type": "object", "required": ["event", "data"], "properties": {  # one server-sent event
-    "event": {"type": "string", "description": "queued, running, images, lease_lost, priority; `end` last"},
-    "id": {"type": "string", "pattern": "^[0-9]+$", "description": "its sequence number (Last-Event-ID)"},
-    "retry": {"type": "integer"},
-    "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {"$ref": REF + "JobEvent"}}}}
-ANSWERS = {401: "the route's token is missing or wrong (WWW-Authenticate: Bearer)",
-           413: "the body is larger than its cap (--max-job-kb, --max-blob-mb, 4 MB for JSON)",
-           422: "a malformed body, header, path or query parameter: `detail` names it"}
-
-
-class EventStream(StreamingResponse):
-    media_type = EVENT_STREAM
-
-
-class JobFile(FileResponse):
-    media_type = FILE_TYPES[".png"]  # what /openapi.json shows first; each file is sent with its own type
-
-
-def _problems(answers: dict[int, str]) -> dict:
-    return {status: {"description": why, "content": PROBLEM_CONTENT} for status, why in answers.items()}
-
-
-def _openapi(app: FastAPI, settings: Settings) -> dict:
-    """FastAPI's schema, made true: every error answer problem+json, the job body and Problem as components
-    (FastAPI's own validation-error models gone: edge.py answers those), the 413 of every route with a body,
-    and the tokens each route needs on this server (none when it has none)."""
-    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    components = schema.setdefault("components", {})
-    models = components.setdefault("schemas", {})
-    for name in ("HTTPValidationError", "ValidationError"):
-        models.pop(name, None)
-    models.update(wire.component_schemas((wire.JobDoc, wire.JobEvent, wire.Problem)))
-    schemes = {name: {"type": "http", "scheme": "bearer", "description": f"the {name} token"}
-               for name, token in edge.tokens(settings).items() if token}
-    if schemes:
-        components["securitySchemes"] = schemes
-    for path, operations in schema["paths"].items():
-        for method, op in operations.items():
-            answers = op["responses"]
-            for status, why in ANSWERS.items():
-                needed = {401: bool(edge.guarded(method.upper(), path, settings)), 413: "requestBody" in op,
-                          422: str(status) in answers}[status]
-                if needed:
-                    answers[str(status)] = {"description": why, "content": PROBLEM_CONTENT}
-            needs = edge.guarded(method.upper(), path, settings)
-            if needs:
-                op["security"] = [{name: []} for name in needs]
-    app.openapi_schema = schema
-    return schema
