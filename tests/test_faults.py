@@ -102,4 +102,4 @@ def test_a_huge_control_image_is_one_line_of_ours_not_pils_warning(tmp_path):
                               env=env, cwd=ROOT, timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert "DecompressionBomb" not in proc.stderr and "could be decompression bomb" not in proc.stderr
-        assert proc.stderr.count(f"control image {tmp_path / 'huge.png'} is 90 megapixels") == 1, proc.stderr
+        assert proc.stderr.count("huge.png is 90 megapixels") == 1, proc.stderr  # named as the job names it
