@@ -29,9 +29,9 @@ shots:
 """ + "".join(f"  - {{id: s{n:02d}, prompt: panel {n} of the lighthouse, seed: {100 + n}}}\n" for n in range(10))
 SMALL = """version: 1
 model: tiny
-name: {name}
+name: NAME
 buckets: [2]
-defaults: {{steps: 2, size: 64x64, candidates: 2}}
+defaults: {steps: 2, size: 64x64, candidates: 2}
 shots:
 """ + "".join(f"  - {{id: p{n}, prompt: page {n}, seed: {n}}}\n" for n in range(4))
 FINAL = ("succeeded", "failed", "canceled")
@@ -125,13 +125,13 @@ def test_two_jobs_queued_at_once_over_three_workers_the_urgent_one_ends_first_an
     server = Server(tmp_path / "root", free_port()).start(lease_s=5, gpus="none")
     workers = [start_worker(server.url, f"w{n}") for n in range(3)]
     try:
-        warm = post(server.url, SMALL.format(name="warm"))  # every worker has its model loaded
+        warm = post(server.url, SMALL.replace("NAME", "warm"))  # every worker has its model loaded
         server.wait(warm, lambda j: j["state"] in FINAL)
         for w in workers:
             os.killpg(w.pid, signal.SIGSTOP)  # both jobs queued before any worker asks again
-        normal = post(server.url, SMALL.format(name="normal") + "".join(
+        normal = post(server.url, SMALL.replace("NAME", "normal") + "".join(
             f"  - {{id: q{n}, prompt: more {n}, seed: {50 + n}}}\n" for n in range(8)))
-        urgent = post(server.url, SMALL.format(name="urgent"), priority="urgent")
+        urgent = post(server.url, SMALL.replace("NAME", "urgent"), priority="urgent")
         time.sleep(0.5)
         for w in workers:
             os.killpg(w.pid, signal.SIGCONT)

@@ -28,15 +28,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
 from storyboard_cli.engine.base import Shape
-from storyboard_cli.engine.kernels.export import MAX_ROWS, RECIPE, export
-from storyboard_cli.engine.variants import COMPILED, PRECISIONS, VARIANTS, Variant
+from storyboard_cli.engine.kernels.export import MAX_ROWS, RECIPE, Target, export
+from storyboard_cli.engine.variants import COMPILED, VARIANTS
 from storyboard_cli.models.tiny import cache_root
 
 log = logging.getLogger(__name__)
@@ -59,29 +58,6 @@ INDUCTOR_OPTIONS = {
     # string) crashes on it at load, in every process (docs/PERFORMANCE.md, "Compiled kernels")
     "aot_inductor.custom_op_libs": [":libstdc++.so.6"] if sys.platform.startswith("linux") else None,
 }
-
-
-@dataclass(frozen=True, order=True)
-class Target:
-    """One artifact: a module compiled for one image size (pixels), rows dynamic."""
-
-    module: str  # "unet" | "controlnet"
-    height: int
-    width: int
-    precision: str = VARIANTS[COMPILED].precision  # another compiled row's: the UNet's FP8 kernels ("fp8")
-
-    @property
-    def variant(self) -> Variant:
-        return PRECISIONS[self.precision]
-
-    @property
-    def tag(self) -> str:
-        """What sets the artifact apart from the fp16 one in its label and file name ("" for fp16)."""
-        return "" if self.variant.name == COMPILED else self.precision
-
-    @property
-    def label(self) -> str:
-        return f"{self.module} {self.width}x{self.height}" + (f" {self.tag}" if self.tag else "")
 
 
 def fits(batch: int, height: int, width: int) -> str | None:

@@ -15,21 +15,42 @@ and the compiled recipe applied to the module (`export`; engine/kernels/artifact
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from storyboard_cli.engine.eager import controlnet_call, unet_call
+from storyboard_cli.engine.variants import COMPILED, PRECISIONS, VARIANTS, Variant
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
-
-if TYPE_CHECKING:
-    from storyboard_cli.engine.kernels.artifacts import Target
 
 MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the images
 # the most rows an artifact takes: 8 images guided (the default buckets' largest, CFG doubled) or the conditional rows
 # of 16; a batch of more rows runs the plain graphs
 MAX_ROWS = 16
 RECIPE = ("fused-qkv", "channels-last-weights")  # part of the key: what `export` does to the module
+
+
+@dataclass(frozen=True, order=True)
+class Target:
+    """One artifact: a module compiled for one image size (pixels), rows dynamic."""
+
+    module: str  # "unet" | "controlnet"
+    height: int
+    width: int
+    precision: str = VARIANTS[COMPILED].precision  # another compiled row's: the UNet's FP8 kernels ("fp8")
+
+    @property
+    def variant(self) -> Variant:
+        return PRECISIONS[self.precision]
+
+    @property
+    def tag(self) -> str:
+        """What sets the artifact apart from the fp16 one in its label and file name ("" for fp16)."""
+        return "" if self.variant.name == COMPILED else self.precision
+
+    @property
+    def label(self) -> str:
+        return f"{self.module} {self.width}x{self.height}" + (f" {self.tag}" if self.tag else "")
 
 
 class UNetCall(torch.nn.Module):
