@@ -60,10 +60,10 @@ def test_the_oldest_queued_image_per_priority_ages_from_its_submission_and_leave
 
     worker = store.register_worker("w", now=100, max_workers=4, ttl=1e9)
     lease = store.lease(worker, now=100, ttl=50)
-    assert {i["job"] for i in lease["images"]} == {"u1"}  # urgent first: it no longer waits
+    assert {i.job for i in lease.images} == {"u1"}  # urgent first: it no longer waits
     assert store.slo_stats(now=110)["oldest_queued_s"] == {"urgent": 0.0, "normal": 100.0, "bulk": 0.0}
     lease = store.lease(worker, now=110, ttl=50)
-    assert {i["job"] for i in lease["images"]} == {"n1"}
+    assert {i.job for i in lease.images} == {"n1"}
     assert store.slo_stats(now=111)["oldest_queued_s"]["normal"] == 41.0  # n2's image, submitted at 70
     store.expire(now=200)  # both leases are lost: their images wait again, aged from their job's submission
     assert store.slo_stats(now=200)["oldest_queued_s"] == {"urgent": 160.0, "normal": 190.0, "bulk": 0.0}
@@ -114,13 +114,13 @@ def test_time_to_first_image_is_observed_at_a_jobs_first_completion_only(store):
     store.submit(planned("j1", n=3, priority="urgent"), None, 100, now=10)
     worker = store.register_worker("w", now=10, max_workers=4, ttl=1e9)
     lease = store.lease(worker, now=11, ttl=60)
-    ids = [i["id"] for i in lease["images"]]
-    store.complete(lease["lease"], done=ids[:2], cached=[], failed={}, now=14.5)  # the third goes back
+    ids = [i.id for i in lease.images]
+    store.complete(lease.lease, done=ids[:2], cached=[], failed={}, now=14.5)  # the third goes back
     with store._tx() as db:
         assert store._first_image(db, "j1", 2, now=14.5) == ("urgent", 4.5)
         assert store._first_image(db, "j1", 0, now=14.5) is None  # a completion that landed nothing
     lease = store.lease(worker, now=15, ttl=60)
-    store.complete(lease["lease"], done=[i["id"] for i in lease["images"]], cached=[], failed={}, now=20)
+    store.complete(lease.lease, done=[i.id for i in lease.images], cached=[], failed={}, now=20)
     with store._tx() as db:
         assert store._first_image(db, "j1", 1, now=20) is None  # its first image landed before
         assert store._first_image(db, "nope", 1, now=20) is None
@@ -135,7 +135,7 @@ def test_batch_fill_and_worker_startup_are_observed_from_the_lease_and_completio
     worker = store.register_worker("w", now=0, max_workers=4, ttl=1e9)
     lease = store.lease(worker, now=1, ttl=60, ready=False, uptime_s=30.0)  # not ready: not started yet
     work = Work(batches=(("64x64", 3, 1.5, 4),))  # 3 images in a bucket of 4
-    store.complete(lease["lease"], done=[i["id"] for i in lease["images"]], cached=[], failed={}, now=3, work=work)
+    store.complete(lease.lease, done=[i.id for i in lease.images], cached=[], failed={}, now=3, work=work)
     store.submit(planned("j2", n=2), None, 100, now=4)
     store.lease(worker, now=5, ttl=60, ready=True, uptime_s=42.0)  # its first lease taken ready
     store.submit(planned("j3", n=1), None, 100, now=6)

@@ -75,10 +75,10 @@ def test_job_state_from_image_states():
 def test_lease_complete_and_job_state(store):
     store.submit(planned("j1"), None, 100, now=0)
     lease = store.lease(worker(store, "w"), now=1, ttl=10)
-    assert [i["id"] for i in lease["images"]] == [1, 2] and lease["jobs"]["j1"]["out_dir"] == "/j/j1/out"
+    assert [i.id for i in lease.images] == [1, 2] and lease.jobs["j1"].out_dir == "/j/j1/out"
     assert store.lease(worker(store, "w2"), now=1, ttl=10) is None  # the job's folder has one writer
     assert store.job("j1", 1)["state"] == JobState.RUNNING
-    assert store.complete(lease["lease"], done=[1], cached=[], failed={2: "NaN"}, now=2)
+    assert store.complete(lease.lease, done=[1], cached=[], failed={2: "NaN"}, now=2)
     job = store.job("j1", 2)
     assert job["state"] == JobState.FAILED and job["images"][1]["reason"] == "NaN" and job["finished"] == 2
 
@@ -86,14 +86,14 @@ def test_lease_complete_and_job_state(store):
 def test_expired_lease_goes_back_to_the_queue_and_its_late_completion_is_ignored(store):
     store.submit(planned("j1"), None, 100, now=0)
     lost = store.lease(worker(store, "w1"), now=0, ttl=5)
-    assert store.heartbeat(lost["lease"], now=4, ttl=5)  # renewed until 9
+    assert store.heartbeat(lost.lease, now=4, ttl=5)  # renewed until 9
     assert store.lease(worker(store, "w2"), now=8, ttl=5) is None
     again = store.lease(worker(store, "w2"), now=10, ttl=5)
-    assert again and [i["id"] for i in again["images"]] == [1, 2]
-    assert not store.heartbeat(lost["lease"], now=10, ttl=5)
-    assert not store.complete(lost["lease"], done=[1, 2], cached=[], failed={}, now=11)
+    assert again and [i.id for i in again.images] == [1, 2]
+    assert not store.heartbeat(lost.lease, now=10, ttl=5)
+    assert not store.complete(lost.lease, done=[1, 2], cached=[], failed={}, now=11)
     assert store.job("j1", 11)["images_by_state"] == {ImageState.LEASED: 2}
-    assert store.complete(again["lease"], done=[1, 2], cached=[], failed={}, now=12)
+    assert store.complete(again.lease, done=[1, 2], cached=[], failed={}, now=12)
     counters = store.stats(0, 60)["counters"]
     assert counters["lease_expiries"] == 1 and counters["late_completions"] == 1 and counters["images_rendered"] == 2
 
@@ -111,7 +111,7 @@ def test_an_image_whose_worker_dies_three_times_fails(store):
 def test_a_stopping_worker_returns_its_images_without_a_strike(store):
     store.submit(planned("j1"), None, 100, now=0)
     lease = store.lease(worker(store, "w"), now=0, ttl=5)
-    assert store.complete(lease["lease"], done=[1], cached=[], failed={}, now=1)
+    assert store.complete(lease.lease, done=[1], cached=[], failed={}, now=1)
     image = store.job("j1", 1)["images"][1]
     assert image["state"] == ImageState.QUEUED and image["attempts"] == 0
 
@@ -120,13 +120,13 @@ def test_a_twin_waits_for_the_first_render_then_is_leased_with_its_png(store):
     store.submit(planned("j1", n=1, fingerprint="same"), None, 100, now=0)
     store.submit(planned("j2", n=1, fingerprint="same"), None, 100, now=1)
     first = store.lease(worker(store, "w1"), now=2, ttl=5)
-    assert first["job"] == "j1" and first["images"][0]["twin"] is None
+    assert first.job == "j1" and first.images[0].twin is None
     assert store.lease(worker(store, "w2"), now=2, ttl=5) is None  # rendering it twice at once would waste a GPU
-    store.complete(first["lease"], done=[1], cached=[], failed={}, now=3)
+    store.complete(first.lease, done=[1], cached=[], failed={}, now=3)
     second = store.lease(worker(store, "w2"), now=3, ttl=5)
-    assert second["images"][0]["twin"] == "/j/j1/out/a/a_c0_s10.png"
-    assert second["images"][0]["twin_of"] == ["j1", "a/a_c0_s10.png"]
-    store.complete(second["lease"], done=[2], cached=[2], failed={}, now=4)
+    assert second.images[0].twin == "/j/j1/out/a/a_c0_s10.png"
+    assert second.images[0].twin_of == ["j1", "a/a_c0_s10.png"]
+    store.complete(second.lease, done=[2], cached=[2], failed={}, now=4)
     assert store.job("j2", 4)["images"][0]["cached"] and store.stats(0, 60)["counters"]["images_cached"] == 1
 
 
@@ -143,7 +143,7 @@ def test_a_full_queue_refuses_a_job_whole_with_the_drain_rate(store):
         store.submit(planned("j2", n=3), None, 8, now=1)
     assert e.value.retry_after == schedule.UNKNOWN_DRAIN_S and store.job("j2", 1) is None
     lease = store.lease(worker(store, "w"), now=0, ttl=60)
-    store.complete(lease["lease"], done=[1, 2, 3, 4], cached=[], failed={}, now=10)  # 4 images in 10 s
+    store.complete(lease.lease, done=[1, 2, 3, 4], cached=[], failed={}, now=10)  # 4 images in 10 s
     store.submit(planned("j2", n=3), None, 8, now=10)
     with pytest.raises(QueueFull) as e:
         store.submit(planned("j3", n=4), None, 8, now=10)
@@ -156,7 +156,7 @@ def test_priorities_cancel_and_queue_position(store):
     store.submit(planned("n", batch=1), None, 100, now=0)
     store.submit(planned("u", priority="urgent", batch=1), None, 100, now=5)
     assert store.job("n", 5)["queue_position"] == 2 and store.job("u", 5)["queue_position"] == 0
-    assert store.lease(worker(store, "w"), now=6, ttl=5)["job"] == "u"
+    assert store.lease(worker(store, "w"), now=6, ttl=5).job == "u"
     assert store.set_priority("n", "urgent", 6) and store.job("n", 6)["queue_position"] == 0
     with pytest.raises(BadInput):
         store.set_priority("n", "asap", 6)
@@ -182,18 +182,18 @@ def test_every_change_is_an_event_in_order_and_the_stream_ends_once(store):
     store.submit(planned("j1"), None, 100, now=0)
     lease = store.lease(worker(store, "w"), now=1, ttl=5)
     store.set_priority("j1", "urgent", now=2)
-    store.complete(lease["lease"], done=[1], cached=[], failed={}, now=3)
+    store.complete(lease.lease, done=[1], cached=[], failed={}, now=3)
     again = store.lease(worker(store, "w"), now=4, ttl=5)
     store.expire(now=10)  # lost: image 2 back to the queue
     last = store.lease(worker(store, "w"), now=11, ttl=5)
     assert _kinds(store, "j1") == (["queued", "running", "priority", "images", "running", "lease_lost", "running"],
                                    False)
-    store.complete(last["lease"], done=[2], cached=[], failed={}, now=12)
+    store.complete(last.lease, done=[2], cached=[], failed={}, now=12)
     rows, _ = store.events("j1", 0)
     seqs = [seq for seq, _, _ in rows]
     assert seqs == sorted(set(seqs)) and rows[-1][1] == "end"
     assert json.loads(rows[-1][2])["state"] == JobState.SUCCEEDED
-    assert json.loads(rows[5][2])["requeued"] == [i["id"] for i in again["images"]]
+    assert json.loads(rows[5][2])["requeued"] == [i.id for i in again.images]
     assert _kinds(store, "j1", seqs[3]) == (["running", "lease_lost", "running", "images", "end"], False)
     assert _kinds(store, "j1", seqs[-1]) == ([], True)  # resumed after its end: nothing more
 
@@ -205,7 +205,7 @@ def test_a_canceled_job_ends_its_stream_at_once_and_only_once(store):
     with pytest.raises(JobFinal) as again:
         store.cancel("j1", now=3)
     assert again.value.state == JobState.CANCELED
-    store.complete(lease["lease"], done=[1, 2], cached=[], failed={}, now=4)  # its running batch finishes
+    store.complete(lease.lease, done=[1, 2], cached=[], failed={}, now=4)  # its running batch finishes
     assert _kinds(store, "j1") == (["queued", "running", "end"], False)  # and says nothing after the end
     assert json.loads(store.events("j1", 0)[0][2][2])["state"] == JobState.CANCELED
     assert store.job("j1", 4)["state"] == JobState.CANCELED
@@ -215,7 +215,7 @@ def test_latencies_are_histograms_and_workers_report_their_gpu(store):
     store.submit(planned("j1", n=3), None, 100, now=0)
     lease = store.lease(worker(store, "w"), now=2, ttl=5, gpu={"memory_allocated_bytes": 7.0})
     work = Work(batches=(("64x64", 3, 1.5),), out_of_memory=1, model_loads=1)
-    store.complete(lease["lease"], done=[1, 2, 3], cached=[], failed={}, now=4, work=work)
+    store.complete(lease.lease, done=[1, 2, 3], cached=[], failed={}, now=4, work=work)
     store.seen(worker(store, "cpu-worker"), None, now=4)
     s = store.stats(now=4, worker_window_s=60)
     counts, total = s["histograms"][QUEUE_WAIT, "normal"]
@@ -241,7 +241,7 @@ def test_room_left_in_a_batch_goes_to_other_jobs_of_the_same_mix():
 def test_a_jobs_batches_are_leased_to_several_workers_at_once(store):
     store.submit(planned("j", n=6, batch=2), None, 100, now=0)
     leases = [store.lease(worker(store, f"w{n}"), now=1, ttl=5) for n in range(3)]
-    assert [[i["id"] for i in lease["images"]] for lease in leases] == [[1, 2], [3, 4], [5, 6]]
+    assert [[i.id for i in lease.images] for lease in leases] == [[1, 2], [3, 4], [5, 6]]
     assert store.lease(worker(store, "w3"), now=1, ttl=5) is None
     assert store.job("j", 1)["images_by_state"] == {"leased": 6}
     store.expire(now=10)  # the three workers lost: every batch back in the queue
@@ -252,22 +252,22 @@ def test_a_mixed_lease_carries_every_job_it_touches(store):
     store.submit(planned("j1", n=1, mix="m"), None, 100, now=0)
     store.submit(planned("j2", n=2, mix="m"), None, 100, now=1)
     lease = store.lease(worker(store, "w"), now=2, ttl=5)
-    assert lease["job"] == "j1" and set(lease["jobs"]) == {"j1", "j2"}
-    assert [(i["id"], i["job"]) for i in lease["images"]] == [(1, "j1"), (2, "j2"), (3, "j2")]
+    assert lease.job == "j1" and set(lease.jobs) == {"j1", "j2"}
+    assert [(i.id, i.job) for i in lease.images] == [(1, "j1"), (2, "j2"), (3, "j2")]
     store.submit(planned("j3", n=1, mix="m"), None, 100, now=2)
     other = store.lease(worker(store, "w2"), now=2, ttl=5)
-    assert set(other["jobs"]) == {"j3"}
-    assert store.complete(lease["lease"], done=[1, 2], cached=[], failed={3: "NaN"}, now=3)
+    assert set(other.jobs) == {"j3"}
+    assert store.complete(lease.lease, done=[1, 2], cached=[], failed={3: "NaN"}, now=3)
     assert store.job("j1", 3)["state"] == JobState.SUCCEEDED and store.job("j2", 3)["state"] == JobState.FAILED
     for job_id, images in (("j1", [1]), ("j2", [2, 3])):
         rows, _ = store.events(job_id, 0)
         running = json.loads(rows[1][2])
-        assert rows[1][1] == "running" and running["lease"] == lease["lease"] and running["images"] == images
+        assert rows[1][1] == "running" and running["lease"] == lease.lease and running["images"] == images
         assert rows[-1][1] == "end"
     store.submit(planned("j4", n=1, mix="n"), None, 100, now=3)
     store.submit(planned("j5", n=1, mix="n"), None, 100, now=3)
     lost = store.lease(worker(store, "w"), now=3, ttl=1)
-    assert set(lost["jobs"]) == {"j4", "j5"}
+    assert set(lost.jobs) == {"j4", "j5"}
     store.expire(now=10)  # its worker died: both jobs' images back to the queue, each job told
     for job_id in ("j4", "j5"):
         rows, _ = store.events(job_id, 0)
@@ -295,9 +295,9 @@ def _final_jobs(store):
     for t, job_id in enumerate(("ok", "bad", "gone")):
         store.submit(planned(job_id, n=1), None, 100, now=t)
     ok, bad = (store.lease(worker(store, "w"), now=3, ttl=5) for _ in range(2))
-    assert (ok["job"], bad["job"]) == ("ok", "bad")
-    store.complete(ok["lease"], done=[ok["images"][0]["id"]], cached=[], failed={}, now=4)
-    store.complete(bad["lease"], done=[], cached=[], failed={bad["images"][0]["id"]: "NaN"}, now=4)
+    assert (ok.job, bad.job) == ("ok", "bad")
+    store.complete(ok.lease, done=[ok.images[0].id], cached=[], failed={}, now=4)
+    store.complete(bad.lease, done=[], cached=[], failed={bad.images[0].id: "NaN"}, now=4)
     store.cancel("gone", now=4)
     return {"ok": JobState.SUCCEEDED, "bad": JobState.FAILED, "gone": JobState.CANCELED}
 
@@ -317,7 +317,7 @@ def test_a_final_job_refuses_cancel_and_priority_and_nothing_changes(store):
 def test_a_canceled_job_whose_lease_is_lost_is_not_leased_again(store):
     store.submit(planned("j1", n=3, batch=2), None, 100, now=0)
     lease = store.lease(worker(store, "w"), now=1, ttl=5)
-    assert len(lease["images"]) == 2
+    assert len(lease.images) == 2
     assert store.cancel("j1", now=2)  # a running job: its queued image at once, the leased two with their lease
     assert store.job("j1", 2)["images_by_state"] == {"leased": 2, "canceled": 1}
     store.expire(now=10)  # the worker died

@@ -14,6 +14,7 @@ from storyboard_cli.folder.layout import INDEX, MANIFEST, REPORT_JSON
 from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve.api import Settings, create_app
+from storyboard_cli.serve.wire import LeasedJob
 from storyboard_cli.serve.worker import WorkerOptions, place
 
 from conftest import write_job
@@ -33,13 +34,14 @@ YAML = {"Content-Type": "application/yaml"}
 
 def test_a_worker_renders_in_place_only_when_it_sees_the_servers_own_job_file(tmp_path):
     served = write_job(tmp_path, JOB)
-    job = {"path": str(served), "out_dir": str(tmp_path / "out"), "job_file": "job.yaml", "job_text": JOB}
+    job = LeasedJob(path=str(served), out_dir=str(tmp_path / "out"), job_file="job.yaml", job_text=JOB)
     here = place("j1", job, WorkerOptions("http://s", root=tmp_path / "w"))
     assert not here.upload and here.out_dir == tmp_path / "out"
     forced = place("j1", job, WorkerOptions("http://s", root=tmp_path / "w", upload=True))
     assert forced.upload and forced.out_dir == (tmp_path / "w" / "jobs" / "j1" / "out").resolve()
     assert forced.job_file.read_text() == JOB
-    elsewhere = place("j1", {**job, "path": "/nowhere/job.yaml"}, WorkerOptions("http://s", root=tmp_path / "w"))
+    elsewhere = place("j1", job.model_copy(update={"path": "/nowhere/job.yaml"}),
+                      WorkerOptions("http://s", root=tmp_path / "w"))
     assert elsewhere.upload  # the server's folder is not visible here
     served.write_text(JOB + "# edited\n")
     assert place("j1", job, WorkerOptions("http://s", root=tmp_path / "w")).upload  # another file at that path

@@ -114,7 +114,7 @@ def test_a_sweep_alone_forgets_silent_workers_and_a_live_lease_keeps_its_worker(
     assert store.readiness(now=6, window_s=5) == (1, 1)
     store.submit(planned("j"), None, 100, now=6)
     lease = store.lease(ids[0], now=6, ttl=5)
-    assert store.heartbeat(lease["lease"], now=10, ttl=5)  # a heartbeat that does not name its worker
+    assert store.heartbeat(lease.lease, now=10, ttl=5)  # a heartbeat that does not name its worker
     store.sweep(now=12)  # not seen for 6 s, but its lease lives until 15: kept
     store.seen(ids[0], None, now=12)
     store.sweep(now=18)

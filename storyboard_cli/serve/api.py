@@ -259,8 +259,8 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     def lost(when: str = "") -> JSONResponse:
         return problem(410, "lease lost", f"the lease expired{when}; its images went back to the queue")
 
-    @app.post("/v1/leases", response_model=None, responses={
-        200: {"model": wire.Lease, "description": "a batch: its images, their jobs, the lease's time to live"},
+    @app.post("/v1/leases", response_model=wire.Lease, responses={
+        200: {"description": "a batch: its images, their jobs, the lease's time to live"},
         204: {"description": "no work now (or the server is stopping): ask again later"},
         **problems({404: UNKNOWN_WORKER})})
     async def lease(report: wire.WorkerReport):
@@ -270,7 +270,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
             got = await run_in_threadpool(_lease, store, report, clock(), settings.lease_s)
         except UnknownWorker as e:
             return unknown(e)
-        return JSONResponse(got) if got is not None else Response(status_code=204)
+        return got if got is not None else Response(status_code=204)
 
     @app.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}", response_model=None, openapi_extra=FILE_BODY,
              responses={200: {"model": wire.StoredOutput}, **problems({
@@ -366,19 +366,16 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     return app
 
 
-def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float) -> dict | None:
+def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float) -> wire.Lease | None:
     """The next batch for the worker, with what a worker that does not share the server's filesystem needs:
-    each job's text and its files' digests, and where to download a twin's PNG."""
+    each job's text and its files' digests."""
     got = store.lease(report.worker, now, ttl, report.gpu, report.ready, frozenset(report.warm), report.uptime_s)
     if got is None:
         return None
-    for job in got["jobs"].values():
-        job["job_file"], job["job_text"] = Path(job["path"]).name, Path(job["path"]).read_text(encoding="utf-8")
-        job["inputs"] = stored_inputs(Path(job["path"]))  # the job's files by sha256: GET /v1/blobs/{sha256}
-    for image in got["images"]:
-        image["twin_url"] = f"/v1/jobs/{image['twin_of'][0]}/files/{image['twin_of'][1]}" if image["twin_of"] \
-            else None
-    return got
+    return got.model_copy(update={"jobs": {job_id: job.model_copy(update={
+        "job_text": Path(job.path).read_text(encoding="utf-8"),
+        "inputs": stored_inputs(Path(job.path))})  # the job's files by sha256: GET /v1/blobs/{sha256}
+        for job_id, job in got.jobs.items()}})
 
 
 def _served(store: Store, job_id: str, now: float) -> dict | None:

@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import httpx
 import yaml
@@ -16,6 +16,9 @@ from storyboard_cli.job.digests import file_sha256
 from storyboard_cli.job.file import named_files
 from storyboard_cli.job.inputs import INPUTS_KEY
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, JobState
+
+if TYPE_CHECKING:
+    from storyboard_cli.serve.wire import Lease
 
 FINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED)
 SUBMIT_TIMEOUT_S = 60.0
@@ -265,7 +268,7 @@ class LeaseClient:
         return str(r.json()["worker"])
 
     def lease(self, worker: str, gpu: dict | None = None, ready: bool = False, warm: Iterable[str] = (),
-              uptime_s: float | None = None) -> dict | None:
+              uptime_s: float | None = None) -> Lease | None:
         """The next batch, or None; `ready`: this worker's model is loaded and its graphs captured (/readyz);
         `warm`: the mixes it has prepared (leased first); `uptime_s`: seconds since it started. Raises
         Unregistered."""
@@ -275,7 +278,9 @@ class LeaseClient:
         r = self.http.post("/v1/leases", json=body)
         self._registered(r, worker)
         r.raise_for_status()
-        return None if r.status_code == 204 else r.json()
+        from storyboard_cli.serve.wire import Lease  # pydantic: here, so that `bcg submit` starts without it
+
+        return None if r.status_code == 204 else Lease.model_validate_json(r.content)
 
     def heartbeat(self, lease_id: str, worker: str, gpu: dict | None = None, ready: bool = False) -> bool:
         """False when the lease is gone; raises Unregistered."""

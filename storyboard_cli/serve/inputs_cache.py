@@ -12,6 +12,7 @@ from storyboard_cli.job.inputs import InputProblem, Inputs
 from storyboard_cli.serve.blobs import BlobStore
 from storyboard_cli.serve.client import LeaseClient
 from storyboard_cli.serve.intake import root_of
+from storyboard_cli.serve.wire import LeasedJob
 
 
 class InputFiles:
@@ -23,9 +24,9 @@ class InputFiles:
     def __init__(self, client: LeaseClient | None, root: Path, shared: bool = True):
         self.client, self.cache, self.checked, self.shared = client, BlobStore(root), set(), shared
 
-    def for_job(self, job: dict) -> Inputs:
-        server = BlobStore(root_of(Path(job["path"]))) if self.shared else None
-        return Inputs(dict(job.get("inputs") or {}), blob=lambda digest, suffix: self.file(digest, suffix, server))
+    def for_job(self, job: LeasedJob) -> Inputs:
+        server = BlobStore(root_of(Path(job.path))) if self.shared else None
+        return Inputs(dict(job.inputs), blob=lambda digest, suffix: self.file(digest, suffix, server))
 
     def file(self, digest: str, suffix: str, server: BlobStore | None) -> Path:
         if server is not None and (digest in self.checked or (server.has(digest) and

@@ -24,6 +24,7 @@ from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
 from storyboard_cli.serve.inputs_cache import InputFiles
 from storyboard_cli.serve.intake import JOBS, OUT
+from storyboard_cli.serve.wire import Lease, LeasedImage, LeasedJob
 from storyboard_cli.serve.worker_options import WorkerOptions
 
 CACHED_BUCKET = "cached"  # the report's bucket row for copied twins
@@ -41,10 +42,10 @@ class Hot:
     runner: object = None  # the BatchRunner kept across leases: its caches, and the LoRA set applied, stay
     jobs: dict = field(default_factory=dict)  # (job id, its text, its inputs, its file) -> the Job, loaded once
 
-    def job(self, job_id: str, leased: dict, where: Place) -> Job:
+    def job(self, job_id: str, leased: LeasedJob, where: Place) -> Job:
         """The leased job, validated once per worker (its control images decoded, its LoRA files read), not once
         per lease: a job's later batches find it here."""
-        key = (job_id, leased.get("job_text"), tuple(sorted((leased.get("inputs") or {}).items())), where.job_file)
+        key = (job_id, leased.job_text, tuple(sorted(leased.inputs.items())), where.job_file)
         if key not in self.jobs:
             while len(self.jobs) >= JOBS_KEPT:
                 self.jobs.pop(next(iter(self.jobs)))
@@ -108,12 +109,12 @@ class LeaseSession(RenderSession):
     The head session (the lease's first job) renders; the riders (other jobs' images in the same batches)
     only open their sink, and the head's policy delivers their images to them."""
 
-    def __init__(self, job: Job, opts: RenderOptions, images: list[dict], hot: Hot):
+    def __init__(self, job: Job, opts: RenderOptions, images: list[LeasedImage], hot: Hot):
         super().__init__(job, opts, None, hot.models, hot.engine)
         self.hot = hot
         self.images = images
-        self.mine = {p for image in images for p in image["outputs"]}
-        self.twins = {image["outputs"][0]: image["twin"] for image in images if image["twin"]}
+        self.mine = {p for image in images for p in image.outputs}
+        self.twins = {image.outputs[0]: image.twin for image in images if image.twin}
         self.copied: set[str] = set()
         self.timed: list[dict] = []  # per rendered batch: shape, images, bucket, seconds
         self.riders: list[LeaseSession] = []
@@ -238,21 +239,21 @@ class Place:
     inputs: Inputs | None = None  # how the job's files are read: by sha256, never by a path the job gives
 
 
-def place(job_id: str, job: dict, opts: WorkerOptions, files: InputFiles | None = None) -> Place:
+def place(job_id: str, job: LeasedJob, opts: WorkerOptions, files: InputFiles | None = None) -> Place:
     """Where one job of a lease renders: the server's job folder when this worker sees the very job file the
     server saved (and --upload is off); else a copy under the worker's --root. Its files are read by sha256
     (`files`: from the server's blob store or this worker's)."""
     files = files or InputFiles(None, opts.root.resolve())
     inputs = files.for_job(job)
-    server_file = Path(job["path"])
-    if not opts.upload and _reads(server_file) == job["job_text"]:
-        return Place(server_file, Path(job["out_dir"]), False, inputs)
+    server_file = Path(job.path)
+    if not opts.upload and _reads(server_file) == job.job_text:
+        return Place(server_file, Path(job.out_dir), False, inputs)
     folder = opts.root.resolve() / JOBS / job_id
-    job_file = folder / job["job_file"]
-    if _reads(job_file) != job["job_text"]:
+    job_file = folder / job.job_file
+    if _reads(job_file) != job.job_text:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            atomic_write(job_file, job["job_text"].encode())
+            atomic_write(job_file, job.job_text.encode())
         except OSError as e:
             raise folder_error(folder, e) from None
     return Place(job_file, folder / OUT, True, inputs)
@@ -265,32 +266,32 @@ def _reads(path: Path) -> str | None:
         return None
 
 
-def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, Place] | None = None) -> Outcome:
+def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, Place] | None = None) -> Outcome:
     """Renders one lease into its jobs' folders (or this worker's copies); which of its images landed,
     failed or are left."""
     out = Outcome()
     if places is None:  # the server's folders, seen here
         files = InputFiles(None, opts.root.resolve())
-        places = {j: Place(Path(v["path"]), Path(v["out_dir"]), False, files.for_job(v)) for j, v in lease["jobs"].items()}
+        places = {j: Place(Path(v.path), Path(v.out_dir), False, files.for_job(v)) for j, v in lease.jobs.items()}
     sessions: dict[str, LeaseSession] = {}
-    for job_id in sorted(lease["jobs"], key=lambda j: j != lease["job"]):  # the head first: it picks the models
-        images = [i for i in lease["images"] if i["job"] == job_id]
+    for job_id in sorted(lease.jobs, key=lambda j: j != lease.job):  # the head first: it picks the models
+        images = [i for i in lease.images if i.job == job_id]
         try:
-            job = hot.job(job_id, lease["jobs"][job_id], places[job_id])
-            if job_id == lease["job"]:
+            job = hot.job(job_id, lease.jobs[job_id], places[job_id])
+            if job_id == lease.job:
                 hot.for_job(job)
             ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
                                   engine=opts.engine, compile=opts.compile, fp8=opts.fp8)
             sessions[job_id] = LeaseSession(job, ropts, images, hot)
         except StoryboardError as e:
-            out.failed.update({image["id"]: one_line(e) for image in images})
-    head = sessions.pop(lease["job"], None)
+            out.failed.update({image.id: one_line(e) for image in images})
+    head = sessions.pop(lease.job, None)
     if head is None:  # the riders' images go back to the queue
         return out
     try:
         results = render_together(head, list(sessions.values()))
     except StoryboardError as e:
-        out.failed.update({image["id"]: one_line(e) for image in lease["images"]})
+        out.failed.update({image.id: one_line(e) for image in lease.images})
         return out
     out.work = {"batches": head.timed, "out_of_memory": head.policy.out_of_memory if head.policy else 0,
                 "model_loads": int(hot.models is None and head.models is not None)}
@@ -300,15 +301,15 @@ def render_lease(lease: dict, hot: Hot, opts: WorkerOptions, places: dict[str, P
         failed = {f["path"]: f["reason"] for f in result.failed}
         written = session.recorder.records
         for image in session.images:
-            paths = image["outputs"]
+            paths = image.outputs
             reason = next((failed[p] for p in paths if p in failed), None)
             if reason is not None:
-                out.failed[image["id"]] = reason
+                out.failed[image.id] = reason
             elif all(p in written for p in paths):
-                out.done.append(image["id"])
+                out.done.append(image.id)
                 if session.copied.issuperset(paths):
-                    out.cached.append(image["id"])
-        job_id = session.images[0]["job"]
+                    out.cached.append(image.id)
+        job_id = session.images[0].job
         out.records[job_id] = list(written.values())
         if session.report is not None:
             out.reports[job_id] = session.report

@@ -27,6 +27,7 @@ from storyboard_cli.serve.queue_stats import (BATCH_FILL, BATCH_SECONDS, BUCKETS
                                               RENDERED, RETRIES, WORKER_STARTUP, QueueStats, bounds)
 from storyboard_cli.serve.queue_workers import Seen, TooManyWorkers, UnknownWorker, WorkerRegistry
 from storyboard_cli.serve.schedule import END, MAX_ATTEMPTS, TIERS, ImageState, JobState, Waiting
+from storyboard_cli.serve.wire import Lease, LeasedImage, LeasedJob, job_file_url
 
 # what other modules import from here, wherever it is defined
 __all__ = ["APPLICATION_ID", "BATCH_FILL", "BATCH_SECONDS", "BUCKETS_S", "CACHED", "DB", "EXPIRED", "FAILED",
@@ -180,10 +181,11 @@ class Store(WorkerRegistry, QueueStats):
     # leases
 
     def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None, ready: bool = False,
-              warm: frozenset[str] = frozenset(), uptime_s: float | None = None) -> dict | None:
+              warm: frozenset[str] = frozenset(), uptime_s: float | None = None) -> Lease | None:
         """The next batch for `worker`, or None when nothing is free: `job` (the head job, the best ranked),
-        `jobs` (each job of the batch: its job file and output folder), `images` (each with its job and mix).
-        `warm`: the mixes the worker has prepared (schedule.pick prefers them)."""
+        `jobs` (each job of the batch: its job file and output folder; the API adds their text and inputs),
+        `images` (each with its job, mix and twin). `warm`: the mixes the worker has prepared (schedule.pick
+        prefers them)."""
         with self._tx() as db:
             self._seen(db, worker, gpu, now, ready)
             self._expire(db, now)
@@ -214,25 +216,27 @@ class Store(WorkerRegistry, QueueStats):
             images, jobs = [], {}
             for w in picked:
                 r = db.execute("SELECT outputs, fingerprint FROM images WHERE id = ?", (w.image,)).fetchone()
-                images.append({"id": w.image, "job": w.job, "outputs": json.loads(r["outputs"]), "mix": w.mix,
-                               **self._twin(db, r["fingerprint"])})
+                images.append(LeasedImage(id=w.image, job=w.job, outputs=json.loads(r["outputs"]), mix=w.mix,
+                                          **self._twin(db, r["fingerprint"])))
                 if w.job not in jobs:
                     job = db.execute("SELECT path, out_dir FROM jobs WHERE id = ?", (w.job,)).fetchone()
-                    jobs[w.job] = {"path": job["path"], "out_dir": job["out_dir"]}
+                    jobs[w.job] = LeasedJob(path=job["path"], out_dir=job["out_dir"], job_file=Path(job["path"]).name)
             for job_id in jobs:
                 self._event(db, job_id, "running", now, worker=worker, lease=lease_id,
                             images=[w.image for w in picked if w.job == job_id])
-            return {"lease": lease_id, "job": head, "jobs": jobs, "expires": now + ttl, "ttl": ttl, "images": images}
+            return Lease(lease=lease_id, job=head, jobs=jobs, expires=now + ttl, ttl=ttl, images=images)
 
     def _twin(self, db, fingerprint: str) -> dict:
         """A PNG already rendered with this fingerprint (any job), which the worker copies instead of
-        rendering: `twin`, its path on the server, and `twin_of`, [its job, its output path]."""
+        rendering: `twin`, its path on the server, `twin_of`, [its job, its output path], and `twin_url`, where
+        the server serves it."""
         row = db.execute("SELECT j.id, j.out_dir, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
                          "WHERE i.fingerprint = ? AND i.state = ? LIMIT 1", (fingerprint, ImageState.DONE)).fetchone()
         if row is None:
-            return {"twin": None, "twin_of": None}
+            return {"twin": None, "twin_of": None, "twin_url": None}
         first = json.loads(row["outputs"])[0]
-        return {"twin": str(Path(row["out_dir"]) / first), "twin_of": [row["id"], first]}
+        return {"twin": str(Path(row["out_dir"]) / first), "twin_of": [row["id"], first],
+                "twin_url": job_file_url(row["id"], first)}
 
     def lease_outputs(self, lease_id: str, now: float) -> dict[str, tuple[Path, Path, set[str]]] | None:
         """A live lease's jobs: for each, its job file, its output folder and the output paths of the lease's

@@ -118,15 +118,27 @@ class Completion(Body):
                                                              "stages, buckets, graphs): merged into the job's report")
 
 
-class LeasedJob(BaseModel):
+class Leased(BaseModel):
+    """A part of a lease: built once on the server, read by the worker; a change is a copy (`model_copy`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+
+class LeasedJob(Leased):
+    # one job of a lease (no docstring: it would be the schema's description). The store knows where it is; the
+    # API adds its text and its files' digests, so every answer carries them: required on the wire
+    # (`json_schema_serialization_defaults_required`), empty only between the two
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
     path: str = Field(description="the job file on the server")
     out_dir: str = Field(description="its output folder on the server")
     job_file: str = Field(description="the job file's name")
-    job_text: str = Field(description="the job file's text (for a worker without the server's filesystem)")
-    inputs: dict[str, str] = Field(description="each file the job names -> its sha256 (GET /v1/blobs/{sha256})")
+    job_text: str = Field(default_factory=str,
+                          description="the job file's text (for a worker without the server's filesystem)")
+    inputs: dict[str, str] = Field(default_factory=dict,
+                                   description="each file the job names -> its sha256 (GET /v1/blobs/{sha256})")
 
 
-class LeasedImage(BaseModel):
+class LeasedImage(Leased):
     id: int
     job: str
     outputs: list[str]
@@ -136,13 +148,18 @@ class LeasedImage(BaseModel):
     twin_url: str | None = Field(description="where to download that PNG")
 
 
-class Lease(BaseModel):
+class Lease(Leased):
     lease: str
     job: str = Field(description="the head job (the best ranked)")
     jobs: dict[str, LeasedJob]
     expires: float
     ttl: float = Field(description="seconds: heartbeat well within it")
     images: list[LeasedImage]
+
+
+def job_file_url(job_id: str, path: str) -> str:
+    """Where GET /v1/jobs/{job_id}/files/{path} serves a file of a job's folder (a twin's PNG), from the root."""
+    return f"/v1/jobs/{job_id}/files/{path}"
 
 
 class LeaseAck(BaseModel):

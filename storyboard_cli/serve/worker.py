@@ -27,28 +27,31 @@ from storyboard_cli.run.render import RenderOptions, warm
 from storyboard_cli.serve.client import LeaseClient, QueueBusy, Unregistered
 from storyboard_cli.serve.inputs_cache import InputFiles
 from storyboard_cli.serve.lease_session import Hot, Outcome, Place, place, render_lease
-from storyboard_cli.serve.wire import NAME_PATTERN
+from storyboard_cli.serve.wire import NAME_PATTERN, Lease, LeasedImage
 from storyboard_cli.serve.worker_options import WorkerOptions
 
 log = logging.getLogger(__name__)
 TWINS = "twins"  # under an uploading worker's root: twins' PNGs downloaded from the server
 
 
-def fetch_twins(lease: dict, places: dict[str, Place], client: LeaseClient, folder: Path) -> None:
-    """An uploading worker cannot read the server's copy of a twin: it downloads it (or renders the image
-    when that fails)."""
-    for image in lease["images"]:
-        if image["twin_url"] and places[image["job"]].upload:
-            local = folder / f"{image['id']}.png"
-            try:
-                data = client.download(image["twin_url"])
-                if data is not None:
-                    atomic_write(local, data)
-            except (httpx.HTTPError, OSError) as e:
-                log.warning("twin %s not downloaded (%s): the image is rendered", image["twin_url"], e)
-                data = None
-            image["twin"] = str(local) if data is not None else None
+def fetch_twins(lease: Lease, places: dict[str, Place], client: LeaseClient, folder: Path) -> Lease:
+    """The lease as this worker renders it: an uploading worker cannot read the server's copy of a twin, so
+    its images' `twin` is the copy it downloads (None when that fails: the image is rendered)."""
+    return lease.model_copy(update={"images": [_fetch_twin(image, client, folder)
+                                               if image.twin_url and places[image.job].upload else image
+                                               for image in lease.images]})
 
+
+def _fetch_twin(image: LeasedImage, client: LeaseClient, folder: Path) -> LeasedImage:
+    local = folder / f"{image.id}.png"
+    try:
+        data = client.download(image.twin_url)
+        if data is not None:
+            atomic_write(local, data)
+    except (httpx.HTTPError, OSError) as e:
+        log.warning("twin %s not downloaded (%s): the image is rendered", image.twin_url, e)
+        data = None
+    return image.model_copy(update={"twin": str(local) if data is not None else None})
 
 
 def gpu_stats(hot: Hot) -> dict | None:
@@ -73,7 +76,7 @@ class Heartbeat:
     """Renews a lease every third of its time to live while the lease renders (a thread: the render holds
     the main thread, and its signals)."""
 
-    def __init__(self, client: LeaseClient, lease: dict, worker: str, hot: Hot):
+    def __init__(self, client: LeaseClient, lease: Lease, worker: str, hot: Hot):
         self.client, self.lease, self.done = client, lease, threading.Event()
         self.worker, self.hot = worker, hot
         self.lost = False
@@ -88,9 +91,9 @@ class Heartbeat:
         self.thread.join()
 
     def _beat(self) -> None:
-        while not self.done.wait(self.lease["ttl"] / 3):
+        while not self.done.wait(self.lease.ttl / 3):
             try:
-                if not self.client.heartbeat(self.lease["lease"], self.worker, gpu_stats(self.hot), self.hot.ready):
+                if not self.client.heartbeat(self.lease.lease, self.worker, gpu_stats(self.hot), self.hot.ready):
                     self.lost = True
             except (httpx.HTTPError, Unregistered) as e:  # Unregistered: the next lease request registers again
                 log.warning("heartbeat failed: %s", e)
@@ -149,20 +152,20 @@ def run_worker(opts: WorkerOptions) -> int:
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
-            places = {job_id: place(job_id, job, opts, files) for job_id, job in lease["jobs"].items()}
+            places = {job_id: place(job_id, job, opts, files) for job_id, job in lease.jobs.items()}
             t0 = time.perf_counter()
             with Heartbeat(client, lease, worker, hot):
-                fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
+                lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                 outcome = render_lease(lease, hot, opts, places)
                 uploaded = upload(client, lease, outcome, places)
             t1 = time.perf_counter()
             rendered += 1
-            hot.warm.update(i["mix"] for i in lease["images"] if i.get("mix") and i["id"] in outcome.done)
+            hot.warm.update(i.mix for i in lease.images if i.mix and i.id in outcome.done)
             if uploaded:
                 _report(client, lease, outcome)
             batches = sum(b["seconds"] for b in outcome.work.get("batches", ()))
             log.info("lease %s: %d images in %.2f s (batches %.2f s, the rest: folder, PNGs, report, sheet), "
-                     "completed in %.2f s", lease["lease"], len(lease["images"]), t1 - t0, batches,
+                     "completed in %.2f s", lease.lease, len(lease.images), t1 - t0, batches,
                      time.perf_counter() - t1)
             stop.requested = stop.requested or outcome.stopped
     finally:
@@ -183,7 +186,7 @@ def _pause(seconds: float, stop: _Stop) -> None:
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 
-def upload(client: LeaseClient, lease: dict, outcome: Outcome, places: dict[str, Place]) -> bool:
+def upload(client: LeaseClient, lease: Lease, outcome: Outcome, places: dict[str, Place]) -> bool:
     """Sends the finished PNGs of each job rendered in a copy to the server; False when the lease was lost
     meanwhile (the images are someone else's now)."""
     for job_id, where in places.items():
@@ -191,22 +194,22 @@ def upload(client: LeaseClient, lease: dict, outcome: Outcome, places: dict[str,
             continue
         for path in [r["path"] for r in outcome.records.get(job_id, ())]:
             try:
-                if not client.upload(lease["lease"], job_id, path, (where.out_dir / path).read_bytes()):
-                    log.warning("lease %s was lost while uploading: its images went back to the queue", lease["lease"])
+                if not client.upload(lease.lease, job_id, path, (where.out_dir / path).read_bytes()):
+                    log.warning("lease %s was lost while uploading: its images went back to the queue", lease.lease)
                     return False
             except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (from the copy)
-                log.warning("uploading %s of lease %s: %s", path, lease["lease"], e)
+                log.warning("uploading %s of lease %s: %s", path, lease.lease, e)
                 return False
     return True
 
 
-def _report(client: LeaseClient, lease: dict, outcome: Outcome, tries: int = 5) -> None:
+def _report(client: LeaseClient, lease: Lease, outcome: Outcome, tries: int = 5) -> None:
     for attempt in range(tries):
         try:
-            if not client.complete(lease["lease"], outcome.done, outcome.cached, outcome.failed, outcome.work,
+            if not client.complete(lease.lease, outcome.done, outcome.cached, outcome.failed, outcome.work,
                                    outcome.records, outcome.reports):
-                log.warning("lease %s was lost before it completed: the server ignored its results", lease["lease"])
+                log.warning("lease %s was lost before it completed: the server ignored its results", lease.lease)
             return
         except httpx.HTTPError as e:
-            log.warning("completing lease %s: %s", lease["lease"], e)
+            log.warning("completing lease %s: %s", lease.lease, e)
             time.sleep(min(2 ** attempt, 10))
