@@ -1,0 +1,202 @@
+"""The job routes of the API: a job submitted (validated and planned as `bcg plan` does, without a model), its
+view, cancel and priority, its events (server-sent), the files of its folder. Torch-free."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from storyboard_cli.errors import BadInput
+from storyboard_cli.folder.layout import INDEX, REPORT_JSON
+from storyboard_cli.serve import wire
+from storyboard_cli.serve.api_state import ApiState, Id
+from storyboard_cli.serve.edge import JSONRoute, problem
+from storyboard_cli.serve.intake import SAFE_FILE, content_hash, plan_submission
+from storyboard_cli.serve.openapi import (EVENT, EVENT_STREAM, FILE_TYPES, FILES, JOB_BODY, OCTETS, EventStream,
+                                          JobFile, problems)
+from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, TIERS
+from storyboard_cli.serve.store import JobFinal, QueueFull
+from storyboard_cli.serve.wire import job_file_url
+
+JSON_TYPES = ("application/json",)
+DRAINING_RETRY_S = 30
+EVENT_POLL_S = 0.2  # how often a stream looks for new events
+KEEPALIVE_S = 15.0
+RECONNECT_MS = 1000
+
+IdempotencyKey = Annotated[str, Header(alias="Idempotency-Key", min_length=1, max_length=255,
+                                       description="a retry with the same key and body answers the first job")]
+JobFilename = Annotated[str, Header(alias="X-Job-Filename", pattern=f"^{SAFE_FILE.pattern}$",
+                                    description="the job file's name: errors name it, and a job without `name:` "
+                                                "is named after it")]
+LastEventId = Annotated[int, Header(alias="Last-Event-ID", ge=0, le=wire.MAX_INT,
+                                    description="the last event id this client saw: the stream resumes after it")]
+
+
+def router(state: ApiState) -> APIRouter:
+    """/v1/jobs and the routes under it."""
+    api = APIRouter(route_class=JSONRoute)  # each JSON body read by the edge's parser
+    store, settings, clock = state.store, state.settings, state.clock
+
+    def view(job_id: str, request: Request) -> dict | None:
+        job = store.job(job_id, clock())
+        if job is None:
+            return None
+        root = str(request.base_url).rstrip("/")
+
+        def url(path: str) -> str:
+            return root + job_file_url(job_id, path)
+
+        job["url"] = root + f"/v1/jobs/{job_id}"
+        for image in job["images"]:
+            image["urls"] = [url(p) for p in image["outputs"]] if image["state"] == "done" else []
+        job["report_url"], job["sheet_url"] = url(REPORT_JSON), url(INDEX)
+        del job["out_dir"]
+        return job
+
+    def not_found(job_id: str) -> JSONResponse:
+        return problem(404, "no such job", f"no job {job_id}")
+
+    def final(e: JobFinal) -> JSONResponse:
+        return problem(409, f"job {e.state}", str(e))
+
+    def as_view(job_id: str, request: Request, status: int = 200, headers: dict | None = None) -> JSONResponse:
+        job = view(job_id, request)
+        return JSONResponse(job, status_code=status, headers=headers) if job is not None else not_found(job_id)
+
+    @api.post("/v1/jobs", status_code=202, response_model=None, openapi_extra=JOB_BODY, responses={
+        202: {"model": wire.JobView, "description": "accepted: every image queued (Location: the job)"},
+        200: {"model": wire.JobView, "description": "the job first submitted with this Idempotency-Key "
+                                                    "(Idempotent-Replayed: true)"},
+        **problems({422: "a job `bcg plan` refuses (file:line, shot, field), or an Idempotency-Key used for "
+                          "another body", 503: "the queue is full, or the server is stopping (Retry-After)"})})
+    async def submit(request: Request, priority: wire.Priority = DEFAULT_PRIORITY,
+                     idempotency_key: IdempotencyKey = None, x_job_filename: JobFilename = None):
+        """A job file (YAML or JSON, at most --max-job-kb), validated and planned as `bcg plan` does."""
+        if state.draining():
+            return problem(503, "shutting down", "the server is stopping; submit to another or retry",
+                           {"Retry-After": str(DRAINING_RETRY_S)})
+        body = await request.body()
+        json_body = request.headers.get("content-type", "").split(";")[0].strip() in JSON_TYPES
+        filename = x_job_filename or ("job.json" if json_body else "job.yaml")
+        if idempotency_key is not None:
+            same_body = {p: content_hash(body, filename, p) for p in TIERS}
+            try:  # the first job's answer, without planning again (a key retried in a loop)
+                first = await run_in_threadpool(store.replay, idempotency_key, same_body[priority], same_body)
+            except BadInput as e:
+                return problem(422, "refused", str(e))
+            if first is not None:
+                return replayed(first, request)
+        job_id = uuid.uuid4().hex[:12]
+        try:
+            await run_in_threadpool(store.refuse_if_full, settings.max_queue_images, clock())
+        except QueueFull as e:
+            return problem(503, "queue full", str(e), {"Retry-After": str(e.retry_after)})
+        try:
+            planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority,
+                                              settings.inputs, state.blobs, settings.allow_models,
+                                              settings.max_blob_mb << 20)
+        except BadInput as e:
+            return problem(422, "invalid job", str(e))
+        try:
+            new_id, created = await run_in_threadpool(store.submit, planned, idempotency_key,
+                                                      settings.max_queue_images, clock())
+        except QueueFull as e:
+            _discard(planned.path.parent)
+            return problem(503, "queue full", str(e), {"Retry-After": str(e.retry_after)})
+        except BadInput as e:  # an idempotency conflict, or larger than the queue
+            _discard(planned.path.parent)
+            return problem(422, "refused", str(e))
+        if not created:
+            _discard(planned.path.parent)
+            return replayed(new_id, request)
+        return as_view(new_id, request, 202, {"Location": f"/v1/jobs/{new_id}"})
+
+    def replayed(job_id: str, request: Request) -> JSONResponse:
+        return as_view(job_id, request, 200, {"Location": f"/v1/jobs/{job_id}", "Idempotent-Replayed": "true"})
+
+    @api.get("/v1/jobs/{job_id}", response_model=None, responses={200: {"model": wire.JobView},
+                                                                   **problems({404: "no such job"})})
+    def get_job(job_id: Id, request: Request):
+        return as_view(job_id, request)
+
+    @api.post("/v1/jobs/{job_id}/cancel", response_model=None, responses={
+        200: {"model": wire.JobView, "description": "canceled: queued images at once, leased ones after their batch"},
+        **problems({404: "no such job", 409: "the job is already succeeded, failed or canceled: nothing changed"})})
+    def cancel(job_id: Id, request: Request):
+        try:
+            found = store.cancel(job_id, clock())
+        except JobFinal as e:
+            return final(e)
+        if found:
+            state.landed([job_id])
+        return as_view(job_id, request) if found else not_found(job_id)
+
+    @api.patch("/v1/jobs/{job_id}", response_model=None, responses={
+        200: {"model": wire.JobView, "description": "its queued images move to the new priority"},
+        **problems({404: "no such job", 409: "the job is already succeeded, failed or canceled: nothing changed"})})
+    def reprioritise(job_id: Id, change: wire.PriorityChange, request: Request):
+        try:
+            found = store.set_priority(job_id, change.priority, clock())
+        except JobFinal as e:
+            return final(e)
+        return as_view(job_id, request) if found else not_found(job_id)
+
+    @api.get("/v1/jobs/{job_id}/events", response_class=EventStream, responses={
+        200: {"description": "the job's events, each as it happens; the stream ends after `end`",
+              "content": {EVENT_STREAM: {"schema": EVENT}}}, **problems({404: "no such job"})})
+    def events(job_id: Id, last_event_id: LastEventId = 0):
+        """Server-sent events: each change of the job, `id:` its sequence number; a client that reconnects
+        with `Last-Event-ID` gets the events after it. The stream ends after the `end` event."""
+        if store.job(job_id, clock()) is None:
+            return not_found(job_id)
+        return EventStream(_stream(job_id, last_event_id),
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _stream(job_id: str, after: int):
+        yield f"retry: {RECONNECT_MS}\n\n"
+        quiet = 0.0
+        while not state.draining():
+            rows, ended = await run_in_threadpool(store.events, job_id, after)
+            if ended and not rows:
+                return
+            for seq, kind, data in rows:
+                yield f"id: {seq}\nevent: {kind}\ndata: {data}\n\n"
+                after = seq
+                if kind == END:
+                    return
+            quiet = 0.0 if rows else quiet + EVENT_POLL_S
+            if quiet >= KEEPALIVE_S:  # a comment line: proxies keep the connection, clients ignore it
+                yield ": keep-alive\n\n"
+                quiet = 0.0
+            await asyncio.sleep(EVENT_POLL_S)
+
+    @api.get("/v1/jobs/{job_id}/files/{path:path}", response_class=JobFile, responses={
+        200: {"description": "the file (PNG, the report, the contact sheet, a thumbnail, ...)", "content": FILES},
+        **problems({404: "no such job, or no such file in its folder"})})
+    def job_file(job_id: Id, path: str):
+        job = store.job(job_id, clock())
+        if job is None:
+            return not_found(job_id)
+        folder = Path(job["out_dir"]).resolve()
+        try:
+            target = (folder / path).resolve()
+            found = target.is_relative_to(folder) and target.is_file()
+        except (OSError, ValueError):  # a name too long, a NUL: no such file either
+            found = False
+        if not found:
+            return problem(404, "no such file", f"{path} is not in the job's folder")
+        return FileResponse(target, media_type=FILE_TYPES.get(target.suffix.lower(), OCTETS))
+
+    return api
+
+
+def _discard(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
