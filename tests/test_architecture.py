@@ -215,7 +215,7 @@ def test_no_engine_probing_in_render():
 
 # Import circles not yet cut, each the set of modules that import one another (issue 32). No other circle may form and
 # none may grow; an entry that is no longer a circle fails the test too: take it out.
-CIRCLES_TO_CUT = [{"engine/kernels/artifacts.py", "engine/kernels/export.py"}]
+CIRCLES_TO_CUT: list[set[str]] = []  # none left
 
 
 def _circles() -> list[set[str]]:
@@ -256,15 +256,12 @@ def test_no_import_circle():
 
 
 TESTS = Path(__file__).resolve().parent
-# modules whose every test starts `bcg serve` with workers, marked slow whole by the service's authors (to mark per test)
-SLOW_WHOLE = {"test_serve_abuse.py", "test_serve_e2e.py", "test_serve_fuzz.py", "test_serve_load.py",
-              "test_serve_process.py", "test_serve_prometheus.py"}
 
 
 def test_test_modules_share_through_conftest_and_helpers_and_mark_slow_per_test():
     """A test module imports no other test module: shared fixtures are in conftest.py, shared functions in
     tests/helpers/. `slow` marks a test, not a module: a module-wide mark would drop its fast tests from `make
-    test-fast` (SLOW_WHOLE: the modules not yet converted)."""
+    test-fast`."""
     modules = sorted(TESTS.glob("test_*.py"))
     assert len(modules) > 40
     names = {p.stem for p in modules}
@@ -272,4 +269,4 @@ def test_test_modules_share_through_conftest_and_helpers_and_mark_slow_per_test(
     assert imports == []
     whole = {p.name for p in modules for node in _tree(p).body if isinstance(node, ast.Assign)
              and [ast.unparse(t) for t in node.targets] == ["pytestmark"] and "mark.slow" in ast.unparse(node.value)}
-    assert whole <= SLOW_WHOLE, f"mark these modules' slow tests one by one: {sorted(whole - SLOW_WHOLE)}"
+    assert not whole, f"mark these modules' slow tests one by one: {sorted(whole)}"

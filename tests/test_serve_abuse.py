@@ -15,7 +15,6 @@ import pytest
 from helpers.yaml_bombs import alias_bomb
 from helpers.serve import Server, free_port
 
-pytestmark = pytest.mark.slow
 JOB = """version: 1
 model: tiny
 defaults: {steps: 2, size: 64x64}
@@ -60,6 +59,7 @@ def big_body(port):
     return int(answer.split(b" ", 2)[1]), time.perf_counter() - t0, sent
 
 
+@pytest.mark.slow
 def test_a_bomb_and_a_huge_body_leave_real_jobs_accepted_and_health_fast(tmp_path):
     server = Server(tmp_path / "root", free_port()).start(gpus="none", extra=("--max-queue-images", "1000000"))
     bomb = alias_bomb().encode()

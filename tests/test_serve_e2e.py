@@ -24,7 +24,6 @@ from storyboard_cli.serve import client
 from conftest import write_job
 from helpers.serve import eventually, manifest_paths, metric, pixels
 
-pytestmark = pytest.mark.slow
 JOB = """version: 1
 model: tiny
 buckets: [1, 2]
@@ -33,6 +32,7 @@ shots:
   - {id: a, prompt: a castle, seed: 1, candidates: 3}
   - {id: b, prompt: a tower, seed: 7, candidates: 2}
 """
+@pytest.mark.slow
 def test_a_job_through_serve_equals_bcg_render_and_sigterm_exits_0(server, tmp_path, tiny_cpu):
     path = write_job(tmp_path, JOB)
     server.start()
@@ -75,6 +75,7 @@ RESUME_S = 5.0  # the issue's bound: a restart after kill -9 resumes within 5 s 
 CI_RESUME_S = 10.0
 
 
+@pytest.mark.slow
 def test_kill_9_of_everything_mid_job_then_a_restart_completes_the_job(server, tmp_path, tiny_cpu):
     slow = JOB.replace("buckets: [1, 2]", "buckets: [1]").replace("steps: 2", "steps: 10").replace("candidates: 3",
                                                                                                   "candidates: 2")
@@ -130,6 +131,7 @@ def _check_metrics_after_one_job(url, images):
     assert not families["bcg_worker_gpu_utilization_ratio"].samples
 
 
+@pytest.mark.slow
 def test_a_worker_warmed_with_a_job_is_ready_before_any_job_and_loads_nothing_for_one(server, tmp_path):
     """`serve --warm JOB`: each local worker loads the job's model and captures its shapes before its first
     lease, so /readyz is 200 with nothing submitted, and that job's images need no model load."""

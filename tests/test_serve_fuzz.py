@@ -32,7 +32,6 @@ import pytest
 from helpers.serve import Server, free_port
 
 
-pytestmark = pytest.mark.slow
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BUDGET_S = 60
@@ -57,6 +56,7 @@ values = ["{lease}"]
 """
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_nothing_and_the_server_stays_healthy(tmp_path):
     server = Server(tmp_path / "root", free_port()).start(
         lease_s=3600, gpus="none", extra=("--token", TOKEN, "--max-queue-images", "100000000",

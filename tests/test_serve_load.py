@@ -27,7 +27,6 @@ from helpers.serve import (Server, eventually, free_port, manifest_paths, metric
 
                           worker_ids)
 
-pytestmark = pytest.mark.slow  # real server and worker processes rendering on 2 cores
 JOB = """version: 1
 model: tiny
 defaults: {{steps: 2, size: 64x64}}
@@ -117,6 +116,7 @@ async def _submit_all(url):
     return answers
 
 
+@pytest.mark.slow
 def test_300_submissions_at_concurrency_16_while_a_worker_renders(rendering, record_property):
     server, _ = rendering
     warm = post(server.url, JOB.format(n=100000, images=1)).json()["id"]  # the worker loads its model and is ready
@@ -155,6 +155,7 @@ def test_300_submissions_at_concurrency_16_while_a_worker_renders(rendering, rec
         assert done(server, job_id)["state"] == "succeeded", job_id
 
 
+@pytest.mark.slow
 def test_a_full_queue_refuses_the_9th_image_and_takes_the_same_key_once_drained(rendering):
     server, worker = rendering
     drained(server.url)
@@ -181,6 +182,7 @@ def test_a_full_queue_refuses_the_9th_image_and_takes_the_same_key_once_drained(
     assert replay.status_code == 200 and replay.json()["id"] == again.json()["id"]
 
 
+@pytest.mark.slow
 def test_20_concurrent_submissions_with_one_key_render_once_and_the_same_content_without_a_key_is_cached(rendering):
     server, _ = rendering
     drained(server.url)
@@ -212,6 +214,7 @@ def test_20_concurrent_submissions_with_one_key_render_once_and_the_same_content
         assert np.abs(pixels(server.root / "jobs" / second["id"] / "out" / name) - pixels(out / name)).max() == 0
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_batch_loses_its_lease_and_another_finishes_its_images(tmp_path, tiny_cpu):
     # 6 one-image batches of 10 steps: the worker is killed while a batch is leased, long before the last
     text = JOB.format(n=5, images=6).replace("steps: 2", "steps: 10").replace("version: 1", "version: 1\nbuckets: [1]")
@@ -249,6 +252,7 @@ def test_a_worker_killed_mid_batch_loses_its_lease_and_another_finishes_its_imag
         server.kill_everything()
 
 
+@pytest.mark.slow
 def test_a_poison_image_fails_after_3_attempts(tmp_path):
     """An image whose render kills its worker, every time: each lease is taken and never heard of again (the
     worker died with it), expires after --lease-s, and the third loss fails the image instead of looping."""

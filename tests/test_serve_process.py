@@ -23,7 +23,6 @@ from storyboard_cli.serve.store import DB, Store
 from conftest import ROOT, write_job
 from helpers.serve import eventually, free_port, metric, register, start_worker, stop
 
-pytestmark = pytest.mark.slow  # real server, worker and submit processes
 BANNER = "bcg serve:"
 SLOW_JOB = """version: 1
 model: tiny
@@ -36,6 +35,7 @@ LEASE_S = 3.0
 SWEEP_BOUND_S = 15.0  # the lease (3 s) plus a sweep (every 0.75 s), with room for a loaded 2-core machine
 
 
+@pytest.mark.slow
 def test_the_server_requeues_a_stopped_workers_batch_with_no_worker_calling(server, tmp_path):
     server.start(lease_s=LEASE_S, gpus="none")
     worker = start_worker(server.url, "only")
@@ -85,6 +85,7 @@ def _port_in_use(root):
     pass  # the test holds the port
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup, extra, says", [
     (_corrupt, (), "is damaged or not a SQLite database"),
     (_foreign, (), "is not a bcg queue but another program's SQLite database (tables: photos)"),
@@ -128,6 +129,7 @@ def _ipv6_loopback() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
 def test_an_ipv6_host_is_bracketed_for_the_banner_and_the_local_workers(tmp_path):
     """The local worker reaches the server at http://[::1]:PORT (unbracketed, it crashed and was restarted
@@ -181,6 +183,7 @@ shots:
 """
 
 
+@pytest.mark.slow
 def test_submit_wait_names_each_failed_image_and_exits_3(server, tmp_path):
     """A worker (here, its HTTP calls) fails one image of three: `bcg submit --wait` prints that image's
     shot, candidate and reason on one line before its summary, and exits as `bcg render` would."""

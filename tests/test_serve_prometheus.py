@@ -11,7 +11,6 @@ import pytest
 from helpers.serve import JOB_3_IMAGES as JOB, Server, eventually, free_port, stop
 
 
-pytestmark = pytest.mark.slow
 PROMETHEUS = shutil.which("prometheus")
 CONFIG = """global: {{scrape_interval: 1s, evaluation_interval: 1s}}
 scrape_configs:
@@ -21,6 +20,7 @@ scrape_configs:
 DEADLINE_S = 30
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: apt-get install prometheus)")
 def test_prometheus_scrapes_the_queue_depth(tmp_path):
     server = Server(tmp_path / "root", free_port())
