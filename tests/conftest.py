@@ -22,9 +22,23 @@ def pytest_ignore_collect(collection_path, config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     """`pytest -m gpu` runs in one process (pyproject's addopts ask for two xdist workers): the GPU tests share one
-    device and build one set of kernels."""
+    device and build one set of kernels. Under xdist every test process (the workers, and the servers, workers and
+    renders that tests start) computes on one thread: two xdist workers fill two cores, where each process's own
+    OpenMP threads would spin against the others' (tests/test_draft_engine.py: 61 s with two threads a process,
+    18 s with one). OMP_NUM_THREADS set by the caller wins."""
     if config.getoption("markexpr") == "gpu" and getattr(config.option, "numprocesses", None):
         config.option.numprocesses, config.option.dist = None, "no"
+    if getattr(config.option, "numprocesses", None):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # before xdist starts its workers: they and their children inherit it
+
+
+KERNELS, PROCESSES = "kernels", "processes:"  # xdist groups: the kernel artifacts' tests; a module's process tests
+
+
+def _longest_first(item) -> int:
+    mark = item.get_closest_marker("xdist_group")
+    group = (mark.args[0] if mark.args else mark.kwargs.get("name", "")) if mark else ""
+    return 0 if group == KERNELS else 1 if group.startswith(PROCESSES) else 2
 
 
 def _starts_servers(item) -> bool:
@@ -38,10 +52,11 @@ def _starts_servers(item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the kernel tests are `slow` by their fixture
 def pytest_collection_modifyitems(config, items):
     """A test that asks for the kernel artifacts is `slow` (their build takes minutes on two cores). The xdist
-    groups (`-n 2 --dist loadgroup`, pyproject's addopts): one worker runs every test that starts processes (`slow`:
-    servers, workers, renders, signals, each timed against its own limits; and every test of a module that starts
-    servers), one after another as in a run without xdist; the tests of the kernel artifacts go to one worker, which
-    builds them once. The other tests spread over both workers. Without CUDA, the GPU tests are skipped."""
+    groups (`-n 2 --dist loadgroup`, pyproject's addopts): the tests of the kernel artifacts go to one worker, which
+    builds them once; the tests that start processes (`slow`: servers, workers, renders, signals; and every test of a
+    module that starts servers) go by module, a module's tests on one worker one after another (its server fixture
+    serves them all), two modules at once. The long units run first (the kernels, then the process modules), and
+    the many short tests fill in beside them. Without CUDA, the GPU tests are skipped."""
     import torch
 
     for item in items:
@@ -49,9 +64,10 @@ def pytest_collection_modifyitems(config, items):
             continue
         if "artifacts" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.xdist_group("kernels"))
+            item.add_marker(pytest.mark.xdist_group(KERNELS))
         elif "slow" in item.keywords or _starts_servers(item):
-            item.add_marker(pytest.mark.xdist_group("processes"))
+            item.add_marker(pytest.mark.xdist_group(PROCESSES + item.module.__name__))
+    items.sort(key=_longest_first)  # stable: a module's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

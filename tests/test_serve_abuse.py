@@ -13,15 +13,8 @@ import httpx
 import pytest
 
 from helpers.yaml_bombs import alias_bomb
-from helpers.serve import Server, free_port
+from helpers.serve import ONE_IMAGE_JOB as JOB, YAML, Server, free_port
 
-JOB = """version: 1
-model: tiny
-defaults: {steps: 2, size: 64x64}
-shots:
-  - {id: a, prompt: a castle, seed: 1}
-"""
-YAML = {"Content-Type": "application/yaml"}
 CLIENTS = 8
 LOAD_S = 10.0
 HEALTH_EVERY_S = 0.05

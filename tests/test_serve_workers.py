@@ -16,15 +16,8 @@ from storyboard_cli.serve.api import PROBLEM, Settings, create_app
 from storyboard_cli.serve import store as queue
 
 from conftest import ROOT
-from helpers.serve import Server, free_port, planned, start_worker, stop, worker_ids
+from helpers.serve import ONE_IMAGE_JOB as JOB, YAML, Server, free_port, planned, start_worker, stop, worker_ids
 
-JOB = """version: 1
-model: tiny
-defaults: {steps: 2, size: 64x64}
-shots:
-  - {id: a, prompt: a castle, seed: 1}
-"""
-YAML = {"Content-Type": "application/yaml"}
 GPU = {"memory_allocated_bytes": 1.0, "utilization": 0.5}
 INVENTED = 1500
 

@@ -21,6 +21,13 @@ from storyboard_cli.serve.intake import Planned, PlannedImage
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 90
+YAML = {"Content-Type": "application/yaml"}  # a job body's type
+ONE_IMAGE_JOB = """version: 1
+model: tiny
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, seed: 1}
+"""
 
 
 def free_port() -> int:
