@@ -167,7 +167,8 @@ class Refresher:
     def __init__(self, job_of: Callable[[str], dict | None], clock: Callable[[], float] = time.time,
                  every_s: float = REFRESH_S):
         self.job_of, self.clock, self.every_s = job_of, clock, every_s
-        self.due: dict[str, float] = {}
+        self.due: dict[str, float] = {}  # job -> when to rebuild it
+        self.building: set[str] = set()  # taken off `due`: a touch while it is rebuilt is due again
         self.last: dict[str, float] = {}
         self.wake = threading.Condition()
         self.stopping = False
@@ -187,7 +188,7 @@ class Refresher:
             for job_id in self.due:
                 self.due[job_id] = time.monotonic()
             self.wake.notify()
-            while self.due and time.monotonic() < deadline:
+            while (self.due or self.building) and time.monotonic() < deadline:
                 self.wake.wait(0.05)
 
     def close(self) -> None:
@@ -206,6 +207,9 @@ class Refresher:
                 if self.stopping:
                     return
                 ready = [j for j, at in self.due.items() if at <= time.monotonic()]
+                for job_id in ready:  # a touch from now on (the job's last batch landing) rebuilds it again
+                    del self.due[job_id]
+                self.building.update(ready)
             for job_id in ready:
                 try:
                     self.rebuild(job_id)
@@ -213,7 +217,7 @@ class Refresher:
                     log.warning("job %s: report or sheet not rebuilt", job_id, exc_info=True)
                 with self.wake:
                     self.last[job_id] = time.monotonic()
-                    self.due.pop(job_id, None)
+                    self.building.discard(job_id)
                     self.wake.notify_all()
 
     def rebuild(self, job_id: str) -> None:
