@@ -101,7 +101,7 @@ def router(state: ApiState) -> APIRouter:
         held = await run_in_threadpool(store.lease_outputs, lease_id, clock())
         worker = await run_in_threadpool(store.lease_worker, lease_id)
         if held is None:
-            store.count(LATE)
+            await run_in_threadpool(store.count, LATE)
             return lost(" before this completion")
         try:
             checked = await run_in_threadpool(folders.check, held, {j: [line.model_dump() for line in lines]
@@ -114,7 +114,7 @@ def router(state: ApiState) -> APIRouter:
         if not ok:
             return lost(" before this completion")
         await run_in_threadpool(folders.keep_reports, held, lease_id, worker, body.reports)
-        state.landed(held)
+        await run_in_threadpool(state.landed, held)  # the queue read off the event loop, as every call above
         return JSONResponse({"lease": lease_id})
 
     return api
