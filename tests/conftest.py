@@ -43,7 +43,7 @@ def _longest_first(item) -> int:
 
 def _starts_servers(item) -> bool:
     """Whether the test's module starts `bcg serve` or `bcg worker` processes (tests/helpers/serve.py), marked slow
-    or not: two such servers at once would compete for the cores their latency checks assume."""
+    or not: its tests run one after another, so that no two of its servers compete for the cores."""
     module = getattr(item, "module", None)
     helpers = [getattr(getattr(module, name, None), "__module__", None) for name in ("Server", "start_worker")]
     return "server" in item.fixturenames or "helpers.serve" in helpers
