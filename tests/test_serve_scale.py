@@ -1,7 +1,7 @@
 """One job on every worker that asks, against real `bcg serve` and `bcg worker` processes on the tiny model: a
-40-image job over 3 workers started at different times (one killed with -9 mid-job) gives exactly what `bcg render`
-gives (pixels, one manifest line per image, the report's totals); the late workers get its batches and render at
-the same time as the first; then, with two jobs queued at once, the urgent one ends first and the other ends too."""
+40-image job over 3 workers started at different times (each late one while the first is paused; one killed with -9
+mid-job) gives exactly what `bcg render` gives (pixels, one manifest line per image, the report's totals); the late
+workers get its batches and render at the same time as the first; then, with two jobs queued at once, the urgent one ends first and the other ends too."""
 
 import json
 import os
@@ -65,12 +65,16 @@ def test_one_job_over_three_workers_joining_at_different_times_one_killed_equals
         job_id = post(server.url, JOB)
         workers.append(start_worker(server.url, "first"))
         server.wait(job_id, lambda j: j["images_by_state"].get("done", 0) >= 1)  # the first batch is in
-        workers.append(start_worker(server.url, "second"))
-        workers.append(start_worker(server.url, "doomed"))
-        doomed = workers[-1]
-        doomed_id = eventually(lambda: worker_ids(server.url, "doomed"), bool, timeout_s=120).pop()
-        eventually(lambda: _leased_by(server.url, job_id), lambda seen: doomed_id in seen, timeout_s=120)
+        # each late worker joins while the first is paused (SIGSTOP: its lease expires and goes back to the queue),
+        # so the job still has batches for it however long its start takes on a loaded machine
+        os.killpg(workers[0].pid, signal.SIGSTOP)
+        doomed = start_worker(server.url, "doomed")
+        workers.append(doomed)
+        _takes_a_lease(server.url, job_id, "doomed")
         os.killpg(doomed.pid, signal.SIGKILL)  # mid-job, holding a lease: it expires and goes back to the queue
+        workers.append(start_worker(server.url, "second"))
+        _takes_a_lease(server.url, job_id, "second")
+        os.killpg(workers[0].pid, signal.SIGCONT)  # the first and the second render the rest side by side
         done = eventually(lambda: server.job(job_id), lambda j: j["state"] in FINAL, timeout_s=DEADLINE_S)
         assert done["state"] == "succeeded", done
         spans = leases(server.url, job_id)
@@ -103,6 +107,11 @@ def test_one_job_over_three_workers_joining_at_different_times_one_killed_equals
     assert sum(b["images"] for b in served["buckets"]) == 40
     assert {w["host"] for w in served["workers"]} >= set(by_worker) - {"?"}
     assert (out / "index.html").is_file()
+
+
+def _takes_a_lease(url, job_id, name):
+    worker = eventually(lambda: worker_ids(url, name), bool, timeout_s=120).pop()
+    eventually(lambda: _leased_by(url, job_id), lambda seen: worker in seen, timeout_s=120)
 
 
 def _leased_by(url, job_id):
