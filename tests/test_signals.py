@@ -175,3 +175,20 @@ def test_stop_flag_rules():
     done.handler(signal.SIGHUP, None)  # while the report is written: recorded only
     with pytest.raises(Stopped):
         done.check()
+
+
+def test_a_second_ctrl_c_while_the_first_is_announced_waits_for_the_message():
+    """Python runs a handler between bytecodes, so a second Ctrl-C can land inside the first one's print: the
+    message still goes out whole, then the second press stops at once."""
+    from storyboard_cli.run.signals import SOFT_STOP, StopFlag
+
+    said = []
+
+    def slow_print(message):
+        flag.handler(signal.SIGINT, None)  # the second press, mid-print
+        said.append(message)
+
+    flag = StopFlag(slow_print)
+    with pytest.raises(KeyboardInterrupt):
+        flag.handler(signal.SIGINT, None)
+    assert said == [SOFT_STOP] and flag.hard

@@ -36,15 +36,27 @@ class StopFlag:
         self.on_request = on_request or (lambda message: None)
         self.finishing = False  # writing the report: signals are recorded, never raised
         self.hard = False  # stopping at once (an exception is on its way up)
+        self.announcing = False  # the first Ctrl-C's message is being written (Python handlers nest)
+        self.deferred: int | None = None  # a signal that came meanwhile
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
     def handler(self, signum, frame) -> None:
+        if self.announcing:  # a signal while the first Ctrl-C's message is written: acted on once it is out
+            self.deferred = self.deferred or signum
+            return
         if signum == signal.SIGINT and self.signum is None:
             self.signum = signum
-            self.on_request(SOFT_STOP)
+            self.announcing = True
+            try:
+                self.on_request(SOFT_STOP)
+            finally:
+                self.announcing = False
+            if self.deferred is not None:
+                signum, self.deferred = self.deferred, None
+                self.handler(signum, frame)
             return
         if self.hard or self.finishing:  # already stopping at once, or writing the report: let it finish
             self.signum = self.signum or signum
