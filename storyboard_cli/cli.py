@@ -72,7 +72,8 @@ def plan(job: JobArg, json_out: JsonOpt = False,
         k = r.key
         batches = ", ".join(f"{n}x{b}" for b, n in sorted(Counter(r.batches).items(), reverse=True))
         extra = (k.levers, f"{100 * k.flops_saved:.0f}%" if k.levers else "") if levered else ()
-        table.add_row(f"{k.width}x{k.height}", str(k.steps), k.sampler, "yes" if k.control else "", str(r.images),
+        control = (f"{len(k.nets)} nets" if len(k.nets) > 1 else "yes") if k.control else ""
+        table.add_row(f"{k.width}x{k.height}", str(k.steps), k.sampler, control, str(r.images),
                       batches, str(r.rows), f"{r.padded_rows} ({100 * r.waste:.0f}%)", f"{r.row_steps:,}", *extra)
     table.add_section()
     table.add_row("total", "", "", "", str(sum(r.images for r in rows)), str(sum(len(r.batches) for r in rows)),
@@ -91,6 +92,12 @@ def plan(job: JobArg, json_out: JsonOpt = False,
     if j.loras:
         out.print("LoRA sets, in render order: " + "; ".join(f"{r.label} ({plural(r.images, 'image')})"
                                                             for r in s.lora_sets) + f"; {plural(s.lora_swaps, 'swap')}")
+    if s.references:
+        characters = f"; characters: {', '.join(s.characters)}" if s.characters else ""
+        out.print(f"references: {plural(s.references, 'reference')}, encoded once (ip_adapter {j.ip_adapter})"
+                  f"{characters}")
+    if s.reference_note:
+        out.print(s.reference_note)
 
 
 @app.command()

@@ -1,7 +1,9 @@
 """YAML job file -> frozen, validated dataclasses. No torch here.
 
 Every error names file:line, the shot id and the field, in one line (errors.JobError). The YAML is read by
-job/yaml_loader.py, values are checked by job/values.py, the files the job refers to by job/references.py.
+job/yaml_loader.py, values are checked by job/values.py, the files the job refers to by job/references.py, its
+ControlNets by job/controls.py, its IP-Adapter by job/adapter.py and its references and characters by
+job/characters.py.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from typing import Any
 
 from storyboard_cli.errors import did_you_mean
 from storyboard_cli.folder.layout import RESERVED
+from storyboard_cli.job.adapter import resolve_adapter
+from storyboard_cli.job.characters import (Character, Reference, reference_image, resolve_characters, shot_references,
+                                           with_character_loras)
+from storyboard_cli.job.controls import Nets, resolve_controls, resolve_nets
 from storyboard_cli.job.inputs import INPUTS_KEY, Inputs
 from storyboard_cli.job.lora_files import LORA_TAG
 from storyboard_cli.job.preflight import expanded
-from storyboard_cli.job.references import (LoraFile, ShotControl, declared_inputs, resolve_control, resolve_loras,
-                                           shot_loras)
+from storyboard_cli.job.references import LoraFile, ShotControl, declared_inputs, lora_set, resolve_loras, shot_loras
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_int, as_str, check_keys,
                                        line_of, type_name)
 from storyboard_cli.job.yaml_loader import SHOT_ID, Located, clip, read_yaml, short_repr
@@ -39,9 +44,10 @@ MAX_BUCKET = 64
 MAX_SEED = 2**63 - 1 - MAX_CANDIDATES
 MAX_PATH = 4096  # Linux's PATH_MAX
 
-TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots", INPUTS_KEY)
+TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots", INPUTS_KEY,
+            "controlnets", "ip_adapter", "image_encoder", "characters")
 SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control",
-             "lora", "cfg_cutoff", "deepcache")
+             "lora", "cfg_cutoff", "deepcache", "characters", "reference")
 DEEPCACHE_KEYS = ("interval", "branch")
 MAX_INTERVAL = 10
 MAX_BRANCH = 2  # SDXL's UNet has 3 up blocks: branches 0 (the shallowest skip) to 2
@@ -73,13 +79,16 @@ class Shot:
     steps: int
     guidance: float
     sampler: str
-    control: ShotControl | None
+    control: ShotControl | None  # the first of `controls` (in the job's net order)
     line: int
     first_candidate: int = 0  # > 0 only for candidates added later (bcg render --reroll)
     loras: tuple[tuple[str, float], ...] = ()  # (name in Job.loras, scale), sorted by name, no zero scales
     cfg_cutoff: float = 1.0  # the fraction of the steps that use guidance (1.0: every step)
     deepcache: DeepCache = NO_DEEPCACHE
     draft: bool = False  # rendered by `bcg render --draft`: marked so in every output
+    controls: tuple[ShotControl, ...] = ()  # every net it runs, in the job's net order (their residuals' sum's)
+    references: tuple[Reference, ...] = ()  # its characters' in the order it names them, then its `reference:`
+    characters: tuple[str, ...] = ()  # names in Job.characters
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,10 @@ class Job:
     buckets: tuple[int, ...]
     shots: tuple[Shot, ...]
     loras: dict[str, LoraFile] = field(default_factory=dict)  # the top-level `loras:`, by name
+    controlnets: Nets = ()  # ((name, model spec), ...) in file order; `controlnet: X` is (("controlnet", X),)
+    ip_adapter: str | None = None
+    image_encoder: str | None = None
+    characters: dict[str, Character] = field(default_factory=dict)  # the top-level `characters:`, by name
 
 
 def parse_size(text: Any) -> tuple[int, int]:
@@ -120,8 +133,8 @@ def _default_seed(shot_id: str) -> int:
     return zlib.crc32(shot_id.encode())
 
 
-def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir: Path, has_controlnet: bool,
-                  list_line: int, loras: dict[str, LoraFile]) -> Shot:
+def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir: Path, list_line: int,
+                  job: Job) -> Shot:
     if not isinstance(raw, Located):
         raise ctx.fail(list_line, f"#{index + 1}", None, f"a shot must be a mapping, got {type_name(raw)}")
     shot_id = raw.get("id")
@@ -151,7 +164,9 @@ def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir
     if prompt is None:
         raise ctx.fail(line, shot_id, "prompt", "missing")
     prompt = as_str(ctx, prompt, line, shot_id, "prompt", empty_ok=False)
-    prompt, lora_scales = shot_loras(ctx, prompt, line, *get("lora"), shot_id, loras)
+    lora_raw, lora_line = get("lora")
+    prompt_line = line
+    prompt, lora_scales = shot_loras(ctx, prompt, line, lora_raw, lora_line, shot_id, job.loras)
     negative, line = get("negative")
     negative = "" if negative is None else as_str(ctx, negative, line, shot_id, "negative", empty_ok=True)
     if LORA_TAG.search(negative):
@@ -172,14 +187,18 @@ def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir
     if sampler not in SAMPLERS:
         raise ctx.fail(line, shot_id, "sampler", f"unknown sampler {short_repr(sampler)} (known: {', '.join(SAMPLERS)})"
                        f"{did_you_mean(sampler, SAMPLERS)}")
-    control, line = get("control")
-    if control is not None:
-        control = resolve_control(ctx, control, line, shot_id, job_dir, has_controlnet)
+    controls = resolve_controls(ctx, *get("control"), shot_id, job_dir, job.controlnets)
+    names, names_line = get("characters")
+    names, references = shot_references(ctx, names, names_line, *get("reference"), shot_id, job_dir, job.characters,
+                                        job.ip_adapter)
+    lora_scales = with_character_loras(ctx, lora_scales, lora_raw, lora_line, prompt_line, names, names_line, shot_id,
+                                       job.characters)
     cfg_cutoff, line = get("cfg_cutoff")
     cfg_cutoff = 1.0 if cfg_cutoff is None else as_float(ctx, cfg_cutoff, line, shot_id, "cfg_cutoff", 0.0, 1.0)
     deepcache = _deepcache(ctx, *get("deepcache"), shot_id)
-    return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler, control, raw.line,
-                loras=lora_scales, cfg_cutoff=cfg_cutoff, deepcache=deepcache)
+    return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler,
+                controls[0] if controls else None, raw.line, loras=lora_set(lora_scales), cfg_cutoff=cfg_cutoff,
+                deepcache=deepcache, controls=controls, references=references, characters=names)
 
 
 def _deepcache(ctx: Context, raw: Any, line: int | None, shot_id: str) -> DeepCache:
@@ -204,8 +223,9 @@ def as_draft(job: Job) -> Job:
     ControlNet ends where the guidance does (or earlier, where the shot says so)."""
     def draft(s: Shot) -> Shot:
         end = guided_steps(s.steps, DRAFT_CUTOFF) / s.steps
-        control = s.control and replace(s.control, end=min(s.control.end, end))
-        return replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True, control=control)
+        controls = tuple(replace(c, end=min(c.end, end)) for c in s.controls)
+        return replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True, controls=controls,
+                       control=controls[0] if controls else None)
 
     return replace(job, shots=tuple(draft(s) for s in job.shots))
 
@@ -251,10 +271,8 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
     model, line = _top_field(ctx, doc, "model", required=True)
     model = as_str(ctx, model, line, None, "model", empty_ok=False)
     ctx.confine_model(model, line, "model")
-    controlnet, line = _top_field(ctx, doc, "controlnet")
-    if controlnet is not None:
-        controlnet = as_str(ctx, controlnet, line, None, "controlnet", empty_ok=False)
-        ctx.confine_model(controlnet, line, "controlnet")
+    nets = resolve_nets(ctx, doc)
+    ip_adapter, image_encoder = resolve_adapter(ctx, doc, model)
     output_dir, line = _top_field(ctx, doc, "output_dir")
     output_dir = Path("outputs") / name if output_dir is None else _output_dir(ctx, output_dir, line)
     ctx.confine(path.resolve().parent / output_dir, line, None, "output_dir", clip(str(output_dir)))
@@ -279,6 +297,9 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
     job_dir = path.resolve().parent
     declared_inputs(ctx, *_top_field(ctx, doc, INPUTS_KEY))
     loras = resolve_loras(ctx, *_top_field(ctx, doc, "loras"), job_dir, model)
+    characters = resolve_characters(ctx, *_top_field(ctx, doc, "characters"), job_dir, loras, ip_adapter)
+    job = Job(path, name, model, nets[0][1] if nets else None, output_dir, buckets, (), loras, nets, ip_adapter,
+              image_encoder, characters)
 
     shots_raw, line = _top_field(ctx, doc, "shots", required=True)
     if not isinstance(shots_raw, list):
@@ -288,14 +309,14 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
     shots: list[Shot] = []
     seen: dict[str, int] = {}
     for i, raw in enumerate(shots_raw):
-        shot = _resolve_shot(ctx, raw, i, defaults, job_dir, controlnet is not None, line, loras)
+        shot = _resolve_shot(ctx, raw, i, defaults, job_dir, line, job)
         folded = shot.id.lower()  # case-insensitive file systems would merge 'A' and 'a'
         if folded in seen:
             raise ctx.fail(line_of(raw, "id"), shot.id, "id",
                            f"duplicate shot id (first used on line {seen[folded]})")
         seen[folded] = line_of(raw, "id") or 0
         shots.append(shot)
-    return Job(path, name, model, controlnet, output_dir, buckets, tuple(shots), loras)
+    return replace(job, shots=tuple(shots))
 
 
 def _output_dir(ctx: Context, raw: Any, line: int | None) -> Path:
@@ -322,20 +343,26 @@ def _name_from_file(ctx: Context, path: Path, line: int) -> str:
 
 
 def named_files(path: Path) -> list[str]:
-    """The files a job names (its LoRA files, its shots' and defaults' control images), as it writes them, in
-    file order, without validating the rest: what `bcg submit` uploads. Raises JobError for a file that is not
-    YAML."""
+    """The files a job names (its LoRA files, its shots' and defaults' control images, one or a list, its
+    characters' and shots' reference images), as it writes them, in file order, without validating the rest: what
+    `bcg submit` uploads. Raises JobError for a file that is not YAML."""
     doc = read_yaml(Path(path))
     if not isinstance(doc, dict):
         return []
-    names: list[str] = []
+    names: list = []
     loras = doc.get("loras")
     if isinstance(loras, dict):
-        names += [v for v in loras.values() if isinstance(v, str)]
+        names += loras.values()
+    characters = doc.get("characters")
+    if isinstance(characters, dict):
+        names += [reference_image(c.get("reference")) for c in characters.values() if isinstance(c, dict)]
     defaults = doc.get("defaults")
     shots = doc.get("shots")
     for holder in ([defaults] if isinstance(defaults, dict) else []) + (shots if isinstance(shots, list) else []):
-        control = holder.get("control") if isinstance(holder, dict) else None
-        if isinstance(control, dict) and isinstance(control.get("image"), str):
-            names.append(control["image"])
-    return list(dict.fromkeys(n for n in names if n.strip()))
+        for key, value in holder.items() if isinstance(holder, dict) else ():
+            if key == "control":
+                entries = value if isinstance(value, list) else [value]
+                names += [c.get("image") for c in entries if isinstance(c, dict)]
+            elif key == "reference":
+                names.append(reference_image(value))
+    return list(dict.fromkeys(n for n in names if isinstance(n, str) and n.strip()))

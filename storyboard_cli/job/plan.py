@@ -1,161 +1,19 @@
-"""Job -> WorkItems -> Batches. Pure Python, no torch: tested in milliseconds."""
+"""Job -> WorkItems -> Batches. Pure Python, no torch: tested in milliseconds. The items and their bucket keys are
+job/items.py's (`WorkItem`, `BucketKey`, imported from here too)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from storyboard_cli.folder.layout import output_name
-from storyboard_cli.job.digests import SHORT, file_sha256, weights_digest
-from storyboard_cli.job.file import Job, LoraFile, Shot
+from storyboard_cli.job.file import Job, Shot
+from storyboard_cli.job.items import BucketKey, LoraScales, WorkItem
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.preflight import check_destination, check_model_path, free_bytes
 from storyboard_cli.job.prompts import long_prompts
-from storyboard_cli.steps import (NO_DEEPCACHE, DeepCache, StepPlan, control_steps, guided_steps, levers_label,
-                                  step_costs, step_plan)
-
-LoraScales = tuple[tuple[str, float], ...]  # ((name, scale), ...) sorted by name: one LoRA set
-
-
-@dataclass(frozen=True, order=True)
-class BucketKey:
-    """Everything that changes the shape or the schedule of a denoising loop, and the LoRA set (a batch
-    runs under one set of weights)."""
-
-    width: int
-    height: int
-    steps: int
-    sampler: str
-    control: bool
-    loras: LoraScales = ()
-    guided: bool = True  # False: every image's guidance <= 1, the conditional rows alone at every step
-    cfg_cutoff: float = 1.0
-    deepcache: DeepCache = NO_DEEPCACHE  # with control: after the ControlNet's end
-    control_end: float = 1.0  # the fraction of the steps the ControlNet runs (a batch with control)
-
-    @property
-    def guided_steps(self) -> int:
-        return guided_steps(self.steps, self.cfg_cutoff) if self.guided else 0
-
-    @property
-    def control_steps(self) -> int | None:
-        """The steps the ControlNet runs (the first ones); None without one."""
-        return control_steps(self.steps, self.control_end) if self.control else None
-
-    @property
-    def plan(self) -> StepPlan:
-        """Each step's kind (steps.step_plan): one plan per batch."""
-        return step_plan(self.steps, self.guided_steps, self.deepcache.interval, self.deepcache.branch,
-                         self.control_steps)
-
-    @property
-    def levers(self) -> str:
-        """What the batches do differently from a full render ("" when nothing): the label's tail."""
-        return levers_label(self.steps, self.guided, self.cfg_cutoff, self.control, self.control_end, self.deepcache)
-
-    @property
-    def label(self) -> str:
-        lora = f" lora {lora_set_label(self.loras)}" if self.loras else ""
-        levers = f" [{self.levers}]" if self.levers else ""
-        return (f"{self.width}x{self.height} {self.steps} steps {self.sampler}{' +control' if self.control else ''}"
-                f"{lora}{levers}")
-
-    @property
-    def flops_saved(self) -> float:
-        """The fraction of the UNet's FLOPs a batch of this key saves against the same batch with every step
-        guided and whole, the ControlNet included (step_costs): the estimate `bcg plan` shows per bucket."""
-        return 1 - step_costs(self.plan, self.control) / self.steps
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    """One image to render. Identical requests share one item with several outputs."""
-
-    shot: str
-    k: int
-    seed: int
-    prompt: str
-    negative: str
-    width: int
-    height: int
-    steps: int
-    guidance: float
-    sampler: str
-    control_image: Path | None
-    control_scale: float
-    outputs: tuple[str, ...]  # paths relative to the output folder; the first is the item's own
-    control_file: str = ""  # the control image as seen from the job file's folder
-    loras: tuple[tuple[LoraFile, float], ...] = ()  # sorted by name, no zero scales
-    cfg_cutoff: float = 1.0  # 1.0 where it does not apply (guidance <= 1: no guided step to cut)
-    deepcache: DeepCache = NO_DEEPCACHE  # off where it does not apply (a ControlNet that runs to the end)
-    draft: bool = False
-    control_end: float = 1.0  # 1.0 where it does not apply (no ControlNet, or one that runs every step)
-
-    @property
-    def lora_scales(self) -> LoraScales:
-        return tuple((f.name, scale) for f, scale in self.loras)
-
-    @property
-    def key(self) -> BucketKey:
-        return BucketKey(self.width, self.height, self.steps, self.sampler, self.control_image is not None,
-                         self.lora_scales, self.guidance > 1, self.cfg_cutoff, self.deepcache, self.control_end)
-
-    @property
-    def identity(self) -> tuple:
-        return (self.prompt, self.negative, self.width, self.height, self.seed, self.steps, self.guidance,
-                self.sampler, str(self.control_image), self.control_scale,
-                tuple((f.sha256, scale) for f, scale in self.loras), self.cfg_cutoff, self.deepcache, self.draft,
-                self.control_end)
-
-    def settings(self, model: str, controlnet: str | None) -> dict:
-        """What decides the pixels: written into each PNG and the manifest, and used to tell a stale file
-        from a done one. Files are recorded by content (a control image's sha256, a LoRA's hash, weights
-        given as a path by size + mtime + header); keys appear only where they apply, so an image without
-        them keeps its fingerprint."""
-        s = {"prompt": self.prompt, "negative": self.negative, "width": self.width, "height": self.height,
-             "seed": self.seed, "steps": self.steps, "guidance": self.guidance, "sampler": self.sampler,
-             "model": model}
-        _put_weights(s, "model_weights", model)
-        if self.control_image is not None:
-            s.update(controlnet=controlnet, control_image=self.control_file or str(self.control_image),
-                     control_scale=self.control_scale, control_sha256=_content(self.control_image))
-            _put_weights(s, "controlnet_weights", controlnet)
-            if self.control_end < 1:
-                s["control_end"] = self.control_end
-        if self.loras:
-            s["loras"] = [{"name": f.name, "scale": scale, "file": f.file, "sha256": f.sha256,
-                           "shorthash": f.shorthash} for f, scale in self.loras]
-        if self.cfg_cutoff < 1:
-            s["cfg_cutoff"] = self.cfg_cutoff
-        if self.deepcache:
-            s["deepcache"] = self.deepcache.to_json()
-        if self.draft:
-            s["draft"] = True
-        return s
-
-    def fingerprint(self, model: str, controlnet: str | None) -> str:
-        s = self.settings(model, controlnet)
-        # where the files live does not decide the pixels: a moved project folder keeps its images
-        s.pop("control_image", None)
-        for lora in s.get("loras", ()):
-            lora.pop("file")
-        blob = json.dumps(s, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _content(path: Path) -> str:
-    try:
-        return file_sha256(path)[:SHORT]
-    except OSError as e:  # gone since the job was loaded: the render fails this image and names the file
-        return f"unreadable: {e.strerror or e.__class__.__name__}"
-
-
-def _put_weights(settings: dict, key: str, spec: str | None) -> None:
-    digest = weights_digest(spec)
-    if digest is not None:
-        settings[key] = digest
+from storyboard_cli.job.references import SHORTHAND_NET
+from storyboard_cli.steps import NO_DEEPCACHE, DeepCache, control_steps, guided_steps, levers_label
 
 
 @dataclass(frozen=True)
@@ -174,13 +32,17 @@ def work_items(job: Job) -> list[WorkItem]:
     items: dict[tuple, WorkItem] = {}
     for shot in job.shots:
         loras = tuple((job.loras[name], scale) for name, scale in shot.loras)
+        cutoff, deepcache, draft, _ = levers(shot)
+        controls = tuple(replace(c, end=_ran_end(shot.steps, c.end)) for c in shot.controls)
+        first, refs = (controls or (None,))[0], shot.references
+        adapter = (job.ip_adapter, job.image_encoder) if refs else (None, None)
         for k in range(shot.first_candidate, shot.first_candidate + shot.candidates):
             seed = shot.seed + k
-            control = shot.control
             item = WorkItem(shot.id, k, seed, shot.prompt, shot.negative, shot.width, shot.height, shot.steps,
-                            shot.guidance, shot.sampler, control.image if control else None,
-                            control.scale if control else 0.0, (output_name(shot.id, k, seed),),
-                            control.file if control else "", loras, *levers(shot))
+                            shot.guidance, shot.sampler, first and first.image, first.scale if first else 0.0,
+                            (output_name(shot.id, k, seed),), first.file if first else "", loras, cutoff, deepcache,
+                            draft, first.end if first else 1.0, controls, refs,
+                            max((r.scale for r in refs), default=0.0), *adapter)
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
@@ -189,15 +51,20 @@ def work_items(job: Job) -> list[WorkItem]:
     return list(items.values())
 
 
+def _ran_end(steps: int, end: float) -> float:
+    """A ControlNet's end as it applies: 1.0 where it runs every step."""
+    return end if control_steps(steps, end) < steps else 1.0
+
+
 def levers(shot: Shot) -> tuple[float, DeepCache, bool, float]:
     """(cfg_cutoff, deepcache, draft, control_end) as they apply to the shot's images: no cut-off where there is no
-    guidance to cut (guidance <= 1, or a cut-off that keeps every step), a ControlNet's end only where it stops
-    before the last step, and DeepCache with a ControlNet only when it stops (DeepCache runs after it: its
-    residuals feed the blocks a shallow step skips)."""
+    guidance to cut (guidance <= 1, or a cut-off that keeps every step), the ControlNets' end (the last net's) only
+    where they stop before the last step, and DeepCache with ControlNets only when they all stop (DeepCache runs
+    after them: their residuals feed the blocks a shallow step skips)."""
     cut_off = shot.guidance > 1 and guided_steps(shot.steps, shot.cfg_cutoff) < shot.steps
-    ends = shot.control is not None and control_steps(shot.steps, shot.control.end) < shot.steps
-    deepcache = NO_DEEPCACHE if shot.control and not ends else shot.deepcache
-    return (shot.cfg_cutoff if cut_off else 1.0), deepcache, shot.draft, (shot.control.end if ends else 1.0)
+    end = _ran_end(shot.steps, max((c.end for c in shot.controls), default=1.0))
+    deepcache = NO_DEEPCACHE if shot.controls and end == 1.0 else shot.deepcache
+    return (shot.cfg_cutoff if cut_off else 1.0), deepcache, shot.draft, end
 
 
 def shot_levers_label(shot: Shot) -> str:
@@ -220,6 +87,17 @@ def deepcache_note(job: Job) -> str | None:
     listed = ", ".join(shots[:5]) + (f" and {len(shots) - 5} more" if len(shots) > 5 else "")
     return (f"DeepCache is off for the ControlNet shots ({listed}): ControlNet's residuals feed the blocks its "
             f"shallow steps skip; they get the guidance cut-off only (DeepCache runs after a `control.end`)")
+
+
+def reference_note(job: Job) -> str | None:
+    """What `bcg plan` says, once, about shots whose references ask for different scales: the adapter applies one
+    scale to an image's references (diffusers' one scale per adapter), their largest."""
+    shots = [f"{s.id} ({', '.join(f'{r.character or Path(r.file).name} {r.scale:g}' for r in s.references)})"
+             for s in job.shots if len({r.scale for r in s.references}) > 1]
+    if not shots:
+        return None
+    listed = ", ".join(shots[:5]) + (f" and {len(shots) - 5} more" if len(shots) > 5 else "")
+    return f"references at different scales in one shot: {listed}; each image gets their largest"
 
 
 def shot_levers(job: Job) -> list[dict]:
@@ -373,6 +251,9 @@ class PlanSummary:
     warnings: tuple[str, ...]  # the prompts CLIP cuts, then the disk where the images will not fit
     note: str | None  # about ControlNet shots that asked for DeepCache (deepcache_note)
     disk_bytes: int  # the images' size on disk, roughly
+    references: int = 0  # distinct reference images (by sha256): each encoded once
+    characters: tuple[str, ...] = ()  # the characters the shots use, in order of first use
+    reference_note: str | None = None  # about shots whose references' scales differ (reference_note)
 
     @property
     def images(self) -> int:
@@ -391,23 +272,33 @@ class PlanSummary:
         return sum(r.key.flops_saved * r.row_steps for r in self.buckets) / max(1, row_steps)
 
     def to_json(self) -> dict:
-        """`bcg plan --json`."""
+        """`bcg plan --json`: the keys of named nets and of references only where the job has them."""
         j = self.job
-        return {"job": str(j.path), "name": j.name, "model": j.model, "controlnet": j.controlnet,
-                "output_dir": str(j.output_dir), "shots": len(j.shots), "images": self.images,
-                "unique_images": self.unique_images, "disk_bytes_estimate": self.disk_bytes,
-                "buckets": [r.to_json() for r in self.buckets], "notes": [self.note] if self.note else [],
-                "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash}
-                          for n, f in j.loras.items()},
-                "lora_sets": [r.to_json() for r in self.lora_sets], "lora_swaps": self.lora_swaps,
-                "prompt_warnings": list(self.warnings)}
+        out = {"job": str(j.path), "name": j.name, "model": j.model, "controlnet": j.controlnet,
+               "output_dir": str(j.output_dir), "shots": len(j.shots), "images": self.images,
+               "unique_images": self.unique_images, "disk_bytes_estimate": self.disk_bytes,
+               "buckets": [r.to_json() for r in self.buckets],
+               "notes": [n for n in (self.note, self.reference_note) if n],
+               "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash}
+                         for n, f in j.loras.items()},
+               "lora_sets": [r.to_json() for r in self.lora_sets], "lora_swaps": self.lora_swaps,
+               "prompt_warnings": list(self.warnings)}
+        if j.controlnets and j.controlnets[0][0] != SHORTHAND_NET:
+            out["controlnets"] = dict(j.controlnets)
+        if j.ip_adapter is not None:
+            out.update(ip_adapter=j.ip_adapter, image_encoder=j.image_encoder, references=self.references,
+                       characters=list(self.characters))
+        return out
 
 
 def summary(job: Job) -> PlanSummary:
     """`bcg plan`: the model paths and the output folder checked (BadInput, ModelError), the job's images planned
     into batches, what CLIP will cut from the prompts, and whether the images fit on the disk."""
     check_model_path(job.model, "model")
-    check_model_path(job.controlnet, "controlnet")
+    for name, spec in job.controlnets:
+        check_model_path(spec, "controlnet" if job.controlnets == ((SHORTHAND_NET, spec),) else f"controlnets.{name}")
+    check_model_path(job.ip_adapter, "ip_adapter")
+    check_model_path(job.image_encoder, "image_encoder")
     check_destination(job.output_dir)
     items = work_items(job)
     batches = make_batches(items, job.buckets)
@@ -416,5 +307,7 @@ def summary(job: Job) -> PlanSummary:
     if free is not None and disk > free:
         warnings.append(f"the images need about {decimal_size(disk)} on disk, {job.output_dir} has "
                         f"{decimal_size(free)} free")
+    references = {r.sha256 for s in job.shots for r in s.references}
+    characters = tuple(dict.fromkeys(c for s in job.shots for c in s.characters))
     return PlanSummary(job, len(items), tuple(bucket_table(batches)), tuple(lora_table(batches)), lora_swaps(batches),
-                       tuple(warnings), deepcache_note(job), disk)
+                       tuple(warnings), deepcache_note(job), disk, len(references), characters, reference_note(job))

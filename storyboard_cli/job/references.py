@@ -1,6 +1,7 @@
 """What a job file refers to, checked as it loads: its LoRA files (the top-level `loras:`, each read and held against
-the job's model; a shot's `lora:` and its prompt's `<lora:name:scale>` tags), its control images (every pixel
-decoded, the bytes hashed) and the files it names by sha256 (`inputs:`). No torch."""
+the job's model; a shot's `lora:` and its prompt's `<lora:name:scale>` tags), the images it names (every pixel
+decoded, the bytes hashed: `check_image`, for control images, job/controls.py, and references, job/characters.py)
+and the files it names by sha256 (`inputs:`). No torch."""
 
 from __future__ import annotations
 
@@ -13,26 +14,30 @@ from pathlib import Path
 from typing import Any
 
 from storyboard_cli.errors import JobError, did_you_mean, one_line
-from storyboard_cli.job.digests import remember_sha256
+from storyboard_cli.job.digests import file_sha256, remember_sha256
 from storyboard_cli.job.inputs import DIGEST_RULE, INPUTS_KEY, Inputs, is_digest
 from storyboard_cli.job.lora_files import SCALE_RANGE, inspect_lora, lora_problem, split_lora_tags
-from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_str, check_keys, line_of,
-                                       type_name, unicode_text)
+from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_str, line_of, type_name,
+                                       unicode_text)
 from storyboard_cli.job.yaml_loader import MESSAGE_VALUE, Located, clip, short_repr
 
 log = logging.getLogger(__name__)
 
-CONTROL_KEYS = ("image", "scale", "end")
+SHORTHAND_NET = "controlnet"  # the one net of a job's `controlnet: X`
 
 
 @dataclass(frozen=True)
 class ShotControl:
-    """A shot's `control:` (the tensors a batch is conditioned on are conditioning.Control)."""
+    """One ControlNet a shot runs, from its `control:` (the tensors a batch is conditioned on are
+    conditioning.Control)."""
 
     image: Path  # absolute, resolved against the job file's folder
     scale: float
     file: str = ""  # the image as seen from the job file's folder: what the outputs record
     end: float = 1.0  # the fraction of the steps the ControlNet runs, as diffusers' control_guidance_end
+    net: str = SHORTHAND_NET  # a name in Job.controlnets
+    model: str = ""  # that net's model spec, so the outputs record it without the job
+    index: int = 0  # the net's place in Job.controlnets (BucketKey.nets)
 
 
 @dataclass(frozen=True)
@@ -58,20 +63,30 @@ def _known_lora(ctx: Context, name: Any, line: int | None, shot_id: str, field: 
                    f"{did_you_mean(str(name), loras)}")
 
 
-def shot_loras(ctx: Context, prompt: str, prompt_line: int | None, raw: Any, line: int | None, shot_id: str,
-                loras: dict[str, LoraFile]) -> tuple[str, tuple[tuple[str, float], ...]]:
-    """The shot's `lora:` mapping and the prompt's A1111 `<lora:name:scale>` tags, merged: (the prompt
-    without its tags, ((name, scale), ...) sorted, zero scales left out). Both ways give the same image."""
+def lora_scales(ctx: Context, raw: Any, line: int | None, shot_id: str | None, field: str,
+                loras: dict[str, LoraFile]) -> dict[str, float]:
+    """A `lora:` mapping of LoRA name: scale (a shot's, a character's), zero scales kept."""
     lo, hi = SCALE_RANGE
     scales: dict[str, float] = {}
-    if raw is not None:
-        if not isinstance(raw, dict):
-            raise ctx.fail(line, shot_id, "lora", f"must be a mapping of LoRA name: scale, like {{mei: 0.8}}, "
-                           f"got {type_name(raw)}")
-        for name, scale in raw.items():
-            name_line = line_of(raw, name, line)
-            name = _known_lora(ctx, name, name_line, shot_id, "lora", loras)
-            scales[name] = as_float(ctx, scale, name_line, shot_id, f"lora.{name}", lo, hi)
+    if raw is None:
+        return scales
+    if not isinstance(raw, dict):
+        raise ctx.fail(line, shot_id, field, f"must be a mapping of LoRA name: scale, like {{mei: 0.8}}, "
+                       f"got {type_name(raw)}")
+    for name, scale in raw.items():
+        name_line = line_of(raw, name, line)
+        name = _known_lora(ctx, name, name_line, shot_id, field, loras)
+        scales[name] = as_float(ctx, scale, name_line, shot_id, f"{field}.{name}", lo, hi)
+    return scales
+
+
+def shot_loras(ctx: Context, prompt: str, prompt_line: int | None, raw: Any, line: int | None, shot_id: str,
+                loras: dict[str, LoraFile]) -> tuple[str, dict[str, float]]:
+    """The shot's `lora:` mapping and the prompt's A1111 `<lora:name:scale>` tags, merged: (the prompt
+    without its tags, {name: scale}, zero scales kept: `lora_set` leaves them out). Both ways give the same
+    image."""
+    lo, hi = SCALE_RANGE
+    scales = lora_scales(ctx, raw, line, shot_id, "lora", loras)
     try:
         text, tags = split_lora_tags(prompt)
     except ValueError as e:  # it quotes the tag, which may be most of a long prompt
@@ -87,7 +102,12 @@ def shot_loras(ctx: Context, prompt: str, prompt_line: int | None, raw: Any, lin
         scales[name] = scale
     if tags and not text.strip():
         raise ctx.fail(prompt_line, shot_id, "prompt", "nothing is left once its <lora:...> tags are removed")
-    return text, tuple(sorted((n, s) for n, s in scales.items() if s != 0))
+    return text, scales
+
+
+def lora_set(scales: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    """((name, scale), ...) sorted by name, zero scales left out: a shot's LoRA set (Shot.loras)."""
+    return tuple(sorted((n, s) for n, s in scales.items() if s != 0))
 
 
 def resolve_loras(ctx: Context, raw: Any, line: int | None, job_dir: Path, model: str) -> dict[str, LoraFile]:
@@ -132,37 +152,28 @@ def declared_inputs(ctx: Context, raw: Any, line: int | None) -> None:
         ctx.inputs.digests.setdefault(name, digest)
 
 
-def resolve_control(ctx: Context, raw: Any, line: int | None, shot_id: str, job_dir: Path,
-                     has_controlnet: bool) -> ShotControl:
-    if not isinstance(raw, Located):
-        raise ctx.fail(line, shot_id, "control", f"must be a mapping with 'image' and 'scale', got {type_name(raw)}")
-    check_keys(ctx, raw, CONTROL_KEYS, shot_id, prefix="control.")
-    if not has_controlnet:
-        raise ctx.fail(line, shot_id, "control", "the job sets no top-level 'controlnet' model")
-    image_line = line_of(raw, "image", line)
-    if "image" not in raw:
-        raise ctx.fail(raw.line, shot_id, "control.image", "missing")
-    rel = as_str(ctx, raw["image"], image_line, shot_id, "control.image", empty_ok=False)
-    path, shown = ctx.input_file(rel, job_dir, image_line, shot_id, "control.image")
+def check_image(ctx: Context, raw: Any, line: int | None, shot_id: str | None, field: str,
+                job_dir: Path) -> tuple[Path, str, str]:
+    """An image the job names (a control image, a reference) at `field`: (the file to read, the name the outputs
+    record, the sha256 of its bytes). Every pixel is decoded, once per job however many shots use it."""
+    rel = as_str(ctx, raw, line, shot_id, field, empty_ok=False)
+    path, shown = ctx.input_file(rel, job_dir, line, shot_id, field)
     if path not in ctx.images_checked:
-        _check_image(ctx, path, image_line, shot_id, shown)
+        _decode_image(ctx, path, line, shot_id, shown, field)
         ctx.images_checked.add(path)
-    scale = as_float(ctx, raw.get("scale", 1.0), line_of(raw, "scale", line), shot_id, "control.scale", 0.0, 2.0)
-    end_line = line_of(raw, "end", line)
-    end = as_float(ctx, raw.get("end", 1.0), end_line, shot_id, "control.end", 0.0, 1.0)
-    if end <= 0:
-        raise ctx.fail(end_line, shot_id, "control.end", "must be above 0 (the fraction of the steps the ControlNet "
-                                                         "runs; leave out `control` for none)")
-    return ShotControl(path, scale, shown, end)
+    try:
+        return path, shown, file_sha256(path)  # cached by _decode_image: no second read
+    except OSError as e:
+        raise ctx.fail(line, shot_id, field, f"not a readable image: {shown} ({e.strerror or e})") from None
 
 
-def _check_image(ctx: Context, path: Path, line: int | None, shot_id: str, shown: str) -> None:
+def _decode_image(ctx: Context, path: Path, line: int | None, shot_id: str | None, shown: str, field: str) -> None:
     """Decodes every pixel, so a truncated file or a broken PNG stream fails here, before any model loads,
     not in the middle of a render; the bytes read are hashed for the skip check on the way."""
     from PIL import Image, UnidentifiedImageError
 
     def bad(why: str) -> JobError:
-        return ctx.fail(line, shot_id, "control.image", f"not a readable image: {shown} ({why})")
+        return ctx.fail(line, shot_id, field, f"not a readable image: {shown} ({why})")
 
     try:
         data = path.read_bytes()
@@ -176,8 +187,8 @@ def _check_image(ctx: Context, path: Path, line: int | None, shot_id: str, shown
                 pixels = im.width * im.height
         if any(issubclass(w.category, Image.DecompressionBombWarning) for w in caught):
             # said once, in our words (the process ignores PIL's own warning: cli.main)
-            log.warning("control image %s is %.0f megapixels: each shot resizes it to its own size; a smaller "
-                        "file loads faster", shown, pixels / 1e6)
+            log.warning("%s %s is %.0f megapixels: each shot resizes it to its own size; a smaller "
+                        "file loads faster", field.replace(".", " "), shown, pixels / 1e6)
     except Image.DecompressionBombError as e:
         raise bad(f"too many pixels: {e}") from None
     except UnidentifiedImageError:
