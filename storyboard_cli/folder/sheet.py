@@ -14,7 +14,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote
 
 from storyboard_cli.errors import BadInput, folder_error
 from storyboard_cli.folder.charts import esc, report_svgs
@@ -25,6 +24,7 @@ from storyboard_cli.folder.lock import held
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.folder.report import job_of_folder
 from storyboard_cli.folder.sheet_assets import CSP, SCRIPT, STYLE, json_island
+from storyboard_cli.folder.sheet_refs import Guide, guides_html, href, meta_guides, shot_guides
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.plan import shot_levers_label, work_items
@@ -32,11 +32,6 @@ from storyboard_cli.steps import DeepCache, levers_label
 
 THUMB_PX = 256  # longest side of a thumbnail
 EDITED = "edited outside bcg: kept as it is (render --force renders it again)"
-
-
-def href(rel: str) -> str:
-    """A relative file path as an escaped URL: works from file:// and through any static server."""
-    return esc(quote(rel, safe="/"))
 
 
 @dataclass
@@ -60,6 +55,7 @@ class ShotRow:
     candidates: list[Candidate] = field(default_factory=list)
     control_thumb: str | None = None
     control_note: str = ""
+    guides: list[Guide] = field(default_factory=list)  # references and named nets' guides (sheet_refs.py)
 
 
 # ---------------------------------------------------------------- thumbnails
@@ -121,12 +117,17 @@ def _levers_of_meta(meta: dict) -> str:
     """The draft levers an image's settings record, as `bcg plan` names them ("" for a full render, or settings
     too damaged to tell)."""
     steps, guidance = meta.get("steps"), meta.get("guidance")
-    cutoff, end = meta.get("cfg_cutoff", 1.0), meta.get("control_end", 1.0)
+    ends = [c.get("end", 1.0) for c in meta.get("controls") or () if isinstance(c, dict)]  # named nets: the last's
+    cutoff, end = meta.get("cfg_cutoff", 1.0), max(ends, default=meta.get("control_end", 1.0), key=_sortable)
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (steps, guidance, cutoff, end))
     if not numbers or not isinstance(steps, int) or steps < 1:
         return ""
-    return levers_label(steps, guidance > 1, cutoff, bool(meta.get("control_image")), end,
+    return levers_label(steps, guidance > 1, cutoff, bool(meta.get("control_image") or ends), end,
                         DeepCache.from_json(meta.get("deepcache")))
+
+
+def _sortable(value: object) -> float:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else -1.0
 
 
 def _loras_text(loras: object) -> str:
@@ -199,27 +200,31 @@ class SheetWriter:
             self._thumbs[c.path] = cached = (c.mtime_ns, size)
         c.thumb, c.thumb_size = rel, cached[1]
 
-    def _control_thumb(self, row: ShotRow) -> None:
-        src = row.settings.get("control_image")
-        if not src:
-            return
-        src = Path(src)
+    def _input_thumb(self, shot: str, src: Path, name: str) -> tuple[str | None, tuple[int, int], str]:
+        """(the thumbnail `<shot>/thumbs/<name>`, its size, "") of one of a shot's input images (its control image, a
+        guide), wherever the image lives; (None, (0, 0), why not) where it is missing or unreadable."""
         try:
             mtime = src.stat().st_mtime_ns
         except OSError:
-            row.control_note = f"control image not found: {src}"
-            return
-        rel = thumb_name(row.id, CONTROL_THUMB)
-        key = f"control:{row.id}:{src}"
+            return None, (0, 0), f"not found: {src}"
+        rel = thumb_name(shot, name)
+        key = f"input:{rel}:{src}"
         cached = self._thumbs.get(key)
         if not cached or cached[0] != mtime:
             try:
                 size = make_thumb(src, self.out_dir / rel, mtime)
             except (OSError, ValueError) as e:
-                row.control_note = f"control image unreadable: {src.name} ({e.__class__.__name__})"
-                return
+                return None, (0, 0), f"unreadable: {src.name} ({e.__class__.__name__})"
             self._thumbs[key] = cached = (mtime, size)
-        row.control_thumb = rel
+        return rel, cached[1], ""
+
+    def _input_thumbs(self, row: ShotRow) -> None:
+        for g in row.guides:
+            g.thumb, g.thumb_size, g.note = self._input_thumb(row.id, g.image, g.thumb_file)
+        src = row.settings.get("control_image")
+        if src:
+            row.control_thumb, _, note = self._input_thumb(row.id, Path(src), CONTROL_THUMB)
+            row.control_note = note and f"control image {note}"
 
     def _gather(self, report: dict | None, job: Job | None, failures: list[dict] | None,
                 running: bool) -> list[ShotRow]:
@@ -228,12 +233,15 @@ class SheetWriter:
         failed = {f["path"]: str(f.get("reason", "")) for f in failures if isinstance(f.get("path"), str)}
         expected: dict[str, str] = {}  # path -> fingerprint the job wants there
         settings: dict[str, dict] = {}
+        guides: dict[str, list[Guide]] = {}
         if job:
             for item in work_items(job):
                 fp = item.fingerprint(job.model, job.controlnet)
                 expected.update((p, fp) for p in item.outputs)
             for shot in job.shots:
                 settings.setdefault(shot.id, _settings_of_shot(shot))
+                guides.setdefault(shot.id, shot_guides(shot))
+        job_dir = Path(str(report["job"])).parent if report and report.get("job") else None
         rows = []
         for shot_id in shot_order(self.out_dir, [s.id for s in job.shots] if job else ()):
             cands: dict[str, Candidate] = {}
@@ -264,8 +272,12 @@ class SheetWriter:
             s = dict(settings.get(shot_id) or (_settings_of_meta(first) if first else {}))
             if first and first.get("loras"):
                 s["loras"] = first["loras"]
-            row = ShotRow(shot_id, s, sorted(cands.values(), key=lambda c: (c.k, c.seed)))
-            self._control_thumb(row)
+            shown = guides[shot_id] if shot_id in guides else meta_guides(first, job_dir) if first else []
+            if shown:  # the guides show the control images too
+                for key in ("control", "control_image"):
+                    s.pop(key, None)
+            row = ShotRow(shot_id, s, sorted(cands.values(), key=lambda c: (c.k, c.seed)), guides=shown)
+            self._input_thumbs(row)
             rows.append(row)
         return rows
 
@@ -337,7 +349,9 @@ class SheetWriter:
         if s.get("loras"):
             h.append(f"<dt>LoRAs</dt><dd>{esc(_loras_text(s['loras']))}</dd>")
         h.append("</dl>")
-        if row.control_thumb:
+        if row.guides:
+            h.append(guides_html(row.id, row.guides))
+        elif row.control_thumb:
             h.append(f'<div class="control"><a href="{href(row.control_thumb)}"><img src="{href(row.control_thumb)}" '
                      f'alt="control image of {esc(row.id)}" height="96"></a></div>')
         elif row.control_note:

@@ -27,6 +27,12 @@ header h1 { font-size: 1.2rem; margin: 0; }
 dl { display: grid; grid-template-columns: auto 1fr; gap: 0 .6rem; margin: .4rem 0; font-size: 12px; }
 dt { color: #888; } dd { margin: 0; overflow-wrap: anywhere; }
 .control img { border: 1px solid var(--line); }
+.guides { display: flex; flex-wrap: wrap; gap: .5rem; margin: .4rem 0; align-items: flex-start; }
+.guide { margin: 0; font-size: 12px; }
+.guide img { display: block; border: 1px solid var(--line); }
+.guide.reference img { border: 2px solid #4a78c2; }
+.guide figcaption { max-width: 9rem; overflow-wrap: anywhere; }
+.guide .hole { width: 6rem; height: 6rem; }
 .cands { display: flex; flex-wrap: wrap; gap: .8rem; align-items: flex-start; }
 .cand { margin: 0; padding: 4px; border: 3px solid transparent; background: var(--card); border-radius: 4px; }
 .cand:has(input:checked) { border-color: var(--pick); }

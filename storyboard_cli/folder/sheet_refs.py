@@ -1,0 +1,125 @@
+"""The contact sheet's inputs of a shot: its references (IP-Adapter: a character's look, or a one-off picture) and
+its control guides (one per ControlNet), shown beside its candidates, each with its caption (the character's name or
+"reference", the net's name; the scale; a net's end when it stops early). No torch.
+
+The images may live anywhere (a shared refs/ folder, another drive): like the one control image of a `controlnet:`
+job, each is shown through a thumbnail the sheet writes into the shot's `thumbs/` folder, so the page links only to
+files under the output folder, which its content security policy (`img-src 'self' file:`) and any static server
+serve. A thumbnail is named by its image's content, so a guide swapped for another file never shows the old one.
+
+A shot with neither references nor named nets is not touched: its one control image stays as the sheet always
+showed it (`ShotRow.control_thumb`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from storyboard_cli.folder.charts import esc
+from storyboard_cli.job.digests import file_sha256
+from storyboard_cli.job.references import SHORTHAND_NET
+
+if TYPE_CHECKING:
+    from storyboard_cli.job.file import Shot
+
+REFERENCE, CONTROL = "reference", "control"  # a guide's kind: its figure's class, the first word of its alt text
+ONE_OFF = "reference"  # the caption of a shot's own `reference:` (a character's reads its name)
+GUIDE_PX = 96  # the height a guide is shown at, as the one control image
+THUMB_PREFIX = "input-"  # <shot>/thumbs/input-<content digest>.jpg: apart from the candidates' <shot>_c<k>_s<seed>
+
+
+def href(rel: str) -> str:
+    """A relative file path as an escaped URL: works from file:// and through any static server."""
+    return esc(quote(rel, safe="/"))
+
+
+@dataclass
+class Guide:
+    """One image a shot's pictures are conditioned on, as the sheet shows it."""
+
+    kind: str  # REFERENCE | CONTROL
+    image: Path  # the file the thumbnail is made from
+    name: str  # the character's, ONE_OFF, or the net's
+    scale: float
+    end: float = 1.0  # a control guide's: the fraction of the steps its net runs
+    file: str = ""  # the image as the job names it (the figure's tooltip)
+    thumb: str | None = None  # relative to the output folder, once made
+    thumb_size: tuple[int, int] = (0, 0)
+    note: str = ""  # why there is no thumbnail
+
+    @property
+    def caption(self) -> str:
+        end = f" · end {self.end:g}" if self.end < 1 else ""
+        return f"{self.name} · scale {self.scale:g}{end}"
+
+    @property
+    def thumb_file(self) -> str:
+        """Its thumbnail's file name: by the image's bytes (cached per path, size and mtime: one stat when
+        unchanged); an image that cannot be read is named by its path (it gets a note, not a thumbnail)."""
+        try:
+            digest = file_sha256(self.image)
+        except OSError:
+            digest = hashlib.sha256(str(self.image).encode()).hexdigest()
+        return f"{THUMB_PREFIX}{digest[:16]}.jpg"
+
+
+def shot_guides(shot: Shot) -> list[Guide]:
+    """A shot's references (in the order it names them, its one-off last), then its control guides (in the job's net
+    order); [] for a shot without references whose control, if any, is the `controlnet:` shorthand's."""
+    if not shot.references and all(c.net == SHORTHAND_NET for c in shot.controls):
+        return []
+    return ([Guide(REFERENCE, r.image, r.character or ONE_OFF, r.scale, file=r.file) for r in shot.references]
+            + [Guide(CONTROL, c.image, c.net, c.scale, c.end, c.file or c.image.name) for c in shot.controls])
+
+
+def meta_guides(meta: dict, job_dir: Path | None) -> list[Guide]:
+    """The same from an image's settings (its `bcg` chunk: `references`, `controls`), for a folder whose job does not
+    load. The files are recorded as the job names them, from its folder: `job_dir` (report.json's job file's
+    folder) when known. [] where the settings hold neither (the sheet shows `control_image` as it always has)."""
+    refs, controls = _entries(meta.get("references"), "file"), _entries(meta.get("controls"), "image")
+    if not refs and not controls:
+        return []
+    if not controls and meta.get("control_image"):  # the one net of `controlnet:`, beside references
+        controls = [{"net": SHORTHAND_NET, "image": str(meta["control_image"]), "scale": meta.get("control_scale"),
+                     "end": meta.get("control_end")}]
+
+    def at(name: str) -> Path:
+        path = Path(name)
+        return path if path.is_absolute() or job_dir is None else job_dir / path
+
+    return ([Guide(REFERENCE, at(r["file"]), str(r.get("character") or ONE_OFF), _number(r.get("scale"), 0.0),
+                   file=r["file"]) for r in refs]
+            + [Guide(CONTROL, at(c["image"]), str(c.get("net") or SHORTHAND_NET), _number(c.get("scale"), 0.0),
+                     _number(c.get("end"), 1.0), c["image"]) for c in controls])
+
+
+def _entries(raw: object, key: str) -> list[dict]:
+    """The entries of a settings list that name their file at `key` (a damaged chunk's others are left out)."""
+    return [e for e in raw if isinstance(e, dict) and isinstance(e.get(key), str) and e[key]] \
+        if isinstance(raw, list) else []
+
+
+def _number(value: object, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def guides_html(shot: str, guides: list[Guide]) -> str:
+    """The shot's guides as a row of captioned thumbnails (a note in place of one that could not be made), each
+    linking its thumbnail."""
+    h = ['<div class="guides">']
+    for g in guides:
+        head = f'<figure class="guide {g.kind}" title="{esc(g.file)}">'
+        caption = f"<figcaption>{esc(g.caption)}</figcaption></figure>"
+        if g.thumb:
+            w, ht = g.thumb_size
+            width = max(1, round(w * GUIDE_PX / max(ht, 1)))
+            h.append(f'{head}<a href="{href(g.thumb)}"><img src="{href(g.thumb)}" width="{width}" height="{GUIDE_PX}" '
+                     f'alt="{g.kind} of {esc(shot)}{"" if g.name == g.kind else f": {esc(g.name)}"}"></a>{caption}')
+        else:
+            h.append(f'{head}<div class="hole">{esc(g.note)}</div>{caption}')
+    h.append("</div>")
+    return "".join(h)
