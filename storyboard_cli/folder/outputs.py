@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -73,9 +74,10 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
     lines = [prompt]
     if item.negative:
         lines.append(f"Negative prompt: {item.negative}")
+    units = control_units(settings)
     fields = [f"Steps: {item.steps}", f"Sampler: {SAMPLERS[item.sampler].label}", f"CFG scale: {item.guidance:g}",
-              f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}"]
-    if item.control_image is not None:
+              f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}", *units]
+    if item.control_image is not None and not units:  # the one net of `controlnet:`, without references
         end = f", end {item.control_end:.3g}" if item.control_end < 1 else ""
         name = Path(item.control_file).name if item.control_file else item.control_image.name  # as the job names it
         fields.append(f"ControlNet: {name} (scale {item.control_scale:g}{end})")
@@ -90,6 +92,27 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
         fields.append("Draft: true")
     lines.append(", ".join(fields))
     return "\n".join(lines)
+
+
+def control_units(settings: dict) -> list[str]:
+    """An image's ControlNets and references as sd-webui-controlnet writes its units (`ControlNet 0: "Module: none,
+    Model: ..., Weight: ..., Guidance Start: 0, Guidance End: ..."`: only fields its parser knows, so A1111 and Forge
+    paste them back): the nets in the job's order, then one IP-Adapter unit per reference (module `ip-adapter-auto`,
+    which picks the image encoder from the model), each at the scale the adapter applied (one per image: the
+    references' largest). [] for an image with neither named nets nor references: its one net stays the
+    `ControlNet:` field it always was."""
+    if "controls" not in settings and "references" not in settings:
+        return []
+    one = {"controlnet": settings.get("controlnet"), "scale": settings.get("control_scale"),
+           "end": settings.get("control_end", 1.0)}  # the `controlnet:` shorthand's net, beside references
+    nets = settings.get("controls") or ([one] if "control_image" in settings else [])
+    units = [("none", n["controlnet"], n["scale"], n.get("end", 1.0)) for n in nets]
+    units += [("ip-adapter-auto", settings["ip_adapter"], settings["reference_scale"], 1.0)
+              for _ in settings.get("references", ())]
+    # a unit's values hold no ',' or ':' (its parser splits on them): a model is named by its file or folder
+    return [f"ControlNet {i}: " + json.dumps(f"Module: {module}, Model: {re.sub('[,:]', '_', Path(str(spec)).name)}, "
+                                             f"Weight: {scale:g}, Guidance Start: 0, Guidance End: {end:g}")
+            for i, (module, spec, scale, end) in enumerate(units)]
 
 
 def png_text(item: WorkItem, model: str, controlnet: str | None) -> dict[str, str]:
@@ -195,12 +218,12 @@ def sha256_of(path: Path) -> str | None:
 def manifest_record(item: WorkItem, path: str, fingerprint: str, sha256: str | None = None,
                     run: str | None = None, settings: dict | None = None) -> dict:
     """The one manifest line format. A file bcg wrote carries its `sha256` (a file whose bytes differ
-    was edited by someone else) and the time it landed; `settings` (the item's) adds its LoRAs."""
+    was edited by someone else) and the time it landed; `settings` (the item's) adds its LoRAs and references."""
     it = owner(item, path)
     record = {"path": path, "shot": it.shot, "candidate": it.k, "seed": it.seed, "fingerprint": fingerprint}
-    loras = (settings or {}).get("loras")
-    if loras:
-        record["loras"] = loras
+    for inputs in ("loras", "references"):
+        if (settings or {}).get(inputs):
+            record[inputs] = settings[inputs]
     for lever in ("cfg_cutoff", "deepcache", "draft"):  # draft renders: what made the image cheaper
         if lever in (settings or {}):
             record[lever] = settings[lever]
