@@ -103,7 +103,7 @@ def test_control_end_equals_diffusers_control_guidance_end(tiny_cpu, end):
         image=Image.open(path).convert("RGB").resize((W, H), Image.LANCZOS), controlnet_conditioning_scale=0.9,
         control_guidance_end=end).images
     sched, x, noise, cond, guidance = _inputs(models, [seed], [GUIDANCE])
-    ctl = Control(load_control_image(path, W, H)[None].repeat(2, 1, 1, 1), torch.full((2, 1, 1, 1), 0.9))
+    ctl = Control(load_control_image(path, W, H)[None, None].repeat(1, 2, 1, 1, 1), torch.full((1, 2, 1, 1, 1), 0.9))
     plan = step_plan(STEPS, STEPS, control=control_steps(STEPS, end))
     got = EagerEngine(models).sample(x, sched, noise, cond, ctl, guidance, plan)
     assert rel_error(got, want) < RTOL

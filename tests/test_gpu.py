@@ -53,7 +53,8 @@ def test_padding_rows_do_not_change_real_rows(tiny_cuda):
     rows4 = lambda t: t.repeat_interleave(4, dim=0)  # noqa: E731
     padded = runner.sample(x.repeat(4, 1, 1, 1), sched, noise.repeat(1, 4, 1, 1, 1),
                            Cond(rows4(cond.embeds), rows4(cond.pooled), rows4(cond.time_ids)),
-                           Control(rows4(ctl.image), rows4(ctl.scale)), guidance.repeat(4))
+                           Control(ctl.image.repeat_interleave(4, dim=1), ctl.scale.repeat_interleave(4, dim=1)),
+                           guidance.repeat(4))
     # batch-size-dependent kernel choices (cuDNN convolutions use TF32 by default) move fp32 by ~1e-3
     tol = max(rtol, 3e-3)
     assert_rel_close(padded[:1], alone, tol)

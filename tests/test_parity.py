@@ -36,7 +36,7 @@ def test_same_latents_as_diffusers(tiny_cpu, sampler, control, negative):
     ctl = None
     if control:
         image = load_control_image(control_path, W, H)[None].repeat(2, 1, 1, 1)
-        ctl = Control(image, torch.full((2, 1, 1, 1), 0.7))
+        ctl = Control(image[None], torch.full((1, 2, 1, 1, 1), 0.7))
     got = EagerEngine(models).sample(x, sched, noise, cond, ctl, torch.tensor([GUIDANCE]))
 
     err = rel_error(got, want)

@@ -22,7 +22,7 @@ class Shape(NamedTuple):
     batch: int
     height: int
     width: int
-    control: bool
+    control: int  # the ControlNets the loop runs, bit i for net i (True: the first alone, a job's one ControlNet)
 
     @property
     def label(self) -> str:
@@ -30,8 +30,15 @@ class Shape(NamedTuple):
         return shape_label(self.batch, self.width, self.height, self.control)
 
 
-def shape_label(batch: int, width: int, height: int, control: bool) -> str:
-    return f"{batch}x{width}x{height}{' +control' if control else ''}"
+def nets_of(control: int) -> tuple[int, ...]:
+    """The ControlNets a shape's `control` bits name, in the job's order."""
+    return tuple(i for i in range(int(control).bit_length()) if control >> i & 1)
+
+
+def shape_label(batch: int, width: int, height: int, control: int) -> str:
+    """`+control` with the first ControlNet alone (a job's one net), `+control 0+1` with several (by index)."""
+    nets = "" if control in (0, 1) else " " + "+".join(map(str, nets_of(control)))
+    return f"{batch}x{width}x{height}{' +control' if control else ''}{nets}"
 
 
 @runtime_checkable

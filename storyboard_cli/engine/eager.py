@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from storyboard_cli.engine.base import Shape
-from storyboard_cli.engine.conditioning import Cond, Control
+from storyboard_cli.engine.conditioning import Cond, Control, Refs
 from storyboard_cli.engine.deepcache import feature_shape, shallow_unet, writing_feature
 from storyboard_cli.engine.sampling import SIGMA, TIMESTEP, Schedule, update
 from storyboard_cli.models.loader import SdxlModels
@@ -22,11 +22,13 @@ from storyboard_cli.steps import FULL, StepKind, StepPlan
 __all__ = ["Control", "EagerEngine", "StepCalls", "controlnet_call", "denoise", "new_feature", "sample_step", "unet_call"]
 
 
-def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down) -> torch.Tensor:
+def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down, refs: Refs | None = None) -> torch.Tensor:
     """The UNet as a function of tensors: latents [2B, 4, h, w], t [2B], embeds [2B, 77, C], pooled [2B, P],
-    time_ids [2B, 6], ControlNet residuals (mid, down) or None -> eps [2B, 4, h, w] in the model dtype."""
+    time_ids [2B, 6], ControlNet residuals (mid, down) or None, IP-Adapter tokens (`refs`, read by the adapter's
+    attention processors) or None -> eps [2B, 4, h, w] in the model dtype."""
     added = {"text_embeds": pooled, "time_ids": time_ids}
     return unet(latents, t, encoder_hidden_states=embeds, added_cond_kwargs=added,
+                cross_attention_kwargs=None if refs is None else refs.kwargs(),
                 down_block_additional_residuals=down, mid_block_additional_residual=mid, return_dict=False)[0]
 
 
@@ -39,19 +41,34 @@ def controlnet_call(controlnet, latents, t, embeds, pooled, time_ids, image, sca
 
 @dataclass(eq=False)
 class StepCalls:
-    """The two module calls inside the step: the one seam where compiled kernels replace the modules.
+    """The module calls inside the step: the one seam where compiled kernels replace the modules.
 
-    unet(latents, t, embeds, pooled, time_ids, mid, down) -> eps;
-    controlnet(latents, t, embeds, pooled, time_ids, image, scale) -> (mid, *down).
+    unet(latents, t, embeds, pooled, time_ids, mid, down[, refs=]) -> eps;
+    controlnet(latents, t, embeds, pooled, time_ids, image, scale) -> (mid, *down): the first ControlNet's,
+    `others` the further nets' (a job's `controlnets:`).
     The default (`eager`) is `unet_call` / `controlnet_call` on the loaded modules."""
 
     unet: Callable
     controlnet: Callable | None
+    others: tuple[Callable, ...] = ()
 
     @classmethod
     def eager(cls, models: SdxlModels) -> StepCalls:
-        controlnet = None if models.controlnet is None else partial(controlnet_call, models.controlnet)
-        return cls(partial(unet_call, models.unet), controlnet)
+        nets = [partial(controlnet_call, net) for net in models.controlnets]
+        return cls(partial(unet_call, models.unet), nets[0] if nets else None, tuple(nets[1:]))
+
+    def net(self, i: int) -> Callable:
+        return self.controlnet if i == 0 else self.others[i - 1]
+
+
+def control_residuals(calls: StepCalls, control: Control, latents, t, embeds, pooled, time_ids):
+    """Every guide's ControlNet, residuals summed in the job's order of nets (as diffusers' MultiControlNetModel) ->
+    (mid, down)."""
+    mid = down = None
+    for i, net in enumerate(control.nets):
+        m, *d = calls.net(net)(latents, t, embeds, pooled, time_ids, control.image[i], control.scale[i])
+        mid, down = (m, d) if mid is None else (mid + m, [a + b for a, b in zip(down, d)])
+    return mid, down
 
 
 def denoise(models: SdxlModels, x: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor, cond: Cond,
@@ -72,21 +89,23 @@ def denoise(models: SdxlModels, x: torch.Tensor, sigma: torch.Tensor, timestep: 
     if kind.guided:
         latents = latents.repeat(2, 1, 1, 1)  # [2B, 4, h, w]
         embeds, pooled, time_ids = cond.embeds, cond.pooled, cond.time_ids
-    else:  # clone: compiled kernels assume 16-byte aligned inputs, and half of a small table is not
-        embeds, pooled, time_ids = cond.embeds[b:], cond.pooled[b:].clone(), cond.time_ids[b:].clone()
+    else:
+        cond = cond.half(b)
+        embeds, pooled, time_ids = cond.embeds, cond.pooled, cond.time_ids
         if control is not None:
-            control = Control(control.image[b:], control.scale[b:].clone())
+            control = control.half(b)
         if feature is not None:
             feature = feature[b:]
+    refs = {} if cond.refs is None else {"refs": cond.refs}
     t = timestep.expand(latents.shape[0])
     if kind.cache == "read":
-        eps = shallow_unet(models.unet, latents, t, embeds, pooled, time_ids, feature, kind.branch).float()
+        eps = shallow_unet(models.unet, latents, t, embeds, pooled, time_ids, feature, kind.branch, **refs).float()
     else:
         mid = down = None
         if control is not None and kind.control:
-            mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids, control.image, control.scale)
+            mid, down = control_residuals(calls, control, latents, t, embeds, pooled, time_ids)
         with writing_feature(models.unet, kind.branch, feature) if kind.cache == "write" else nullcontext():
-            eps = calls.unet(latents, t, embeds, pooled, time_ids, mid, down).float()
+            eps = calls.unet(latents, t, embeds, pooled, time_ids, mid, down, **refs).float()
     if not kind.guided:
         return x - sigma * eps
     eps_neg, eps_pos = eps.chunk(2)
@@ -107,7 +126,8 @@ def sample_step(models: SdxlModels, x: torch.Tensor, denoised_prev: torch.Tensor
                 row: torch.Tensor, cond: Cond, control: Control | None, guidance: torch.Tensor,
                 calls: StepCalls | None = None, kind: StepKind = FULL,
                 feature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One whole step: denoise, then the sampler update. Returns (x_next, denoised)."""
+    """One whole step: denoise, then the sampler update. Returns (x_next, denoised). `control`: this step's
+    (Control.at)."""
     denoised = denoise(models, x, row[SIGMA], row[TIMESTEP], cond, control, guidance, calls, kind, feature)
     return update(x, denoised, denoised_prev, noise, row), denoised
 
@@ -132,7 +152,7 @@ class EagerEngine:
         feature = new_feature(self.models, x, plan)
         for i in range(sched.steps):
             x, prev = sample_step(self.models, x, prev, zero if noise is None else noise[i], table[i], cond,
-                                  control, guidance, None, plan[i] if plan else FULL, feature)
+                                  control and control.at(i), guidance, None, plan[i] if plan else FULL, feature)
         return x
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:

@@ -35,11 +35,17 @@ class SdxlModels:
     device: torch.device
     dtype: torch.dtype  # UNet / ControlNet / text encoders
     controlnet_name: str | None = None
+    controlnets: tuple[Any, ...] = ()  # every ControlNet, in the job's order of nets (`controlnet` is the first)
+    ip_adapter: Any | None = None  # models/ip_adapter.py IpAdapter: its processors are in the UNet
     # tensors derived from weights that other kernels read (the compiled convolutions' channels_last copies, FP8
     # weights and their scales): name -> (value, refresh), and id(parameter) -> the names derived from it;
     # `written` refreshes them in place (compiled kernels hold their pointers)
     derived: dict[str, tuple[Any, Callable[[Any], None]]] = field(default_factory=dict, repr=False)
     sources: dict[int, list[str]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.controlnet is not None and not self.controlnets:
+            self.controlnets = (self.controlnet,)
 
     def derive(self, name: str, params: list[Any], make: Callable[[], Any], refresh: Callable[[Any], None]) -> Any:
         """The registered value `name` (made by `make` the first time), refreshed by `refresh(value)` after an in-place
@@ -237,33 +243,44 @@ def cuda_allocator() -> str:
     return ALLOCATOR
 
 
-def load_sdxl(spec: str, controlnet: str | None, device: str | torch.device, dtype: torch.dtype) -> SdxlModels:
-    """Loads every part onto `device`. Raises ModelError (with the cause, one line) on failure."""
+def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str | torch.device, dtype: torch.dtype,
+              ip_adapter: str | None = None, image_encoder: str | None = None) -> SdxlModels:
+    """Loads every part onto `device`. `controlnet`: one ControlNet, or a job's nets in its order (one module per
+    distinct spec: two nets of the same weights share it). `ip_adapter`: its processors go into the UNet
+    (models/ip_adapter.py). Raises ModelError (with the cause, one line) on failure."""
     device = torch.device(device)
     if device.type == "cuda":
         cuda_allocator()
     _quiet_libraries()
+    specs = (controlnet,) if isinstance(controlnet, str) else tuple(controlnet or ())
     try:
         parts = _load_parts(spec, device, dtype)
-        cn = _load_controlnet(controlnet, parts["unet"], device, dtype) if controlnet else None
+        loaded: dict[str, Any] = {}
+        for net in specs:
+            if net not in loaded:
+                loaded[net] = _load_controlnet(net, parts["unet"], device, dtype)
     except ModelError:
         raise
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure to read user-provided weights is reported in one line
         first = one_line(e)
-        raise ModelError(f"cannot load model {spec!r}{f' / controlnet {controlnet!r}' if controlnet else ''}: "
-                         f"{first}") from e
-    models = SdxlModels(spec, parts["tokenizers"], parts["text_encoders"], parts["unet"], parts["vae"], cn,
-                        parts["scheduler_config"], device, dtype, controlnet)
+        nets = f" / controlnet {', '.join(map(repr, specs))}" if specs else ""
+        raise ModelError(f"cannot load model {spec!r}{nets}: {first}") from e
+    nets = tuple(loaded[net] for net in specs)
+    models = SdxlModels(spec, parts["tokenizers"], parts["text_encoders"], parts["unet"], parts["vae"],
+                        nets[0] if nets else None, parts["scheduler_config"], device, dtype,
+                        specs[0] if specs else None, nets)
     vae_dtype = models.vae_dtype
     for module, dt in ((models.unet, dtype), (models.vae, vae_dtype), (models.text_encoders[0], dtype),
-                       (models.text_encoders[1], dtype), (models.controlnet, dtype)):
-        if module is None:
-            continue
+                       (models.text_encoders[1], dtype), *((net, dtype) for net in loaded.values())):
         if module.dtype != dt:
             module.to(dtype=dt)
         module.to(device=device).eval().requires_grad_(False)
+    if ip_adapter is not None:
+        from storyboard_cli.models.ip_adapter import load_ip_adapter
+
+        models.ip_adapter = load_ip_adapter(ip_adapter, image_encoder, models.unet, device, dtype)
     if device.type == "cuda":  # one image at a time, torch's GroupNorm kernel uses a quarter of the GPU
         widen(models.vae.decoder)
     return models

@@ -16,24 +16,24 @@ from typing import Iterable
 import torch
 
 from storyboard_cli.engine.base import Engine, Shape
-from storyboard_cli.engine.conditioning import (BoundedCache, Control, PromptCache, conditioning, control,
-                                                control_pixels, guided_rows, read_control_image)
+from storyboard_cli.engine.conditioning import (BoundedCache, Control, PromptCache, Refs, conditioning, control,
+                                                control_pixels, guided_rows, read_control_image, references)
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
 from storyboard_cli.errors import ModelError, StoryboardError, first_line
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import LoraFile
-from storyboard_cli.job.plan import Batch, WorkItem
+from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
-from storyboard_cli.steps import StepKind
+from storyboard_cli.steps import StepKind, control_steps
 
 CONTROL_CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x1024 one is 3 MB)
 
 
 def batch_shapes(batches: list[Batch]) -> list[Shape]:
     """The shape of each batch's denoising loop: what an engine prepares (a graph is captured) for."""
-    return [Shape(b.size, b.key.height, b.key.width, b.key.control) for b in batches]
+    return [Shape(b.size, b.key.height, b.key.width, b.key.control_mask) for b in batches]
 
 
 def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
@@ -42,6 +42,13 @@ def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
     for shape, batch in zip(batch_shapes(batches), batches):
         kinds.setdefault(shape, set()).update(batch.key.plan)
     return kinds
+
+
+def guides(item: WorkItem) -> list[tuple[Path, float]]:
+    """(control image, scale) of each ControlNet the item runs, in the job's order of nets."""
+    if item.controls:
+        return [(c.image, c.scale) for c in item.controls]
+    return [] if item.control_image is None else [(item.control_image, item.control_scale)]
 
 
 def bucket_label(batch: Batch) -> str:
@@ -154,25 +161,51 @@ class BatchRunner:
         found = self.controls.lookup(key)
         return found if found is not None else self.controls.put(key, read_control_image(path, width, height))
 
-    def control(self, items: list[WorkItem]) -> Control | None:
+    def control(self, items: list[WorkItem], key: BucketKey) -> Control | None:
+        """The batch's guides, one per ControlNet it runs (its rows share the nets: they are in the bucket key), each
+        net's end as a per-step keep where the nets end apart."""
         if items[0].control_image is None:
             return None
-        images = torch.stack([self.control_image(it.control_image, it.width, it.height) for it in items])
-        return control(control_pixels(images), [it.control_scale for it in items], self.models.device,
-                       self.models.dtype)
+        nets = key.nets or (0,)
+        rows = [guides(it) for it in items]  # per row: (image, scale) per net
+        images = [control_pixels(torch.stack([self.control_image(row[j][0], it.width, it.height)
+                                              for it, row in zip(items, rows)])) for j in range(len(nets))]
+        scales = [[row[j][1] for row in rows] for j in range(len(nets))]
+        keep = None
+        if key.control_ends:  # 1 while each net runs, as diffusers' controlnet_keep
+            runs = torch.tensor([control_steps(key.steps, end) for end in key.control_ends])
+            keep = (torch.arange(key.steps)[:, None] < runs[None, :]).float()  # [steps, N]
+        return control(images, scales, self.models.device, self.models.dtype, nets, keep)
+
+    def refs(self, items: list[WorkItem]) -> Refs | None:
+        """The IP-Adapter's tokens for the batch's rows (each reference encoded once per job and adapter: the
+        adapter's caches); None without an adapter. Rows without a reference ride at scale 0."""
+        adapter = self.models.ip_adapter
+        if adapter is None:
+            return None
+        from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS
+
+        tokens = [[adapter.encode(r.image, r.sha256) for r in it.references] for it in items]
+        return references(tokens, adapter.negative, [it.reference_scale for it in items], REFERENCE_SLOTS)
 
     def readable(self, items: Iterable[WorkItem]) -> tuple[list[WorkItem], list[Decoded]]:
-        """The items whose control image decodes, and a failure naming the file for each other one: a
-        file that broke after `plan` fails only the images that use it."""
+        """The items whose control images and references decode, and a failure naming the file for each other one:
+        a file that broke after `plan` fails only the images that use it."""
         ok, failed = [], []
         for it in items:
+            path, what = None, "control image"
             try:
-                if it.control_image is not None:
-                    self.control_image(it.control_image, it.width, it.height)
+                for path, _ in guides(it):
+                    self.control_image(path, it.width, it.height)
+                what = "reference"
+                for ref in it.references if self.models.ip_adapter is not None else ():
+                    path = ref.image
+                    with self.timings.stage("references"):  # encoded here once, then read from the adapter's cache
+                        self.models.ip_adapter.encode(ref.image, ref.sha256)
                 ok.append(it)
             except CONTROL_ERRORS as e:
                 why = first_line(e, 200) or e.__class__.__name__
-                failed.append(Decoded(it, None, f"control image {it.control_image} cannot be read: {why}"))
+                failed.append(Decoded(it, None, f"{what} {path} cannot be read: {why}"))
         return ok, failed
 
     def run_batch(self, batch: Batch, fallback: bool = False) -> Denoised:
@@ -189,7 +222,8 @@ class BatchRunner:
             prompts = [r.prompt for r in rows]
             negatives, guidance = guided_rows(prompts, [r.negative for r in rows], [r.guidance for r in rows])
             cond = conditioning(self.prompts, prompts, negatives, key.width, key.height, text_loras)
-            ctl = self.control(rows)
+            ctl = self.control(rows, key)
+            cond.refs = self.refs(rows)
             x, noise = draw_noise([r.seed for r in rows], key.steps, (4, key.height // 8, key.width // 8), sched)
             x = x.to(m.device)
             noise = None if noise is None else noise.to(m.device)

@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.base import Shape, nets_of
 from storyboard_cli.engine.build import check_engine, graph_runner
-from storyboard_cli.engine.conditioning import PromptCache, conditioning, control
+from storyboard_cli.engine.conditioning import PromptCache, conditioning, control, references
 from storyboard_cli.engine.device import resolve_device
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
@@ -19,6 +19,7 @@ from storyboard_cli.job.file import NAMED_SIZES, Job
 from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.run.batch import batch_shapes
+from storyboard_cli.run.render import model_specs
 from storyboard_cli.steps import FULL, StepPlan, plan_label
 
 
@@ -51,15 +52,25 @@ def _timed_loop(engine, x, sched, cond, ctl, guidance, repeats: int, plan: StepP
     return sorted(times)[len(times) // 2]
 
 
-def synthetic_inputs(models: SdxlModels, batch: int, width: int, height: int, with_control: bool,
+def synthetic_inputs(models: SdxlModels, batch: int, width: int, height: int, with_control: int,
                      cache: PromptCache | None = None):
-    """Inputs of the right shapes for timing (values do not change kernel times): x, cond, control, guidance."""
+    """Inputs of the right shapes for timing (values do not change kernel times): x, cond, control, guidance.
+    `with_control`: Shape.control (the ControlNets' bits). With an IP-Adapter every row has one reference slot
+    filled (random tokens: the kernels are the same for any)."""
     cache = cache or PromptCache(models)
     cond = conditioning(cache, ["a storyboard frame, ink"] * batch, [""] * batch, width, height)
+    adapter = models.ip_adapter
+    if adapter is not None:
+        from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS
+
+        tokens = torch.randn(adapter.tokens, adapter.dim, generator=torch.Generator("cpu").manual_seed(0))
+        tokens = tokens.to(models.device, models.dtype)
+        cond.refs = references([[tokens]] * batch, adapter.negative, [0.6] * batch, REFERENCE_SLOTS)
     ctl = None
     if with_control:
+        nets = nets_of(with_control)
         images = torch.rand((batch, 3, height, width), generator=torch.Generator("cpu").manual_seed(0))
-        ctl = control(images, [1.0] * batch, models.device, models.dtype)
+        ctl = control([images] * len(nets), [[1.0] * batch] * len(nets), models.device, models.dtype, nets)
     x = torch.randn((batch, 4, height // 8, width // 8), generator=torch.Generator("cpu").manual_seed(0))
     guidance = torch.full((batch,), 5.0, device=models.device)
     return x.to(models.device), cond, ctl, guidance
@@ -148,15 +159,16 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     if warm and dev.type != "cuda":
         raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
     check_engine("graph" if warm else "auto", compile, dev, fp8)
+    adapter = encoder = None
     if job is not None:
-        model, controlnet = job.model, job.controlnet
+        model, controlnet, adapter, encoder = model_specs(job, work_items(job))
     shapes = job_shapes(job, controlnet, buckets)
     plans = job_plans(job) if job is not None else {}
     labels = [s.label for s in shapes]
     loops = [f"{s.label} {plan_label(p)}" for s in sorted(plans, reverse=True) for p in sorted(plans[s])]
     if not warm:
         return labels, loops, []
-    models = load_sdxl(model, controlnet, dev, dt)
+    models = load_sdxl(model, controlnet, dev, dt, adapter, encoder)
     notes: list[str] = []
     runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event, fp8)
     for note in notes:

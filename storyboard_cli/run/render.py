@@ -95,10 +95,18 @@ def check_options(opts: RenderOptions) -> None:
     check_engine(opts.engine, opts.compile, resolve_device(opts.device, opts.dtype)[0], opts.fp8)
 
 
+def model_specs(job: Job, items: list) -> tuple:
+    """What `load_models` loads for these items: (model, ControlNets, IP-Adapter, image encoder); the ControlNets only
+    when an item has a control image, the adapter only when one has a reference."""
+    nets = tuple(spec for _, spec in job.controlnets) if any(i.control_image for i in items) else ()
+    adapter = job.ip_adapter if any(i.references for i in items) else None
+    return job.model, nets, adapter, job.image_encoder if adapter else None
+
+
 def load_models(job: Job, items: list, device: torch.device, dtype: torch.dtype) -> SdxlModels:
-    """The job's model, with its ControlNet only when one of `items` has a control image."""
-    controlnet = job.controlnet if any(i.control_image for i in items) else None
-    return load_sdxl(job.model, controlnet, device, dtype)
+    """The job's model, with its ControlNets and IP-Adapter where `items` use them (`model_specs`)."""
+    model, nets, adapter, encoder = model_specs(job, items)
+    return load_sdxl(model, nets, device, dtype, adapter, encoder)
 
 
 def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storyboard_cli.errors import BadInput, JobError, ModelError, StoryboardError
+from storyboard_cli.job.adapter_files import ADAPTER_PRESETS
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
@@ -97,7 +98,9 @@ def mix_key(job: Job, item: WorkItem) -> str:
     steps, sampler, control, the LoRA set by name and scale) and the LoRA files' contents. Everything else
     (prompt, seed, guidance, control image) is per image."""
     loras = [(f.name, f.sha256, scale) for f, scale in item.loras]
-    blob = json.dumps([job.model, job.controlnet, item.key.label, loras]).encode()
+    # the further ControlNets and the IP-Adapter only where a job has them: a plain job's key stays what it was
+    extra = [[spec for _, spec in job.controlnets[1:]], job.ip_adapter, job.image_encoder]
+    blob = json.dumps([job.model, job.controlnet, item.key.label, loras] + (extra if any(extra) else [])).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -133,7 +136,11 @@ def served_job(job_file: Path) -> Job:
 def _load(path: Path, filename: str, roots: tuple[Path, ...], inputs: Inputs, allow_models: tuple[str, ...]) -> Job:
     try:
         job = load_job(path, roots, inputs)
-        for spec, field in ((job.model, "model"), (job.controlnet, "controlnet")):
+        specs = ((job.model, "model"), *((spec, f"controlnets.{name}") for name, spec in job.controlnets),
+                 (job.ip_adapter, "ip_adapter"), (job.image_encoder, "image_encoder"))
+        for spec, field in specs:
+            if field == "ip_adapter" and spec in ADAPTER_PRESETS:
+                continue
             check_model_path(spec, field)
             if spec is not None and spec not in PRESETS and weights_path(spec) is None and spec not in allow_models:
                 raise ModelError(f"{field}: the hub id {spec[:80]!r} is not one this server may download "

@@ -59,9 +59,11 @@ class Hot:
         return self.engine is not None
 
     def for_job(self, job: Job) -> None:
-        spec = (job.model, job.controlnet)
-        lacking = job.controlnet is not None and self.models is not None and self.models.controlnet is None
-        if spec != self.spec or lacking:  # another model, or a ControlNet the first job did not need
+        spec = (job.model, tuple(s for _, s in job.controlnets), job.ip_adapter, job.image_encoder)
+        m = self.models
+        lacking = m is not None and (bool(job.controlnets) and not m.controlnets
+                                     or job.ip_adapter is not None and m.ip_adapter is None)
+        if spec != self.spec or lacking:  # other models, or a ControlNet or adapter the first job did not need
             self.spec, self.models, self.engine, self.runner = spec, None, None, None
             self.warm.clear()
 

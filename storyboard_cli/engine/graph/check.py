@@ -34,8 +34,8 @@ def first_replay(models: SdxlModels, buf: Buffers, key: ShapeKey, replay: Callab
     replay()
     replayed, predicted = v.x.clone(), v.prev.clone()  # clones: the next replay overwrites the static buffers
     row = sched.table[0].to(x.device)
-    expect, denoised = sample_step(models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, control,
-                                   guidance, None, key.step, feature)
+    expect, denoised = sample_step(models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond,
+                                   control and control.at(0), guidance, None, key.step, feature)
     pairs = [(replayed, expect), (predicted, denoised)]
     if key.step.cache == "write":  # the feature each wrote (a conditional step: its half) is checked too
         rows = slice(None) if key.step.guided else slice(key.batch, None)

@@ -19,7 +19,7 @@ class ShapeKey:
     batch: int
     height: int
     width: int
-    control: bool
+    control: int  # Shape.control: the ControlNets' bits
     dtype: str
     variant: str = PLAIN  # a row of engine/variants.py: "fp8" or "compiled" (their kernels), "plain" (the modules)
     step: StepKind = FULL  # draft mode's step kinds: conditional rows only, DeepCache full / shallow
@@ -45,7 +45,7 @@ class Warmed:
     height: int
     width: int
     whole: bool
-    control: bool
+    control: int  # the ControlNets it ran (Shape.control's bits)
 
     @classmethod
     def of(cls, key: ShapeKey) -> Warmed:
@@ -56,7 +56,7 @@ class Warmed:
         """Whether this run's kernels include every kernel `other` runs (same modules, shapes and code)."""
         same = (self.variant, self.rows, self.height, self.width) == (other.variant, other.rows, other.height,
                                                                      other.width)
-        return same and self.whole >= other.whole and self.control >= other.control
+        return same and self.whole >= other.whole and not other.control & ~self.control
 
 
 @dataclass

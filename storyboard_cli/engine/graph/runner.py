@@ -157,7 +157,8 @@ class GraphRunner:
         """One step on the static buffers of `v.key`'s graph: what its warm-up runs and its capture records."""
         row = self.buf.table.index_select(0, self.buf.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
         calls = None if v.key.variant == PLAIN else self.compiled.calls_for(v.key.variant)
-        x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, v.control, v.guidance,
+        control = v.control and v.control.at(self.buf.index)  # each net's scale times its keep at this step
+        x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, control, v.guidance,
                                        calls, v.key.step, v.feature)
         v.x.copy_(x_next)
         v.prev.copy_(denoised)
@@ -358,7 +359,7 @@ class GraphRunner:
         if self.compiled is not None:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
-        shape = Shape(b, 8 * h, 8 * w, control is not None)
+        shape = Shape(b, 8 * h, 8 * w, 0 if control is None else control.bits)
         plan = plan or (FULL,) * sched.steps
         self._share(shape, set(plan))
         graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, control, guidance))

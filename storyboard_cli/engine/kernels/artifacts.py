@@ -72,10 +72,11 @@ def fits(batch: int, height: int, width: int) -> str | None:
 
 def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED) -> list[Target]:
     """The artifacts these shapes use: a UNet per size (in `variant`'s precision), a ControlNet per size used with a
-    control image. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size)."""
+    control image. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size). A shape
+    with several ControlNets runs plain graphs (CompiledKernels.variants): nothing is built for it."""
     need = set()
     for s in shapes:
-        if fits(s.batch, s.height, s.width) is None:
+        if fits(s.batch, s.height, s.width) is None and s.control in (0, 1):
             need.add(Target("unet", s.height, s.width, VARIANTS[variant].precision))
             if s.control and controlnet:
                 need.add(Target("controlnet", s.height, s.width))

@@ -69,7 +69,7 @@ class CompiledKernels(StepCalls):
         self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
         self.load_s: dict[Target, float] = {}  # seconds each load and constant binding took
         self.waiting: list[Target] = []  # missing, handed to the builds at `start`
-        super().__init__(self._unet, self._controlnet)
+        super().__init__(self._unet, self._controlnet, StepCalls.eager(models).others)
         self.zeros = torch.zeros(0, dtype=models.dtype, device=models.device)
         for module in MODULES:
             if module_of(models, module) is not None:
@@ -92,6 +92,8 @@ class CompiledKernels(StepCalls):
         ones build, or after they failed their check)."""
         if fits(batch, height, width) is not None or (control and Target("controlnet", height, width) not in self.calls):
             return []
+        if control not in (0, 1):  # several ControlNets: the artifact is bound to the first one's weights only
+            return []
         return self._loaded(height, width)
 
     def _loaded(self, height: int, width: int) -> list[str]:
@@ -100,7 +102,7 @@ class CompiledKernels(StepCalls):
 
     def calls_for(self, variant: str) -> StepCalls:
         """The step's module calls on one variant's kernels (what a graph of that variant captures)."""
-        return StepCalls(partial(self._unet, variant=variant), self._controlnet)
+        return StepCalls(partial(self._unet, variant=variant), self._controlnet, self.others)
 
     def path(self, target: Target) -> Path:
         return artifact_path(target, module_of(self.models, target.module), self.root)
