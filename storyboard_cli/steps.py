@@ -132,14 +132,14 @@ def plan_label(plan: StepPlan) -> str:
     return ", ".join(parts)
 
 
-def step_costs(plan: StepPlan, with_control: bool = False) -> float:
-    """A loop's FLOPs in full guided steps of its own kind (UNet, and the ControlNet where the batch has one): a
-    conditional step is half (half the rows), a shallow step SHALLOW_FLOPS[branch] of a full UNet, a step whose
-    ControlNet has ended saves its share. The estimate `bcg plan` shows."""
-    whole = 1.0 + (CONTROLNET_FLOPS if with_control else 0.0)
+def step_costs(plan: StepPlan, with_control: int = 0) -> float:
+    """A loop's FLOPs in full guided steps of its own kind (UNet, and the ControlNets where the batch has them:
+    `with_control` of them): a conditional step is half (half the rows), a shallow step SHALLOW_FLOPS[branch] of a full
+    UNet, a step whose ControlNets have ended saves their share. The estimate `bcg plan` shows."""
+    whole = 1.0 + CONTROLNET_FLOPS * int(with_control)
     total = 0.0
     for kind in plan:
         unet = SHALLOW_FLOPS[kind.branch] if kind.cache == "read" else 1.0
-        controlnet = CONTROLNET_FLOPS if with_control and kind.control else 0.0
+        controlnet = CONTROLNET_FLOPS * int(with_control) if kind.control else 0.0
         total += (1.0 if kind.guided else 0.5) * (unet + controlnet) / whole
     return total

@@ -74,7 +74,7 @@ class BucketKey:
     def flops_saved(self) -> float:
         """The fraction of the UNet's FLOPs a batch of this key saves against the same batch with every step
         guided and whole, the ControlNet included (step_costs): the estimate `bcg plan` shows per bucket."""
-        return 1 - step_costs(self.plan, self.control) / self.steps
+        return 1 - step_costs(self.plan, len(self.nets) or int(self.control)) / self.steps
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 from storyboard_cli.folder.layout import RESERVED
 from storyboard_cli.job import file as job_file
 from storyboard_cli.job.file import SHOT_DEFAULTS
+from storyboard_cli.job.characters import REFERENCE_SCALE, REFERENCE_SLOTS
 from storyboard_cli.job.inputs import DIGEST
 from storyboard_cli.job.lora_files import SCALE_RANGE
 from storyboard_cli.job.preflight import PRESETS
@@ -254,6 +255,22 @@ class ControlDoc(Doc):
                                         "server's folders")
     scale: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     end: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    net: SafeName | None = Field(None, description="a name in the job's `controlnets` (left out: its only net)")
+
+
+RefScale = Annotated[float, Field(ge=REFERENCE_SCALE[0], le=REFERENCE_SCALE[1])]
+
+
+class ReferenceDoc(Doc):
+    image: NonEmpty = Field(description="a reference picture: a name in the job's `inputs`, or a path under the "
+                                        "server's folders")
+    scale: RefScale = 1.0
+
+
+class CharacterDoc(Doc):
+    reference: NonEmpty | ReferenceDoc
+    scale: RefScale | None = None
+    lora: dict[str, Scale] | None = Field(None, description="name in the job's `loras` -> scale")
 
 
 class DeepCacheDoc(Doc):
@@ -274,7 +291,11 @@ class ShotFields(Doc):
     steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] = SHOT_DEFAULTS["steps"]
     guidance: Annotated[float, Field(ge=0.0, le=30.0)] = SHOT_DEFAULTS["guidance"]
     sampler: Literal[tuple(SAMPLERS)] = SHOT_DEFAULTS["sampler"]
-    control: ControlDoc | None = Field(None, description="needs the job's `controlnet`")
+    control: ControlDoc | Annotated[list[ControlDoc], Field(min_length=1)] | None = Field(
+        None, description="needs the job's `controlnet` or `controlnets`; a list: one guide per net, summed")
+    characters: Annotated[list[SafeName], Field(max_length=REFERENCE_SLOTS)] | None = Field(
+        None, description="names in the job's `characters`: their references and LoRAs (needs `ip_adapter`)")
+    reference: NonEmpty | ReferenceDoc | None = Field(None, description="a one-off reference (needs `ip_adapter`)")
     lora: dict[str, Scale] | None = Field(None, description="name in the job's `loras` -> scale")
     cfg_cutoff: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     deepcache: DeepCacheDoc | Literal[False] | None = None
@@ -296,6 +317,11 @@ class JobDoc(Doc):
     model: Literal[PRESETS] | NonEmpty = Field(description="a preset, a hub id on the server's --allow-model list, or "
                                                        "a model folder or file under the server's folders")
     controlnet: NonEmpty | None = None
+    controlnets: Closed[dict[SafeName, NonEmpty]] | None = Field(None, description="name -> ControlNet model "
+                                                                                   "(not with `controlnet`)")
+    ip_adapter: NonEmpty | None = Field(None, description="an IP-Adapter preset, folder or file")
+    image_encoder: NonEmpty | None = None
+    characters: Closed[dict[SafeName, CharacterDoc]] | None = None
     output_dir: NonEmpty | None = None
     buckets: list[Annotated[int, Field(ge=1, le=job_file.MAX_BUCKET)]] | None = Field(None, min_length=1)
     loras: Closed[dict[SafeName, NonEmpty]] | None = Field(None, description="name -> LoRA file (.safetensors)")
