@@ -1,0 +1,318 @@
+"""IP-Adapter for SDXL (a reference image per character): the adapter's weights loaded, its attention processors put
+into the UNet, and reference images encoded into the image tokens those processors read.
+
+- `load_ip_adapter(spec, image_encoder, unet, device, dtype)` -> `IpAdapter`: h94's base SDXL adapters (bigG or
+  ViT-H image encoder, ImageProjection) and plus adapters (the Resampler on the encoder's penultimate hidden states),
+  from a folder in h94's layout, a file, or a preset (`tiny`, `tiny-plus`: saved by models/tiny.py and read back as
+  a folder is; `sdxl-random`, `sdxl-random-plus`: SDXL-sized random weights drawn on the device, for timing). The
+  state dict is read and converted as diffusers' IPAdapterMixin.load_ip_adapter reads it; the UNet keeps no
+  `encoder_hid_proj`: the engine projects the tokens (`IpAdapter.encode`) and hands them to every step.
+- The processors: `RowScaledIpProcessor` on every cross-attention layer computes diffusers' AttnProcessor2_0 and,
+  given `ref_tokens` [R, S*T, C], `ref_scale` [R, 1, 1] and `ref_mask` [R, 1, 1, S*T] or None (additive, in the
+  query's dtype: 0 for a filled slot's tokens, -inf for an empty slot's) through cross_attention_kwargs,
+  adds `ref_scale * SDPA(q, to_k_ip(ref_tokens), to_v_ip(ref_tokens), ref_mask)` as IPAdapterAttnProcessor2_0 adds
+  one adapter's: each row its own references (S slots of T tokens each, an empty slot masked -inf) and its own scale.
+  No host sync and no branch on a tensor's value: CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import AttnProcessor2_0
+
+from storyboard_cli.errors import BadInput, ModelError, one_line
+from storyboard_cli.job.adapter_files import (PRESET_KINDS, PROJECTION_IN, AdapterFileError, adapter_files,
+                                              adapter_kind, ip_key, weight_mismatch)
+from storyboard_cli.job.digests import SHORT, weights_digest
+from storyboard_cli.models.tiny import cache_root, h94_adapter, tiny_adapter_folder
+
+REFERENCE_SLOTS = 4  # the most reference images one row (shot) can carry; tokens are padded to this many, empty slots masked
+REFERENCES = "references"  # cache_root()/references/<digest>/<sha256>.safetensors: one reference's tokens per dtype
+# SDXL-sized random presets (GPU timing): h94's image encoders' configs (sdxl_models/image_encoder: OpenCLIP bigG;
+# models/image_encoder: ViT-H) and the plus adapter's Resampler width
+SDXL_ENCODERS = {
+    "base": dict(hidden_size=1664, intermediate_size=8192, num_hidden_layers=48, num_attention_heads=16,
+                 image_size=224, patch_size=14, projection_dim=1280, hidden_act="gelu", layer_norm_eps=1e-5),
+    "plus": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                 image_size=224, patch_size=14, projection_dim=1024, hidden_act="gelu", layer_norm_eps=1e-5),
+}
+SDXL_RESAMPLER_WIDTH = 1280  # ip-adapter-plus_sdxl_vit-h: 20 heads of 64
+
+
+class SelfAttnProcessor(AttnProcessor2_0):
+    """AttnProcessor2_0 that takes the adapter's kwargs and leaves them: every attention of the UNet is called with
+    the same cross_attention_kwargs, and diffusers warns of (and drops) those a processor does not name."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                 ref_tokens=None, ref_scale=None, ref_mask=None):
+        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
+
+
+class RowScaledIpProcessor(torch.nn.Module):
+    """A cross-attention layer's processor: diffusers' AttnProcessor2_0 for the text, plus the image tokens'
+    attention of IPAdapterAttnProcessor2_0 for one adapter with a scale and a key mask per row."""
+
+    def __init__(self, hidden: int, cross: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        self.to_k_ip = torch.nn.Linear(cross, hidden, bias=False, device=device, dtype=dtype)
+        self.to_v_ip = torch.nn.Linear(cross, hidden, bias=False, device=device, dtype=dtype)
+
+    # __call__, not forward: diffusers' Attention reads the processor's keyword arguments from its __call__
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                 ref_tokens=None, ref_scale=None, ref_mask=None):
+        # as diffusers AttnProcessor2_0.__call__, up to the output projection
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape)
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # [R, heads, L, head_dim]
+        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        hidden_states = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
+                                                       is_causal=False)
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if ref_tokens is not None:
+            # as IPAdapterAttnProcessor2_0 for one adapter without masks: several images' tokens in one softmax
+            # (ref_mask keeps an empty slot's out), scaled per row; a row at scale 0 adds 0 (its mask must leave
+            # a key unmasked: a row of -inf only would make NaN, and 0 * NaN stays NaN)
+            ip_key = self.to_k_ip(ref_tokens).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+            ip_value = self.to_v_ip(ref_tokens).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+            ip = F.scaled_dot_product_attention(query, ip_key, ip_value, attn_mask=ref_mask, dropout_p=0.0,
+                                                is_causal=False)
+            ip = ip.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
+            hidden_states = hidden_states + ref_scale.to(query.dtype) * ip
+
+        # as AttnProcessor2_0, from the output projection on
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+@dataclass
+class IpAdapter:
+    spec: str  # as the job wrote it ("tiny", a folder, a file)
+    kind: str  # "base" (ImageProjection on image_embeds) or "plus" (Resampler on the encoder's hidden_states[-2])
+    tokens: int  # image tokens per reference after projection (4 base, 16 plus)
+    dim: int  # their width: the UNet's cross_attention_dim
+    digest: str  # short hex digest of the adapter + image-encoder weights (the reference cache's key)
+    encoder: Any  # CLIPVisionModelWithProjection
+    projection: Any  # diffusers ImageProjection / IPAdapterPlusImageProjection
+    negative: torch.Tensor  # [tokens, dim]: the unconditional half's tokens, as diffusers makes them
+    image_processor: Any = None  # transformers CLIPImageProcessor, as IPAdapterMixin makes it for the encoder
+    encode_ms: float = 0.0  # time spent encoding references (cache misses), all told
+    encoded: int = 0  # how many references the encoder ran for
+    _memory: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.negative.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.negative.dtype
+
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N, 3, S, S] -> the projected tokens [N, tokens, dim]."""
+        return _project(self.kind, self.encoder, self.projection, pixels.to(self.device))
+
+    def encode(self, image: Path, sha256: str) -> torch.Tensor:
+        """One reference's projected tokens [tokens, dim] in the model dtype on the device; cached in memory and on
+        disk (cache_root()/references/<digest>/<sha256>.safetensors, one entry per dtype)."""
+        if sha256 in self._memory:
+            return self._memory[sha256]
+        from safetensors.torch import load_file, save_file
+
+        path = cache_root() / REFERENCES / self.digest / f"{sha256}.safetensors"
+        name = str(self.dtype).removeprefix("torch.")
+        stored: dict[str, torch.Tensor] = {}
+        if path.is_file():
+            try:
+                stored = load_file(path)
+            except Exception:  # noqa: BLE001 - a torn or foreign file: encode again and replace it
+                stored = {}
+        if name not in stored:
+            stored[name] = self._encode(Path(image)).cpu()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".ref-", dir=path.parent)
+            os.close(fd)
+            try:
+                save_file({k: v.contiguous() for k, v in stored.items()}, tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        tokens = stored[name].to(self.device)
+        self._memory[sha256] = tokens
+        return tokens
+
+    def _encode(self, image: Path) -> torch.Tensor:
+        from PIL import Image
+
+        start = time.perf_counter()
+        try:
+            with Image.open(image) as im:
+                rgb = im.convert("RGB")
+        except (OSError, ValueError) as e:
+            raise BadInput(f"{image}: cannot read the reference image ({one_line(e)})") from None
+        pixels = self.image_processor(images=rgb, return_tensors="pt").pixel_values  # [1, 3, S, S]
+        tokens = self.project(pixels)[0]
+        if tokens.device.type == "cuda":
+            torch.cuda.synchronize(tokens.device)
+        self.encode_ms += (time.perf_counter() - start) * 1000
+        self.encoded += 1
+        return tokens
+
+
+@torch.no_grad()
+def _project(kind: str, encoder, projection, pixels: torch.Tensor) -> torch.Tensor:
+    """pixel_values [N, 3, S, S] -> projected tokens [N, tokens, dim], as diffusers' encode_image then the UNet's
+    MultiIPAdapterImageProjection (each image on its own)."""
+    pixels = pixels.to(encoder.dtype)
+    if kind == "base":
+        embeds = encoder(pixels).image_embeds  # [N, projection_dim]
+    else:
+        embeds = encoder(pixels, output_hidden_states=True).hidden_states[-2]  # [N, 1 + patches, hidden]
+    return projection(embeds)
+
+
+def _state_dict(weights: Path) -> dict[str, torch.Tensor]:
+    """h94's flat keys (`image_proj.*`, `ip_adapter.*`), as IPAdapterMixin.load_ip_adapter reads either format."""
+    if weights.suffix.lower() == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt", device="cpu") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if k.startswith(("image_proj.", "ip_adapter."))}
+    nested = torch.load(weights, map_location="cpu", weights_only=True)
+    if not isinstance(nested, dict) or not {"image_proj", "ip_adapter"} <= nested.keys():
+        raise AdapterFileError(f"{weights.name}: not an IP-Adapter file (no image_proj and ip_adapter in it)")
+    return {f"{part}.{k}": v for part in ("image_proj", "ip_adapter") for k, v in nested[part].items()}
+
+
+def _cross_attention(unet) -> list[tuple[str, Any]]:
+    """(name, Attention) of every layer that gets an adapter, in attn_processors' order (diffusers' key order)."""
+    return [(n.removesuffix(".processor"), unet.get_submodule(n.removesuffix(".processor")))
+            for n in unet.attn_processors if not n.endswith("attn1.processor")]
+
+
+def _random(kind: str, unet, device: torch.device, dtype: torch.dtype) -> tuple[dict, Any]:
+    """sdxl-random(-plus): h94-shaped weights for `unet` and an SDXL-sized image encoder, drawn on the device."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    config = SDXL_ENCODERS[kind]
+    torch.manual_seed(2)
+    with torch.device(device):
+        encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(**config)).to(dtype)
+        layers = [(a.to_k.out_features, a.to_k.in_features) for _, a in _cross_attention(unet)]
+        embed = config[PROJECTION_IN[kind][1]]
+        weights = h94_adapter(kind, layers, embed, unet.config.cross_attention_dim, SDXL_RESAMPLER_WIDTH)
+    return weights, encoder
+
+
+def _read(spec: str, image_encoder: str | None, unet, device, dtype) -> tuple[str, dict, Any, str]:
+    """(name for messages, h94 state dict, image encoder, digest) of what `spec` names."""
+    from transformers import CLIPVisionModelWithProjection
+
+    if spec in PRESET_KINDS and spec.startswith("sdxl-random"):
+        weights, encoder = _random(PRESET_KINDS[spec], unet, device, dtype)
+        return spec, weights, encoder, hashlib.sha256(spec.encode()).hexdigest()[:SHORT]
+    if spec in PRESET_KINDS:
+        files = adapter_files(str(tiny_adapter_folder(PRESET_KINDS[spec])), None)
+    else:
+        files = adapter_files(spec, image_encoder)
+    name = files.weights.name
+    try:
+        weights = _state_dict(files.weights)
+    except AdapterFileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to read user-provided weights is reported in one line
+        raise ModelError(f"ip_adapter: {name}: cannot load it: {one_line(e)}") from e
+    try:
+        encoder = CLIPVisionModelWithProjection.from_pretrained(str(files.encoder), dtype=dtype).to(device)
+    except Exception as e:  # noqa: BLE001 - likewise
+        raise ModelError(f"ip_adapter: {name}: its image encoder {files.encoder} does not load: {one_line(e)}") from e
+    both = f"{weights_digest(str(files.weights))}:{weights_digest(str(files.encoder))}"
+    return name, weights, encoder, hashlib.sha256(both.encode()).hexdigest()[:SHORT]
+
+
+def load_ip_adapter(spec: str, image_encoder: str | None, unet, device, dtype) -> IpAdapter:
+    """Loads the adapter, installs the row-scaled attention processors into `unet` (in place) and returns the
+    IpAdapter. Raises ModelError (one line, naming the file; for a weight that does not fit: the layer and both
+    shapes) on failure."""
+    from transformers import CLIPImageProcessor
+
+    device = torch.device(device)
+    try:
+        name, weights, encoder, digest = _read(spec, image_encoder, unet, device, dtype)
+        kind = adapter_kind(name, list(weights))
+    except AdapterFileError as e:
+        raise ModelError(f"ip_adapter: {e}") from None
+    encoder.eval().requires_grad_(False)
+    layers = _cross_attention(unet)
+    shapes = {k: list(v.shape) for k, v in weights.items()}
+    mismatch = weight_mismatch(name, kind, shapes, [(n, tuple(a.to_k.weight.shape)) for n, a in layers],
+                               encoder.config.to_dict())
+    if mismatch:
+        raise ModelError(f"ip_adapter: {mismatch}")
+    try:
+        proj = {k.removeprefix("image_proj."): v for k, v in weights.items() if k.startswith("image_proj.")}
+        with torch.device(device):
+            projection = unet._convert_ip_adapter_image_proj_to_diffusers(proj, low_cpu_mem_usage=False)
+    except Exception as e:  # noqa: BLE001 - the converter's KeyError / size mismatch, in one line
+        raise ModelError(f"ip_adapter: {name}: its image projection does not load: {one_line(e)}") from e
+    projection.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    plain = SelfAttnProcessor()  # stateless: one for every self-attention layer
+    processors = {n: plain for n in unet.attn_processors}
+    with torch.no_grad():
+        for k, (n, attn) in enumerate(layers):
+            proc = RowScaledIpProcessor(attn.to_k.out_features, attn.to_k.in_features, device, dtype)
+            proc.to_k_ip.weight.copy_(weights[ip_key(k, "to_k_ip")])
+            proc.to_v_ip.weight.copy_(weights[ip_key(k, "to_v_ip")])
+            processors[f"{n}.processor"] = proc.requires_grad_(False)
+    unet.set_attn_processor(processors)
+
+    size = encoder.config.image_size
+    with torch.no_grad():
+        if kind == "base":  # as diffusers' encode_image: zeros in place of the image embedding
+            negative = projection(torch.zeros(1, encoder.config.projection_dim, device=device, dtype=dtype))[0]
+        else:  # the encoder's hidden states for all-zero pixel_values, as encode_image's uncond_image_enc_hidden_states
+            negative = _project(kind, encoder, projection, torch.zeros(1, 3, size, size, device=device))[0]
+    return IpAdapter(spec, kind, negative.shape[0], negative.shape[1], digest, encoder, projection, negative,
+                     CLIPImageProcessor(size=size, crop_size=size))
