@@ -22,7 +22,7 @@ from storyboard_cli.errors import Status, StoryboardError, folder_error
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
-from storyboard_cli.folder.report import Timings, build_report, write_report
+from storyboard_cli.folder.report import Timings, build_report, job_inputs, write_report
 from storyboard_cli.folder.shards import merge_shards
 from storyboard_cli.folder.sink import ContactSheet, OutputSink
 from storyboard_cli.job.file import Job
@@ -312,7 +312,7 @@ class RenderSession:
                                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                             stopped_by=signum, error=error,
                             lora_swaps=self.policy.runner.lora_swaps() if ran else None,
-                            shots=shot_levers(self.job))
+                            shots=shot_levers(self.job), **job_inputs(self.job))
 
     def _close_writer(self, cancel: bool, after_error: bool = False) -> None:
         try:

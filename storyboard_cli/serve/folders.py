@@ -29,7 +29,7 @@ from typing import Callable
 
 from storyboard_cli.errors import BadInput, Status
 from storyboard_cli.folder.outputs import Manifest, atomic_write
-from storyboard_cli.folder.report import Report, Timings, build_report, write_report
+from storyboard_cli.folder.report import INPUTS, Report, Timings, build_report, write_report
 from storyboard_cli.folder.sink import ContactSheet
 from storyboard_cli.serve.intake import served_job
 from storyboard_cli.serve.schedule import ImageState, JobState
@@ -132,7 +132,7 @@ def merged_report(job: dict, job_file: Path, now: float) -> dict:
         status=STATUS.get(job["state"], job["state"]),
         notes=list(dict.fromkeys(n for r in reports for n in r.get("notes", []))),
         run={"id": job["id"], "started": _iso(job["submitted"]), "finished": _iso(job["finished"])},
-        shots=first.get("shots"))
+        shots=first.get("shots"), **{k: first.get(k) for k in INPUTS})
     report["workers"] = _workers(leases)
     return report
 
