@@ -18,7 +18,8 @@ def loop_inputs(models, batch, w, h, control, sampler="euler_a", steps=6, seed=0
     x0, noise = draw_noise([seed + i for i in range(batch)], steps, (4, h // 8, w // 8), sched)
     guidance = torch.linspace(3.0, 8.0, batch, device=models.device)  # per-row guidance
     if ctl is not None:
-        ctl.scale = torch.linspace(0.3, 1.2, batch, device=models.device, dtype=models.dtype).repeat(2).view(-1, 1, 1, 1)
+        scale = torch.linspace(0.3, 1.2, batch, device=models.device, dtype=models.dtype).repeat(2)
+        ctl.scale = scale.view(1, -1, 1, 1, 1).repeat(len(ctl.nets), 1, 1, 1, 1)  # [nets, 2B, 1, 1, 1]
     noise = None if noise is None else noise.to(models.device)
     return x0.to(models.device), sched, noise, cond, ctl, guidance
 
