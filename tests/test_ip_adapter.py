@@ -7,6 +7,7 @@ and masked).
 """
 
 import copy
+import hashlib
 import json
 import shutil
 
@@ -41,12 +42,12 @@ def models(tiny_cpu):
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    """Three reference images, by sha256-like name: the two line drawings of jobs/control/ and a red square."""
+    """Three reference images, by sha256: the two line drawings of jobs/control/ and a red square."""
     folder = tmp_path_factory.mktemp("refs")
     Image.new("RGB", (64, 48), (200, 40, 40)).save(folder / "red.png")
     paths = [ROOT / "jobs" / "control" / "hero_pose.png", ROOT / "jobs" / "control" / "valley_layout.png",
              folder / "red.png"]
-    return {f"{i:064x}": p for i, p in enumerate(paths)}
+    return {hashlib.sha256(p.read_bytes()).hexdigest(): p for p in paths}  # real digests: the disk cache is shared
 
 
 def _rows(adapter, per_row, slots=None, scales=None):

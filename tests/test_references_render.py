@@ -2,6 +2,7 @@
 without a reference share one batch and equal their solo renders, swapped references swap the pictures, the graph
 runner's replays equal eager, a LoRA swap with the adapter loaded, resume and dedup by reference content."""
 
+import hashlib
 import json
 import shutil
 
@@ -120,8 +121,8 @@ def test_graph_replays_equal_eager_with_references(ref_models):
     sched = schedule("euler", 4, ref_models.scheduler_config)
     x, noise = draw_noise([1, 2, 3], 4, (4, 8, 8), sched)
     cond = conditioning(PromptCache(ref_models), ["a"] * 3, [""] * 3, 64, 64)
-    mei = adapter.encode(REFS / "mei.png", "a" * 64)
-    stranger = adapter.encode(REFS / "stranger.png", "b" * 64)
+    mei, stranger = (adapter.encode(p, hashlib.sha256(p.read_bytes()).hexdigest())
+                     for p in (REFS / "mei.png", REFS / "stranger.png"))
     guidance = torch.full((3,), 5.0)
     for rows in ([[mei], [], [stranger, mei]], [[stranger], [mei], []]):
         cond.refs = references(rows, adapter.negative, [0.7, 0.0, 0.9], 4)
@@ -162,3 +163,55 @@ def test_resume_and_dedup_follow_the_references_content(folder, tmp_path, ref_mo
              "  - {id: g, prompt: x, characters: [kai]}\n")
     result = render(_job(folder, twins, name="twins.yaml"), RenderOptions(out_dir=tmp_path / "t"), models=ref_models)
     assert result.rendered == 3 and result.report["buckets"][0]["rows"] == 2 * 4  # e and f share one row
+
+
+def test_references_and_two_nets_together_match_diffusers(tiny_cpu, ref_models, tmp_path):
+    """StableDiffusionXLControlNetPipeline with a MultiControlNetModel (per-net scale and control_guidance_end) after
+    load_ip_adapter, two reference images: bcg's eager loop gives the same latents."""
+    import copy
+
+    from diffusers import StableDiffusionXLControlNetPipeline
+    from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
+
+    from helpers.reference import RTOL, diffusers_pipeline, rel_error
+    from storyboard_cli.engine.conditioning import control, control_pixels, guided_rows, read_control_image
+    from storyboard_cli.models.tiny import ADAPTER_FILES, tiny_adapter_folder
+    from storyboard_cli.steps import control_steps, step_plan
+
+    w, h, steps, guidance, seed = 64, 64, 6, 6.0, 9
+    scales, ends = [0.8, 0.5], [1.0, 0.5]
+    guides = []
+    for name in ("mei_pose", "window_depth"):
+        with Image.open(ROOT / "jobs" / "control" / f"{name}.png") as im:
+            im.convert("RGB").resize((w, h), Image.LANCZOS).save(tmp_path / f"{name}.png")
+        guides.append(tmp_path / f"{name}.png")
+    refs = [REFS / "mei.png", REFS / "stranger.png"]
+
+    theirs = copy.deepcopy(tiny_cpu)  # the plain UNet: diffusers puts its own adapter processors in
+    plain = diffusers_pipeline(theirs)
+    pipe = StableDiffusionXLControlNetPipeline(**plain.components,
+                                               controlnet=MultiControlNetModel([theirs.controlnet] * 2))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_ip_adapter(str(tiny_adapter_folder("base")), subfolder="", weight_name=ADAPTER_FILES["base"],
+                         image_encoder_folder="image_encoder")
+    pipe.set_ip_adapter_scale(0.6)
+    want = pipe(prompt="two figures on the stairs", negative_prompt="blurry", height=h, width=w,
+                num_inference_steps=steps, guidance_scale=guidance, generator=torch.Generator("cpu").manual_seed(seed),
+                output_type="latent", image=[Image.open(g).convert("RGB") for g in guides],
+                controlnet_conditioning_scale=scales, control_guidance_end=ends,
+                ip_adapter_image=[[Image.open(r).convert("RGB") for r in refs]]).images
+
+    m = ref_models
+    sched = schedule("euler", steps, m.scheduler_config)
+    x, noise = draw_noise([seed], steps, (4, h // 8, w // 8), sched)
+    negatives, g = guided_rows(["two figures on the stairs"], ["blurry"], [guidance])
+    cond = conditioning(PromptCache(m), ["two figures on the stairs"], negatives, w, h)
+    tokens = [m.ip_adapter.encode(r, hashlib.sha256(r.read_bytes()).hexdigest()) for r in refs]
+    cond.refs = references([tokens], m.ip_adapter.negative, [0.6], 4)
+    runs = torch.tensor([control_steps(steps, e) for e in ends])
+    keep = (torch.arange(steps)[:, None] < runs[None, :]).float()
+    ctl = control([control_pixels(read_control_image(p, w, h))[None] for p in guides], [[s] for s in scales],
+                  m.device, m.dtype, (0, 1), keep)
+    plan = step_plan(steps, steps, control=max(runs).item())
+    got = EagerEngine(m).sample(x, sched, noise, cond, ctl, torch.tensor(g), plan)
+    assert rel_error(got, want) < RTOL
