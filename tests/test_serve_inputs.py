@@ -134,6 +134,41 @@ def test_a_worker_without_the_servers_files_downloads_them_and_a_swap_after_subm
     assert "ControlNet: pose.png (scale 0.9)" in png.text["parameters"]  # the job's name for it, not the blob's
 
 
+@pytest.mark.slow
+def test_the_characters_example_served_to_a_remote_worker_renders_what_bcg_render_does(tmp_path):
+    """References, a character's LoRA and two nets' guides travel as blobs: a worker without the server's files
+    downloads each once and renders the pixels `bcg render` renders, with the same report of characters."""
+    laptop = tmp_path / "laptop"
+    for folder in ("loras", "control", "refs"):
+        shutil.copytree(ROOT / "jobs" / folder, laptop / folder)
+    shutil.copy(ROOT / "jobs" / "characters.yaml", laptop / "characters.yaml")
+    server = Server(tmp_path / "root", free_port()).start(gpus="none")
+    worker = None
+    try:
+        sent = bcg("submit", str(laptop / "characters.yaml"), "--server", server.url, "--json")
+        assert sent.returncode == 0, sent.stderr
+        assert "inputs: 5 uploaded" in sent.stderr, sent.stderr  # the LoRA, two guides, two references
+        job_id = json.loads(sent.stdout)["id"]
+        worker = start_worker(server.url, "remote", "--upload", "--root", str(tmp_path / "w"))
+        done = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "canceled"))
+        assert done["state"] == "succeeded", done
+    finally:
+        if worker is not None:
+            stop(worker)
+        server.kill_everything()
+    cached = {p.name for p in (tmp_path / "w" / "blobs").rglob("*") if p.is_file() and "." not in p.name}
+    assert cached == {sha256(laptop / f) for f in ("loras/mei.safetensors", "control/mei_pose.png",
+                                                  "control/window_depth.png", "refs/mei.png", "refs/stranger.png")}
+    ref = tmp_path / "ref"
+    rendered = bcg("render", str(laptop / "characters.yaml"), "--out", str(ref), "--quiet")
+    assert rendered.returncode == 0, rendered.stderr
+    out = tmp_path / "root" / "jobs" / job_id / "out"
+    assert_same_pixels(out, ref)
+    served = json.loads((out / "report.json").read_text())
+    assert [c["name"] for c in served["characters"]] == ["mei"]
+    assert served["characters"] == json.loads((ref / "report.json").read_text())["characters"]
+
+
 # ---------------------------------------------------------------- the routes, in process
 
 @pytest.fixture
