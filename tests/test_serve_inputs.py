@@ -73,6 +73,22 @@ def test_the_readme_serve_example_works_as_written(tmp_path, tiny_cpu):
     assert_same_pixels(tmp_path / "root" / "jobs" / job_id / "out", ref)
 
 
+def _remote_worker_renders(server, root, job_ids) -> set[str]:
+    """A worker without the server's files (`--upload`, its own --root) renders the jobs, each must succeed; then
+    everything is stopped. Returns the blobs the worker downloaded (by sha256)."""
+    worker = None
+    try:
+        worker = start_worker(server.url, "remote", "--upload", "--root", str(root))
+        for job_id in job_ids:
+            done = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "canceled"))
+            assert done["state"] == "succeeded", done
+    finally:
+        if worker is not None:
+            stop(worker)
+        server.kill_everything()
+    return {p.name for p in (root / "blobs").rglob("*") if p.is_file() and "." not in p.name}
+
+
 POSE_JOB = """version: 1
 model: tiny
 controlnet: tiny
@@ -100,7 +116,6 @@ def test_a_worker_without_the_servers_files_downloads_them_and_a_swap_after_subm
     (laptop / "posed.yaml").write_text(POSE_JOB.format(pose=pose))
 
     server = Server(root, free_port()).start(gpus="none")
-    worker = None
     try:
         submitted = [bcg("submit", str(laptop / name), "--server", server.url, "--json") for name in
                      ("ep.yaml", "posed.yaml")]
@@ -108,15 +123,10 @@ def test_a_worker_without_the_servers_files_downloads_them_and_a_swap_after_subm
         ep, posed = (json.loads(r.stdout)["id"] for r in submitted)
         pose.unlink()
         pose.symlink_to(outside)  # after the 202: the worker must not follow it
-        worker = start_worker(server.url, "remote", "--upload", "--root", str(tmp_path / "w"))
-        for job_id in (ep, posed):
-            done = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "canceled"))
-            assert done["state"] == "succeeded", done
-    finally:
-        if worker is not None:
-            stop(worker)
+    except BaseException:
         server.kill_everything()
-    cached = {p.name for p in (tmp_path / "w" / "blobs").rglob("*") if p.is_file() and "." not in p.name}
+        raise
+    cached = _remote_worker_renders(server, tmp_path / "w", [ep, posed])
     assert cached == {sha256(laptop / "loras" / "mei.safetensors"), sha256(laptop / "control" / "hero_pose.png"),
                       sha256(laptop / "control" / "valley_layout.png")}  # each downloaded once
     ref = tmp_path / "ref"
@@ -143,20 +153,15 @@ def test_the_characters_example_served_to_a_remote_worker_renders_what_bcg_rende
         shutil.copytree(ROOT / "jobs" / folder, laptop / folder)
     shutil.copy(ROOT / "jobs" / "characters.yaml", laptop / "characters.yaml")
     server = Server(tmp_path / "root", free_port()).start(gpus="none")
-    worker = None
     try:
         sent = bcg("submit", str(laptop / "characters.yaml"), "--server", server.url, "--json")
         assert sent.returncode == 0, sent.stderr
         assert "inputs: 5 uploaded" in sent.stderr, sent.stderr  # the LoRA, two guides, two references
         job_id = json.loads(sent.stdout)["id"]
-        worker = start_worker(server.url, "remote", "--upload", "--root", str(tmp_path / "w"))
-        done = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed", "canceled"))
-        assert done["state"] == "succeeded", done
-    finally:
-        if worker is not None:
-            stop(worker)
+    except BaseException:
         server.kill_everything()
-    cached = {p.name for p in (tmp_path / "w" / "blobs").rglob("*") if p.is_file() and "." not in p.name}
+        raise
+    cached = _remote_worker_renders(server, tmp_path / "w", [job_id])
     assert cached == {sha256(laptop / f) for f in ("loras/mei.safetensors", "control/mei_pose.png",
                                                   "control/window_depth.png", "refs/mei.png", "refs/stranger.png")}
     ref = tmp_path / "ref"
