@@ -261,3 +261,30 @@ def test_a_size_switches_to_its_compiled_kernels_when_its_build_lands(artifacts,
 
 def test_a_second_process_loads_from_the_cache(artifacts):
     assert loads_in_a_new_process(artifacts, "cpu", "float32", "tiny") == "loaded"
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_a_unet_with_an_ip_adapter_compiles_with_the_reference_inputs(artifacts, rows):
+    """The adapter's UNet artifact takes the step's tokens, per-row scales and slot masks: rows with one, two and no
+    references (scale 0) give what the modules give, and its key is not the plain UNet's."""
+    from storyboard_cli.engine.conditioning import references
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32, "tiny")
+    k = CompiledKernels(models, None, root=artifacts)
+    k.want(k.targets([Shape(rows // 2, SIDE, SIDE, False)]))
+    assert k.waiting == [] and k.ready(rows // 2, SIDE, SIDE, False) is None
+    plain = Target("unet", SIDE, SIDE)
+    assert artifact_key(k.unet_target(SIDE, SIDE), models.unet) != artifact_key(plain, models.unet)
+    k.reserve(rows // 2, SIDE * SIDE)
+    latents, t, embeds, pooled, time_ids, _, _ = step_inputs(models, rows, False)
+    g = torch.Generator().manual_seed(2)
+    adapter = models.ip_adapter
+    tokens = [torch.randn(adapter.tokens, adapter.dim, generator=g) for _ in range(3)]
+    per_row = [[tokens[0]], tokens[1:], []] * rows
+    refs = references(per_row[: rows // 2], adapter.negative, [0.9, 0.5, 0.0] * rows, 4)
+    with torch.no_grad():
+        got = k.unet(latents, t, embeds, pooled, time_ids, None, None, refs=refs)
+        want = StepCalls.eager(models).unet(latents, t, embeds, pooled, time_ids, None, None, refs=refs)
+        without = StepCalls.eager(models).unet(latents, t, embeds, pooled, time_ids, None, None)
+    assert rel_error(got, want) < 1e-4
+    assert rel_error(without, want) > 1e-3  # the references are in the comparison

@@ -52,9 +52,9 @@ def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, note
     `fp8`: the UNet's FP8 kernels (engine/kernels/fp8.py) instead of its fp16 ones."""
     if compile == "off" or models.device.type != "cuda":
         return None
-    if models.ip_adapter is not None:  # the artifacts hold the UNet without the adapter's attention
-        notes.append("compiled kernels are not used with an IP-Adapter (ip_adapter:): its shapes run plain CUDA graphs")
-        return None
+    if fp8 and models.ip_adapter is not None:  # its calibration and Linears were measured without the adapter
+        notes.append("--fp8: the FP8 kernels are not built with an IP-Adapter (ip_adapter:); fp16 compiled kernels")
+        fp8 = False
     builds = Builds(models.device, on_event, retry_failed=compile == "on", notes=notes)
     kernels = CompiledKernels(models, builds, notes, variant=top(asked=fp8))
     if compile == "on" and kernels.want(kernels.targets(shapes)):

@@ -271,6 +271,19 @@ def _read(spec: str, image_encoder: str | None, unet, device, dtype) -> tuple[st
     return name, weights, encoder, hashlib.sha256(both.encode()).hexdigest()[:SHORT]
 
 
+def install_processors(unet, device: torch.device, dtype: torch.dtype) -> list[RowScaledIpProcessor]:
+    """The adapter's processors put into `unet` (its weights not set: the loader copies them in, a kernel build
+    compiles none): one per cross-attention layer in diffusers' order, returned in it."""
+    plain = SelfAttnProcessor()  # stateless: one for every self-attention layer
+    processors = {n: plain for n in unet.attn_processors}
+    made = []
+    for n, attn in _cross_attention(unet):
+        made.append(RowScaledIpProcessor(attn.to_k.out_features, attn.to_k.in_features, device, dtype))
+        processors[f"{n}.processor"] = made[-1].requires_grad_(False)
+    unet.set_attn_processor(processors)
+    return made
+
+
 def load_ip_adapter(spec: str, image_encoder: str | None, unet, device, dtype) -> IpAdapter:
     """Loads the adapter, installs the row-scaled attention processors into `unet` (in place) and returns the
     IpAdapter. Raises ModelError (one line, naming the file; for a weight that does not fit: the layer and both
@@ -298,15 +311,10 @@ def load_ip_adapter(spec: str, image_encoder: str | None, unet, device, dtype) -
         raise ModelError(f"ip_adapter: {name}: its image projection does not load: {one_line(e)}") from e
     projection.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
-    plain = SelfAttnProcessor()  # stateless: one for every self-attention layer
-    processors = {n: plain for n in unet.attn_processors}
     with torch.no_grad():
-        for k, (n, attn) in enumerate(layers):
-            proc = RowScaledIpProcessor(attn.to_k.out_features, attn.to_k.in_features, device, dtype)
+        for k, proc in enumerate(install_processors(unet, device, dtype)):
             proc.to_k_ip.weight.copy_(weights[ip_key(k, "to_k_ip")])
             proc.to_v_ip.weight.copy_(weights[ip_key(k, "to_v_ip")])
-            processors[f"{n}.processor"] = proc.requires_grad_(False)
-    unet.set_attn_processor(processors)
 
     size = encoder.config.image_size
     with torch.no_grad():

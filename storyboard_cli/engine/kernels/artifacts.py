@@ -70,14 +70,14 @@ def fits(batch: int, height: int, width: int) -> str | None:
     return None
 
 
-def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED) -> list[Target]:
+def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED, refs: int = 0) -> list[Target]:
     """The artifacts these shapes use: a UNet per size (in `variant`'s precision), a ControlNet per size used with a
     control image. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size). A shape
     with several ControlNets runs plain graphs (CompiledKernels.variants): nothing is built for it."""
     need = set()
     for s in shapes:
         if fits(s.batch, s.height, s.width) is None and s.control in (0, 1):
-            need.add(Target("unet", s.height, s.width, VARIANTS[variant].precision))
+            need.add(Target("unet", s.height, s.width, VARIANTS[variant].precision, refs))
             if s.control and controlnet:
                 need.add(Target("controlnet", s.height, s.width))
     return sorted(need, key=lambda t: (t.module != "unet", -t.height * t.width, t.height))
@@ -111,11 +111,13 @@ def artifact_key(target: Target, model: torch.nn.Module) -> str:
         "torch": torch.__version__, "rows": MAX_ROWS, "options": options(target),
         "recipe": RECIPE + target.variant.recipe, **where,
     }
+    if target.refs:  # only where there are: a UNet without an adapter keeps the key it had
+        facts["refs"] = target.refs
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 def artifact_path(target: Target, model: torch.nn.Module, root: Path | None = None) -> Path:
-    kind = target.module + (f"-{target.tag}" if target.tag else "")
+    kind = target.module + (f"-{target.tag}" if target.tag else "") + (f"-refs{target.refs}" if target.refs else "")
     name = f"{kind}-{target.width}x{target.height}-{artifact_key(target, model)}.pt2"
     return (root or cache_root() / "compiled") / name
 

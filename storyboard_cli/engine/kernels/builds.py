@@ -165,7 +165,7 @@ class Builds:
             torch.device("cuda", torch.cuda.current_device())
         cmd = [sys.executable, "-m", "storyboard_cli.engine.kernels.builds", b.target.module, type(b.model).__name__,
                str(config), dtype_flag(b.model.dtype), str(device), str(b.target.height), str(b.target.width), str(b.path),
-               b.target.precision]
+               b.target.precision, str(b.target.refs)]
         # every child gets every core for its compile workers: one build's serial stretches (tracing,
         # lowering, the C++ wrapper) leave them to the others' parallel ones
         env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(len(os.sched_getaffinity(0)))}
@@ -210,9 +210,9 @@ def _max_rss_mb() -> float:
 
 
 def _main(argv: list[str]) -> None:
-    """A build child: MODULE CLASS CONFIG DTYPE DEVICE HEIGHT WIDTH PATH PRECISION. Exits 0 without an artifact
+    """A build child: MODULE CLASS CONFIG DTYPE DEVICE HEIGHT WIDTH PATH PRECISION REFS. Exits 0 without an artifact
     when another process holds the artifact's lock (or finished it since the parent looked)."""
-    module, cls_name, config, dtype, device, height, width, path, precision = argv
+    module, cls_name, config, dtype, device, height, width, path, precision, refs = argv
     path = Path(path)
     lock = open(path.with_suffix(".lock"), "a+")  # held until this process exits, however it exits
     try:
@@ -237,8 +237,12 @@ def _main(argv: list[str]) -> None:
     finally:
         torch.set_default_dtype(torch.float32)
     model.to_empty(device=device).to(dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    if int(refs):  # a UNet with an IP-Adapter: its processors, in their shapes (values are not compiled in)
+        from storyboard_cli.models.ip_adapter import install_processors
+
+        install_processors(model, torch.device(device), DTYPES[dtype])
     made = time.perf_counter() - t0
-    target = Target(module, int(height), int(width), precision)
+    target = Target(module, int(height), int(width), precision, int(refs))
     stats = build(target, model, path)
     path.with_suffix(".failed").unlink(missing_ok=True)
     stats = {"target": target.label, "make_module_s": round(made, 1), **stats,

@@ -65,6 +65,12 @@ class CompiledKernels(StepCalls):
         self.chain = [v for v in chain(variant) if v.compiled]  # best first
         self.notes = notes if notes is not None else []
         self.residuals = Residuals.of(models.unet)
+        adapter = models.ip_adapter  # its UNet artifacts take the reference tokens (Target.refs)
+        self.refs = 0
+        if adapter is not None:
+            from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS
+
+            self.refs = REFERENCE_SLOTS * adapter.tokens
         self.calls: dict[Target, Callable] = {}
         self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
         self.load_s: dict[Target, float] = {}  # seconds each load and constant binding took
@@ -80,11 +86,11 @@ class CompiledKernels(StepCalls):
 
     def targets(self, shapes: Iterable[Shape]) -> list[Target]:
         """What these shapes are built for: the UNet in this run's precision, the ControlNets."""
-        return targets(shapes, self.models.controlnet is not None, self.variant)
+        return targets(shapes, self.models.controlnet is not None, self.variant, self.refs)
 
     def unet_target(self, height: int, width: int, variant: str | None = None) -> Target:
         """The UNet artifact of a variant ("compiled": fp16, "fp8"; None: this run's best)."""
-        return Target("unet", height, width, VARIANTS[variant or self.variant].precision)
+        return Target("unet", height, width, VARIANTS[variant or self.variant].precision, self.refs)
 
     def variants(self, batch: int, height: int, width: int, control: bool) -> list[str]:
         """The ShapeKey variants this shape can run on now, best first (the run's compiled rows whose UNet kernels for
@@ -196,8 +202,9 @@ class CompiledKernels(StepCalls):
             return self.zeros[: rows * c * (h // d) * (w // d)].view(rows, h // d, w // d, c).permute(0, 3, 1, 2)
         return view(*self.residuals.mid), tuple(view(c, d) for c, d in self.residuals.down)
 
-    def _unet(self, latents, t, embeds, pooled, time_ids, mid, down, variant: str | None = None):
-        """`variant`: which UNet kernels ("compiled", "fp8"); None: the best loaded for the size."""
+    def _unet(self, latents, t, embeds, pooled, time_ids, mid, down, refs=None, variant: str | None = None):
+        """`variant`: which UNet kernels ("compiled", "fp8"); None: the best loaded for the size. `refs`: the
+        IP-Adapter's tokens (engine/conditioning.py Refs), which an adapter's artifacts take."""
         rows, _, h, w = latents.shape
         if mid is None:
             mid, down = self._zero_residuals(rows, h, w)
@@ -205,7 +212,8 @@ class CompiledKernels(StepCalls):
         # residuals are channels_last already (no copy); any other layout is made so
         mid, down = nhwc(mid), tuple(nhwc(d) for d in down)
         call = self.calls[self.unet_target(8 * h, 8 * w, variant or self._loaded(8 * h, 8 * w)[0])]
-        return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down)
+        extra = () if refs is None else (refs.tokens, refs.scale, refs.mask)
+        return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down, *extra)
 
     def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):
         call = self.calls[Target("controlnet", 8 * latents.shape[2], 8 * latents.shape[3])]

@@ -10,6 +10,9 @@ and the compiled recipe applied to the module (`export`; engine/kernels/artifact
   and no pointer a graph holds changes.
 - The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros, so one UNet
   artifact per size serves both.
+- A UNet with an IP-Adapter's processors (models/ip_adapter.py) is exported with three more inputs, the step's
+  reference tokens, per-row scale and slot mask (engine/conditioning.py Refs), and keeps those processors (they read
+  to_k / to_v, views into the fused weight): `Target.refs`, the width of the tokens, is part of its key.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 
+from storyboard_cli.engine.conditioning import Refs
 from storyboard_cli.engine.eager import controlnet_call, unet_call
 from storyboard_cli.engine.variants import COMPILED, PRECISIONS, VARIANTS, Variant
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
@@ -38,6 +42,7 @@ class Target:
     height: int
     width: int
     precision: str = VARIANTS[COMPILED].precision  # another compiled row's: the UNet's FP8 kernels ("fp8")
+    refs: int = 0  # a UNet with an IP-Adapter: its reference tokens per row (slots x tokens per image); 0 without
 
     @property
     def variant(self) -> Variant:
@@ -50,7 +55,8 @@ class Target:
 
     @property
     def label(self) -> str:
-        return f"{self.module} {self.width}x{self.height}" + (f" {self.tag}" if self.tag else "")
+        return (f"{self.module} {self.width}x{self.height}" + (f" {self.tag}" if self.tag else "")
+                + (f" +refs {self.refs}" if self.refs else ""))
 
 
 class UNetCall(torch.nn.Module):
@@ -60,8 +66,10 @@ class UNetCall(torch.nn.Module):
         super().__init__()
         self.unet = unet
 
-    def forward(self, latents, t, embeds, pooled, time_ids, mid, down):
-        return unet_call(self.unet, latents, t, embeds, pooled, time_ids, mid, list(down))
+    def forward(self, latents, t, embeds, pooled, time_ids, mid, down, ref_tokens=None, ref_scale=None, ref_mask=None):
+        """`ref_*`: an IP-Adapter's tokens, per-row scale and slot mask (engine/conditioning.py Refs), or None."""
+        refs = None if ref_tokens is None else Refs(ref_tokens, ref_scale, ref_mask)
+        return unet_call(self.unet, latents, t, embeds, pooled, time_ids, mid, list(down), refs)
 
 
 class ControlNetCall(torch.nn.Module):
@@ -106,8 +114,8 @@ def text_dims(model: torch.nn.Module) -> tuple[int, int]:
     return cfg.cross_attention_dim, cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
 
 
-def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: int) -> tuple:
-    """Inputs of the exported call for `model` at latent size h x w (values do not matter)."""
+def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: int, refs: int = 0) -> tuple:
+    """Inputs of the exported call for `model` at latent size h x w (values do not matter); `refs`: Target.refs."""
     dtype, device = model.dtype, model.device
     text_dim, pooled_dim = text_dims(model)
     latents = torch.randn(rows, 4, h, w, dtype=dtype, device=device)
@@ -123,6 +131,10 @@ def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: in
     mid, down = Residuals.of(model).zeros(rows, h, w, dtype, device)
     # channels_last, as the compiled ControlNet (channels_last convolutions) hands them over
     mid, down = nhwc(mid), tuple(nhwc(d) for d in down)
+    if refs:  # the IP-Adapter's tokens, per-row scale and additive slot mask, as the step's static buffers hold them
+        return (latents, t, embeds, pooled, time_ids, mid, down, torch.randn(rows, refs, text_dim, dtype=dtype,
+                device=device), torch.ones(rows, 1, 1, dtype=dtype, device=device),
+                torch.zeros(rows, 1, 1, refs, dtype=dtype, device=device))
     return latents, t, embeds, pooled, time_ids, mid, down
 
 
@@ -182,12 +194,15 @@ def channels_last_weights(models: Any, model: torch.nn.Module) -> dict[str, torc
 def export(target: Target, model: torch.nn.Module) -> torch.export.ExportedProgram:
     """`model` (a UNet or ControlNet: its values do not matter) with the recipe applied, its call exported for
     `target`'s image size, the rows dynamic."""
+    adapter = {n: p for n, p in model.attn_processors.items() if isinstance(p, torch.nn.Module)}  # an IP-Adapter's
     fuse_projections(model, processor=True)
+    if adapter:  # its processors stay: they hold its weights, and read to_k / to_v (views into the fused weight)
+        model.set_attn_processor({**model.attn_processors, **adapter})
     model.to(memory_format=torch.channels_last)
     rewrite = target.variant.rewrite
     if rewrite is not None:
         rewrite(model)
     wrapper = UNetCall(model) if target.module == "unet" else ControlNetCall(model)
-    args = example_inputs(target.module, model, MIN_ROWS, target.height // 8, target.width // 8)
+    args = example_inputs(target.module, model, MIN_ROWS, target.height // 8, target.width // 8, target.refs)
     with torch.no_grad():
         return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(args), strict=False)
