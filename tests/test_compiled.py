@@ -288,3 +288,35 @@ def test_a_unet_with_an_ip_adapter_compiles_with_the_reference_inputs(artifacts,
         without = StepCalls.eager(models).unet(latents, t, embeds, pooled, time_ids, None, None)
     assert rel_error(got, want) < 1e-4
     assert rel_error(without, want) > 1e-3  # the references are in the comparison
+
+
+def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifacts):
+    """The ControlNet artifact is bound to the first net's weights; a second net (other weights) runs its own module
+    beside it, and the summed residuals feed the compiled UNet: what the modules give."""
+    import copy
+
+    from storyboard_cli.engine.conditioning import Control
+    from storyboard_cli.engine.eager import control_residuals
+
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    other = copy.deepcopy(models.controlnet)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.05)
+    models.controlnets = (models.controlnet, other)
+    k = CompiledKernels(models, None, root=artifacts)
+    k.want(k.targets([Shape(2, SIDE, SIDE, 0b11)]))
+    assert k.waiting == [] and k.variants(2, SIDE, SIDE, 0b11) == ["compiled"]
+    k.reserve(2, SIDE * SIDE)
+    latents, t, embeds, pooled, time_ids, image, scale = step_inputs(models, 4, True)
+    ctl = Control(torch.stack([image, image.flip(-1)]), torch.stack([scale, 0.5 * scale]), (0, 1))
+
+    def run(calls):
+        mid, down = control_residuals(calls, ctl, latents, t, embeds, pooled, time_ids)
+        return calls.unet(latents, t, embeds, pooled, time_ids, mid, down)
+
+    with torch.no_grad():
+        got, expect = run(k), run(StepCalls.eager(models))
+        wrong = run(StepCalls(k.unet, k.controlnet, (k.controlnet,)))  # the first net's kernels for both guides
+    assert rel_error(got, expect) < 1e-4
+    assert rel_error(wrong, expect) > 1e-3  # the second net's own weights are in the comparison

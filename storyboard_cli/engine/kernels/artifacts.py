@@ -72,13 +72,14 @@ def fits(batch: int, height: int, width: int) -> str | None:
 
 def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED, refs: int = 0) -> list[Target]:
     """The artifacts these shapes use: a UNet per size (in `variant`'s precision), a ControlNet per size used with a
-    control image. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size). A shape
-    with several ControlNets runs plain graphs (CompiledKernels.variants): nothing is built for it."""
+    control image. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size). The
+    ControlNet artifact is the first net's (bound to its weights): a shape's further nets run their modules inside
+    the graph (StepCalls.others)."""
     need = set()
     for s in shapes:
-        if fits(s.batch, s.height, s.width) is None and s.control in (0, 1):
+        if fits(s.batch, s.height, s.width) is None:
             need.add(Target("unet", s.height, s.width, VARIANTS[variant].precision, refs))
-            if s.control and controlnet:
+            if s.control & 1 and controlnet:
                 need.add(Target("controlnet", s.height, s.width))
     return sorted(need, key=lambda t: (t.module != "unet", -t.height * t.width, t.height))
 

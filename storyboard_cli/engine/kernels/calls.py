@@ -96,9 +96,7 @@ class CompiledKernels(StepCalls):
         """The ShapeKey variants this shape can run on now, best first (the run's compiled rows whose UNet kernels for
         its size are loaded): with --fp8 its FP8 kernels, then the fp16 ones when the cache had them (while the FP8
         ones build, or after they failed their check)."""
-        if fits(batch, height, width) is not None or (control and Target("controlnet", height, width) not in self.calls):
-            return []
-        if control not in (0, 1):  # several ControlNets: the artifact is bound to the first one's weights only
+        if fits(batch, height, width) is not None or (control & 1 and Target("controlnet", height, width) not in self.calls):
             return []
         return self._loaded(height, width)
 
@@ -190,7 +188,7 @@ class CompiledKernels(StepCalls):
         why = fits(batch, height, width)
         if why:
             return why
-        need = [self.unet_target(height, width)] + ([Target("controlnet", height, width)] if control else [])
+        need = [self.unet_target(height, width)] + ([Target("controlnet", height, width)] if control & 1 else [])
         lacking = [t.label for t in need if t not in self.calls]
         return f"no compiled kernels for {', '.join(lacking)} yet" if lacking else None
 
