@@ -36,10 +36,13 @@
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
+#   refs[:COMPILE]    `bcg capture benchmarks/jobs/references.yaml --warm --compile COMPILE` (default off), then the
+#                     same job without its IP-Adapter: a reference's cost per step at 8 x 1024², two ControlNets
+#                     against one at 2 x 1024²
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,43p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,46p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -120,6 +123,16 @@ leg() {  # LEG ARG NAME
     stop_builds /tmp/bcg-first; sleep 2;;
   draft)
     bench "$n" 540 draft;;
+  refs)
+    local plain=benchmarks/jobs/references-plain.yaml
+    grep -v -e '^ip_adapter:' -e '^characters:' -e '^  mei:' benchmarks/jobs/references.yaml \
+      | sed 's/, characters: \[mei\]//' > "$plain"
+    for job in benchmarks/jobs/references.yaml "$plain"; do
+      STDOUT=json step "$n-$(basename "$job" .yaml)" 540 python -m storyboard_cli capture "$job" --warm \
+        --compile "${arg:-off}" --steps 10 --json
+      python benchmarks/capture_table.py "$R/$n-$(basename "$job" .yaml).json" >> "$R/$n.log"
+    done
+    rm -f "$plain";;
   capture)
     for mode in plain draft; do
       STDOUT=json step "$n-$mode" 240 python -m storyboard_cli capture jobs/bench.yaml --warm --compile off \
