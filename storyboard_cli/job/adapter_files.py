@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from storyboard_cli.errors import BadInput
-from storyboard_cli.job.lora_files import _header, _tensors, model_configs
+from storyboard_cli.job.lora_files import model_configs, tensor_shapes
 from storyboard_cli.job.unet_layers import unet_layers
 from storyboard_cli.models.tiny import IMAGE_ENCODER_FOLDER
 from storyboard_cli.models.tiny import UNET as TINY_UNET
@@ -167,8 +167,7 @@ def adapter_problem(spec: str, image_encoder: str | None, model: str) -> str | N
         files = adapter_files(spec, image_encoder)
         if files.weights.suffix.lower() != ".safetensors":
             return None  # a pickle: read by the loader (weights_only), not here
-        header, n, size = _header(files.weights)
-        shapes = _tensors(files.weights, header, n, size)
+        shapes = tensor_shapes(files.weights)
         kind = adapter_kind(files.weights.name, list(shapes))
     except BadInput as e:
         return str(e)

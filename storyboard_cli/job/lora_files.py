@@ -108,6 +108,13 @@ def _header(path: Path) -> tuple[dict, int, int]:
     return header, n, size
 
 
+def tensor_shapes(path: Path) -> dict[str, list[int]]:
+    """A .safetensors file's tensors (name -> shape), read from its header without torch, each checked to lie inside
+    the file. Raises LoraFileError (a BadInput) for a file that is not one."""
+    header, n, size = _header(path)
+    return _tensors(path, header, n, size)
+
+
 def _tensors(path: Path, header: dict, n: int, size: int) -> dict[str, list[int]]:
     """name -> shape, after checking that every tensor lies inside the file (a cut download fails here)."""
     shapes, end = {}, 0
@@ -342,8 +349,7 @@ def layer_mismatch(path: str | Path, model: str) -> str | None:
     if not configs:
         return None
     path = Path(path)
-    header, n, size = _header(path)
-    shapes = _tensors(path, header, n, size)
+    shapes = tensor_shapes(Path(path))
     return (_text_encoder_mismatch(path.name, shapes, configs)
             or ("unet" in configs and _unet_mismatch(path.name, shapes, configs["unet"])) or None)
 
