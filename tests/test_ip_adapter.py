@@ -21,7 +21,8 @@ from conftest import ROOT
 from storyboard_cli.errors import BadInput, ModelError
 from storyboard_cli.job.adapter_files import ADAPTER_PRESETS, adapter_problem, cross_attention_layers
 from storyboard_cli.job.unet_layers import unet_layers
-from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS, load_ip_adapter
+from storyboard_cli.job.characters import REFERENCE_SLOTS
+from storyboard_cli.models.ip_adapter import load_ip_adapter
 from storyboard_cli.models.tiny import ADAPTER_FILES, UNET, tiny_adapter_folder
 
 from helpers.reference import RTOL, diffusers_pipeline, rel_error

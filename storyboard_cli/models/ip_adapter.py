@@ -32,10 +32,10 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from storyboard_cli.errors import BadInput, ModelError, one_line
 from storyboard_cli.job.adapter_files import (PRESET_KINDS, PROJECTION_IN, AdapterFileError, adapter_files,
                                               adapter_kind, ip_key, weight_mismatch)
+from storyboard_cli.job.characters import REFERENCE_SLOTS  # noqa: F401 - the job's limit: a row's image slots
 from storyboard_cli.job.digests import SHORT, weights_digest
 from storyboard_cli.models.tiny import cache_root, h94_adapter, tiny_adapter_folder
 
-REFERENCE_SLOTS = 4  # the most reference images one row (shot) can carry; tokens are padded to this many, empty slots masked
 REFERENCES = "references"  # cache_root()/references/<digest>/<sha256>.safetensors: one reference's tokens per dtype
 # SDXL-sized random presets (GPU timing): h94's image encoders' configs (sdxl_models/image_encoder: OpenCLIP bigG;
 # models/image_encoder: ViT-H) and the plus adapter's Resampler width
