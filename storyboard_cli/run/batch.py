@@ -24,7 +24,6 @@ from storyboard_cli.errors import ModelError, StoryboardError, first_line
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import LoraFile
 from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
-from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
 from storyboard_cli.steps import StepKind, control_steps
@@ -184,6 +183,8 @@ class BatchRunner:
         adapter = self.models.ip_adapter
         if adapter is None:
             return None
+        from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS  # lazily: it imports diffusers
+
         tokens = [[adapter.encode(r.image, r.sha256) for r in it.references] for it in items]
         return references(tokens, adapter.negative, [it.reference_scale for it in items], REFERENCE_SLOTS)
 

@@ -17,7 +17,6 @@ from storyboard_cli.engine.sampling import schedule
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import NAMED_SIZES, Job
 from storyboard_cli.job.plan import make_batches, work_items
-from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.run.batch import batch_shapes
 from storyboard_cli.run.render import model_specs
@@ -62,6 +61,8 @@ def synthetic_inputs(models: SdxlModels, batch: int, width: int, height: int, wi
     cond = conditioning(cache, ["a storyboard frame, ink"] * batch, [""] * batch, width, height)
     adapter = models.ip_adapter
     if adapter is not None:
+        from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS  # lazily: it imports diffusers
+
         tokens = torch.randn(adapter.tokens, adapter.dim, generator=torch.Generator("cpu").manual_seed(0))
         tokens = tokens.to(models.device, models.dtype)
         cond.refs = references([[tokens]] * batch, adapter.negative, [0.6] * batch, REFERENCE_SLOTS)

@@ -12,7 +12,6 @@ from storyboard_cli.engine.base import Shape, nets_of
 from storyboard_cli.engine.conditioning import Cond, Control, Refs
 from storyboard_cli.engine.deepcache import feature_capacity, feature_shape
 from storyboard_cli.engine.sampling import Schedule
-from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
 from storyboard_cli.samplers import MAX_STEPS
@@ -46,6 +45,8 @@ class Buffers:
         self.control_keep = torch.ones(MAX_STEPS, nets, device=dev)  # each net's keep per step (Control.keep)
         self.refs = None  # the IP-Adapter's tokens, scale and mask (engine/conditioning.py Refs)
         if m.ip_adapter is not None:
+            from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS  # lazily: it imports diffusers
+
             width = REFERENCE_SLOTS * m.ip_adapter.tokens
             self.refs = Refs(torch.zeros(rows, width, m.ip_adapter.dim, device=dev, dtype=m.dtype),
                              torch.zeros(rows, 1, 1, device=dev, dtype=m.dtype),

@@ -19,7 +19,6 @@ from storyboard_cli.engine.kernels.artifacts import (MODULES, Target, artifact_p
 from storyboard_cli.engine.kernels.export import Residuals, channels_last_weights, fuse_projections, nhwc
 from storyboard_cli.engine.variants import COMPILED, VARIANTS, chain
 from storyboard_cli.errors import one_line
-from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS
 from storyboard_cli.models.tiny import cache_root
 
 
@@ -69,6 +68,8 @@ class CompiledKernels(StepCalls):
         adapter = models.ip_adapter  # its UNet artifacts take the reference tokens (Target.refs)
         self.refs = 0
         if adapter is not None:
+            from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS  # lazily: it imports diffusers
+
             self.refs = REFERENCE_SLOTS * adapter.tokens
         self.calls: dict[Target, Callable] = {}
         self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
