@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from storyboard_cli.errors import JobError
 from storyboard_cli.job.file import SHOT_KEYS, TOP_KEYS, load_job
 from storyboard_cli.serve.api import PROBLEM, Settings, create_app
+from storyboard_cli.serve.edge import METHODS
 
 JOB = """version: 1
 model: tiny
@@ -460,6 +461,25 @@ def test_unknown_routes_methods_and_files_are_problems_and_405_lists_every_metho
     for path in ("%00", "a" * 5000, "..%2f..%2fqueue.sqlite3", "\udcff".encode("utf-8", "surrogatepass").hex()):
         problem_of(client.get(f"/v1/jobs/{job['id']}/files/{path}"), 404)
     problem_of(client.get("/v1/jobs/a%00b"), 422)  # not an id this server issues
+
+
+def test_every_fixed_path_answers_a_method_it_lacks_with_405_whatever_route_shares_its_shape(client):
+    """PUT /v1/blobs/missing is no upload of a blob named `missing`: a path without parameters is answered by its
+    own routes alone, for every such path of the API and every method it does not declare."""
+    paths = client.app.openapi()["paths"]
+    fixed = {p: {m.upper() for m in ops} for p, ops in paths.items() if "{" not in p}
+    assert "/v1/blobs/missing" in fixed and {"/v1/jobs", "/v1/workers", "/v1/leases"} <= set(fixed)
+    for path, declared in fixed.items():
+        allow = ", ".join(m for m in METHODS if m in declared | ({"HEAD"} if "GET" in declared else set()))
+        for method in sorted(set(METHODS) - declared - {"HEAD"} - ({"HEAD"} if "GET" in declared else set())):
+            r = client.request(method, path, json={"digests": []})
+            assert r.status_code == 405, (method, path, r.status_code, r.text)
+            if method != "HEAD":
+                assert problem_of(r, 405)
+            assert r.headers["allow"] == allow, (method, path)
+    r = client.put("/v1/blobs/missing", json={"digests": []})
+    assert problem_of(r, 405) and r.headers["allow"] == "POST"
+    assert client.put("/v1/blobs/" + "a" * 64, content=b"x").status_code == 422  # the upload route still answers
 
 
 def test_the_openapi_schema_says_every_answer_and_describes_the_job(tmp_path):

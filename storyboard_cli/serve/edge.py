@@ -107,6 +107,9 @@ class Edge:
             which = " or ".join(f"the {n} token" for n in names)
             return await problem(401, "unauthorized", f"this route needs `Authorization: Bearer <token>` with {which}",
                                  {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        fixed = fixed_paths(scope["app"]).get(path) if "app" in scope else None
+        if fixed is not None and method not in fixed:
+            return await not_allowed(method, path, fixed)(scope, receive, send)
         cap, option = body_cap(method, path, self.settings)
         declared = headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
@@ -214,11 +217,32 @@ async def http_error(request: Request, e: HTTPException) -> JSONResponse:
     if e.status_code == 404:
         detail = f"no route {request.method} {request.url.path}"
     elif e.status_code == 405:
-        headers["Allow"] = ", ".join(allowed_methods(request))
-        detail = f"{request.method} is not a method of {request.url.path} (it has {headers['Allow']})"
+        return not_allowed(request.method, request.url.path, allowed_methods(request), headers)
     elif e.status_code == 400 and e.__cause__ is not None:  # FastAPI's: a body its JSON parser choked on
         return problem(422, "invalid request", "body: not valid JSON")
     return problem(e.status_code, HTTPStatus(e.status_code).phrase.lower(), detail, headers)
+
+
+def not_allowed(method: str, path: str, allowed, headers: dict | None = None) -> JSONResponse:
+    allow = ", ".join(m for m in METHODS if m in allowed)
+    return problem(405, "method not allowed", f"{method} is not a method of {path} (it has {allow})",
+                   {**(headers or {}), "Allow": allow})
+
+
+def fixed_paths(app) -> dict[str, frozenset[str]]:
+    """Each documented path without parameters -> the methods declared for it (HEAD with GET). Such a path is
+    answered by its own routes alone: a method it lacks is a 405 even where a parameterised route of the same
+    shape would take the request (PUT /v1/blobs/missing is no upload of a blob named `missing`). Read once per
+    app from its OpenAPI document, which lists every route the API declares, however its routers are nested."""
+    table = getattr(app.state, "fixed_paths", None)
+    if table is None:
+        table = {}
+        for path, operations in app.openapi().get("paths", {}).items():
+            if "{" not in path:
+                methods = {m.upper() for m in operations if m.upper() in METHODS}
+                table[path] = frozenset(methods | ({"HEAD"} if "GET" in methods else set()))
+        app.state.fixed_paths = table
+    return table
 
 
 def allowed_methods(request: Request) -> list[str]:
