@@ -67,12 +67,13 @@ def test_uploads_are_confined_to_the_lease_and_dropped_once_it_is_lost(tmp_path)
         assert c.put(f"/v1/leases/{lease['lease']}/files/other/{mine}", content=b"x", headers=OCTETS).status_code == 422
         line = {"path": mine, "shot": "a"}
         for manifest in ({job["id"]: [{"path": "b/x.png"}]}, {"other": [line]}):
-            bad = c.post(f"/v1/leases/{lease['lease']}/complete", json={"done": [], "manifest": manifest})
+            bad = c.post(f"/v1/leases/{lease['lease']}/complete",
+                         json={"worker": worker, "done": [], "manifest": manifest})
             assert bad.status_code == 422
         t[0] = 100.0  # the lease expires
         assert c.put(url + mine, content=b"late", headers=OCTETS).status_code == 410
         late = c.post(f"/v1/leases/{lease['lease']}/complete",
-                      json={"done": [lease["images"][0]["id"]], "manifest": {job["id"]: [line]}})
+                      json={"worker": worker, "done": [lease["images"][0]["id"]], "manifest": {job["id"]: [line]}})
         assert late.status_code == 410 and not (out / MANIFEST).exists()
         assert (out / mine).read_bytes() == b"png"
 

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from storyboard_cli.errors import one_line
+from storyboard_cli.errors import DeviceUnusable, first_line, one_line
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.plan import Batch, make_batches
 from storyboard_cli.run.batch import BatchRunner, Decoded, bucket_label
@@ -17,6 +17,14 @@ log = logging.getLogger(__name__)
 # What one bad batch may raise (an unreadable control image, a decode error) and the job goes on.
 # Anything else (TypeError, AttributeError, ...) is a bug of ours: it aborts, with its traceback.
 BATCH_ERRORS = (OSError, ValueError, RuntimeError)
+# What a failed device raises (a CUDA error is sticky: every later batch of the process fails too): the render
+# stops with DeviceUnusable, not the batch's images failed as if they were at fault.
+DEVICE_FAULTS = ("CUDA error", "CUDA driver error", "CUBLAS_STATUS_", "cuDNN error")
+
+
+def device_fault(e: BaseException) -> bool:
+    """Whether a batch's error is the device's (torch's AcceleratorError, or a CUDA library's error text)."""
+    return isinstance(e, getattr(torch, "AcceleratorError", ())) or str(e).lstrip().startswith(DEVICE_FAULTS)
 
 
 class OutOfMemoryPolicy:
@@ -59,6 +67,8 @@ class OutOfMemoryPolicy:
         except torch.cuda.OutOfMemoryError:
             return False  # handled by the caller, outside this block: the error's frames hold memory
         except BATCH_ERRORS as e:
+            if device_fault(e):
+                raise DeviceUnusable(f"the device failed: {first_line(e, 200)}") from e
             log.exception("batch %s failed", batch.key.label)
             self.sink.fail(batch.items, one_line(e, 200))
         return True
