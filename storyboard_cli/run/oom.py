@@ -22,9 +22,12 @@ BATCH_ERRORS = (OSError, ValueError, RuntimeError)
 DEVICE_FAULTS = ("CUDA error", "CUDA driver error", "CUBLAS_STATUS_", "cuDNN error")
 
 
-def device_fault(e: BaseException) -> bool:
-    """Whether a batch's error is the device's (torch's AcceleratorError, or a CUDA library's error text)."""
-    return isinstance(e, getattr(torch, "AcceleratorError", ())) or str(e).lstrip().startswith(DEVICE_FAULTS)
+def device_failure(e: BaseException) -> DeviceUnusable | None:
+    """The error as DeviceUnusable when it is the device's (torch's AcceleratorError, or a CUDA library's error
+    text); None when it is not."""
+    if isinstance(e, getattr(torch, "AcceleratorError", ())) or str(e).lstrip().startswith(DEVICE_FAULTS):
+        return DeviceUnusable(f"the device failed: {first_line(e, 200)}")
+    return None
 
 
 class OutOfMemoryPolicy:
@@ -67,8 +70,9 @@ class OutOfMemoryPolicy:
         except torch.cuda.OutOfMemoryError:
             return False  # handled by the caller, outside this block: the error's frames hold memory
         except BATCH_ERRORS as e:
-            if device_fault(e):
-                raise DeviceUnusable(f"the device failed: {first_line(e, 200)}") from e
+            failure = device_failure(e)
+            if failure is not None:
+                raise failure from e
             log.exception("batch %s failed", batch.key.label)
             self.sink.fail(batch.items, one_line(e, 200))
         return True

@@ -21,6 +21,7 @@ from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.plan import make_batches, work_items
+from storyboard_cli.run.oom import device_failure
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
 from storyboard_cli.serve.inputs_cache import InputFiles
 from storyboard_cli.serve.intake import JOBS, OUT
@@ -305,6 +306,8 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
     except StoryboardError as e:
         out.failed.update({image.id: first_line(e) for image in lease.images})
         return out
+    except RuntimeError as e:  # a CUDA error loading the models or capturing the graphs: the device's, not the job's
+        raise device_failure(e) or e
     out.work = {"batches": head.timed, "out_of_memory": head.policy.out_of_memory if head.policy else 0,
                 "model_loads": int(hot.models is None and head.models is not None)}
     if head.models is not None:

@@ -39,6 +39,9 @@ BACKLOG = 2048  # uvicorn's
 RESTART_DELAY_S = 2.0
 QUICK_S = 60.0  # a local worker that exits sooner than this after its start failed quickly
 QUICK_FAILURES = 5  # quick failures in a row after which a local worker is not started again
+# what a worker's error says of the --device this server chose for it (`--device cuda: ...`, `(use --device cpu)`):
+# left out of the server's line, which says what `bcg serve` takes instead
+WORKER_OPTIONS = re.compile(r"^--device \S+: |\s*\(use --device [^)]*\)")
 NO_WORKERS = "none"  # --gpus none: the API and the queue only (workers run elsewhere)
 
 
@@ -199,8 +202,7 @@ class Workers:
             log.warning("worker %s exited with %s; starting it again", name, p.returncode)
             return True
         self.given_up.add(i)
-        reason = re.sub(r"\s*\(use --device [^)]*\)", "", error.removeprefix("error:").strip()) if error else \
-            f"exit status {p.returncode}"
+        reason = WORKER_OPTIONS.sub("", error.removeprefix("error:").strip()) if error else f"exit status {p.returncode}"
         gpu = self.entries[i]
         hint = "" if gpu == "cpu" else ("; bcg serve takes --gpus cpu for a worker on this machine's CPU, or --gpus "
                                         "none for the API and queue alone (workers elsewhere)")
