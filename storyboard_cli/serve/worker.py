@@ -21,7 +21,6 @@ from pathlib import Path
 
 import httpx
 
-from storyboard_cli.engine.device import probe, resolve_device
 from storyboard_cli.errors import DeviceUnusable, first_line
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import load_job
@@ -122,7 +121,6 @@ def run_worker(opts: WorkerOptions) -> int:
     render_opts = RenderOptions(device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile,
                                 fp8=opts.fp8)
     check_options(render_opts)  # before registering: a worker that cannot render here takes no lease
-    probe(resolve_device(opts.device, opts.dtype)[0])
     client, hot, stop = LeaseClient(opts.server, opts.token), Hot(), _Stop()
     files = InputFiles(client, opts.root.resolve(), shared=not opts.upload)
     for sig in (signal.SIGINT, signal.SIGTERM):
