@@ -70,6 +70,7 @@ def router(state: ApiState) -> APIRouter:
 
     @api.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}", response_model=None, openapi_extra=FILE_BODY,
              responses={200: {"model": wire.StoredOutput}, **problems({
+                 404: "a path no route takes (a control character in it)",
                  410: LEASE_GONE, 415: f"the body is not sent as {OCTETS}",
                  422: "not an output of this lease"})})
     async def upload(lease_id: Id, job_id: Id, path: str, request: Request):
