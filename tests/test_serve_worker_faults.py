@@ -6,11 +6,14 @@ one (`--device cuda` on a machine without CUDA) or a CUDA error injected into on
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
+from storyboard_cli.errors import DeviceUnusable
+from storyboard_cli.run.oom import OutOfMemoryPolicy
 from storyboard_cli.serve.server import QUICK_FAILURES, QUICK_S, Restarts
 
 from conftest import ROOT
@@ -51,19 +54,22 @@ def all_done(server, ids):
 @pytest.mark.slow  # a server with a CPU worker rendering 16 tiny images
 def test_a_worker_without_its_device_never_registers_and_serve_does_not_restart_one(tmp_path):
     """`bcg worker --device cuda` here: one line, exit 2, no registration. `bcg serve --gpus 0,cpu`: its GPU worker
-    is not started again (one line saying why, with what bcg serve takes), its CPU worker renders every image."""
-    log = tmp_path / "serve.log"
+    is not started again (one line saying why, with what bcg serve takes), its CPU worker renders every image. With
+    --warm too: the device is tried before the model is loaded."""
+    log, warm = tmp_path / "serve.log", tmp_path / "warm.yaml"
+    warm.write_text(JOB % 99)
     with open(log, "w") as err:
-        server = Server(tmp_path / "root", free_port()).start(gpus="0,cpu", stderr=err)
+        server = Server(tmp_path / "root", free_port()).start(gpus="0,cpu", stderr=err, extra=("--warm", str(warm)))
     try:
         ids = submit_jobs(server.url)
-        r = subprocess.run([sys.executable, "-m", "storyboard_cli", "worker", "--server", server.url, "--device",
-                            "cuda", "--name", "gpu-box"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2, r.stderr
-        lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: --device cuda: no CUDA device"), r.stderr
-        assert worker_ids(server.url, "gpu-box") == set()
+        gpu = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", server.url, "--device",
+                                "cuda", "--name", "gpu-box"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
         all_done(server, ids)
+        _, stderr = gpu.communicate(timeout=120)
+        assert gpu.returncode == 2, stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --device cuda: no CUDA device"), stderr
+        assert worker_ids(server.url, "gpu-box") == set()
         time.sleep(3)  # more than the supervisor's restart delay: a worker it restarted would have said so again
         text = log.read_text()
         given_up = [line for line in text.splitlines() if "not started again" in line]
@@ -129,3 +135,32 @@ def test_the_supervisor_stops_after_exit_2_or_quick_failures_in_a_row():
     for _ in range(QUICK_FAILURES - 1):
         interrupted.why_not(1, 0.5)
     assert interrupted.why_not(137, QUICK_S + 1) is None and interrupted.why_not(1, 0.5) is None  # not in a row
+
+
+@pytest.mark.parametrize("error,device", [("CUDA error: an illegal memory access was encountered", True),
+                                          ("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx", True),
+                                          ("cannot identify image file 'x.png'", False)])
+def test_a_cuda_error_stops_the_render_as_the_devices_and_any_other_fails_its_batch(error, device):
+    """A CUDA error is the device's (sticky: every later batch would fail too), not the batch's images'."""
+    failed = []
+
+    class Runner:
+        def lora_problem(self, batch):
+            return None
+
+        def run_batch(self, batch, fallback):
+            raise RuntimeError(error)
+
+        def decode(self, latents):
+            return latents
+
+    sink = SimpleNamespace(fail=lambda items, reason: failed.append((items, reason)))
+    batch = SimpleNamespace(size=1, items=["image"], key=SimpleNamespace(label="64x64"))
+    policy = OutOfMemoryPolicy(Runner(), sink)
+    if device:
+        with pytest.raises(DeviceUnusable, match="the device failed: " + error.split(" ")[0]):
+            policy.process(batch, (1,))
+        assert failed == []
+    else:
+        policy.process(batch, (1,))
+        assert failed == [(["image"], f"RuntimeError: {error}")]
