@@ -326,10 +326,10 @@ class LeaseClient:
             raise ServerError(f"{self.server}: {doing} lease: HTTP {r.status_code}: {_problem(r)}")
         return True
 
-    def upload(self, lease_id: str, job_id: str, path: str, data: bytes) -> bool:
+    def upload(self, lease_id: str, worker: str, job_id: str, path: str, data: bytes) -> bool:
         """One output file of the lease (of one of its jobs), for a server whose filesystem this worker does
-        not share; False when the lease is gone."""
-        r = self.http.put(f"/v1/leases/{lease_id}/files/{job_id}/{path}", content=data,
+        not share; `worker`: this worker's id (the lease's holder). False when the lease is gone."""
+        r = self.http.put(f"/v1/leases/{lease_id}/files/{job_id}/{path}", content=data, params={"worker": worker},
                           headers={"Content-Type": "application/octet-stream"})
         if r.status_code == 410:
             return False

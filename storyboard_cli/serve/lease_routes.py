@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -17,11 +18,14 @@ from storyboard_cli.serve import folders, wire
 from storyboard_cli.serve.api_state import ApiState, Id
 from storyboard_cli.serve.edge import JSONRoute, problem
 from storyboard_cli.serve.intake import stored_inputs
-from storyboard_cli.serve.openapi import FILE_BODY, LEASE_GONE, NOT_HOLDER, OCTETS, QUARANTINED, UNKNOWN_WORKER, problems
+from storyboard_cli.serve.openapi import (FILE_BODY, LEASE_GONE, NOT_HOLDER, OCTETS, QUARANTINED, UNKNOWN_WORKER,
+                                          problems)
 from storyboard_cli.serve.store import (LATE, MAX_STRIKES, NotHolder, Quarantined, Store, TooManyWorkers,
                                         UnknownWorker, Work)
 
 log = logging.getLogger(__name__)
+Holder = Annotated[str, Query(pattern=wire.NAME_PATTERN, description="the id POST /v1/workers issued: the lease's "
+                                                                     "holder")]  # a request whose body is a file
 
 
 def router(state: ApiState) -> APIRouter:
@@ -70,13 +74,16 @@ def router(state: ApiState) -> APIRouter:
 
     @api.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}", response_model=None, openapi_extra=FILE_BODY,
              responses={200: {"model": wire.StoredOutput}, **problems({
-                 404: "a path no route takes (a control character in it)",
+                 403: NOT_HOLDER, 404: "a path no route takes (a control character in it)",
                  410: LEASE_GONE, 415: f"the body is not sent as {OCTETS}",
                  422: "not an output of this lease"})})
-    async def upload(lease_id: Id, job_id: Id, path: str, request: Request):
-        """A worker without the server's filesystem sends a PNG of its lease."""
+    async def upload(lease_id: Id, job_id: Id, path: str, request: Request, worker: Holder):
+        """A worker without the server's filesystem sends a PNG of its lease (the lease's holder alone)."""
         if request.headers.get("content-type", "").split(";")[0].strip() != OCTETS:
             return problem(415, "unsupported media type", f"send the file's bytes as {OCTETS}")
+        holder = await run_in_threadpool(store.lease_worker, lease_id)
+        if holder is not None and holder != worker:
+            return not_holder(NotHolder(lease_id, worker))
         held = await run_in_threadpool(store.lease_outputs, lease_id, clock())
         if held is None:
             return lost()

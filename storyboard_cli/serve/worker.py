@@ -168,7 +168,7 @@ def run_worker(opts: WorkerOptions) -> int:
                 with Heartbeat(client, lease, worker, hot):
                     lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                     outcome = render_lease(lease, hot, opts, places)
-                    uploaded = upload(client, lease, outcome, places)
+                    uploaded = upload(client, lease, worker, outcome, places)
             except DeviceUnusable as e:  # this machine's fault, not the images': they go back with their attempts
                 hot.forget()  # models on a failed device: loaded again (or the next lease fails the same way)
                 _give_back(client, lease, worker, str(e))
@@ -201,7 +201,7 @@ def _pause(seconds: float, stop: _Stop) -> None:
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 
-def upload(client: LeaseClient, lease: Lease, outcome: Outcome, places: dict[str, Place]) -> bool:
+def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, places: dict[str, Place]) -> bool:
     """Sends the finished PNGs of each job rendered in a copy to the server; False when the lease was lost
     meanwhile (the images are someone else's now)."""
     for job_id, where in places.items():
@@ -209,7 +209,7 @@ def upload(client: LeaseClient, lease: Lease, outcome: Outcome, places: dict[str
             continue
         for path in [r["path"] for r in outcome.records.get(job_id, ())]:
             try:
-                if not client.upload(lease.lease, job_id, path, (where.out_dir / path).read_bytes()):
+                if not client.upload(lease.lease, worker, job_id, path, (where.out_dir / path).read_bytes()):
                     log.warning("lease %s was lost while uploading: its images went back to the queue", lease.lease)
                     return False
             except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (from the copy)
