@@ -305,11 +305,7 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     from storyboard_cli.serve.worker import WorkerOptions, run_worker
 
-    with _domain_errors():
-        if fp8:  # before the first lease: every image it took would fail
-            from storyboard_cli.run.render import RenderOptions, check_options
-
-            check_options(RenderOptions(device=device, dtype=dtype, engine=engine, compile=compile, fp8=fp8))
+    with _domain_errors():  # a device or options it cannot render with: one line, exit 2, before it registers
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
                                  compile=compile, token=token, upload=upload, root=root, warm=warm, fp8=fp8))
 

@@ -42,6 +42,14 @@ class ModelError(StoryboardError):
     exit_code = 2
 
 
+class DeviceUnusable(StoryboardError):
+    """The device cannot be used here: no CUDA device, a broken driver, a CUDA error mid-render. A fault of this
+    machine, not of the job: the render service gives such a lease back (its images keep their attempts) as a
+    strike against the worker."""
+
+    exit_code = 2
+
+
 class RenderFailure(StoryboardError):
     """The render itself broke (not the input)."""
 

@@ -140,13 +140,13 @@ def test_the_lease_protocol_and_the_files(client):
     ids = [i["id"] for i in lease["images"]]
     complete = f"/v1/leases/{lease['lease']}/complete"
     # the server is the folder's one writer: no line, a line for a file that is not there, a wrong sha256: refused
-    assert client.post(complete, json={"done": ids}).status_code == 422
-    assert client.post(complete, json={"done": ids, "manifest": {job["id"]: lines[:1]}}).status_code == 422
+    assert client.post(complete, json={"worker": w, "done": ids}).status_code == 422
+    assert client.post(complete, json={"worker": w, "done": ids, "manifest": {job["id"]: lines[:1]}}).status_code == 422
     wrong = [lines[0], {**lines[1], "sha256": "0" * 64}]
-    assert client.post(complete, json={"done": ids, "manifest": {job["id"]: wrong}}).status_code == 422
+    assert client.post(complete, json={"worker": w, "done": ids, "manifest": {job["id"]: wrong}}).status_code == 422
     assert not (out / "manifest.jsonl").exists()  # nothing recorded by a refused completion
-    assert client.post(complete, json={"done": ids, "manifest": {job["id"]: lines}}).status_code == 200
-    assert client.post(complete, json={"done": ids, "manifest": {job["id"]: lines}}).status_code == 410
+    assert client.post(complete, json={"worker": w, "done": ids, "manifest": {job["id"]: lines}}).status_code == 200
+    assert client.post(complete, json={"worker": w, "done": ids, "manifest": {job["id"]: lines}}).status_code == 410
     recorded = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert sorted(r["path"] for r in recorded) == sorted(line["path"] for line in lines)
     got = client.get(f"/v1/jobs/{job['id']}").json()
@@ -256,14 +256,15 @@ def test_a_lease_lost_with_no_worker_left_is_ended_by_the_server_itself(tmp_path
     app = create_app(Settings(tmp_path / "root", lease_s=30, sweep_s=0.05), clock=lambda: t[0])
     with TestClient(app) as c:
         job = post(c).json()
-        lease = c.post("/v1/leases", json={"worker": register(c, "w")}).json()
+        w = register(c, "w")
+        lease = c.post("/v1/leases", json={"worker": w}).json()
         assert {i["state"] for i in c.get(f"/v1/jobs/{job['id']}").json()["images"]} == {"leased"}
         t[0] += 31  # past the lease; no worker calls again
         deadline = time.monotonic() + 5
         while {i["state"] for i in c.get(f"/v1/jobs/{job['id']}").json()["images"]} != {"queued"}:
             assert time.monotonic() < deadline, "the expired lease was not ended"
             time.sleep(0.05)
-        assert c.post(f"/v1/leases/{lease['lease']}/complete", json={}).status_code == 410
+        assert c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": w}).status_code == 410
 
 
 def test_local_workers_have_one_name_each(tmp_path):
@@ -298,7 +299,8 @@ COMPLETIONS = ["", "null", "[]", '"x"', '{"done": "1"}', '{"done": [1.5]}', '{"d
                '{"batches": [{"shape": "a\\nb", "images": 1, "seconds": 1}]}',
                '{"batches": [{"shape": "64x64", "images": 9999999999, "seconds": 1}]}',
                '{"out_of_memory": -1}', '{"model_loads": true}', '{"manifest": {"j": [{}]}}',
-               '{"manifest": {"j": [{"path": "\\ud800"}]}}', '{"done": [], "extra": 1}']
+               '{"manifest": {"j": [{"path": "\\ud800"}]}}', '{"done": [], "extra": 1}', '{"reports": {"j": {}}}',
+               '{"reports": {"j": {"wall_s": "1"}}}', '{"done": []}']  # the last: no worker (an older client)
 
 
 @pytest.mark.parametrize("body", WORKER_BODIES, ids=short)
@@ -313,11 +315,14 @@ def test_a_malformed_lease_request_or_heartbeat_is_a_422_problem(client, body):
 def test_a_malformed_completion_is_a_422_problem_and_changes_nothing(client, body):
     job, worker, lease = leased(client)
     url = f"/v1/leases/{lease['lease']}/complete"
+    if body.startswith("{") and '"worker"' not in body and body != '{"done": []}':  # the holder names itself
+        body = body.replace("{", f'{{"worker": "{worker}", ', 1)
     detail = problem_of(client.post(url, content=body, headers={"Content-Type": "application/json"}), 422)["detail"]
     assert HUGE not in detail and "ud800" not in detail
     assert {i["state"] for i in client.get(f"/v1/jobs/{job['id']}").json()["images"]} == {"leased"}
     failed = {str(i["id"]): "a reason" for i in lease["images"]}
-    assert client.post(url, json={"failed": failed, "batches": [{"shape": "64x64", "images": 2, "seconds": 0.5}],
+    assert client.post(url, json={"worker": worker, "failed": failed,
+                                  "batches": [{"shape": "64x64", "images": 2, "seconds": 0.5}],
                                   "out_of_memory": 1.0, "model_loads": 1}).status_code == 200  # 1.0: an integer
     assert client.get(f"/v1/jobs/{job['id']}").json()["state"] == "failed"
 
@@ -364,12 +369,13 @@ def test_cancel_or_patch_of_a_final_job_is_a_409_naming_its_state_and_changes_no
                 (out / image["outputs"][0]).write_bytes(b"png")
             lines = [{"path": i["outputs"][0], "sha256": hashlib.sha256(b"png").hexdigest()} for i in lease["images"]]
             assert client.post(f"/v1/leases/{lease['lease']}/complete",
-                               json={"done": ids, "manifest": {job["id"]: lines}}).status_code == 200
+                               json={"worker": worker, "done": ids, "manifest": {job["id"]: lines}}).status_code == 200
         elif outcome == "failed":
-            client.post(f"/v1/leases/{lease['lease']}/complete", json={"failed": {str(i): "why" for i in ids}})
+            client.post(f"/v1/leases/{lease['lease']}/complete",
+                        json={"worker": worker, "failed": {str(i): "why" for i in ids}})
         else:
             assert client.post(f"/v1/jobs/{job['id']}/cancel").json()["state"] == "canceled"
-            client.post(f"/v1/leases/{lease['lease']}/complete", json={})
+            client.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": worker})
         assert client.get(f"/v1/jobs/{job['id']}").json()["state"] == state
         return job["id"]
 
@@ -405,8 +411,8 @@ def test_other_bodies_are_capped_and_a_worker_upload_at_max_blob_mb(client, tmp_
         url = f"/v1/leases/{lease['lease']}/files/{job['id']}/{lease['images'][0]['outputs'][0]}"
         octets = {"Content-Type": "application/octet-stream"}
         assert "--max-blob-mb" in problem_of(c.put(url, content=b"x" * ((1 << 20) + 1), headers=octets), 413)["detail"]
-        problem_of(c.put(url, content=b"png"), 415)
-        assert c.put(url, content=b"png", headers=octets).status_code == 200
+        problem_of(c.put(url, content=b"png", params={"worker": worker}), 415)
+        assert c.put(url, content=b"png", headers=octets, params={"worker": worker}).status_code == 200
 
 
 def test_a_body_without_content_length_is_cut_at_the_first_chunk_past_its_cap(tmp_path):

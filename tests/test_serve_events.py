@@ -56,11 +56,12 @@ def read(url, n=None, last_id=None):
 
 
 def lease_and_complete(url, done=True):
-    lease = httpx.post(url + "/v1/leases", json={"worker": register(url, "t")}, timeout=10).json()
+    worker = register(url, "t")
+    lease = httpx.post(url + "/v1/leases", json={"worker": worker}, timeout=10).json()
     ids = [i["id"] for i in lease["images"]]
     lines = {lease["job"]: [{"path": i["outputs"][0], "sha256": hashlib.sha256(b"png").hexdigest()}
                             for i in lease["images"]]} if done else {}  # the PNGs the test left on disk
-    r = httpx.post(f"{url}/v1/leases/{lease['lease']}/complete", json={"done": ids if done else [],
+    r = httpx.post(f"{url}/v1/leases/{lease['lease']}/complete", json={"worker": worker, "done": ids if done else [],
                                                                        "manifest": lines}, timeout=10)
     assert r.status_code == 200, r.text
     return ids
@@ -113,7 +114,8 @@ def _fail_every_lease(url, n):
             pytest.fail("no batch to lease")
         lease = r.json()
         httpx.post(f"{url}/v1/leases/{lease['lease']}/complete",
-                   json={"failed": {str(i["id"]): "broken on purpose" for i in lease["images"]}}, timeout=10)
+                   json={"worker": worker, "failed": {str(i["id"]): "broken on purpose" for i in lease["images"]}},
+                   timeout=10)
 
 
 def test_submit_wait_follows_the_events_and_falls_back_to_polling(server, tmp_path, monkeypatch):

@@ -19,6 +19,8 @@ this API that a JSON schema cannot rule out:
 - 422, on POST /v1/jobs and PUT /v1/blobs/{sha256}: a job is refused as `bcg plan` refuses it when it names a file
   or model the server does not have, a LoRA the job does not list, two shots with one id; a blob when its bytes
   do not hash to its name. Which files exist and which bytes hash to what is no schema's to say.
+- 422, on PUT /v1/leases/{lease_id}/files/{job_id}/{path}: a live lease takes only its own jobs' outputs, and which
+  jobs and paths a lease holds is the queue's to say, not the schema's.
 """
 
 import json
@@ -51,6 +53,10 @@ expected-statuses = {accepted}
 [[operations]]
 include-name = ["POST /v1/jobs", "PUT /v1/blobs/{{sha256}}"]
 checks.positive_data_acceptance.expected-statuses = {accepted_422}
+
+[[operations]]
+include-name = ["PUT /v1/leases/{{lease_id}}/files/{{job_id}}/{{path}}"]
+checks.positive_data_acceptance.expected-statuses = {accepted_lease_file}
 
 [dictionaries.jobs]
 values = ["{job}"]
@@ -85,8 +91,9 @@ def test_schemathesis_finds_nothing_and_the_server_stays_healthy(tmp_path):
         r = httpx.put(server.url + "/v1/blobs/missing", json={"digests": []}, headers=AUTH, timeout=10)
         assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
         config = CONFIG.format(accepted=json.dumps(DEFAULT_ACCEPTED + ["410"]),
-                               accepted_422=json.dumps(DEFAULT_ACCEPTED + ["422"]), job=canceled, lease=lease,
-                               stateful=STATEFUL)
+                               accepted_422=json.dumps(DEFAULT_ACCEPTED + ["422"]),
+                               accepted_lease_file=json.dumps(DEFAULT_ACCEPTED + ["410", "422"]), job=canceled,
+                               lease=lease, stateful=STATEFUL)
         (tmp_path / "schemathesis.toml").write_text(config)
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "--config-file", str(tmp_path / "schemathesis.toml"), "run",

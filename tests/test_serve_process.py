@@ -207,7 +207,8 @@ def test_submit_wait_names_each_failed_image_and_exits_3(server, tmp_path):
             (out_dir / path).write_bytes(b"png " + path.encode())
             lines.append({"path": path, "sha256": hashlib.sha256(b"png " + path.encode()).hexdigest()})
         r = httpx.post(f"{server.url}/v1/leases/{lease['lease']}/complete",
-                       json={"done": done, "cached": [], "failed": {str(tower): "out of memory\nat 64x64"},
+                       json={"worker": worker, "done": done, "cached": [],
+                             "failed": {str(tower): "out of memory\nat 64x64"},
                              "manifest": {lease["job"]: lines}}, timeout=10)
         assert r.status_code == 200, r.text
         out, err = submit.communicate(timeout=60)

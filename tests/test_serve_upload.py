@@ -57,22 +57,28 @@ def test_uploads_are_confined_to_the_lease_and_dropped_once_it_is_lost(tmp_path)
         assert lease["jobs"][job["id"]]["job_text"] == JOB and lease["jobs"][job["id"]]["job_file"] == "job.yaml"
         mine = lease["images"][0]["outputs"][0]
         url = f"/v1/leases/{lease['lease']}/files/{job['id']}/"
-        assert c.put(url + mine, content=b"png", headers=OCTETS).status_code == 200
+        mine_ = {"worker": worker}  # the lease's holder names itself
+        other = c.post("/v1/workers", json={"name": "other"}).json()["worker"]
+        assert c.put(url + mine, content=b"png", headers=OCTETS, params={"worker": other}).status_code == 403
+        assert c.put(url + mine, content=b"png", headers=OCTETS).status_code == 422  # an older worker: names none
+        assert c.put(url + mine, content=b"png", headers=OCTETS, params=mine_).status_code == 200
         out = tmp_path / "root" / "jobs" / job["id"] / "out"
         assert (out / mine).read_bytes() == b"png"
         for foreign in ("b/b_c0_s7.png", "../job.yaml", MANIFEST, "a/../../job.yaml"):
-            r = c.put(url + foreign, content=b"x", headers=OCTETS)
+            r = c.put(url + foreign, content=b"x", headers=OCTETS, params=mine_)
             assert r.status_code in (404, 422), foreign
         assert (tmp_path / "root" / "jobs" / job["id"] / "job.yaml").read_text() == JOB
-        assert c.put(f"/v1/leases/{lease['lease']}/files/other/{mine}", content=b"x", headers=OCTETS).status_code == 422
+        assert c.put(f"/v1/leases/{lease['lease']}/files/other/{mine}", content=b"x", headers=OCTETS,
+                     params=mine_).status_code == 422
         line = {"path": mine, "shot": "a"}
         for manifest in ({job["id"]: [{"path": "b/x.png"}]}, {"other": [line]}):
-            bad = c.post(f"/v1/leases/{lease['lease']}/complete", json={"done": [], "manifest": manifest})
+            bad = c.post(f"/v1/leases/{lease['lease']}/complete",
+                         json={"worker": worker, "done": [], "manifest": manifest})
             assert bad.status_code == 422
         t[0] = 100.0  # the lease expires
-        assert c.put(url + mine, content=b"late", headers=OCTETS).status_code == 410
+        assert c.put(url + mine, content=b"late", headers=OCTETS, params=mine_).status_code == 410
         late = c.post(f"/v1/leases/{lease['lease']}/complete",
-                      json={"done": [lease["images"][0]["id"]], "manifest": {job["id"]: [line]}})
+                      json={"worker": worker, "done": [lease["images"][0]["id"]], "manifest": {job["id"]: [line]}})
         assert late.status_code == 410 and not (out / MANIFEST).exists()
         assert (out / mine).read_bytes() == b"png"
 

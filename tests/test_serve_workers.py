@@ -157,3 +157,40 @@ def rendered_by(server, job, name):
                if "event: running" in e]
     assert ids and all(i.startswith("w-") for i in ids) and any(i in running[0] for i in ids), (ids, running)
     return ids
+
+
+def test_strikes_in_a_row_quarantine_a_worker_and_a_completion_ends_them(tmp_path):
+    """A lease given back for the worker's own machine queues its images again with their attempts; the worker's
+    3rd in a row quarantines it: no more leases (403), shown in /metrics, not counted ready. A completion between
+    strikes ends the run of them."""
+    app = create_app(Settings(tmp_path / "root", lease_s=30))
+    with TestClient(app) as c:
+        job = c.post("/v1/jobs", content=JOB, headers=YAML).json()
+        flaky, broken = register(c, "flaky"), register(c, "broken")
+
+        def strike(worker):
+            lease = c.post("/v1/leases", json={"worker": worker, "ready": True}).json()
+            r = c.post(f"/v1/leases/{lease['lease']}/fail", json={"worker": worker, "reason": "CUDA error: x"})
+            assert r.status_code == 200, r.text
+            return lease
+
+        for _ in range(2):
+            strike(flaky)
+        lease = c.post("/v1/leases", json={"worker": flaky, "ready": True}).json()
+        assert c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": flaky}).status_code == 200
+        for _ in range(2):
+            strike(flaky)  # 2 in a row again: not quarantined
+        for _ in range(3):
+            strike(broken)
+        assert c.get(f"/v1/jobs/{job['id']}").json()["images"][0] | {"state": "queued", "attempts": 0} == \
+            c.get(f"/v1/jobs/{job['id']}").json()["images"][0]  # queued, no attempt spent
+        r = c.post("/v1/leases", json={"worker": broken, "ready": True})
+        assert r.status_code == 403 and r.headers["content-type"] == PROBLEM
+        assert r.json()["title"] == "worker quarantined" and "CUDA error: x" in r.json()["detail"]
+        assert c.post("/v1/leases", json={"worker": flaky, "ready": True}).status_code == 200
+        series = {(s.name, s.labels.get("name")): s.value for f in text_string_to_metric_families(c.get("/metrics").text)
+                  for s in f.samples}
+        assert series[("bcg_worker_quarantined", "broken")] == 1 and series[("bcg_worker_quarantined", "flaky")] == 0
+        assert series[("bcg_worker_strikes_total", None)] == 7 and series[("bcg_worker_quarantines_total", None)] == 1
+        assert series[("bcg_workers_ready", None)] == 1
+        assert c.get("/readyz").json() == {"ready": True, "workers": 2, "workers_ready": 1}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from storyboard_cli.errors import BadInput
+from storyboard_cli.errors import BadInput, DeviceUnusable, first_line
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -18,7 +18,7 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device,
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise BadInput(f"--device: unknown device {device!r} (use cpu or cuda)")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput("--device cuda: no CUDA device is available here (use --device cpu)")
+        raise DeviceUnusable("--device cuda: no CUDA device is available here (use --device cpu)")
     if dtype is None:
         dtype = "fp32" if device == "cpu" else "fp16"
     if dtype not in DTYPES:
@@ -26,6 +26,15 @@ def resolve_device(device: str | None, dtype: str | None) -> tuple[torch.device,
     if device == "cpu" and dtype == "fp16":
         raise BadInput("--dtype fp16 is not supported on the CPU (use fp32 or bf16)")
     return torch.device(device), DTYPES[dtype]
+
+
+def probe(device: torch.device) -> None:
+    """One element written on the device and read back: a driver that lists a GPU it cannot use (fallen off the
+    bus, a broken driver) raises DeviceUnusable here, before a model is loaded."""
+    try:
+        torch.ones(1, device=device).add_(1).cpu()
+    except RuntimeError as e:
+        raise DeviceUnusable(f"{device}: the device does not work ({first_line(e, 200)})") from None
 
 
 def device_name(device: torch.device) -> str:

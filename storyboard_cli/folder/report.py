@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from typing_extensions import TypedDict  # typing's, before Python 3.12, is not one pydantic validates (serve/wire.py)
+
 from storyboard_cli.errors import Status, StoryboardError
 from storyboard_cli.folder.layout import REPORT_JSON, REPORT_MD, read_report
 from storyboard_cli.folder.outputs import atomic_write
@@ -23,6 +25,18 @@ if TYPE_CHECKING:
 
 STAGES = ("load", "capture", "encode", "denoise", "decode", "save")
 INPUTS = ("characters", "references", "controlnets")  # report.json's keys for what a job's images are conditioned on
+
+
+class BucketRow(TypedDict):
+    """A bucket's row in report.json (`BucketTiming.row`): what a merge reads back (`from_row`)."""
+
+    bucket: str
+    images: int
+    batches: int
+    rows: int
+    steps: int
+    denoise_s: float
+    ms_per_step: float
 
 
 @dataclass
@@ -43,13 +57,13 @@ class BucketTiming:
             self.rows + other.rows
         self.steps, self.denoise_s = self.steps + other.steps, self.denoise_s + other.denoise_s
 
-    def row(self) -> dict:
+    def row(self) -> BucketRow:
         """The report's row for this bucket."""
         return {"bucket": self.label, "images": self.images, "batches": self.batches, "rows": self.rows,
                 "steps": self.steps, "denoise_s": round(self.denoise_s, 4), "ms_per_step": round(self.ms_per_step, 2)}
 
     @classmethod
-    def from_row(cls, row: dict) -> BucketTiming:
+    def from_row(cls, row: BucketRow) -> BucketTiming:
         return cls(row["bucket"], row["images"], row["batches"], row["rows"], row["steps"], row["denoise_s"])
 
 
@@ -84,7 +98,7 @@ class Timings:
     def stages_s(self) -> dict[str, float]:
         return {k: round(v, 4) for k, v in self.stages.items()}
 
-    def bucket_rows(self) -> list[dict]:
+    def bucket_rows(self) -> list[BucketRow]:
         return [b.row() for b in self.buckets.values()]
 
 
@@ -161,7 +175,7 @@ class Report:
     steps_per_s: float  # while denoising
     peak_memory_mb: float | None  # None on the CPU
     stages_s: dict[str, float]
-    buckets: list[dict[str, Any]]  # BucketTiming.row()
+    buckets: list[BucketRow]
     graphs: list[dict[str, Any]]  # Engine.describe()
     failures: list[dict[str, Any]]  # path, shot, reason
     notes: list[str]

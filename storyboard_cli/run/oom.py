@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from storyboard_cli.errors import one_line
+from storyboard_cli.errors import DeviceUnusable, first_line, one_line
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.plan import Batch, make_batches
 from storyboard_cli.run.batch import BatchRunner, Decoded, bucket_label
@@ -17,6 +17,17 @@ log = logging.getLogger(__name__)
 # What one bad batch may raise (an unreadable control image, a decode error) and the job goes on.
 # Anything else (TypeError, AttributeError, ...) is a bug of ours: it aborts, with its traceback.
 BATCH_ERRORS = (OSError, ValueError, RuntimeError)
+# What a failed device raises (a CUDA error is sticky: every later batch of the process fails too): the render
+# stops with DeviceUnusable, not the batch's images failed as if they were at fault.
+DEVICE_FAULTS = ("CUDA error", "CUDA driver error", "CUBLAS_STATUS_", "cuDNN error")
+
+
+def device_failure(e: BaseException) -> DeviceUnusable | None:
+    """The error as DeviceUnusable when it is the device's (torch's AcceleratorError, or a CUDA library's error
+    text); None when it is not."""
+    if isinstance(e, getattr(torch, "AcceleratorError", ())) or str(e).lstrip().startswith(DEVICE_FAULTS):
+        return DeviceUnusable(f"the device failed: {first_line(e, 200)}")
+    return None
 
 
 class OutOfMemoryPolicy:
@@ -59,6 +70,9 @@ class OutOfMemoryPolicy:
         except torch.cuda.OutOfMemoryError:
             return False  # handled by the caller, outside this block: the error's frames hold memory
         except BATCH_ERRORS as e:
+            failure = device_failure(e)
+            if failure is not None:
+                raise failure from e
             log.exception("batch %s failed", batch.key.label)
             self.sink.fail(batch.items, one_line(e, 200))
         return True

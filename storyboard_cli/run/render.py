@@ -18,6 +18,7 @@ import torch
 
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
+from storyboard_cli.engine.device import probe
 from storyboard_cli.errors import Status, StoryboardError, folder_error
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
@@ -90,9 +91,11 @@ def settle_folder(job: Job, out_dir: Path, force: bool = False, only: set[str] |
 
 
 def check_options(opts: RenderOptions) -> None:
-    """The engine options against each other and the device, before a model is loaded (a worker: before its first
-    lease, so a worker that cannot render them stops at once instead of failing every image it takes)."""
-    check_engine(opts.engine, opts.compile, resolve_device(opts.device, opts.dtype)[0], opts.fp8)
+    """The engine options against each other and the device, and the device tried once, before a model is loaded (a
+    worker: before it registers, so a worker that cannot render here stops at once instead of taking leases)."""
+    device = resolve_device(opts.device, opts.dtype)[0]
+    check_engine(opts.engine, opts.compile, device, opts.fp8)
+    probe(device)
 
 
 def model_specs(job: Job, items: list) -> tuple:

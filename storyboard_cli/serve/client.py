@@ -248,6 +248,13 @@ class Unregistered(ServerError):
     forgot it (not seen within --lease-s). The worker registers again."""
 
 
+class Quarantined(ServerError):
+    """403 on a lease request: the server quarantined this worker (it gave back too many leases in a row for
+    errors of its own machine). It cannot render here: exit 2, as a worker that cannot start."""
+
+    exit_code = 2
+
+
 class LeaseClient:
     """The worker's calls. Connection errors are retried by the caller's loop (the server may restart)."""
 
@@ -277,13 +284,15 @@ class LeaseClient:
             body["uptime_s"] = round(uptime_s, 3)
         r = self.http.post("/v1/leases", json=body)
         self._registered(r, worker)
+        if r.status_code == 403:
+            raise Quarantined(f"{self.server}: {_problem(r)}")
         r.raise_for_status()
         from storyboard_cli.serve.wire import Lease  # pydantic: here, so that `bcg submit` starts without it
 
         return None if r.status_code == 204 else Lease.model_validate_json(r.content)
 
     def heartbeat(self, lease_id: str, worker: str, gpu: dict | None = None, ready: bool = False) -> bool:
-        """False when the lease is gone; raises Unregistered."""
+        """False when the lease is gone (or not this worker's); raises Unregistered."""
         r = self.http.post(f"/v1/leases/{lease_id}/heartbeat", json={"worker": worker, "gpu": gpu, "ready": ready})
         self._registered(r, worker)
         return r.status_code == 200
@@ -292,21 +301,35 @@ class LeaseClient:
         if r.status_code == 404:  # the lease routes answer 404 only for a worker id they do not know
             raise Unregistered(f"{self.server}: worker {worker}: {_problem(r)}")
 
-    def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str],
+    def complete(self, lease_id: str, worker: str, done: list[int], cached: list[int], failed: dict[int, str],
                  work: dict | None = None, manifest: dict[str, list] | None = None,
                  reports: dict[str, dict] | None = None) -> bool:
-        """`work`: batches (shape, images, bucket, seconds), out_of_memory, model_loads, as the worker measured
-        them; `manifest`: by job, the manifest line of each image it wrote (the server records them);
-        `reports`: by job, its report of this lease (merged into the job's)."""
+        """`worker`: this worker's id (the lease's holder); `work`: batches (shape, images, bucket, seconds),
+        out_of_memory, model_loads, as the worker measured them; `manifest`: by job, the manifest line of each
+        image it wrote (the server records them); `reports`: by job, its report of this lease (merged into the
+        job's). False when the lease is gone; ServerError when the server refused the completion (its detail)."""
         r = self.http.post(f"/v1/leases/{lease_id}/complete",
-                           json={"done": done, "cached": cached, "failed": failed, **(work or {}),
+                           json={"worker": worker, "done": done, "cached": cached, "failed": failed, **(work or {}),
                                  "manifest": manifest or {}, "reports": reports or {}})
-        return r.status_code == 200
+        return self._acked(r, "completing")
 
-    def upload(self, lease_id: str, job_id: str, path: str, data: bytes) -> bool:
+    def give_back(self, lease_id: str, worker: str, reason: str) -> bool:
+        """The lease given back for an error of this worker's machine (its images are queued again, their attempts
+        kept; a strike against this worker). False when the lease is gone; ServerError when refused."""
+        r = self.http.post(f"/v1/leases/{lease_id}/fail", json={"worker": worker, "reason": reason})
+        return self._acked(r, "giving back")
+
+    def _acked(self, r: httpx.Response, doing: str) -> bool:
+        if r.status_code == 410:
+            return False
+        if r.status_code != 200:
+            raise ServerError(f"{self.server}: {doing} lease: HTTP {r.status_code}: {_problem(r)}")
+        return True
+
+    def upload(self, lease_id: str, worker: str, job_id: str, path: str, data: bytes) -> bool:
         """One output file of the lease (of one of its jobs), for a server whose filesystem this worker does
-        not share; False when the lease is gone."""
-        r = self.http.put(f"/v1/leases/{lease_id}/files/{job_id}/{path}", content=data,
+        not share; `worker`: this worker's id (the lease's holder). False when the lease is gone."""
+        r = self.http.put(f"/v1/leases/{lease_id}/files/{job_id}/{path}", content=data, params={"worker": worker},
                           headers={"Content-Type": "application/octet-stream"})
         if r.status_code == 410:
             return False

@@ -27,10 +27,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from storyboard_cli.errors import BadInput, Status
+from pydantic import ValidationError
+
+from storyboard_cli.errors import BadInput, Status, one_line
 from storyboard_cli.folder.outputs import Manifest, atomic_write
 from storyboard_cli.folder.report import INPUTS, Report, Timings, build_report, write_report
 from storyboard_cli.folder.sink import ContactSheet
+from storyboard_cli.serve import wire
 from storyboard_cli.serve.intake import served_job
 from storyboard_cli.serve.schedule import ImageState, JobState
 
@@ -106,12 +109,7 @@ def keep_reports(held: Held, lease_id: str, worker: str | None, reports: dict[st
 def merged_report(job: dict, job_file: Path, now: float) -> dict:
     """The job's report: the leases' figures merged (stage seconds and buckets summed, a row per worker), its
     images and failures as the queue has them, its wall time from submission to its end (or now)."""
-    leases = []
-    for f in sorted((job_file.parent / LEASES).glob("*.json")):
-        try:
-            leases.append(json.loads(f.read_text(encoding="utf-8")))
-        except (OSError, ValueError):
-            continue
+    leases = _stored(job["id"], job_file)
     reports = [entry["report"] for entry in leases]
     timings = Timings()
     for r in reports:
@@ -135,6 +133,30 @@ def merged_report(job: dict, job_file: Path, now: float) -> dict:
         shots=first.get("shots"), **{k: first.get(k) for k in INPUTS})
     report["workers"] = _workers(leases)
     return report
+
+
+def _stored(job_id: str, job_file: Path) -> list[dict]:
+    """The job's completed leases' reports (`keep_reports`), each checked as a completion's is (wire.LeaseReport):
+    one the server cannot read (damaged, or kept by another bcg version) is skipped with a log line, so it never
+    stops the job's report and sheet from being written."""
+    leases = []
+    for f in sorted((job_file.parent / LEASES).glob("*.json")):
+        try:
+            entry = json.loads(f.read_text(encoding="utf-8"))
+            report = wire.LeaseReport.model_validate(entry["report"]).model_dump(exclude_unset=True)
+            leases.append({"worker": entry.get("worker"), "report": report})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # ValidationError is a ValueError
+            log.warning("job %s: the report of lease %s is skipped, the server cannot read it: %s", job_id, f.stem,
+                        _why(e))
+    return leases
+
+
+def _why(e: Exception) -> str:
+    """An error reading a stored report, one line: a validation error names its first field."""
+    if isinstance(e, ValidationError):
+        first = e.errors(include_url=False)[0]
+        return one_line(f"{'.'.join(map(str, first['loc'])) or 'report'}: {first['msg']}", 200)
+    return one_line(e, 200)
 
 
 def _workers(leases: list[dict]) -> list[dict]:

@@ -14,13 +14,14 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from storyboard_cli.errors import Status, StoryboardError, folder_error, one_line
+from storyboard_cli.errors import DeviceUnusable, Status, StoryboardError, first_line, folder_error
 from storyboard_cli.folder.layout import MANIFEST
 from storyboard_cli.folder.outputs import Pending, atomic_write
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.plan import make_batches, work_items
+from storyboard_cli.run.oom import device_failure
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
 from storyboard_cli.serve.inputs_cache import InputFiles
 from storyboard_cli.serve.intake import JOBS, OUT
@@ -58,14 +59,19 @@ class Hot:
         batches rendered so far; what the server's /readyz waits for."""
         return self.engine is not None
 
+    def forget(self) -> None:
+        """Drops the models and engine (their device failed): the next lease loads them again."""
+        self.spec, self.models, self.engine, self.runner = None, None, None, None
+        self.warm.clear()
+
     def for_job(self, job: Job) -> None:
         spec = (job.model, tuple(s for _, s in job.controlnets), job.ip_adapter, job.image_encoder)
         m = self.models
         lacking = m is not None and (bool(job.controlnets) and not m.controlnets
                                      or job.ip_adapter is not None and m.ip_adapter is None)
         if spec != self.spec or lacking:  # other models, or a ControlNet or adapter the first job did not need
-            self.spec, self.models, self.engine, self.runner = spec, None, None, None
-            self.warm.clear()
+            self.forget()
+            self.spec = spec
 
 
 @dataclass
@@ -270,7 +276,8 @@ def _reads(path: Path) -> str | None:
 
 def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, Place] | None = None) -> Outcome:
     """Renders one lease into its jobs' folders (or this worker's copies); which of its images landed,
-    failed or are left."""
+    failed or are left. An image fails for its own job's error (its message, one line); DeviceUnusable (this
+    machine's device, not the job) is raised: the worker gives the whole lease back."""
     out = Outcome()
     if places is None:  # the server's folders, seen here
         files = InputFiles(None, opts.root.resolve())
@@ -285,16 +292,22 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
             ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
                                   engine=opts.engine, compile=opts.compile, fp8=opts.fp8)
             sessions[job_id] = LeaseSession(job, ropts, images, hot)
+        except DeviceUnusable:
+            raise
         except StoryboardError as e:
-            out.failed.update({image.id: one_line(e) for image in images})
+            out.failed.update({image.id: first_line(e) for image in images})
     head = sessions.pop(lease.job, None)
     if head is None:  # the riders' images go back to the queue
         return out
     try:
         results = render_together(head, list(sessions.values()))
+    except DeviceUnusable:
+        raise
     except StoryboardError as e:
-        out.failed.update({image.id: one_line(e) for image in lease.images})
+        out.failed.update({image.id: first_line(e) for image in lease.images})
         return out
+    except RuntimeError as e:  # a CUDA error loading the models or capturing the graphs: the device's, not the job's
+        raise device_failure(e) or e
     out.work = {"batches": head.timed, "out_of_memory": head.policy.out_of_memory if head.policy else 0,
                 "model_loads": int(hot.models is None and head.models is not None)}
     if head.models is not None:

@@ -26,6 +26,10 @@ COUNTERS = {  # counter name in the store -> (metric, help)
     queue.RETRIES: ("image_retries", "Images leased again after their worker was lost."),
     queue.OOMS: ("out_of_memory", "Batches that ran out of GPU memory (split or retried eager)."),
     queue.MODEL_LOADS: ("model_loads", "Models loaded by workers (a hot worker loads once per model)."),
+    queue.STRIKES: ("worker_strikes", "Leases a worker gave back for an error of its own machine (its device): "
+                    "their images kept their attempts."),
+    queue.QUARANTINES: ("worker_quarantines", f"Workers quarantined: {queue.MAX_STRIKES} leases in a row given "
+                        "back for their machine's errors."),
 }
 REJECTED = {queue.REJECTED_FULL: "queue_full", queue.REJECTED_INVALID: "too_large"}
 
@@ -96,7 +100,8 @@ class StoreCollector:
         yield from histograms(s["histograms"])
         yield from workers(s["workers"])
         yield GaugeMetricFamily(PREFIX + "workers_ready", "Registered workers seen lately whose model is loaded and "
-                                "graphs captured (what /readyz waits for).", value=sum(w.ready for w in s["workers"]))
+                                "graphs captured, not quarantined (what /readyz waits for).",
+                                value=sum(w.ready and w.quarantined is None for w in s["workers"]))
 
 
 def histograms(observed: dict[tuple[str, str], tuple[list[int], float]]):
@@ -122,11 +127,14 @@ def workers(seen: list[queue.Seen]):
                             value=len(seen))
     ready = GaugeMetricFamily(PREFIX + "worker_ready", "1 once the worker's model is loaded and graphs captured.",
                               labels=WORKER)
+    quarantined = GaugeMetricFamily(PREFIX + "worker_quarantined", "1 when the worker gets no more leases: it gave "
+                                    "back too many in a row for its machine's errors.", labels=WORKER)
     memory = GaugeMetricFamily(PREFIX + "worker_gpu_memory_bytes", "A worker's GPU memory (torch.cuda).",
                                labels=[*WORKER, "kind"])
     figures = {key: family(PREFIX + metric, text, labels=WORKER) for key, (family, metric, text) in GPU_SERIES.items()}
     for w in seen:
         ready.add_metric([w.id, w.name], float(w.ready))
+        quarantined.add_metric([w.id, w.name], float(w.quarantined is not None))
         gpu = w.gpu or {}
         for kind, key in GPU_MEMORY.items():
             if gpu.get(key) is not None:
@@ -134,7 +142,7 @@ def workers(seen: list[queue.Seen]):
         for key, family in figures.items():
             if gpu.get(key) is not None:
                 family.add_metric([w.id, w.name], gpu[key])
-    yield from (ready, memory, *figures.values())
+    yield from (ready, quarantined, memory, *figures.values())
 
 
 def registry(store: queue.Store, worker_window_s: float, clock: Callable[[], float] = time.time) -> CollectorRegistry:

@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 
 from storyboard_cli.serve import edge, wire
 from storyboard_cli.serve.edge import PROBLEM
+from storyboard_cli.serve.queue_workers import MAX_STRIKES
 from storyboard_cli.serve.settings import Settings
 
 JOB_TYPES = ("application/yaml", "application/json")  # what /openapi.json says a job body is (any is read as YAML)
@@ -29,6 +30,9 @@ REF = "#/components/schemas/"
 PROBLEM_CONTENT = {PROBLEM: {"schema": {"$ref": REF + "Problem"}}}
 UNKNOWN_WORKER = "a worker id this server did not issue, or forgot (not seen within --lease-s): register again"
 LEASE_GONE = "the lease is gone: it expired and its images went back to the queue"
+NOT_HOLDER = "the lease was issued to another worker: only its holder may renew, complete or give it back"
+QUARANTINED = (f"this worker is quarantined: it gave back {MAX_STRIKES} leases in a row for an error of its own "
+               "machine (its device); it gets no more leases")
 JOB_BODY = {"requestBody": {"required": True, "description": "the job file, at most --max-job-kb",
                             "content": {t: {"schema": {"$ref": REF + "JobDoc"}} for t in JOB_TYPES}}}
 FILES = {t: {"schema": {"type": "string", "format": "binary"}} for t in (*FILE_TYPES.values(), OCTETS)}

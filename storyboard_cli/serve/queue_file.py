@@ -43,7 +43,7 @@ CREATE TABLE IF NOT EXISTS histograms (name TEXT NOT NULL, label TEXT NOT NULL, 
 CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NULL, total REAL NOT NULL,
   PRIMARY KEY (name, label));
 CREATE TABLE IF NOT EXISTS workers (id TEXT PRIMARY KEY, name TEXT NOT NULL, seen REAL NOT NULL, ttl REAL NOT NULL,
-  gpu TEXT, ready INTEGER NOT NULL DEFAULT 0, first_ready REAL);
+  gpu TEXT, ready INTEGER NOT NULL DEFAULT 0, first_ready REAL, strikes INTEGER NOT NULL DEFAULT 0, quarantined TEXT);
 """
 # a queue made before application_id was set holds only these (sqlite_sequence: AUTOINCREMENT's)
 QUEUE_TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
@@ -88,6 +88,9 @@ def _migrate(db: sqlite3.Connection) -> None:
     worker_columns = {r["name"] for r in db.execute("PRAGMA table_info(workers)")}
     if "ttl" in worker_columns and "first_ready" not in worker_columns:  # before the start-up histogram
         db.execute("ALTER TABLE workers ADD COLUMN first_ready REAL")
+    if "ttl" in worker_columns and "strikes" not in worker_columns:  # before quarantine
+        db.execute("ALTER TABLE workers ADD COLUMN strikes INTEGER NOT NULL DEFAULT 0")
+        db.execute("ALTER TABLE workers ADD COLUMN quarantined TEXT")
     if "ttl" not in worker_columns:  # before registration
         db.execute("DROP TABLE workers")  # rows named by the workers themselves: they register again
         db.executescript(SCHEMA)

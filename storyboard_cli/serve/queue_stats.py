@@ -19,6 +19,8 @@ DRAIN_WINDOW_S = 300.0
 RENDERED, CACHED, FAILED, EXPIRED, LATE, REJECTED_FULL, REJECTED_INVALID, RETRIES, OOMS, MODEL_LOADS = (
     "images_rendered", "images_cached", "images_failed", "lease_expiries", "late_completions",
     "rejected_queue_full", "rejected_invalid", "image_retries", "out_of_memory", "model_loads")
+# leases a worker gave back for an error of its own machine (its device), workers quarantined for it
+STRIKES, QUARANTINES = "worker_strikes", "worker_quarantines"
 # histograms kept in the database (observations per bucket, and their sum)
 QUEUE_WAIT, IMAGE_RENDER, JOB_LATENCY, BATCH_SECONDS = "queue_wait", "image_render", "job_latency", "batch"
 BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
@@ -84,13 +86,14 @@ class QueueStats(QueueFile):
                 histograms[name, label] = ([0] * (len(bounds(name)) + 1), total)
             for name, label, bucket, n in db.execute("SELECT name, label, bucket, n FROM histograms"):
                 histograms[name, label][0][bucket] = n
-            seen = db.execute("SELECT id, name, gpu, ready FROM workers WHERE seen >= ? ORDER BY id",
+            seen = db.execute("SELECT id, name, gpu, ready, quarantined FROM workers WHERE seen >= ? ORDER BY id",
                               (now - worker_window_s,)).fetchall()
             rate = self._drain_rate(db, now)
         jobs = Counter(schedule.job_state(c, canceled[j]) for j, c in per_job.items())
         return {"depth": depth, "jobs": {s: jobs[s] for s in JobState.ALL}, "counters": counters, "leases": leases,
                 "histograms": histograms,
-                "workers": [Seen(r["id"], r["name"], json.loads(r["gpu"] or "null"), bool(r["ready"])) for r in seen],
+                "workers": [Seen(r["id"], r["name"], json.loads(r["gpu"] or "null"), bool(r["ready"]), r["quarantined"])
+                            for r in seen],
                 "images_per_s": rate or 0.0}
 
     def slo_stats(self, now: float) -> dict:

@@ -1,7 +1,9 @@
 """The queue's registered workers: the server issues each worker its id on registration, and forgets it once
 it has not been seen for its ttl (--lease-s) and holds no lease. Leases and heartbeats name that id, so the
 worker table (and the metric series per worker) holds at most --max-workers live rows, whatever names clients
-invent. `WorkerRegistry`: the part of `store.Store` that writes and reads that table. Torch-free.
+invent. A worker that gives back MAX_STRIKES leases in a row for an error of its own machine (its device unusable,
+a CUDA error) is quarantined: it gets no more leases. `WorkerRegistry`: the part of `store.Store` that writes and
+reads that table. Torch-free.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ from dataclasses import dataclass
 
 from storyboard_cli.serve.queue_file import QueueFile
 
+MAX_STRIKES = 3  # leases in a row given back for this worker's own machine: then it is quarantined
+
 
 @dataclass(frozen=True)
 class Seen:
-    """A registered worker seen lately: its issued id, its name, its GPU figures (None on a CPU), ready."""
+    """A registered worker seen lately: its issued id, its name, its GPU figures (None on a CPU), ready, and why it
+    is quarantined (None: it is not)."""
 
     id: str
     name: str
     gpu: dict | None
     ready: bool
+    quarantined: str | None = None
 
 
 class TooManyWorkers(Exception):
@@ -39,6 +45,15 @@ class UnknownWorker(Exception):
     def __init__(self, worker: str):
         super().__init__(f"worker {worker[:80]!r} is not registered here (or no longer): register again "
                          "(POST /v1/workers)")
+
+
+class Quarantined(Exception):
+    """A worker that gave back MAX_STRIKES leases in a row for an error of its own machine: it gets no more."""
+
+    def __init__(self, worker: str, name: str, reason: str):
+        super().__init__(f"worker {worker} ({name}) is quarantined: {MAX_STRIKES} leases in a row failed on its "
+                         f"machine (last: {reason}); it gets no more leases: fix its device, then start it again")
+        self.reason = reason
 
 
 class WorkerRegistry(QueueFile):
@@ -73,15 +88,30 @@ class WorkerRegistry(QueueFile):
         db.execute("UPDATE workers SET seen = ?, gpu = ?, ready = ? WHERE id = ?",
                    (now, json.dumps(gpu), ready, worker))
 
+    def _usable(self, db, worker: str) -> None:
+        """Raises Quarantined for a quarantined worker."""
+        row = db.execute("SELECT name, quarantined FROM workers WHERE id = ?", (worker,)).fetchone()
+        if row is not None and row["quarantined"] is not None:
+            raise Quarantined(worker, row["name"], row["quarantined"])
+
+    def _strike(self, db, worker: str, reason: str) -> tuple[int, bool]:
+        """One more lease in a row given back for the worker's own machine: (its strikes in a row, whether it is
+        quarantined now)."""
+        db.execute("UPDATE workers SET strikes = strikes + 1, quarantined = CASE WHEN strikes + 1 >= ? THEN ? "
+                   "ELSE quarantined END WHERE id = ?", (MAX_STRIKES, reason, worker))
+        row = db.execute("SELECT strikes, quarantined FROM workers WHERE id = ?", (worker,)).fetchone()
+        return (0, False) if row is None else (row["strikes"], row["quarantined"] is not None)
+
     def _forget(self, db, now: float) -> None:
         """Registrations not seen within their ttl and holding no live lease: their ids and series are gone."""
         db.execute("DELETE FROM workers WHERE seen + ttl < ? AND id NOT IN "
                    "(SELECT worker FROM leases WHERE expires >= ?)", (now, now))
 
     def readiness(self, now: float, window_s: float) -> tuple[int, int]:
-        """(registered workers seen within the window, those of them ready): a worker that stops asking for
-        work and heartbeating drops out of both."""
+        """(registered workers seen within the window, those of them ready and not quarantined): a worker that
+        stops asking for work and heartbeating drops out of both."""
         with self.lock:
-            row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(ready), 0) FROM workers WHERE seen >= ?",
+            row = self.db.execute("SELECT COUNT(*), COALESCE(SUM(ready AND quarantined IS NULL), 0) FROM workers "
+                                  "WHERE seen >= ?",
                                   (now - window_s,)).fetchone()
         return row[0], row[1]

@@ -16,6 +16,7 @@ import errno
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,11 @@ TOKEN_ENV = "BCG_TOKEN"
 WORKER_TOKEN_ENV = "BCG_WORKER_TOKEN"  # `bcg worker` reads it before $BCG_TOKEN
 BACKLOG = 2048  # uvicorn's
 RESTART_DELAY_S = 2.0
+QUICK_S = 60.0  # a local worker that exits sooner than this after its start failed quickly
+QUICK_FAILURES = 5  # quick failures in a row after which a local worker is not started again
+# what a worker's error says of the --device this server chose for it (`--device cuda: ...`, `(use --device cpu)`):
+# left out of the server's line, which says what `bcg serve` takes instead
+WORKER_OPTIONS = re.compile(r"^--device \S+: |\s*\(use --device [^)]*\)")
 NO_WORKERS = "none"  # --gpus none: the API and the queue only (workers run elsewhere)
 
 
@@ -131,13 +137,39 @@ def worker_command(url: str, gpu: str, opts: ServeOptions, index: int = 0) -> tu
     return argv, env
 
 
+@dataclass
+class Restarts:
+    """Whether a local worker that exited is started again: not one that cannot start (exit 2: options it cannot
+    render with, a device it cannot use, quarantined by the server), nor one that failed QUICK_FAILURES times in a
+    row within QUICK_S of its start; a restart loop would only hide why."""
+
+    quick: int = 0  # failures in a row within QUICK_S of the start
+
+    def why_not(self, code: int, ran_s: float) -> str | None:
+        """None: start it again; else why not (a clause of one line)."""
+        if code == BadInput.exit_code:
+            return "it cannot start here"
+        self.quick = self.quick + 1 if ran_s < QUICK_S else 0
+        if self.quick >= QUICK_FAILURES:
+            return f"it failed {QUICK_FAILURES} times in a row within {QUICK_S:.0f} s of its start"
+        return None
+
+
 class Workers:
-    """The local worker processes: started, restarted when one dies, stopped softly."""
+    """The local worker processes: started, restarted when one dies (`Restarts`), stopped softly. Each one's
+    stderr is passed on, but for its `error:` line: when it will not be started again, the server's one line says
+    why, with that error and what `bcg serve` takes instead."""
 
     def __init__(self, url: str, opts: ServeOptions):
         entries = [gpu for gpu in opts.gpus if gpu != NO_WORKERS]
+        self.entries = entries
         self.commands = [worker_command(url, gpu, opts, entries[:i].count(gpu)) for i, gpu in enumerate(entries)]
         self.procs: list[subprocess.Popen | None] = [None] * len(self.commands)
+        self.started = [0.0] * len(self.commands)
+        self.restarts = [Restarts() for _ in self.commands]
+        self.errors: list[str | None] = [None] * len(self.commands)  # each one's last `error:` line
+        self.relays: list[threading.Thread | None] = [None] * len(self.commands)
+        self.given_up: set[int] = set()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._supervise, daemon=True)
 
@@ -148,11 +180,43 @@ class Workers:
         while not self.stopping.is_set():
             for i, (argv, env) in enumerate(self.commands):
                 p = self.procs[i]
-                if p is None or p.poll() is not None:
-                    if p is not None:
-                        log.warning("worker %d exited with %s; starting it again", i, p.returncode)
-                    self.procs[i] = subprocess.Popen(argv, env=env)
+                if i in self.given_up or p is not None and p.poll() is None:
+                    continue
+                if p is not None and not self._again(i, p):
+                    continue
+                self.errors[i], self.started[i] = None, time.monotonic()
+                self.procs[i] = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+                self.relays[i] = threading.Thread(target=self._relay, args=(i, self.procs[i]), daemon=True)
+                self.relays[i].start()
             self.stopping.wait(RESTART_DELAY_S)
+
+    def _again(self, i: int, p: subprocess.Popen) -> bool:
+        """Whether worker i, which exited, is started again; says so, or why not, in one line."""
+        self.relays[i].join(5)  # its last line read
+        name = self.commands[i][0][self.commands[i][0].index("--name") + 1]
+        error = self.errors[i]
+        why = self.restarts[i].why_not(p.returncode, time.monotonic() - self.started[i])
+        if why is None:
+            if error:
+                sys.stderr.write(error + "\n")
+            log.warning("worker %s exited with %s; starting it again", name, p.returncode)
+            return True
+        self.given_up.add(i)
+        reason = WORKER_OPTIONS.sub("", error.removeprefix("error:").strip()) if error else f"exit status {p.returncode}"
+        gpu = self.entries[i]
+        hint = "" if gpu == "cpu" else ("; bcg serve takes --gpus cpu for a worker on this machine's CPU, or --gpus "
+                                        "none for the API and queue alone (workers elsewhere)")
+        log.error("worker %s (--gpus %s) not started again: %s: %s%s", name, gpu, why, reason, hint)
+        return False
+
+    def _relay(self, i: int, p: subprocess.Popen) -> None:
+        """Passes worker i's stderr on, holding back its `error:` line (the supervisor's says it when it gives up)."""
+        for line in p.stderr:
+            if line.startswith("error:"):
+                self.errors[i] = line.rstrip("\n")
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
 
     def stop(self, grace_s: float) -> None:
         self.stopping.set()

@@ -24,8 +24,10 @@ from storyboard_cli.serve.queue_file import APPLICATION_ID, DB, QueueUnusable
 from storyboard_cli.serve.queue_stats import (BATCH_FILL, BATCH_SECONDS, BUCKETS_S, CACHED, EXPIRED, FAILED,
                                               FILL_BUCKETS, FIRST_IMAGE, IMAGE_RENDER, JOB_LATENCY, LATE,
                                               MODEL_LOADS, OOMS, QUEUE_WAIT, REJECTED_FULL, REJECTED_INVALID,
-                                              RENDERED, RETRIES, WORKER_STARTUP, QueueStats, bounds)
-from storyboard_cli.serve.queue_workers import Seen, TooManyWorkers, UnknownWorker, WorkerRegistry
+                                              QUARANTINES, RENDERED, RETRIES, STRIKES, WORKER_STARTUP, QueueStats,
+                                              bounds)
+from storyboard_cli.serve.queue_workers import (MAX_STRIKES, Quarantined, Seen, TooManyWorkers, UnknownWorker,
+                                                WorkerRegistry)
 from storyboard_cli.serve.schedule import END, MAX_ATTEMPTS, TIERS, ImageState, JobState, Waiting
 from storyboard_cli.serve.wire import Lease, LeasedImage, LeasedJob, job_file_url
 
@@ -34,7 +36,7 @@ __all__ = ["APPLICATION_ID", "BATCH_FILL", "BATCH_SECONDS", "BUCKETS_S", "CACHED
            "FILL_BUCKETS", "FIRST_IMAGE", "IMAGE_RENDER", "JOB_LATENCY", "LATE", "MODEL_LOADS", "OOMS", "QUEUE_WAIT",
            "REJECTED_FULL", "REJECTED_INVALID", "RENDERED", "RETRIES", "WORKER_STARTUP", "IdempotencyConflict",
            "JobFinal", "QueueFull", "QueueUnusable", "Seen", "Store", "TooManyWorkers", "UnknownWorker", "Work",
-           "bounds"]
+           "bounds", "MAX_STRIKES", "NotHolder", "Quarantined", "QUARANTINES", "STRIKES", "Strike"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,23 @@ class QueueFull(Exception):
 
 class IdempotencyConflict(BadInput):
     """The same Idempotency-Key came with another body."""
+
+
+class NotHolder(Exception):
+    """A lease renewed, completed or given back by a worker it was not issued to: refused, nothing changes."""
+
+    def __init__(self, lease_id: str, worker: str):
+        super().__init__(f"lease {lease_id[:80]} was not issued to worker {worker[:80]}: only its holder may renew, "
+                         "complete or give it back")
+
+
+@dataclass(frozen=True)
+class Strike:
+    """A lease given back for an error of its worker's machine: the worker's strikes in a row, and whether it is
+    quarantined now (at MAX_STRIKES)."""
+
+    strikes: int
+    quarantined: bool
 
 
 class JobFinal(Exception):
@@ -185,9 +204,10 @@ class Store(WorkerRegistry, QueueStats):
         """The next batch for `worker`, or None when nothing is free: `job` (the head job, the best ranked),
         `jobs` (each job of the batch: its job file and output folder; the API adds their text and inputs),
         `images` (each with its job, mix and twin). `warm`: the mixes the worker has prepared (schedule.pick
-        prefers them)."""
+        prefers them). Raises UnknownWorker, Quarantined."""
         with self._tx() as db:
             self._seen(db, worker, gpu, now, ready)
+            self._usable(db, worker)  # Quarantined: no lease
             self._expire(db, now)
             rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, i.mix, i.cost, j.priority, "
                               "j.submitted, j.batch FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?",
@@ -254,25 +274,61 @@ class Store(WorkerRegistry, QueueStats):
 
     def heartbeat(self, lease_id: str, now: float, ttl: float, worker: str | None = None,
                   gpu: dict | None = None, ready: bool = False) -> bool:
-        """Extends the lease; False when it is gone (the worker's results will be ignored)."""
+        """Extends the lease; False when it is gone (the worker's results will be ignored). Raises NotHolder
+        when `worker` is not the one it was issued to (None: the server's own call, no check)."""
         with self._tx() as db:
             if worker is not None:
                 self._seen(db, worker, gpu, now, ready)
             self._expire(db, now)
+            if not self._held(db, lease_id, worker):
+                return False
             return db.execute("UPDATE leases SET expires = ? WHERE id = ?", (now + ttl, lease_id)).rowcount == 1
 
+    def _held(self, db, lease_id: str, worker: str | None) -> bool:
+        """Whether the lease is live; raises NotHolder when `worker` is not its holder (None: no check)."""
+        row = db.execute("SELECT worker FROM leases WHERE id = ?", (lease_id,)).fetchone()
+        if row is not None and worker is not None and row["worker"] != worker:
+            raise NotHolder(lease_id, worker)
+        return row is not None
+
+    def give_back(self, lease_id: str, worker: str, reason: str, now: float) -> Strike | None:
+        """The worker could not render the lease for an error of its own machine (its device unusable, a CUDA
+        error): its images go back to the queue without using up an attempt, and the worker takes a strike
+        (quarantined at MAX_STRIKES in a row). None when the lease is gone; raises NotHolder."""
+        with self._tx() as db:
+            self._expire(db, now)
+            if not self._held(db, lease_id, worker):
+                return None
+            held = db.execute("SELECT id, job FROM images WHERE lease = ?", (lease_id,)).fetchall()
+            db.execute("UPDATE images SET state = CASE WHEN (SELECT canceled FROM jobs WHERE id = images.job) "
+                       "THEN ? ELSE ? END, attempts = attempts - 1, lease = NULL WHERE lease = ?",
+                       (ImageState.CANCELED, ImageState.QUEUED, lease_id))
+            db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+            strikes, quarantined = self._strike(db, worker, reason)
+            self._count(db, STRIKES)
+            if quarantined and strikes == MAX_STRIKES:
+                self._count(db, QUARANTINES)
+            for job_id in dict.fromkeys(r["job"] for r in held):
+                self._event(db, job_id, "lease_lost", now, requeued=[r["id"] for r in held if r["job"] == job_id],
+                            reason=f"worker {worker}: {reason}")
+                self._finished(db, job_id, now)
+            return Strike(strikes, quarantined)
+
     def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str], now: float,
-                 work: Work | None = None, record: Callable[[dict[str, set[str]]], None] | None = None) -> bool:
+                 work: Work | None = None, record: Callable[[dict[str, set[str]]], None] | None = None,
+                 worker: str | None = None) -> bool:
         """Records a lease's results; its images not named go back to the queue without a strike (a worker
-        stopping). False, and nothing recorded, when the lease is gone. `record({job: outputs of its done
-        images})` runs inside the transaction, before it commits (the job folders' manifest lines): if it
-        raises, nothing is recorded."""
+        stopping). False, and nothing recorded, when the lease is gone; NotHolder when `worker` is not its
+        holder. `record({job: outputs of its done images})` runs inside the transaction, before it commits (the
+        job folders' manifest lines): if it raises, nothing is recorded. The holder's strikes in a row end."""
         work = work or Work()
         with self._tx() as db:
             self._expire(db, now)
-            if db.execute("SELECT 1 FROM leases WHERE id = ?", (lease_id,)).fetchone() is None:
+            if not self._held(db, lease_id, worker):
                 self._count(db, LATE)
                 return False
+            db.execute("UPDATE workers SET strikes = 0 WHERE id = (SELECT worker FROM leases WHERE id = ?)",
+                       (lease_id,))
             held = db.execute("SELECT i.id, i.job, j.canceled, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
                               "WHERE i.lease = ?", (lease_id,)).fetchall()
             if record is not None:

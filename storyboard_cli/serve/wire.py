@@ -9,12 +9,15 @@ describes it, from job/file.py's own limits, so the schema and the validator sha
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.json_schema import models_json_schema
 
 from storyboard_cli.folder.layout import RESERVED
+from storyboard_cli.folder.report import Report
 from storyboard_cli.job import file as job_file
 from storyboard_cli.job.file import SHOT_DEFAULTS
 from storyboard_cli.job.characters import REFERENCE_SCALE, REFERENCE_SLOTS
@@ -102,10 +105,24 @@ class ManifestLine(BaseModel):
     path: Annotated[str, Field(min_length=1, max_length=4096)]
 
 
+def _report_model() -> type[BaseModel]:
+    """A worker's report of one job's part of a lease: report.json's keys as `folder.report.Report` types them (the
+    one home of that list), strict; keys it does not name pass through (a newer worker's), unread."""
+    hints = typing.get_type_hints(Report)
+    return create_model("LeaseReport", __config__=ConfigDict(strict=True, extra="allow"), **{
+        f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
+        for f in dataclasses.fields(Report) if f.name != "share"})
+
+
+LeaseReport = _report_model()
+
+
 class Completion(Body):
     """POST /v1/leases/{lease_id}/complete: which of the lease's images landed, which failed and why, what the
-    worker measured, and (from a worker without the server's filesystem) the manifest lines of what it uploaded."""
+    worker measured, and (from a worker without the server's filesystem) the manifest lines of what it uploaded.
+    Only the worker the lease was issued to may complete it."""
 
+    worker: Name = Field(description="the id POST /v1/workers issued: the lease's holder")
     done: list[ImageId] = Field([], max_length=MAX_LEASE_IMAGES)
     cached: list[ImageId] = Field([], max_length=MAX_LEASE_IMAGES, description="of `done`: copied, not rendered")
     failed: Closed[dict[ImageKey, Text]] = Field({}, max_length=MAX_LEASE_IMAGES, description="image id -> reason")
@@ -114,9 +131,18 @@ class Completion(Body):
     model_loads: Annotated[int, Field(ge=0, le=1_000_000)] = 0
     manifest: dict[JobId, list[ManifestLine]] = Field({}, max_length=MAX_LEASE_IMAGES,
                                                       description="per job, the manifest line of each image written")
-    reports: dict[JobId, dict[str, Any]] = Field({}, max_length=MAX_LEASE_IMAGES,
-                                                 description="per job, the worker's report of this lease (its "
-                                                             "stages, buckets, graphs): merged into the job's report")
+    reports: dict[JobId, LeaseReport] = Field({}, max_length=MAX_LEASE_IMAGES,
+                                              description="per job, the worker's report of this lease (its stages, "
+                                                          "buckets, graphs): merged into the job's report")
+
+
+class LeaseFailure(Body):
+    """POST /v1/leases/{lease_id}/fail: the lease's holder could not render it for an error of its own machine (its
+    device unusable, a CUDA error), not of the images: they go back to the queue with their attempts, and the
+    worker takes a strike."""
+
+    worker: Name = Field(description="the id POST /v1/workers issued: the lease's holder")
+    reason: Text = Field(description="what failed, one line")
 
 
 class Leased(BaseModel):

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import httpx
 
+from storyboard_cli.errors import DeviceUnusable, first_line
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import load_job
-from storyboard_cli.run.render import RenderOptions, warm
-from storyboard_cli.serve.client import LeaseClient, QueueBusy, Unregistered
+from storyboard_cli.run.render import RenderOptions, check_options, warm
+from storyboard_cli.serve.client import LeaseClient, QueueBusy, ServerError, Unregistered
 from storyboard_cli.serve.inputs_cache import InputFiles
 from storyboard_cli.serve.lease_session import Hot, Outcome, Place, place, render_lease
 from storyboard_cli.serve.wire import NAME_PATTERN, Lease, LeasedImage
@@ -32,6 +33,7 @@ from storyboard_cli.serve.worker_options import WorkerOptions
 
 log = logging.getLogger(__name__)
 TWINS = "twins"  # under an uploading worker's root: twins' PNGs downloaded from the server
+MAX_BACKOFF_S = 10.0  # the longest wait between two calls to a server that cannot be reached
 
 
 def fetch_twins(lease: Lease, places: dict[str, Place], client: LeaseClient, folder: Path) -> Lease:
@@ -116,16 +118,18 @@ def run_worker(opts: WorkerOptions) -> int:
     many leases it rendered."""
     started = time.monotonic()
     name = opts.name or default_name()
+    render_opts = RenderOptions(device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile,
+                                fp8=opts.fp8)
+    check_options(render_opts)  # before registering: a worker that cannot render here takes no lease
     client, hot, stop = LeaseClient(opts.server, opts.token), Hot(), _Stop()
     files = InputFiles(client, opts.root.resolve(), shared=not opts.upload)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
-    rendered, backoff = 0, opts.poll_s
+    rendered, backoff, unreachable = 0, opts.poll_s, False
     if opts.warm is not None:  # ready (/readyz) before any job arrives, and its first job starts at once
         job = load_job(opts.warm)
         hot.for_job(job)
-        hot.models, hot.engine = warm(job, RenderOptions(device=opts.device, dtype=opts.dtype, engine=opts.engine,
-                                                         compile=opts.compile, fp8=opts.fp8))
+        hot.models, hot.engine = warm(job, render_opts)
         log.info("warm: %s loaded, its shapes captured", job.model)
     worker = None  # the id the server issued
     try:
@@ -135,10 +139,13 @@ def run_worker(opts: WorkerOptions) -> int:
                     worker = client.register(name)
                     log.info("registered with %s as %s (%s)", opts.server, worker, name)
                 lease = client.lease(worker, gpu_stats(hot), hot.ready, hot.warm, time.monotonic() - started)
-            except httpx.HTTPError as e:  # the server is restarting, or gone for a while
-                log.info("no lease from %s: %s", opts.server, e)
+            except httpx.HTTPError as e:  # the server is restarting, or gone for a while: wait for it
+                if not unreachable:  # once per outage, not once per retry
+                    log.warning("cannot reach %s (%s): retrying every %.0f s at most until it answers", opts.server,
+                                first_line(e, 200) or e.__class__.__name__, MAX_BACKOFF_S)
+                unreachable = True
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             except QueueBusy as e:  # --max-workers are registered: one must leave (or expire) first
                 log.warning("%s", e)
@@ -149,20 +156,28 @@ def run_worker(opts: WorkerOptions) -> int:
                 worker = None
                 continue
             backoff = opts.poll_s
+            if unreachable:
+                log.warning("%s answers again", opts.server)
+                unreachable = False
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
             places = {job_id: place(job_id, job, opts, files) for job_id, job in lease.jobs.items()}
             t0 = time.perf_counter()
-            with Heartbeat(client, lease, worker, hot):
-                lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
-                outcome = render_lease(lease, hot, opts, places)
-                uploaded = upload(client, lease, outcome, places)
+            try:
+                with Heartbeat(client, lease, worker, hot):
+                    lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
+                    outcome = render_lease(lease, hot, opts, places)
+                    uploaded = upload(client, lease, worker, outcome, places)
+            except DeviceUnusable as e:  # this machine's fault, not the images': they go back with their attempts
+                hot.forget()  # models on a failed device: loaded again (or the next lease fails the same way)
+                _give_back(client, lease, worker, str(e))
+                continue
             t1 = time.perf_counter()
             rendered += 1
             hot.warm.update(i.mix for i in lease.images if i.mix and i.id in outcome.done)
             if uploaded:
-                _report(client, lease, outcome)
+                _report(client, lease, worker, outcome)
             batches = sum(b["seconds"] for b in outcome.work.get("batches", ()))
             log.info("lease %s: %d images in %.2f s (batches %.2f s, the rest: folder, PNGs, report, sheet), "
                      "completed in %.2f s", lease.lease, len(lease.images), t1 - t0, batches,
@@ -186,7 +201,7 @@ def _pause(seconds: float, stop: _Stop) -> None:
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 
-def upload(client: LeaseClient, lease: Lease, outcome: Outcome, places: dict[str, Place]) -> bool:
+def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, places: dict[str, Place]) -> bool:
     """Sends the finished PNGs of each job rendered in a copy to the server; False when the lease was lost
     meanwhile (the images are someone else's now)."""
     for job_id, where in places.items():
@@ -194,7 +209,7 @@ def upload(client: LeaseClient, lease: Lease, outcome: Outcome, places: dict[str
             continue
         for path in [r["path"] for r in outcome.records.get(job_id, ())]:
             try:
-                if not client.upload(lease.lease, job_id, path, (where.out_dir / path).read_bytes()):
+                if not client.upload(lease.lease, worker, job_id, path, (where.out_dir / path).read_bytes()):
                     log.warning("lease %s was lost while uploading: its images went back to the queue", lease.lease)
                     return False
             except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (from the copy)
@@ -203,13 +218,27 @@ def upload(client: LeaseClient, lease: Lease, outcome: Outcome, places: dict[str
     return True
 
 
-def _report(client: LeaseClient, lease: Lease, outcome: Outcome, tries: int = 5) -> None:
+def _report(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome) -> None:
+    _retried(lambda: client.complete(lease.lease, worker, outcome.done, outcome.cached, outcome.failed, outcome.work,
+                                     outcome.records, outcome.reports), lease, "completed")
+
+
+def _give_back(client: LeaseClient, lease: Lease, worker: str, reason: str) -> None:
+    log.warning("lease %s given back: %s", lease.lease, reason)
+    _retried(lambda: client.give_back(lease.lease, worker, reason), lease, "was given back")
+
+
+def _retried(call, lease: Lease, done: str, tries: int = 5) -> None:
+    """A lease's last call, retried while the server cannot be reached; a refusal is one warning (the lease
+    then expires and its images are queued again)."""
     for attempt in range(tries):
         try:
-            if not client.complete(lease.lease, outcome.done, outcome.cached, outcome.failed, outcome.work,
-                                   outcome.records, outcome.reports):
-                log.warning("lease %s was lost before it completed: the server ignored its results", lease.lease)
+            if not call():
+                log.warning("lease %s was lost before it %s: the server ignored it", lease.lease, done)
+            return
+        except ServerError as e:
+            log.warning("%s", e)
             return
         except httpx.HTTPError as e:
-            log.warning("completing lease %s: %s", lease.lease, e)
-            time.sleep(min(2 ** attempt, 10))
+            log.warning("lease %s not %s yet: %s", lease.lease, done, e)
+            time.sleep(min(2 ** attempt, MAX_BACKOFF_S))

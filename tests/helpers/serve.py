@@ -41,11 +41,12 @@ class Server:
         self.root, self.port, self.url = root, port, f"http://127.0.0.1:{port}"
         self.proc = None
 
-    def start(self, lease_s=3, gpus="cpu", extra=()):
+    def start(self, lease_s=3, gpus="cpu", extra=(), stderr=None):
+        """`stderr`: a file the server's (and its local workers') stderr goes to (None: the test's)."""
         self.proc = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "serve", "--root", str(self.root),
                                       "--port", str(self.port), "--gpus", gpus, "--lease-s", str(lease_s),
                                       "--grace-s", "30", *extra], cwd=ROOT, start_new_session=True,
-                                     env=dict(os.environ))
+                                     env=dict(os.environ), stderr=stderr)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -77,10 +78,34 @@ def eventually(get, ok, timeout_s=DEADLINE_S, poll_s=0.2):
         time.sleep(poll_s)
 
 
-def start_worker(url, name, *extra):
-    """A `bcg worker` process rendering on the CPU, in its own process group."""
+def start_worker(url, name, *extra, fault=None, stderr=None):
+    """A `bcg worker` process rendering on the CPU, in its own process group. `fault`: a folder holding a
+    sitecustomize.py that breaks something in that process alone (`device_fault`); `stderr`: a file for its stderr."""
+    env = dict(os.environ)
+    if fault is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fault), env.get("PYTHONPATH")]))
     return subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", url, "--device", "cpu",
-                             "--name", name, *extra], cwd=ROOT, start_new_session=True)
+                             "--name", name, *extra], cwd=ROOT, start_new_session=True, env=env, stderr=stderr)
+
+
+# a GPU that fails under a worker that started well (a CUDA error is sticky: every later batch fails the same way)
+CUDA_ERROR = """from storyboard_cli.run.batch import BatchRunner
+
+
+def _fails(self, *args, **kwargs):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+BatchRunner.run_batch = _fails
+"""
+
+
+def device_fault(folder):
+    """A folder whose sitecustomize.py makes every batch of a worker started with it (start_worker(fault=...))
+    raise the CUDA error a failed GPU raises."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(CUDA_ERROR)
+    return folder
 
 
 def stop(proc):

@@ -1,0 +1,166 @@
+"""A worker that cannot use its device loses the farm no image: it stops before it registers (one line, exit 2),
+`bcg serve` does not restart it forever, and one whose device fails mid-lease gives the lease back (its images keep
+their attempts) until it is quarantined. Real `bcg serve` and `bcg worker` processes; the broken device is the real
+one (`--device cuda` on a machine without CUDA) or a CUDA error injected into one worker process."""
+
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from storyboard_cli.errors import DeviceUnusable
+from storyboard_cli.run.oom import OutOfMemoryPolicy
+from storyboard_cli.serve.server import QUICK_FAILURES, QUICK_S, Restarts
+
+from conftest import ROOT
+from helpers.serve import (YAML, Server, device_fault, eventually, free_port, metric, start_worker, stop,
+                           worker_ids)
+
+JOB = """version: 1
+model: tiny
+buckets: [1, 2]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, seed: %d, candidates: 3}
+"""
+JOBS = 2  # of 3 images
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the broken device here is a CUDA device that is absent")
+
+
+def submit_jobs(url):
+    ids = []
+    for seed in range(JOBS):
+        r = httpx.post(url + "/v1/jobs", content=JOB % (seed + 1), headers=YAML, timeout=10)
+        assert r.status_code == 202, r.text
+        ids.append(r.json()["id"])
+    return ids
+
+
+def all_done(server, ids):
+    """Waits for the jobs to end; asserts every image rendered, each on its first attempt (a lease given back
+    spends none); returns the jobs."""
+    jobs = [server.wait(i, lambda j: j["state"] in ("succeeded", "failed", "canceled")) for i in ids]
+    images = [image for job in jobs for image in job["images"]]
+    assert [j["state"] for j in jobs] == ["succeeded"] * JOBS, [(i["state"], i["reason"]) for i in images]
+    assert len(images) == 3 * JOBS and {i["attempts"] for i in images} == {1}, [i["attempts"] for i in images]
+    return jobs
+
+
+@no_cuda
+@pytest.mark.slow  # a server with a CPU worker rendering 16 tiny images
+def test_a_worker_without_its_device_never_registers_and_serve_does_not_restart_one(tmp_path):
+    """`bcg worker --device cuda` here: one line, exit 2, no registration. `bcg serve --gpus 0,cpu`: its GPU worker
+    is not started again (one line saying why, with what bcg serve takes), its CPU worker renders every image. With
+    --warm too: the device is tried before the model is loaded."""
+    log, warm = tmp_path / "serve.log", tmp_path / "warm.yaml"
+    warm.write_text(JOB % 99)
+    with open(log, "w") as err:
+        server = Server(tmp_path / "root", free_port()).start(gpus="0,cpu", stderr=err, extra=("--warm", str(warm)))
+    try:
+        ids = submit_jobs(server.url)
+        gpu = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "worker", "--server", server.url, "--device",
+                                "cuda", "--name", "gpu-box"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        all_done(server, ids)
+        _, stderr = gpu.communicate(timeout=120)
+        assert gpu.returncode == 2, stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --device cuda: no CUDA device"), stderr
+        assert worker_ids(server.url, "gpu-box") == set()
+        time.sleep(3)  # more than the supervisor's restart delay: a worker it restarted would have said so again
+        text = log.read_text()
+        given_up = [line for line in text.splitlines() if "not started again" in line]
+        assert len(given_up) == 1, text
+        assert given_up[0].startswith("ERROR ") and "worker local-0 (--gpus 0)" in given_up[0], given_up
+        assert "no CUDA device is available here" in given_up[0] and "--gpus cpu" in given_up[0], given_up
+        assert "--device" not in given_up[0], given_up  # a hint bcg serve takes
+        assert "Traceback" not in text and text.count("no CUDA device") == 1, text
+    finally:
+        stop(server.proc)
+
+
+@pytest.mark.slow  # a server, a CPU worker rendering 16 tiny images and a worker whose device fails
+def test_a_worker_whose_device_fails_mid_lease_is_quarantined_and_the_farm_loses_no_image(tmp_path):
+    log, worker_log = tmp_path / "serve.log", tmp_path / "broken.log"
+    with open(log, "w") as err:
+        server = Server(tmp_path / "root", free_port()).start(gpus="none", lease_s=5, stderr=err)
+    healthy = None
+    with open(worker_log, "w") as err:
+        broken = start_worker(server.url, "broken", fault=device_fault(tmp_path / "fault"), stderr=err)
+    try:
+        eventually(lambda: worker_ids(server.url, "broken"), bool, 60)  # registered: it takes the first leases
+        ids = submit_jobs(server.url)
+        assert broken.wait(90) == 2  # quarantined: it cannot render here, as a worker that cannot start
+        healthy = start_worker(server.url, "healthy")
+        all_done(server, ids)
+        assert metric(server.url, "bcg_worker_strikes_total") == 3
+        assert metric(server.url, "bcg_worker_quarantines_total") == 1
+        assert metric(server.url, "bcg_images_failed_total") == 0
+        lines = worker_log.read_text().strip().splitlines()
+        assert len([line for line in lines if "given back" in line]) == 3, lines
+        assert lines[-1].startswith("error: ") and "is quarantined" in lines[-1], lines
+        assert "Traceback" not in worker_log.read_text()
+        quarantined = [line for line in log.read_text().splitlines() if "quarantined" in line]
+        assert len(quarantined) == 1 and "CUDA error" in quarantined[0], log.read_text()
+    finally:
+        for p in (broken, healthy, server.proc):
+            if p is not None:
+                stop(p)
+
+
+def test_a_worker_that_cannot_reach_its_server_says_so_once_and_keeps_trying(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    with open(tmp_path / "worker.log", "w") as err:
+        worker = start_worker(url, "waiting", stderr=err)
+    try:
+        text = eventually(lambda: (tmp_path / "worker.log").read_text(), lambda t: "cannot reach" in t, 60)
+        time.sleep(2)  # more retries: still that one line
+        assert worker.poll() is None
+        lines = (tmp_path / "worker.log").read_text().strip().splitlines()
+        assert len(lines) == 1 and f"cannot reach {url}" in lines[0] and "retrying" in lines[0], text
+    finally:
+        stop(worker)
+
+
+def test_the_supervisor_stops_after_exit_2_or_quick_failures_in_a_row():
+    assert Restarts().why_not(2, 1000.0) == "it cannot start here"
+    slow = Restarts()
+    assert all(slow.why_not(1, QUICK_S + 1) is None for _ in range(2 * QUICK_FAILURES))  # a long run between each
+    quick = Restarts()
+    assert [quick.why_not(1, 0.5) is None for _ in range(QUICK_FAILURES)] == [True] * (QUICK_FAILURES - 1) + [False]
+    interrupted = Restarts()
+    for _ in range(QUICK_FAILURES - 1):
+        interrupted.why_not(1, 0.5)
+    assert interrupted.why_not(137, QUICK_S + 1) is None and interrupted.why_not(1, 0.5) is None  # not in a row
+
+
+@pytest.mark.parametrize("error,device", [("CUDA error: an illegal memory access was encountered", True),
+                                          ("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasGemmEx", True),
+                                          ("cannot identify image file 'x.png'", False)])
+def test_a_cuda_error_stops_the_render_as_the_devices_and_any_other_fails_its_batch(error, device):
+    """A CUDA error is the device's (sticky: every later batch would fail too), not the batch's images'."""
+    failed = []
+
+    class Runner:
+        def lora_problem(self, batch):
+            return None
+
+        def run_batch(self, batch, fallback):
+            raise RuntimeError(error)
+
+        def decode(self, latents):
+            return latents
+
+    sink = SimpleNamespace(fail=lambda items, reason: failed.append((items, reason)))
+    batch = SimpleNamespace(size=1, items=["image"], key=SimpleNamespace(label="64x64"))
+    policy = OutOfMemoryPolicy(Runner(), sink)
+    if device:
+        with pytest.raises(DeviceUnusable, match="the device failed: " + error.split(" ")[0]):
+            policy.process(batch, (1,))
+        assert failed == []
+    else:
+        policy.process(batch, (1,))
+        assert failed == [(["image"], f"RuntimeError: {error}")]
