@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterable, Optional
 
 import typer
 from rich.table import Table
@@ -60,8 +60,7 @@ def plan(job: JobArg, json_out: JsonOpt = False,
     if json_out:
         out.print_json(json.dumps(s.to_json()))
         return
-    for w in s.warnings:
-        err.print(Text.assemble(("warning: ", "yellow"), w))
+    _warn(j.warnings + s.warnings)
     table = Table(title=f"{j.name}: {plural(len(j.shots), 'shot')}, {plural(s.images, 'image')} "
                         f"({s.unique_images} distinct), model {j.model}", title_justify="left")
     rows, levered = s.buckets, s.levered
@@ -98,6 +97,11 @@ def plan(job: JobArg, json_out: JsonOpt = False,
                   f"{characters}")
     if s.reference_note:
         out.print(s.reference_note)
+
+
+def _warn(warnings: Iterable[str]) -> None:
+    for w in warnings:
+        err.print(Text.assemble(("warning: ", "yellow"), w))
 
 
 @app.command()
@@ -147,6 +151,8 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
 
         j, out_dir = render_target(load_job(job), out_dir, reroll=reroll, draft=draft, draft_out=draft_out,
                                    final=final)
+        if dist.leader():  # once, not per worker
+            _warn(j.warnings)
         opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
                                        retry_failed=retry_failed, compile=compile, shots=tuple(shot or ()),
                                        fp8=fp8)
@@ -204,8 +210,7 @@ def sheet(out_dir: FolderArg,
     notes: list[str] = []
     with _domain_errors():
         path = write_sheet(out_dir, load_job(job) if job else None, notes)
-    for note in notes:
-        err.print(Text.assemble(("warning: ", "yellow"), note))
+    _warn(notes)
     out.print(str(path))
 
 

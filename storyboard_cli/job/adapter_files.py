@@ -20,12 +20,11 @@ from typing import Mapping, Sequence
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.lora_files import model_configs, tensor_shapes
+from storyboard_cli.job.preflight import ADAPTER_PRESETS
 from storyboard_cli.job.unet_layers import unet_layers
 from storyboard_cli.models.tiny import IMAGE_ENCODER_FOLDER
 from storyboard_cli.models.tiny import UNET as TINY_UNET
 
-PRESET_KINDS = {"tiny": "base", "tiny-plus": "plus", "sdxl-random": "base", "sdxl-random-plus": "plus"}
-ADAPTER_PRESETS = tuple(PRESET_KINDS)
 TINY_PRESETS = ("tiny", "tiny-plus")  # saved for the tiny model's UNet; the sdxl-random ones are drawn for the UNet loaded
 SUFFIXES = (".safetensors", ".bin")  # safetensors first: of a pair of the same name, it is the one read
 PATTERN = "ip-adapter*sdxl*"  # h94's SDXL adapter files: ip-adapter_sdxl, ip-adapter-plus_sdxl_vit-h, ...
@@ -60,12 +59,23 @@ def _adapter_file(folder: Path) -> Path:
     return next(iter(found.values()))
 
 
+def encoder_problem(image_encoder: str, shown: str | None = None) -> str | None:
+    """Why `image_encoder:` names no image encoder's folder, in one line naming it as `shown` (else as given), or
+    None."""
+    folder, shown = Path(image_encoder).expanduser(), shown or image_encoder
+    if not folder.exists():
+        return f"{shown}: no such folder (image_encoder: names the CLIP vision encoder's folder)"
+    if not (folder / "config.json").is_file():
+        return f"{shown}: not an image encoder folder (no config.json in it)"
+    return None
+
+
 def _encoder_folder(weights: Path, image_encoder: str | None) -> Path:
     if image_encoder is not None:
-        folder = Path(image_encoder).expanduser()
-        if not (folder / "config.json").is_file():
-            raise AdapterFileError(f"{folder}: not an image encoder folder (no config.json in it)")
-        return folder
+        problem = encoder_problem(image_encoder)
+        if problem:
+            raise AdapterFileError(problem)
+        return Path(image_encoder).expanduser()
     beside = weights.parent / IMAGE_ENCODER_FOLDER
     candidates = [weights.parent / VIT_H_ENCODER, beside] if VIT_H in weights.name.lower() else [beside]
     for folder in candidates:
@@ -152,7 +162,7 @@ def _tiny_mismatch(spec: str, unet: Mapping | None) -> str | None:
     if want is None or have is None:
         return None
     if cross_attention_layers(have.shapes) != cross_attention_layers(want.shapes):
-        twin = "sdxl-random-plus" if PRESET_KINDS[spec] == "plus" else "sdxl-random"
+        twin = "sdxl-random-plus" if ADAPTER_PRESETS[spec] == "plus" else "sdxl-random"
         return f"{spec} is made for the tiny model's UNet, not this model's; use {twin} or an adapter folder"
     return None
 

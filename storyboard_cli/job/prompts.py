@@ -13,6 +13,7 @@ from functools import lru_cache
 
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job
+from storyboard_cli.job.preflight import job_spec
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
 
 SHOWN_WORDS = 12  # of the dropped text, in a warning: a pasted wall of text is cut to its first words
@@ -79,7 +80,7 @@ def long_prompts(job: Job) -> list[LongPrompt]:
         for field, text in (("prompt", shot.prompt), ("negative", shot.negative)):
             if len("".join(text.split()).encode()) <= CLIP_TOKENS - 2:
                 continue  # a token is at least one byte of a word: this fits without asking the tokenizer
-            tokenizer = tokenizer or tokenizer_for(job.model)
+            tokenizer = tokenizer or tokenizer_for(job_spec(job.model, job.folder))
             tokens, dropped = dropped_text(text, tokenizer)
             if dropped:
                 found.append(LongPrompt(shot.id, field, shot.line, tokens, dropped))
