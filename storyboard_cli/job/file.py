@@ -26,7 +26,7 @@ from storyboard_cli.job.lora_files import LORA_TAG
 from storyboard_cli.job.preflight import expanded, job_spec
 from storyboard_cli.job.references import LoraFile, ShotControl, declared_inputs, lora_set, resolve_loras, shot_loras
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_int, as_str, check_keys,
-                                       line_of, type_name)
+                                       given, line_of, type_name)
 from storyboard_cli.job.yaml_loader import SHOT_ID, Located, clip, read_yaml, short_repr
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 from storyboard_cli.steps import NO_DEEPCACHE, DeepCache, guided_steps
@@ -117,8 +117,7 @@ class Job:
 def parse_size(text: Any) -> tuple[int, int]:
     """'WxH' or a named aspect -> (width, height). Raises ValueError with a reason."""
     if not isinstance(text, str):
-        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {type_name(text)} "
-                         f"({short_repr(text)})")
+        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {given(text)}")
     key = text.strip().lower()
     if key in NAMED_SIZES:
         return NAMED_SIZES[key]
@@ -214,7 +213,7 @@ def _deepcache(ctx: Context, raw: Any, line: int | None, shot_id: str) -> DeepCa
         return NO_DEEPCACHE
     if not isinstance(raw, Located):
         raise ctx.fail(line, shot_id, "deepcache", f"must be a mapping like {{interval: 3, branch: 0}}, or off; "
-                       f"got {type_name(raw)} ({short_repr(raw)})")
+                       f"got {given(raw)}")
     check_keys(ctx, raw, DEEPCACHE_KEYS, shot_id, prefix="deepcache.")
     if "interval" not in raw:
         raise ctx.fail(raw.line, shot_id, "deepcache.interval", "missing (the full UNet runs every N-th step)")
@@ -289,7 +288,7 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
         buckets = DEFAULT_BUCKETS
     else:
         if not isinstance(buckets, list) or not buckets:
-            raise ctx.fail(line, None, "buckets", f"must be a non-empty list of batch sizes, got {short_repr(buckets)}")
+            raise ctx.fail(line, None, "buckets", f"must be a non-empty list of batch sizes, got {given(buckets)}")
         buckets = tuple(sorted({as_int(ctx, b, line, None, "buckets", 1, MAX_BUCKET) for b in buckets}))
 
     defaults, line = _top_field(ctx, doc, "defaults")

@@ -4,6 +4,7 @@ and the checks of keys, types and ranges. No torch."""
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 from typing import Any
 
@@ -108,14 +109,29 @@ def check_keys(ctx: Context, mapping: Located, allowed: tuple[str, ...], shot: s
         raise ctx.fail(line, shot, clip(f"{prefix}{key}"), f"unknown key{did_you_mean(str(key), allowed, known=True)}")
 
 
+# what a YAML value is, in words: the types PyYAML's safe loader makes (timestamps as dates, !!binary as bytes)
+TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+              type(None): "nothing", bytes: "binary data", datetime.date: "a date",
+              datetime.datetime: "a date and time", set: "a set"}
+
+
 def type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "a list", type(None): "empty"}.get(type(value), "a mapping" if isinstance(value, dict) else type(value).__name__)
+    return TYPE_NAMES.get(type(value), "a mapping" if isinstance(value, dict) else f"a {type(value).__name__}")
+
+
+def given(value: Any) -> str:
+    """What a job gave, in plain words for a message's "got ...": "nothing", "binary data (5 bytes)", "a date
+    (2024-01-02)", "a string ('x')"."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, bytes):
+        return f"binary data ({len(value)} bytes)"
+    return f"{type_name(value)} ({short_repr(value)})"
 
 
 def as_int(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ctx.fail(line, shot, field, f"must be an integer, got {type_name(value)} ({short_repr(value)})")
+        raise ctx.fail(line, shot, field, f"must be an integer, got {given(value)}")
     if not lo <= value <= hi:
         raise ctx.fail(line, shot, field, f"must be between {lo} and {hi}, got {short_repr(value)}")
     return value
@@ -123,7 +139,7 @@ def as_int(ctx: Context, value: Any, line: int | None, shot: str | None, field: 
 
 def as_float(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ctx.fail(line, shot, field, f"must be a number, got {type_name(value)} ({short_repr(value)})")
+        raise ctx.fail(line, shot, field, f"must be a number, got {given(value)}")
     value = float(value)
     if not lo <= value <= hi:  # also rejects NaN
         raise ctx.fail(line, shot, field, f"must be between {lo:g} and {hi:g}, got {value:g}")
@@ -145,7 +161,7 @@ def unicode_text(value: str) -> str | None:
 
 def as_str(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, *, empty_ok: bool) -> str:
     if not isinstance(value, str):
-        raise ctx.fail(line, shot, field, f"must be a string, got {type_name(value)} ({short_repr(value)})")
+        raise ctx.fail(line, shot, field, f"must be a string, got {given(value)}")
     text = unicode_text(value)
     if text is None:
         raise ctx.fail(line, shot, field, "must be Unicode text (it holds a lone UTF-16 surrogate)")
