@@ -508,3 +508,17 @@ def test_a_path_found_only_from_the_working_folder_is_read_from_there_and_said_o
     result = runner.invoke(app, ["plan", str(path)])
     assert result.exit_code == 2
     assert result.output.strip().startswith(f"error: {path}:4 field 'image_encoder': jobs/encoder: no such folder")
+
+
+def test_an_image_encoder_of_another_width_is_named_at_image_encoder(project):
+    from storyboard_cli.models.tiny import ADAPTER_FILES, tiny_adapter_folder
+
+    jobs = project / "jobs"
+    shutil.copytree(tiny_adapter_folder("plus") / "image_encoder", jobs / "plus_encoder")  # the plus adapter's
+    path = write_job(jobs, f"version: 1\nmodel: tiny\nip_adapter: adapters/{ADAPTER_FILES['base']}\n"
+                           f"image_encoder: plus_encoder\nshots:\n  - {{id: s1, prompt: x, reference: refs/mei.png}}\n")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 2
+    assert result.output.strip() == (f"error: {path}:4 field 'image_encoder': ip-adapter_sdxl.safetensors: "
+                                     f"image_proj.proj.weight is [320, 24], its image encoder's projection_dim is 16 "
+                                     f"(another image encoder)")

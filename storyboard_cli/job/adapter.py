@@ -27,7 +27,7 @@ def resolve_adapter(ctx: Context, doc: Located, model: str) -> tuple[str | None,
         if adapter in ADAPTER_PRESETS:
             raise ctx.fail(lines["image_encoder"], None, "image_encoder", f"the preset ip_adapter '{adapter}' "
                            f"brings its own image encoder; leave image_encoder out")
-        problem = _encoder_problem(job_spec(encoder, ctx.folder), clip(encoder))
+        problem = _encoder_problem(job_spec(encoder, ctx.folder), clip(encoder), job_spec(adapter, ctx.folder))
         if problem:
             raise ctx.fail(lines["image_encoder"], None, "image_encoder", problem)
     problem = _adapter_problem(job_spec(adapter, ctx.folder), job_spec(encoder, ctx.folder), model)
@@ -36,10 +36,11 @@ def resolve_adapter(ctx: Context, doc: Located, model: str) -> tuple[str | None,
     return adapter, encoder
 
 
-def _encoder_problem(encoder: str, shown: str) -> str | None:
-    from storyboard_cli.job.adapter_files import encoder_problem
+def _encoder_problem(encoder: str, shown: str, adapter: str) -> str | None:
+    """What keeps the encoder `image_encoder:` names from serving the adapter (its folder, its width), or None."""
+    from storyboard_cli.job.adapter_files import encoder_problem, given_encoder_problem
 
-    return encoder_problem(encoder, shown)
+    return encoder_problem(encoder, shown) or given_encoder_problem(adapter, encoder)
 
 
 def _adapter_problem(adapter: str, encoder: str | None, model: str) -> str | None:

@@ -148,12 +148,33 @@ def weight_mismatch(name: str, kind: str, shapes: Mapping[str, Sequence[int]],
     got = list(shapes.get(key, ()))
     if dim is not None and (len(got) != 2 or got[0] != rows * dim):
         return f"{name}: {key} is {got}, the model's cross-attention needs {rows} x {dim} = {rows * dim} rows"
+    return encoder_mismatch(name, kind, shapes, encoder_config)
+
+
+def encoder_mismatch(name: str, kind: str, shapes: Mapping[str, Sequence[int]], encoder_config: Mapping | None) -> str | None:
+    """Whether the adapter's image projection reads what its image encoder gives (`encoder_config`: its config.json),
+    as one line, or None."""
     key, width = PROJECTION_IN[kind]
     want = (encoder_config or {}).get(width)
     got = list(shapes.get(key, ()))
     if isinstance(want, int) and (len(got) != 2 or got[1] != want):
         return f"{name}: {key} is {got}, its image encoder's {width} is {want} (another image encoder)"
     return None
+
+
+def given_encoder_problem(spec: str, image_encoder: str) -> str | None:
+    """Why the encoder `image_encoder:` names does not serve the adapter file `spec` names (their widths), or None
+    (also where the adapter itself cannot be read: `adapter_problem` says why)."""
+    try:
+        files = adapter_files(spec, image_encoder)
+        if files.weights.suffix.lower() != ".safetensors":
+            return None
+        shapes = tensor_shapes(files.weights)
+        config = json.loads((files.encoder / "config.json").read_text())
+        return encoder_mismatch(files.weights.name, adapter_kind(files.weights.name, list(shapes)), shapes,
+                                config if isinstance(config, dict) else None)
+    except (BadInput, OSError, ValueError):
+        return None
 
 
 def _tiny_mismatch(spec: str, unet: Mapping | None) -> str | None:
