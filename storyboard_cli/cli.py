@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterable, Optional
 
 import typer
 from rich.table import Table
@@ -27,7 +27,7 @@ from storyboard_cli.cli_common import user_path as _user_path
 from storyboard_cli.cli_engine import bench, capture
 from storyboard_cli.cli_progress import render_progress
 from storyboard_cli.errors import BadInput, Interrupted, Status, exit_code, plural
-from storyboard_cli.folder.layout import REPLACED, SELECTS
+from storyboard_cli.folder.layout import INDEX, REPLACED, REPORT_JSON, REPORT_MD, SELECTS
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
 from storyboard_cli.job.plan import decimal_size as _size
 
@@ -60,8 +60,7 @@ def plan(job: JobArg, json_out: JsonOpt = False,
     if json_out:
         out.print_json(json.dumps(s.to_json()))
         return
-    for w in s.warnings:
-        err.print(Text.assemble(("warning: ", "yellow"), w))
+    _warn(j.warnings + s.warnings)
     table = Table(title=f"{j.name}: {plural(len(j.shots), 'shot')}, {plural(s.images, 'image')} "
                         f"({s.unique_images} distinct), model {j.model}", title_justify="left")
     rows, levered = s.buckets, s.levered
@@ -98,6 +97,11 @@ def plan(job: JobArg, json_out: JsonOpt = False,
                   f"{characters}")
     if s.reference_note:
         out.print(s.reference_note)
+
+
+def _warn(warnings: Iterable[str]) -> None:
+    for w in warnings:
+        err.print(Text.assemble(("warning: ", "yellow"), w))
 
 
 @app.command()
@@ -140,38 +144,47 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
 
             j, folder = render_target(load_job(job), out_dir, reroll=reroll, draft=draft, draft_out=draft_out,
                                       final=final)  # as each worker makes them (a reroll's rounds are idempotent)
-            code = dist.launch(gpus, _command_line(ctx), folder, j)
+            code, report = dist.launch(gpus, _command_line(ctx), folder, j)
+        if report is not None:  # the workers' outcome, merged: rank 0 left it to the launcher
+            paths = [p for p in (folder / REPORT_JSON, folder / REPORT_MD) if p.exists()]
+            _outcome(report, json_out, paths, folder / INDEX if (folder / INDEX).exists() else None)
         raise typer.Exit(code)
     with _domain_errors():
         from storyboard_cli.folder.picks import render_target
 
         j, out_dir = render_target(load_job(job), out_dir, reroll=reroll, draft=draft, draft_out=draft_out,
                                    final=final)
+        if dist.leader():  # once, not per worker
+            _warn(j.warnings)
         opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
                                        retry_failed=retry_failed, compile=compile, shots=tuple(shot or ()),
                                        fp8=fp8)
         with render_progress(quiet or not dist.leader()) as on_event:
             result = dist.render(job=j, opts=opts, on_event=on_event)
-    if not dist.leader():  # rank 0 speaks for the job
+    if not dist.leader() or dist.launched():  # rank 0 speaks for the job; under --gpus, once merged, its launcher
         raise typer.Exit(exit_code(result.status, result.signal))
-    for note in result.notes:
-        err.print(Text(note, style="dim"))
-    for f in result.failed:
-        err.print(_styled("failed:", "yellow", f"{f['path']}: {f['reason']}"))
-    if json_out:
-        r = result.report
-        out.print_json(json.dumps({k: r[k] for k in ("status", "output_dir", "device", "dtype", "engine", "wall_s",
-                                                      "images_rendered", "images_skipped", "images_failed",
-                                                      "images_per_s", "steps_per_s", "peak_memory_mb", "stages_s",
-                                                      "run", "stopped_by")}
-                                  | {"report": [str(p) for p in result.report_paths or ()],
-                                     "sheet": str(result.sheet) if result.sheet else None}))
-    else:
-        err.print(f"{result.status}: {result.rendered} rendered, {result.skipped} skipped, {len(result.failed)} "
-                  f"failed in {result.wall_s:.1f} s on {result.device} ({result.engine}) -> {result.out_dir}")
+    _outcome(result.report, json_out, result.report_paths or (), result.sheet)
     code = exit_code(result.status, result.signal)
     if code:
         raise typer.Exit(code)
+
+
+def _outcome(report: dict, json_out: bool, report_paths: Iterable[Path], sheet: Path | None) -> None:
+    """How a render ended, from its report: its notes, its failed images, then one summary line (or `--json`)."""
+    for note in report["notes"]:
+        err.print(Text(note, style="dim"))
+    for f in report["failures"]:
+        err.print(_styled("failed:", "yellow", f"{f['path']}: {f['reason']}"))
+    if json_out:
+        out.print_json(json.dumps({k: report[k] for k in ("status", "output_dir", "device", "dtype", "engine",
+                                                           "wall_s", "images_rendered", "images_skipped",
+                                                           "images_failed", "images_per_s", "steps_per_s",
+                                                           "peak_memory_mb", "stages_s", "run", "stopped_by")}
+                                  | {"report": [str(p) for p in report_paths], "sheet": str(sheet) if sheet else None}))
+    else:
+        err.print(f"{report['status']}: {report['images_rendered']} rendered, {report['images_skipped']} skipped, "
+                  f"{len(report['failures'])} failed in {report['wall_s']:.1f} s on {report['device']} "
+                  f"({report['engine']}) -> {report['output_dir']}")
 
 
 def _command_line(ctx: typer.Context) -> list[str]:
@@ -204,8 +217,7 @@ def sheet(out_dir: FolderArg,
     notes: list[str] = []
     with _domain_errors():
         path = write_sheet(out_dir, load_job(job) if job else None, notes)
-    for note in notes:
-        err.print(Text.assemble(("warning: ", "yellow"), note))
+    _warn(notes)
     out.print(str(path))
 
 

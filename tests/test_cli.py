@@ -444,7 +444,7 @@ def test_sheet_and_pick_on_a_read_only_folder_are_one_line_exit_2(read_only, tmp
 def test_a_misspelt_preset_gets_a_did_you_mean(tmp_path, model, hint):
     path = write_job(tmp_path, f"version: 1\nmodel: {model}\nshots:\n  - {{id: a, prompt: x}}\n")
     line = _one_error_line(runner.invoke(app, ["plan", str(path)]))
-    assert line == f"error: model: unknown model '{model}'; did you mean '{hint}'?"
+    assert line == f"error: {path}:2 field 'model': unknown model '{model}'; did you mean '{hint}'?"
 
 
 def test_plan_counts_in_the_singular_where_there_is_one(tmp_path):

@@ -28,7 +28,8 @@ from helpers.serve import JOB_3_IMAGES as JOB, Server, eventually, free_port, me
 DEPLOY = ROOT / "deploy"
 COMPOSE, RULES = DEPLOY / "docker-compose.yml", DEPLOY / "prometheus-rules.yml"
 RULE_TESTS = DEPLOY / "prometheus-rules.test.yml"
-KUBERNETES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+KUBERNETES = sorted((DEPLOY / "kubernetes").glob("*.yaml"))  # what `kubectl apply -f deploy/kubernetes/` applies
+KEDA, ADAPTER_VALUES = DEPLOY / "keda" / "worker-scaler.yaml", DEPLOY / "helm" / "prometheus-adapter-values.yaml"
 SLURM = DEPLOY / "slurm-workers.sh"
 PROMTOOL = shutil.which("promtool")
 DEADLINE_S = 120
@@ -91,10 +92,10 @@ def test_every_file_parses():
     assert yaml.safe_load(RULES.read_text())["groups"]
     assert yaml.safe_load(RULE_TESTS.read_text())["tests"]
     assert yaml.safe_load((DEPLOY / "prometheus.yml").read_text())["rule_files"] == [RULES.name]
-    assert {p.name for p in KUBERNETES} == {"server.yaml", "worker.yaml", "keda.yaml", "hpa.yaml",
-                                           "prometheus-adapter.yaml"}
-    for path in KUBERNETES:
+    assert {p.name for p in KUBERNETES} == {"server.yaml", "worker.yaml", "hpa.yaml"}
+    for path in KUBERNETES + [KEDA]:
         assert all(doc for doc in yaml.safe_load_all(path.read_text())), path
+    assert yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]
     assert subprocess.run(["bash", "-n", str(SLURM)], capture_output=True, timeout=30).returncode == 0
 
 
@@ -122,11 +123,45 @@ def test_the_compose_file_runs_one_server_and_workers_on_its_volume_with_real_op
             if "deploy" in w]
     assert gpus == [["0"], ["1"]]  # one GPU each, not the first one twice
     assert option(workers["worker-cpu"]["command"], "--device") == "cpu"
+    allowed_folders_are_mounted(argv, "docker-compose.yml", *({v.rsplit(":", 2)[1] for v in s["volumes"]}
+                                                              for s in [server, *workers.values()]))
+
+
+def allowed_folders_are_mounted(serve: list[str], where: str, *mounts: set[str]) -> None:
+    """A server accepts a real model: a hub id on --allow-model and a folder on --allow-dir, which the server and
+    every worker (`mounts`: each one's mount paths) see at the same path."""
+    models, folders = option(serve, "--allow-model"), [a for o, a in zip(serve, serve[1:]) if o == "--allow-dir"]
+    assert models and re.fullmatch(r"[\w.-]+/[\w.-]+", models), f"{where}: no --allow-model hub id"
+    assert folders, f"{where}: no --allow-dir"
+    for mounted in mounts:
+        assert set(folders) <= mounted, (where, folders, mounted)
+
+
+def test_kubectl_apply_of_the_folder_applies_manifests_only_and_one_autoscaler_per_deployment():
+    docs = [d for p in KUBERNETES for d in yaml.safe_load_all(p.read_text())]
+    assert all({"apiVersion", "kind", "metadata"} <= set(d) for d in docs)  # kubectl refuses anything else
+    targets = [d["spec"]["scaleTargetRef"]["name"] for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    targets += [d["spec"]["scaleTargetRef"]["name"] for d in docs if d["kind"] == "ScaledObject"]
+    assert targets == ["bcg-worker"]  # KEDA's ScaledObject makes an HPA of its own: never both applied
+    assert yaml.safe_load(KEDA.read_text())["kind"] == "ScaledObject" and KEDA.parent != KUBERNETES[0].parent
+
+
+def test_the_kubernetes_manifests_pass_the_api_schemas():
+    """Every applied manifest against the Kubernetes API's own schemas, strictly (no unknown field), offline
+    (the kubernetes-validate package); the KEDA ScaledObject is a CRD the package has no schema for."""
+    kv = pytest.importorskip("kubernetes_validate")
+    for path in KUBERNETES:
+        for doc in yaml.safe_load_all(path.read_text()):
+            try:
+                kv.validate(doc, kv.latest_version(), strict=True)
+            except kv.ValidationError as e:
+                pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {e.message} at "
+                            f"{'.'.join(map(str, e.path))}")
 
 
 def test_kubernetes_scales_the_worker_deployment_on_the_queue_depth():
-    docs = {(d["kind"], d["metadata"]["name"]): d for p in KUBERNETES for d in yaml.safe_load_all(p.read_text())
-            if "kind" in d}
+    docs = {(d["kind"], d["metadata"]["name"]): d for p in KUBERNETES + [KEDA]
+            for d in yaml.safe_load_all(p.read_text()) if "kind" in d}
     deployment = docs["Deployment", "bcg-worker"]
     service = docs["Service", "bcg-server"]
     server = docs["StatefulSet", "bcg-server"]["spec"]["template"]["spec"]
@@ -139,7 +174,7 @@ def test_kubernetes_scales_the_worker_deployment_on_the_queue_depth():
     assert option(serve, "--port") == str(service["spec"]["ports"][0]["port"])
     claims = {v["persistentVolumeClaim"]["claimName"] for spec in (server, deployment["spec"]["template"]["spec"])
               for v in spec["volumes"]}
-    assert claims == {docs["PersistentVolumeClaim", "bcg-shared"]["metadata"]["name"]}
+    assert claims == {name for kind, name in docs if kind == "PersistentVolumeClaim"} == {"bcg-shared", "bcg-models"}
     scaled = docs["ScaledObject", "bcg-worker"]["spec"]
     hpa = docs["HorizontalPodAutoscaler", "bcg-worker"]["spec"]
     assert scaled["scaleTargetRef"]["name"] == hpa["scaleTargetRef"]["name"] == "bcg-worker"
@@ -148,8 +183,11 @@ def test_kubernetes_scales_the_worker_deployment_on_the_queue_depth():
     assert trigger["metadata"]["query"] == "sum(bcg_queue_images)" and "bcg_queue_images" in exposed()
     (external,) = hpa["metrics"]
     assert external["external"]["metric"]["name"] == "bcg_queue_images"
-    adapter = yaml.safe_load((DEPLOY / "kubernetes" / "prometheus-adapter.yaml").read_text())
+    adapter = yaml.safe_load(ADAPTER_VALUES.read_text())
     assert [r["name"]["as"] for r in adapter["rules"]["external"]] == ["bcg_queue_images"]
+    mounts = [{m["mountPath"] for c in spec["containers"] for m in c["volumeMounts"]}
+              for spec in (server, deployment["spec"]["template"]["spec"])]
+    allowed_folders_are_mounted(serve, "server.yaml", *mounts)
 
 
 def test_the_slo_rules_name_only_series_that_metrics_exposes():

@@ -231,6 +231,10 @@ def test_a_worker_killed_under_gpus_is_a_failure_and_the_launcher_merges_the_sha
     assert not (out / SHARDS).exists()  # merged by the launcher, not left for the next run
     assert sorted(Manifest(out).records) == pngs and len(pngs) >= 3
     assert not any(n.endswith(dist.SHARDS_LEFT) for n in report["notes"])
+    # the count is every worker's, the dead one's merged lines included, not rank 0's alone
+    assert report["images_rendered"] == len(pngs), (report["images_rendered"], len(pngs))
+    assert f"died from SIGKILL; the {len(pngs)} images this run rendered are kept, the next run renders the rest" in log
+    assert "interrupted:" not in log and "sent no figures" not in log, log  # rank 0's partial view is not printed
 
 
 def test_gpus_without_gpus_says_the_workers_render_on_the_cpu(monkeypatch):
@@ -411,3 +415,30 @@ def test_the_launcher_records_an_image_a_killed_worker_wrote_but_did_not_record(
     assert all(merged[r["path"]]["fingerprint"] == r["fingerprint"] and merged[r["path"]]["sha256"] == r["sha256"]
                for r in records)
     assert merged[records[0]["path"]] == records[0]  # a worker's own line, as it wrote it
+
+
+def test_rank_0_done_with_its_batches_shows_the_others_progress_to_the_total(monkeypatch):
+    """Under --gpus, rank 0 prints the job's progress; once its own batches are done it waits for the others'
+    figures, and the lines go on as they deliver theirs, the last one at the total."""
+    from types import SimpleNamespace
+
+    class Store:  # the others deliver 5 more images, then 5 more, then send their figures
+        def __init__(self):
+            self.polls, self.delivered = 0, 30
+
+        def check(self, keys):
+            self.polls += 1
+            self.delivered += 5 if self.polls in (3, 6) else 0
+            return self.polls >= 6
+
+        def add(self, key, n):
+            assert key == "delivered"
+            self.delivered += n
+            return self.delivered
+
+    monkeypatch.setattr(dist, "DELIVERED_POLL_S", 0.0)
+    session, shown = object.__new__(dist.DistSession), []
+    session.w, session.store, session.show = dist.Worker(0, 2, 0), Store(), shown.append
+    session.delivered, session.polled, session.pending = 30, 0.0, SimpleNamespace(outputs=40)
+    assert session._gather(stopped=False) == [0, 1]
+    assert [(e.kind, e.done, e.total) for e in shown] == [("progress", 35, 40), ("progress", 40, 40)]

@@ -20,9 +20,9 @@ N = 16
 JOB = f"version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {{id: a, prompt: x, steps: 12, size: 64x64, candidates: {N}}}\n"
 
 
-def _start(job_path, out):
+def _start(job_path, out, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "storyboard_cli", "render", str(job_path), "--out", str(out)],
+    return subprocess.Popen([sys.executable, "-m", "storyboard_cli", "render", str(job_path), "--out", str(out), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
@@ -103,3 +103,31 @@ def test_a_huge_control_image_is_one_line_of_ours_not_pils_warning(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "DecompressionBomb" not in proc.stderr and "could be decompression bomb" not in proc.stderr
         assert proc.stderr.count("huge.png is 90 megapixels") == 1, proc.stderr  # named as the job names it
+
+
+@pytest.mark.slow
+def test_a_killed_force_run_leaves_one_manifest_line_per_image_on_disk(tmp_path):
+    n = 6
+    job = write_job(tmp_path, JOB.replace(f"candidates: {N}", f"candidates: {n}"))
+    out = tmp_path / "out"
+    first = _start(job, out)
+    assert first.wait(timeout=300) == 0, first.communicate()
+    edited = sorted((out / "a").glob("a_c0_*.png"))[0]
+    edited.write_bytes(edited.read_bytes() + b"painted over")  # bcg did not write these bytes
+    proc = _start(job, out, "--force")
+
+    def runs() -> set:
+        return {json.loads(line).get("run") for line in (out / "manifest.jsonl").read_text().splitlines()
+                if line.endswith("}")}
+
+    deadline = time.time() + 120
+    while len(runs()) < 2:  # the forced run's first image has landed
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    lines = [json.loads(line)["path"] for line in (out / "manifest.jsonl").read_text().splitlines()]
+    pngs = sorted(p.relative_to(out).as_posix() for p in (out / "a").glob("*.png"))
+    assert sorted(lines) == pngs and len(pngs) == n  # one line per image, each on disk (before: n + the new lines)
+    kept = [p.read_bytes() for p in out.rglob(edited.name)]
+    assert any(data.endswith(b"painted over") for data in kept)  # the edited file, in place or set aside

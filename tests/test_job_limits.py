@@ -186,7 +186,7 @@ def test_a_hub_id_shaped_spec_is_accepted(spec):
     check_model_path(spec, "model")
 
 
-@pytest.mark.parametrize("spec", ["file:///etc/passwd", "https://huggingface.co/a/b", "a/../b", "owner/name/extra",
+@pytest.mark.parametrize("spec", ["https://huggingface.co/a/b", "a/../b", "owner/name/extra",
                                   "foo", "a/b.git", "a--b/c", "-a/b", "a/.b", "a /b", "ownér/name", "a/", "x:y"])
 def test_what_is_no_preset_path_or_hub_id_is_refused(spec):
     with pytest.raises(ModelError) as info:
@@ -195,13 +195,13 @@ def test_what_is_no_preset_path_or_hub_id_is_refused(spec):
                                f"(owner/name)")
 
 
-def test_bcg_plan_refuses_a_url_as_a_model(tmp_path):
+def test_bcg_plan_refuses_a_url_as_a_model(tmp_path):  # a file:// URL: its path is the hint
     path = write_job(tmp_path, "version: 1\nmodel: file:///etc/passwd\nshots:\n  - {id: a, prompt: x}\n")
     result = runner.invoke(app, ["plan", str(path)])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert lines == ["error: model: 'file:///etc/passwd' is not a preset (tiny, sdxl-random), a path or a hub id "
-                     "(owner/name)"], result.output
+    assert lines == [f"error: {path}:2 field 'model': 'file:///etc/passwd' is a URL; give the path itself "
+                     f"(/etc/passwd)"], result.output
 
 
 @pytest.mark.parametrize("model, expect", [
@@ -219,3 +219,34 @@ def test_a_model_that_is_no_file_is_one_short_line(tmp_path, model, expect):
 def test_an_output_dir_of_an_unknown_user_is_one_line(tmp_path):
     message = _load_error(tmp_path, "version: 1\nmodel: tiny\noutput_dir: ~nosuchuser/o\nshots:\n  - {id: a, prompt: x}\n")
     assert message.endswith("field 'output_dir': ~nosuchuser/o: ~nosuchuser names no user of this machine"), message
+
+
+PLAIN_WORDS = {  # what the file gave, as a person would say it: no Python spelling (None, b'...', datetime.date(...))
+    "nothing": ("    sampler:\n", "sampler", "must be a string, got nothing"),
+    "binary": ("    sampler: !!binary aGVsbG8=\n", "sampler", "must be a string, got binary data (5 bytes)"),
+    "date": ("    seed: 2024-01-02\n", "seed", "must be an integer, got a date (2024-01-02)"),
+    "date_time": ("    seed: 2024-01-02 10:30:00\n", "seed", "must be an integer, got a date and time "
+                                                             "(2024-01-02 10:30:00)"),
+    "boolean": ("    steps: yes\n", "steps", "must be an integer, got a boolean (true)"),
+    "list_with_nothing": ("    guidance: [1, ~, 2024-01-02]\n", "guidance", "must be a number, got a list ([1, null, "
+                                                                             "2024-01-02])"),
+    "size_as_date": ("    size: 2024-01-02\n", "size", "must be 'WxH' or one of square, portrait, landscape, wide, got "
+                                                      "a date (2024-01-02)"),
+    "deepcache_nothing": ("    deepcache: [~]\n", "deepcache", "must be a mapping like {interval: 3, branch: 0}, or off; "
+                                                              "got a list ([null])"),
+}
+
+
+@pytest.mark.parametrize("case", PLAIN_WORDS, ids=str)
+def test_a_wrong_value_is_said_in_plain_words(tmp_path, case):
+    text, field, expect = PLAIN_WORDS[case]
+    message = _load_error(tmp_path, f"version: 1\nmodel: tiny\nshots:\n  - id: s1\n    prompt: x\n{text}")
+    assert message.endswith(f"shot 's1' field '{field}': {expect}"), message
+    assert not any(python in message for python in ("None", "b'", "datetime", "True")), message
+
+
+def test_a_wrong_top_level_value_is_said_in_plain_words(tmp_path):
+    message = _load_error(tmp_path, "version: 2024-01-02\nmodel: tiny\nshots:\n  - {id: s1, prompt: x}\n")
+    assert message.endswith("field 'version': must be 1, got 2024-01-02"), message
+    message = _load_error(tmp_path, "version: 1\nmodel: tiny\nbuckets: [~]\nshots:\n  - {id: s1, prompt: x}\n")
+    assert message.endswith("field 'buckets': must be an integer, got nothing"), message

@@ -359,6 +359,25 @@ BAD = [
      "'kai' (line 7); give it one scale"),
     ("image_encoder_without_adapter", TOP.replace("ip_adapter: tiny\n", "image_encoder: enc\n") + S1,
      "3 field 'image_encoder': the job sets no top-level 'ip_adapter' for it to serve"),
+    ("image_encoder_missing", TOP.replace("ip_adapter: tiny\n", "ip_adapter: adapters\nimage_encoder: enc\n") + S1,
+     "4 field 'image_encoder': enc: no such folder (image_encoder: names the CLIP vision encoder's folder)"),
+    ("image_encoder_not_an_encoder", TOP.replace("ip_adapter: tiny\n", "ip_adapter: adapters\nimage_encoder: refs\n")
+     + S1, "4 field 'image_encoder': refs: not an image encoder folder (no config.json in it)"),
+    ("image_encoder_beside_a_preset", TOP.replace("ip_adapter: tiny\n", "ip_adapter: tiny\nimage_encoder: refs\n")
+     + S1, "4 field 'image_encoder': the preset ip_adapter 'tiny' brings its own image encoder; leave image_encoder "
+           "out"),
+    ("controlnet_path_missing", TOP.replace("{pose: tiny,", "{pose: ./nets/pose,") + S1,
+     "4 field 'controlnets.pose': no such file or folder: ./nets/pose"),
+    ("shorthand_controlnet_path_missing", TOP.replace("controlnets: {pose: tiny, depth: tiny}", "controlnet: nets/cn."
+                                                      "safetensors") + S1,
+     "4 field 'controlnet': no such file or folder: nets/cn.safetensors"),
+    ("model_not_a_hub_id", TOP.replace("model: tiny", "model: sdxl") + S1,
+     "2 field 'model': 'sdxl' is not a preset (tiny, sdxl-random), a path or a hub id (owner/name)"),
+    ("model_a_file_url", TOP.replace("model: tiny", "model: file:///models/sd%20xl") + S1,
+     "2 field 'model': 'file:///models/sd%20xl' is a URL; give the path itself (/models/sd xl)"),
+    ("adapter_preset_misspelt", TOP.replace("ip_adapter: tiny", "ip_adapter: tiny-pluss") + S1,
+     "3 field 'ip_adapter': tiny-pluss: no such file or folder (ip_adapter: names a preset (tiny, tiny-plus, "
+     "sdxl-random, sdxl-random-plus), a folder or a file)"),
 ]
 
 
@@ -376,10 +395,27 @@ def test_an_adapter_that_does_not_fit_the_model_is_a_located_error(folder, monke
 
     calls = []
     monkeypatch.setattr(adapter, "_adapter_problem", lambda *a: calls.append(a) or "made for SD 1.5, not SDXL")
-    path = write_job(folder, TOP.replace("ip_adapter: tiny", "ip_adapter: tiny\nimage_encoder: enc") + S1)
+    (folder / "adapters").mkdir()
+    (folder / "enc").mkdir()
+    (folder / "enc" / "config.json").write_text("{}")
+    path = write_job(folder, TOP.replace("ip_adapter: tiny", "ip_adapter: adapters\nimage_encoder: enc") + S1)
     result = runner.invoke(app, ["plan", str(path)])
-    assert result.exit_code == 2 and calls == [("tiny", "enc", "tiny")]
+    assert result.exit_code == 2 and calls == [(str(folder / "adapters"), str(folder / "enc"), "tiny")]
     assert result.output.strip() == f"error: {path}:3 field 'ip_adapter': made for SD 1.5, not SDXL"
+
+
+@pytest.mark.parametrize("adapter,model", [("tiny", "tiny"), ("tiny-plus", "tiny"), ("sdxl-random", "sdxl-random"),
+                                           ("sdxl-random-plus", "sdxl-random")])
+def test_plan_takes_every_adapter_preset_render_and_serve_take(folder, adapter, model):
+    from storyboard_cli.job.preflight import ADAPTER_PRESETS
+    from storyboard_cli.serve.intake import ADAPTER_PRESETS as SERVED
+
+    assert SERVED is ADAPTER_PRESETS and adapter in ADAPTER_PRESETS  # one table of names
+    path = write_job(folder, f"version: 1\nmodel: {model}\nip_adapter: {adapter}\n" + S1
+                     + "    reference: refs/mei.png\n")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    assert f"references: 1 reference, encoded once (ip_adapter {adapter})" in result.output
 
 
 def test_plan_json_of_the_documented_job(folder):
@@ -388,3 +424,101 @@ def test_plan_json_of_the_documented_job(folder):
     data = json.loads(result.stdout)
     assert [b["bucket"] for b in data["buckets"]] == ["1024x1024 30 steps euler",  # no LoRA first
                                                       "1024x1024 30 steps euler +2 controls lora mei 0.8"]
+
+
+# ---------------------------------------------------------------- paths and warnings
+
+
+def test_a_very_large_reference_is_warned_of_in_its_own_words_without_a_logger_prefix(folder, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200)  # the 16x16 images pass PIL's warning limit, not its error
+    path = write_job(folder, TOP + S1 + "    reference: refs/mei.png\n    control: {net: pose, image: pose/s1.png}\n")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.output.splitlines() if "megapixels" in line]
+    assert warned == [
+        f"warning: {path}:9 shot 's1' field 'control.image': pose/s1.png is 0 megapixels: each shot resizes it to its "
+        f"own size; a smaller file loads faster",
+        f"warning: {path}:8 shot 's1' field 'reference': refs/mei.png is 0 megapixels: the IP-Adapter's image encoder "
+        f"sees it at 224x224 (its short side resized to 224, its centre cropped), so its extra pixels add nothing; a "
+        f"smaller file loads faster"], result.output
+    data = json.loads(runner.invoke(app, ["plan", str(path), "--json"]).stdout)
+    assert [w.split(": ", 1)[0] for w in data["warnings"]] == [f"{path}:9 shot 's1' field 'control.image'",
+                                                               f"{path}:8 shot 's1' field 'reference'"]
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A project whose job file sits in jobs/, with an IP-Adapter file, its image encoder and a model folder beside
+    it, and a working folder elsewhere (the user runs bcg from the project's root)."""
+    from PIL import Image
+
+    from storyboard_cli.models.tiny import ADAPTER_FILES, tiny_adapter_folder
+
+    jobs = tmp_path / "jobs"
+    (jobs / "adapters").mkdir(parents=True)
+    (jobs / "refs").mkdir()
+    source = tiny_adapter_folder("base")
+    shutil.copy(source / ADAPTER_FILES["base"], jobs / "adapters" / ADAPTER_FILES["base"])
+    shutil.copytree(source / "image_encoder", jobs / "encoder")
+    shutil.copytree(source / "image_encoder", jobs / "models" / "cn")  # any folder: plan checks that it exists
+    Image.new("RGB", (16, 16), (200, 40, 40)).save(jobs / "refs" / "mei.png")
+    return tmp_path
+
+
+def test_every_relative_path_in_a_job_is_read_from_the_job_files_folder(project, monkeypatch):
+    from storyboard_cli.models.tiny import ADAPTER_FILES
+    from storyboard_cli.run.render import model_specs
+
+    monkeypatch.chdir(project)  # not the job's folder
+    jobs = project / "jobs"
+    adapter = f"adapters/{ADAPTER_FILES['base']}"
+    path = write_job(jobs, f"version: 1\nmodel: tiny\ncontrolnet: models/cn\nip_adapter: {adapter}\n"
+                           f"image_encoder: encoder\nshots:\n  - {{id: s1, prompt: x, reference: refs/mei.png}}\n")
+    result = runner.invoke(app, ["plan", "jobs/job.yaml"])
+    assert result.exit_code == 0, result.output
+    assert "warning" not in result.output
+    job = load_job("jobs/job.yaml")
+    assert (job.controlnet, job.ip_adapter, job.image_encoder) == ("models/cn", adapter, "encoder")  # as written
+    (item,) = work_items(job)
+    assert model_specs(job, [item])[2:] == (str(jobs / adapter), str(jobs / "encoder"))  # what the loader opens
+    settings = item.settings(job.model, job.controlnet)
+    assert (settings["ip_adapter"], settings["image_encoder"]) == (adapter, "encoder")  # recorded as written
+    assert settings["ip_adapter_weights"] and settings["image_encoder_weights"]  # by the files' digests
+    monkeypatch.chdir(jobs)  # run from the job's folder: the same images, not new ones
+    assert work_items(load_job(path))[0].fingerprint("tiny", "models/cn") == item.fingerprint("tiny", "models/cn")
+
+
+def test_a_path_found_only_from_the_working_folder_is_read_from_there_and_said_once(project, monkeypatch):
+    from storyboard_cli.models.tiny import ADAPTER_FILES
+
+    monkeypatch.chdir(project)
+    adapter = f"jobs/adapters/{ADAPTER_FILES['base']}"  # written from the working folder, as older versions read it
+    path = write_job(project / "jobs", f"version: 1\nmodel: tiny\nip_adapter: {adapter}\nimage_encoder: jobs/encoder\n"
+                                       f"shots:\n  - {{id: s1, prompt: x, reference: refs/mei.png}}\n")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert warned == [f"warning: {path}:{line} field '{field}': {spec} is not in the job file's folder "
+                      f"({project / 'jobs'}) but in the working folder, where it is read from; relative paths in a job "
+                      f"are read from the job file's folder: write it from there or as an absolute path"
+                      for line, field, spec in ((3, "ip_adapter", adapter), (4, "image_encoder", "jobs/encoder"))]
+    monkeypatch.chdir(project / "jobs")  # from the job's folder that path names nothing
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith(f"error: {path}:4 field 'image_encoder': jobs/encoder: no such folder")
+
+
+def test_an_image_encoder_of_another_width_is_named_at_image_encoder(project):
+    from storyboard_cli.models.tiny import ADAPTER_FILES, tiny_adapter_folder
+
+    jobs = project / "jobs"
+    shutil.copytree(tiny_adapter_folder("plus") / "image_encoder", jobs / "plus_encoder")  # the plus adapter's
+    path = write_job(jobs, f"version: 1\nmodel: tiny\nip_adapter: adapters/{ADAPTER_FILES['base']}\n"
+                           f"image_encoder: plus_encoder\nshots:\n  - {{id: s1, prompt: x, reference: refs/mei.png}}\n")
+    result = runner.invoke(app, ["plan", str(path)])
+    assert result.exit_code == 2
+    assert result.output.strip() == (f"error: {path}:4 field 'image_encoder': ip-adapter_sdxl.safetensors: "
+                                     f"image_proj.proj.weight is [320, 24], its image encoder's projection_dim is 16 "
+                                     f"(another image encoder)")

@@ -200,3 +200,26 @@ def test_a_render_with_a_lora_writes_its_tags_hashes_and_swaps(job_dir, out, tin
     (rec,) = [r for r in _lines(out).values() if r["shot"] == "a"]
     assert rec["loras"] == meta["loras"]
     assert result.report["lora"]["swaps"] >= 1 and "## LoRA" in (out / "report.md").read_text()
+
+
+def test_a_replaced_image_rewrites_its_manifest_line_instead_of_adding_one(tmp_path):
+    from storyboard_cli.folder.outputs import Manifest
+
+    manifest = Manifest(tmp_path)
+    for path, run in (("a/1.png", "r1"), ("a/2.png", "r1"), ("a/1.png", "r2")):  # a/1.png rendered again
+        manifest.append({"path": path, "run": run})
+        lines = [json.loads(line) for line in manifest.path.read_text().splitlines()]
+        assert len(lines) == len({r["path"] for r in lines})  # one line per image at every moment
+    assert lines == [{"path": "a/1.png", "run": "r2"}, {"path": "a/2.png", "run": "r1"}]
+    assert Manifest(tmp_path).records == manifest.records
+
+
+def test_an_edited_image_stays_at_its_path_until_its_replacement_lands(tmp_path):
+    from storyboard_cli.folder.outputs import set_aside
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "1.png").write_bytes(b"painted over")
+    kept = set_aside(tmp_path, "a/1.png", "run1")
+    assert kept == tmp_path / REPLACED / "run1" / "a" / "1.png" and kept.read_bytes() == b"painted over"
+    assert (tmp_path / "a" / "1.png").read_bytes() == b"painted over"  # a kill here leaves no line without its file
+    assert set_aside(tmp_path, "a/1.png", "run1") == kept  # asked again: kept once

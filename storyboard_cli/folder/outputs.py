@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shutil
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -235,9 +236,11 @@ def manifest_record(item: WorkItem, path: str, fingerprint: str, sha256: str | N
 
 
 class Manifest:
-    """manifest.jsonl: one line per image bcg wrote, appended and fsynced as each image lands; a later
-    line for a path replaces an earlier one. Rewritten whole (atomically, never truncated first) at the
-    start and the end of a render, to one line per file still on disk, whatever job wrote it."""
+    """manifest.jsonl: one line per image bcg wrote, appended and fsynced as each image lands. Rewritten whole
+    (atomically, never truncated first) at the start and the end of a render, to one line per file still on disk,
+    whatever job wrote it, and whenever an image replaces one it has a line for (a re-render, --force): the file
+    holds one line per image at every moment, so a run killed at any point leaves no second line for a path. A
+    later line for a path replaces an earlier one (what an older version's killed run could leave)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -255,7 +258,11 @@ class Manifest:
         atomic_write(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records.values()).encode())
 
     def append(self, record: dict) -> None:
+        replaced = record["path"] in self.records
         self.records[record["path"]] = record
+        if replaced:
+            self.compact()
+            return
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
             f.flush()
@@ -377,10 +384,18 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
 
 
 def set_aside(out_dir: Path, path: str, stamp: str) -> Path:
-    """Moves an edited file to `<out>/.replaced/<stamp>/<path>` before it is rendered again: never deleted."""
-    dst = out_dir / REPLACED / stamp / path
+    """Keeps an edited file at `<out>/.replaced/<stamp>/<path>` before its new rendering replaces it (never deleted):
+    a hard link (a copy where the file system has none), so the file stays at its path until the new one's atomic
+    rename, and a render killed in between leaves no manifest line without its file."""
+    src, dst = out_dir / path, out_dir / REPLACED / stamp / path
     dst.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(out_dir / path, dst)
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        pass  # kept already
+    except OSError:  # no hard links here (some network and FUSE file systems)
+        shutil.copy2(src, dst)
+    _fsync_dir(dst.parent)
     return dst
 
 

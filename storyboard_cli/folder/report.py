@@ -352,6 +352,12 @@ def _why(r: dict) -> str:
     return f" ({r['error']})" if r.get("error") else ""
 
 
+def recounted(report: dict, rendered: int) -> dict:
+    """The report with `rendered` images (what the manifest holds of its run, once a multi-GPU launcher merged the
+    lines of workers whose figures never came in) and the rate that follows from it."""
+    return report | {"images_rendered": rendered, "images_per_s": _per_s(rendered, report["wall_s"], 4)}
+
+
 def write_report(out_dir: Path, report: dict) -> tuple[Path, Path]:
     js, md = out_dir / REPORT_JSON, out_dir / REPORT_MD
     atomic_write(js, (json.dumps(report, indent=2) + "\n").encode())

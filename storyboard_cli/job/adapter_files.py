@@ -20,12 +20,11 @@ from typing import Mapping, Sequence
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.lora_files import model_configs, tensor_shapes
+from storyboard_cli.job.preflight import ADAPTER_PRESETS
 from storyboard_cli.job.unet_layers import unet_layers
 from storyboard_cli.models.tiny import IMAGE_ENCODER_FOLDER
 from storyboard_cli.models.tiny import UNET as TINY_UNET
 
-PRESET_KINDS = {"tiny": "base", "tiny-plus": "plus", "sdxl-random": "base", "sdxl-random-plus": "plus"}
-ADAPTER_PRESETS = tuple(PRESET_KINDS)
 TINY_PRESETS = ("tiny", "tiny-plus")  # saved for the tiny model's UNet; the sdxl-random ones are drawn for the UNet loaded
 SUFFIXES = (".safetensors", ".bin")  # safetensors first: of a pair of the same name, it is the one read
 PATTERN = "ip-adapter*sdxl*"  # h94's SDXL adapter files: ip-adapter_sdxl, ip-adapter-plus_sdxl_vit-h, ...
@@ -60,12 +59,23 @@ def _adapter_file(folder: Path) -> Path:
     return next(iter(found.values()))
 
 
+def encoder_problem(image_encoder: str, shown: str | None = None) -> str | None:
+    """Why `image_encoder:` names no image encoder's folder, in one line naming it as `shown` (else as given), or
+    None."""
+    folder, shown = Path(image_encoder).expanduser(), shown or image_encoder
+    if not folder.exists():
+        return f"{shown}: no such folder (image_encoder: names the CLIP vision encoder's folder)"
+    if not (folder / "config.json").is_file():
+        return f"{shown}: not an image encoder folder (no config.json in it)"
+    return None
+
+
 def _encoder_folder(weights: Path, image_encoder: str | None) -> Path:
     if image_encoder is not None:
-        folder = Path(image_encoder).expanduser()
-        if not (folder / "config.json").is_file():
-            raise AdapterFileError(f"{folder}: not an image encoder folder (no config.json in it)")
-        return folder
+        problem = encoder_problem(image_encoder)
+        if problem:
+            raise AdapterFileError(problem)
+        return Path(image_encoder).expanduser()
     beside = weights.parent / IMAGE_ENCODER_FOLDER
     candidates = [weights.parent / VIT_H_ENCODER, beside] if VIT_H in weights.name.lower() else [beside]
     for folder in candidates:
@@ -138,6 +148,12 @@ def weight_mismatch(name: str, kind: str, shapes: Mapping[str, Sequence[int]],
     got = list(shapes.get(key, ()))
     if dim is not None and (len(got) != 2 or got[0] != rows * dim):
         return f"{name}: {key} is {got}, the model's cross-attention needs {rows} x {dim} = {rows * dim} rows"
+    return encoder_mismatch(name, kind, shapes, encoder_config)
+
+
+def encoder_mismatch(name: str, kind: str, shapes: Mapping[str, Sequence[int]], encoder_config: Mapping | None) -> str | None:
+    """Whether the adapter's image projection reads what its image encoder gives (`encoder_config`: its config.json),
+    as one line, or None."""
     key, width = PROJECTION_IN[kind]
     want = (encoder_config or {}).get(width)
     got = list(shapes.get(key, ()))
@@ -146,13 +162,28 @@ def weight_mismatch(name: str, kind: str, shapes: Mapping[str, Sequence[int]],
     return None
 
 
+def given_encoder_problem(spec: str, image_encoder: str) -> str | None:
+    """Why the encoder `image_encoder:` names does not serve the adapter file `spec` names (their widths), or None
+    (also where the adapter itself cannot be read: `adapter_problem` says why)."""
+    try:
+        files = adapter_files(spec, image_encoder)
+        if files.weights.suffix.lower() != ".safetensors":
+            return None
+        shapes = tensor_shapes(files.weights)
+        config = json.loads((files.encoder / "config.json").read_text())
+        return encoder_mismatch(files.weights.name, adapter_kind(files.weights.name, list(shapes)), shapes,
+                                config if isinstance(config, dict) else None)
+    except (BadInput, OSError, ValueError):
+        return None
+
+
 def _tiny_mismatch(spec: str, unet: Mapping | None) -> str | None:
     want = unet_layers(TINY_UNET)
     have = unet_layers(unet) if unet is not None else None
     if want is None or have is None:
         return None
     if cross_attention_layers(have.shapes) != cross_attention_layers(want.shapes):
-        twin = "sdxl-random-plus" if PRESET_KINDS[spec] == "plus" else "sdxl-random"
+        twin = "sdxl-random-plus" if ADAPTER_PRESETS[spec] == "plus" else "sdxl-random"
         return f"{spec} is made for the tiny model's UNet, not this model's; use {twin} or an adapter folder"
     return None
 

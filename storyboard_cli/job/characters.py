@@ -19,6 +19,10 @@ REFERENCE_SCALE = (0.0, 2.0)
 REFERENCE_KEYS = ("image", "scale")
 CHARACTER_KEYS = ("reference", "scale", "lora")
 NO_ADAPTER = "the job sets no top-level 'ip_adapter' model"
+# what a render does with a reference (a very large one's warning): models/ip_adapter.py encodes it through diffusers'
+# CLIPImageProcessor at the encoder's image_size (224 for h94's encoders): short side resized, centre cropped
+REFERENCE_USE = ("the IP-Adapter's image encoder sees it at 224x224 (its short side resized to 224, its centre "
+                 "cropped), so its extra pixels add nothing")
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ def resolve_reference(ctx: Context, raw: Any, line: int | None, shot_id: str | N
     else:
         raise ctx.fail(line, shot_id, field, f"must be an image's path or a mapping like {{image: refs/mei.png, "
                        f"scale: 0.6}}, got {type_name(raw)}")
-    path, shown, sha256 = check_image(ctx, image, image_line, shot_id, image_field, job_dir)
+    path, shown, sha256 = check_image(ctx, image, image_line, shot_id, image_field, job_dir, REFERENCE_USE)
     return Reference(path, shown, scale, sha256, character)
 
 

@@ -15,6 +15,7 @@ from storyboard_cli.job.yaml_loader import Located, clip, short_repr
 
 CONTROL_KEYS = ("image", "scale", "end", "net")
 CONTROL_SCALE = (0.0, 2.0)
+GUIDE_USE = "each shot resizes it to its own size"  # what a render does with a guide (a very large one's warning)
 Nets = tuple[tuple[str, str], ...]  # ((name, model spec), ...) in file order: Job.controlnets
 
 
@@ -29,7 +30,7 @@ def resolve_nets(ctx: Context, doc: Located) -> Nets:
     if shorthand is not None:
         line = line_of(doc, "controlnet")
         spec = as_str(ctx, shorthand, line, None, "controlnet", empty_ok=False)
-        ctx.confine_model(spec, line, "controlnet")
+        ctx.model_spec(spec, line, "controlnet")
         return ((SHORTHAND_NET, spec),)
     if named is None:
         return ()
@@ -42,7 +43,7 @@ def resolve_nets(ctx: Context, doc: Located) -> Nets:
         if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
             raise ctx.fail(line, None, clip(f"controlnets.{name}"), f"a ControlNet name {SAFE_NAME_RULE}")
         spec = as_str(ctx, spec, line, None, f"controlnets.{name}", empty_ok=False)
-        ctx.confine_model(spec, line, f"controlnets.{name}")
+        ctx.model_spec(spec, line, f"controlnets.{name}")
         nets.append((name, spec))
     return tuple(nets)
 
@@ -94,7 +95,8 @@ def resolve_control(ctx: Context, raw: Any, line: int | None, shot_id: str, job_
         net = names[0]
     if "image" not in raw:
         raise ctx.fail(raw.line, shot_id, f"{field}.image", "missing")
-    path, shown, _ = check_image(ctx, raw["image"], line_of(raw, "image", line), shot_id, f"{field}.image", job_dir)
+    path, shown, _ = check_image(ctx, raw["image"], line_of(raw, "image", line), shot_id, f"{field}.image", job_dir,
+                                 GUIDE_USE)
     scale = as_float(ctx, raw.get("scale", 1.0), line_of(raw, "scale", line), shot_id, f"{field}.scale",
                      *CONTROL_SCALE)
     end_line = line_of(raw, "end", line)

@@ -23,10 +23,10 @@ from storyboard_cli.job.characters import (Character, Reference, reference_image
 from storyboard_cli.job.controls import Nets, resolve_controls, resolve_nets
 from storyboard_cli.job.inputs import INPUTS_KEY, Inputs
 from storyboard_cli.job.lora_files import LORA_TAG
-from storyboard_cli.job.preflight import expanded
+from storyboard_cli.job.preflight import expanded, job_spec
 from storyboard_cli.job.references import LoraFile, ShotControl, declared_inputs, lora_set, resolve_loras, shot_loras
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_int, as_str, check_keys,
-                                       line_of, type_name)
+                                       given, line_of, type_name)
 from storyboard_cli.job.yaml_loader import SHOT_ID, Located, clip, read_yaml, short_repr
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 from storyboard_cli.steps import NO_DEEPCACHE, DeepCache, guided_steps
@@ -105,13 +105,19 @@ class Job:
     ip_adapter: str | None = None
     image_encoder: str | None = None
     characters: dict[str, Character] = field(default_factory=dict)  # the top-level `characters:`, by name
+    lines: dict[str, int | None] = field(default_factory=dict)  # the model fields' lines: model, controlnets.pose, ...
+    warnings: tuple[str, ...] = ()  # said once where the job loads (located as its errors are): `bcg plan`, `render`
+
+    @property
+    def folder(self) -> Path:
+        """The job file's folder: every relative path in the job is read from it (preflight.job_spec)."""
+        return self.path.resolve().parent
 
 
 def parse_size(text: Any) -> tuple[int, int]:
     """'WxH' or a named aspect -> (width, height). Raises ValueError with a reason."""
     if not isinstance(text, str):
-        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {type_name(text)} "
-                         f"({short_repr(text)})")
+        raise ValueError(f"must be 'WxH' or one of {', '.join(NAMED_SIZES)}, got {given(text)}")
     key = text.strip().lower()
     if key in NAMED_SIZES:
         return NAMED_SIZES[key]
@@ -207,7 +213,7 @@ def _deepcache(ctx: Context, raw: Any, line: int | None, shot_id: str) -> DeepCa
         return NO_DEEPCACHE
     if not isinstance(raw, Located):
         raise ctx.fail(line, shot_id, "deepcache", f"must be a mapping like {{interval: 3, branch: 0}}, or off; "
-                       f"got {type_name(raw)} ({short_repr(raw)})")
+                       f"got {given(raw)}")
     check_keys(ctx, raw, DEEPCACHE_KEYS, shot_id, prefix="deepcache.")
     if "interval" not in raw:
         raise ctx.fail(raw.line, shot_id, "deepcache.interval", "missing (the full UNet runs every N-th step)")
@@ -270,9 +276,9 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
             raise ctx.fail(line, None, "name", f"{SAFE_NAME_RULE} (it names a folder), got {short_repr(name)}")
     model, line = _top_field(ctx, doc, "model", required=True)
     model = as_str(ctx, model, line, None, "model", empty_ok=False)
-    ctx.confine_model(model, line, "model")
+    ctx.model_spec(model, line, "model")
     nets = resolve_nets(ctx, doc)
-    ip_adapter, image_encoder = resolve_adapter(ctx, doc, model)
+    ip_adapter, image_encoder = resolve_adapter(ctx, doc, job_spec(model, ctx.folder))
     output_dir, line = _top_field(ctx, doc, "output_dir")
     output_dir = Path("outputs") / name if output_dir is None else _output_dir(ctx, output_dir, line)
     ctx.confine(path.resolve().parent / output_dir, line, None, "output_dir", clip(str(output_dir)))
@@ -282,7 +288,7 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
         buckets = DEFAULT_BUCKETS
     else:
         if not isinstance(buckets, list) or not buckets:
-            raise ctx.fail(line, None, "buckets", f"must be a non-empty list of batch sizes, got {short_repr(buckets)}")
+            raise ctx.fail(line, None, "buckets", f"must be a non-empty list of batch sizes, got {given(buckets)}")
         buckets = tuple(sorted({as_int(ctx, b, line, None, "buckets", 1, MAX_BUCKET) for b in buckets}))
 
     defaults, line = _top_field(ctx, doc, "defaults")
@@ -296,10 +302,10 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
 
     job_dir = path.resolve().parent
     declared_inputs(ctx, *_top_field(ctx, doc, INPUTS_KEY))
-    loras = resolve_loras(ctx, *_top_field(ctx, doc, "loras"), job_dir, model)
+    loras = resolve_loras(ctx, *_top_field(ctx, doc, "loras"), job_dir, job_spec(model, job_dir))
     characters = resolve_characters(ctx, *_top_field(ctx, doc, "characters"), job_dir, loras, ip_adapter)
     job = Job(path, name, model, nets[0][1] if nets else None, output_dir, buckets, (), loras, nets, ip_adapter,
-              image_encoder, characters)
+              image_encoder, characters, dict(ctx.lines))
 
     shots_raw, line = _top_field(ctx, doc, "shots", required=True)
     if not isinstance(shots_raw, list):
@@ -316,7 +322,7 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
                            f"duplicate shot id (first used on line {seen[folded]})")
         seen[folded] = line_of(raw, "id") or 0
         shots.append(shot)
-    return replace(job, shots=tuple(shots))
+    return replace(job, shots=tuple(shots), warnings=tuple(ctx.warnings))
 
 
 def _output_dir(ctx: Context, raw: Any, line: int | None) -> Path:

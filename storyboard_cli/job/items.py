@@ -7,11 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from storyboard_cli.job.characters import Reference
 from storyboard_cli.job.digests import SHORT, file_sha256, weights_digest
 from storyboard_cli.job.lora_files import lora_set_label
+from storyboard_cli.job.preflight import job_spec
 from storyboard_cli.job.references import SHORTHAND_NET, LoraFile, ShotControl
 from storyboard_cli.steps import (NO_DEEPCACHE, DeepCache, StepPlan, control_steps, guided_steps, levers_label,
                                   step_costs, step_plan)
@@ -105,6 +108,7 @@ class WorkItem:
     reference_scale: float = 0.0  # the adapter's one scale for the row: its references' largest (0: none)
     ip_adapter: str | None = None  # the job's, where the item has references
     image_encoder: str | None = None  # the job's `image_encoder:`, where the item has references and it is given
+    folder: Path | None = None  # the job file's folder, which the model fields' relative paths are read from
 
     @property
     def lora_scales(self) -> LoraScales:
@@ -135,21 +139,22 @@ class WorkItem:
         s = {"prompt": self.prompt, "negative": self.negative, "width": self.width, "height": self.height,
              "seed": self.seed, "steps": self.steps, "guidance": self.guidance, "sampler": self.sampler,
              "model": model}
-        _put_weights(s, "model_weights", model)
+        weights = partial(_put_weights, folder=self.folder)
+        weights(s, "model_weights", model)
         if self.controls and [c.net for c in self.controls] != [SHORTHAND_NET]:
-            s["controls"] = [_control_settings(c) for c in self.controls]
+            s["controls"] = [_control_settings(c, weights) for c in self.controls]
         elif self.control_image is not None:
             s.update(controlnet=controlnet, control_image=self.control_file or str(self.control_image),
                      control_scale=self.control_scale, control_sha256=_content(self.control_image))
-            _put_weights(s, "controlnet_weights", controlnet)
+            weights(s, "controlnet_weights", controlnet)
             if self.control_end < 1:
                 s["control_end"] = self.control_end
         if self.references:
             s["ip_adapter"] = self.ip_adapter
-            _put_weights(s, "ip_adapter_weights", self.ip_adapter)
+            weights(s, "ip_adapter_weights", self.ip_adapter)
             if self.image_encoder is not None:
                 s["image_encoder"] = self.image_encoder
-                _put_weights(s, "image_encoder_weights", self.image_encoder)
+                weights(s, "image_encoder_weights", self.image_encoder)
             s["references"] = [{"file": r.file, "sha256": r.sha256[:SHORT], "scale": r.scale}
                                | ({"character": r.character} if r.character else {}) for r in self.references]
             s["reference_scale"] = self.reference_scale
@@ -175,11 +180,11 @@ class WorkItem:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _control_settings(c: ShotControl) -> dict:
-    """One net's entry in the settings' `controls`."""
+def _control_settings(c: ShotControl, weights: Callable[[dict, str, str | None], None]) -> dict:
+    """One net's entry in the settings' `controls` (`weights`: `_put_weights` from the job's folder)."""
     entry = {"net": c.net, "controlnet": c.model, "image": c.file or str(c.image), "scale": c.scale,
              "sha256": _content(c.image)}
-    _put_weights(entry, "controlnet_weights", c.model)
+    weights(entry, "controlnet_weights", c.model)
     if c.end < 1:
         entry["end"] = c.end
     return entry
@@ -192,7 +197,8 @@ def _content(path: Path) -> str:
         return f"unreadable: {e.strerror or e.__class__.__name__}"
 
 
-def _put_weights(settings: dict, key: str, spec: str | None) -> None:
-    digest = weights_digest(spec)
+def _put_weights(settings: dict, key: str, spec: str | None, folder: Path | None) -> None:
+    """The digest of the weights a spec names on disk (read as the loaders read it: job_spec), where it names some."""
+    digest = weights_digest(job_spec(spec, folder) if folder is not None else spec)
     if digest is not None:
         settings[key] = digest

@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from storyboard_cli.errors import JobError
 from storyboard_cli.folder.layout import output_name
 from storyboard_cli.job.file import Job, Shot
 from storyboard_cli.job.items import BucketKey, LoraScales, WorkItem
 from storyboard_cli.job.lora_files import lora_set_label
-from storyboard_cli.job.preflight import check_destination, check_model_path, free_bytes
+from storyboard_cli.job.preflight import check_destination, free_bytes, job_spec, model_problem
 from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.job.references import SHORTHAND_NET
 from storyboard_cli.steps import NO_DEEPCACHE, DeepCache, control_steps, guided_steps, levers_label
@@ -42,7 +43,7 @@ def work_items(job: Job) -> list[WorkItem]:
                             shot.guidance, shot.sampler, first and first.image, first.scale if first else 0.0,
                             (output_name(shot.id, k, seed),), first.file if first else "", loras, cutoff, deepcache,
                             draft, first.end if first else 1.0, controls, refs,
-                            max((r.scale for r in refs), default=0.0), *adapter)
+                            max((r.scale for r in refs), default=0.0), *adapter, job.folder)
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
@@ -283,6 +284,8 @@ class PlanSummary:
                          for n, f in j.loras.items()},
                "lora_sets": [r.to_json() for r in self.lora_sets], "lora_swaps": self.lora_swaps,
                "prompt_warnings": list(self.warnings)}
+        if j.warnings:
+            out["warnings"] = list(j.warnings)
         if j.controlnets and j.controlnets[0][0] != SHORTHAND_NET:
             out["controlnets"] = dict(j.controlnets)
         if j.ip_adapter is not None:
@@ -291,14 +294,27 @@ class PlanSummary:
         return out
 
 
+def model_fields(job: Job) -> list[tuple[str, str | None]]:
+    """(field, spec as written) of every model the job names: `model`, its nets (`controlnet` for the shorthand's one,
+    else `controlnets.<name>`), `ip_adapter`, `image_encoder`."""
+    nets = [(f"controlnets.{name}" if f"controlnets.{name}" in job.lines else "controlnet", spec)
+            for name, spec in job.controlnets]
+    return [("model", job.model), *nets, ("ip_adapter", job.ip_adapter), ("image_encoder", job.image_encoder)]
+
+
+def check_models(job: Job) -> None:
+    """Every model the job names is a preset of its field, a path that exists (from the job file's folder) or a hub
+    id: else a JobError at the field's line."""
+    for field, spec in model_fields(job):
+        problem = model_problem(job_spec(spec, job.folder), field)
+        if problem:
+            raise JobError(str(job.path), job.lines.get(field), None, field, problem)
+
+
 def summary(job: Job) -> PlanSummary:
     """`bcg plan`: the model paths and the output folder checked (BadInput, ModelError), the job's images planned
     into batches, what CLIP will cut from the prompts, and whether the images fit on the disk."""
-    check_model_path(job.model, "model")
-    for name, spec in job.controlnets:
-        check_model_path(spec, "controlnet" if job.controlnets == ((SHORTHAND_NET, spec),) else f"controlnets.{name}")
-    check_model_path(job.ip_adapter, "ip_adapter")
-    check_model_path(job.image_encoder, "image_encoder")
+    check_models(job)
     check_destination(job.output_dir)
     items = work_items(job)
     batches = make_batches(items, job.buckets)

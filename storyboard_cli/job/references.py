@@ -6,7 +6,6 @@ and the files it names by sha256 (`inputs:`). No torch."""
 from __future__ import annotations
 
 import io
-import logging
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -20,8 +19,6 @@ from storyboard_cli.job.lora_files import SCALE_RANGE, inspect_lora, lora_proble
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_str, line_of, type_name,
                                        unicode_text)
 from storyboard_cli.job.yaml_loader import MESSAGE_VALUE, Located, clip, short_repr
-
-log = logging.getLogger(__name__)
 
 SHORTHAND_NET = "controlnet"  # the one net of a job's `controlnet: X`
 
@@ -152,14 +149,15 @@ def declared_inputs(ctx: Context, raw: Any, line: int | None) -> None:
         ctx.inputs.digests.setdefault(name, digest)
 
 
-def check_image(ctx: Context, raw: Any, line: int | None, shot_id: str | None, field: str,
-                job_dir: Path) -> tuple[Path, str, str]:
+def check_image(ctx: Context, raw: Any, line: int | None, shot_id: str | None, field: str, job_dir: Path,
+                use: str) -> tuple[Path, str, str]:
     """An image the job names (a control image, a reference) at `field`: (the file to read, the name the outputs
-    record, the sha256 of its bytes). Every pixel is decoded, once per job however many shots use it."""
+    record, the sha256 of its bytes). Every pixel is decoded, once per job however many shots use it; `use` says what
+    a render does with it (the warning about a very large file quotes it)."""
     rel = as_str(ctx, raw, line, shot_id, field, empty_ok=False)
     path, shown = ctx.input_file(rel, job_dir, line, shot_id, field)
     if path not in ctx.images_checked:
-        _decode_image(ctx, path, line, shot_id, shown, field)
+        _decode_image(ctx, path, line, shot_id, shown, field, use)
         ctx.images_checked.add(path)
     try:
         return path, shown, file_sha256(path)  # cached by _decode_image: no second read
@@ -167,7 +165,8 @@ def check_image(ctx: Context, raw: Any, line: int | None, shot_id: str | None, f
         raise ctx.fail(line, shot_id, field, f"not a readable image: {shown} ({e.strerror or e})") from None
 
 
-def _decode_image(ctx: Context, path: Path, line: int | None, shot_id: str | None, shown: str, field: str) -> None:
+def _decode_image(ctx: Context, path: Path, line: int | None, shot_id: str | None, shown: str, field: str,
+                  use: str) -> None:
     """Decodes every pixel, so a truncated file or a broken PNG stream fails here, before any model loads,
     not in the middle of a render; the bytes read are hashed for the skip check on the way."""
     from PIL import Image, UnidentifiedImageError
@@ -187,8 +186,8 @@ def _decode_image(ctx: Context, path: Path, line: int | None, shot_id: str | Non
                 pixels = im.width * im.height
         if any(issubclass(w.category, Image.DecompressionBombWarning) for w in caught):
             # said once, in our words (the process ignores PIL's own warning: cli.main)
-            log.warning("%s %s is %.0f megapixels: each shot resizes it to its own size; a smaller "
-                        "file loads faster", field.replace(".", " "), shown, pixels / 1e6)
+            ctx.warn(line, shot_id, field, f"{shown} is {pixels / 1e6:.0f} megapixels: {use}; a smaller file "
+                     f"loads faster")
     except Image.DecompressionBombError as e:
         raise bad(f"too many pixels: {e}") from None
     except UnidentifiedImageError:

@@ -4,13 +4,14 @@ and the checks of keys, types and ranges. No torch."""
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 from typing import Any
 
 from storyboard_cli.errors import BadInput, JobError, did_you_mean
 from storyboard_cli.job.digests import file_sha256, relative_to_job
 from storyboard_cli.job.inputs import INPUTS_KEY, InputProblem, Inputs, shown_name, suffix_of
-from storyboard_cli.job.preflight import PRESETS, exists, expanded, is_pathlike
+from storyboard_cli.job.preflight import ADAPTER_PRESETS, PRESETS, cwd_only, exists, expanded, is_pathlike, job_spec
 from storyboard_cli.job.yaml_loader import SHOT_ID, Located, clip, short_repr
 
 SAFE_NAME = SHOT_ID
@@ -25,6 +26,14 @@ class Context:
         self.images_checked: set[Path] = set()  # control images decoded once per job, however many shots use them
         self.roots = None if roots is None else tuple(Path(r).resolve() for r in roots)
         self.inputs = inputs
+        self.warnings: list[str] = []  # said once each, as errors are located: Job.warnings
+        self.folder = Path(file).resolve().parent  # the job file's: what its relative paths are read from
+        self.lines: dict[str, int | None] = {}  # the model fields' lines (model, controlnets.pose, ...): Job.lines
+
+    def warn(self, line: int | None, shot: str | None, field: str | None, message: str) -> None:
+        text = str(JobError(self.file, line, shot, field, message))
+        if text not in self.warnings:
+            self.warnings.append(text)
 
     def fail(self, line: int | None, shot: str | None, field: str | None, message: str) -> JobError:
         return JobError(self.file, line, shot, field, message)
@@ -64,12 +73,22 @@ class Context:
             raise fail(f"{name} changed since its sha256 was recorded in '{INPUTS_KEY}:' ({digest[:12]}...)")
         return path, relative_to_job(path, job_dir)
 
+    def model_spec(self, spec: str | None, line: int | None, field: str) -> None:
+        """A model field's value checked where it is read: confined on the service (`confine_model`), and said once
+        where a relative path is found only from the working folder (read from there, as older versions did)."""
+        self.lines[field] = line
+        self.confine_model(spec, line, field)
+        if cwd_only(spec, self.folder):
+            self.warn(line, None, field, f"{clip(spec)} is not in the job file's folder ({clip(str(self.folder))}) "
+                      f"but in the working folder, where it is read from; relative paths in a job are read from the "
+                      f"job file's folder: write it from there or as an absolute path")
+
     def confine_model(self, spec: str | None, line: int | None, field: str) -> None:
-        """A model named by a local path (as the loader reads it: from the working folder) is confined too;
-        presets and hub ids are not files of this machine."""
-        if self.roots is None or spec is None or spec in PRESETS:
+        """A model named by a local path (as the loader reads it: from the job file's folder, job_spec) is confined
+        too; presets and hub ids are not files of this machine."""
+        if self.roots is None or spec is None or spec in PRESETS or spec in ADAPTER_PRESETS:
             return
-        path = expanded(spec)
+        path = expanded(job_spec(spec, self.folder))
         if path is None:  # `~user` of no user here: no folder of this server's either
             raise self.fail(line, None, field, f"{clip(spec)} is outside the folders this server may read and write")
         if is_pathlike(spec) or exists(path):
@@ -90,14 +109,29 @@ def check_keys(ctx: Context, mapping: Located, allowed: tuple[str, ...], shot: s
         raise ctx.fail(line, shot, clip(f"{prefix}{key}"), f"unknown key{did_you_mean(str(key), allowed, known=True)}")
 
 
+# what a YAML value is, in words: the types PyYAML's safe loader makes (timestamps as dates, !!binary as bytes)
+TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+              type(None): "nothing", bytes: "binary data", datetime.date: "a date",
+              datetime.datetime: "a date and time", set: "a set"}
+
+
 def type_name(value: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "a list", type(None): "empty"}.get(type(value), "a mapping" if isinstance(value, dict) else type(value).__name__)
+    return TYPE_NAMES.get(type(value), "a mapping" if isinstance(value, dict) else f"a {type(value).__name__}")
+
+
+def given(value: Any) -> str:
+    """What a job gave, in plain words for a message's "got ...": "nothing", "binary data (5 bytes)", "a date
+    (2024-01-02)", "a string ('x')"."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, bytes):
+        return f"binary data ({len(value)} bytes)"
+    return f"{type_name(value)} ({short_repr(value)})"
 
 
 def as_int(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ctx.fail(line, shot, field, f"must be an integer, got {type_name(value)} ({short_repr(value)})")
+        raise ctx.fail(line, shot, field, f"must be an integer, got {given(value)}")
     if not lo <= value <= hi:
         raise ctx.fail(line, shot, field, f"must be between {lo} and {hi}, got {short_repr(value)}")
     return value
@@ -105,7 +139,7 @@ def as_int(ctx: Context, value: Any, line: int | None, shot: str | None, field: 
 
 def as_float(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ctx.fail(line, shot, field, f"must be a number, got {type_name(value)} ({short_repr(value)})")
+        raise ctx.fail(line, shot, field, f"must be a number, got {given(value)}")
     value = float(value)
     if not lo <= value <= hi:  # also rejects NaN
         raise ctx.fail(line, shot, field, f"must be between {lo:g} and {hi:g}, got {value:g}")
@@ -127,7 +161,7 @@ def unicode_text(value: str) -> str | None:
 
 def as_str(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, *, empty_ok: bool) -> str:
     if not isinstance(value, str):
-        raise ctx.fail(line, shot, field, f"must be a string, got {type_name(value)} ({short_repr(value)})")
+        raise ctx.fail(line, shot, field, f"must be a string, got {given(value)}")
     text = unicode_text(value)
     if text is None:
         raise ctx.fail(line, shot, field, "must be Unicode text (it holds a lone UTF-16 surrogate)")

@@ -4,6 +4,7 @@ at file:line, shot and field; and the short forms of values that messages quote 
 
 from __future__ import annotations
 
+import datetime
 import re
 import reprlib
 from pathlib import Path
@@ -145,6 +146,22 @@ class _ShortRepr(reprlib.Repr):
 
     def repr_Located(self, x: Located, level: int) -> str:  # noqa: N802 (reprlib's dispatch by type name)
         return self.repr_dict(x, level)
+
+    # what YAML wrote, in its own words: no Python spelling reaches a message
+    def repr_NoneType(self, x: None, level: int) -> str:  # noqa: N802
+        return "null"
+
+    def repr_bool(self, x: bool, level: int) -> str:
+        return "true" if x else "false"
+
+    def repr_bytes(self, x: bytes, level: int) -> str:
+        return f"<{len(x)} bytes of binary data>"
+
+    def repr_date(self, x: datetime.date, level: int) -> str:
+        return x.isoformat()
+
+    def repr_datetime(self, x: datetime.datetime, level: int) -> str:
+        return x.isoformat(sep=" ")
 
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 4 * MESSAGE_VALUE:  # repr() of a huge int is quadratic, and refused past 4300 digits

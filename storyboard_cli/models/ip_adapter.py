@@ -30,10 +30,11 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import AttnProcessor2_0
 
 from storyboard_cli.errors import BadInput, ModelError, one_line
-from storyboard_cli.job.adapter_files import (PRESET_KINDS, PROJECTION_IN, AdapterFileError, adapter_files,
-                                              adapter_kind, ip_key, weight_mismatch)
+from storyboard_cli.job.adapter_files import (PROJECTION_IN, AdapterFileError, adapter_files, adapter_kind, ip_key,
+                                              weight_mismatch)
 from storyboard_cli.job.characters import REFERENCE_SLOTS  # noqa: F401 - the job's limit: a row's image slots
 from storyboard_cli.job.digests import SHORT, weights_digest
+from storyboard_cli.job.preflight import ADAPTER_PRESETS
 from storyboard_cli.models.tiny import cache_root, h94_adapter, tiny_adapter_folder
 
 REFERENCES = "references"  # cache_root()/references/<digest>/<sha256>.safetensors: one reference's tokens per dtype
@@ -249,11 +250,11 @@ def _read(spec: str, image_encoder: str | None, unet, device, dtype) -> tuple[st
     """(name for messages, h94 state dict, image encoder, digest) of what `spec` names."""
     from transformers import CLIPVisionModelWithProjection
 
-    if spec in PRESET_KINDS and spec.startswith("sdxl-random"):
-        weights, encoder = _random(PRESET_KINDS[spec], unet, device, dtype)
+    if spec in ADAPTER_PRESETS and spec.startswith("sdxl-random"):
+        weights, encoder = _random(ADAPTER_PRESETS[spec], unet, device, dtype)
         return spec, weights, encoder, hashlib.sha256(spec.encode()).hexdigest()[:SHORT]
-    if spec in PRESET_KINDS:
-        files = adapter_files(str(tiny_adapter_folder(PRESET_KINDS[spec])), None)
+    if spec in ADAPTER_PRESETS:
+        files = adapter_files(str(tiny_adapter_folder(ADAPTER_PRESETS[spec])), None)
     else:
         files = adapter_files(spec, image_encoder)
     name = files.weights.name

@@ -20,7 +20,6 @@ from storyboard_cli.models.tiny import cache_root, tiny_folder
 
 log = logging.getLogger(__name__)
 SDXL_CONFIGS = Path(__file__).parent / "configs" / "sdxl-base"
-PRESETS = ("tiny", "sdxl-random")
 
 
 @dataclass

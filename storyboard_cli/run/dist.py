@@ -35,7 +35,7 @@ from storyboard_cli.errors import BadInput, OutputLocked, RenderFailure, Status
 from storyboard_cli.folder.layout import read_report
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending
-from storyboard_cli.folder.report import Report, WorkerShare, write_report
+from storyboard_cli.folder.report import Report, WorkerShare, recounted, write_report
 from storyboard_cli.folder.shards import merge_shards, shard_manifest
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import Batch
@@ -48,6 +48,8 @@ STOP_WAIT_S = 3.0  # after a stop, how long rank 0 waits for the others' figures
 POLL_S = 0.02
 COUNTED = ("batch", "progress", "image", "failed")  # the events whose `done` counts outputs
 SHARDS_LEFT = "the next run merges their manifest lines"  # unless the launcher merges them first
+LAUNCHED = "BCG_GPUS_LAUNCHER"  # set by `--gpus N` for its workers: the launcher, not rank 0, says how the run ended
+DELIVERED_POLL_S = 0.25  # how often rank 0, done with its own batches, reads the others' progress
 STOPS = (signal.SIGTERM, signal.SIGINT)  # what the launcher sends its workers: a death by another signal is a crash
 
 
@@ -75,6 +77,12 @@ def leader() -> bool:
     """Whether this process speaks for the job (prints, writes the report): rank 0, or no torchrun."""
     w = worker()
     return w is None or w.leader
+
+
+def launched() -> bool:
+    """Whether this process is a worker `bcg render --gpus N` started: its launcher, which merges what every worker
+    left once they have all exited, prints how the run ended."""
+    return worker() is not None and os.environ.get(LAUNCHED) == "1"
 
 
 def worker_device(device: str | None, w: Worker) -> str:
@@ -141,12 +149,13 @@ def claim(store, batches: list[Batch], rank: int = 0) -> Iterator[Batch]:
             yield batches[i]
 
 
-def _wait(store, keys: list[str], deadline: float | None = None) -> bool:
-    """Waits until `keys` are set (or the deadline passes), polling: between two polls a signal handler
-    runs, which it cannot while the store's own blocking wait is in C."""
+def _wait(store, keys: list[str], deadline: float | None = None, on_poll: Callable[[], None] = lambda: None) -> bool:
+    """Waits until `keys` are set (or the deadline passes), polling (and calling `on_poll`): between two polls a
+    signal handler runs, which it cannot while the store's own blocking wait is in C."""
     while not store.check(keys):
         if deadline is not None and time.perf_counter() > deadline:
             return False
+        on_poll()
         time.sleep(POLL_S)
     return True
 
@@ -183,6 +192,7 @@ class DistSession(rendering.RenderSession):
         self.w, self.store = w, store
         self.show = on_event if w.leader else None  # one progress display: rank 0's
         self.counted = self.delivered = 0  # outputs this worker / the job has delivered
+        self.polled = 0.0  # when rank 0 last read the job's progress while waiting for the others
         super().__init__(job, opts, self._job_progress)
         self.t_run = self.t_pending = None
         if not w.leader:
@@ -198,6 +208,17 @@ class DistSession(rendering.RenderSession):
             self.counted = e.done
         if self.show:
             self.show(replace(e, done=self.delivered) if e.kind in COUNTED else e)
+
+    def _others_progress(self) -> None:
+        """Rank 0, its own batches done, shows the job's progress as the other workers deliver theirs: the last line
+        reaches the total."""
+        if self.show is None or time.perf_counter() - self.polled < DELIVERED_POLL_S:
+            return
+        self.polled = time.perf_counter()
+        delivered = self.store.add("delivered", 0)
+        if delivered > self.delivered:
+            self.delivered = delivered
+            self.show(rendering.Event("progress", delivered, self.pending.outputs))
 
     def find_pending(self) -> tuple[Pending, Manifest]:
         """Rank 0 reconciles the folder (merging the shards a dead run left) and sends what is pending,
@@ -251,7 +272,9 @@ class DistSession(rendering.RenderSession):
         keys = [f"report/{r}" for r in range(self.w.world)]
         try:
             with _wakeable():
-                _wait(self.store, keys, time.perf_counter() + STOP_WAIT_S if stopped else None)
+                _wait(self.store, keys, time.perf_counter() + STOP_WAIT_S if stopped else None, self._others_progress)
+            self.polled = 0.0
+            self._others_progress()  # every worker's last batch, delivered before its figures
         except KeyboardInterrupt:
             pass  # stopped while waiting: report what has come in
         return [r for r, key in enumerate(keys) if self.store.check([key])]
@@ -282,13 +305,14 @@ def launch_note(n: int, device: str | None) -> str | None:
     return None
 
 
-def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODULE) -> int:
+def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODULE) -> tuple[int, dict | None]:
     """`bcg render JOB --gpus N`: starts N workers on this machine through torchrun's own launcher
     (`python -m <module> <argv>` each; a worker sees it runs under torchrun and ignores --gpus), and
     makes `out_dir` whole however they ended (`job`: what they render there): their manifest shards merged,
-    a line for each image a killed worker wrote but did not record. Returns the exit code: 0,
-    the first failed worker's, or 128 + the signal that stopped the launcher; a worker killed by a
-    signal (kill -9, the OOM killer) raises RenderFailure naming its rank, also in the report."""
+    a line for each image a killed worker wrote but did not record, the report's count of images made true.
+    Returns the exit code (0, the first failed worker's, or 128 + the signal that stopped the launcher) and the
+    run's report (None where rank 0 wrote none); a worker killed by a signal (kill -9, the OOM killer) raises
+    RenderFailure naming its rank and what is done, also in the report."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -299,6 +323,7 @@ def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODUL
         raise BadInput(f"--gpus {n}: this machine has {torch.cuda.device_count()} GPU(s)")
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={n}", "--module", module, *argv])
     started, code, death = time.strftime("%Y-%m-%dT%H:%M:%S%z"), 0, None
+    os.environ[LAUNCHED] = "1"  # inherited by the workers
     try:
         run(args)
     except ChildFailedError as e:
@@ -312,11 +337,13 @@ def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODUL
     except SignalException as e:
         code = 128 + e.sigval  # as a single render stopped by that signal
     finally:
+        os.environ.pop(LAUNCHED, None)
         merged = _merge_after(Path(out_dir), job)
+        report = _settle_report(Path(out_dir), started, merged, death)
     if death:
-        _record_death(Path(out_dir), death, started, merged)
-        raise RenderFailure(f"{death}; the images finished are kept, the next run renders the rest")
-    return code
+        done = f"the {report['images_rendered']} images this run rendered" if report else "the images finished"
+        raise RenderFailure(f"{death}; {done} are kept, the next run renders the rest")
+    return code, report
 
 
 def _merge_after(out_dir: Path, job: Job) -> bool:
@@ -330,14 +357,22 @@ def _merge_after(out_dir: Path, job: Job) -> bool:
         return False
 
 
-def _record_death(out_dir: Path, death: str, started: str, merged: bool) -> None:
-    """A dead worker in this run's report (rank 0 wrote it as a stop): its status is an error naming it."""
+def _settle_report(out_dir: Path, started: str, merged: bool, death: str | None) -> dict | None:
+    """This run's report (rank 0's) made true once its folder is whole: with the shards merged, its count of images
+    is what the manifest holds of the run (rank 0 counted only the workers whose figures came in) and the note that
+    the next run merges them goes; a dead worker makes its status an error naming it. None where rank 0 wrote no
+    report this run."""
     report = read_report(out_dir)
     if not report or report.get("run", {}).get("started", "") < started:
-        return  # rank 0 wrote none this run
-    notes = [n for n in report.get("notes", []) if not (merged and n.endswith(SHARDS_LEFT))]
-    report |= {"status": Status.ERROR, "error": death, "stopped_by": None, "notes": notes}
+        return None  # rank 0 wrote none this run
+    if merged and any(n.endswith(SHARDS_LEFT) for n in report.get("notes", [])):
+        run = report["run"].get("id")
+        landed = sum(r.get("run") == run for r in Manifest(out_dir).records.values())
+        report = recounted(report, landed) | {"notes": [n for n in report["notes"] if not n.endswith(SHARDS_LEFT)]}
+    if death:
+        report |= {"status": Status.ERROR, "error": death, "stopped_by": None}
     try:
         write_report(out_dir, report)
     except OSError:
-        pass  # the error line says it
+        pass  # the summary and the error line say it
+    return report

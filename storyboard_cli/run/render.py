@@ -27,8 +27,8 @@ from storyboard_cli.folder.report import Timings, build_report, job_inputs, writ
 from storyboard_cli.folder.shards import merge_shards
 from storyboard_cli.folder.sink import ContactSheet, OutputSink
 from storyboard_cli.job.file import Job
-from storyboard_cli.job.plan import Batch, deepcache_note, make_batches, shot_levers, work_items
-from storyboard_cli.job.preflight import check_destination, check_model_path
+from storyboard_cli.job.plan import Batch, check_models, deepcache_note, make_batches, shot_levers, work_items
+from storyboard_cli.job.preflight import check_destination, job_spec
 from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.run.batch import BatchRunner, batch_kinds, batch_shapes
@@ -101,9 +101,12 @@ def check_options(opts: RenderOptions) -> None:
 def model_specs(job: Job, items: list) -> tuple:
     """What `load_models` loads for these items: (model, ControlNets, IP-Adapter, image encoder); the ControlNets only
     when an item has a control image, the adapter only when one has a reference."""
-    nets = tuple(spec for _, spec in job.controlnets) if any(i.control_image for i in items) else ()
-    adapter = job.ip_adapter if any(i.references for i in items) else None
-    return job.model, nets, adapter, job.image_encoder if adapter else None
+    def opened(spec: str | None) -> str | None:
+        return job_spec(spec, job.folder)
+
+    nets = tuple(opened(spec) for _, spec in job.controlnets) if any(i.control_image for i in items) else ()
+    adapter = opened(job.ip_adapter) if any(i.references for i in items) else None
+    return opened(job.model), nets, adapter, opened(job.image_encoder) if adapter else None
 
 
 def load_models(job: Job, items: list, device: torch.device, dtype: torch.dtype) -> SdxlModels:
@@ -117,7 +120,7 @@ def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:
     `opts.compile` says), nothing rendered: what a long-lived worker does before its first job."""
     device, dtype = resolve_device(opts.device, opts.dtype)
     check_engine(opts.engine, opts.compile, device, opts.fp8)
-    check_model_path(job.model, "model")
+    check_models(job)
     items = work_items(job)
     batches = make_batches(items, job.buckets)
     shapes = batch_shapes(batches)
@@ -141,7 +144,7 @@ class RenderSession:
         self.out_dir = Path(opts.out_dir) if opts.out_dir else job.output_dir
         check_destination(self.out_dir)
         if models is None:
-            check_model_path(job.model, "model")
+            check_models(job)
         self.shots = select_shots(job, opts.shots)
         self.timings = Timings(sync=torch.cuda.synchronize if self.device.type == "cuda" else None)
         self.notes: list[str] = []
