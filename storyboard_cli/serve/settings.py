@@ -19,3 +19,6 @@ class Settings:
     max_blob_mb: int = 2048  # a larger input file (PUT /v1/blobs/{sha256}) is a 413
     max_workers: int = 64  # registered workers at once (each has its own metric series)
     allow_models: tuple[str, ...] = ()  # hub ids (owner/name) jobs may name; none by default
+
+    def __post_init__(self):
+        self.root = Path(self.root).resolve()  # once, at start: what the server stores is relative to it
