@@ -35,7 +35,7 @@ FILES = {t: {"schema": {"type": "string", "format": "binary"}} for t in (*FILE_T
 FILE_BODY = {"requestBody": {"required": True, "description": "the file's bytes, at most --max-blob-mb",
                              "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
 EVENT = {"type": "object", "required": ["event", "data"], "properties": {  # one server-sent event
-    "event": {"type": "string", "description": "queued, running, images, lease_lost, priority; `end` last"},
+    "event": {"type": "string", "description": "queued, running, images, lease_lost, priority, canceled; `end` last"},
     "id": {"type": "string", "pattern": "^[0-9]+$", "description": "its sequence number (Last-Event-ID)"},
     "retry": {"type": "integer"},
     "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {"$ref": REF + "JobEvent"}}}}

@@ -116,10 +116,11 @@ class Store(WorkerRegistry, QueueStats):
 
     def _event(self, db, job_id: str, kind: str, now: float, **data) -> None:
         """One step of the job's progress stream, written in the transaction that made it (so a reader
-        resuming after event n misses none and sees none twice). None after the stream's `end`: the job's
-        last event says its final state (a canceled job's leased images may still finish, unannounced)."""
+        resuming after event n misses none and sees none twice). None after the stream's `end`, which comes
+        when the job's last image ended (a canceled job's after its leased batches landed): the job's last
+        event says its final state and counts."""
         job = db.execute("SELECT canceled, finished FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        if kind != END and (job["canceled"] or job["finished"] is not None):  # its `end` is written
+        if kind != END and job["finished"] is not None:  # its `end` is written
             return
         states = self._states(db, job_id)
         body = {"job": job_id, "state": schedule.job_state(states, bool(job["canceled"])), "at": now,
@@ -376,21 +377,23 @@ class Store(WorkerRegistry, QueueStats):
             self._count(db, EXPIRED)
             self._count(db, FAILED, sum(r["attempts"] >= MAX_ATTEMPTS for r in held))
             for job_id in dict.fromkeys(r["job"] for r in held):
-                self._event(db, job_id, "lease_lost", now,
-                            requeued=[r["id"] for r in held if r["job"] == job_id and r["attempts"] < MAX_ATTEMPTS])
+                canceled = db.execute("SELECT canceled FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
+                self._event(db, job_id, "lease_lost", now, requeued=[] if canceled else [
+                    r["id"] for r in held if r["job"] == job_id and r["attempts"] < MAX_ATTEMPTS])
                 self._finished(db, job_id, now)
 
     def _finished(self, db, job_id: str, now: float) -> None:
-        """Stamps a job whose last image just ended (once), and ends its event stream."""
+        """Stamps a job whose last image just ended (once), and ends its event stream (a canceled job's too:
+        after its leased batches landed, so that `end` counts what the job holds)."""
         open_ = db.execute("SELECT COUNT(*) FROM images WHERE job = ? AND state IN (?, ?)",
                            (job_id, *ImageState.OPEN)).fetchone()[0]
         job = db.execute("SELECT submitted, canceled, finished FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if open_ or job["finished"] is not None:
             return
         db.execute("UPDATE jobs SET finished = ? WHERE id = ?", (now, job_id))
-        if not job["canceled"]:  # a canceled job's stream ended when it was canceled
+        if not job["canceled"]:
             self._observe(db, JOB_LATENCY, "", now - job["submitted"])
-            self._event(db, job_id, END, now)
+        self._event(db, job_id, END, now)
 
     def expire(self, now: float) -> None:
         with self._tx() as db:
@@ -400,15 +403,16 @@ class Store(WorkerRegistry, QueueStats):
 
     def cancel(self, job_id: str, now: float) -> bool:
         """Queued images are canceled at once; leased ones when their batch is done (the job is canceled from
-        now on, and its stream ends). False for no such job; JobFinal for one already final."""
+        now on: its stream says `canceled`, then the leased batches' `images`, and ends once they landed).
+        False for no such job; JobFinal for one already final."""
         with self._tx() as db:
             if not self._open_job(db, job_id):
                 return False
             db.execute("UPDATE jobs SET canceled = 1 WHERE id = ?", (job_id,))
             db.execute("UPDATE images SET state = ? WHERE job = ? AND state = ?",
                        (ImageState.CANCELED, job_id, ImageState.QUEUED))
+            self._event(db, job_id, "canceled", now)
             self._finished(db, job_id, now)
-            self._event(db, job_id, END, now)
             return True
 
     def set_priority(self, job_id: str, priority: str, now: float) -> bool:
