@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.serve import blob_routes, blobs, edge, folders, job_routes, lease_routes, ops_routes
 from storyboard_cli.serve.api_state import ApiState
+from storyboard_cli.serve.disk import Disk
 from storyboard_cli.serve.edge import PROBLEM, problem
 from storyboard_cli.serve.openapi import DESCRIPTION, schema
 from storyboard_cli.serve.settings import Settings
@@ -59,10 +60,13 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     app.state.store, app.state.draining, app.state.settings = store, False, settings
     refresher = app.state.refresher = folders.Refresher(lambda job_id: _served(store, job_id, clock()), clock)
     app.state.blobs = blobs.BlobStore(settings.root)
-    state = ApiState(settings, store, clock, app.state.blobs, refresher, lambda: app.state.draining)
+    disk = Disk(settings.root, settings.min_free_mb)
+    state = ApiState(settings, store, clock, app.state.blobs, refresher, lambda: app.state.draining, disk)
     edge.install(app, settings)
+    for error in (OSError, sqlite3.OperationalError):  # a write refused for want of space: 507 (disk.py)
+        app.add_exception_handler(error, disk.answer)
     app.openapi = lambda: app.openapi_schema or schema(app, settings)
-    app.include_router(blob_routes.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20))
+    app.include_router(blob_routes.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20, disk))
     for routes in (job_routes, lease_routes, ops_routes):
         app.include_router(routes.router(state))
     return app

@@ -103,15 +103,16 @@ class BlobStore:
         except OSError as e:
             raise BadInput(f"cannot read: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
-            w = BlobWriter(self, None, limit)
-            for chunk in iter(lambda: f.read(CHUNK), b""):
-                w.write(chunk)
-            return w.close()
+            return self._write(None, iter(lambda: f.read(CHUNK), b""), None, limit)
 
-    def _write(self, target: Path, chunks: Iterable[bytes], digest: str | None, limit: int | None) -> str:
+    def _write(self, target: Path | None, chunks: Iterable[bytes], digest: str | None, limit: int | None) -> str:
         w = BlobWriter(self, digest, limit, target)
-        for chunk in chunks:
-            w.write(chunk)
+        try:
+            for chunk in chunks:
+                w.write(chunk)
+        except BaseException:  # a full disk, a read error: no temporary file left
+            w.abort()
+            raise
         return w.close()
 
 
@@ -140,15 +141,23 @@ class BlobWriter:
         if self.digest is not None and got != self.digest:
             self.abort()
             raise DigestMismatch(f"the {self.n} bytes sent hash to {got}, not {self.digest}")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.chmod(self.tmp, 0o444)
-        target = self.target or self.store._file(got)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(self.tmp, target)  # the same bytes: a concurrent upload of the blob lands the same file
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            os.chmod(self.tmp, 0o444)
+            target = self.target or self.store._file(got)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.tmp, target)  # the same bytes: a concurrent upload of the blob lands the same file
+        except BaseException:  # a full disk: no temporary file left
+            self.abort()
+            raise
         return got
 
     def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            self.f.close()  # flushes what is buffered: on a full disk, that fails too
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storyboard_cli.errors import BadInput, JobError, ModelError, StoryboardError
+from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.adapter_files import ADAPTER_PRESETS
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
@@ -76,14 +77,13 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
         raise BadInput(f"file name {filename!r} is a name the server uses in the job's folder; choose another")
     blobs = blobs or BlobStore(root)
     folder = job_folder(root, job_id)
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True)  # a new id: nothing is there to remove if this fails
     path = folder / filename
-    path.write_bytes(body)
     named = Inputs(blob=blobs.path, adopt=lambda p: blobs.adopt(p, blob_limit))
-    try:
+    try:  # each file whole or not at all (a full disk): a temporary name, fsync, rename
+        atomic_write(path, body)
         job = _load(path, filename, (root, *inputs), named, allow_models)
-        (folder / INPUTS_FILE).write_bytes(json.dumps(named.used, sort_keys=True).encode())  # as the job file: the
-        # queue's row is the durable record; the blobs it names were synced when they were stored
+        atomic_write(folder / INPUTS_FILE, json.dumps(named.used, sort_keys=True).encode())
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

@@ -76,7 +76,8 @@ def router(state: ApiState) -> APIRouter:
         200: {"model": wire.JobView, "description": "the job first submitted with this Idempotency-Key "
                                                     "(Idempotent-Replayed: true)"},
         **problems({422: "a job `bcg plan` refuses (file:line, shot, field), or an Idempotency-Key used for "
-                          "another body", 503: "the queue is full, or the server is stopping (Retry-After)"})})
+                          "another body", 503: "the queue is full, or the server is stopping (Retry-After)",
+                    507: "the server's disk is full, or under --min-free-mb: nothing of the job is kept"})})
     async def submit(request: Request, priority: wire.Priority = DEFAULT_PRIORITY,
                      idempotency_key: IdempotencyKey = None, x_job_filename: JobFilename = None):
         """A job file (YAML or JSON, at most --max-job-kb), validated and planned as `bcg plan` does."""
@@ -99,6 +100,9 @@ def router(state: ApiState) -> APIRouter:
             await run_in_threadpool(store.refuse_if_full, settings.max_queue_images, clock())
         except QueueFull as e:
             return problem(503, "queue full", str(e), {"Retry-After": str(e.retry_after)})
+        low = await run_in_threadpool(state.disk.low)
+        if low is not None:
+            return state.disk.refuse(low)
         try:
             planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority,
                                               settings.inputs, state.blobs, settings.allow_models,
@@ -114,6 +118,9 @@ def router(state: ApiState) -> APIRouter:
         except BadInput as e:  # an idempotency conflict, or larger than the queue
             _discard(planned.path.parent)
             return problem(422, "refused", str(e))
+        except BaseException:  # the queue's disk full (a 507, disk.py): nothing of the job is kept
+            _discard(planned.path.parent)
+            raise
         if not created:
             _discard(planned.path.parent)
             return replayed(new_id, request)

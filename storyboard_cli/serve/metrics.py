@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from storyboard_cli.serve import store as queue
+from storyboard_cli.serve.disk import Disk
 from storyboard_cli.serve.schedule import TIERS
 
 PREFIX = "bcg_"
@@ -137,9 +138,25 @@ def workers(seen: list[queue.Seen]):
     yield from (ready, memory, *figures.values())
 
 
-def registry(store: queue.Store, worker_window_s: float, clock: Callable[[], float] = time.time) -> CollectorRegistry:
+class DiskCollector:
+    """The root's free bytes and the writes refused for want of space, read at each scrape (disk.py)."""
+
+    def __init__(self, disk: Disk):
+        self.disk = disk
+
+    def collect(self):
+        yield GaugeMetricFamily(PREFIX + "root_free_bytes", "Bytes free on the filesystem of the server's --root.",
+                                value=self.disk.free())
+        yield CounterMetricFamily(PREFIX + "disk_full", "Requests refused (507) because the server's disk was full, "
+                                  "since the server started.", value=self.disk.refused)
+
+
+def registry(store: queue.Store, worker_window_s: float, clock: Callable[[], float] = time.time,
+             disk: Disk | None = None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(StoreCollector(store, clock, worker_window_s))
+    if disk is not None:
+        reg.register(DiskCollector(disk))
     return reg
 
 

@@ -41,7 +41,12 @@ EVENT = {"type": "object", "required": ["event", "data"], "properties": {  # one
     "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {"$ref": REF + "JobEvent"}}}}
 ANSWERS = {401: "the route's token is missing or wrong (WWW-Authenticate: Bearer)",
            413: "the body is larger than its cap (--max-job-kb, --max-blob-mb, 4 MB for JSON)",
-           422: "a malformed body, header, path or query parameter: `detail` names it"}
+           422: "a malformed body, header, path or query parameter: `detail` names it",
+           507: "the server's disk is full (or its input files' store, --max-blobs-gb): nothing of the request "
+                "was kept"}
+
+
+WRITES = ("post", "put", "patch")  # what writes the queue or a file: a full disk answers 507
 
 
 class EventStream(StreamingResponse):
@@ -75,8 +80,8 @@ def schema(app: FastAPI, settings: Settings) -> dict:
             answers = op["responses"]
             for status, why in ANSWERS.items():
                 needed = {401: bool(edge.guarded(method.upper(), path, settings)), 413: "requestBody" in op,
-                          422: str(status) in answers}[status]
-                if needed:
+                          422: str(status) in answers, 507: method in WRITES}[status]
+                if needed and not (status == 507 and str(status) in answers):  # a route's own wording stays
                     answers[str(status)] = {"description": why, "content": PROBLEM_CONTENT}
             needs = edge.guarded(method.upper(), path, settings)
             if needs:
