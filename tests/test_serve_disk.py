@@ -5,12 +5,17 @@ server takes no new job or file and /readyz says why; /metrics shows the free by
 
 import hashlib
 import os
+import shutil
 import subprocess
+import threading
 
 import httpx
 import pytest
 
-from helpers.serve import ONE_IMAGE_JOB, YAML, Server, free_port, metric, register
+from storyboard_cli.serve import client
+
+from conftest import ROOT
+from helpers.serve import ONE_IMAGE_JOB, YAML, Server, eventually, free_port, metric, register
 
 MB = 1 << 20
 TMPFS_MB = 8
@@ -102,3 +107,69 @@ def test_a_full_disk_is_a_507_that_leaves_nothing_half_written(full_server):
                       timeout=10).status_code == 202
     assert httpx.get(s.url + "/readyz", timeout=10).json()["title"] == "no ready worker"
     assert metric(s.url, "bcg_root_free_bytes") > (TMPFS_MB - 2) * MB
+
+
+CONTROL_JOB = """version: 1
+model: tiny
+controlnet: tiny
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, control: {image: pose.png}}
+"""
+GRACE_S = 1.0
+
+
+def _put(url, data):
+    return httpx.put(f"{url}/v1/blobs/{hashlib.sha256(data).hexdigest()}", content=data,
+                     headers={"Content-Type": "application/octet-stream"}, timeout=30)
+
+
+def _has(url, data):
+    return httpx.get(f"{url}/v1/blobs/{hashlib.sha256(data).hexdigest()}", timeout=10).status_code == 200
+
+
+@pytest.mark.slow
+def test_input_files_are_capped_and_those_no_job_names_are_collected(server, tmp_path):
+    """--max-blobs-gb caps the stored input files (507 naming the option); a file no job names is removed after
+    --blob-grace-s, one a job names is kept; a restart removes what an upload cut short by kill -9 left."""
+    server.start(gpus="none", extra=["--blob-grace-s", str(GRACE_S), "--max-blobs-gb", "0.00001"])  # 10.7 KB
+    shutil.copy(ROOT / "jobs" / "control" / "hero_pose.png", tmp_path / "pose.png")  # 3.6 KB
+    (tmp_path / "job.yaml").write_text(CONTROL_JOB)
+    job = client.submit(tmp_path / "job.yaml", server.url)  # uploads pose.png, names it in `inputs:`
+    pose = (tmp_path / "pose.png").read_bytes()
+    unused, more = os.urandom(4000), os.urandom(4000)
+    assert _put(server.url, unused).status_code == 201
+    over = _put(server.url, more)  # 3.6 + 4 + 4 KB: past the cap
+    assert over.status_code == 507 and "--max-blobs-gb" in over.json()["detail"], over.text
+    assert metric(server.url, "bcg_blobs_bytes") == len(pose) + len(unused)
+
+    eventually(lambda: metric(server.url, "bcg_blobs_collected_total"), lambda n: n == 1, timeout_s=30)
+    assert not _has(server.url, unused)  # collected after its grace
+    assert _has(server.url, pose) and job["state"] == "queued"  # the job names it: kept
+    assert _put(server.url, more).status_code == 201  # room again
+    assert metric(server.url, "bcg_blobs_bytes") == len(pose) + len(more)
+
+    # kill -9 while an upload streams: its temporary file stays behind, and the next start removes it
+    stalled = threading.Event()
+
+    def stalling():
+        yield b"x" * 1000
+        stalled.wait(30)
+
+    digest = hashlib.sha256(b"never sent whole").hexdigest()
+    threading.Thread(target=lambda: _quietly(httpx.put, f"{server.url}/v1/blobs/{digest}", content=stalling(),
+                                             timeout=30), daemon=True).start()
+    tmp = server.root / "blobs" / "tmp"
+    eventually(lambda: list(tmp.iterdir()), bool, timeout_s=30)
+    server.kill_everything()
+    stalled.set()
+    assert list(tmp.iterdir())
+    server.start(gpus="none")
+    assert not list(tmp.iterdir())
+
+
+def _quietly(call, *args, **kw):
+    try:
+        call(*args, **kw)
+    except httpx.HTTPError:  # the server was killed mid-request
+        pass

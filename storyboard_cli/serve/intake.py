@@ -123,6 +123,18 @@ def stored_inputs(job_file: Path) -> dict[str, str]:
         return {}
 
 
+def kept_inputs(root: Path) -> set[str]:
+    """The sha256 of every file named by a job whose folder the server keeps (queued, running or finished):
+    the blobs `BlobStore.collect` must not remove."""
+    named: set[str] = set()
+    for folder in (root / JOBS).glob("*"):
+        try:
+            named.update(json.loads((folder / INPUTS_FILE).read_text(encoding="utf-8")).values())
+        except (OSError, ValueError, AttributeError):  # a job refused mid-intake, or a folder not ours
+            continue
+    return named
+
+
 def root_of(job_file: Path) -> Path:
     """The server root of a job file it saved (<root>/jobs/<id>/<file>)."""
     return Path(job_file).parent.parent.parent

@@ -17,6 +17,8 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
 from storyboard_cli.serve import wire
 from storyboard_cli.serve.api_state import ApiState, Id
+from storyboard_cli.serve.blobs import BlobStoreFull
+from storyboard_cli.serve.disk import FULL_TITLE, INSUFFICIENT_STORAGE
 from storyboard_cli.serve.edge import JSONRoute, problem
 from storyboard_cli.serve.intake import SAFE_FILE, content_hash, plan_submission
 from storyboard_cli.serve.openapi import (EVENT, EVENT_STREAM, FILE_TYPES, FILES, JOB_BODY, OCTETS, EventStream,
@@ -109,6 +111,8 @@ def router(state: ApiState) -> APIRouter:
                                               settings.max_blob_mb << 20)
         except BadInput as e:
             return problem(422, "invalid job", str(e))
+        except BlobStoreFull as e:  # a file the job names by a server path, copied in
+            return problem(INSUFFICIENT_STORAGE, FULL_TITLE, str(e))
         try:
             new_id, created = await run_in_threadpool(store.submit, planned, idempotency_key,
                                                       settings.max_queue_images, clock())

@@ -18,7 +18,7 @@ def router(state: ApiState) -> APIRouter:
     """/metrics, /healthz, /readyz: open (no token)."""
     api = APIRouter(route_class=JSONRoute)  # each JSON body read by the edge's parser
     store, settings, clock = state.store, state.settings, state.clock
-    registry = metrics.registry(store, settings.lease_s, clock, state.disk)
+    registry = metrics.registry(store, settings.lease_s, clock, state.disk, state.blobs)
 
     @api.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text (version 0.0.4)"}})

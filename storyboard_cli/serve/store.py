@@ -206,8 +206,8 @@ class Store(WorkerRegistry, QueueStats):
     def _insert(self, db, job: Planned, key: str | None, now: float) -> None:
         db.execute("INSERT INTO jobs (id, idem_key, content_hash, name, path, out_dir, priority, submitted, batch)"
                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                   (job.id, key, job.content_hash, job.name, self._stored(job.path), self._stored(job.out_dir), job.priority, now,
-                    job.batch))
+                   (job.id, key, job.content_hash, job.name, self._stored(job.path), self._stored(job.out_dir),
+                    job.priority, now, job.batch))
         db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state, mix, cost)"
                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        [(job.id, i.order, i.shot, i.k, i.seed, json.dumps(i.outputs), i.key, i.fingerprint,
