@@ -189,7 +189,7 @@ def router(state: ApiState) -> APIRouter:
                 quiet = 0.0
             await asyncio.sleep(EVENT_POLL_S)
 
-    @api.get("/v1/jobs/{job_id}/files/{path:path}", response_class=JobFile, responses={
+    @api.get("/v1/jobs/{job_id}/files/{path:any}", response_class=JobFile, responses={
         200: {"description": "the file (PNG, the report, the contact sheet, a thumbnail, ...)", "content": FILES},
         **problems({404: "no such job, or no such file in its folder"})})
     def job_file(job_id: Id, path: str):

@@ -57,7 +57,7 @@ def router(state: ApiState) -> APIRouter:
             return unknown(e)
         return got if got is not None else Response(status_code=204)
 
-    @api.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}", response_model=None, openapi_extra=FILE_BODY,
+    @api.put("/v1/leases/{lease_id}/files/{job_id}/{path:any}", response_model=None, openapi_extra=FILE_BODY,
              responses={200: {"model": wire.StoredOutput}, **problems({
                  410: LEASE_GONE, 415: f"the body is not sent as {OCTETS}",
                  422: "not an output of this lease"})})
