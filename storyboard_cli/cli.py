@@ -275,6 +275,13 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
           max_blob_mb: Annotated[int, typer.Option(min=1, help="Largest input file (control image, LoRA) "
                                                                 "accepted (413 above).")] = 2048,
           max_workers: Annotated[int, typer.Option(min=1, help="Workers registered at once.")] = 64,
+          min_free_mb: Annotated[int, typer.Option(min=0, help="Free space kept on --root's disk for the accepted "
+                                                                "jobs: below it, new jobs and input files are refused "
+                                                                "(507) and /readyz is 503.")] = 512,
+          max_blobs_gb: Annotated[float, typer.Option(min=0, help="Total size of the stored input files (507 "
+                                                                   "above).")] = 100.0,
+          blob_grace_s: Annotated[float, typer.Option(min=0, help="Seconds an input file no job names is kept "
+                                                                   "(from its upload or last use).")] = 3600.0,
           worker_token: Annotated[Optional[str], typer.Option("--worker-token", envvar="BCG_WORKER_TOKEN",
                                                               show_envvar=True, help="Bearer token of the worker "
                                                               "routes (default: --token).")] = None,
@@ -294,7 +301,8 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
                             max_queue_images=max_queue_images, lease_s=lease_s, grace_s=grace_s, token=token,
                             dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()), warm=warm,
                             fp8=fp8, worker_token=worker_token, max_job_kb=max_job_kb, max_blob_mb=max_blob_mb,
-                            max_workers=max_workers, allow_models=tuple(allow_model or ()))
+                            max_workers=max_workers, allow_models=tuple(allow_model or ()), min_free_mb=min_free_mb,
+                            max_blobs_gb=max_blobs_gb, blob_grace_s=blob_grace_s)
         service = Service(opts)  # the queue opened and the port bound: a start-up error is one line, before this
         err.print(f"bcg serve: {service.url} (docs at {service.url}/docs), root {root}, workers: "
                   f"{', '.join(opts.gpus)}")

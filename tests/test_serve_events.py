@@ -14,7 +14,7 @@ from storyboard_cli.cli import app
 from storyboard_cli.errors import Status, exit_code
 from storyboard_cli.serve import client
 
-from helpers.serve import Server, free_port, register
+from helpers.serve import Server, free_port, register, start_worker, stop
 
 
 JOB = """version: 1
@@ -36,11 +36,11 @@ def server(tmp_path):
         s.kill_everything()
 
 
-def read(url, n=None, last_id=None):
+def read(url, n=None, last_id=None, timeout_s=10):
     """Up to n events (all, until the server closes the stream, when n is None): (id, event, data) each."""
     headers = {"Last-Event-ID": str(last_id)} if last_id is not None else {}
     got, fields = [], {}
-    with httpx.stream("GET", url, headers=headers, timeout=10) as r:
+    with httpx.stream("GET", url, headers=headers, timeout=timeout_s) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line == "":
@@ -137,3 +137,35 @@ def test_submit_wait_follows_the_events_and_falls_back_to_polling(server, tmp_pa
     runner.start()
     assert client.wait(server.url, job["id"], timeout_s=30, poll_s=0.1)["state"] == "failed"
     runner.join(30)
+
+
+FIRST_BATCH_CANCELED = """version: 1
+model: tiny
+buckets: [2]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, seed: 1, candidates: 6}
+"""
+
+
+@pytest.mark.slow
+def test_a_job_canceled_while_a_batch_renders_ends_its_stream_after_the_batch_lands(server):
+    """A real worker renders a batch when the job is canceled (its first: the worker loads its model after the
+    lease): the stream says so at once (`canceled`), then the batch's images, and ends with the job's final
+    counts."""
+    worker = start_worker(server.url, "w")
+    try:
+        job = httpx.post(server.url + "/v1/jobs", content=FIRST_BATCH_CANCELED, headers=YAML, timeout=10).json()
+        events_url = f"{server.url}/v1/jobs/{job['id']}/events"
+        first = read(events_url, n=2)
+        assert [e[1] for e in first] == ["queued", "running"]
+        canceled = httpx.post(f"{server.url}/v1/jobs/{job['id']}/cancel", timeout=10).json()
+        assert canceled["images_by_state"] == {"leased": 2, "canceled": 4}, canceled  # the batch still renders
+        rest = read(events_url, last_id=first[-1][0], timeout_s=90)  # the model loads first
+        final = server.job(job["id"])
+    finally:
+        stop(worker)
+    assert [e[1] for e in rest] == ["canceled", "images", "end"]
+    assert rest[0][2]["images_by_state"] == {"leased": 2, "canceled": 4}
+    assert rest[-1][2]["state"] == final["state"] == "canceled"
+    assert rest[-1][2]["images_by_state"] == final["images_by_state"] == {"done": 2, "canceled": 4}

@@ -198,17 +198,22 @@ def test_every_change_is_an_event_in_order_and_the_stream_ends_once(store):
     assert _kinds(store, "j1", seqs[-1]) == ([], True)  # resumed after its end: nothing more
 
 
-def test_a_canceled_job_ends_its_stream_at_once_and_only_once(store):
-    store.submit(planned("j1"), None, 100, now=0)
+def test_a_canceled_job_ends_its_stream_once_its_leased_batch_landed_and_only_once(store):
+    store.submit(planned("j1", n=3, batch=2), None, 100, now=0)
     lease = store.lease(worker(store, "w"), now=1, ttl=5)
     assert store.cancel("j1", now=2)
     with pytest.raises(JobFinal) as again:
         store.cancel("j1", now=3)
     assert again.value.state == JobState.CANCELED
+    assert _kinds(store, "j1") == (["queued", "running", "canceled"], False)  # its batch still renders
     store.complete(lease.lease, done=[1, 2], cached=[], failed={}, now=4)  # its running batch finishes
-    assert _kinds(store, "j1") == (["queued", "running", "end"], False)  # and says nothing after the end
-    assert json.loads(store.events("j1", 0)[0][2][2])["state"] == JobState.CANCELED
-    assert store.job("j1", 4)["state"] == JobState.CANCELED
+    assert _kinds(store, "j1") == (["queued", "running", "canceled", "images", "end"], False)
+    end = json.loads(store.events("j1", 0)[0][-1][2])
+    assert end["state"] == JobState.CANCELED and end["images_by_state"] == {"done": 2, "canceled": 1}
+    assert store.job("j1", 4)["images_by_state"] == end["images_by_state"]
+    store.submit(planned("j2"), None, 100, now=5)
+    assert store.cancel("j2", now=6)  # nothing leased: it ends at once
+    assert _kinds(store, "j2") == (["queued", "canceled", "end"], False)
 
 
 def test_latencies_are_histograms_and_workers_report_their_gpu(store):
@@ -324,7 +329,8 @@ def test_a_canceled_job_whose_lease_is_lost_is_not_leased_again(store):
     job = store.job("j1", 10)
     assert job["state"] == JobState.CANCELED and job["images_by_state"] == {"canceled": 3}
     assert store.lease(worker(store, "w"), now=11, ttl=5) is None
-    assert _kinds(store, "j1") == (["queued", "running", "end"], False)
+    assert _kinds(store, "j1") == (["queued", "running", "canceled", "lease_lost", "end"], False)
+    assert json.loads(store.events("j1", 0)[0][3][2])["requeued"] == []  # canceled, not queued again
     assert job["finished"] == 10
 
 

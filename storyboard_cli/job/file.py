@@ -330,6 +330,7 @@ def _output_dir(ctx: Context, raw: Any, line: int | None) -> Path:
     text = as_str(ctx, raw, line, None, "output_dir", empty_ok=False)
     if len(text) > MAX_PATH:
         raise ctx.fail(line, None, "output_dir", f"is {len(text)} characters long; a path has at most {MAX_PATH}")
+    ctx.refuse_home(text, line, None, "output_dir")
     folder = expanded(text)
     if folder is None:
         raise ctx.fail(line, None, "output_dir", f"{clip(text)}: {clip(text.split('/')[0])} names no user of "

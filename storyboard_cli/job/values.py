@@ -38,6 +38,13 @@ class Context:
     def fail(self, line: int | None, shot: str | None, field: str | None, message: str) -> JobError:
         return JobError(self.file, line, shot, field, message)
 
+    def refuse_home(self, text: str, line: int | None, shot: str | None, field: str) -> None:
+        """With roots (the render service), a path from `~` names a home folder of the server's users: refused as
+        outside its folders, in the same words whether that user exists or not (an answer must not tell which
+        users the server has), and before anything is read."""
+        if self.roots is not None and text.startswith("~"):
+            raise self.fail(line, shot, field, f"{clip(text)} is outside the folders this server may read and write")
+
     def confine(self, path: Path, line: int | None, shot: str | None, field: str, shown: str | None = None) -> None:
         """With roots (the render service), a file the job names, symlinks followed, must lie under one."""
         if self.roots is not None and not any(path.resolve().is_relative_to(r) for r in self.roots):
@@ -51,11 +58,14 @@ class Context:
         inputs, fail, name = self.inputs, (lambda why: self.fail(line, shot, field, why)), clip(rel)
         digest = inputs.digests.get(rel) if inputs is not None else None
         blobs = inputs is not None and inputs.blob is not None
-        local = expanded(rel)
+        by_digest = digest is not None and blobs  # read from the blob store: `rel` is only the name it records
+        if not by_digest:
+            self.refuse_home(rel, line, shot, field)
+        local = Path(rel) if by_digest else expanded(rel)
         if local is None:
             raise fail(f"{name}: {clip(rel.split('/')[0])} names no user of this machine")
         path = (job_dir / local).resolve()
-        if not (digest is not None and blobs):
+        if not by_digest:
             self.confine(path, line, shot, field, name)
             if not (path.is_file() if is_file else path.exists()):
                 raise fail(f"file not found: {name}")
@@ -88,6 +98,7 @@ class Context:
         too; presets and hub ids are not files of this machine."""
         if self.roots is None or spec is None or spec in PRESETS or spec in ADAPTER_PRESETS:
             return
+        self.refuse_home(spec, line, None, field)
         path = expanded(job_spec(spec, self.folder))
         if path is None:  # `~user` of no user here: no folder of this server's either
             raise self.fail(line, None, field, f"{clip(spec)} is outside the folders this server may read and write")

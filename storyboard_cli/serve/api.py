@@ -22,8 +22,9 @@ from typing import Callable
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from storyboard_cli.serve import blob_routes, blobs, edge, folders, job_routes, lease_routes, ops_routes
+from storyboard_cli.serve import blob_routes, blobs, edge, folders, intake, job_routes, lease_routes, ops_routes
 from storyboard_cli.serve.api_state import ApiState
+from storyboard_cli.serve.disk import Disk
 from storyboard_cli.serve.edge import PROBLEM, problem
 from storyboard_cli.serve.openapi import DESCRIPTION, schema
 from storyboard_cli.serve.settings import Settings
@@ -31,6 +32,7 @@ from storyboard_cli.serve.store import Store
 
 __all__ = ["PROBLEM", "Settings", "create_app", "problem"]
 log = logging.getLogger(__name__)
+COLLECT_EVERY_S = 300.0  # the most seconds between two collections of unused input files
 
 
 def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
@@ -48,24 +50,45 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                 except sqlite3.Error as e:  # busy for longer than the store waits: the next sweep does it
                     log.warning("lease sweep: %s", e)
 
-        task = asyncio.create_task(sweep())
+        async def collect():  # input files no kept job names, past their grace period
+            while True:
+                await asyncio.sleep(min(max(settings.blob_grace_s / 4, 0.2), COLLECT_EVERY_S))
+                try:
+                    await run_in_threadpool(_collect, app.state.blobs, settings)
+                except OSError as e:
+                    log.warning("input files not collected: %s", e)
+
+        cleared = await run_in_threadpool(app.state.blobs.clear_tmp)  # uploads cut short by the last stop
+        if cleared:
+            log.warning("removed %d partial upload(s) left by the server's last stop", cleared)
+        tasks = [asyncio.create_task(sweep()), asyncio.create_task(collect())]
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             await run_in_threadpool(refresher.close)  # the last reports and sheets written
 
     app = FastAPI(title="bcg serve", version="1", description=DESCRIPTION, lifespan=lifespan)
     app.state.store, app.state.draining, app.state.settings = store, False, settings
     refresher = app.state.refresher = folders.Refresher(lambda job_id: _served(store, job_id, clock()), clock)
-    app.state.blobs = blobs.BlobStore(settings.root)
-    state = ApiState(settings, store, clock, app.state.blobs, refresher, lambda: app.state.draining)
+    app.state.blobs = blobs.BlobStore(settings.root, int(settings.max_blobs_gb * (1 << 30)))
+    disk = Disk(settings.root, settings.min_free_mb)
+    state = ApiState(settings, store, clock, app.state.blobs, refresher, lambda: app.state.draining, disk)
     edge.install(app, settings)
+    for error in (OSError, sqlite3.OperationalError):  # a write refused for want of space: 507 (disk.py)
+        app.add_exception_handler(error, disk.answer)
     app.openapi = lambda: app.openapi_schema or schema(app, settings)
-    app.include_router(blob_routes.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20))
+    app.include_router(blob_routes.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20, disk))
     for routes in (job_routes, lease_routes, ops_routes):
         app.include_router(routes.router(state))
     return app
+
+
+def _collect(store: blobs.BlobStore, settings: Settings) -> None:
+    removed, freed = store.collect(intake.kept_inputs(settings.root), settings.blob_grace_s)
+    if removed:
+        log.info("removed %d input file(s) no job names (%.1f MB)", removed, freed / (1 << 20))
 
 
 def _served(store: Store, job_id: str, now: float) -> dict | None:

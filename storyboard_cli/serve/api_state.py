@@ -10,6 +10,7 @@ from fastapi import Path as PathParam
 
 from storyboard_cli.serve import wire
 from storyboard_cli.serve.blobs import BlobStore
+from storyboard_cli.serve.disk import Disk
 from storyboard_cli.serve.folders import Refresher
 from storyboard_cli.serve.schedule import JobState
 from storyboard_cli.serve.settings import Settings
@@ -26,6 +27,7 @@ class ApiState:
     blobs: BlobStore
     refresher: Refresher
     draining: Callable[[], bool]  # app.state.draining: set when `bcg serve` stops (server.py)
+    disk: Disk
 
     def landed(self, job_ids: Iterable[str]) -> None:
         """Batches of these jobs landed (or they ended): their reports and sheets are rebuilt."""

@@ -12,7 +12,9 @@ from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.job.inputs import DIGEST
-from storyboard_cli.serve.blobs import CHUNK, MAX_QUERY, BlobStore, BlobTooLarge, BlobWriter, DigestMismatch
+from storyboard_cli.serve.blobs import (CHUNK, MAX_QUERY, BlobStore, BlobStoreFull, BlobTooLarge, BlobWriter,
+                                        DigestMismatch)
+from storyboard_cli.serve.disk import FULL_TITLE, INSUFFICIENT_STORAGE, Disk
 from storyboard_cli.serve.edge import PROBLEM, problem
 
 PROBLEM_DOC = {"content": {PROBLEM: {}}}
@@ -38,8 +40,10 @@ class BlobStored(BaseModel):
     created: bool
 
 
-def router(store_of: Callable[[Request], BlobStore], limit_of: Callable[[Request], int]) -> APIRouter:
-    """The blob routes; `store_of(request)` gives the BlobStore, `limit_of(request)` the byte limit of one blob."""
+def router(store_of: Callable[[Request], BlobStore], limit_of: Callable[[Request], int],
+           disk: Disk | None = None) -> APIRouter:
+    """The blob routes; `store_of(request)` gives the BlobStore, `limit_of(request)` the byte limit of one blob;
+    `disk`: the server's (disk.py), below whose floor no file is taken."""
     api = APIRouter(prefix="/v1/blobs", tags=["inputs"])
 
     @api.post("/missing", response_model=BlobsMissing, responses={422: PROBLEM_DOC, 401: PROBLEM_DOC})
@@ -49,18 +53,26 @@ def router(store_of: Callable[[Request], BlobStore], limit_of: Callable[[Request
 
     @api.put("/{sha256}", status_code=201, response_model=BlobStored,
              responses={200: {"model": BlobStored, "description": "already stored"}, 413: PROBLEM_DOC,
-                        422: PROBLEM_DOC, 401: PROBLEM_DOC},
+                        422: PROBLEM_DOC, 401: PROBLEM_DOC, 507: PROBLEM_DOC},
              openapi_extra={"requestBody": {"required": True, "content": {
                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
     async def put(sha256: Digest, request: Request):
         """One input file, streamed; stored read-only once its bytes hash to `sha256`."""
         store, limit = store_of(request), limit_of(request)
         if store.has(sha256):
+            store.touch(sha256)  # the client relies on it from now on
             return JSONResponse({"sha256": sha256, "size": store.size(sha256), "created": False}, status_code=200)
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             return problem(413, "input too large", f"{int(declared)} bytes, more than this server's limit of "
                            f"{limit // (1 << 20)} MB (--max-blob-mb)")
+        low = None if disk is None else await run_in_threadpool(disk.low)
+        if low is not None:
+            return disk.refuse(low)
+        try:
+            await run_in_threadpool(store.room_for, int(declared) if declared.isdigit() else 0)
+        except BlobStoreFull as e:
+            return problem(INSUFFICIENT_STORAGE, FULL_TITLE, str(e))
         w = await run_in_threadpool(store.writer, sha256, limit)
         pending, size = [], 0
         try:
@@ -76,6 +88,8 @@ def router(store_of: Callable[[Request], BlobStore], limit_of: Callable[[Request
             return problem(413, "input too large", str(e))
         except DigestMismatch as e:
             return problem(422, "digest mismatch", str(e))
+        except BlobStoreFull as e:
+            return problem(INSUFFICIENT_STORAGE, FULL_TITLE, str(e))
         except BaseException:
             w.abort()
             raise

@@ -7,6 +7,11 @@ copied in at submission, after its one confinement check. From then on every rea
 sheet, the workers) opens a blob by its digest, never a path a client chose: a file swapped after submission
 reaches nothing. A worker without the server's filesystem downloads a blob once (`GET /v1/blobs/{sha256}`)
 into its own BlobStore.
+
+The server's store is bounded (`max_bytes`, --max-blobs-gb: BlobStoreFull past it), and a blob no job names is
+removed `grace_s` after it was last stored or used (`collect`; asking whether the server has it, or a job naming
+it, counts as a use, so a client between its upload and its submission keeps it). A server killed mid-upload
+leaves a temporary file that its next start removes (`clear_tmp`).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Iterable
@@ -35,11 +42,20 @@ class DigestMismatch(BadInput):
     """The bytes do not hash to the digest they were sent as."""
 
 
-class BlobStore:
-    """`<root>/blobs/<2 hex>/<sha256>`: each written once (temporary file, fsync, rename), mode 0444."""
+class BlobStoreFull(Exception):
+    """The stored blobs would pass the server's --max-blobs-gb: a 507."""
 
-    def __init__(self, root: Path):
+
+class BlobStore:
+    """`<root>/blobs/<2 hex>/<sha256>`: each written once (temporary file, fsync, rename), mode 0444. `max_bytes`: the
+    most all of them may hold (None: no bound)."""
+
+    def __init__(self, root: Path, max_bytes: int | None = None):
         self.dir = Path(root) / BLOBS
+        self.max_bytes = max_bytes
+        self._total: int | None = None  # bytes stored, counted on first need, then kept up to date
+        self.collected = 0  # blobs removed by `collect` since the store was opened
+        self._lock = threading.Lock()
 
     def _file(self, digest: str) -> Path:
         if not is_digest(digest):
@@ -53,7 +69,21 @@ class BlobStore:
             return False
 
     def missing(self, digests: Iterable[str]) -> list[str]:
-        return [d for d in dict.fromkeys(digests) if not self.has(d)]
+        """The digests the store lacks; those it has count as used now (a client relies on them)."""
+        lacking = []
+        for d in dict.fromkeys(digests):
+            if self.has(d):
+                self.touch(d)
+            else:
+                lacking.append(d)
+        return lacking
+
+    def touch(self, digest: str) -> None:
+        """The blob counts as used now: `collect` keeps it for its grace period from here."""
+        try:
+            os.utime(self._file(digest))
+        except OSError:  # gone meanwhile, or a filesystem that refuses: the upload time counts
+            pass
 
     def size(self, digest: str) -> int | None:
         try:
@@ -69,6 +99,7 @@ class BlobStore:
         blob = self._file(digest)
         if not self.has(digest):
             raise BadInput(f"input sha256 {digest[:12]}... has not been uploaded")
+        self.touch(digest)
         if not suffix:
             return blob
         named = blob.with_name(digest + suffix)
@@ -103,15 +134,79 @@ class BlobStore:
         except OSError as e:
             raise BadInput(f"cannot read: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
-            w = BlobWriter(self, None, limit)
-            for chunk in iter(lambda: f.read(CHUNK), b""):
-                w.write(chunk)
-            return w.close()
+            return self._write(None, iter(lambda: f.read(CHUNK), b""), None, limit)
 
-    def _write(self, target: Path, chunks: Iterable[bytes], digest: str | None, limit: int | None) -> str:
+    def used(self) -> int:
+        """Bytes the stored blobs hold (each once, whatever its named links)."""
+        with self._lock:
+            if self._total is None:
+                self._total = sum(size for _, size, _ in self._blobs())
+            return self._total
+
+    def _added(self, n: int) -> None:
+        with self._lock:
+            if self._total is not None:
+                self._total += n
+
+    def room_for(self, n: int) -> None:
+        """Raises BlobStoreFull when `n` more bytes would pass max_bytes."""
+        if self.max_bytes is not None and self.used() + n > self.max_bytes:
+            raise BlobStoreFull(f"the server's store of input files is full ({self.used() / (1 << 20):.1f} MB of "
+                                f"{self.max_bytes / (1 << 30):g} GB, --max-blobs-gb): unused ones are removed after "
+                                "--blob-grace-s; retry later or ask its operator")
+
+    def _blobs(self) -> Iterable[tuple[str, int, float]]:
+        """(digest, size, last stored or used) of each stored blob."""
+        try:
+            shards = [d for d in os.scandir(self.dir) if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
+        except OSError:
+            return
+        for shard in shards:
+            for entry in os.scandir(shard.path):
+                if is_digest(entry.name):
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    yield entry.name, st.st_size, st.st_mtime
+
+    def collect(self, named: set[str], grace_s: float, now: float | None = None) -> tuple[int, int]:
+        """Removes every blob that no digest in `named` (the jobs the server keeps) names and that was not stored
+        or used in the last `grace_s` seconds, with its named links. Returns (blobs, bytes) removed."""
+        now = time.time() if now is None else now
+        removed = freed = 0
+        for digest, size, used in list(self._blobs()):
+            if digest in named or now - used < grace_s:
+                continue
+            blob = self._file(digest)
+            for link in blob.parent.glob(digest + ".*"):  # the named links (path(digest, suffix))
+                link.unlink(missing_ok=True)
+            try:
+                blob.unlink()
+            except FileNotFoundError:
+                continue
+            removed, freed = removed + 1, freed + size
+        self._added(-freed)
+        self.collected += removed
+        return removed, freed
+
+    def clear_tmp(self) -> int:
+        """Removes the temporary files of uploads cut short (a server killed mid-upload); how many. Only at start:
+        a running server's uploads write there."""
+        n = 0
+        for f in (self.dir / TMP).glob("*"):
+            f.unlink(missing_ok=True)
+            n += 1
+        return n
+
+    def _write(self, target: Path | None, chunks: Iterable[bytes], digest: str | None, limit: int | None) -> str:
         w = BlobWriter(self, digest, limit, target)
-        for chunk in chunks:
-            w.write(chunk)
+        try:
+            for chunk in chunks:
+                w.write(chunk)
+        except BaseException:  # a full disk, a read error: no temporary file left
+            w.abort()
+            raise
         return w.close()
 
 
@@ -132,6 +227,11 @@ class BlobWriter:
         if self.limit is not None and self.n > self.limit:
             self.abort()
             raise BlobTooLarge(f"larger than this server's limit of {self.limit // (1 << 20)} MB (--max-blob-mb)")
+        try:
+            self.store.room_for(self.n)
+        except BlobStoreFull:
+            self.abort()
+            raise
         self.hash.update(chunk)
         self.f.write(chunk)
 
@@ -140,15 +240,26 @@ class BlobWriter:
         if self.digest is not None and got != self.digest:
             self.abort()
             raise DigestMismatch(f"the {self.n} bytes sent hash to {got}, not {self.digest}")
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.chmod(self.tmp, 0o444)
-        target = self.target or self.store._file(got)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(self.tmp, target)  # the same bytes: a concurrent upload of the blob lands the same file
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            os.chmod(self.tmp, 0o444)
+            target = self.target or self.store._file(got)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            new = is_digest(target.name) and not target.exists()  # a named copy adds no blob
+            os.replace(self.tmp, target)  # the same bytes: a concurrent upload of the blob lands the same file
+        except BaseException:  # a full disk: no temporary file left
+            self.abort()
+            raise
+        if new:
+            self.store._added(self.n)
         return got
 
     def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        try:
+            self.f.close()  # flushes what is buffered: on a full disk, that fails too
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)

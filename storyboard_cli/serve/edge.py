@@ -11,12 +11,16 @@
   a lone surrogate escape, or nesting past the parser's depth is a 422, never a 500; a number without a
   fraction (2.0) is an integer, as JSON Schema counts them.
 - Every error is RFC 9457 problem+json with a one-line detail that shows no Python repr and no server path.
+- A client that goes away mid-body is one log line, not a traceback (what it sent is dropped by the route).
+- A file path in a route (`{path:any}`) takes every character, a newline or a control character too, so that the
+  route answers it (its own 404 or 422), not the router's "no route" (Starlette's `path` stops at a newline).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -26,11 +30,14 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.convertors import Convertor, register_url_convertor
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 if TYPE_CHECKING:
     from storyboard_cli.serve.settings import Settings
 
+log = logging.getLogger(__name__)
 PROBLEM = "application/problem+json"
 JSON_CAP = 4 << 20  # bytes: any body but a job's or a file's
 MAX_INT_DIGITS = 40  # a JSON integer longer than this is no 64-bit integer (pydantic checks the exact bounds)
@@ -39,6 +46,21 @@ MAX_ERRORS = 3  # validation errors named in one detail
 METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what a 405's Allow may name
 OPEN = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 CLIENT, WORKER = "client", "worker"  # the two tokens, as the OpenAPI security schemes name them
+
+
+class AnyPath(Convertor):
+    """`{name:any}`: the rest of the URL's path, whatever its characters."""
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("any", AnyPath())
 
 
 def problem(status: int, title: str, detail: str, headers: dict | None = None) -> JSONResponse:
@@ -245,6 +267,14 @@ def fixed_paths(app) -> dict[str, frozenset[str]]:
     return table
 
 
+async def disconnected(request: Request, e: ClientDisconnect) -> JSONResponse:
+    """The client went away before its body arrived whole (the route kept none of it): one line in the log; the
+    answer reaches no one."""
+    log.warning("%s %s: the client disconnected before its body arrived whole; nothing was kept", request.method,
+                one_line(request.url.path, 120))
+    return problem(400, "client disconnected", "the body did not arrive whole")
+
+
 def allowed_methods(request: Request) -> list[str]:
     """Every method some route of the app answers at this path (Starlette's 405 names only the first route's).
     Each route is asked per method: a router included whole (recent FastAPI keeps it as one route) answers for
@@ -260,3 +290,4 @@ def install(app, settings: Settings) -> None:
     app.add_middleware(Edge, settings=settings)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, disconnected)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storyboard_cli.errors import BadInput, JobError, ModelError, StoryboardError
+from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.adapter_files import ADAPTER_PRESETS
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
@@ -76,14 +77,13 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
         raise BadInput(f"file name {filename!r} is a name the server uses in the job's folder; choose another")
     blobs = blobs or BlobStore(root)
     folder = job_folder(root, job_id)
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True)  # a new id: nothing is there to remove if this fails
     path = folder / filename
-    path.write_bytes(body)
     named = Inputs(blob=blobs.path, adopt=lambda p: blobs.adopt(p, blob_limit))
-    try:
+    try:  # each file whole or not at all (a full disk): a temporary name, fsync, rename
+        atomic_write(path, body)
         job = _load(path, filename, (root, *inputs), named, allow_models)
-        (folder / INPUTS_FILE).write_bytes(json.dumps(named.used, sort_keys=True).encode())  # as the job file: the
-        # queue's row is the durable record; the blobs it names were synced when they were stored
+        atomic_write(folder / INPUTS_FILE, json.dumps(named.used, sort_keys=True).encode())
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -121,6 +121,18 @@ def stored_inputs(job_file: Path) -> dict[str, str]:
         return json.loads((job_file.parent / INPUTS_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
+
+
+def kept_inputs(root: Path) -> set[str]:
+    """The sha256 of every file named by a job whose folder the server keeps (queued, running or finished):
+    the blobs `BlobStore.collect` must not remove."""
+    named: set[str] = set()
+    for folder in (root / JOBS).glob("*"):
+        try:
+            named.update(json.loads((folder / INPUTS_FILE).read_text(encoding="utf-8")).values())
+        except (OSError, ValueError, AttributeError):  # a job refused mid-intake, or a folder not ours
+            continue
+    return named
 
 
 def root_of(job_file: Path) -> Path:

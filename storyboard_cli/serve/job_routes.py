@@ -17,6 +17,8 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import INDEX, REPORT_JSON
 from storyboard_cli.serve import wire
 from storyboard_cli.serve.api_state import ApiState, Id
+from storyboard_cli.serve.blobs import BlobStoreFull
+from storyboard_cli.serve.disk import FULL_TITLE, INSUFFICIENT_STORAGE
 from storyboard_cli.serve.edge import JSONRoute, problem
 from storyboard_cli.serve.intake import SAFE_FILE, content_hash, plan_submission
 from storyboard_cli.serve.openapi import (EVENT, EVENT_STREAM, FILE_TYPES, FILES, JOB_BODY, OCTETS, EventStream,
@@ -76,7 +78,8 @@ def router(state: ApiState) -> APIRouter:
         200: {"model": wire.JobView, "description": "the job first submitted with this Idempotency-Key "
                                                     "(Idempotent-Replayed: true)"},
         **problems({422: "a job `bcg plan` refuses (file:line, shot, field), or an Idempotency-Key used for "
-                          "another body", 503: "the queue is full, or the server is stopping (Retry-After)"})})
+                          "another body", 503: "the queue is full, or the server is stopping (Retry-After)",
+                    507: "the server's disk is full, or under --min-free-mb: nothing of the job is kept"})})
     async def submit(request: Request, priority: wire.Priority = DEFAULT_PRIORITY,
                      idempotency_key: IdempotencyKey = None, x_job_filename: JobFilename = None):
         """A job file (YAML or JSON, at most --max-job-kb), validated and planned as `bcg plan` does."""
@@ -99,12 +102,17 @@ def router(state: ApiState) -> APIRouter:
             await run_in_threadpool(store.refuse_if_full, settings.max_queue_images, clock())
         except QueueFull as e:
             return problem(503, "queue full", str(e), {"Retry-After": str(e.retry_after)})
+        low = await run_in_threadpool(state.disk.low)
+        if low is not None:
+            return state.disk.refuse(low)
         try:
             planned = await run_in_threadpool(plan_submission, settings.root, job_id, body, filename, priority,
                                               settings.inputs, state.blobs, settings.allow_models,
                                               settings.max_blob_mb << 20)
         except BadInput as e:
             return problem(422, "invalid job", str(e))
+        except BlobStoreFull as e:  # a file the job names by a server path, copied in
+            return problem(INSUFFICIENT_STORAGE, FULL_TITLE, str(e))
         try:
             new_id, created = await run_in_threadpool(store.submit, planned, idempotency_key,
                                                       settings.max_queue_images, clock())
@@ -114,6 +122,9 @@ def router(state: ApiState) -> APIRouter:
         except BadInput as e:  # an idempotency conflict, or larger than the queue
             _discard(planned.path.parent)
             return problem(422, "refused", str(e))
+        except BaseException:  # the queue's disk full (a 507, disk.py): nothing of the job is kept
+            _discard(planned.path.parent)
+            raise
         if not created:
             _discard(planned.path.parent)
             return replayed(new_id, request)
@@ -178,7 +189,7 @@ def router(state: ApiState) -> APIRouter:
                 quiet = 0.0
             await asyncio.sleep(EVENT_POLL_S)
 
-    @api.get("/v1/jobs/{job_id}/files/{path:path}", response_class=JobFile, responses={
+    @api.get("/v1/jobs/{job_id}/files/{path:any}", response_class=JobFile, responses={
         200: {"description": "the file (PNG, the report, the contact sheet, a thumbnail, ...)", "content": FILES},
         **problems({404: "no such job, or no such file in its folder"})})
     def job_file(job_id: Id, path: str):

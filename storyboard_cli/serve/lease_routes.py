@@ -72,7 +72,7 @@ def router(state: ApiState) -> APIRouter:
             return problem(403, "worker quarantined", str(e))
         return got if got is not None else Response(status_code=204)
 
-    @api.put("/v1/leases/{lease_id}/files/{job_id}/{path:path}", response_model=None, openapi_extra=FILE_BODY,
+    @api.put("/v1/leases/{lease_id}/files/{job_id}/{path:any}", response_model=None, openapi_extra=FILE_BODY,
              responses={200: {"model": wire.StoredOutput}, **problems({
                  403: NOT_HOLDER,
                  404: "no such route: a path that holds a control character or a newline names no output",

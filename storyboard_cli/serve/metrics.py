@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from storyboard_cli.serve import store as queue
+from storyboard_cli.serve.blobs import BlobStore
+from storyboard_cli.serve.disk import Disk
 from storyboard_cli.serve.schedule import TIERS
 
 PREFIX = "bcg_"
@@ -145,9 +147,30 @@ def workers(seen: list[queue.Seen]):
     yield from (ready, quarantined, memory, *figures.values())
 
 
-def registry(store: queue.Store, worker_window_s: float, clock: Callable[[], float] = time.time) -> CollectorRegistry:
+class DiskCollector:
+    """The root's free bytes and the writes refused for want of space (disk.py), the input files stored and those
+    collected (blobs.py), read at each scrape; the counters since the server started."""
+
+    def __init__(self, disk: Disk, blobs: BlobStore):
+        self.disk, self.blobs = disk, blobs
+
+    def collect(self):
+        yield GaugeMetricFamily(PREFIX + "root_free_bytes", "Bytes free on the filesystem of the server's --root.",
+                                value=self.disk.free())
+        yield CounterMetricFamily(PREFIX + "disk_full", "Requests refused (507) because the server's disk was full "
+                                  "or under --min-free-mb.", value=self.disk.refused)
+        yield GaugeMetricFamily(PREFIX + "blobs_bytes", "Bytes of the stored input files (at most --max-blobs-gb).",
+                                value=self.blobs.used())
+        yield CounterMetricFamily(PREFIX + "blobs_collected", "Input files removed because no job named them for "
+                                  "--blob-grace-s.", value=self.blobs.collected)
+
+
+def registry(store: queue.Store, worker_window_s: float, clock: Callable[[], float] = time.time,
+             disk: Disk | None = None, blobs: BlobStore | None = None) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(StoreCollector(store, clock, worker_window_s))
+    if disk is not None and blobs is not None:
+        reg.register(DiskCollector(disk, blobs))
     return reg
 
 

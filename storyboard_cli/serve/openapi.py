@@ -39,13 +39,18 @@ FILES = {t: {"schema": {"type": "string", "format": "binary"}} for t in (*FILE_T
 FILE_BODY = {"requestBody": {"required": True, "description": "the file's bytes, at most --max-blob-mb",
                              "content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}}}
 EVENT = {"type": "object", "required": ["event", "data"], "properties": {  # one server-sent event
-    "event": {"type": "string", "description": "queued, running, images, lease_lost, priority; `end` last"},
+    "event": {"type": "string", "description": "queued, running, images, lease_lost, priority, canceled; `end` last"},
     "id": {"type": "string", "pattern": "^[0-9]+$", "description": "its sequence number (Last-Event-ID)"},
     "retry": {"type": "integer"},
     "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {"$ref": REF + "JobEvent"}}}}
 ANSWERS = {401: "the route's token is missing or wrong (WWW-Authenticate: Bearer)",
            413: "the body is larger than its cap (--max-job-kb, --max-blob-mb, 4 MB for JSON)",
-           422: "a malformed body, header, path or query parameter: `detail` names it"}
+           422: "a malformed body, header, path or query parameter: `detail` names it",
+           507: "the server's disk is full (or its input files' store, --max-blobs-gb): nothing of the request "
+                "was kept"}
+
+
+WRITES = ("post", "put", "patch")  # what writes the queue or a file: a full disk answers 507
 
 
 class EventStream(StreamingResponse):
@@ -79,8 +84,8 @@ def schema(app: FastAPI, settings: Settings) -> dict:
             answers = op["responses"]
             for status, why in ANSWERS.items():
                 needed = {401: bool(edge.guarded(method.upper(), path, settings)), 413: "requestBody" in op,
-                          422: str(status) in answers}[status]
-                if needed:
+                          422: str(status) in answers, 507: method in WRITES}[status]
+                if needed and not (status == 507 and str(status) in answers):  # a route's own wording stays
                     answers[str(status)] = {"description": why, "content": PROBLEM_CONTENT}
             needs = edge.guarded(method.upper(), path, settings)
             if needs:

@@ -18,7 +18,7 @@ def router(state: ApiState) -> APIRouter:
     """/metrics, /healthz, /readyz: open (no token)."""
     api = APIRouter(route_class=JSONRoute)  # each JSON body read by the edge's parser
     store, settings, clock = state.store, state.settings, state.clock
-    registry = metrics.registry(store, settings.lease_s, clock)
+    registry = metrics.registry(store, settings.lease_s, clock, state.disk, state.blobs)
 
     @api.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"description": "Prometheus text (version 0.0.4)"}})
@@ -37,12 +37,15 @@ def router(state: ApiState) -> APIRouter:
     @api.get("/readyz", response_model=None, responses={
         200: {"model": wire.Ready}, **problems({503: "by design, until a worker is ready: no registered worker "
                                                       "seen within --lease-s has its graphs captured (or the "
-                                                      "server is stopping)"})})
+                                                      "server is stopping, or its disk is under --min-free-mb)"})})
     def readyz():
         """Ready: at least one registered worker seen within --lease-s has its model loaded and its graphs
         captured (it says so with each lease request and heartbeat)."""
         if state.draining():
             return problem(503, "draining", "the server is stopping")
+        low = state.disk.low()
+        if low is not None:
+            return problem(503, "disk full", low)
         seen, ready = store.readiness(clock(), settings.lease_s)
         if not ready:
             reason = (f"{seen} worker(s) seen in the last {settings.lease_s:g} s, none has its graphs captured yet "

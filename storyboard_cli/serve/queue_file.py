@@ -71,10 +71,11 @@ class QueueFile:
             self.db.execute("BEGIN IMMEDIATE")
             try:
                 yield self.db
+                self.db.execute("COMMIT")
             except BaseException:
-                self.db.execute("ROLLBACK")
+                if self.db.in_transaction:  # a COMMIT refused (a full disk) may leave it open
+                    self.db.execute("ROLLBACK")
                 raise
-            self.db.execute("COMMIT")
 
 
 def _migrate(db: sqlite3.Connection) -> None:

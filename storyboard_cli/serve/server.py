@@ -66,6 +66,9 @@ class ServeOptions:
     max_blob_mb: int = 2048
     max_workers: int = 64
     allow_models: tuple[str, ...] = ()  # --allow-model: hub ids jobs may name
+    min_free_mb: int = 512
+    max_blobs_gb: float = 100.0
+    blob_grace_s: float = 3600.0
 
 
 def check_bind(host: str, token: str | None) -> None:
@@ -265,7 +268,8 @@ class Service:
             settings = Settings(opts.root, opts.max_queue_images, opts.lease_s, opts.token, opts.inputs,
                                 worker_token=opts.worker_token, max_job_kb=opts.max_job_kb,
                                 max_blob_mb=opts.max_blob_mb, max_workers=opts.max_workers,
-                                allow_models=opts.allow_models)
+                                allow_models=opts.allow_models, min_free_mb=opts.min_free_mb,
+                                max_blobs_gb=opts.max_blobs_gb, blob_grace_s=opts.blob_grace_s)
             self.app = create_app(settings, self.store)
             self.sock = listen(opts.host, opts.port)
         except BaseException:

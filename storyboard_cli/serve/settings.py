@@ -19,3 +19,9 @@ class Settings:
     max_blob_mb: int = 2048  # a larger input file (PUT /v1/blobs/{sha256}) is a 413
     max_workers: int = 64  # registered workers at once (each has its own metric series)
     allow_models: tuple[str, ...] = ()  # hub ids (owner/name) jobs may name; none by default
+    min_free_mb: int = 512  # free space kept on the root's disk: below it no new job or input file, and not ready
+    max_blobs_gb: float = 100.0  # the stored input files' total size (507 above)
+    blob_grace_s: float = 3600.0  # an input file no job names is removed this long after its upload or last use
+
+    def __post_init__(self):
+        self.root = Path(self.root).resolve()  # once, at start: what the server stores is relative to it

@@ -19,7 +19,7 @@ from typing import Callable
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
-from storyboard_cli.serve.intake import Planned
+from storyboard_cli.serve.intake import JOBS, Planned
 from storyboard_cli.serve.queue_file import APPLICATION_ID, DB, QueueUnusable
 from storyboard_cli.serve.queue_stats import (BATCH_FILL, BATCH_SECONDS, BUCKETS_S, CACHED, EXPIRED, FAILED,
                                               FILL_BUCKETS, FIRST_IMAGE, IMAGE_RENDER, JOB_LATENCY, LATE,
@@ -93,14 +93,53 @@ class JobFinal(Exception):
 
 class Store(WorkerRegistry, QueueStats):
     """The queue: jobs, their images, leases and progress events (its workers and figures: the classes it
-    inherits, sharing its connection and lock)."""
+    inherits, sharing its connection and lock). A job's file and output folder are kept relative to `root`
+    (resolved once here): the server may start again from another working directory, or with another spelling
+    of its root, and find them."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+        super().__init__(self.root)
+        self._repair_paths()
+
+    def _stored(self, path: Path) -> str:
+        """A path as the jobs table keeps it: relative to the root, absolute when outside it."""
+        path = Path(path)
+        return str(path.relative_to(self.root)) if path.is_relative_to(self.root) else str(path)
+
+    def _path(self, stored: str) -> Path:
+        """A path the jobs table keeps, on this machine (an absolute one as it is)."""
+        return self.root / stored
+
+    def _repair_paths(self) -> None:
+        """Rows written before paths were kept relative to the root (relative to the working directory of the
+        server that wrote them, or absolute) rewritten relative to it, where the job's folder is under this root
+        (its file and output folder are <root>/jobs/<id>/...); any other row is left as it was."""
+        with self.lock:
+            rows = self.db.execute("SELECT id, path, out_dir FROM jobs").fetchall()
+        fixes = []
+        for job_id, *paths in rows:
+            fixed = [self._repaired(job_id, p) for p in paths]
+            if fixed != paths:
+                fixes.append((*fixed, job_id))
+        if fixes:
+            with self._tx() as db:
+                db.executemany("UPDATE jobs SET path = ?, out_dir = ? WHERE id = ?", fixes)
+
+    def _repaired(self, job_id: str, stored: str) -> str:
+        parts = Path(stored).parts
+        if len(parts) < 3 or parts[-3:-1] != (JOBS, job_id):
+            return stored  # not a job folder this server made (or already relative: jobs/<id>/<name>)
+        tail = str(Path(*parts[-3:]))
+        return tail if stored != tail and (self.root / JOBS / job_id).is_dir() else stored
 
     def _event(self, db, job_id: str, kind: str, now: float, **data) -> None:
         """One step of the job's progress stream, written in the transaction that made it (so a reader
-        resuming after event n misses none and sees none twice). None after the stream's `end`: the job's
-        last event says its final state (a canceled job's leased images may still finish, unannounced)."""
+        resuming after event n misses none and sees none twice). None after the stream's `end`, which comes
+        when the job's last image ended (a canceled job's after its leased batches landed): the job's last
+        event says its final state and counts."""
         job = db.execute("SELECT canceled, finished FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        if kind != END and (job["canceled"] or job["finished"] is not None):  # its `end` is written
+        if kind != END and job["finished"] is not None:  # its `end` is written
             return
         states = self._states(db, job_id)
         body = {"job": job_id, "state": schedule.job_state(states, bool(job["canceled"])), "at": now,
@@ -186,8 +225,8 @@ class Store(WorkerRegistry, QueueStats):
     def _insert(self, db, job: Planned, key: str | None, now: float) -> None:
         db.execute("INSERT INTO jobs (id, idem_key, content_hash, name, path, out_dir, priority, submitted, batch)"
                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                   (job.id, key, job.content_hash, job.name, str(job.path), str(job.out_dir), job.priority, now,
-                    job.batch))
+                   (job.id, key, job.content_hash, job.name, self._stored(job.path), self._stored(job.out_dir),
+                    job.priority, now, job.batch))
         db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state, mix, cost)"
                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        [(job.id, i.order, i.shot, i.k, i.seed, json.dumps(i.outputs), i.key, i.fingerprint,
@@ -240,7 +279,8 @@ class Store(WorkerRegistry, QueueStats):
                                           **self._twin(db, r["fingerprint"])))
                 if w.job not in jobs:
                     job = db.execute("SELECT path, out_dir FROM jobs WHERE id = ?", (w.job,)).fetchone()
-                    jobs[w.job] = LeasedJob(path=job["path"], out_dir=job["out_dir"], job_file=Path(job["path"]).name)
+                    jobs[w.job] = LeasedJob(path=str(self._path(job["path"])), out_dir=str(self._path(job["out_dir"])),
+                                            job_file=Path(job["path"]).name)
             for job_id in jobs:
                 self._event(db, job_id, "running", now, worker=worker, lease=lease_id,
                             images=[w.image for w in picked if w.job == job_id])
@@ -255,7 +295,7 @@ class Store(WorkerRegistry, QueueStats):
         if row is None:
             return {"twin": None, "twin_of": None, "twin_url": None}
         first = json.loads(row["outputs"])[0]
-        return {"twin": str(Path(row["out_dir"]) / first), "twin_of": [row["id"], first],
+        return {"twin": str(self._path(row["out_dir"]) / first), "twin_of": [row["id"], first],
                 "twin_url": job_file_url(row["id"], first)}
 
     def lease_outputs(self, lease_id: str, now: float) -> dict[str, tuple[Path, Path, set[str]]] | None:
@@ -269,7 +309,7 @@ class Store(WorkerRegistry, QueueStats):
             for job_id, path, out_dir, outputs in db.execute(
                     "SELECT j.id, j.path, j.out_dir, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
                     "WHERE i.lease = ?", (lease_id,)):
-                held.setdefault(job_id, (Path(path), Path(out_dir), set()))[2].update(json.loads(outputs))
+                held.setdefault(job_id, (self._path(path), self._path(out_dir), set()))[2].update(json.loads(outputs))
         return held
 
     def heartbeat(self, lease_id: str, now: float, ttl: float, worker: str | None = None,
@@ -393,21 +433,23 @@ class Store(WorkerRegistry, QueueStats):
             self._count(db, EXPIRED)
             self._count(db, FAILED, sum(r["attempts"] >= MAX_ATTEMPTS for r in held))
             for job_id in dict.fromkeys(r["job"] for r in held):
-                self._event(db, job_id, "lease_lost", now,
-                            requeued=[r["id"] for r in held if r["job"] == job_id and r["attempts"] < MAX_ATTEMPTS])
+                canceled = db.execute("SELECT canceled FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
+                self._event(db, job_id, "lease_lost", now, requeued=[] if canceled else [
+                    r["id"] for r in held if r["job"] == job_id and r["attempts"] < MAX_ATTEMPTS])
                 self._finished(db, job_id, now)
 
     def _finished(self, db, job_id: str, now: float) -> None:
-        """Stamps a job whose last image just ended (once), and ends its event stream."""
+        """Stamps a job whose last image just ended (once), and ends its event stream (a canceled job's too:
+        after its leased batches landed, so that `end` counts what the job holds)."""
         open_ = db.execute("SELECT COUNT(*) FROM images WHERE job = ? AND state IN (?, ?)",
                            (job_id, *ImageState.OPEN)).fetchone()[0]
         job = db.execute("SELECT submitted, canceled, finished FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if open_ or job["finished"] is not None:
             return
         db.execute("UPDATE jobs SET finished = ? WHERE id = ?", (now, job_id))
-        if not job["canceled"]:  # a canceled job's stream ended when it was canceled
+        if not job["canceled"]:
             self._observe(db, JOB_LATENCY, "", now - job["submitted"])
-            self._event(db, job_id, END, now)
+        self._event(db, job_id, END, now)
 
     def expire(self, now: float) -> None:
         with self._tx() as db:
@@ -417,15 +459,16 @@ class Store(WorkerRegistry, QueueStats):
 
     def cancel(self, job_id: str, now: float) -> bool:
         """Queued images are canceled at once; leased ones when their batch is done (the job is canceled from
-        now on, and its stream ends). False for no such job; JobFinal for one already final."""
+        now on: its stream says `canceled`, then the leased batches' `images`, and ends once they landed).
+        False for no such job; JobFinal for one already final."""
         with self._tx() as db:
             if not self._open_job(db, job_id):
                 return False
             db.execute("UPDATE jobs SET canceled = 1 WHERE id = ?", (job_id,))
             db.execute("UPDATE images SET state = ? WHERE job = ? AND state = ?",
                        (ImageState.CANCELED, job_id, ImageState.QUEUED))
+            self._event(db, job_id, "canceled", now)
             self._finished(db, job_id, now)
-            self._event(db, job_id, END, now)
             return True
 
     def set_priority(self, job_id: str, priority: str, now: float) -> bool:
@@ -458,7 +501,7 @@ class Store(WorkerRegistry, QueueStats):
         """The job file a served job was saved as (its folder holds the job's inputs and leases' reports)."""
         with self.lock:
             row = self.db.execute("SELECT path FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else Path(row[0])
+        return None if row is None else self._path(row[0])
 
     def job(self, job_id: str, now: float) -> dict | None:
         """The job with its images, its state, the images queued ahead of it and an ETA."""
@@ -476,7 +519,7 @@ class Store(WorkerRegistry, QueueStats):
         state = schedule.job_state(states, bool(job["canceled"]))
         left = sum(states[s] for s in ImageState.OPEN)
         return {"id": job["id"], "name": job["name"], "state": state, "priority": job["priority"],
-                "submitted": job["submitted"], "finished": job["finished"], "out_dir": job["out_dir"],
+                "submitted": job["submitted"], "finished": job["finished"], "out_dir": str(self._path(job["out_dir"])),
                 "images_by_state": dict(states), "queue_position": ahead if left else None,
                 "eta_s": round((ahead + left) / rate, 1) if rate and left else None,
                 "images": [{"id": r["id"], "shot": r["shot"], "candidate": r["k"], "seed": r["seed"],

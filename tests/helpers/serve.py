@@ -41,12 +41,13 @@ class Server:
         self.root, self.port, self.url = root, port, f"http://127.0.0.1:{port}"
         self.proc = None
 
-    def start(self, lease_s=3, gpus="cpu", extra=(), stderr=None):
-        """`stderr`: a file the server's (and its local workers') stderr goes to (None: the test's)."""
-        self.proc = subprocess.Popen([sys.executable, "-m", "storyboard_cli", "serve", "--root", str(self.root),
-                                      "--port", str(self.port), "--gpus", gpus, "--lease-s", str(lease_s),
-                                      "--grace-s", "30", *extra], cwd=ROOT, start_new_session=True,
-                                     env=dict(os.environ), stderr=stderr)
+    def start(self, lease_s=3, gpus="cpu", extra=(), cwd=ROOT, root=None, prefix=(), stderr=None):
+        """`root`: how --root is spelled (default: the absolute path), read from `cwd`; `prefix`: a command the
+        server runs under (a mount namespace); `stderr`: a file for its log."""
+        argv = [*prefix, sys.executable, "-m", "storyboard_cli", "serve", "--root", str(root or self.root),
+                "--port", str(self.port), "--gpus", gpus, "--lease-s", str(lease_s), "--grace-s", "30", *extra]
+        self.proc = subprocess.Popen(argv, cwd=cwd, start_new_session=True, stderr=stderr,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:

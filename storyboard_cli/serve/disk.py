@@ -1,0 +1,72 @@
+"""The server's disk: what is free under --root, the floor below which it takes no new job or input file and is
+not ready (--min-free-mb), and a write refused for want of space (ENOSPC, EDQUOT, SQLite's "disk is full")
+answered as one 507 problem. Torch-free.
+
+507 Insufficient Storage, not 503 with a Retry-After: space comes back when an operator frees it, not after a
+wait a client could be told, and a client that retried would only fill the log. Whatever was half-written is
+removed by the writer that failed (a job's folder, a blob's temporary file, an uploaded PNG's temporary name).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import threading
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from storyboard_cli.serve.edge import problem
+
+log = logging.getLogger(__name__)
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+INSUFFICIENT_STORAGE = 507
+FULL_TITLE = "insufficient storage"
+FULL = "the server's disk is full"
+MB = 1 << 20
+
+
+def is_full(e: BaseException) -> bool:
+    """Whether an error is a write refused for want of space (the disk or the user's quota)."""
+    if isinstance(e, OSError):
+        return e.errno in FULL_ERRNOS
+    return isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL
+
+
+class Disk:
+    """The filesystem under the server's root: its free bytes, the floor, and the writes refused for want of space
+    since the server started (`refused`, what /metrics counts)."""
+
+    def __init__(self, root: Path, min_free_mb: int):
+        self.root, self.floor = Path(root), min_free_mb * MB
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def free(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def low(self) -> str | None:
+        """Why the server takes no new job or input file now (its free bytes under the floor); None when it does."""
+        free = self.free()
+        if free >= self.floor:
+            return None
+        return (f"{FULL}: {free / MB:.1f} MB free, under the {self.floor // MB} MB it keeps for the jobs it accepted "
+                "(--min-free-mb); free space on the server, or submit to another")
+
+    def refuse(self, why: str) -> JSONResponse:
+        """The 507 of a request refused for want of space (counted)."""
+        with self._lock:
+            self.refused += 1
+        return problem(INSUFFICIENT_STORAGE, FULL_TITLE, why)
+
+    async def answer(self, request: Request, e: Exception) -> JSONResponse:
+        """The app's handler of OSError and SQLite's errors: a write refused for want of space is a 507 (counted,
+        one log line); anything else is raised again, as before."""
+        if not is_full(e):
+            raise e
+        log.warning("%s %s: %s", request.method, request.url.path, FULL)
+        return self.refuse(f"{FULL}: nothing of this request was kept; free space on the server, then retry")
