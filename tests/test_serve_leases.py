@@ -99,7 +99,7 @@ def test_a_report_the_server_cannot_read_is_refused_and_a_stored_one_never_stops
     report = eventually(lambda: json.loads((out / "report.json").read_text()) if (out / "report.json").exists()
                         else {}, lambda r: r.get("status") == "failed", 30)
     assert [w["host"] for w in report["workers"]] == [worker] and report["images_failed"] == 2
-    eventually(lambda: (out / "index.html").exists(), bool, 10)  # the sheet is written after the report
+    eventually(lambda: (out / "index.html").exists(), bool, 10)  # the sheet, written after the report
     skipped = eventually(lambda: [line for line in (tmp_path / "serve.log").read_text().splitlines()
                                   if "is skipped" in line], lambda lines: len(lines) >= 3, 10)
     assert {line.split("the report of lease ")[1].split(" ")[0] for line in skipped} == {"older", "typed", "torn"}

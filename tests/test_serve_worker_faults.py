@@ -126,7 +126,7 @@ def test_a_worker_that_cannot_reach_its_server_says_so_once_and_keeps_trying(tmp
 
 
 def test_the_supervisor_stops_after_exit_2_or_quick_failures_in_a_row():
-    assert Restarts().why_not(2, 1000.0) == "it cannot start here"
+    assert Restarts().why_not(2, 1000.0) == "it cannot render here (exit 2)"
     slow = Restarts()
     assert all(slow.why_not(1, QUICK_S + 1) is None for _ in range(2 * QUICK_FAILURES))  # a long run between each
     quick = Restarts()

@@ -151,7 +151,7 @@ class Restarts:
     def why_not(self, code: int, ran_s: float) -> str | None:
         """None: start it again; else why not (a clause of one line)."""
         if code == BadInput.exit_code:
-            return "it cannot start here"
+            return "it cannot render here (exit 2)"
         self.quick = self.quick + 1 if ran_s < QUICK_S else 0
         if self.quick >= QUICK_FAILURES:
             return f"it failed {QUICK_FAILURES} times in a row within {QUICK_S:.0f} s of its start"
