@@ -70,8 +70,29 @@ def test_a_control_image_broken_after_plan_fails_only_its_images(tiny_cpu, job_d
     assert [item.shot for item, _ in done] == ["a", "a"]
     decoded = runner.decode(done)
     assert [(d.item.shot, d.pixels is None) for d in decoded] == [("a", False), ("a", False), ("b", True)]
-    assert decoded[2].failure.startswith(f"control image {job_dir / 'control/other.png'} cannot be read: ")
-    assert "\n" not in decoded[2].failure
+    assert decoded[2].failure.startswith("control image control/other.png cannot be read: ")  # as the job names it
+    assert "\n" not in decoded[2].failure and str(job_dir) not in decoded[2].failure
+
+
+def test_a_served_jobs_broken_control_image_is_named_as_the_job_names_it_not_by_its_blob(tiny_cpu, job_dir, tmp_path):
+    """A served job reads its files from the blob store (<root>/blobs/<2 hex>/<sha256>): a failure names the file
+    as the job wrote it, never the blob's digest or the server's path."""
+    from storyboard_cli.job.inputs import Inputs
+    from storyboard_cli.serve.blobs import BlobStore
+
+    blobs = BlobStore(tmp_path / "root")
+    digest = blobs.put((job_dir / "control/hero_pose.png").read_bytes())
+    job = load_job(write_job(tmp_path, "version: 1\nmodel: tiny\ncontrolnet: tiny\nbuckets: [1]\n"
+                                       f"defaults: {{size: {W}x{H}, steps: 2}}\nshots:\n"
+                                       "  - {id: b, prompt: y, control: {image: poses/pose.png}}\n"),
+                   inputs=Inputs({"poses/pose.png": digest}, blob=blobs.path))
+    blob = blobs.path(digest)
+    blob.chmod(0o644)
+    blob.write_bytes(b"\x89PNG\r\n\x1a\n broken on the server's disk")
+    (batch,) = make_batches(work_items(job), job.buckets)
+    (failed,) = BatchRunner(tiny_cpu, EagerEngine(tiny_cpu)).readable(batch.items)[1]
+    assert failed.failure.startswith("control image poses/pose.png cannot be read: "), failed.failure
+    assert digest[:12] not in failed.failure and str(tmp_path) not in failed.failure
 
 
 def test_the_prompt_cache_stays_within_its_bound_and_stays_right(tiny_cpu):

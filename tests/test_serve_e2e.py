@@ -59,7 +59,12 @@ def test_a_job_through_serve_equals_bcg_render_and_sigterm_exits_0(server, tmp_p
     assert ready.json() == {"ready": True, "workers": 1, "workers_ready": 1}  # its next lease request said so
 
     again = CliRunner().invoke(app, ["submit", str(path), "--server", server.url, "--wait", "--json"])
-    assert all(i["cached"] for i in json.loads(again.stdout)["images"])  # identical images rendered once
+    deduplicated = json.loads(again.stdout)
+    assert all(i["cached"] for i in deduplicated["images"])  # identical images rendered once
+    report = eventually(lambda: httpx.get(deduplicated["report_url"]).json(), lambda r: r.get("status") == "done", 10)
+    assert (report["images_rendered"], report["images_cached"]) == (0, 5)  # copied, not rendered
+    markdown = httpx.get(deduplicated["report_url"].replace("report.json", "report.md")).text
+    assert "- 0 rendered, 5 cached (copied from identical images rendered before), 0 skipped" in markdown
 
     os.kill(server.proc.pid, signal.SIGTERM)
     assert server.proc.wait(60) == 0

@@ -190,6 +190,9 @@ class Report:
     render_images_per_s: float | None = None
     workers: list[dict[str, Any]] | None = None
     share: WorkerShare | None = None  # a worker's report on its way to the merge
+    # a served job's (serve/folders.py): its images copied from an identical one rendered before (dedup), which
+    # `images_rendered` leaves out; absent from report.json elsewhere
+    images_cached: int | None = None
 
     @classmethod
     def build(cls, *, job: str, out_dir: Path, device: str, dtype: str, engine: str, model: str, timings: Timings,
@@ -197,7 +200,8 @@ class Report:
               graphs: list[dict], status: str, notes: list[str], run: dict | None = None,
               stopped_by: int | None = None, error: str | None = None, lora_swaps: list[Swap] | None = None,
               shots: list[dict] | None = None, characters: list[dict] | None = None,
-              references: list[dict] | None = None, controlnets: list[dict] | None = None) -> Report:
+              references: list[dict] | None = None, controlnets: list[dict] | None = None,
+              cached: int | None = None) -> Report:
         """One render's report. `run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted
         render; `error`: what ended a failed one; `shots`: what each shot used (plan.shot_levers); `characters`,
         `references`, `controlnets`: what its images are conditioned on (job_inputs)."""
@@ -212,7 +216,7 @@ class Report:
                    peak_memory_mb=None if peak_mem_mb is None else round(peak_mem_mb, 1),
                    stages_s=timings.stages_s(), buckets=timings.bucket_rows(), graphs=graphs, failures=failed,
                    notes=notes, draft=any(s["draft"] for s in shots), shots=shots, characters=characters,
-                   references=references, controlnets=controlnets)
+                   references=references, controlnets=controlnets, images_cached=cached)
 
     @classmethod
     def merge(cls, reports: list[Report]) -> Report:
@@ -252,7 +256,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         """report.json's object; a merged report's figures after the rest, a worker's share last."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "share"}
-        for name in INPUTS:
+        for name in (*INPUTS, "images_cached"):
             if out[name] is None:
                 del out[name]
         if self.workers is None:
@@ -273,6 +277,11 @@ def build_report(**kwargs: Any) -> dict:
     return Report.build(**kwargs).to_json()
 
 
+def _cached(report: dict) -> str:
+    n = report.get("images_cached")
+    return "" if n is None else f"{n} cached (copied from identical images rendered before), "
+
+
 def markdown(report: dict) -> str:
     r = report
     run = r.get("run") or {}
@@ -280,7 +289,7 @@ def markdown(report: dict) -> str:
            f"- run {run.get('id', '?')}: {run.get('started', '?')} -> {run.get('finished', '?')}",
            f"- status: **{r['status']}**{_why(r)}; device `{r['device']}`, dtype {r['dtype']}, engine {r['engine']}, "
            f"model `{r['model']}`",
-           f"- {r['images_rendered']} rendered, {r['images_skipped']} skipped (already done), "
+           f"- {r['images_rendered']} rendered, {_cached(r)}{r['images_skipped']} skipped (already done), "
            f"{r['images_failed']} failed in {r['wall_s']:.2f} s: {r['images_per_s']:.3f} images/s, "
            f"{r['steps_per_s']:.2f} steps/s while denoising",
            f"- peak device memory: {r['peak_memory_mb']} MB" if r["peak_memory_mb"] is not None else

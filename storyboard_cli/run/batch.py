@@ -23,6 +23,7 @@ from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
 from storyboard_cli.errors import ModelError, StoryboardError, first_line
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import LoraFile
+from storyboard_cli.job.lora_files import LoraFileError
 from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
@@ -125,10 +126,13 @@ class BatchRunner:
         """The LoRA's layers, read through diffusers' converters once and registered with the applier."""
         key = (f.path, f.sha256)
         if key not in self._lora_weights:
-            weights = read_lora(f.name, f.path, self.models.unet.config)
-            if weights.hash != f.sha256:  # the outputs would record the other file's hash
-                raise ModelError(f"LoRA '{f.name}' ({f.path}) changed since the job was read; run again")
-            self.lora.register(weights)
+            try:
+                weights = read_lora(f.name, f.path, self.models.unet.config)
+                if weights.hash != f.sha256:  # the outputs would record the other file's hash
+                    raise ModelError(f"LoRA '{f.name}' ({f.path.name}) changed since the job was read; run again")
+                self.lora.register(weights)
+            except (ModelError, LoraFileError) as e:  # named as the job names it (a served job's file is a blob)
+                raise type(e)(str(e).replace(f.path.name, f.file or f.path.name)) from e
             self._lora_weights[key] = weights
         return self._lora_weights[key]
 
@@ -193,19 +197,22 @@ class BatchRunner:
         a file that broke after `plan` fails only the images that use it."""
         ok, failed = [], []
         for it in items:
-            path, what = None, "control image"
+            path, shown, what = None, "", "control image"
             try:
-                for path, _ in guides(it):
+                files = ([(c.image, c.file) for c in it.controls] if it.controls else
+                         [] if it.control_image is None else [(it.control_image, it.control_file)])
+                for path, shown in files:
                     self.control_image(path, it.width, it.height)
                 what = "reference"
                 for ref in it.references if self.models.ip_adapter is not None else ():
-                    path = ref.image
+                    path, shown = ref.image, ref.file
                     with self.timings.stage("references"):  # encoded here once, then read from the adapter's cache
                         self.models.ip_adapter.encode(ref.image, ref.sha256)
                 ok.append(it)
-            except CONTROL_ERRORS as e:
-                why = first_line(e, 200) or e.__class__.__name__
-                failed.append(Decoded(it, None, f"{what} {path} cannot be read: {why}"))
+            except CONTROL_ERRORS as e:  # the file named as the job names it (a served job's is a blob)
+                name = shown or str(path)
+                why = (first_line(e, 200) or e.__class__.__name__).replace(str(path), name)
+                failed.append(Decoded(it, None, f"{what} {name} cannot be read: {why}"))
         return ok, failed
 
     def run_batch(self, batch: Batch, fallback: bool = False) -> Denoised:

@@ -125,7 +125,9 @@ def merged_report(job: dict, job_file: Path, now: float) -> dict:
     report = build_report(
         job=str(job_file), out_dir=Path(job["out_dir"]), device=first.get("device", "none"),
         dtype=first.get("dtype", "none"), engine=first.get("engine", "none"), model=first.get("model", ""),
-        timings=timings, wall_s=end - job["submitted"], rendered=sum(len(i["outputs"]) for i in done), skipped=0,
+        timings=timings, wall_s=end - job["submitted"], skipped=0,
+        rendered=sum(len(i["outputs"]) for i in done if not i["cached"]),
+        cached=sum(len(i["outputs"]) for i in done if i["cached"]),
         failed=failures, peak_mem_mb=max(peaks) if peaks else None, graphs=list(graphs.values()),
         status=STATUS.get(job["state"], job["state"]),
         notes=list(dict.fromkeys(n for r in reports for n in r.get("notes", []))),
