@@ -181,11 +181,13 @@ def test_stopped_launcher_and_killed_worker_lose_nothing(tmp_path):
     assert len(workers) == 2
     launcher.send_signal(signal.SIGTERM)
     t0 = time.time()
-    _finish(launcher, timeout=60)
+    code, log = _finish(launcher, timeout=60)
     assert time.time() - t0 < 20  # well before torchrun's 30 s SIGKILL
     assert not any(Path(f"/proc/{w}").exists() for w in workers)
     first = _consistent(out)
     assert 3 <= len(first) < 40
+    # one summary, the launcher's, once the folder is whole: every worker's images counted
+    assert code == 143 and log.count(" rendered, ") == 1 and f"interrupted: {len(first)} rendered, " in log, log
     # one worker killed with SIGKILL: torchrun takes the group down; finished images stay
     runner = _torchrun("--standalone", "--nproc-per-node", "2", *_render_args(job, out))
     _wait_for_lines(out, 3, runner)

@@ -171,14 +171,14 @@ def test_out_of_memory_at_capture_frees_graphs_and_splits(job, tmp_path, tiny_cp
 
 
 def test_a_failed_model_load_keeps_the_last_report(job_dir, tmp_path, tiny_cpu):
-    from storyboard_cli.errors import ModelError
+    from storyboard_cli.errors import JobError
 
     out = tmp_path / "out"
     render(load_job(write_job(job_dir, JOB)), RenderOptions(out_dir=out), models=tiny_cpu)
     before = (out / "report.json").read_text()
     broken = load_job(write_job(job_dir, JOB.replace("model: tiny", "model: ./nowhere").replace(
         "a castle on a hill", "a changed prompt")))
-    with pytest.raises(ModelError):
+    with pytest.raises(JobError, match=r"job.yaml:3 field 'model': no such file or folder: ./nowhere"):
         render(broken, RenderOptions(out_dir=out))
     assert (out / "report.json").read_text() == before
     assert len(list(out.rglob("*.png"))) == 6  # nothing rendered is lost
