@@ -72,8 +72,9 @@ def test_a_file_path_with_a_newline_or_a_control_character_reaches_its_route(ser
     name = quote(name, safe="/")
     got = httpx.get(f"{server.url}/v1/jobs/{job['id']}/files/{name}", timeout=10)
     assert got.status_code == 404 and got.json()["title"] == "no such file", got.text
-    lease = httpx.post(server.url + "/v1/leases", json={"worker": register(server.url, "w")}, timeout=10).json()
+    worker = register(server.url, "w")
+    lease = httpx.post(server.url + "/v1/leases", json={"worker": worker}, timeout=10).json()
     put = httpx.put(f"{server.url}/v1/leases/{lease['lease']}/files/{lease['job']}/{name}", content=b"png",
-                    headers=OCTETS, timeout=10)
+                    params={"worker": worker}, headers=OCTETS, timeout=10)
     assert put.status_code == 422 and put.json()["title"] == "not this lease's file", put.text
     assert "\n" not in put.json()["detail"] and "\n" not in got.json()["detail"]
