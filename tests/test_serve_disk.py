@@ -80,7 +80,8 @@ def _files(folder):
 def test_a_full_disk_is_a_507_that_leaves_nothing_half_written(full_server):
     s = full_server
     job = httpx.post(s.url + "/v1/jobs", content=ONE_IMAGE_JOB, headers=YAML, timeout=10).json()
-    lease = httpx.post(s.url + "/v1/leases", json={"worker": register(s.url, "w")}, timeout=10).json()
+    worker = register(s.url, "w")
+    lease = httpx.post(s.url + "/v1/leases", json={"worker": worker}, timeout=10).json()
     png = lease["images"][0]["outputs"][0]
     before = _files(s.inside)
 
@@ -91,7 +92,7 @@ def test_a_full_disk_is_a_507_that_leaves_nothing_half_written(full_server):
     padded = ONE_IMAGE_JOB + "# " + "x" * (3 * MB) + "\n"  # a job of 3 MB
     _full(httpx.post(s.url + "/v1/jobs", content=padded, headers=YAML, timeout=30))
     _full(httpx.put(f"{s.url}/v1/leases/{lease['lease']}/files/{job['id']}/{png}", content=os.urandom(3 * MB),
-                    headers={"Content-Type": "application/octet-stream"}, timeout=30))
+                    params={"worker": worker}, headers={"Content-Type": "application/octet-stream"}, timeout=30))
     assert _files(s.inside) == sorted(before + ["filler"])  # no job folder, no temporary file, no partial PNG
 
     _fill(s, leave=MB // 2)  # under the floor: refused before anything is written, and not ready
