@@ -48,6 +48,15 @@ class CompileEvent:
 
 
 @dataclass
+class StageEvent:
+    """A stage of a cold start begins (`bcg capture --warm`, `--compile on`): what it waits for, and about how long it
+    takes where that is known (the progress printer says what is left, and that it still waits)."""
+
+    what: str  # "loading the weights of sdxl-random", "capturing 8x1024x1024 (1/11)"
+    estimate_s: float | None = None
+
+
+@dataclass
 class Build:
     target: Target
     path: Path
