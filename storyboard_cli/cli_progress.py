@@ -64,7 +64,7 @@ HEARTBEAT_S = 8.0  # the longest stretch without a progress line during a cold s
 
 
 class Heartbeat:
-    """What a cold start waits for now (`StageEvent`s, the kernels compiling), said again as a plain line whenever
+    """What a cold start waits for now (stage events, the kernels compiling), said again as a plain line whenever
     HEARTBEAT_S passes without one: a log file under nohup, Slurm or Kubernetes shows progress, not silence."""
 
     def __init__(self):
@@ -113,13 +113,11 @@ class Heartbeat:
 @contextmanager
 def compile_progress(quiet: bool):
     """One bar per module being compiled (elapsed against the measured estimate) on a terminal; a line per stage of the
-    cold start (weights, builds, load checks, captures, timings: `StageEvent`), and, whenever HEARTBEAT_S passes
+    cold start (weights, builds, load checks, captures, timings: the stage events), and, whenever HEARTBEAT_S passes
     without one, a line saying what it still waits for and the time left; notes as dim lines."""
     import threading
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from storyboard_cli.engine.kernels.builds import StageEvent
 
     beat = Heartbeat()
     ticker = threading.Thread(target=beat.run, name="bcg-progress", daemon=True)
@@ -134,8 +132,8 @@ def compile_progress(quiet: bool):
                 return
             if quiet:
                 return
-            if isinstance(event, StageEvent):
-                beat.begin(event.what, event.estimate_s)
+            if event.state == "stage":
+                beat.begin(event.module, event.estimate_s)
                 return
             if event.module not in tasks:
                 tasks[event.module] = bar.add_task("", total=event.estimate_s, module=event.module,

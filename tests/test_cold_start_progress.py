@@ -6,7 +6,7 @@ import time
 from rich.console import Console
 
 import storyboard_cli.cli_progress as progress
-from storyboard_cli.engine.kernels.builds import CompileEvent, StageEvent
+from storyboard_cli.engine.kernels.builds import CompileEvent, stage
 
 
 class Log:
@@ -29,13 +29,13 @@ def test_a_slow_build_and_a_slow_stage_print_a_line_at_least_every_interval(monk
     monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
     t0 = time.perf_counter()
     with progress.compile_progress(quiet=False) as on_event:
-        on_event(StageEvent("loading the weights of tiny"))
+        on_event(stage("loading the weights of tiny"))
         time.sleep(0.5)  # a stage with nothing to say
         for i in range(8):  # a build, as Builds.wait reports it: an event per poll, no line of its own
             on_event(CompileEvent("unet 1024x1024", "compiling", 0.1 * i, 300.0))
             time.sleep(0.1)
         on_event(CompileEvent("unet 1024x1024", "done", 0.8, 300.0))
-        on_event(StageEvent("shape 1/3 8x1024x1024: timing the eager step", 10.0))
+        on_event(stage("shape 1/3 8x1024x1024: timing the eager step", 10.0))
         time.sleep(0.5)
     text = [line for _, line in log.lines]
     assert text[0] == "bcg: loading the weights of tiny"

@@ -17,7 +17,7 @@ from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.eager import StepCalls
 from storyboard_cli.engine.kernels.artifacts import (MODULES, Target, artifact_path, fits, loads_here, module_of,
                                                      open_package, targets)
-from storyboard_cli.engine.kernels.builds import StageEvent
+from storyboard_cli.engine.kernels.builds import stage
 from storyboard_cli.engine.kernels.export import Residuals, channels_last_weights, fuse_projections, nhwc
 from storyboard_cli.engine.variants import COMPILED, VARIANTS, chain
 from storyboard_cli.errors import one_line
@@ -86,7 +86,7 @@ class CompiledKernels(StepCalls):
             if module_of(models, module) is not None:
                 fuse_projections(module_of(models, module))  # before any graph holds a pointer to to_q & co
         if builds is not None and any(v.constants is not None for v in self.chain):
-            builds.on_event(StageEvent(f"preparing the {variant} kernels' constants (scales calibrated once per model)"))
+            builds.on_event(stage(f"preparing the {variant} kernels' constants (scales calibrated once per model)"))
         self.constants = {v.name: v.constants(models, root or cache_root() / "compiled")
                           for v in self.chain if v.constants is not None}
         self.notes.extend(c.note for c in self.constants.values())
@@ -166,7 +166,7 @@ class CompiledKernels(StepCalls):
         if not fresh:
             return
         if self.builds is not None:
-            self.builds.on_event(StageEvent(f"checking that {len(fresh)} compiled artifacts load here, side by side",
+            self.builds.on_event(stage(f"checking that {len(fresh)} compiled artifacts load here, side by side",
                                             LOAD_CHECK_S))
         with ThreadPoolExecutor(max_workers=len(fresh)) as pool:  # the checks are processes: threads only wait
             list(pool.map(loads_here, fresh))
