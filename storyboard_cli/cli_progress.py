@@ -89,7 +89,7 @@ class Heartbeat:
 
     def begin(self, what: str, estimate_s: float | None) -> None:
         self.stage, self.since = (what, estimate_s), self._now()
-        self.say(f"bcg: {what}" + (f" (about {estimate_s:.0f} s)" if estimate_s else ""))
+        self.say(f"bcg: {what}" + (f" (about {estimate_s:.0f} s left)" if estimate_s else ""))
 
     def line(self) -> str:
         """The line said when nothing else was: the kernels compiling, or the stage and its time so far and left."""

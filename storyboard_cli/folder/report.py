@@ -217,8 +217,8 @@ class Report:
                    steps_per_s=_per_s(total_steps, timings.stages["denoise"], 3),
                    peak_memory_mb=None if peak_mem_mb is None else round(peak_mem_mb, 1),
                    stages_s=timings.stages_s(), hidden_s=timings.hidden_s(), buckets=timings.bucket_rows(),
-                   graphs=graphs, failures=failed, notes=notes, draft=any(s["draft"] for s in shots), shots=shots, characters=characters,
-                   references=references, controlnets=controlnets)
+                   graphs=graphs, failures=failed, notes=notes, draft=any(s["draft"] for s in shots), shots=shots,
+                   characters=characters, references=references, controlnets=controlnets)
 
     @classmethod
     def merge(cls, reports: list[Report]) -> Report:

@@ -85,7 +85,8 @@ def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], st
     """Captures `shapes` (largest first), checks each, and times eager vs graph ms/step side by side. `plans`: the
     draft plans a shape's batches run (`job_plans`): their step kinds are captured with the rest, and each plan's
     loop is checked and timed on the graphs too (one row each, its ms per step averaged over the plan's steps).
-    `on_stage`: a stage event (builds.stage) as each stage begins (what it waits for, the time left by the shapes timed so far)."""
+    `on_stage`: a stage event (builds.stage) as each stage begins: what it waits for, and the time left by the shapes
+    timed so far."""
     plans = plans or {}
     say = on_stage or (lambda e: None)
     say(stage(f"capturing the graphs of {len(set(shapes))} shapes, largest first"))

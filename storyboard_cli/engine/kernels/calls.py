@@ -136,8 +136,8 @@ class CompiledKernels(StepCalls):
         rows this run falls back to (with --fp8: the fp16 ones) are loaded too where the cache has them (never built):
         a size runs on them until its best kernels land."""
         targets = list(targets)
-        lower = [self.unet_target(t.height, t.width, v.name) for t in targets if t == self.unet_target(t.height, t.width)
-                 for v in self.chain[1:]]
+        best = [t for t in targets if t == self.unet_target(t.height, t.width)]
+        lower = [self.unet_target(t.height, t.width, v.name) for t in best for v in self.chain[1:]]
         self._check_loads([self.path(t) for t in lower + targets if t not in self.calls and t not in self.waiting])
         for t in targets:
             if t != self.unet_target(t.height, t.width):
