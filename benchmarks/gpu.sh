@@ -20,6 +20,8 @@
 #   build             `bcg capture jobs/bench.yaml --warm --compile on --steps 4` on the shared cache: the job's
 #                     kernels built side by side, then every shape captured, checked against eager and timed
 #   cold              the same on an empty cache of its own: a cold build's wall time
+#   progress[:cold]   `bcg capture jobs/bench.yaml --warm --compile on --steps 4` (FP8=1: --fp8) without --json, its
+#                     stderr through a pipe, each line timed (benchmarks/stderr_times.py); cold: on an empty cache
 #   ready             benchmarks/ready.py: a new process ready after the weights (the shared cache's kernels)
 #   job[:PARTS]       `bcg bench jobs/bench.yaml --parts PARTS` (default a_diffusers,e_bcg_compiled,f_bcg_fp8)
 #   slice             `--parts b_slice`: (a), (b) diffusers' regional compile, (e), (f) on the 1024x1024 shots
@@ -42,7 +44,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,46p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -108,6 +110,11 @@ leg() {  # LEG ARG NAME
       --compile on --steps 4 $FP8_FLAG --json
     [ "$leg" = cold ] && mkdir -p "$R/$n-builds" && cp "$cache"/compiled/*.{log,build.json} "$R/$n-builds/" 2>/dev/null
     python benchmarks/capture_table.py "$R/$n.json" >> "$R/$n.log";;
+  progress)
+    local cache=$BCG_CACHE
+    [ "$arg" = cold ] && cache=/tmp/bcg-cold && rm -rf "$cache" && mkdir -p "$cache"
+    step "$n" 540 python benchmarks/stderr_times.py "$R/$n-stderr.log" env BCG_CACHE="$cache" \
+      python -m storyboard_cli capture jobs/bench.yaml --warm --compile on --steps 4 $FP8_FLAG;;
   ready)
     step "$n" 150 python benchmarks/ready.py jobs/bench.yaml "$R/$n.json" $FP8_FLAG;;
   job)
@@ -203,6 +210,7 @@ for spec in "$@"; do
   [[ $spec == *@* ]] && lane=${spec##*@} && spec=${spec%@*}
   PLAN[$lane]+="$i:$spec "
 done
+LANES=()
 for lane in "${!PLAN[@]}"; do
   (export CUDA_VISIBLE_DEVICES=${lane%%[!0-9]*}
    for item in ${PLAN[$lane]}; do
@@ -210,8 +218,9 @@ for lane in "${!PLAN[@]}"; do
      [[ $spec == *:* ]] && arg=${spec#*:}
      leg "$leg" "$arg" "$n-$leg-gpu$lane"
    done) &
+  LANES+=($!)
 done
-wait
+wait "${LANES[@]}"  # the lanes only: CLOCKS=1's sampler runs until pack stops it
 cat "$R/walls.txt"
 for f in "$R"/*.log; do echo "== $(basename "$f")"; grep -v Warning "$f" | tail -n 4; done
 cat "$R"/*/*.md 2>/dev/null | head -n 60

@@ -71,6 +71,16 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
             if steps:
                 out.append(f"- {names[k]}: " + ", ".join(f"{b} {ms:.1f}" for b, ms in steps.items()))
         out.append("")
+        staged = [k for k in rows if rec[k].get("outside_denoise_s") is not None]
+        if staged:  # bcg's: each stage's seconds, what the denoising hid of it, the wall outside the denoising
+            out += ["Stages, s (hidden by the denoising), and the wall outside the denoising:", ""]
+            for k in staged:
+                r, hidden = rec[k], rec[k].get("hidden_s") or {}
+                out.append(f"- {names[k]}: " + ", ".join(
+                    f"{st} {v:.2f}" + (f" ({hidden[st]:.2f})" if st in hidden else "")
+                    for st, v in r["stages_s"].items() if st != "load")
+                    + f"; outside {r['outside_denoise_s']:.2f} s = {100 * r['outside_denoise_s'] / r['wall_s']:.1f}%")
+            out.append("")
     if "lora" in rec:
         lo, sw = rec["lora"], rec["lora"]["swaps"] or {}
         out += [f"LoRA job (3 rank-32 LoRAs over the shots, plain graphs, each render cold): "

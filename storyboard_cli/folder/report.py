@@ -72,6 +72,9 @@ class Timings:
     sync: object = None  # callable that waits for the device, so stage times are true
     stages: dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in STAGES})
     buckets: dict[str, BucketTiming] = field(default_factory=dict)
+    # of a stage that runs beside the denoising (encode, decode, save), the seconds it did not hide: the UNet's stream
+    # waited for it, or the render's end did
+    exposed: dict[str, float] = field(default_factory=dict)
 
     @contextmanager
     def stage(self, name: str):
@@ -85,6 +88,19 @@ class Timings:
                 self.sync()
             self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - t0
 
+    def add(self, name: str, seconds: float) -> None:
+        """Seconds of a stage measured by its caller (on a stream's events, or on another thread)."""
+        self.stages[name] = self.stages.get(name, 0.0) + seconds
+
+    def expose(self, name: str, seconds: float) -> None:
+        self.exposed[name] = self.exposed.get(name, 0.0) + seconds
+
+    def hidden_s(self) -> dict[str, float] | None:
+        """Per stage that ran beside the denoising: the seconds of it the denoising hid; None when none did."""
+        if not self.exposed:
+            return None
+        return {k: round(max(0.0, self.stages.get(k, 0.0) - v), 4) for k, v in self.exposed.items()}
+
     def bucket(self, label: str) -> BucketTiming:
         return self.buckets.setdefault(label, BucketTiming(label))
 
@@ -92,6 +108,8 @@ class Timings:
         """Adds another run's stage seconds and buckets (a multi-GPU render's workers)."""
         for name, seconds in other.stages.items():
             self.stages[name] = self.stages.get(name, 0.0) + seconds
+        for name, seconds in other.exposed.items():
+            self.expose(name, seconds)
         for b in other.buckets.values():
             self.bucket(b.label).add(b)
 
@@ -193,6 +211,8 @@ class Report:
     # a served job's (serve/folders.py): its images copied from an identical one rendered before (dedup), which
     # `images_rendered` leaves out; absent from report.json elsewhere
     images_cached: int | None = None
+    # per stage that ran beside the denoising (encode, decode, save): the seconds of stages_s it hid (Timings.hidden_s)
+    hidden_s: dict[str, float] | None = None
 
     @classmethod
     def build(cls, *, job: str, out_dir: Path, device: str, dtype: str, engine: str, model: str, timings: Timings,
@@ -214,9 +234,9 @@ class Report:
                    images_failed=len(failed), images_per_s=_per_s(rendered, wall_s, 4),
                    steps_per_s=_per_s(total_steps, timings.stages["denoise"], 3),
                    peak_memory_mb=None if peak_mem_mb is None else round(peak_mem_mb, 1),
-                   stages_s=timings.stages_s(), buckets=timings.bucket_rows(), graphs=graphs, failures=failed,
-                   notes=notes, draft=any(s["draft"] for s in shots), shots=shots, characters=characters,
-                   references=references, controlnets=controlnets, images_cached=cached)
+                   stages_s=timings.stages_s(), hidden_s=timings.hidden_s(), buckets=timings.bucket_rows(),
+                   graphs=graphs, failures=failed, notes=notes, draft=any(s["draft"] for s in shots), shots=shots,
+                   characters=characters, references=references, controlnets=controlnets, images_cached=cached)
 
     @classmethod
     def merge(cls, reports: list[Report]) -> Report:
@@ -262,6 +282,8 @@ class Report:
         if self.workers is None:
             for name in ("render_s", "render_images_per_s", "workers"):
                 del out[name]
+        if self.hidden_s is None:
+            del out["hidden_s"]
         return out | (asdict(self.share) if self.share else {})
 
     @classmethod
@@ -293,8 +315,14 @@ def markdown(report: dict) -> str:
            f"{r['images_failed']} failed in {r['wall_s']:.2f} s: {r['images_per_s']:.3f} images/s, "
            f"{r['steps_per_s']:.2f} steps/s while denoising",
            f"- peak device memory: {r['peak_memory_mb']} MB" if r["peak_memory_mb"] is not None else
-           "- peak device memory: n/a (CPU)", "", "## Stages", "", "| stage | s |", "|---|---:|"]
-    out += [f"| {k} | {v:.3f} |" for k, v in r["stages_s"].items()]
+           "- peak device memory: n/a (CPU)", "", "## Stages", ""]
+    hidden = r.get("hidden_s") or {}
+    if hidden:  # the stages that ran beside the denoising, and how much of each it hid
+        out += ["| stage | s | hidden s |", "|---|---:|---:|"]
+        out += [f"| {k} | {v:.3f} | {f'{hidden[k]:.3f}' if k in hidden else ''} |" for k, v in r["stages_s"].items()]
+    else:
+        out += ["| stage | s |", "|---|---:|"]
+        out += [f"| {k} | {v:.3f} |" for k, v in r["stages_s"].items()]
     out += ["", "## Buckets", "", "| bucket | images | batches | UNet rows | steps | denoise s | ms/step |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     out += [f"| {b['bucket']} | {b['images']} | {b['batches']} | {b['rows']} | {b['steps']} | "

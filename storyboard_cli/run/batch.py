@@ -20,6 +20,7 @@ from storyboard_cli.engine.conditioning import (BoundedCache, Control, PromptCac
                                                 control_pixels, guided_rows, read_control_image, references)
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
+from storyboard_cli.engine.streams import Lanes, Timer, hand_over
 from storyboard_cli.errors import ModelError, StoryboardError, first_line
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import LoraFile
@@ -57,9 +58,9 @@ def bucket_label(batch: Batch) -> str:
 
 
 @torch.no_grad()
-def decode(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, 4, h, w] latents -> (float pixels [B, 3, H, W] in [0, 1] on the device, uint8 [B, H, W, 3] on
-    the CPU), as diffusers' VAE decode + postprocess."""
+def decode_on_device(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 4, h, w] latents -> (float pixels [B, 3, H, W] in [0, 1], uint8 [B, H, W, 3]), both on the device, as
+    diffusers' VAE decode + postprocess."""
     z = (latents / models.vae.config.scaling_factor).to(models.vae_dtype)
     images = []
     # one image at a time: batched, the VAE's kernels (and their rounding: 1 level in 255 on a CPU) depend on
@@ -67,7 +68,13 @@ def decode(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, tor
     for one in z.split(1):
         images.append(models.vae.decode(one, return_dict=False)[0].float())
     image = (torch.cat(images) / 2 + 0.5).clamp(0, 1)
-    return image, (image * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+    return image, (image * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+
+def decode(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_on_device`, the uint8 pixels on the CPU."""
+    image, pixels = decode_on_device(models, latents)
+    return image, pixels.cpu()
 
 
 @dataclass
@@ -79,11 +86,42 @@ class Decoded:
 
 class Denoised(list):
     """run_batch's result: (item, latents [4, h, w]) for each row that was denoised, and in `failed` the
-    images that could not be (their control image broke since `plan`), each with its reason."""
+    images that could not be (their control image broke since `plan`), each with its reason. On a GPU the latents
+    may still be being computed: `BatchRunner.start_decode` queues the decode after them."""
 
-    def __init__(self, done: Iterable[tuple[WorkItem, torch.Tensor]] = (), failed: Iterable[Decoded] = ()):
+    def __init__(self, done: Iterable[tuple[WorkItem, torch.Tensor]] = (), failed: Iterable[Decoded] = (),
+                 timing: BatchTiming | None = None):
         super().__init__(done)
         self.failed = list(failed)
+        self.timing = timing
+
+
+@dataclass
+class BatchTiming:
+    """Where a batch's inputs and loop began and ended, read once they are reached (`BatchRunner.finish`)."""
+
+    bucket: str
+    inputs_s: float  # host seconds spent making the inputs
+    ready: Timer  # the inputs made (on their stream)
+    start: Timer  # the loop's first step queued (on the UNet's stream), and its end
+    end: Timer
+    before: Timer | None  # the end of the batch before's loop, when this batch's inputs were made beside it
+    counted: bool = False
+
+
+@dataclass
+class Decoding:
+    """A batch's decode in flight on the decode stream (`BatchRunner.start_decode`); `finish` waits for it."""
+
+    done: Denoised
+    pixels: torch.Tensor | None = None  # uint8 [B, H, W, 3] in host memory, once `end` is reached
+    finite: torch.Tensor | None = None  # bool [2, B] in host memory: latents, pixels
+    start: Timer | None = None
+    end: Timer | None = None
+
+    @property
+    def items(self) -> list[WorkItem]:
+        return [item for item, _ in self.done] + [d.item for d in self.done.failed]
 
 
 # what PIL raises for a control image it cannot decode
@@ -97,8 +135,12 @@ class BatchRunner:
     the others render. A file not given here is read when first needed."""
 
     def __init__(self, models: SdxlModels, engine: Engine, timings: Timings | None = None,
-                 loras: Iterable[LoraFile] = ()):
+                 loras: Iterable[LoraFile] = (), overlap: bool = True):
         self.models, self.engine = models, engine
+        # `overlap`: a batch's decode is waited for once the next batch denoises (the caller's `finish`), not at once
+        self.overlap = overlap
+        self.lanes = Lanes(models.device)
+        self._last: Denoised | None = None  # the latest batch denoised: where the next batch's inputs are measured from
         self.fallback: Engine = EagerEngine(models)  # for the out-of-memory policy's last retry
         self.prompts = PromptCache(models)
         self.schedules: dict[tuple[str, int], Schedule] = {}
@@ -217,15 +259,22 @@ class BatchRunner:
 
     def run_batch(self, batch: Batch, fallback: bool = False) -> Denoised:
         """Denoises one batch (on the fallback engine if told); returns (item, latents [4, h, w]) for its
-        real rows, and the rows it could not run in `.failed`."""
+        real rows, and the rows it could not run in `.failed`. On a GPU nothing here waits for the GPU: the inputs
+        are made on their own stream while the batch before still denoises, and the loop is queued behind it."""
         m, key = self.models, batch.key
-        items, failed = self.readable(batch.items)
+        t0 = time.perf_counter()
+        with self.lanes.inputs():  # control images read, references encoded (once each)
+            items, failed = self.readable(batch.items)
+        readable_s = time.perf_counter() - t0
         if not items:
+            self.timings.add("encode", readable_s)
             return Denoised((), failed)
         rows = items + [items[-1]] * (batch.size - len(items))  # a padded row copies a real row
         sched = self.schedule(key.sampler, key.steps)
-        text_loras = self.apply_loras(items[0])  # one set per batch: it is in the bucket key
-        with self.timings.stage("encode"):
+        swaps = len(self.lora.swaps)
+        text_loras = self.apply_loras(items[0])  # one set per batch: it is in the bucket key (on the UNet's stream)
+        t1 = time.perf_counter()
+        with self.lanes.inputs(after_unet=len(self.lora.swaps) != swaps):
             prompts = [r.prompt for r in rows]
             negatives, guidance = guided_rows(prompts, [r.negative for r in rows], [r.guidance for r in rows])
             cond = conditioning(self.prompts, prompts, negatives, key.width, key.height, text_loras)
@@ -235,37 +284,79 @@ class BatchRunner:
             x = x.to(m.device)
             noise = None if noise is None else noise.to(m.device)
             guidance = torch.tensor(guidance, device=m.device, dtype=torch.float32)
+            ready = self.lanes.timer()
+        hand_over((cond, ctl, x, noise, guidance))  # read on the UNet's stream from here on
+        inputs_s = readable_s + time.perf_counter() - t1
+        self.timings.add("encode", inputs_s)
         engine = self.fallback if fallback else self.engine
-        t0 = time.perf_counter()
-        with self.timings.stage("denoise"):
-            latents = engine.sample(x, sched, noise, cond, ctl, guidance, batch.key.plan)
         bt = self.timings.bucket(bucket_label(batch))
         bt.batches += 1
         bt.rows += (2 if key.guided else 1) * batch.size
         bt.steps += key.steps
-        bt.denoise_s += time.perf_counter() - t0
-        return Denoised(zip(items, latents[: len(items)]), failed)
+        last = self._last.timing if self._last is not None else None
+        before = last.end if last is not None and not last.counted else None  # that loop still ran, or was not read
+        start = self.lanes.timer()
+        latents = engine.sample(x, sched, noise, cond, ctl, guidance, batch.key.plan)
+        timing = BatchTiming(bucket_label(batch), inputs_s, ready, start, self.lanes.timer(), before)
+        self._last = Denoised(zip(items, latents[: len(items)]), failed, timing)
+        return self._last
 
-    def decode(self, done: Denoised) -> list[Decoded]:
-        """Latents -> PNG-ready pixels; an image with NaN/inf in its latents or pixels is a failure, and so
-        is every image run_batch could not run (`Denoised.failed`)."""
+    @torch.no_grad()
+    def start_decode(self, done: Denoised) -> Decoding:
+        """Queues the decode of `done`'s latents after their denoising, on the decode stream (so it runs beside the
+        next batch's loop), and their copy to host memory; `finish` waits for it. On the CPU it is done here."""
         if not done:
-            return list(done.failed)
-        with self.timings.stage("decode"):
+            return Decoding(done)
+        with self.lanes.decode():
+            start = self.lanes.timer()
             latents = torch.stack([lat for _, lat in done])
-            finite_latents = torch.isfinite(latents).flatten(1).all(1)
-            pixels_f, pixels = decode(self.models, latents)
-            finite_pixels = torch.isfinite(pixels_f).flatten(1).all(1).cpu()
-            finite_latents = finite_latents.cpu()
+            hand_over([lat for _, lat in done])
+            pixels_f, pixels = decode_on_device(self.models, latents)
+            finite = torch.stack([torch.isfinite(latents).flatten(1).all(1),
+                                  torch.isfinite(pixels_f).flatten(1).all(1)])
+            out = Decoding(done, self.lanes.to_host(pixels), self.lanes.to_host(finite), start)
+            out.end = self.lanes.timer()
+        return out
+
+    def finish(self, d: Decoding) -> list[Decoded]:
+        """Waits for a decode `start_decode` queued: PNG-ready pixels; an image with NaN/inf in its latents or pixels
+        is a failure, and so is every image run_batch could not run (`Denoised.failed`). Adds the batch's denoising
+        and decode seconds to the timings, and what of its inputs and decode the denoising did not hide."""
+        done = d.done
+        t = done.timing
+        if t is not None and not t.counted:
+            t.end.wait()
+            seconds = t.start.seconds_to(t.end)
+            self.timings.add("denoise", seconds)
+            self.timings.bucket(t.bucket).denoise_s += seconds
+            # the UNet's stream waited for the inputs from the end of the batch before's loop (all of the inputs'
+            # time for the first batch, or one made after the batch before was read: nothing ran beside them)
+            self.timings.expose("encode", t.inputs_s if t.before is None else max(0.0, t.before.seconds_to(t.ready)))
+            t.counted = True
+        if d.end is None:
+            return list(done.failed)
+        d.end.wait()
+        self.timings.add("decode", d.start.seconds_to(d.end))
+        # the decode ran beside the next batch's loop where that was queued: exposed for as long as it ran on after
+        # that loop's end (none while that loop still runs); else for as long as it ran after its own batch's loop
+        later = self._last.timing if self._last is not None and self._last is not done else None
+        if later is None:
+            self.timings.expose("decode", max(0.0, t.end.seconds_to(d.end)))
+        elif later.end.reached():
+            self.timings.expose("decode", max(0.0, later.end.seconds_to(d.end)))
         out = []
         for i, (item, _) in enumerate(done):
-            if not finite_latents[i]:
+            if not d.finite[0, i]:
                 out.append(Decoded(item, None, "NaN/inf in the denoised latents"))
-            elif not finite_pixels[i]:
+            elif not d.finite[1, i]:
                 out.append(Decoded(item, None, "NaN/inf in the decoded pixels"))
             else:
-                out.append(Decoded(item, pixels[i]))
+                out.append(Decoded(item, d.pixels[i]))
         return out + done.failed
+
+    def decode(self, done: Denoised) -> list[Decoded]:
+        """`start_decode` and `finish` at once."""
+        return self.finish(self.start_decode(done))
 
     def release(self) -> None:
         """After an out-of-memory: the engine gives back what it holds for speed."""

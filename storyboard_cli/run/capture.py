@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,6 +14,7 @@ from storyboard_cli.engine.conditioning import PromptCache, conditioning, contro
 from storyboard_cli.engine.device import resolve_device
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
+from storyboard_cli.engine.kernels.builds import CompileEvent, stage
 from storyboard_cli.engine.sampling import schedule
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import NAMED_SIZES, Job
@@ -78,11 +80,16 @@ def synthetic_inputs(models: SdxlModels, batch: int, width: int, height: int, wi
 
 def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], steps: int = 10, repeats: int = 2,
                 eager: bool = True, on_row: Callable[[ShapeTiming], None] | None = None,
-                plans: dict[Shape, set[StepPlan]] | None = None) -> list[ShapeTiming]:
+                plans: dict[Shape, set[StepPlan]] | None = None,
+                on_stage: Callable[[CompileEvent], None] | None = None) -> list[ShapeTiming]:
     """Captures `shapes` (largest first), checks each, and times eager vs graph ms/step side by side. `plans`: the
     draft plans a shape's batches run (`job_plans`): their step kinds are captured with the rest, and each plan's
-    loop is checked and timed on the graphs too (one row each, its ms per step averaged over the plan's steps)."""
+    loop is checked and timed on the graphs too (one row each, its ms per step averaged over the plan's steps).
+    `on_stage`: a stage event (builds.stage) as each stage begins: what it waits for, and the time left by the shapes
+    timed so far."""
     plans = plans or {}
+    say = on_stage or (lambda e: None)
+    say(stage(f"capturing the graphs of {len(set(shapes))} shapes, largest first"))
     runner.prepare(shapes, {s: set().union(*plans[s]) | {FULL} for s in plans} or None)
     cache = PromptCache(models)
     sched = schedule("euler", steps, models.scheduler_config)
@@ -95,14 +102,19 @@ def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], st
         if on_row:
             on_row(timing)
 
-    for shape in sorted(set(shapes), reverse=True):
+    todo, t0 = sorted(set(shapes), reverse=True), time.perf_counter()
+    for i, shape in enumerate(todo):
+        # what is left, by the shapes timed so far (the largest come first: an upper bound)
+        left = (time.perf_counter() - t0) / i * (len(todo) - i) if i else None
         x, cond, ctl, guidance = synthetic_inputs(models, shape.batch, shape.width, shape.height, shape.control,
                                                   cache)
         x = x * sched.init_sigma
         eager_ms = None
         if eager:
+            say(stage(f"shape {i + 1}/{len(todo)} {shape.label}: timing the eager step", left or 0.0))
             eager_engine.sample(x, warm, None, cond, ctl, guidance)  # warm-up
             eager_ms = _timed_loop(eager_engine, x, sched, cond, ctl, guidance, repeats)
+        say(stage(f"shape {i + 1}/{len(todo)} {shape.label}: checking and timing its graph", left or 0.0))
         runner.sample(x, sched, None, cond, ctl, guidance)  # first replay: checked against eager
         st = runner.stats_of(shape)
         graph_ms = _timed_loop(runner, x, sched, cond, ctl, guidance, repeats) if runner.can_run(shape) else None
@@ -168,9 +180,11 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     loops = [f"{s.label} {plan_label(p)}" for s in sorted(plans, reverse=True) for p in sorted(plans[s])]
     if not warm:
         return labels, loops, []
+    say = on_event or (lambda e: None)
+    say(stage(f"loading the weights of {model}"))
     models = load_sdxl(model, controlnet, dev, dt, adapter, encoder)
     notes: list[str] = []
     runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event, fp8)
     for note in notes:
-        (on_event or (lambda e: None))(note)
-    return labels, loops, time_shapes(models, runner, shapes, steps=steps, plans=plans)
+        say(note)
+    return labels, loops, time_shapes(models, runner, shapes, steps=steps, plans=plans, on_stage=say)

@@ -1,6 +1,10 @@
 """The out-of-memory policy around a BatchRunner: free the engine's memory, split the batch into
 smaller buckets (down to 1, then the eager fallback), and remember the size that failed so later
-batches are split before they run. A failure of one batch alone is recorded against its images."""
+batches are split before they run. A failure of one batch alone is recorded against its images.
+
+A batch's decode runs beside the next batch's denoising: its images are delivered (`flush`) once the next batch's
+loop is queued, or before anything else reaches the sink (a failure, the render's end, a stop), so the sink sees the
+batches in order."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 from storyboard_cli.errors import DeviceUnusable, first_line, one_line
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.plan import Batch, make_batches
-from storyboard_cli.run.batch import BatchRunner, Decoded, bucket_label
+from storyboard_cli.run.batch import BatchRunner, Decoded, Decoding, bucket_label
 
 log = logging.getLogger(__name__)
 # What one bad batch may raise (an unreadable control image, a decode error) and the job goes on.
@@ -20,6 +24,14 @@ BATCH_ERRORS = (OSError, ValueError, RuntimeError)
 # What a failed device raises (a CUDA error is sticky: every later batch of the process fails too): the render
 # stops with DeviceUnusable, not the batch's images failed as if they were at fault.
 DEVICE_FAULTS = ("CUDA error", "CUDA driver error", "CUBLAS_STATUS_", "cuDNN error")
+
+
+def _raise_if_device(e: BaseException) -> None:
+    """A device's own error stops the render (the batches still in flight are lost to it, and rendered again by
+    the next run or lease); any other error is the batch's."""
+    failure = device_failure(e)
+    if failure is not None:
+        raise failure from e
 
 
 def device_failure(e: BaseException) -> DeviceUnusable | None:
@@ -40,6 +52,7 @@ class OutOfMemoryPolicy:
         self.notes: list[str] = []
         self.oom_at = 1 << 30  # the smallest batch size that ran out of memory
         self.out_of_memory = 0  # batches that ran out of memory (the render service counts them)
+        self.pending: tuple[Decoding, str] | None = None  # the batch whose decode is in flight, its bucket label
 
     def deliver(self, decoded: list[Decoded], label: str) -> None:
         """An image with NaN/inf is recorded as failed, never saved."""
@@ -54,6 +67,7 @@ class OutOfMemoryPolicy:
         fails alone."""
         problem = self.runner.lora_problem(batch)
         if problem:
+            self.flush()
             self.sink.fail(batch.items, problem)
             return
         smaller = tuple(b for b in buckets if b < min(batch.size, self.oom_at))
@@ -63,19 +77,48 @@ class OutOfMemoryPolicy:
             self._out_of_memory(batch, buckets, fallback)
 
     def _attempt(self, batch: Batch, fallback: bool) -> bool:
-        """Runs and delivers the batch; False if it ran out of memory. A failure of this batch alone is
-        recorded against its images and the job goes on."""
+        """Runs the batch and queues its decode; False if it ran out of memory. The batch before is delivered
+        once this one's loop is queued (its decode ran beside it). A failure of this batch alone is recorded
+        against its images and the job goes on."""
         try:
-            self.deliver(self.runner.decode(self.runner.run_batch(batch, fallback)), bucket_label(batch))
+            done = self.runner.run_batch(batch, fallback)
         except torch.cuda.OutOfMemoryError:
+            self.flush()
             return False  # handled by the caller, outside this block: the error's frames hold memory
         except BATCH_ERRORS as e:
-            failure = device_failure(e)
-            if failure is not None:
-                raise failure from e
+            _raise_if_device(e)
+            self.flush()
             log.exception("batch %s failed", batch.key.label)
             self.sink.fail(batch.items, one_line(e, 200))
+            return True
+        self.flush()
+        try:
+            self.pending = (self.runner.start_decode(done), bucket_label(batch))
+        except torch.cuda.OutOfMemoryError:
+            return False
+        except BATCH_ERRORS as e:
+            _raise_if_device(e)
+            log.exception("batch %s failed", batch.key.label)
+            self.sink.fail(batch.items, one_line(e, 200))
+            return True
+        if not self.runner.overlap:
+            self.flush()
         return True
+
+    def flush(self) -> None:
+        """Delivers the batch whose decode is in flight, if any (waits for it)."""
+        if self.pending is None:
+            return
+        decoding, label = self.pending
+        self.pending = None
+        try:
+            decoded = self.runner.finish(decoding)
+        except BATCH_ERRORS as e:
+            _raise_if_device(e)
+            log.exception("decoding %s failed", label)
+            self.sink.fail([item for item, _ in decoding.done], one_line(e, 200))
+            decoded = decoding.done.failed
+        self.deliver(decoded, label)
 
     def _out_of_memory(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
         self.oom_at = min(self.oom_at, batch.size)

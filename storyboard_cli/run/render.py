@@ -260,18 +260,29 @@ class RenderSession:
         return self.batches  # the batches this session renders, in order
 
     def run(self, stop: StopFlag | None = None) -> str:
-        """Batches -> images on disk. Returns "done"; a stop request raises Stopped at a batch boundary."""
+        """Batches -> images on disk. Returns "done"; a stop request raises Stopped at a batch boundary (what was
+        denoised before it is still decoded and written)."""
         r, stop = self.policy, stop or StopFlag()
         if r is None:
             return Status.DONE
-        total = self.pending.outputs
-        for batch in self.work():
+        total, last = self.pending.outputs, None
+        try:
+            for batch in self.work():
+                stop.check()
+                self.on_event(Event("batch", self.sink.delivered, total, batch.items[0].shot, batch.key.label))
+                r.process(batch, self.job.buckets)  # delivers the batch before (this one's decode is in flight)
+                self.on_event(Event("progress", self.sink.delivered, total, batch.items[-1].shot, batch.key.label))
+                last = batch
             stop.check()
-            self.on_event(Event("batch", self.sink.delivered, total, batch.items[0].shot, batch.key.label))
-            r.process(batch, self.job.buckets)
-            self.on_event(Event("progress", self.sink.delivered, total, batch.items[-1].shot, batch.key.label))
-        stop.check()
+        except Stopped:
+            r.flush()
+            raise
+        r.flush()
+        if last is not None:
+            self.on_event(Event("progress", self.sink.delivered, total, last.items[-1].shot, last.key.label))
+        t0 = time.perf_counter()
         self.sink.close()
+        self.timings.expose("save", time.perf_counter() - t0)  # the writes still queued when the last image was decoded
         return Status.DONE
 
     def finish(self, status: str, signum: int | None = None, error: str | None = None) -> RenderResult:

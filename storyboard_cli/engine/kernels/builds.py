@@ -40,11 +40,17 @@ ESTIMATE_S = {"unet": 300.0, "controlnet": 200.0}
 
 @dataclass
 class CompileEvent:
-    module: str  # what is compiled: "unet 1024x1024"
-    state: str  # "compiling" | "done" | "failed"
+    module: str  # what is compiled: "unet 1024x1024"; for a "stage", what the cold start waits for now
+    state: str  # "compiling" | "done" | "failed" | "stage" (a stage of a cold start begins: `stage`)
     elapsed_s: float
-    estimate_s: float
+    estimate_s: float  # a stage's: 0 where unknown
     message: str = ""
+
+
+def stage(what: str, estimate_s: float = 0.0) -> CompileEvent:
+    """A stage of a cold start begins (`bcg capture --warm`, `--compile on`): the weights, the FP8 constants, the load
+    checks, each shape's capture and timings. The progress printer says what it waits for and the time left."""
+    return CompileEvent(what, "stage", 0.0, estimate_s)
 
 
 @dataclass

@@ -6,6 +6,7 @@ the cache has them). They run inside GraphRunner's graphs."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -16,10 +17,14 @@ from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.eager import StepCalls
 from storyboard_cli.engine.kernels.artifacts import (MODULES, Target, artifact_path, fits, loads_here, module_of,
                                                      open_package, targets)
+from storyboard_cli.engine.kernels.builds import stage
 from storyboard_cli.engine.kernels.export import Residuals, channels_last_weights, fuse_projections, nhwc
 from storyboard_cli.engine.variants import COMPILED, VARIANTS, chain
 from storyboard_cli.errors import one_line
 from storyboard_cli.models.tiny import cache_root
+
+
+LOAD_CHECK_S = 20.0  # about how long a load check's child takes (it imports torch and loads one artifact)
 
 
 def load(target: Target, models: Any, path: Path, constants: Any = None) -> Callable:
@@ -80,6 +85,8 @@ class CompiledKernels(StepCalls):
         for module in MODULES:
             if module_of(models, module) is not None:
                 fuse_projections(module_of(models, module))  # before any graph holds a pointer to to_q & co
+        if builds is not None and any(v.constants is not None for v in self.chain):
+            builds.on_event(stage(f"preparing the {variant} kernels' constants (scales calibrated once per model)"))
         self.constants = {v.name: v.constants(models, root or cache_root() / "compiled")
                           for v in self.chain if v.constants is not None}
         self.notes.extend(c.note for c in self.constants.values())
@@ -129,6 +136,9 @@ class CompiledKernels(StepCalls):
         rows this run falls back to (with --fp8: the fp16 ones) are loaded too where the cache has them (never built):
         a size runs on them until its best kernels land."""
         targets = list(targets)
+        best = [t for t in targets if t == self.unet_target(t.height, t.width)]
+        lower = [self.unet_target(t.height, t.width, v.name) for t in best for v in self.chain[1:]]
+        self._check_loads([self.path(t) for t in lower + targets if t not in self.calls and t not in self.waiting])
         for t in targets:
             if t != self.unet_target(t.height, t.width):
                 continue
@@ -147,6 +157,19 @@ class CompiledKernels(StepCalls):
                 f.unlink(missing_ok=True)  # a broken artifact is rebuilt, not tried again (a loaded copy stays mapped)
             self.waiting.append(t)
         return list(self.waiting)
+
+    def _check_loads(self, paths: list[Path]) -> None:
+        """The load checks of the artifacts the cache has without a marker (copied in from elsewhere), side by side:
+        each is a child process (artifacts.loads_here) that `add` would otherwise run one after another."""
+        fresh = [p for p in paths if p.is_file() and not p.with_suffix(".ok").is_file()
+                 and not p.with_suffix(".bad").is_file()]
+        if not fresh:
+            return
+        if self.builds is not None:
+            self.builds.on_event(stage(f"checking that {len(fresh)} compiled artifacts load here, side by side",
+                                            LOAD_CHECK_S))
+        with ThreadPoolExecutor(max_workers=len(fresh)) as pool:  # the checks are processes: threads only wait
+            list(pool.map(loads_here, fresh))
 
     def start(self, background: bool = True) -> None:
         """Hands what is missing to the builds (never waits: `wait` does)."""

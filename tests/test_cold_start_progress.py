@@ -1,0 +1,48 @@
+"""A cold start's progress into a pipe or a log file (cli_progress.compile_progress): a line per stage, and whenever
+the heartbeat's interval passes without one, a line saying what it still waits for and the time left."""
+
+import time
+
+from rich.console import Console
+
+import storyboard_cli.cli_progress as progress
+from storyboard_cli.engine.kernels.builds import CompileEvent, stage
+
+
+class Log:
+    """A log file: each line with the time it was written."""
+
+    def __init__(self):
+        self.lines: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> int:
+        self.lines += [(time.perf_counter(), line) for line in text.splitlines() if line]
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_slow_build_and_a_slow_stage_print_a_line_at_least_every_interval(monkeypatch):
+    log = Log()
+    monkeypatch.setattr(progress, "err", Console(file=log, force_terminal=False, width=200))
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
+    t0 = time.perf_counter()
+    with progress.compile_progress(quiet=False) as on_event:
+        on_event(stage("loading the weights of tiny"))
+        time.sleep(0.5)  # a stage with nothing to say
+        for i in range(8):  # a build, as Builds.wait reports it: an event per poll, no line of its own
+            on_event(CompileEvent("unet 1024x1024", "compiling", 0.1 * i, 300.0))
+            time.sleep(0.1)
+        on_event(CompileEvent("unet 1024x1024", "done", 0.8, 300.0))
+        on_event(stage("shape 1/3 8x1024x1024: timing the eager step", 10.0))
+        time.sleep(0.5)
+    text = [line for _, line in log.lines]
+    assert text[0] == "bcg: loading the weights of tiny"
+    assert any(line.endswith("still loading the weights of tiny (0 s so far)") for line in text)
+    assert any("compiling 1 kernels side by side (unet 1024x1024" in line and "s left" in line for line in text)
+    assert "bcg: unet 1024x1024 done in 1 s" in text
+    assert any("still shape 1/3 8x1024x1024: timing the eager step" in line and "about 10 s left" in line
+               for line in text)
+    times = [t0] + [t for t, _ in log.lines]
+    assert max(b - a for a, b in zip(times, times[1:])) < 0.2 + 0.3  # the interval, and the ticker's own step
