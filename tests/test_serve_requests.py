@@ -13,7 +13,6 @@ import pytest
 
 from helpers.serve import ONE_IMAGE_JOB, YAML, Server, eventually, free_port, register
 
-pytestmark = pytest.mark.slow
 OCTETS = {"Content-Type": "application/octet-stream"}
 
 
@@ -34,6 +33,7 @@ def _cut_short(port, head):
         time.sleep(0.3)
 
 
+@pytest.mark.slow
 def test_a_client_gone_mid_body_is_one_log_line_and_leaves_nothing(server):
     _cut_short(server.port, f"PUT /v1/blobs/{'a' * 64}")
     _cut_short(server.port, "POST /v1/jobs")
@@ -44,6 +44,7 @@ def test_a_client_gone_mid_body_is_one_log_line_and_leaves_nothing(server):
     assert not (server.root / "jobs").exists() or not list((server.root / "jobs").iterdir())
 
 
+@pytest.mark.slow
 def test_home_paths_are_refused_in_the_same_words_whether_the_user_exists_or_not(server):
     me = pwd.getpwuid(os.getuid()).pw_name
     answers = {}
@@ -65,6 +66,7 @@ def test_home_paths_are_refused_in_the_same_words_whether_the_user_exists_or_not
         assert os.path.expanduser("~") not in answers[me, field]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["a\nb.png", "x/\n/y.png", "a\x01b.png"])
 def test_a_file_path_with_a_newline_or_a_control_character_reaches_its_route(server, name):
     job = httpx.post(server.url + "/v1/jobs", content=ONE_IMAGE_JOB.replace("seed: 1", f"seed: {sum(map(ord, name))}"),
