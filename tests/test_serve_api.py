@@ -469,6 +469,15 @@ def test_unknown_routes_methods_and_files_are_problems_and_405_lists_every_metho
     problem_of(client.get("/v1/jobs/a%00b"), 422)  # not an id this server issues
 
 
+def test_a_hub_id_off_the_allow_list_is_refused_at_its_line_and_field(tmp_path):
+    app = create_app(Settings(tmp_path / "root", allow_models=("stabilityai/sdxl",)))
+    body = "version: 1\n# the model\nmodel: someone/other-model\nshots:\n  - {id: a, prompt: x, steps: 2, size: 64x64}\n"
+    with TestClient(app) as c:
+        detail = problem_of(post(c, body), 422)["detail"]
+    assert detail.startswith("job.yaml:3 field 'model': the hub id 'someone/other-model' is not one"), detail
+    assert "--allow-model list: stabilityai/sdxl" in detail
+
+
 def test_every_fixed_path_answers_a_method_it_lacks_with_405_whatever_route_shares_its_shape(client):
     """PUT /v1/blobs/missing is no upload of a blob named `missing`: a path without parameters is answered by its
     own routes alone, for every such path of the API and every method it does not declare."""

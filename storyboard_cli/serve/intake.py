@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from storyboard_cli.errors import BadInput, JobError, ModelError, StoryboardError
+from storyboard_cli.errors import BadInput, JobError, StoryboardError
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.adapter_files import ADAPTER_PRESETS
 from storyboard_cli.job.digests import weights_path
@@ -155,8 +155,10 @@ def _load(path: Path, filename: str, roots: tuple[Path, ...], inputs: Inputs, al
                 continue
             check_model_path(spec, field)
             if spec is not None and spec not in PRESETS and weights_path(spec) is None and spec not in allow_models:
-                raise ModelError(f"{field}: the hub id {spec[:80]!r} is not one this server may download "
-                                 f"(its --allow-model list{': ' + ', '.join(allow_models) if allow_models else ' is empty'})")
+                listed = ": " + ", ".join(allow_models) if allow_models else " is empty"
+                raise JobError(str(path), job.lines.get(field), None, field,
+                               f"the hub id '{spec[:80]}' is not one this server may download (its --allow-model "
+                               f"list{listed})")
         return job
     except JobError as e:
         raise JobError(filename if e.file == str(path) else e.file, e.line, e.shot, e.field, e.message) from None
