@@ -75,7 +75,7 @@ def router(state: ApiState) -> APIRouter:
     @api.put("/v1/leases/{lease_id}/files/{job_id}/{path:any}", response_model=None, openapi_extra=FILE_BODY,
              responses={200: {"model": wire.StoredOutput}, **problems({
                  403: NOT_HOLDER,
-                 404: "no such route: a path that holds a control character or a newline names no output",
+                 404: "no route takes this path",
                  410: LEASE_GONE, 415: f"the body is not sent as {OCTETS}",
                  422: "not an output of this lease"})})
     async def upload(lease_id: Id, job_id: Id, path: str, request: Request, worker: Holder):
