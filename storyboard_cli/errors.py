@@ -32,8 +32,8 @@ class JobError(BadInput):
             parts.append(f"shot '{shot}'")
         if field is not None:
             parts.append(f"field '{field}'")
-        message = " ".join(str(message).splitlines())  # one line, always: it is printed as one
-        super().__init__(": ".join([" ".join(parts), message]))
+        # one line, always: it is printed as one (a shot id or a mapping key may hold a newline too)
+        super().__init__(" ".join(": ".join([" ".join(parts), str(message)]).splitlines()))
 
 
 class ModelError(StoryboardError):

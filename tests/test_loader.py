@@ -56,7 +56,8 @@ def test_a_missing_controlnet_is_a_model_error_and_exits_2(job_dir, tmp_path):
                               "  - {id: a, prompt: x, steps: 2, size: 64x64, control: {image: control/hero_pose.png, "
                               "scale: 1.0}}\n")
     result = CliRunner().invoke(app, ["render", str(path), "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "controlnet: no such file or folder" in result.output, result.output
+    assert result.exit_code == 2 and "job.yaml:3 field 'controlnet': no such file or folder" in result.output, \
+        result.output
     assert len(result.output.strip().splitlines()) == 1
 
 

@@ -35,7 +35,8 @@ def _submit(url, seed):
 def _complete_by_hand(server, root):
     """Leases the next batch and completes it with PNGs written where a worker would have (the test's bytes: what
     is checked is that the server finds and serves them); {job: its image's output path}."""
-    lease = httpx.post(server.url + "/v1/leases", json={"worker": register(server.url, "t")}, timeout=10).json()
+    worker = register(server.url, "t")
+    lease = httpx.post(server.url + "/v1/leases", json={"worker": worker}, timeout=10).json()
     lines = {}
     for image in lease["images"]:
         png = root / "jobs" / image["job"] / "out" / image["outputs"][0]
@@ -43,7 +44,7 @@ def _complete_by_hand(server, root):
         png.write_bytes(PNG)
         lines[image["job"]] = [{"path": image["outputs"][0], "sha256": hashlib.sha256(PNG).hexdigest()}]
     r = httpx.post(f"{server.url}/v1/leases/{lease['lease']}/complete",
-                   json={"done": [i["id"] for i in lease["images"]], "manifest": lines}, timeout=10)
+                   json={"worker": worker, "done": [i["id"] for i in lease["images"]], "manifest": lines}, timeout=10)
     assert r.status_code == 200, r.text
     return {job: lines[job][0]["path"] for job in lines}
 

@@ -265,13 +265,20 @@ class RenderSession:
         r, stop = self.policy, stop or StopFlag()
         if r is None:
             return Status.DONE
-        total, last = self.pending.outputs, None
+        total, last, shown = self.pending.outputs, None, 0
+
+        def progress(batch: Batch) -> None:  # a line per delivery: none while the first batch's decode is in flight
+            nonlocal shown
+            if self.sink.delivered > shown:
+                shown = self.sink.delivered
+                self.on_event(Event("progress", shown, total, batch.items[-1].shot, batch.key.label))
+
         try:
             for batch in self.work():
                 stop.check()
                 self.on_event(Event("batch", self.sink.delivered, total, batch.items[0].shot, batch.key.label))
                 r.process(batch, self.job.buckets)  # delivers the batch before (this one's decode is in flight)
-                self.on_event(Event("progress", self.sink.delivered, total, batch.items[-1].shot, batch.key.label))
+                progress(batch)
                 last = batch
             stop.check()
         except Stopped:
@@ -279,7 +286,7 @@ class RenderSession:
             raise
         r.flush()
         if last is not None:
-            self.on_event(Event("progress", self.sink.delivered, total, last.items[-1].shot, last.key.label))
+            progress(last)
         t0 = time.perf_counter()
         self.sink.close()
         self.timings.expose("save", time.perf_counter() - t0)  # the writes still queued when the last image was decoded

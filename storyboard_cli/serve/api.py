@@ -82,6 +82,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     app.include_router(blob_routes.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20, disk))
     for routes in (job_routes, lease_routes, ops_routes):
         app.include_router(routes.router(state))
+    edge.fixed_paths(app)  # read once here, from the OpenAPI document: no request waits for it
     return app
 
 
