@@ -139,13 +139,7 @@ def test_submit_wait_follows_the_events_and_falls_back_to_polling(server, tmp_pa
     runner.join(30)
 
 
-FIRST_BATCH_CANCELED = """version: 1
-model: tiny
-buckets: [2]
-defaults: {steps: 2, size: 64x64}
-shots:
-  - {id: a, prompt: a castle, seed: 1, candidates: 6}
-"""
+FIRST_BATCH_CANCELED = JOB.replace("buckets: [1]", "buckets: [2]").replace("candidates: 3", "candidates: 6")
 
 
 @pytest.mark.slow
