@@ -225,8 +225,14 @@ def test_a_worker_killed_mid_batch_loses_its_lease_and_another_finishes_its_imag
     try:
         job_id = post(server.url, text).json()["id"]
         workers.append(start_worker(server.url, "doomed"))
-        seen = server.wait(job_id, lambda j: j["images_by_state"].get("done", 0) >= 1   # its next batch is
-                           and j["images_by_state"].get("leased", 0) >= 1 or j["state"] == "succeeded")  # rendering
+        while True:  # the worker is frozen, then killed, while it holds a lease (not between two batches)
+            seen = server.wait(job_id, lambda j: j["images_by_state"].get("done", 0) >= 1   # its next batch is
+                               and j["images_by_state"].get("leased", 0) >= 1 or j["state"] == "succeeded")  # rendering
+            os.killpg(workers[0].pid, signal.SIGSTOP)
+            seen = server.job(job_id)
+            if seen["images_by_state"].get("leased", 0) >= 1 or seen["state"] == "succeeded":
+                break
+            os.killpg(workers[0].pid, signal.SIGCONT)
         assert seen["state"] != "succeeded", "the job finished before its worker could be killed"
         stop(workers[0])
         workers.append(start_worker(server.url, "survivor"))
