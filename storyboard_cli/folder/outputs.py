@@ -41,20 +41,24 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temp name in the same folder, fsync, rename: a reader sees all or nothing."""
+def atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write to a temp name in the same folder, fsync, rename: a reader sees all or nothing. `durable=False` leaves
+    out the fsyncs (a file whose durable record is written elsewhere, after it: the served job's, whose queue row
+    commits with synchronous=FULL); a full disk still fails the write, and the file is still all or nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def owner(item: WorkItem, path: str) -> WorkItem:
