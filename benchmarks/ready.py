@@ -31,7 +31,7 @@ def main(job_path: str, out: str) -> None:
     t1 = time.perf_counter()
     shapes = sorted(set(batch_shapes(make_batches(work_items(job), job.buckets))), reverse=True)
     notes: list[str] = []
-    runner = graph_runner(models, shapes, "auto", notes, fp8="--fp8" in sys.argv)
+    runner = graph_runner(models, shapes, "auto", notes, kernels="fp8" if "--fp8" in sys.argv else "auto")
     runner.prepare(shapes)
     t2 = time.perf_counter()
     sched = schedule("euler", 2, models.scheduler_config)

@@ -18,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from storyboard_cli import __version__
-from storyboard_cli.cli_common import (CompileOpt, DeviceOpt, DtypeOpt, EngineOpt, Fp8Opt, JobArg, JobOpt, JsonOpt,
-                                       OutOpt, err, out)
+from storyboard_cli.cli_common import (CPU_KERNELS, CompileOpt, DeviceOpt, DtypeOpt, EngineOpt, Fp8Opt, JobArg, JobOpt,
+                                       JsonOpt, KernelsOpt, OutOpt, err, kernels_name, out)
 from storyboard_cli.cli_common import domain_errors as _domain_errors
 from storyboard_cli.cli_common import flag as _flag
 from storyboard_cli.cli_common import styled as _styled
@@ -127,7 +127,7 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
                                                          callback=_user_path)] = None,
            json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
            device: DeviceOpt = None, dtype: DtypeOpt = None,
-           engine: EngineOpt = "auto", compile: CompileOpt = "auto", fp8: Fp8Opt = False,
+           engine: EngineOpt = "auto", compile: CompileOpt = "auto", kernels: KernelsOpt = None, fp8: Fp8Opt = False,
            gpus: Annotated[int, typer.Option(min=1, help="GPUs of this machine to render on, one worker each "
                                                         "(started through torchrun).")] = 1) -> None:
     """Render a job: every image not already on disk."""
@@ -135,6 +135,8 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
     from storyboard_cli.run import dist
     from storyboard_cli.run import render as rendering
 
+    with _domain_errors():
+        kernels = kernels_name(kernels, fp8)  # before anything is read (under --gpus, before a worker starts)
     if gpus > 1 and dist.worker() is None:
         note = dist.launch_note(gpus, device)
         if note and not quiet:
@@ -158,7 +160,7 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
             _warn(j.warnings)
         opts = rendering.RenderOptions(out_dir=out_dir, force=force, device=device, dtype=dtype, engine=engine,
                                        retry_failed=retry_failed, compile=compile, shots=tuple(shot or ()),
-                                       fp8=fp8)
+                                       kernels=kernels)
         with render_progress(quiet or not dist.leader()) as on_event:
             result = dist.render(job=j, opts=opts, on_event=on_event)
     if not dist.leader() or dist.launched():  # rank 0 speaks for the job; under --gpus, once merged, its launcher
@@ -286,21 +288,22 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
                                                               show_envvar=True, help="Bearer token of the worker "
                                                               "routes (default: --token).")] = None,
           warm: WarmOpt = None, token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
-          compile: CompileOpt = "auto", fp8: Fp8Opt = False) -> None:
+          compile: CompileOpt = "auto", kernels: KernelsOpt = None, fp8: Fp8Opt = False) -> None:
     """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
     from storyboard_cli.job.file import load_job
     from storyboard_cli.serve.server import ServeOptions, Service
 
     with _domain_errors():
+        kernels = kernels_name(kernels, fp8)
         if warm is not None:
             load_job(warm)  # a bad file is one line here, not a worker that dies and is restarted
             warm = warm.resolve()
-        if fp8 and "cpu" in gpus.split(","):
-            raise BadInput("--fp8 runs on FP8 GPUs: drop the cpu workers from --gpus")
+        if kernels not in CPU_KERNELS and "cpu" in gpus.split(","):
+            raise BadInput(f"--kernels {kernels} runs on CUDA GPUs: drop the cpu workers from --gpus")
         opts = ServeOptions(root=root, host=host, port=port, gpus=tuple(g.strip() for g in gpus.split(",") if g.strip()),
                             max_queue_images=max_queue_images, lease_s=lease_s, grace_s=grace_s, token=token,
                             dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()), warm=warm,
-                            fp8=fp8, worker_token=worker_token, max_job_kb=max_job_kb, max_blob_mb=max_blob_mb,
+                            kernels=kernels, worker_token=worker_token, max_job_kb=max_job_kb, max_blob_mb=max_blob_mb,
                             max_workers=max_workers, allow_models=tuple(allow_model or ()), min_free_mb=min_free_mb,
                             max_blobs_gb=max_blobs_gb, blob_grace_s=blob_grace_s)
         service = Service(opts)  # the queue opened and the port bound: a start-up error is one line, before this
@@ -319,7 +322,8 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
            root: Annotated[Path, typer.Option(help="Where this worker keeps its copies of job folders when it does "
                                                    "not share the server's filesystem.")] = Path("bcg-worker"),
            warm: WarmOpt = None, token: WorkerTokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
-           engine: EngineOpt = "auto", compile: CompileOpt = "auto", fp8: Fp8Opt = False) -> None:
+           engine: EngineOpt = "auto", compile: CompileOpt = "auto", kernels: KernelsOpt = None,
+           fp8: Fp8Opt = False) -> None:
     """Render the server's queue on this machine (job folders shared with the server, or uploaded)."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
@@ -327,7 +331,8 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
 
     with _domain_errors():  # a device or options it cannot render with: one line, exit 2, before it registers
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
-                                 compile=compile, token=token, upload=upload, root=root, warm=warm, fp8=fp8))
+                                 compile=compile, token=token, upload=upload, root=root, warm=warm,
+                                 kernels=kernels_name(kernels, fp8)))
 
 
 @app.command()

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from storyboard_cli.errors import StoryboardError
+from storyboard_cli.errors import BadInput, StoryboardError
 
 # markup off: paths, prompts and ids are printed as they are (`[wip]` stays, `[/]` cannot break a line);
 # styled words go through `styled`
@@ -43,11 +43,25 @@ DtypeOpt = Annotated[Optional[str], typer.Option(help="fp16, bf16 or fp32 (defau
 EngineOpt = Annotated[str, typer.Option(help="auto (graphs on CUDA, eager on CPU), graph or eager.")]
 CompileOpt = Annotated[str, typer.Option(help="Compiled kernels inside the CUDA graphs: auto, on or off.")]
 JsonOpt = Annotated[bool, flag("--json", "Print one JSON summary object on stdout.")]
-Fp8Opt = Annotated[bool, flag("--fp8", "The compiled UNet's transformer layers in FP8 (static scales, calibrated "
-                                       "once per model): faster steps, slightly different pictures (an FP8 GPU: "
-                                       "Ada, Hopper or later).")]
+# the names of engine/variants.py's rows, which the commands do not import (only its drivers import the engine):
+# tests/test_kernels.py holds them to the table
+AUTO_KERNELS, FP8_KERNELS = "auto", "fp8"
+CPU_KERNELS = (AUTO_KERNELS, "plain")  # what a worker on the CPU renders with: no compiled kernels
+KernelsOpt = Annotated[Optional[str], typer.Option(
+    "--kernels", show_default=AUTO_KERNELS, help="The kernels inside the CUDA graphs, by name: auto (compiled where "
+    "the GPU and --compile allow, else plain), compiled (fp16), fp8 (the compiled UNet's transformer layers in FP8, "
+    "static scales calibrated once per model: faster steps, slightly different pictures; Ada, Hopper or later) or "
+    "plain (the modules as they are).")]
+Fp8Opt = Annotated[bool, flag("--fp8", "Short for --kernels fp8.")]
 JobOpt = Annotated[Optional[Path], typer.Option("--job", help="The job that rendered the folder (default: the "
                                                                 "one its report names).", callback=user_path)]
+
+
+def kernels_name(kernels: str | None, fp8: bool) -> str:
+    """`--kernels` with its alias `--fp8` (given both, they must agree); raises BadInput where they do not."""
+    if fp8 and kernels not in (None, FP8_KERNELS):
+        raise BadInput(f"--fp8 is --kernels {FP8_KERNELS}, and --kernels {kernels} was given too: give one of them")
+    return FP8_KERNELS if fp8 else kernels or AUTO_KERNELS
 
 
 @contextmanager

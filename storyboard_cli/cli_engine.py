@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from storyboard_cli.cli_common import (CompileOpt, DeviceOpt, DtypeOpt, Fp8Opt, JsonOpt, domain_errors, err, flag, out,
-                                       user_path)
+from storyboard_cli.cli_common import (CompileOpt, DeviceOpt, DtypeOpt, Fp8Opt, JsonOpt, KernelsOpt, domain_errors, err,
+                                       flag, kernels_name, out, user_path)
 from storyboard_cli.cli_progress import compile_progress
 from storyboard_cli.errors import BadInput
 
@@ -26,7 +26,7 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
             buckets: Annotated[str, typer.Option(help="Batch sizes when no job is given.")] = "1,2,4,8",
             steps: Annotated[int, typer.Option(min=2, max=200, help="Steps per timed loop.")] = 10,
             device: DeviceOpt = None, dtype: DtypeOpt = None, compile: CompileOpt = "auto",
-            fp8: Fp8Opt = False, json_out: JsonOpt = False,
+            kernels: KernelsOpt = None, fp8: Fp8Opt = False, json_out: JsonOpt = False,
             draft: Annotated[bool, flag("--draft", "The job as `bcg render --draft` renders it: its draft "
                                                    "graphs too.")] = False) -> None:
     """Compile the kernels a job needs (once per model, GPU and torch; kept under $BCG_CACHE), then
@@ -44,7 +44,7 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
         with compile_progress(quiet=json_out) as on_event:
             labels, loops, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes,
                                              device=device, dtype=dtype, warm=warm, steps=steps, compile=compile,
-                                             fp8=fp8, on_event=on_event)
+                                             kernels=kernels_name(kernels, fp8), on_event=on_event)
     if json_out:
         timings = [r.__dict__ | {"speedup": r.speedup} for r in rows]
         out.print_json(json.dumps({"shapes": labels, "loops": loops, "timings": timings}))

@@ -16,11 +16,12 @@ from storyboard_cli.errors import BadInput
 from storyboard_cli.run.capture import synthetic_inputs
 
 
-def test_the_variant_table_falls_back_down_its_rows_to_eager():
+def test_the_variant_table_falls_back_down_its_rows_to_eager(monkeypatch):
     """Each row falls back to a row below it, so the fallback loop ends; the chain is fp8 -> compiled -> plain -> eager;
     a compiled row's artifacts are told apart by their precision; FP8 only where it is asked for."""
     from storyboard_cli.engine.kernels.artifacts import Target
-    from storyboard_cli.engine.variants import EAGER, VARIANTS, chain, top
+    from storyboard_cli.engine import variants
+    from storyboard_cli.engine.variants import AUTO, EAGER, VARIANTS, chain, choose
 
     names = list(VARIANTS)
     for i, row in enumerate(VARIANTS.values()):
@@ -30,7 +31,9 @@ def test_the_variant_table_falls_back_down_its_rows_to_eager():
     compiled = [v for v in VARIANTS.values() if v.compiled]
     assert len({v.precision for v in compiled}) == len(compiled)
     assert all(Target("unet", 64, 64, v.precision).variant is v for v in compiled)
-    assert (top(), top(asked=True)) == ("compiled", "fp8")
+    monkeypatch.setattr(variants, "capability", lambda device: (9, 0))  # an FP8 GPU: auto still takes fp16 compiled
+    gpu = torch.device("cuda")
+    assert (choose(AUTO, "auto", "auto", gpu), choose("fp8", "auto", "auto", gpu)) == ("compiled", "fp8")
 
 
 def test_shape_key_identity_and_order():

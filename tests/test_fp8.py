@@ -163,12 +163,12 @@ def test_fp8_artifacts_have_their_own_key_and_name():
 
 
 @pytest.mark.parametrize("kind,compile,device,needle", [
-    ("auto", "off", "cuda", "--compile auto or on"), ("eager", "auto", "cuda", "--compile auto or on"),
+    ("auto", "off", "cuda", "--compile auto or on"), ("eager", "auto", "cuda", "--engine auto or graph"),
     ("auto", "auto", "cpu", "needs a CUDA GPU")])
 def test_fp8_options_are_refused_where_they_cannot_run(kind, compile, device, needle, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no capability query on a machine without one
     with pytest.raises(BadInput, match=needle):
-        check_engine(kind, compile, torch.device(device), fp8=True)
+        check_engine(kind, compile, torch.device(device), kernels="fp8")
 
 
 def test_render_fp8_on_the_cpu_is_one_line_exit_2(tmp_path):
@@ -177,7 +177,7 @@ def test_render_fp8_on_the_cpu_is_one_line_exit_2(tmp_path):
     result = CliRunner().invoke(app, ["render", str(ROOT / "jobs" / "episode1.yaml"), "--fp8", "--device", "cpu",
                                       "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    assert "--fp8 needs a CUDA GPU" in result.output and "Traceback" not in result.output
+    assert "--kernels fp8 needs a CUDA GPU" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
 
 
@@ -189,15 +189,18 @@ def test_a_service_with_fp8_on_the_cpu_is_refused_before_it_starts(argv, tmp_pat
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 2, result.output
-    assert "--fp8" in result.output and "Traceback" not in result.output
+    assert "--kernels fp8" in result.output and "Traceback" not in result.output
 
 
 def test_serve_fp8_starts_its_workers_with_fp8(tmp_path):
     from storyboard_cli.serve.server import ServeOptions, worker_command
 
-    argv, _ = worker_command("http://127.0.0.1:8188", "0", ServeOptions(root=tmp_path, fp8=True))
-    assert "--fp8" in argv
-    assert "--fp8" not in worker_command("http://127.0.0.1:8188", "0", ServeOptions(root=tmp_path))[0]
+    def kernels(argv):
+        return argv[argv.index("--kernels") + 1]
+
+    argv, _ = worker_command("http://127.0.0.1:8188", "0", ServeOptions(root=tmp_path, kernels="fp8"))
+    assert kernels(argv) == "fp8"
+    assert kernels(worker_command("http://127.0.0.1:8188", "0", ServeOptions(root=tmp_path))[0]) == "auto"
 
 
 def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):

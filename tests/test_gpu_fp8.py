@@ -21,7 +21,7 @@ RTOL = 0.1
 def setup():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9 or later")
-    return compiled_setup(fp8=True)
+    return compiled_setup(kernels="fp8")
 
 
 @pytest.mark.parametrize("batch,control", [(1, False), (2, False), (2, True)])

@@ -19,7 +19,7 @@ from storyboard_cli.engine.base import shape_label
 from storyboard_cli.engine.build import graph_runner
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.kernels.artifacts import artifact_path, module_of, targets
-from storyboard_cli.engine.variants import top
+from storyboard_cli.engine.variants import AUTO, FP8, choose
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.groupnorm import narrow
@@ -128,11 +128,11 @@ class DiffusersLoop:
 
 
 def bcg_render(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile: str = "off",
-               fp8: bool = False) -> dict:
+               kernels: str = AUTO) -> dict:
     from storyboard_cli.run.render import RenderOptions, render
 
     _peak_reset(models.device)
-    result = render(job, RenderOptions(out_dir=out_dir, force=True, compile=compile, fp8=fp8), models=models,
+    result = render(job, RenderOptions(out_dir=out_dir, force=True, compile=compile, kernels=kernels), models=models,
                     engine=engine)
     r = result.report
     return {"wall_s": result.wall_s, "images": result.rendered, "failed": len(result.failed),
@@ -197,19 +197,20 @@ def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable
 # ---------------------------------------------------------------- compiled kernels
 
 
-def first_render(job: Job, models: SdxlModels, log: Callable[[str], None], fp8: bool = False) -> dict:
-    """The first render of a job with `--compile auto` (with `--fp8`: its FP8 kernels and scales) on a cache
+def first_render(job: Job, models: SdxlModels, log: Callable[[str], None], kernels: str = AUTO) -> dict:
+    """The first render of a job with `--compile auto` (with `--kernels fp8`: its FP8 kernels and scales) on a cache
     without its kernels (they compile in the background while the plain graphs render) against the same render
     with `--compile off`, side by side on the same models; off first, so the builds' CPU load cannot slow it."""
     shapes = batch_shapes(make_batches(work_items(job), job.buckets))
-    cached = [t.label for t in targets(shapes, models.controlnet is not None, top(asked=fp8))
+    cached = [t.label for t in targets(shapes, models.controlnet is not None, choose(kernels, "graph", "auto",
+                                                                                     models.device))
               if artifact_path(t, module_of(models, t.module)).is_file()]
     with tempfile.TemporaryDirectory() as tmp:
         off = bcg_render(job, models, Path(tmp) / "off", compile="off")
-        auto = bcg_render(job, models, Path(tmp) / "auto", compile="auto", fp8=fp8)
+        auto = bcg_render(job, models, Path(tmp) / "auto", compile="auto", kernels=kernels)
     rec = {"cached_before": cached, "off": off, "auto": auto, "ratio": auto["images_per_s"] / off["images_per_s"],
-           "fp8": fp8}
-    log(f"first render: auto{' --fp8' if fp8 else ''} {auto['images_per_s']:.3f} images/s, off "
+           "fp8": kernels == FP8}
+    log(f"first render: auto{f' --kernels {kernels}' if kernels != AUTO else ''} {auto['images_per_s']:.3f} images/s, off "
         f"{off['images_per_s']:.3f} = {rec['ratio']:.3f}x (artifacts in the cache before: {cached or 'none'})")
     return rec
 
@@ -217,7 +218,8 @@ def first_render(job: Job, models: SdxlModels, log: Callable[[str], None], fp8: 
 def compile_slice(job: Job, models: SdxlModels, loop: DiffusersLoop, log: Callable[[str], None]) -> dict:
     """(b) the diffusers loop with diffusers' regional torch.compile (`compile_repeated_blocks`: each
     BasicTransformerBlock compiled once and reused) on the job's shots at its most common size, side by
-    side with (a) and with (e) bcg on its compiled kernels, on that slice (and (f), bcg --fp8, on a GPU with FP8).
+    side with (a) and with (e) bcg on its compiled kernels, on that slice (and (f), bcg --kernels fp8, on a GPU with
+    FP8).
     Run last: it compiles the shared UNet's blocks (undone at the end)."""
     sizes = [(s.width, s.height) for s in job.shots]
     size = max(set(sizes), key=sizes.count)
@@ -225,7 +227,8 @@ def compile_slice(job: Job, models: SdxlModels, loop: DiffusersLoop, log: Callab
     torch._dynamo.config.recompile_limit = 64  # every block class x row count, until shapes turn dynamic
     with tempfile.TemporaryDirectory() as tmp:
         e = bcg_render(part, models, Path(tmp) / "e", compile="auto")
-        f = bcg_render(part, models, Path(tmp) / "f", compile="auto", fp8=True) if fp8_ready(models.device) else None
+        f = (bcg_render(part, models, Path(tmp) / "f", compile="auto", kernels=FP8) if fp8_ready(models.device)
+             else None)
         a = loop.run_job(part, Path(tmp) / "a")
         models.unet.compile_repeated_blocks(fullgraph=True)
         try:

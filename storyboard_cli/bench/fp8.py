@@ -1,4 +1,4 @@
-"""`bcg bench`'s FP8 drift report: what the FP8 UNet kernels (`--fp8`, engine/kernels/fp8.py) change against the compiled
+"""`bcg bench`'s FP8 drift report: what the FP8 UNet kernels (`--kernels fp8`, engine/kernels/fp8.py) change against the compiled
 fp16 ones. Per step: the guided noise prediction's relative error along one fp16 trajectory. Per image: PSNR of the
 final pictures of the job, rendered both ways on the same seeds (harness: contenders (e) and (f))."""
 
@@ -16,13 +16,14 @@ from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import compiled_kernels
 from storyboard_cli.engine.eager import sample_step
 from storyboard_cli.engine.sampling import SIGMA, schedule
+from storyboard_cli.engine.variants import FP8, VARIANTS, why_not
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.run.capture import synthetic_inputs
 
 
 def fp8_ready(device: torch.device) -> bool:
-    """Whether this device runs FP8 GEMMs (compute capability 8.9 or later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether this device runs the `fp8` row's kernels (its capability: FP8 GEMMs)."""
+    return why_not(VARIANTS[FP8], "graph", "on", device) is None
 
 
 @torch.no_grad()
@@ -34,7 +35,7 @@ def step_drift(models: SdxlModels, log: Callable[[str], None], batch: int = 2, s
     shape = Shape(batch, side, side, False)
     notes: list[str] = []
     k16 = compiled_kernels(models, [shape], "on", notes)
-    k8 = compiled_kernels(models, [shape], "on", notes, fp8=True)
+    k8 = compiled_kernels(models, [shape], "on", notes, kernels=FP8)
     for k in (k16, k8):
         k.reserve(batch, side * side)
         if k.ready(*shape) is not None:

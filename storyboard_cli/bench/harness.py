@@ -27,6 +27,7 @@ from storyboard_cli.bench.fp8 import fp8_ready, image_drift, step_drift
 from storyboard_cli.bench.report import NAMES, markdown
 from storyboard_cli.bench.steps import kernel_profile, matmul_tflops, step_curve
 from storyboard_cli.engine.device import device_name, dtype_name
+from storyboard_cli.engine.variants import FP8
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.models.loader import SdxlModels, cuda_allocator, load_sdxl
@@ -124,12 +125,12 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
                                         eager=False))
     if "fp8" in parts and fp8_ready(device):  # FP8 against fp16 compiled: step curves, drift per step
         part("step_curve_fp8", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log,
-                                                  "on", eager=False, fp8=True))
+                                                  "on", eager=False, kernels=FP8))
         part("step_curve_compiled", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"],
                                                        log, "on", eager=False))
         if models.controlnet is not None:
             part("step_curve_control_fp8", lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"],
-                                                              log, "on", eager=False, fp8=True))
+                                                              log, "on", eager=False, kernels=FP8))
         part("fp8_steps", lambda: step_drift(models, log))
     if "micro_compiled" in parts and device.type == "cuda":  # the kernels built first if the cache lacks them
         part("step_curve_compiled",
@@ -146,7 +147,7 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
     if "first_render" in parts and device.type == "cuda":
         part("first_render", lambda: first_render(job, models, log))
     if "first_render_fp8" in parts and fp8_ready(device):
-        part("first_render_fp8", lambda: first_render(job, models, log, fp8=True))
+        part("first_render_fp8", lambda: first_render(job, models, log, kernels=FP8))
     if "profile" in parts and device.type == "cuda":
         part("profile", lambda: kernel_profile(models, log))
     if "b_slice" in parts and device.type == "cuda":
@@ -175,7 +176,7 @@ def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: 
         if cuda and "e_bcg_compiled" in contenders:
             part("e_bcg_compiled", lambda: bcg_render(job, models, Path(tmp) / "e", compile="auto"))
         if "f_bcg_fp8" in contenders and fp8_ready(models.device):  # (e) with the UNet's FP8 kernels
-            part("f_bcg_fp8", lambda: bcg_render(job, models, Path(tmp) / "f", compile="auto", fp8=True))
+            part("f_bcg_fp8", lambda: bcg_render(job, models, Path(tmp) / "f", compile="auto", kernels=FP8))
             if (Path(tmp) / "e").is_dir():  # the pictures against (e)'s, same seeds
                 part("fp8_images", lambda: image_drift(Path(tmp) / "f", Path(tmp) / "e"))
         if with_compile:

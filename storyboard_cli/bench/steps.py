@@ -12,6 +12,7 @@ from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import compiled_kernels, graph_runner
 from storyboard_cli.engine.eager import StepCalls, denoise
 from storyboard_cli.engine.kernels.artifacts import targets
+from storyboard_cli.engine.variants import AUTO
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.run.capture import synthetic_inputs, time_shapes
 
@@ -45,13 +46,13 @@ def step_flops(models: SdxlModels, batch: int, width: int, height: int, control:
 
 def step_curve(models: SdxlModels, batches: tuple[int, ...], width: int, height: int, control: bool,
                matmul_rate: float, log: Callable[[str], None], compile: str = "off", eager: bool = True,
-               fp8: bool = False) -> list[dict]:
+               kernels: str = AUTO) -> list[dict]:
     """Eager vs graph ms/step per batch size, FLOPs per step and the share of the matmul rate reached
-    (compile "on": the graphs run the compiled kernels, built first if the cache lacks them; `fp8`: the UNet's FP8
-    ones)."""
+    (compile "on": the graphs run the compiled kernels, built first if the cache lacks them, on `kernels`' row:
+    "fp8", the UNet's FP8 ones)."""
     shapes = [Shape(b, height, width, control) for b in batches]
     rows = []
-    runner = graph_runner(models, shapes, compile, fp8=fp8)
+    runner = graph_runner(models, shapes, compile, kernels=kernels)
     for t in sorted(time_shapes(models, runner, shapes, steps=10, repeats=3, eager=eager), key=lambda t: t.shape):
         b = int(t.shape.split("x")[0])
         flops = step_flops(models, b, width, height, control)

@@ -4,6 +4,8 @@ Imports nothing of the engine: every engine module (and the compile children) ma
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from storyboard_cli.errors import BadInput, DeviceUnusable, first_line
@@ -35,6 +37,19 @@ def probe(device: torch.device) -> None:
         torch.ones(1, device=device).add_(1).cpu()
     except RuntimeError as e:
         raise DeviceUnusable(f"{device}: the device does not work ({first_line(e, 200)})") from None
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The device's CUDA compute capability (None: not a CUDA device), asked of the driver once per GPU and process:
+    every check of a kernel row (engine/variants.py) and every artifact key read it from here."""
+    if device.type != "cuda":
+        return None
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def device_name(device: torch.device) -> str:

@@ -8,6 +8,12 @@ the inductor options they add (engine/kernels/artifacts.py, export.py), how its 
 module's own tensors (engine/kernels/calls.py binds them), its first-replay check's limit, and what it falls back
 to. Adding a variant (an FP8 ControlNet, a compiled VAE) is one row here plus its recipe module, as `fp8` is one
 row plus engine/kernels/fp8.py.
+
+A run names its row (`--kernels NAME`, `--fp8` for `--kernels fp8`; `auto`: the best row the options and the device
+allow, never one only used when asked). A row also says what it needs and what it cannot be combined with: the CUDA
+compute capability its kernels run on (asked of the driver once per process, engine/device.py `capability`), the
+options it refuses (checked before anything loads: `choose`), and the parts of the loaded models its kernels are not
+built with (the run takes the row it falls back to, with a note: `fit`).
 """
 
 from __future__ import annotations
@@ -15,10 +21,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
+from storyboard_cli.engine.device import capability
 from storyboard_cli.engine.kernels import fp8
+from storyboard_cli.errors import BadInput, did_you_mean
 
 FP8, COMPILED, PLAIN = "fp8", "compiled", "plain"
 EAGER = "eager"  # no graph: the eager engine, where a plain graph falls back to
+AUTO = "auto"  # --kernels auto: the best row the run's options and device allow, of those not only used when asked
+# what a row may refuse, as the command line spells it, and what to give instead
+INSTEAD = {"--engine eager": "--engine auto or graph", "--compile off": "--compile auto or on"}
+# the parts of the loaded models a row's kernels may be built without (SdxlModels' attributes, None when not loaded)
+PARTS = {"ip_adapter": "an IP-Adapter (ip_adapter:)"}
 
 
 @dataclass(frozen=True)
@@ -35,29 +50,77 @@ class Variant:
     # `.tensors(models, module)`, the artifact's constants beyond the module's own tensors
     constants: Callable[[Any, Any], Any] | None = None
     asked: bool = False  # used only where the user asks for it: it changes the pictures more than rounding does
+    # the least CUDA compute capability its kernels run on, and what that is, in words (None: any device, no kernels
+    # of its own)
+    capability: tuple[int, int] | None = None
+    hardware: str = ""
+    refuses: tuple[str, ...] = ()  # options it cannot run with (INSTEAD's keys): refused before anything loads
+    without: tuple[str, ...] = ()  # model parts its kernels are not built with (PARTS' keys): its fallback runs
 
     @property
     def compiled(self) -> bool:
         return self.precision is not None
 
 
+# compiled kernels run inside the CUDA graphs, which --engine eager never captures, and --compile off never loads
+COMPILED_ONLY = ("--engine eager", "--compile off")
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # FP8 kernels: the quantisation's error, 3.4e-2 to 3.5e-2 in the noise prediction against the fp16 eager UNet on
     # sdxl-random at t = 999 / 500 / 50 (H200; the same without the compiler); broken kernels measured 1.2e-1 and
-    # more (docs/PERFORMANCE.md): the limit sits between
-    Variant(FP8, COMPILED, 8e-2, "fp8", ("fp8-linears",), fp8.OPTIONS, fp8.swap_in, fp8.InputScales, asked=True),
+    # more (docs/PERFORMANCE.md): the limit sits between. Not built with an IP-Adapter: its calibration and its
+    # Linears were measured without the adapter's attention.
+    Variant(FP8, COMPILED, 8e-2, "fp8", ("fp8-linears",), fp8.OPTIONS, fp8.swap_in, fp8.InputScales, asked=True,
+            capability=(8, 9), hardware="FP8 tensor cores: Ada, Hopper or later", refuses=COMPILED_ONLY,
+            without=("ip_adapter",)),
     # compiled kernels round once where eager rounds after every op: 1.6e-3 in the SDXL UNet's fp16 noise prediction
     # on an H200 (benchmarks/probes/fp8_scout.py); an artifact that read its timestep as fp16 bits was 1.2e-1 to
-    # 1.6e-1 off
-    Variant(COMPILED, PLAIN, 2e-2, "fp16"),
+    # 1.6e-1 off. Inductor's Triton kernels need compute capability 7.0 (torch refuses an older GPU: "too old to be
+    # supported by the triton GPU compiler").
+    Variant(COMPILED, PLAIN, 2e-2, "fp16", capability=(7, 0), hardware="Volta or later", refuses=COMPILED_ONLY),
     Variant(PLAIN, EAGER, 2e-2),  # the eager kernels captured (0 measured)
 )}
 PRECISIONS: dict[str, Variant] = {v.precision: v for v in VARIANTS.values() if v.compiled}
 
 
-def top(asked: bool = False) -> str:
-    """The best compiled variant a run uses: the first row, or the first one not only used when asked (--fp8)."""
-    return next(v.name for v in VARIANTS.values() if v.compiled and (asked or not v.asked))
+def why_not(row: Variant, engine: str, compile: str, device) -> str | None:
+    """None if `row` can run with these options on this device, else why not (a clause after its name)."""
+    refused = [o for o in row.refuses if o in (f"--engine {engine}", f"--compile {compile}")]
+    if refused:
+        return f"cannot run with {' and '.join(refused)} (use {', and '.join(INSTEAD[o] for o in refused)})"
+    if row.capability is None:
+        return None
+    need, have = "compute capability {}.{} or later".format(*row.capability), capability(device)
+    if have is None:
+        return f"needs a CUDA GPU of {need} ({row.hardware})"
+    if have < row.capability:
+        return f"needs {need} ({row.hardware}); {torch.cuda.get_device_name(device)} has {have[0]}.{have[1]}"
+    return None
+
+
+def choose(name: str, engine: str, compile: str, device) -> str:
+    """The row `--kernels name` runs: `auto`, the best row these options and this device allow of those not only used
+    when asked (as the default has always been: compiled kernels on a GPU, plain graphs or the eager engine
+    otherwise); a row's name, that row if they allow it. Raises BadInput (one line) for a row they do not allow."""
+    if name == AUTO:
+        return next(v.name for v in VARIANTS.values() if not v.asked and why_not(v, engine, compile, device) is None)
+    if name not in VARIANTS:
+        raise BadInput(f"--kernels: unknown kernels {name!r}{did_you_mean(name, VARIANTS)} (use {AUTO}, "
+                       f"{', '.join(VARIANTS)})")
+    why = why_not(VARIANTS[name], engine, compile, device)
+    if why is not None:
+        raise BadInput(f"--kernels {name} {why}")
+    return name
+
+
+def fit(name: str, models: Any, notes: list[str]) -> str:
+    """`name`'s row, or the first row it falls back to whose kernels are built for the loaded models' parts; a note
+    says why for each row passed over."""
+    row = VARIANTS[name]
+    while parts := [p for p in row.without if getattr(models, p, None) is not None]:
+        notes.append(f"--kernels {row.name}: its kernels are not built with {PARTS[parts[0]]}; {row.fallback} "
+                     "kernels instead")
+        row = VARIANTS[row.fallback]
+    return row.name
 
 
 def chain(name: str) -> list[Variant]:

@@ -16,6 +16,7 @@ from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.kernels.builds import CompileEvent, stage
 from storyboard_cli.engine.sampling import schedule
+from storyboard_cli.engine.variants import AUTO
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import NAMED_SIZES, Job
 from storyboard_cli.job.plan import make_batches, work_items
@@ -161,16 +162,16 @@ def job_shapes(job: Job | None, controlnet: str | None, buckets: tuple[int, ...]
 
 def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: str | None = None,
             buckets: tuple[int, ...] = (1, 2, 4, 8), device: str | None = None, dtype: str | None = None,
-            warm: bool = False, steps: int = 10, compile: str = "auto", fp8: bool = False,
+            warm: bool = False, steps: int = 10, compile: str = "auto", kernels: str = AUTO,
             on_event: Callable[[object], None] | None = None) -> tuple[list[str], list[str], list[ShapeTiming]]:
     """The shapes a job (or the named sizes x buckets) needs and the job's draft loops on them; with `warm`,
     compiles the kernels the cache lacks (unless `compile` is "off"; progress as engine.kernels.builds.CompileEvent),
-    then captures, checks and times every shape and loop. Notes (why compiled kernels are not used) arrive as
+    then captures, checks and times every shape and loop on `kernels`' row (engine/variants.py `choose`). Notes (why compiled kernels are not used) arrive as
     strings."""
     dev, dt = resolve_device(device, dtype)
     if warm and dev.type != "cuda":
         raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
-    check_engine("graph" if warm else "auto", compile, dev, fp8)
+    kernels = check_engine("graph" if warm else "auto", compile, dev, kernels)  # a row's name (engine/variants.py)
     adapter = encoder = None
     if job is not None:
         model, controlnet, adapter, encoder = model_specs(job, work_items(job))
@@ -184,7 +185,7 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     say(stage(f"loading the weights of {model}"))
     models = load_sdxl(model, controlnet, dev, dt, adapter, encoder)
     notes: list[str] = []
-    runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event, fp8)
+    runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event, kernels)
     for note in notes:
         say(note)
     return labels, loops, time_shapes(models, runner, shapes, steps=steps, plans=plans, on_stage=say)

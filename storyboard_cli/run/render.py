@@ -19,6 +19,7 @@ import torch
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
 from storyboard_cli.engine.device import probe
+from storyboard_cli.engine.variants import AUTO
 from storyboard_cli.errors import Status, StoryboardError, folder_error
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
@@ -48,7 +49,7 @@ class RenderOptions:
     retry_failed: bool = False
     compile: str = "auto"  # auto | on | off: compiled kernels inside the graphs
     shots: tuple[str, ...] = ()  # only these shots (ids or glob patterns); () for all
-    fp8: bool = False  # the compiled UNet's FP8 kernels (engine/kernels/fp8.py)
+    kernels: str = AUTO  # the kernels' row by name (engine/variants.py: auto, compiled, fp8, plain)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def check_options(opts: RenderOptions) -> None:
     """The engine options against each other and the device, and the device tried once, before a model is loaded (a
     worker: before it registers, so a worker that cannot render here stops at once instead of taking leases)."""
     device = resolve_device(opts.device, opts.dtype)[0]
-    check_engine(opts.engine, opts.compile, device, opts.fp8)
+    check_engine(opts.engine, opts.compile, device, opts.kernels)
     probe(device)
 
 
@@ -119,13 +120,13 @@ def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:
     """A job's model loaded and every shape of its batches captured (compiled kernels loaded or built as
     `opts.compile` says), nothing rendered: what a long-lived worker does before its first job."""
     device, dtype = resolve_device(opts.device, opts.dtype)
-    check_engine(opts.engine, opts.compile, device, opts.fp8)
+    kernels = check_engine(opts.engine, opts.compile, device, opts.kernels)
     check_models(job)
     items = work_items(job)
     batches = make_batches(items, job.buckets)
     shapes = batch_shapes(batches)
     models = load_models(job, items, device, dtype)
-    engine = build_engine(models, opts.engine, shapes, [], opts.compile, fp8=opts.fp8)
+    engine = build_engine(models, opts.engine, shapes, [], opts.compile, kernels=kernels)
     engine.prepare(shapes, batch_kinds(batches))
     return models, engine
 
@@ -140,7 +141,8 @@ class RenderSession:
         self.job, self.opts, self.models, self.engine = job, opts, models, engine
         self.on_event = on_event or (lambda e: None)
         self.device, self.dtype = (models.device, models.dtype) if models else resolve_device(opts.device, opts.dtype)
-        check_engine(opts.engine, opts.compile, self.device, opts.fp8)  # even when nothing turns out to be pending
+        # even when nothing turns out to be pending; the kernels' row by name, as the engine is built with
+        self.kernels = check_engine(opts.engine, opts.compile, self.device, opts.kernels)
         self.out_dir = Path(opts.out_dir) if opts.out_dir else job.output_dir
         check_destination(self.out_dir)
         if models is None:
@@ -226,7 +228,7 @@ class RenderSession:
         with self.timings.stage("capture"):
             if self.engine is None:
                 self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile,
-                                           fp8=self.opts.fp8)
+                                           kernels=self.kernels)
         with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
             runner = self.batch_runner()
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())

@@ -290,7 +290,7 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
             if job_id == lease.job:
                 hot.for_job(job)
             ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
-                                  engine=opts.engine, compile=opts.compile, fp8=opts.fp8)
+                                  engine=opts.engine, compile=opts.compile, kernels=opts.kernels)
             sessions[job_id] = LeaseSession(job, ropts, images, hot)
         except DeviceUnusable:
             raise

@@ -58,7 +58,7 @@ class ServeOptions:
     dtype: str | None = None
     engine: str = "auto"
     compile: str = "auto"
-    fp8: bool = False  # every local worker renders with the UNet's FP8 kernels (bcg render --fp8)
+    kernels: str = "auto"  # the kernels' row every local worker renders on (bcg render --kernels)
     inputs: tuple[Path, ...] = ()  # --allow-dir: folders jobs may read besides --root
     warm: Path | None = None  # each local worker makes this job's model and shapes ready before its first lease
     worker_token: str | None = None  # the worker routes' token (None: --token)
@@ -124,7 +124,7 @@ def worker_command(url: str, gpu: str, opts: ServeOptions, index: int = 0) -> tu
     env = dict(os.environ)
     name = f"local-{gpu}" if index == 0 else f"local-{gpu}-{index + 1}"
     argv = [sys.executable, "-m", "storyboard_cli", "worker", "--server", url, "--name", name,
-            "--engine", opts.engine, "--compile", opts.compile] + (["--fp8"] if opts.fp8 else [])
+            "--engine", opts.engine, "--compile", opts.compile, "--kernels", opts.kernels]
     if gpu == "cpu":
         argv += ["--device", "cpu"]
     elif gpu != "auto":

@@ -119,7 +119,7 @@ def run_worker(opts: WorkerOptions) -> int:
     started = time.monotonic()
     name = opts.name or default_name()
     render_opts = RenderOptions(device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile,
-                                fp8=opts.fp8)
+                                kernels=opts.kernels)
     check_options(render_opts)  # before registering: a worker that cannot render here takes no lease
     client, hot, stop = LeaseClient(opts.server, opts.token), Hot(), _Stop()
     files = InputFiles(client, opts.root.resolve(), shared=not opts.upload)

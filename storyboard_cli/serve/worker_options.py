@@ -15,7 +15,7 @@ class WorkerOptions:
     dtype: str | None = None
     engine: str = "auto"
     compile: str = "auto"
-    fp8: bool = False  # the UNet's FP8 kernels (bcg render --fp8)
+    kernels: str = "auto"  # the kernels' row by name (bcg render --kernels: auto, compiled, fp8, plain)
     token: str | None = None
     poll_s: float = 0.5
     max_leases: int | None = None  # stop after this many (tests); None: until stopped

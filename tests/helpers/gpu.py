@@ -49,16 +49,16 @@ def unguided(args):
 
 
 
-def compiled_setup(fp8: bool = False):
-    """sdxl-random at 1024x1024 fp16, a runner whose compiled kernels (FP8 ones with `fp8`) cover 1 and 2 images with
-    and without ControlNet (built first when the cache lacks them), and the eager engine."""
+def compiled_setup(kernels: str = "compiled"):
+    """sdxl-random at 1024x1024 fp16, a runner whose compiled kernels (`kernels`' row: FP8 ones with "fp8") cover 1 and
+    2 images with and without ControlNet (built first when the cache lacks them), and the eager engine."""
     from storyboard_cli.engine.build import graph_runner
     from storyboard_cli.models.loader import load_sdxl
 
     models = load_sdxl("sdxl-random", "sdxl-random", "cuda", torch.float16)
     shapes = [Shape(b, SIDE, SIDE, c) for b in (1, 2) for c in (False, True)]
     notes = []
-    runner = graph_runner(models, shapes, compile="on", notes=notes, fp8=fp8)
+    runner = graph_runner(models, shapes, compile="on", notes=notes, kernels=kernels)
     assert all(runner.compiled.ready(*s) is None for s in shapes), notes
     return models, runner, EagerEngine(models)
 

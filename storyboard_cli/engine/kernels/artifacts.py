@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import torch
 
 from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.device import capability
 from storyboard_cli.engine.kernels.export import MAX_ROWS, RECIPE, Target, export
 from storyboard_cli.engine.variants import COMPILED, VARIANTS
 from storyboard_cli.models.tiny import cache_root
@@ -100,7 +101,7 @@ def artifact_key(target: Target, model: torch.nn.Module) -> str:
         import triton
 
         where = {"triton": triton.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(dev),
-                 "capability": torch.cuda.get_device_capability(dev)}
+                 "capability": capability(dev)}
     else:
         where = {"cpu": platform.machine(), "compiler": platform.python_compiler()}
     facts = {
