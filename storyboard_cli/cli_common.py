@@ -48,10 +48,10 @@ JsonOpt = Annotated[bool, flag("--json", "Print one JSON summary object on stdou
 AUTO_KERNELS, FP8_KERNELS = "auto", "fp8"
 CPU_KERNELS = (AUTO_KERNELS, "plain")  # what a worker on the CPU renders with: no compiled kernels
 KernelsOpt = Annotated[Optional[str], typer.Option(
-    "--kernels", show_default=AUTO_KERNELS, help="The kernels inside the CUDA graphs, by name: auto (compiled where "
-    "the GPU and --compile allow, else plain), compiled (fp16), fp8 (the compiled UNet's transformer layers in FP8, "
-    "static scales calibrated once per model: faster steps, slightly different pictures; Ada, Hopper or later) or "
-    "plain (the modules as they are).")]
+    "--kernels", help="The kernels inside the CUDA graphs, by name: auto (the default: compiled where the GPU and "
+    "--compile allow, else plain), compiled (fp16), fp8 (the compiled UNet's transformer layers in FP8, static scales "
+    "calibrated once per model: faster steps, slightly different pictures; Ada, Hopper or later) or plain (the "
+    "modules as they are).")]
 Fp8Opt = Annotated[bool, flag("--fp8", "Short for --kernels fp8.")]
 JobOpt = Annotated[Optional[Path], typer.Option("--job", help="The job that rendered the folder (default: the "
                                                                 "one its report names).", callback=user_path)]
