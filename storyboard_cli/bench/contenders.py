@@ -210,7 +210,8 @@ def first_render(job: Job, models: SdxlModels, log: Callable[[str], None], kerne
         auto = bcg_render(job, models, Path(tmp) / "auto", compile="auto", kernels=kernels)
     rec = {"cached_before": cached, "off": off, "auto": auto, "ratio": auto["images_per_s"] / off["images_per_s"],
            "fp8": kernels == FP8}
-    log(f"first render: auto{f' --kernels {kernels}' if kernels != AUTO else ''} {auto['images_per_s']:.3f} images/s, off "
+    asked = f" --kernels {kernels}" if kernels != AUTO else ""
+    log(f"first render: auto{asked} {auto['images_per_s']:.3f} images/s, off "
         f"{off['images_per_s']:.3f} = {rec['ratio']:.3f}x (artifacts in the cache before: {cached or 'none'})")
     return rec
 

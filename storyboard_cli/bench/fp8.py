@@ -1,6 +1,6 @@
-"""`bcg bench`'s FP8 drift report: what the FP8 UNet kernels (`--kernels fp8`, engine/kernels/fp8.py) change against the compiled
-fp16 ones. Per step: the guided noise prediction's relative error along one fp16 trajectory. Per image: PSNR of the
-final pictures of the job, rendered both ways on the same seeds (harness: contenders (e) and (f))."""
+"""`bcg bench`'s FP8 drift report: what the FP8 UNet kernels (`--kernels fp8`, engine/kernels/fp8.py) change against
+the compiled fp16 ones. Per step: the guided noise prediction's relative error along one fp16 trajectory. Per image:
+PSNR of the final pictures of the job, rendered both ways on the same seeds (harness: contenders (e) and (f))."""
 
 from __future__ import annotations
 

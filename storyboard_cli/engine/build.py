@@ -48,10 +48,10 @@ def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, note
     if not row.compiled:
         return None
     builds = Builds(models.device, on_event, retry_failed=compile == "on", notes=notes)
-    kernels = CompiledKernels(models, builds, notes, variant=row.name)
-    if compile == "on" and kernels.want(kernels.targets(shapes)):
-        kernels.wait()
-    return kernels
+    compiled = CompiledKernels(models, builds, notes, variant=row.name)
+    if compile == "on" and compiled.want(compiled.targets(shapes)):
+        compiled.wait()
+    return compiled
 
 
 def graph_runner(models: SdxlModels, shapes: list[Shape], compile: str = "auto", notes: list[str] | None = None,

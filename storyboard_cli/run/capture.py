@@ -166,8 +166,8 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
             on_event: Callable[[object], None] | None = None) -> tuple[list[str], list[str], list[ShapeTiming]]:
     """The shapes a job (or the named sizes x buckets) needs and the job's draft loops on them; with `warm`,
     compiles the kernels the cache lacks (unless `compile` is "off"; progress as engine.kernels.builds.CompileEvent),
-    then captures, checks and times every shape and loop on `kernels`' row (engine/variants.py `choose`). Notes (why compiled kernels are not used) arrive as
-    strings."""
+    then captures, checks and times every shape and loop on `kernels`' row (engine/variants.py `choose`). Notes (why
+    compiled kernels are not used) arrive as strings."""
     dev, dt = resolve_device(device, dtype)
     if warm and dev.type != "cuda":
         raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
