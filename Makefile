@@ -10,8 +10,8 @@ install:
 test:
 	$(PYTHON) -m pytest -q
 
-# Without the tests that start processes (torchrun, kill -9, signals) or build compiled kernels: 1161 tests in
-# about 70 s on two cores.
+# Without the tests that start processes (torchrun, kill -9, signals) or build compiled kernels: 1314 of the 1517
+# tests (2026-12-02), in about 70-150 s on two cores.
 test-fast:
 	$(PYTHON) -m pytest -q -m "not slow and not gpu"
 

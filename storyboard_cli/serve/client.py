@@ -20,7 +20,6 @@ from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, JobState
 if TYPE_CHECKING:
     from storyboard_cli.serve.wire import Lease
 
-FINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED)
 SUBMIT_TIMEOUT_S = 60.0
 UPLOAD_CHUNK = 1 << 20
 MAX_WARM = 256  # mixes a worker names as warm (wire.WorkerReport)
@@ -238,7 +237,7 @@ def poll(server: str, job_id: str, token: str | None = None, timeout_s: float | 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         job = get_job(server, job_id, token)
-        if job["state"] in FINAL or (deadline is not None and time.monotonic() > deadline):
+        if job["state"] in JobState.FINAL or (deadline is not None and time.monotonic() > deadline):
             return job
         time.sleep(poll_s)
 
