@@ -327,6 +327,22 @@ def test_which_captures_skip_the_warm_up():
     assert not ran(4, StepKind(True, "read", 0)).covers(full)  # a shallow step ran part of the UNet
 
 
+def test_a_compiled_warm_up_covers_other_rows_of_its_artifact():
+    """A compiled (or FP8) variant's kernels are one artifact for every row count: a capture at new rows skips its
+    warm-up after any of the same variant, size and ControlNets; a plain graph's still needs the same rows."""
+    def ran(batch, variant, kind=FULL, control=False, height=H):
+        return Warmed.of(ShapeKey(batch, height, W, control, "float32", variant, kind))
+
+    for variant in ("compiled", "fp8"):
+        eight = ran(8, variant)
+        assert eight.covers(ran(1, variant)) and eight.covers(ran(4, variant, StepKind(guided=False)))
+        assert ran(1, variant).covers(eight)  # the rows are the artifact's dynamic dimension, either way
+        assert not eight.covers(ran(4, variant, control=True)) and ran(2, variant, control=True).covers(eight)
+        assert not eight.covers(ran(4, variant, height=2 * H))
+    assert not ran(8, "compiled").covers(ran(4, "fp8")) and not ran(8, "fp8").covers(ran(4, "compiled"))
+    assert not ran(8, "plain").covers(ran(4, "plain"))
+
+
 def test_todays_step_shares_deepcache_full_steps_graph(tiny_cpu):
     """Where a shape has DeepCache's full step, today's step of the same rows and ControlNet replays that graph (one
     capture less for a job with both kinds of shot); its result is today's, bit for bit (the feature write is a copy

@@ -72,6 +72,36 @@ def test_a_failed_batch_loses_none_of_the_batch_denoised_before_it(job, tmp_path
     assert first and lines[: len(first)] == first  # the first batch's images landed, before the third's
 
 
+
+def test_a_decode_out_of_memory_is_decoded_again_and_other_decode_errors_fail_its_images(job, tmp_path, tiny_cpu,
+                                                                                       monkeypatch):
+    """A decode runs on its own thread on a GPU (what it raises arrives where the batch is delivered): out of memory
+    once, the batch's latents are decoded again, to the same bytes; any other error fails that batch's images alone."""
+    import torch
+
+    import storyboard_cli.run.batch as batch
+
+    real, calls = batch.decode_on_device, []
+
+    def fails(error):
+        def decode(models, latents):
+            calls.append(latents.shape[0])
+            if len(calls) == 1:
+                raise error
+            return real(models, latents)
+        return decode
+
+    monkeypatch.setattr(batch, "decode_on_device", fails(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")))
+    result, lines, files = _render(job, tmp_path / "oom", tiny_cpu)
+    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
+    assert result.status == "done" and result.rendered == 5 and calls[0] == calls[1]
+    assert lines == seq_lines and files == seq_files
+    calls.clear()
+    monkeypatch.setattr(batch, "decode_on_device", fails(ValueError("simulated decode failure")))
+    result, lines, _ = _render(job, tmp_path / "error", tiny_cpu)
+    assert result.status == "failed" and len(result.failed) == calls[0] and result.rendered == 5 - calls[0]
+    assert all("simulated decode failure" in f["reason"] for f in result.failed)
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_decode_beside_the_next_batch_writes_the_same_bytes(job, tmp_path):
     """The decode and the inputs on streams of their own, the graphs replaying on the UNet's: the same PNG bytes as

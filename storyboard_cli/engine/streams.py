@@ -3,6 +3,12 @@ noise copied in) are made on `inputs` while the UNet's stream still denoises the
 decode and its copy to the host run on `decode` while the next batch denoises. The UNet's stream (the current one)
 runs the denoising loops alone, one after the other.
 
+The decode is queued from a host thread of its own (`on_decode`). The thread that queues a loop's replays is held in
+the last ones until the GPU is about one replay from the loop's end (the launch queue is full), so a decode queued
+after them from that thread began only when the loop had ended, and the next batch's inputs and loop waited for it
+(docs/PERFORMANCE.md, issue 41: the trace of 2026-12-02). A replay releases the GIL: the decode thread queues the
+decode while the next batch's inputs are made, checked and replayed.
+
 A copy from pageable host memory waits for its whole stream: on the UNet's stream it would wait for the batch before
 to finish denoising, so the inputs have a stream of their own. A tensor made on one stream and read on another is
 handed over (`hand_over`): the caching allocator keeps its memory until the reading stream's work queued so far is
@@ -13,9 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from contextlib import contextmanager, nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class Timer:
@@ -51,6 +61,7 @@ class Lanes:
         self.cuda = device.type == "cuda"
         self._inputs = torch.cuda.Stream(device) if self.cuda else None
         self._decode = torch.cuda.Stream(device) if self.cuda else None
+        self._thread: ThreadPoolExecutor | None = None  # the decode's, made at the first decode
 
     def timer(self) -> Timer:
         """A point in the current stream's work."""
@@ -70,12 +81,28 @@ class Lanes:
             yield
         unet.wait_stream(self._inputs)
 
-    def decode(self):
-        """Work on the decode stream, after what the UNet's stream has queued so far (the batch's denoising)."""
+    def on_decode(self, work: Callable[[], T], here: bool = False) -> Future[T]:
+        """`work` on the decode stream, after what the UNet's stream has queued so far (the batch's denoising), queued
+        from the decode thread: this returns at once, and the Future holds what `work` returned or raised. `here`: queued
+        from this thread (a retry). On the CPU it runs here, and the Future is done when this returns."""
+        done: Future[T] = Future()
         if not self.cuda:
-            return nullcontext()
-        self._decode.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self._decode)
+            _settle(done, work)
+            return done
+        after = torch.cuda.Event()
+        after.record()  # on the UNet's stream, after the batch's loop
+
+        def queue() -> None:
+            with torch.cuda.device(self._decode.device), torch.cuda.stream(self._decode), torch.no_grad():
+                self._decode.wait_event(after)
+                _settle(done, work)
+
+        if here:
+            queue()
+        else:
+            self._thread = self._thread or ThreadPoolExecutor(1, thread_name_prefix="bcg-decode")
+            self._thread.submit(queue)
+        return done
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A copy in host memory; on a GPU, pinned and not waited for (wait for a Timer after it)."""
@@ -84,6 +111,13 @@ class Lanes:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         return host
+
+
+def _settle(done: Future, work: Callable[[], T]) -> None:
+    try:
+        done.set_result(work())
+    except Exception as e:  # noqa: BLE001 - the caller's to handle, where it waits for the result
+        done.set_exception(e)
 
 
 def hand_over(value, stream: torch.cuda.Stream | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -118,6 +119,7 @@ class Decoding:
     finite: torch.Tensor | None = None  # bool [2, B] in host memory: latents, pixels
     start: Timer | None = None
     end: Timer | None = None
+    queued: Future | None = None  # done once the decode thread has queued it (engine/streams.py `Lanes.on_decode`)
 
     @property
     def items(self) -> list[WorkItem]:
@@ -301,28 +303,37 @@ class BatchRunner:
         self._last = Denoised(zip(items, latents[: len(items)]), failed, timing)
         return self._last
 
-    @torch.no_grad()
     def start_decode(self, done: Denoised) -> Decoding:
-        """Queues the decode of `done`'s latents after their denoising, on the decode stream (so it runs beside the
-        next batch's loop), and their copy to host memory; `finish` waits for it. On the CPU it is done here."""
-        if not done:
-            return Decoding(done)
-        with self.lanes.decode():
-            start = self.lanes.timer()
-            latents = torch.stack([lat for _, lat in done])
-            hand_over([lat for _, lat in done])
-            pixels_f, pixels = decode_on_device(self.models, latents)
-            finite = torch.stack([torch.isfinite(latents).flatten(1).all(1),
-                                  torch.isfinite(pixels_f).flatten(1).all(1)])
-            out = Decoding(done, self.lanes.to_host(pixels), self.lanes.to_host(finite), start)
-            out.end = self.lanes.timer()
+        """Queues the decode of `done`'s latents after their denoising, on the decode stream from the decode thread (so
+        it runs beside the next batch's inputs, check and loop), and their copy to host memory; `finish` waits for it.
+        On the CPU it is done here."""
+        out = Decoding(done)
+        if done:
+            out.queued = self.lanes.on_decode(lambda: self._decode(out))
         return out
+
+    @torch.no_grad()
+    def _decode(self, out: Decoding) -> None:
+        """`out`'s decode on the current (decode) stream: its pixels and what is finite, copied to host memory."""
+        out.start = self.lanes.timer()
+        latents = torch.stack([lat for _, lat in out.done])
+        hand_over([lat for _, lat in out.done])
+        pixels_f, pixels = decode_on_device(self.models, latents)
+        finite = torch.stack([torch.isfinite(latents).flatten(1).all(1), torch.isfinite(pixels_f).flatten(1).all(1)])
+        out.pixels, out.finite = self.lanes.to_host(pixels), self.lanes.to_host(finite)
+        out.end = self.lanes.timer()
 
     def finish(self, d: Decoding) -> list[Decoded]:
         """Waits for a decode `start_decode` queued: PNG-ready pixels; an image with NaN/inf in its latents or pixels
         is a failure, and so is every image run_batch could not run (`Denoised.failed`). Adds the batch's denoising
         and decode seconds to the timings, and what of its inputs and decode the denoising did not hide."""
         done = d.done
+        failure = d.queued.exception() if d.queued is not None else None  # waits for the decode to be queued
+        if isinstance(failure, torch.cuda.OutOfMemoryError):  # the batch after took its memory: once more, alone
+            torch.cuda.empty_cache()
+            failure = self.lanes.on_decode(lambda: self._decode(d), here=True).exception()
+        if failure is not None:
+            raise failure
         t = done.timing
         if t is not None and not t.counted:
             t.end.wait()

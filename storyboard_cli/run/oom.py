@@ -92,15 +92,8 @@ class OutOfMemoryPolicy:
             self.sink.fail(batch.items, one_line(e, 200))
             return True
         self.flush()
-        try:
-            self.pending = (self.runner.start_decode(done), bucket_label(batch))
-        except torch.cuda.OutOfMemoryError:
-            return False
-        except BATCH_ERRORS as e:
-            _raise_if_device(e)
-            log.exception("batch %s failed", batch.key.label)
-            self.sink.fail(batch.items, one_line(e, 200))
-            return True
+        # what the decode raises (out of memory after one retry, a decode error) comes from `flush`: the images fail
+        self.pending = (self.runner.start_decode(done), bucket_label(batch))
         if not self.runner.overlap:
             self.flush()
         return True
