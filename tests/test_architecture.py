@@ -290,6 +290,21 @@ def test_the_table_of_kinds_lists_every_module_of_job_conditions_once():
     assert len(fields) == len(set(fields)), "two kinds share a field's name: which one a module means is unclear"
 
 
+def test_every_kind_holds_the_whole_protocol_and_keyword_only_parts():
+    import dataclasses
+
+    from storyboard_cli.job import conditions
+    from storyboard_cli.job.kind import Kind
+
+    members = {n for n in vars(Kind) if not n.startswith("_")} | set(Kind.__annotations__)
+    for kind in conditions.KINDS:
+        assert not {m for m in members if not hasattr(kind, m)}, kind.name
+        for attr in ("JobPart", "ShotPart", "ItemPart", "KeyPart", "SummaryPart"):
+            part = getattr(kind, attr)
+            params = getattr(part, "__dataclass_params__")
+            assert params.frozen and all(f.kw_only for f in dataclasses.fields(part)), f"{kind.name}.{attr}"
+
+
 KIND_ROOMS = ("job/", "folder/", "serve/")  # where only a `conditions/` folder names a kind's fields
 # the step plan's word (steps.StepKind.control: a step runs the side networks), which bucket keys, `bcg plan` and
 # the control kind's `control:` share
