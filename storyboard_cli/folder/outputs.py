@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 from storyboard_cli.errors import BadInput, RenderFailure
 from storyboard_cli.folder.layout import (MANIFEST, REPLACED, manifest_records, parse_output_name, read_fingerprint,
                                           read_report)
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.lora_files import a1111_lora_hashes, lora_tags
 from storyboard_cli.job.plan import WorkItem, work_items
 from storyboard_cli.samplers import SAMPLERS
@@ -82,10 +83,8 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
     units = control_units(settings)
     fields = [f"Steps: {item.steps}", f"Sampler: {SAMPLERS[item.sampler].label}", f"CFG scale: {item.guidance:g}",
               f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}", *units]
-    if item.control_image is not None and not units:  # the one net of `controlnet:`, without references
-        end = f", end {item.control_end:.3g}" if item.control_end < 1 else ""
-        name = Path(item.control_file).name if item.control_file else item.control_image.name  # as the job names it
-        fields.append(f"ControlNet: {name} (scale {item.control_scale:g}{end})")
+    if not units:  # an image's one unit as its kind's plain field (the `controlnet:` shorthand's `ControlNet:`)
+        fields += [plain for kind in KINDS if (plain := kind.plain(settings))]
     if loras:
         # quoted as A1111's infotext_utils.quote: the value holds ':' and ','
         fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")
@@ -100,30 +99,24 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
 
 
 def control_units(settings: dict) -> list[str]:
-    """An image's ControlNets and references as sd-webui-controlnet writes its units (`ControlNet 0: "Module: none,
-    Model: ..., Weight: ..., Guidance Start: 0, Guidance End: ..."`: only fields its parser knows, so A1111 and Forge
-    paste them back): the nets in the job's order, then one IP-Adapter unit per reference (module `ip-adapter-auto`,
-    which picks the image encoder from the model), each at the scale the adapter applied (one per image: the
-    references' largest). [] for an image with neither named nets nor references: its one net stays the
-    `ControlNet:` field it always was."""
-    if "controls" not in settings and "references" not in settings:
+    """An image's conditioning as sd-webui-controlnet writes its units (`ControlNet 0: "Module: none, Model: ...,
+    Weight: ..., Guidance Start: 0, Guidance End: ..."`: only fields its parser knows, so A1111 and Forge paste them
+    back): each kind's units (`Kind.units`: the nets in the job's order, then one IP-Adapter unit per reference).
+    [] where an image's only unit has a plain field of its own (`Kind.plain`: the `controlnet:` shorthand's one net
+    stays the `ControlNet:` field it always was)."""
+    units = [unit for kind in KINDS for unit in kind.units(settings)]
+    if len(units) == 1 and any(kind.plain(settings) for kind in KINDS):
         return []
-    one = {"controlnet": settings.get("controlnet"), "scale": settings.get("control_scale"),
-           "end": settings.get("control_end", 1.0)}  # the `controlnet:` shorthand's net, beside references
-    nets = settings.get("controls") or ([one] if "control_image" in settings else [])
-    units = [("none", n["controlnet"], n["scale"], n.get("end", 1.0)) for n in nets]
-    units += [("ip-adapter-auto", settings["ip_adapter"], settings["reference_scale"], 1.0)
-              for _ in settings.get("references", ())]
     # a unit's values hold no ',' or ':' (its parser splits on them): a model is named by its file or folder
     return [f"ControlNet {i}: " + json.dumps(f"Module: {module}, Model: {re.sub('[,:]', '_', Path(str(spec)).name)}, "
                                              f"Weight: {scale:g}, Guidance Start: 0, Guidance End: {end:g}")
             for i, (module, spec, scale, end) in enumerate(units)]
 
 
-def png_text(item: WorkItem, model: str, controlnet: str | None) -> dict[str, str]:
+def png_text(item: WorkItem, model: str) -> dict[str, str]:
     """The text chunks of an output PNG, keyword -> text, in the order they are written."""
-    settings = item.settings(model, controlnet)
-    meta = {"fingerprint": item.fingerprint(model, controlnet), **settings, "shot": item.shot, "candidate": item.k}
+    settings = item.settings(model)
+    meta = {"fingerprint": item.fingerprint(model), **settings, "shot": item.shot, "candidate": item.k}
     return {"parameters": parameters_text(item, settings, model), "bcg": json.dumps(meta, sort_keys=True)}
 
 
@@ -137,14 +130,14 @@ def _png_info(text: dict[str, str]):
     return info
 
 
-def png_bytes(pixels, item: WorkItem, model: str, controlnet: str | None) -> bytes:
+def png_bytes(pixels, item: WorkItem, model: str) -> bytes:
     """pixels: uint8 [H, W, 3] (numpy or torch on CPU); `item` as `owner` gives it for one output."""
     from PIL import Image
 
     array = pixels.numpy() if hasattr(pixels, "numpy") else pixels
     image = Image.fromarray(array, "RGB")
     buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=_png_info(png_text(item, model, controlnet)), compress_level=4)
+    image.save(buf, format="PNG", pnginfo=_png_info(png_text(item, model)), compress_level=4)
     return buf.getvalue()
 
 
@@ -183,7 +176,7 @@ def _chunk_spans(data: bytes) -> list[tuple[bytes, int, int]]:
     return spans
 
 
-def retag_png(data: bytes, item: WorkItem, model: str, controlnet: str | None) -> bytes:
+def retag_png(data: bytes, item: WorkItem, model: str) -> bytes:
     """A PNG that png_bytes wrote (a deduplicated twin's), carrying `item`'s text chunks instead of its own: the
     same bytes png_bytes(its pixels, item, ...) gives, without decoding or re-encoding the pixels (IHDR, IDAT
     and IEND are copied as they are). Raises RetagError where the input is damaged or laid out otherwise
@@ -202,7 +195,7 @@ def retag_png(data: bytes, item: WorkItem, model: str, controlnet: str | None) -
         size = f"{int.from_bytes(ihdr[:4], 'big')}x{int.from_bytes(ihdr[4:8], 'big')}" if len(ihdr) == 13 else "?"
         raise RetagError(f"PNG header {size} {ihdr[8:].hex()}: not the {item.width}x{item.height} 8-bit RGB of "
                          f"{item.outputs[0]}")
-    text = png_text(item, model, controlnet)
+    text = png_text(item, model)
     chunks = [_chunk(cid, body) for cid, body, *_ in _png_info(text).chunks]
     out = b"".join([PNG_SIGNATURE, data[spans[0][1]:spans[0][2]], *chunks, data[spans[first_idat][1]:]])
     # read back as every reader will: the text chunks (CRC-checked by PIL) without decoding the pixels
@@ -226,9 +219,9 @@ def manifest_record(item: WorkItem, path: str, fingerprint: str, sha256: str | N
     was edited by someone else) and the time it landed; `settings` (the item's) adds its LoRAs and references."""
     it = owner(item, path)
     record = {"path": path, "shot": it.shot, "candidate": it.k, "seed": it.seed, "fingerprint": fingerprint}
-    for inputs in ("loras", "references"):
-        if (settings or {}).get(inputs):
-            record[inputs] = settings[inputs]
+    for key in ("loras", *(key for kind in KINDS for key in kind.manifest_keys)):
+        if (settings or {}).get(key):
+            record[key] = settings[key]
     for lever in ("cfg_cutoff", "deepcache", "draft"):  # draft renders: what made the image cheaper
         if lever in (settings or {}):
             record[lever] = settings[lever]
@@ -357,7 +350,7 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
     records = records or {}
     p = Pending()
     for item in work_items(job):
-        fp = item.fingerprint(job.model, job.controlnet)
+        fp = item.fingerprint(job.model)
         todo = []
         for path in item.outputs:
             chosen = shots is None or owner(item, path).shot in shots  # --shot: the others are not this run's
@@ -372,7 +365,7 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
                 p.skipped += chosen
                 # no line for it: a crash between its rename and its line (the bcg chunk is intact)
                 p.found[path] = record or manifest_record(item, path, fp, sha256_of(file),
-                                                          settings=item.settings(job.model, job.controlnet))
+                                                          settings=item.settings(job.model))
             elif not wanted:
                 continue
             elif _written_by_us(file, record, on_disk):  # hashed only here: a done file is not read twice

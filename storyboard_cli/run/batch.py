@@ -49,9 +49,7 @@ def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
 
 def guides(item: WorkItem) -> list[tuple[Path, float]]:
     """(control image, scale) of each ControlNet the item runs, in the job's order of nets."""
-    if item.controls:
-        return [(c.image, c.scale) for c in item.controls]
-    return [] if item.control_image is None else [(item.control_image, item.control_scale)]
+    return [(c.image, c.scale) for c in item.controls]
 
 
 def bucket_label(batch: Batch) -> str:
@@ -212,9 +210,9 @@ class BatchRunner:
     def control(self, items: list[WorkItem], key: BucketKey) -> Control | None:
         """The batch's guides, one per ControlNet it runs (its rows share the nets: they are in the bucket key), each
         net's end as a per-step keep where the nets end apart."""
-        if items[0].control_image is None:
+        if not key.nets:
             return None
-        nets = key.nets or (0,)
+        nets = key.nets
         rows = [guides(it) for it in items]  # per row: (image, scale) per net
         images = [control_pixels(torch.stack([self.control_image(row[j][0], it.width, it.height)
                                               for it, row in zip(items, rows)])) for j in range(len(nets))]
@@ -243,9 +241,7 @@ class BatchRunner:
         for it in items:
             path, shown, what = None, "", "control image"
             try:
-                files = ([(c.image, c.file) for c in it.controls] if it.controls else
-                         [] if it.control_image is None else [(it.control_image, it.control_file)])
-                for path, shown in files:
+                for path, shown in [(c.image, c.file) for c in it.controls]:
                     self.control_image(path, it.width, it.height)
                 what = "reference"
                 for ref in it.references if self.models.ip_adapter is not None else ():
