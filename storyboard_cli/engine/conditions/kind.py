@@ -23,7 +23,6 @@ import torch
 from storyboard_cli.errors import first_line
 
 if TYPE_CHECKING:
-    from storyboard_cli.engine.graph.keys import ShapeKey
     from storyboard_cli.steps import StepKind
 
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, zlib.error)  # what PIL raises for a file it cannot decode
@@ -115,8 +114,9 @@ class Static(Protocol):
     """A kind's static buffers at the largest batch and size a runner needs: graphs hold pointers into them, so they
     are allocated once and never move."""
 
-    def view(self, key: ShapeKey) -> Condition | None:
-        """The buffers sliced and shaped for one graph; None where the graph does not run the kind."""
+    def view(self, key: Any) -> Condition | None:
+        """The buffers sliced and shaped for one graph (`key`: engine/graph/keys.py ShapeKey); None where the graph
+        does not run the kind."""
         ...
 
 
