@@ -40,7 +40,7 @@ PROMPT = ("a lighthouse on a cliff at dusk, storm clouds, waves breaking on rock
 def item(job: str, i: int, size: int) -> WorkItem:
     shot = f"{job}{i:03d}"
     return WorkItem(shot=shot, k=0, seed=1000 + i, prompt=PROMPT, negative="blurry, low quality", width=size,
-                    height=size, steps=30, guidance=6.5, sampler="euler", control_image=None, control_scale=0.0,
+                    height=size, steps=30, guidance=6.5, sampler="euler",
                     outputs=(f"{shot}/{shot}_c0_s{1000 + i}.png",))
 
 
@@ -90,19 +90,19 @@ def main() -> int:
     args = ap.parse_args()
     n, size = args.images, args.size
     arrays = [pixels(i, size) for i in range(n)]
-    twins = [png_bytes(a, item("a", i, size), MODEL, None) for i, a in enumerate(arrays)]
+    twins = [png_bytes(a, item("a", i, size), MODEL) for i, a in enumerate(arrays)]
     b_items = [item("b", i, size) for i in range(n)]
 
     def reencode(png: bytes, it: WorkItem) -> bytes:
-        return png_bytes(decode(png), it, MODEL, None)
+        return png_bytes(decode(png), it, MODEL)
 
     def retag(png: bytes, it: WorkItem) -> bytes:
-        return retag_png(png, it, MODEL, None)
+        return retag_png(png, it, MODEL)
 
     reencode(twins[0], b_items[0]), retag(twins[0], b_items[0])  # warm-up
     rounds = {"encode_s": [], "decode_encode_s": [], "retag_s": []}
     for _ in range(args.repeat):
-        rounds["encode_s"].append(timed(lambda a, it: png_bytes(a, it, MODEL, None), list(zip(arrays, b_items)))[0])
+        rounds["encode_s"].append(timed(lambda a, it: png_bytes(a, it, MODEL), list(zip(arrays, b_items)))[0])
         s, old = timed(reencode, list(zip(twins, b_items)))
         rounds["decode_encode_s"].append(s)
         s, new = timed(retag, list(zip(twins, b_items)))

@@ -26,7 +26,7 @@ from storyboard_cli.run.capture import synthetic_inputs
 def main(job_path: str, out: str) -> None:
     job = load_job(Path(job_path))
     t0 = time.perf_counter()
-    models = load_sdxl(job.model, job.controlnet, "cuda", torch.float16)
+    models = load_sdxl(job.model, tuple(spec for _, spec in job.controlnets), "cuda", torch.float16)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     shapes = sorted(set(batch_shapes(make_batches(work_items(job), job.buckets))), reverse=True)

@@ -108,7 +108,7 @@ def lora_models(tiny_cpu):
     import copy
 
     models = copy.deepcopy(tiny_cpu)
-    models.controlnet, models.controlnets = None, ()
+    models.controlnets = ()
     return models
 
 

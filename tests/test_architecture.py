@@ -93,7 +93,7 @@ def test_the_engine_does_not_import_the_job(path):
 STAGES = {
     "base": {"errors.py", "samplers.py", "steps.py", "folder/layout.py", "models/tiny.py", "models/tokenizers.py",
              "models/__init__.py"},
-    "job": {"job/*"},
+    "job": {"job/*", "job/conditions/*"},
     "models": {"models/*"},
     "engine": {"engine/*", "engine/kernels/*", "engine/graph/*", "engine/conditions/*"},
     "folder": {"folder/*"},
@@ -285,7 +285,7 @@ KIND_SCOPE = ("engine/", "run/")
 # the exported UNet call's inputs are the compiled artifacts' traced signature (prebuilt kernels are keyed by it)
 PINNED_FIELDS = {"engine/kernels/export.py": {"ref_tokens", "ref_scale", "ref_mask"}}
 # what still names a kind's fields, to move behind the rows; none may be added, an entry that is gone fails too
-FIELDS_TO_MOVE = {"run/render.py": {"control_image", "references"}}  # which models a job's items need loaded
+FIELDS_TO_MOVE = {"run/render.py": {"controls", "references"}}  # which models a job's items need loaded
 
 
 def _kind_modules() -> list[str]:
@@ -316,10 +316,9 @@ def test_every_kind_has_a_row_in_both_halves():
 
     from storyboard_cli.engine.conditions import KINDS
 
-    try:
-        job = importlib.import_module("storyboard_cli.job.conditions")
-    except ModuleNotFoundError:
-        pytest.skip("no job half (job/conditions/) in this tree yet")
+    job = importlib.import_module("storyboard_cli.job.conditions")
+    if not hasattr(job, "KINDS"):
+        pytest.skip("the job half (job/conditions/) has no table of rows in this tree yet")
     assert sorted(job.KINDS) == sorted(KINDS)
 
 

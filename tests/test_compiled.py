@@ -29,7 +29,7 @@ from helpers.reference import rel_error
 
 def kernels(models, root, builds=None) -> CompiledKernels:
     k = CompiledKernels(models, builds, root=root)
-    k.want(targets([Shape(4, SIDE, SIDE, True)], models.controlnet is not None))
+    k.want(targets([Shape(4, SIDE, SIDE, True)], bool(models.controlnets)))
     return k
 
 
@@ -300,11 +300,11 @@ def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifact
     from storyboard_cli.steps import FULL
 
     models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
-    other = copy.deepcopy(models.controlnet)
+    other = copy.deepcopy(models.controlnets[0])
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(1.05)
-    models.controlnets = (models.controlnet, other)
+    models.controlnets = (models.controlnets[0], other)
     k = CompiledKernels(models, None, root=artifacts)
     k.want(k.targets([Shape(2, SIDE, SIDE, 0b11)]))
     assert k.waiting == [] and k.variants(2, SIDE, SIDE, 0b11) == ["compiled"]

@@ -150,7 +150,7 @@ def test_artifact_keys_and_the_exported_inputs_are_unchanged(adapter_models):
             mock.patch.object(artifacts.platform, "machine", lambda: "x86_64"), \
             mock.patch.object(artifacts.platform, "python_compiler", lambda: "GCC"):
         for (module, h, w, precision, refs), key in PINNED_KEYS.items():
-            model = m.unet if module == "unet" else m.controlnet
+            model = m.unet if module == "unet" else m.controlnets[0]
             assert artifact_key(Target(module, h, w, precision, refs), model) == key
         assert artifact_path(Target("unet", 128, 192, "fp16", 16), m.unet).name == (
             "unet-refs16-192x128-0917d01adbe3452e4a6d.pt2")
@@ -172,7 +172,7 @@ def test_artifact_keys_and_the_exported_inputs_are_unchanged(adapter_models):
         (((2, 32, 16, 16), f32, (8192, 1, 512, 32)), ((2, 32, 16, 16), f32, (8192, 1, 512, 32)),
          ((2, 32, 8, 8), f32, (2048, 1, 256, 32)), ((2, 64, 8, 8), f32, (4096, 1, 512, 64))),
         ((2, 16, 80), f32, (1280, 80, 1)), ((2, 1, 1), f32, (1, 1, 1)), ((2, 1, 1, 16), f32, (16, 16, 16, 1)))
-    assert spec(example_inputs("controlnet", m.controlnet, 2, 16, 16)) == (
+    assert spec(example_inputs("controlnet", m.controlnets[0], 2, 16, 16)) == (
         ((2, 4, 16, 16), f32, (1024, 256, 16, 1)), ((), f32, ()), ((2, 77, 80), f32, (6160, 80, 1)),
         ((2, 32), f32, (32, 1)), ((2, 6), f32, (6, 1)), ((2, 3, 128, 128), f32, (49152, 16384, 128, 1)),
         ((2, 1, 1, 1), f32, (1, 1, 1, 1)))

@@ -288,7 +288,7 @@ class FakeStore:
 def _batch(w: int, h: int, steps: int, size: int, n: int, tag: str) -> Batch:
     items = tuple(WorkItem(tag, k, k, "p", "", w, h, steps, 5.0, "euler", None, 0.0, (f"{tag}/{k}.png",))
                   for k in range(n))
-    return Batch(BucketKey(w, h, steps, "euler", False), items, size)
+    return Batch(BucketKey(w, h, steps, "euler"), items, size)
 
 
 def test_claims_hand_out_every_batch_once_largest_first():

@@ -68,14 +68,14 @@ def test_fields_defaults_and_levers(job_dir):
     keys = {i.shot: i.key for i in items.values()}
     assert keys["a"].guided_steps == 3 and keys["b"].guided_steps == 0 and not keys["b"].guided
     assert "no CFG" in keys["b"].label and "deepcache 3/b0" in keys["a"].label
-    assert items["a"].settings("tiny", None)["deepcache"] == {"interval": 3, "branch": 0}
-    assert "draft" not in items["a"].settings("tiny", None)
+    assert items["a"].settings("tiny")["deepcache"] == {"interval": 3, "branch": 0}
+    assert "draft" not in items["a"].settings("tiny")
     off = load_job(write_job(job_dir, JOB.replace("defaults: {", "defaults: {deepcache: off, cfg_cutoff: 1.0, "),
                              "off.yaml"))
     plain = load_job(write_job(job_dir, JOB, "plain.yaml"))
     # explicit full quality is today's job: the same images (fingerprints), so nothing renders again
-    assert [i.fingerprint("tiny", "tiny") for i in work_items(off)] == \
-           [i.fingerprint("tiny", "tiny") for i in work_items(plain)]
+    assert [i.fingerprint("tiny") for i in work_items(off)] == \
+           [i.fingerprint("tiny") for i in work_items(plain)]
 
 
 def test_control_end_counts_as_diffusers_control_guidance_end():
@@ -102,13 +102,13 @@ def test_control_end_field_fingerprint_and_draft(job_dir):
     text = JOB.replace("control: {image: control/hero_pose.png}", "control: {image: control/hero_pose.png, end: 0.5}")
     job = load_job(write_job(job_dir, text.replace("defaults: {", "defaults: {deepcache: {interval: 2}, ")))
     c = {i.shot: i for i in work_items(job)}["c"]
-    assert c.control_end == 0.5 and c.deepcache == DeepCache(2, 0)  # DeepCache after the ControlNet's end
-    assert c.settings("tiny", "tiny")["control_end"] == 0.5 and "control end 0.5 (2/4 steps)" in c.key.label
+    assert c.controls[0].end == 0.5 and c.deepcache == DeepCache(2, 0)  # DeepCache after the ControlNet's end
+    assert c.settings("tiny")["control_end"] == 0.5 and "control end 0.5 (2/4 steps)" in c.key.label
     # end 1.0 written out is today's shot: the same fingerprint, nothing renders again
     full = load_job(write_job(job_dir, JOB.replace("hero_pose.png}", "hero_pose.png, end: 1.0}"), "full.yaml"))
     plain = load_job(write_job(job_dir, JOB, "plain.yaml"))
-    assert [i.fingerprint("tiny", "tiny") for i in work_items(full)] == \
-           [i.fingerprint("tiny", "tiny") for i in work_items(plain)]
+    assert [i.fingerprint("tiny") for i in work_items(full)] == \
+           [i.fingerprint("tiny") for i in work_items(plain)]
     # the draft: the ControlNet stops where the guidance stops (3 of 4 steps guided at 0.5), DeepCache after it
     draft = {i.shot: i for i in work_items(as_draft(plain))}["c"]
     assert draft.key.control_steps == draft.key.guided_steps == 3 and draft.deepcache == DRAFT_DEEPCACHE
@@ -138,7 +138,7 @@ def test_guidance_1_images_get_their_own_buckets_with_half_the_rows(job_dir):
 def test_draft_preset_and_estimate(job_dir):
     job = as_draft(load_job(write_job(job_dir, JOB)))
     assert all(s.draft and s.cfg_cutoff == DRAFT_CUTOFF and s.deepcache == DRAFT_DEEPCACHE for s in job.shots)
-    assert all(i.settings("tiny", "tiny")["draft"] is True for i in work_items(job))
+    assert all(i.settings("tiny")["draft"] is True for i in work_items(job))
     # 10 steps, 6 guided, full UNet every 3rd step: 4 full (2 guided at 1, 2 at 1/2)... counted step by step
     want = sum((1 if i < 6 else 0.5) * (1 if i % 3 == 0 else SHALLOW_FLOPS[0]) for i in range(10))
     assert step_costs(step_plan(10, 6, 3, 0)) == pytest.approx(want)

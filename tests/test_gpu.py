@@ -116,7 +116,7 @@ def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(tiny_cu
     key = runner.shape_key(2, 256, 256, True)
     assert runner.stats[key].state == "graph" and runner.stats[key].checked
     weight = models.unet.conv_in.weight  # every step reads it; same storage before and after
-    control_weight = models.controlnet.controlnet_cond_embedding.conv_in.weight
+    control_weight = models.controlnets[0].controlnet_cond_embedding.conv_in.weight
     saved, saved_control = weight.detach().clone(), control_weight.detach().clone()
     pointers = weight.data_ptr(), control_weight.data_ptr()
     try:

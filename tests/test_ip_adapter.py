@@ -21,7 +21,7 @@ from conftest import ROOT
 from storyboard_cli.errors import BadInput, ModelError
 from storyboard_cli.job.adapter_files import ADAPTER_PRESETS, adapter_problem, cross_attention_layers
 from storyboard_cli.job.unet_layers import unet_layers
-from storyboard_cli.job.characters import REFERENCE_SLOTS
+from storyboard_cli.job.conditions.reference import REFERENCE_SLOTS
 from storyboard_cli.models.ip_adapter import load_ip_adapter
 from storyboard_cli.models.tiny import ADAPTER_FILES, UNET, tiny_adapter_folder
 
@@ -37,7 +37,7 @@ STEERS = 2.0  # mean levels (0-255) between the pictures of two different refere
 def models(tiny_cpu):
     """This module's own copy of the tiny models: the adapter's processors go into its UNet."""
     m = copy.deepcopy(tiny_cpu)
-    m.controlnet, m.controlnets = None, ()
+    m.controlnets = ()
     return m
 
 
@@ -78,7 +78,7 @@ def _latents(pipe, **kwargs):
 def test_same_latents_as_diffusers_ip_adapter(tiny_cpu, models, images, spec):
     folder = tiny_adapter_folder(KINDS[spec])
     reference = copy.deepcopy(tiny_cpu)
-    reference.controlnet = None
+    reference.controlnets = ()
     pipe = diffusers_pipeline(reference)
     pipe.load_ip_adapter(str(folder), subfolder="", weight_name=ADAPTER_FILES[KINDS[spec]],
                          image_encoder_folder="image_encoder")

@@ -40,8 +40,8 @@ def test_example_job_is_valid_and_rich_enough():
     assert len(job.shots) >= 10
     assert len({(s.width, s.height) for s in job.shots}) >= 3
     assert {s.candidates for s in job.shots} >= {1, 2, 3, 4}
-    assert sum(s.control is not None for s in job.shots) >= 2
-    assert all(s.control.image.is_file() for s in job.shots if s.control)
+    assert sum(bool(s.controls) for s in job.shots) >= 2
+    assert all(c.image.is_file() for s in job.shots for c in s.controls)
 
 
 def test_defaults_merge_keys_and_named_sizes(tmp_path):
@@ -83,8 +83,8 @@ def test_control_path_resolves_relative_to_the_job_file(tmp_path, job_dir):
     path = write_job(sub, "version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n"
                           "  - {id: a, prompt: x, control: {image: ../control/hero_pose.png, scale: 0.5}}\n")
     shot = load_job(path).shots[0]
-    assert shot.control.image == (job_dir / "control" / "hero_pose.png").resolve()
-    assert shot.control.scale == 0.5
+    assert shot.controls[0].image == (job_dir / "control" / "hero_pose.png").resolve()
+    assert shot.controls[0].scale == 0.5
 
 
 @pytest.mark.parametrize("text,size", [("square", (1024, 1024)), ("640x480", (640, 480)), ("WIDE", (1344, 768)),

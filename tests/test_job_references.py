@@ -4,16 +4,14 @@ bucket keys and settings, and every bad input as one line at file:line, shot and
 import hashlib
 import json
 import shutil
-from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
 
 from conftest import ROOT, write_job
 from storyboard_cli.cli import app
-from storyboard_cli.job.characters import REFERENCE_SLOTS
+from storyboard_cli.job.conditions.reference import REFERENCE_SLOTS
 from storyboard_cli.job.file import DRAFT_CUTOFF, as_draft, load_job, named_files
-from storyboard_cli.job.items import BucketKey
 from storyboard_cli.job.plan import levers, make_batches, shot_levers, shot_levers_label, summary, work_items
 from storyboard_cli.steps import guided_steps
 
@@ -69,7 +67,7 @@ def _load(folder, text, name="job.yaml"):
 
 def test_the_documented_job_loads_as_the_data_model_says(folder):
     job = _load(folder, BRIEF)
-    assert job.controlnets == (("pose", "tiny"), ("depth", "tiny")) and job.controlnet == "tiny"
+    assert job.controlnets == (("pose", "tiny"), ("depth", "tiny"))
     assert (job.ip_adapter, job.image_encoder) == ("tiny", None)
     mei = job.characters["mei"]
     assert (mei.name, mei.loras, mei.line) == ("mei", (("mei", 0.8),), 9)
@@ -80,10 +78,9 @@ def test_the_documented_job_loads_as_the_data_model_says(folder):
     assert s1.characters == ("mei",) and s1.references == (mei.reference,) and s1.loras == (("mei", 0.8),)
     assert [(c.net, c.model, c.index, c.file, c.scale, c.end) for c in s1.controls] == [
         ("pose", "tiny", 0, "pose/s1.png", 0.8, 1.0), ("depth", "tiny", 1, "depth/s1.png", 0.5, 0.6)]
-    assert s1.control == s1.controls[0]
     (stranger,) = s2.references
-    assert (stranger.file, stranger.scale, stranger.character, s2.characters, s2.controls, s2.control) == (
-        "refs/stranger.png", 0.5, None, (), (), None)
+    assert (stranger.file, stranger.scale, stranger.character, s2.characters, s2.controls) == (
+        "refs/stranger.png", 0.5, None, (), ())
     assert stranger.sha256 == _sha(folder / "refs/stranger.png")
 
 
@@ -92,7 +89,7 @@ def test_controls_follow_the_jobs_net_order_not_the_shots(folder):
                 "  - id: s3\n    prompt: x\n    control:\n      - {net: depth, image: depth/s1.png}\n"
                 "      - {net: pose, image: pose/s1.png}\n")
     assert [c.net for c in job.shots[0].controls] == ["depth"]
-    assert [c.net for c in job.shots[2].controls] == ["pose", "depth"] and job.shots[2].control.net == "pose"
+    assert [c.net for c in job.shots[2].controls] == ["pose", "depth"] 
 
 
 def test_the_shorthand_and_the_one_mapping_form_mean_what_they_meant(folder):
@@ -101,15 +98,16 @@ def test_the_shorthand_and_the_one_mapping_form_mean_what_they_meant(folder):
                         "  - {id: b, prompt: x, control: [{image: pose/s1.png, scale: 0.7, end: 0.5}]}\n"
                         "  - {id: c, prompt: x, control: [{net: controlnet, image: pose/s1.png, scale: 0.7, "
                         "end: 0.5}]}\n")
-    assert one.controlnets == (("controlnet", "tiny"),) and one.controlnet == "tiny"
+    assert one.controlnets == (("controlnet", "tiny"),)  # the one net, named by convention (SHORTHAND_NET)
     a, b, c = one.shots
-    assert a.controls == (a.control,) == b.controls == c.controls
-    assert (a.control.net, a.control.model, a.control.index) == ("controlnet", "tiny", 0)
+    assert len(a.controls) == 1 and a.controls == b.controls == c.controls
+    assert (a.controls[0].net, a.controls[0].model, a.controls[0].index) == ("controlnet", "tiny", 0)
     named = _load(folder, "version: 1\nmodel: tiny\ncontrolnets: {pose: tiny}\nshots:\n"
                           "  - {id: a, prompt: x, control: {image: pose/s1.png}}\n", "named.yaml")
-    assert named.shots[0].control.net == "pose" and named.controlnet == "tiny"  # one net: `net` may be left out
+    assert [c.net for c in named.shots[0].controls] == ["pose"]  # one net: `net` may be left out
+    assert named.controlnets == (("pose", "tiny"),)
     none = _load(folder, "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x}\n", "none.yaml")
-    assert (none.controlnets, none.controlnet, none.ip_adapter, none.characters) == ((), None, None, {})
+    assert (none.controlnets, none.ip_adapter, none.characters) == ((), None, {})
 
 
 def test_characters_references_and_controls_come_from_defaults(folder):
@@ -135,7 +133,7 @@ def test_as_draft_caps_every_nets_end_and_keeps_the_references(folder):
     job = _load(folder, BRIEF)
     draft = as_draft(job).shots[0]
     end = guided_steps(30, DRAFT_CUTOFF) / 30  # where the draft's guidance stops, before the depth net's 0.6
-    assert [c.end for c in draft.controls] == [end, end] and draft.control == draft.controls[0]
+    assert [c.end for c in draft.controls] == [end, end]
     assert draft.references == job.shots[0].references and draft.characters == ("mei",)
 
 
@@ -171,12 +169,13 @@ def test_the_bucket_key_names_the_nets_and_their_ends(folder):
     assert (s3.nets, s3.control_ends, s3.control_end, s3.control_mask) == ((1,), (), 1.0, 2)
     assert (s4.nets, s4.control_ends, s4.control_end) == ((0, 1), (0.5, 1.0), 1.0)
     assert "+2 controls" in s1.label and "+control" in s3.label and "control" not in s2.label
-    assert BucketKey(64, 64, 4, "euler", True).control_mask == 1  # a key made by older code: the one net
     short = _load(folder, "version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n"
                           "  - {id: a, prompt: x, control: {image: pose/s1.png}}\n", "short.yaml")
     key = work_items(short)[0].key
     assert (key.nets, key.control_mask, key.control_ends) == ((0,), 1, ())
-    assert key == replace(work_items(short)[0], controls=()).key  # as an item made without `controls` keys it
+    assert key.control and key.label == work_items(_load(folder, "version: 1\nmodel: tiny\ncontrolnets: {pose: tiny}\n"
+                                                               "shots:\n  - {id: a, prompt: x, control: {image: "
+                                                               "pose/s1.png}}\n", "one.yaml"))[0].key.label
 
 
 def test_deepcache_and_the_step_plan_wait_for_the_last_net(folder):
@@ -188,7 +187,8 @@ def test_deepcache_and_the_step_plan_wait_for_the_last_net(folder):
     _, deepcache, _, end = levers(ended.shots[0])
     assert deepcache and end == 0.6 and "control end 0.6 (6/10 steps)" in shot_levers_label(ended.shots[0])
     item = work_items(ended)[0]
-    assert item.control_end == 0.4 and item.key.control_end == 0.6 and item.key.control_ends == (0.4, 0.6)
+    assert item.controls[0].end == 0.4  # the pose net's
+    assert item.key.control_end == 0.6 and item.key.control_ends == (0.4, 0.6)
     assert item.key.control_steps == 6 and item.key.deepcache
     assert shot_levers(ended)[0]["control_steps"] == 6
 
@@ -200,12 +200,9 @@ def test_the_shorthands_settings_are_todays(folder):
     job = _load(folder, "version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n"
                         "  - {id: a, prompt: x, control: {image: pose/s1.png, scale: 0.7, end: 0.5}}\n"
                         "  - {id: b, prompt: x, seed: 3, control: [{image: depth/s1.png}]}\n")
-    for item in work_items(job):
-        old = replace(item, controls=())  # the item as work_items made it before `controls`
-        assert item.settings(job.model, job.controlnet) == old.settings(job.model, job.controlnet)
-        assert item.fingerprint(job.model, job.controlnet) == old.fingerprint(job.model, job.controlnet)
-        assert not {"controls", "references", "ip_adapter", "reference_scale"} & set(item.settings("tiny", "tiny"))
-    a, b = (item.settings(job.model, job.controlnet) for item in work_items(job))
+    for item in work_items(job):  # the fingerprints as recorded before: tests/test_controls_pinned.py
+        assert not {"controls", "references", "ip_adapter", "reference_scale"} & set(item.settings("tiny"))
+    a, b = (item.settings(job.model) for item in work_items(job))
     assert {k: v for k, v in a.items() if k.startswith("control")} == {
         "controlnet": "tiny", "control_image": "pose/s1.png", "control_scale": 0.7,
         "control_sha256": _sha(folder / "pose/s1.png")[:16], "control_end": 0.5}
@@ -217,7 +214,7 @@ def test_the_shorthands_settings_are_todays(folder):
 def test_named_nets_are_recorded_each_with_its_model_image_and_end(folder):
     job = _load(folder, BRIEF)
     item = work_items(job)[0]
-    s = item.settings(job.model, job.controlnet)
+    s = item.settings(job.model)
     assert not {"controlnet", "control_image", "control_scale", "control_sha256"} & set(s)
     assert s["controls"] == [
         {"net": "pose", "controlnet": "tiny", "image": "pose/s1.png", "scale": 0.8,
@@ -236,7 +233,7 @@ def test_weights_given_as_paths_are_recorded_by_digest(folder):
     net.parent.mkdir()
     net.write_bytes(b"pose weights")
     job = _load(folder, BRIEF.replace("  pose: tiny\n", f"  pose: {net}\n"))
-    s = work_items(job)[0].settings(job.model, job.controlnet)
+    s = work_items(job)[0].settings(job.model)
     assert s["controls"][0]["controlnet_weights"] == weights_digest(str(net))
     assert "controlnet_weights" not in s["controls"][1]
 
@@ -244,7 +241,7 @@ def test_weights_given_as_paths_are_recorded_by_digest(folder):
 def test_fingerprints_follow_the_references_bytes_and_scales_not_their_paths(folder, tmp_path_factory):
     from PIL import Image
 
-    fingerprints = lambda job: [i.fingerprint(job.model, job.controlnet) for i in work_items(job)]
+    fingerprints = lambda job: [i.fingerprint(job.model) for i in work_items(job)]
     first = fingerprints(_load(folder, BRIEF))
     moved = tmp_path_factory.mktemp("moved") / "project"
     shutil.copytree(folder, moved)
@@ -480,14 +477,15 @@ def test_every_relative_path_in_a_job_is_read_from_the_job_files_folder(project,
     assert result.exit_code == 0, result.output
     assert "warning" not in result.output
     job = load_job("jobs/job.yaml")
-    assert (job.controlnet, job.ip_adapter, job.image_encoder) == ("models/cn", adapter, "encoder")  # as written
+    assert (job.controlnets, job.ip_adapter, job.image_encoder) == ((("controlnet", "models/cn"),), adapter,
+                                                                    "encoder")  # as written
     (item,) = work_items(job)
     assert model_specs(job, [item])[2:] == (str(jobs / adapter), str(jobs / "encoder"))  # what the loader opens
-    settings = item.settings(job.model, job.controlnet)
+    settings = item.settings(job.model)
     assert (settings["ip_adapter"], settings["image_encoder"]) == (adapter, "encoder")  # recorded as written
     assert settings["ip_adapter_weights"] and settings["image_encoder_weights"]  # by the files' digests
     monkeypatch.chdir(jobs)  # run from the job's folder: the same images, not new ones
-    assert work_items(load_job(path))[0].fingerprint("tiny", "models/cn") == item.fingerprint("tiny", "models/cn")
+    assert work_items(load_job(path))[0].fingerprint("tiny") == item.fingerprint("tiny")
 
 
 def test_a_path_found_only_from_the_working_folder_is_read_from_there_and_said_once(project, monkeypatch):

@@ -20,7 +20,7 @@ def test_tiny_preset_is_a_diffusers_folder_loaded_by_from_pretrained(tiny_cpu):
     by_path = load_sdxl(str(folder), str(folder / "controlnet"), "cpu", torch.float32)
     for a, b in zip(by_path.unet.parameters(), tiny_cpu.unet.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert by_path.controlnet is not None
+    assert len(by_path.controlnets) == 1
     assert by_path.tokenizers[0]("a castle").input_ids == tiny_cpu.tokenizers[0]("a castle").input_ids
 
 

@@ -30,12 +30,12 @@ def two_nets(tiny_cpu):
     """The tiny models with two ControlNets: the preset's, and a copy whose weights differ (so that which guide goes
     to which net shows)."""
     models = copy.copy(tiny_cpu)
-    other = copy.deepcopy(tiny_cpu.controlnet)
+    other = copy.deepcopy(tiny_cpu.controlnets[0])
     with torch.no_grad():
         gen = torch.Generator().manual_seed(7)
         for p in other.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    models.controlnets = (tiny_cpu.controlnet, other)
+    models.controlnets = (tiny_cpu.controlnets[0], other)
     return models
 
 

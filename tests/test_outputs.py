@@ -140,7 +140,7 @@ def test_render_writes_the_contact_sheet_and_a_sheet_failure_fails_nothing(job_d
 
 def _item(**kw) -> WorkItem:
     base = dict(shot="a", k=0, seed=7, prompt="a castle", negative="", width=64, height=64, steps=2,
-                guidance=5.0, sampler="euler", control_image=None, control_scale=0.0, outputs=("a/a_c0_s7.png",))
+                guidance=5.0, sampler="euler", outputs=("a/a_c0_s7.png",))
     return WorkItem(**(base | kw))
 
 
@@ -148,18 +148,18 @@ def test_lora_tags_and_hashes_in_the_a1111_parameters():
     mei = LoraFile("mei", Path("/x/mei.safetensors"), "loras/mei.safetensors", "f" * 64, "0123456789ab", False)
     ink = LoraFile("ink", Path("/x/ink.safetensors"), "loras/ink.safetensors", "e" * 64, "ba9876543210", True)
     item = _item(loras=((ink, 0.4), (mei, 0.8)))
-    settings = item.settings("tiny", None)
+    settings = item.settings("tiny")
     text = parameters_text(item, settings, "tiny")
     assert text.splitlines()[0] == "a castle <lora:ink:0.4> <lora:mei:0.8>"
     assert text.splitlines()[-1].endswith(', Lora hashes: "ink: ba9876543210, mei: 0123456789ab"')
     import numpy as np
 
-    data = png_bytes(np.zeros((64, 64, 3), np.uint8), item, "tiny", None)
+    data = png_bytes(np.zeros((64, 64, 3), np.uint8), item, "tiny")
     from io import BytesIO
 
     with Image.open(BytesIO(data)) as im:
         assert json.loads(im.info["bcg"])["loras"] == settings["loras"]
-    assert "Lora" not in parameters_text(_item(), _item().settings("tiny", None), "tiny")
+    assert "Lora" not in parameters_text(_item(), _item().settings("tiny"), "tiny")
 
 
 def test_report_lora_section():

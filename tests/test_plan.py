@@ -103,13 +103,13 @@ def test_the_same_request_with_and_without_a_lora_is_two_images(tmp_path):
 
 def test_settings_record_each_lora_by_name_scale_file_and_hash(tmp_path):
     job = _lora_job(tmp_path, "  - {id: a, prompt: x, lora: {mei: 0.8, ink: -1}}\n")
-    s = work_items(job)[0].settings(job.model, job.controlnet)
+    s = work_items(job)[0].settings(job.model)
     mei = job.loras["mei"]
     assert s["loras"][1] == {"name": "mei", "scale": 0.8, "file": mei.file, "sha256": mei.sha256,
                              "shorthash": mei.shorthash}
     assert [l["name"] for l in s["loras"]] == ["ink", "mei"]
     plain = _lora_job(tmp_path, "  - {id: a, prompt: x}\n")
-    assert "loras" not in work_items(plain)[0].settings("tiny", None)
+    assert "loras" not in work_items(plain)[0].settings("tiny")
 
 
 def test_a_changed_lora_file_changes_the_fingerprint_a_moved_one_does_not(tmp_path):
@@ -118,16 +118,16 @@ def test_a_changed_lora_file_changes_the_fingerprint_a_moved_one_does_not(tmp_pa
     copy = tmp_path / "mine.safetensors"
     shutil.copy(MEI, copy)
     shots = "  - {id: a, prompt: x, lora: {mei: 0.8}}\n  - {id: b, prompt: y}\n"
-    before = [i.fingerprint("tiny", None) for i in work_items(_lora_job(tmp_path, shots, copy))]
+    before = [i.fingerprint("tiny") for i in work_items(_lora_job(tmp_path, shots, copy))]
     moved = tmp_path / "elsewhere" / "mei.safetensors"
     moved.parent.mkdir()
     shutil.copy(copy, moved)
-    assert [i.fingerprint("tiny", None) for i in work_items(_lora_job(tmp_path, shots, moved))] == before
+    assert [i.fingerprint("tiny") for i in work_items(_lora_job(tmp_path, shots, moved))] == before
     state = load_file(str(copy))
     key = sorted(state)[0]
     state[key] = state[key] + 0.01  # retrained: other weights in the same file
     save_file(state, str(copy))
-    after = [i.fingerprint("tiny", None) for i in work_items(_lora_job(tmp_path, shots, copy))]
+    after = [i.fingerprint("tiny") for i in work_items(_lora_job(tmp_path, shots, copy))]
     assert after[0] != before[0] and after[1] == before[1]
 
 
@@ -137,16 +137,16 @@ def test_control_images_count_by_content_not_by_path(job_dir, tmp_path):
     text = ("version: 1\nmodel: tiny\ncontrolnet: tiny\nshots:\n"
             "  - {id: a, prompt: x, control: {image: control/hero_pose.png}}\n")
     first = work_items(load_job(write_job(job_dir, text)))[0]
-    s = first.settings("tiny", "tiny")
+    s = first.settings("tiny")
     assert s["control_image"] == "control/hero_pose.png" and len(s["control_sha256"]) == 16
     moved = tmp_path / "moved project"
     shutil.copytree(job_dir, moved)
     again = work_items(load_job(moved / "job.yaml"))[0]
-    assert again.fingerprint("tiny", "tiny") == first.fingerprint("tiny", "tiny")
+    assert again.fingerprint("tiny") == first.fingerprint("tiny")
     with Image.open(moved / "control/hero_pose.png") as im:  # the pose guide redrawn, same name
         im.convert("RGB").rotate(90).save(moved / "control/hero_pose.png")
     redrawn = work_items(load_job(moved / "job.yaml"))[0]
-    assert redrawn.fingerprint("tiny", "tiny") != first.fingerprint("tiny", "tiny")
+    assert redrawn.fingerprint("tiny") != first.fingerprint("tiny")
 
 
 def test_weights_given_as_a_path_count_by_size_mtime_and_header(tmp_path):
@@ -162,11 +162,11 @@ def test_weights_given_as_a_path_count_by_size_mtime_and_header(tmp_path):
     assert weights_digest("tiny") is None and weights_digest("stabilityai/sdxl-base") is None
     job = load_job(write_job(tmp_path, f"version: 1\nmodel: {folder}\nshots:\n  - {{id: a, prompt: x}}\n"))
     item = work_items(job)[0]
-    assert item.settings(job.model, None)["model_weights"] == one
-    fp = item.fingerprint(job.model, None)
+    assert item.settings(job.model)["model_weights"] == one
+    fp = item.fingerprint(job.model)
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # replaced (same bytes, new time)
-    assert weights_digest(str(folder)) != one and item.fingerprint(job.model, None) != fp
+    assert weights_digest(str(folder)) != one and item.fingerprint(job.model) != fp
 
 
 def test_first_candidate_continues_a_shots_candidates(tmp_path):

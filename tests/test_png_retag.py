@@ -38,7 +38,7 @@ def _decoded(png: bytes) -> tuple[bytes, dict]:
 
 def _item(**kw) -> WorkItem:
     base = dict(shot="s", k=0, seed=1, prompt="a boat", negative="", width=1024, height=1024, steps=20,
-                guidance=5.0, sampler="euler", control_image=None, control_scale=0.0, outputs=("s/s_c0_s1.png",))
+                guidance=5.0, sampler="euler", outputs=("s/s_c0_s1.png",))
     return WorkItem(**(base | kw))
 
 
@@ -53,8 +53,8 @@ def test_a_rendered_image_retagged_for_another_jobs_item_is_what_png_bytes_write
         data = twin.read_bytes()
         pixels, _ = _decoded(data)
         array = np.frombuffer(pixels, np.uint8).reshape(64, 96, 3)
-        expected = png_bytes(array, item, other.model, other.controlnet)
-        retagged = retag_png(data, item, other.model, other.controlnet)
+        expected = png_bytes(array, item, other.model)
+        retagged = retag_png(data, item, other.model)
         assert _pixel_data(retagged) == _pixel_data(data)  # the compressed pixels, byte for byte
         assert _decoded(retagged) == _decoded(expected)  # pixels and every text chunk
         assert retagged == expected  # the same zlib wrote the twin: the whole file is identical
@@ -64,7 +64,7 @@ def test_a_rendered_image_retagged_for_another_jobs_item_is_what_png_bytes_write
 
 def _png(width=64, height=48) -> bytes:
     pixels = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return png_bytes(pixels, _item(width=width, height=height), "tiny", None)
+    return png_bytes(pixels, _item(width=width, height=height), "tiny")
 
 
 def _with_chunk(png: bytes, cid: bytes, body: bytes) -> bytes:
@@ -101,12 +101,12 @@ DAMAGED = {
 def test_a_damaged_or_foreign_png_raises(damage):
     make, message = DAMAGED[damage]
     with pytest.raises(RetagError, match=message):
-        retag_png(make(_png()), _item(width=64, height=48), "tiny", None)
+        retag_png(make(_png()), _item(width=64, height=48), "tiny")
 
 
 def test_a_png_of_another_size_than_the_item_raises():
     with pytest.raises(RetagError, match="64x48 .*not the 1024x1024"):
-        retag_png(_png(), _item(), "tiny", None)
+        retag_png(_png(), _item(), "tiny")
 
 
 def test_fifty_1024_images_retag_within_a_second():
@@ -115,7 +115,7 @@ def test_fifty_1024_images_retag_within_a_second():
     data = _png(1024, 1024)
     items = [_item(shot=f"s{i}", outputs=(f"s{i}/s{i}_c0_s1.png",)) for i in range(50)]
     t0 = time.process_time()
-    out = [retag_png(data, item, "tiny", None) for item in items]
+    out = [retag_png(data, item, "tiny") for item in items]
     cpu_s = time.process_time() - t0
     assert cpu_s < 1.0, f"50 retags took {cpu_s:.3f} CPU seconds"
     assert all(_pixel_data(o) == _pixel_data(data) for o in out)

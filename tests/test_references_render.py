@@ -193,7 +193,7 @@ def test_references_and_two_nets_together_match_diffusers(tiny_cpu, ref_models, 
     theirs = copy.deepcopy(tiny_cpu)  # the plain UNet: diffusers puts its own adapter processors in
     plain = diffusers_pipeline(theirs)
     pipe = StableDiffusionXLControlNetPipeline(**plain.components,
-                                               controlnet=MultiControlNetModel([theirs.controlnet] * 2))
+                                               controlnet=MultiControlNetModel([theirs.controlnets[0]] * 2))
     pipe.set_progress_bar_config(disable=True)
     pipe.load_ip_adapter(str(tiny_adapter_folder("base")), subfolder="", weight_name=ADAPTER_FILES["base"],
                          image_encoder_folder="image_encoder")

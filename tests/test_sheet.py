@@ -100,10 +100,11 @@ def test_one_row_per_shot_in_job_order_with_thumbnails_linking_the_pngs(job, out
     assert (out / "c/thumbs/c_c1_s21.jpg").is_file()
     with Image.open(out / "c/thumbs/c_c1_s21.jpg") as im:
         assert im.size == (96, 64)  # smaller than the box: kept at its size
-    control = [i for i in page.imgs if "control" in i["alt"]]
-    assert [i["src"] for i in control] == ["b/thumbs/control.jpg"] and (out / "b/thumbs/control.jpg").is_file()
+    control = [i for i in page.imgs if "control" in i["alt"]]  # the one net's guide
+    assert [i["alt"] for i in control] == ["control of b: controlnet"] and (out / control[0]["src"]).is_file()
+    assert control[0]["src"].startswith("b/thumbs/input-")
     text = _page(out)
-    for fact in ("64x64", "96x64", "hero_pose.png (scale 0.8)", "c1 · seed 8"):
+    for fact in ("64x64", "96x64", "controlnet · scale 0.8", "c1 · seed 8"):
         assert fact in text
     picks = [r["value"] for r in page.radios if r.get("class") == "pick"]
     assert sorted(picks) == pngs  # one pick button per image

@@ -91,7 +91,7 @@ def _fake_render(job, out: Path) -> None:
     for item in work_items(job):
         pixels = (np.random.default_rng(item.seed).random((item.height, item.width, 3)) * 255).astype(np.uint8)
         for path in item.outputs:
-            atomic_write(out / path, png_bytes(pixels, owner(item, path), job.model, job.controlnet))
+            atomic_write(out / path, png_bytes(pixels, owner(item, path), job.model))
 
 
 def _one_net_job(folder: Path, shots: str, top: str = ""):
@@ -179,17 +179,19 @@ def test_sheet_from_the_images_settings_when_the_job_no_longer_loads(folder):
     assert all(img is not None for figs in page.shots.values() for _, img, _, _ in figs)  # found from its folder
 
 
-def test_a_job_without_references_or_named_nets_keeps_its_page(tmp_path):
+def test_the_one_net_of_controlnet_is_a_guide_like_any_other(tmp_path):
     job = _one_net_job(tmp_path, """  - {id: a, prompt: a lighthouse, seed: 1}
   - {id: b, prompt: a keeper, seed: 2, control: {image: control/hero_pose.png, scale: 0.8}}
 """)
     out = tmp_path / "out"
     _fake_render(job, out)
-    text = write_sheet(out, job).read_text(encoding="utf-8")
-    assert 'class="guides"' not in text and "input-" not in text
-    assert '<div class="control"><a href="b/thumbs/control.jpg"><img src="b/thumbs/control.jpg" ' \
-           'alt="control image of b" height="96"></a></div>' in text
-    assert "<dt>control</dt><dd>hero_pose.png (scale 0.8)</dd>" in text
+    page = Guides(write_sheet(out, job).read_text(encoding="utf-8"))
+    assert _captions(page) == {"a": [], "b": ["controlnet · scale 0.8"]} and page.control_blocks == []
+    ((kind, img, _, file),) = page.shots["b"]
+    assert (kind, file, img["alt"]) == ("control", "control/hero_pose.png", "control of b: controlnet")
+    assert img["src"].startswith("b/thumbs/input-") and (out / img["src"]).is_file()
+    job.path.write_text("shots: [", encoding="utf-8")  # broken: the sheet reads each image's bcg chunk
+    assert _captions(Guides(write_sheet(out).read_text(encoding="utf-8"))) == {"a": [], "b": ["controlnet · scale 0.8"]}
 
 
 def test_the_one_net_of_controlnet_beside_a_reference_is_a_guide(tmp_path):
@@ -287,7 +289,7 @@ def test_png_parameters_of_a_one_net_job_are_as_before(tmp_path):
     job = _one_net_job(tmp_path, "  - {id: b, prompt: a keeper, seed: 2, control: {image: control/hero_pose.png, "
                                  "scale: 0.8, end: 0.5}}\n")
     item = work_items(job)[0]
-    data = png_bytes(np.zeros((64, 64, 3), np.uint8), item, job.model, job.controlnet)
+    data = png_bytes(np.zeros((64, 64, 3), np.uint8), item, job.model)
     with Image.open(BytesIO(data)) as im:
         assert im.info["parameters"] == ("a keeper\nSteps: 2, Sampler: Euler, CFG scale: 5, Seed: 2, Size: 64x64, "
                                          "Model: tiny, ControlNet: hero_pose.png (scale 0.8, end 0.5)")

@@ -66,8 +66,8 @@ class DiffusersLoop:
         self.pipe = diffusers.StableDiffusionXLPipeline(**parts)
         self.pipe.set_progress_bar_config(disable=True)
         self.cpipe = None
-        if m.controlnet is not None:
-            self.cpipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=m.controlnet)
+        if m.controlnets:  # the bench job's one net
+            self.cpipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=m.controlnets[0])
             self.cpipe.set_progress_bar_config(disable=True)
 
     def compile_unet(self) -> None:
@@ -80,12 +80,12 @@ class DiffusersLoop:
     def shot(self, shot, output_type: str = "pil", step_events: list | None = None):
         from PIL import Image
 
-        pipe = self.cpipe if shot.control else self.pipe
+        pipe = self.cpipe if shot.controls else self.pipe
         pipe.scheduler = getattr(self.diffusers, SAMPLERS[shot.sampler].scheduler).from_config(self.models.scheduler_config)
         kwargs = {}
-        if shot.control:
-            kwargs = dict(image=Image.open(shot.control.image).convert("RGB"),
-                          controlnet_conditioning_scale=shot.control.scale)
+        if shot.controls:
+            guide = shot.controls[0]
+            kwargs = dict(image=Image.open(guide.image).convert("RGB"), controlnet_conditioning_scale=guide.scale)
         if step_events is not None and self.models.device.type == "cuda":
             def on_step(p, i, t, kw):
                 ev = torch.cuda.Event(enable_timing=True)
@@ -116,7 +116,7 @@ class DiffusersLoop:
             if len(events) > 1:
                 _sync(device)
                 ms = events[0].elapsed_time(events[-1]) / (len(events) - 1)
-                label = shape_label(shot.candidates, shot.width, shot.height, shot.control is not None)
+                label = shape_label(shot.candidates, shot.width, shot.height, bool(shot.controls))
                 per_bucket.setdefault(label, []).append(ms)
         _sync(device)
         wall = time.perf_counter() - t0
@@ -156,7 +156,7 @@ def warm_runner(job: Job, models: SdxlModels):
 def single_shot(models: SdxlModels, loop: DiffusersLoop, job: Job, log: Callable[[str], None],
                 repeats: int = 3) -> dict:
     """The artist's edit-and-rerender loop: 1 image, model loaded; denoise + decode, median of `repeats`."""
-    shot = next(s for s in job.shots if not s.control)
+    shot = next(s for s in job.shots if not s.controls)
     shot = replace(shot, candidates=1)
     one = replace(job, shots=(shot,))
     item = work_items(one)[0]
@@ -202,7 +202,7 @@ def first_render(job: Job, models: SdxlModels, log: Callable[[str], None], fp8: 
     without its kernels (they compile in the background while the plain graphs render) against the same render
     with `--compile off`, side by side on the same models; off first, so the builds' CPU load cannot slow it."""
     shapes = batch_shapes(make_batches(work_items(job), job.buckets))
-    cached = [t.label for t in targets(shapes, models.controlnet is not None, top(asked=fp8))
+    cached = [t.label for t in targets(shapes, bool(models.controlnets), top(asked=fp8))
               if artifact_path(t, module_of(models, t.module)).is_file()]
     with tempfile.TemporaryDirectory() as tmp:
         off = bcg_render(job, models, Path(tmp) / "off", compile="off")

@@ -37,8 +37,9 @@ CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled", "f_bc
 def quick_job(job: Job) -> Job:
     """The bench job at 1/8 of its size and 4 steps: a CPU smoke run of the whole harness."""
     shots = tuple(replace(s, width=max(64, s.width // 8 // 8 * 8), height=max(64, s.height // 8 // 8 * 8),
-                          steps=4) for s in job.shots[:8])
-    return replace(job, model="tiny", controlnet="tiny" if job.controlnet else None, shots=shots)
+                          steps=4, controls=tuple(replace(c, model="tiny") for c in s.controls))
+                  for s in job.shots[:8])
+    return replace(job, model="tiny", controlnets=tuple((name, "tiny") for name, _ in job.controlnets), shots=shots)
 
 
 def _slug(text: str) -> str:
@@ -84,7 +85,7 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
     elif model:
         job = replace(job, model=model)
     t0 = time.perf_counter()
-    models = load_sdxl(job.model, job.controlnet, device, dtype)
+    models = load_sdxl(job.model, tuple(spec for _, spec in job.controlnets), device, dtype)
     import diffusers
 
     rec: dict = {"date": date.today().isoformat(), "device": device_name(device), "dtype": dtype_name(dtype),
@@ -108,7 +109,7 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         _ratios(rec, log)
     if "micro" in parts and device.type == "cuda":
         part("step_curve", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log))
-        if models.controlnet is not None:
+        if models.controlnets:
             part("step_curve_control",
                  lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log))
         part("single_shot", lambda: single_shot(models, loop, job, log))
@@ -118,7 +119,7 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         for key, compile in (("step_curve", "off"), ("step_curve_compiled", "on")):
             part(key, lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log,
                                          compile, eager=False))
-            if models.controlnet is not None:
+            if models.controlnets:
                 part(key.replace("curve", "curve_control"),
                      lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, compile,
                                         eager=False))
@@ -127,14 +128,14 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
                                                   "on", eager=False, fp8=True))
         part("step_curve_compiled", lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"],
                                                        log, "on", eager=False))
-        if models.controlnet is not None:
+        if models.controlnets:
             part("step_curve_control_fp8", lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"],
                                                               log, "on", eager=False, fp8=True))
         part("fp8_steps", lambda: step_drift(models, log))
     if "micro_compiled" in parts and device.type == "cuda":  # the kernels built first if the cache lacks them
         part("step_curve_compiled",
              lambda: step_curve(models, (1, 2, 4, 8), 1024, 1024, False, rec["matmul_tflops"], log, "on"))
-        if models.controlnet is not None:
+        if models.controlnets:
             part("step_curve_control_compiled",
                  lambda: step_curve(models, (1, 2), 1024, 1024, True, rec["matmul_tflops"], log, "on"))
     if "draft" in parts:  # draft mode's levers: step times, the bench job with --draft, capture, drift

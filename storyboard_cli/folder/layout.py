@@ -28,7 +28,6 @@ INDEX = "index.html"
 PICKS_JSON, PICKS_YAML = "picks.json", "picks.yaml"
 SELECTS = "selects"
 THUMBS = "thumbs"  # inside each shot's folder: a shot id cannot name a nested folder there
-CONTROL_THUMB = "control.jpg"
 REPLACED = ".replaced"  # edited files that --force rendered again, by run: <out>/.replaced/<stamp>/<path>
 SHARDS = ".shards"
 LOCK = ".bcg.lock"
@@ -63,7 +62,8 @@ def parse_output_name(path: str) -> tuple[str, int, int] | None:
 
 
 def thumb_name(shot: str, image: str) -> str:
-    """Where the thumbnail of `image` (a candidate's path, or CONTROL_THUMB) goes: `<shot>/thumbs/<stem>.jpg`."""
+    """Where the thumbnail of `image` (a candidate's path, or an input's thumbnail name) goes:
+    `<shot>/thumbs/<stem>.jpg`."""
     return f"{shot}/{THUMBS}/{Path(image).stem}.jpg"
 
 

@@ -82,10 +82,11 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
     units = control_units(settings)
     fields = [f"Steps: {item.steps}", f"Sampler: {SAMPLERS[item.sampler].label}", f"CFG scale: {item.guidance:g}",
               f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}", *units]
-    if item.control_image is not None and not units:  # the one net of `controlnet:`, without references
-        end = f", end {item.control_end:.3g}" if item.control_end < 1 else ""
-        name = Path(item.control_file).name if item.control_file else item.control_image.name  # as the job names it
-        fields.append(f"ControlNet: {name} (scale {item.control_scale:g}{end})")
+    if "control_image" in settings and not units:  # the one net of `controlnet:`, without references
+        end = settings.get("control_end", 1.0)
+        end = f", end {end:.3g}" if end < 1 else ""
+        name = Path(settings["control_image"]).name  # as the job names it
+        fields.append(f"ControlNet: {name} (scale {settings['control_scale']:g}{end})")
     if loras:
         # quoted as A1111's infotext_utils.quote: the value holds ':' and ','
         fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")
@@ -120,10 +121,10 @@ def control_units(settings: dict) -> list[str]:
             for i, (module, spec, scale, end) in enumerate(units)]
 
 
-def png_text(item: WorkItem, model: str, controlnet: str | None) -> dict[str, str]:
+def png_text(item: WorkItem, model: str) -> dict[str, str]:
     """The text chunks of an output PNG, keyword -> text, in the order they are written."""
-    settings = item.settings(model, controlnet)
-    meta = {"fingerprint": item.fingerprint(model, controlnet), **settings, "shot": item.shot, "candidate": item.k}
+    settings = item.settings(model)
+    meta = {"fingerprint": item.fingerprint(model), **settings, "shot": item.shot, "candidate": item.k}
     return {"parameters": parameters_text(item, settings, model), "bcg": json.dumps(meta, sort_keys=True)}
 
 
@@ -137,14 +138,14 @@ def _png_info(text: dict[str, str]):
     return info
 
 
-def png_bytes(pixels, item: WorkItem, model: str, controlnet: str | None) -> bytes:
+def png_bytes(pixels, item: WorkItem, model: str) -> bytes:
     """pixels: uint8 [H, W, 3] (numpy or torch on CPU); `item` as `owner` gives it for one output."""
     from PIL import Image
 
     array = pixels.numpy() if hasattr(pixels, "numpy") else pixels
     image = Image.fromarray(array, "RGB")
     buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=_png_info(png_text(item, model, controlnet)), compress_level=4)
+    image.save(buf, format="PNG", pnginfo=_png_info(png_text(item, model)), compress_level=4)
     return buf.getvalue()
 
 
@@ -183,7 +184,7 @@ def _chunk_spans(data: bytes) -> list[tuple[bytes, int, int]]:
     return spans
 
 
-def retag_png(data: bytes, item: WorkItem, model: str, controlnet: str | None) -> bytes:
+def retag_png(data: bytes, item: WorkItem, model: str) -> bytes:
     """A PNG that png_bytes wrote (a deduplicated twin's), carrying `item`'s text chunks instead of its own: the
     same bytes png_bytes(its pixels, item, ...) gives, without decoding or re-encoding the pixels (IHDR, IDAT
     and IEND are copied as they are). Raises RetagError where the input is damaged or laid out otherwise
@@ -202,7 +203,7 @@ def retag_png(data: bytes, item: WorkItem, model: str, controlnet: str | None) -
         size = f"{int.from_bytes(ihdr[:4], 'big')}x{int.from_bytes(ihdr[4:8], 'big')}" if len(ihdr) == 13 else "?"
         raise RetagError(f"PNG header {size} {ihdr[8:].hex()}: not the {item.width}x{item.height} 8-bit RGB of "
                          f"{item.outputs[0]}")
-    text = png_text(item, model, controlnet)
+    text = png_text(item, model)
     chunks = [_chunk(cid, body) for cid, body, *_ in _png_info(text).chunks]
     out = b"".join([PNG_SIGNATURE, data[spans[0][1]:spans[0][2]], *chunks, data[spans[first_idat][1]:]])
     # read back as every reader will: the text chunks (CRC-checked by PIL) without decoding the pixels
@@ -357,7 +358,7 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
     records = records or {}
     p = Pending()
     for item in work_items(job):
-        fp = item.fingerprint(job.model, job.controlnet)
+        fp = item.fingerprint(job.model)
         todo = []
         for path in item.outputs:
             chosen = shots is None or owner(item, path).shot in shots  # --shot: the others are not this run's
@@ -372,7 +373,7 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
                 p.skipped += chosen
                 # no line for it: a crash between its rename and its line (the bcg chunk is intact)
                 p.found[path] = record or manifest_record(item, path, fp, sha256_of(file),
-                                                          settings=item.settings(job.model, job.controlnet))
+                                                          settings=item.settings(job.model))
             elif not wanted:
                 continue
             elif _written_by_us(file, record, on_disk):  # hashed only here: a done file is not read twice

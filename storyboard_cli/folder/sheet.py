@@ -17,7 +17,7 @@ from pathlib import Path
 
 from storyboard_cli.errors import BadInput, folder_error
 from storyboard_cli.folder.charts import esc, report_svgs
-from storyboard_cli.folder.layout import (CONTROL_THUMB, INDEX, INDEX_MARK, SHEET_GENERATOR, candidate_files,
+from storyboard_cli.folder.layout import (INDEX, INDEX_MARK, SHEET_GENERATOR, candidate_files,
                                           parse_output_name, read_chunk, read_report, recorded_picks, refuse_foreign,
                                           shot_order, thumb_name)
 from storyboard_cli.folder.lock import held
@@ -53,9 +53,7 @@ class ShotRow:
     id: str
     settings: dict  # prompt, negative, size, ... (from the Job, else from a candidate's bcg chunk)
     candidates: list[Candidate] = field(default_factory=list)
-    control_thumb: str | None = None
-    control_note: str = ""
-    guides: list[Guide] = field(default_factory=list)  # references and named nets' guides (sheet_refs.py)
+    guides: list[Guide] = field(default_factory=list)  # its references' and guides' thumbnails (sheet_refs.py)
 
 
 # ---------------------------------------------------------------- thumbnails
@@ -95,9 +93,6 @@ def _settings_of_shot(shot) -> dict:
     s = {"prompt": shot.prompt, "negative": shot.negative, "size": f"{shot.width}x{shot.height}",
          "steps": shot.steps, "sampler": shot.sampler, "guidance": f"{shot.guidance:g}", "seed": shot.seed,
          "candidates": shot.candidates}
-    if shot.control:
-        s["control"] = f"{shot.control.image.name} (scale {shot.control.scale:g})"
-        s["control_image"] = str(shot.control.image)
     s["levers"] = shot_levers_label(shot)
     return s
 
@@ -106,9 +101,6 @@ def _settings_of_meta(meta: dict) -> dict:
     s = {"prompt": meta.get("prompt", ""), "negative": meta.get("negative", ""),
          "size": f"{meta.get('width', '?')}x{meta.get('height', '?')}", "steps": meta.get("steps", "?"),
          "sampler": meta.get("sampler", "?"), "guidance": meta.get("guidance", "?")}
-    if meta.get("control_image"):
-        s["control"] = f"{Path(str(meta['control_image'])).name} (scale {meta.get('control_scale', '?')})"
-        s["control_image"] = str(meta["control_image"])
     s["levers"] = _levers_of_meta(meta)
     return s
 
@@ -221,10 +213,6 @@ class SheetWriter:
     def _input_thumbs(self, row: ShotRow) -> None:
         for g in row.guides:
             g.thumb, g.thumb_size, g.note = self._input_thumb(row.id, g.image, g.thumb_file)
-        src = row.settings.get("control_image")
-        if src:
-            row.control_thumb, _, note = self._input_thumb(row.id, Path(src), CONTROL_THUMB)
-            row.control_note = note and f"control image {note}"
 
     def _gather(self, report: dict | None, job: Job | None, failures: list[dict] | None,
                 running: bool) -> list[ShotRow]:
@@ -236,7 +224,7 @@ class SheetWriter:
         guides: dict[str, list[Guide]] = {}
         if job:
             for item in work_items(job):
-                fp = item.fingerprint(job.model, job.controlnet)
+                fp = item.fingerprint(job.model)
                 expected.update((p, fp) for p in item.outputs)
             for shot in job.shots:
                 settings.setdefault(shot.id, _settings_of_shot(shot))
@@ -273,9 +261,6 @@ class SheetWriter:
             if first and first.get("loras"):
                 s["loras"] = first["loras"]
             shown = guides[shot_id] if shot_id in guides else meta_guides(first, job_dir) if first else []
-            if shown:  # the guides show the control images too
-                for key in ("control", "control_image"):
-                    s.pop(key, None)
             row = ShotRow(shot_id, s, sorted(cands.values(), key=lambda c: (c.k, c.seed)), guides=shown)
             self._input_thumbs(row)
             rows.append(row)
@@ -343,7 +328,7 @@ class SheetWriter:
         if s.get("negative"):
             h.append(f'<p class="negative">negative: {esc(s["negative"])}</p>')
         h.append("<dl>")
-        for name in ("size", "steps", "sampler", "guidance", "seed", "candidates", "control", "levers"):
+        for name in ("size", "steps", "sampler", "guidance", "seed", "candidates", "levers"):
             if s.get(name) not in (None, ""):
                 h.append(f"<dt>{name}</dt><dd>{esc(s[name])}</dd>")
         if s.get("loras"):
@@ -351,11 +336,6 @@ class SheetWriter:
         h.append("</dl>")
         if row.guides:
             h.append(guides_html(row.id, row.guides))
-        elif row.control_thumb:
-            h.append(f'<div class="control"><a href="{href(row.control_thumb)}"><img src="{href(row.control_thumb)}" '
-                     f'alt="control image of {esc(row.id)}" height="96"></a></div>')
-        elif row.control_note:
-            h.append(f'<p class="stale">{esc(row.control_note)}</p>')
         h.append(f'<div class="choice"><label><input type="radio" class="none" name="{group}" value="" checked> '
                  f'undecided</label><label><input type="radio" class="reroll" name="{group}" value=""> '
                  "reroll</label></div>")

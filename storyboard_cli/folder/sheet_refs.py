@@ -2,13 +2,11 @@
 its control guides (one per ControlNet), shown beside its candidates, each with its caption (the character's name or
 "reference", the net's name; the scale; a net's end when it stops early). No torch.
 
-The images may live anywhere (a shared refs/ folder, another drive): like the one control image of a `controlnet:`
-job, each is shown through a thumbnail the sheet writes into the shot's `thumbs/` folder, so the page links only to
-files under the output folder, which its content security policy (`img-src 'self' file:`) and any static server
-serve. A thumbnail is named by its image's content, so a guide swapped for another file never shows the old one.
-
-A shot with neither references nor named nets is not touched: its one control image stays as the sheet always
-showed it (`ShotRow.control_thumb`).
+The images may live anywhere (a shared refs/ folder, another drive): each is shown through a thumbnail the sheet
+writes into the shot's `thumbs/` folder, so the page links only to files under the output folder, which its content
+security policy (`img-src 'self' file:`) and any static server serve. A thumbnail is named by its image's content, so
+a guide swapped for another file never shows the old one. The one net of a `controlnet:` job is a guide like any
+other, captioned with its conventional name (SHORTHAND_NET).
 """
 
 from __future__ import annotations
@@ -69,9 +67,7 @@ class Guide:
 
 def shot_guides(shot: Shot) -> list[Guide]:
     """A shot's references (in the order it names them, its one-off last), then its control guides (in the job's net
-    order); [] for a shot without references whose control, if any, is the `controlnet:` shorthand's."""
-    if not shot.references and all(c.net == SHORTHAND_NET for c in shot.controls):
-        return []
+    order)."""
     return ([Guide(REFERENCE, r.image, r.character or ONE_OFF, r.scale, file=r.file) for r in shot.references]
             + [Guide(CONTROL, c.image, c.net, c.scale, c.end, c.file or c.image.name) for c in shot.controls])
 
@@ -79,11 +75,9 @@ def shot_guides(shot: Shot) -> list[Guide]:
 def meta_guides(meta: dict, job_dir: Path | None) -> list[Guide]:
     """The same from an image's settings (its `bcg` chunk: `references`, `controls`), for a folder whose job does not
     load. The files are recorded as the job names them, from its folder: `job_dir` (report.json's job file's
-    folder) when known. [] where the settings hold neither (the sheet shows `control_image` as it always has)."""
+    folder) when known."""
     refs, controls = _entries(meta.get("references"), "file"), _entries(meta.get("controls"), "image")
-    if not refs and not controls:
-        return []
-    if not controls and meta.get("control_image"):  # the one net of `controlnet:`, beside references
+    if not controls and isinstance(meta.get("control_image"), str) and meta["control_image"]:  # `controlnet:`'s net
         controls = [{"net": SHORTHAND_NET, "image": str(meta["control_image"]), "scale": meta.get("control_scale"),
                      "end": meta.get("control_end")}]
 

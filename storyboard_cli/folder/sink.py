@@ -99,7 +99,7 @@ class OutputSink:
     def _land(self, pixels, item: WorkItem, path: str, aside: bool) -> str:
         """An encoder thread: one output file (its own shot and candidate in the metadata) as an atomic PNG write,
         after setting aside the edited file it replaces; returns the bytes' sha256."""
-        data = _encoded(pixels, owner(item, path), self.job.model, self.job.controlnet)
+        data = _encoded(pixels, owner(item, path), self.job.model)
         target = self.out_dir / path
         try:
             if aside:
@@ -112,8 +112,8 @@ class OutputSink:
     def _save(self, item: WorkItem, landing: list[Future], bucket: str) -> None:
         """Runs on the writer thread: per output file, once it has landed, its manifest line (in order)."""
         t0 = time.perf_counter()
-        model, controlnet = self.job.model, self.job.controlnet
-        fingerprint, settings = item.fingerprint(model, controlnet), item.settings(model, controlnet)
+        model = self.job.model
+        fingerprint, settings = item.fingerprint(model), item.settings(model)
         for path, landed in zip(item.outputs, landing):
             sha256 = landed.result()
             try:
@@ -148,13 +148,13 @@ class _Twin:
         self.png = png
 
 
-def _encoded(pixels, item: WorkItem, model: str, controlnet: str | None) -> bytes:
+def _encoded(pixels, item: WorkItem, model: str) -> bytes:
     """The output file's bytes: pixels encoded, or a twin's PNG retagged with this item's metadata (decoded and
     encoded again only when it is not laid out as bcg writes its PNGs)."""
     if not isinstance(pixels, _Twin):
-        return png_bytes(pixels, item, model, controlnet)
+        return png_bytes(pixels, item, model)
     try:
-        return retag_png(pixels.png, item, model, controlnet)
+        return retag_png(pixels.png, item, model)
     except RetagError:
         import io
 
@@ -162,4 +162,4 @@ def _encoded(pixels, item: WorkItem, model: str, controlnet: str | None) -> byte
         from PIL import Image
 
         with Image.open(io.BytesIO(pixels.png)) as image:
-            return png_bytes(np.asarray(image.convert("RGB")), item, model, controlnet)
+            return png_bytes(np.asarray(image.convert("RGB")), item, model)

@@ -19,6 +19,12 @@ GUIDE_USE = "each shot resizes it to its own size"  # what a render does with a 
 Nets = tuple[tuple[str, str], ...]  # ((name, model spec), ...) in file order: Job.controlnets
 
 
+def first_net(nets: Nets) -> str | None:
+    """The first net's model spec (the shorthand's one net): what `bcg plan --json`'s `controlnet` and the service's mix
+    key have always held."""
+    return nets[0][1] if nets else None
+
+
 def resolve_nets(ctx: Context, doc: Located) -> Nets:
     """The top-level `controlnet: X` (the one net SHORTHAND_NET) or `controlnets: {name: X, ...}`, each spec
     confined as the model is."""

@@ -3,7 +3,7 @@
 Every error names file:line, the shot id and the field, in one line (errors.JobError). The YAML is read by
 job/yaml_loader.py, values are checked by job/values.py, the files the job refers to by job/references.py, its
 ControlNets by job/controls.py, its IP-Adapter by job/adapter.py and its references and characters by
-job/characters.py.
+job/conditions/reference.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from storyboard_cli.errors import did_you_mean
 from storyboard_cli.folder.layout import RESERVED
 from storyboard_cli.job.adapter import resolve_adapter
-from storyboard_cli.job.characters import (Character, Reference, reference_image, resolve_characters, shot_references,
+from storyboard_cli.job.conditions.reference import (Character, Reference, reference_image, resolve_characters, shot_references,
                                            with_character_loras)
 from storyboard_cli.job.controls import Nets, resolve_controls, resolve_nets
 from storyboard_cli.job.inputs import INPUTS_KEY, Inputs
@@ -79,7 +79,6 @@ class Shot:
     steps: int
     guidance: float
     sampler: str
-    control: ShotControl | None  # the first of `controls` (in the job's net order)
     line: int
     first_candidate: int = 0  # > 0 only for candidates added later (bcg render --reroll)
     loras: tuple[tuple[str, float], ...] = ()  # (name in Job.loras, scale), sorted by name, no zero scales
@@ -96,7 +95,6 @@ class Job:
     path: Path
     name: str
     model: str
-    controlnet: str | None
     output_dir: Path
     buckets: tuple[int, ...]
     shots: tuple[Shot, ...]
@@ -202,8 +200,8 @@ def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir
     cfg_cutoff, line = get("cfg_cutoff")
     cfg_cutoff = 1.0 if cfg_cutoff is None else as_float(ctx, cfg_cutoff, line, shot_id, "cfg_cutoff", 0.0, 1.0)
     deepcache = _deepcache(ctx, *get("deepcache"), shot_id)
-    return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler,
-                controls[0] if controls else None, raw.line, loras=lora_set(lora_scales), cfg_cutoff=cfg_cutoff,
+    return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler, raw.line,
+                loras=lora_set(lora_scales), cfg_cutoff=cfg_cutoff,
                 deepcache=deepcache, controls=controls, references=references, characters=names)
 
 
@@ -230,8 +228,7 @@ def as_draft(job: Job) -> Job:
     def draft(s: Shot) -> Shot:
         end = guided_steps(s.steps, DRAFT_CUTOFF) / s.steps
         controls = tuple(replace(c, end=min(c.end, end)) for c in s.controls)
-        return replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True, controls=controls,
-                       control=controls[0] if controls else None)
+        return replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True, controls=controls)
 
     return replace(job, shots=tuple(draft(s) for s in job.shots))
 
@@ -304,7 +301,7 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
     declared_inputs(ctx, *_top_field(ctx, doc, INPUTS_KEY))
     loras = resolve_loras(ctx, *_top_field(ctx, doc, "loras"), job_dir, job_spec(model, job_dir))
     characters = resolve_characters(ctx, *_top_field(ctx, doc, "characters"), job_dir, loras, ip_adapter)
-    job = Job(path, name, model, nets[0][1] if nets else None, output_dir, buckets, (), loras, nets, ip_adapter,
+    job = Job(path, name, model, output_dir, buckets, (), loras, nets, ip_adapter,
               image_encoder, characters, dict(ctx.lines))
 
     shots_raw, line = _top_field(ctx, doc, "shots", required=True)

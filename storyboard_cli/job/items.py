@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-from storyboard_cli.job.characters import Reference
+from storyboard_cli.job.conditions.reference import Reference
 from storyboard_cli.job.digests import SHORT, file_sha256, weights_digest
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.preflight import job_spec
@@ -31,7 +31,6 @@ class BucketKey:
     height: int
     steps: int
     sampler: str
-    control: bool  # any ControlNet
     loras: LoraScales = ()
     guided: bool = True  # False: every image's guidance <= 1, the conditional rows alone at every step
     cfg_cutoff: float = 1.0
@@ -41,9 +40,14 @@ class BucketKey:
     control_ends: tuple[float, ...] = ()  # one per entry of `nets` where they end at different fractions; else ()
 
     @property
+    def control(self) -> bool:
+        """Whether the batch runs any ControlNet."""
+        return bool(self.nets)
+
+    @property
     def control_mask(self) -> int:
-        """Bit i set for net i of Job.controlnets (1 for a control key made without `nets`: the one net)."""
-        return sum(1 << i for i in self.nets) if self.nets else int(self.control)
+        """Bit i set for net i of Job.controlnets."""
+        return sum(1 << i for i in self.nets)
 
     @property
     def guided_steps(self) -> int:
@@ -77,10 +81,10 @@ class BucketKey:
     def flops_saved(self) -> float:
         """The fraction of the UNet's FLOPs a batch of this key saves against the same batch with every step
         guided and whole, the ControlNet included (step_costs): the estimate `bcg plan` shows per bucket."""
-        return 1 - step_costs(self.plan, len(self.nets) or int(self.control)) / self.steps
+        return 1 - step_costs(self.plan, len(self.nets)) / self.steps
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkItem:
     """One image to render. Identical requests share one item with several outputs."""
 
@@ -94,15 +98,11 @@ class WorkItem:
     steps: int
     guidance: float
     sampler: str
-    control_image: Path | None  # the first of `controls`' (as are control_scale, control_file, control_end)
-    control_scale: float
     outputs: tuple[str, ...]  # paths relative to the output folder; the first is the item's own
-    control_file: str = ""  # the control image as seen from the job file's folder
     loras: tuple[tuple[LoraFile, float], ...] = ()  # sorted by name, no zero scales
     cfg_cutoff: float = 1.0  # 1.0 where it does not apply (guidance <= 1: no guided step to cut)
     deepcache: DeepCache = NO_DEEPCACHE  # off where it does not apply (a ControlNet that runs to the end)
     draft: bool = False
-    control_end: float = 1.0  # 1.0 where it does not apply (no ControlNet, or one that runs every step)
     controls: tuple[ShotControl, ...] = ()  # every net, in the job's order; each end 1.0 where it runs every step
     references: tuple[Reference, ...] = ()
     reference_scale: float = 0.0  # the adapter's one scale for the row: its references' largest (0: none)
@@ -116,39 +116,39 @@ class WorkItem:
 
     @property
     def key(self) -> BucketKey:
-        nets = tuple(c.index for c in self.controls) or ((0,) if self.control_image is not None else ())
-        ends = tuple(c.end for c in self.controls) or ((self.control_end,) if nets else ())
-        return BucketKey(self.width, self.height, self.steps, self.sampler, bool(nets), self.lora_scales,
-                         self.guidance > 1, self.cfg_cutoff, self.deepcache, max(ends, default=1.0), nets,
+        nets = tuple(c.index for c in self.controls)
+        ends = tuple(c.end for c in self.controls)
+        return BucketKey(self.width, self.height, self.steps, self.sampler, self.lora_scales, self.guidance > 1,
+                         self.cfg_cutoff, self.deepcache, max(ends, default=1.0), nets,
                          ends if len(set(ends)) > 1 else ())
 
     @property
     def identity(self) -> tuple:
         return (self.prompt, self.negative, self.width, self.height, self.seed, self.steps, self.guidance,
-                self.sampler, str(self.control_image), self.control_scale,
-                tuple((f.sha256, scale) for f, scale in self.loras), self.cfg_cutoff, self.deepcache, self.draft,
-                self.control_end, tuple((str(c.image), c.scale, c.end, c.net) for c in self.controls),
+                self.sampler, tuple((f.sha256, scale) for f, scale in self.loras), self.cfg_cutoff, self.deepcache,
+                self.draft, tuple((str(c.image), c.scale, c.end, c.net) for c in self.controls),
                 tuple((r.sha256, r.scale) for r in self.references))
 
-    def settings(self, model: str, controlnet: str | None) -> dict:
+    def settings(self, model: str) -> dict:
         """What decides the pixels: written into each PNG and the manifest, and used to tell a stale file
         from a done one. Files are recorded by content (a control image's sha256, a LoRA's hash, weights
         given as a path by size + mtime + header); keys appear only where they apply, so an image without
-        them keeps its fingerprint. One net of the `controlnet:` shorthand: the `control_*` keys; named or
-        several nets: a `controls` list."""
+        them keeps its fingerprint. The one net of the `controlnet:` shorthand (SHORTHAND_NET): the `control_*`
+        keys it always had; named or several nets: a `controls` list."""
         s = {"prompt": self.prompt, "negative": self.negative, "width": self.width, "height": self.height,
              "seed": self.seed, "steps": self.steps, "guidance": self.guidance, "sampler": self.sampler,
              "model": model}
         weights = partial(_put_weights, folder=self.folder)
         weights(s, "model_weights", model)
-        if self.controls and [c.net for c in self.controls] != [SHORTHAND_NET]:
+        if shorthand(self.controls):
+            c = self.controls[0]
+            s.update(controlnet=c.model, control_image=c.file or str(c.image), control_scale=c.scale,
+                     control_sha256=_content(c.image))
+            weights(s, "controlnet_weights", c.model)
+            if c.end < 1:
+                s["control_end"] = c.end
+        elif self.controls:
             s["controls"] = [_control_settings(c, weights) for c in self.controls]
-        elif self.control_image is not None:
-            s.update(controlnet=controlnet, control_image=self.control_file or str(self.control_image),
-                     control_scale=self.control_scale, control_sha256=_content(self.control_image))
-            weights(s, "controlnet_weights", controlnet)
-            if self.control_end < 1:
-                s["control_end"] = self.control_end
         if self.references:
             s["ip_adapter"] = self.ip_adapter
             weights(s, "ip_adapter_weights", self.ip_adapter)
@@ -169,8 +169,8 @@ class WorkItem:
             s["draft"] = True
         return s
 
-    def fingerprint(self, model: str, controlnet: str | None) -> str:
-        s = self.settings(model, controlnet)
+    def fingerprint(self, model: str) -> str:
+        s = self.settings(model)
         # where the files live does not decide the pixels: a moved project folder keeps its images
         s.pop("control_image", None)
         for name, entries in (("image", "controls"), ("file", "references"), ("file", "loras")):
@@ -178,6 +178,11 @@ class WorkItem:
                 entry.pop(name)
         blob = json.dumps(s, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def shorthand(controls: tuple[ShotControl, ...]) -> bool:
+    """Whether an image's guides are the one net of the `controlnet:` shorthand (recorded in its own keys)."""
+    return [c.net for c in controls] == [SHORTHAND_NET]
 
 
 def _control_settings(c: ShotControl, weights: Callable[[dict, str, str | None], None]) -> dict:

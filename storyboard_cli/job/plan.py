@@ -8,6 +8,7 @@ from pathlib import Path
 
 from storyboard_cli.errors import JobError
 from storyboard_cli.folder.layout import output_name
+from storyboard_cli.job.controls import first_net
 from storyboard_cli.job.file import Job, Shot
 from storyboard_cli.job.items import BucketKey, LoraScales, WorkItem
 from storyboard_cli.job.lora_files import lora_set_label
@@ -35,15 +36,16 @@ def work_items(job: Job) -> list[WorkItem]:
         loras = tuple((job.loras[name], scale) for name, scale in shot.loras)
         cutoff, deepcache, draft, _ = levers(shot)
         controls = tuple(replace(c, end=_ran_end(shot.steps, c.end)) for c in shot.controls)
-        first, refs = (controls or (None,))[0], shot.references
-        adapter = (job.ip_adapter, job.image_encoder) if refs else (None, None)
+        refs = shot.references
+        ip_adapter, image_encoder = (job.ip_adapter, job.image_encoder) if refs else (None, None)
         for k in range(shot.first_candidate, shot.first_candidate + shot.candidates):
             seed = shot.seed + k
-            item = WorkItem(shot.id, k, seed, shot.prompt, shot.negative, shot.width, shot.height, shot.steps,
-                            shot.guidance, shot.sampler, first and first.image, first.scale if first else 0.0,
-                            (output_name(shot.id, k, seed),), first.file if first else "", loras, cutoff, deepcache,
-                            draft, first.end if first else 1.0, controls, refs,
-                            max((r.scale for r in refs), default=0.0), *adapter, job.folder)
+            item = WorkItem(shot=shot.id, k=k, seed=seed, prompt=shot.prompt, negative=shot.negative,
+                            width=shot.width, height=shot.height, steps=shot.steps, guidance=shot.guidance,
+                            sampler=shot.sampler, outputs=(output_name(shot.id, k, seed),), loras=loras,
+                            cfg_cutoff=cutoff, deepcache=deepcache, draft=draft, controls=controls, references=refs,
+                            reference_scale=max((r.scale for r in refs), default=0.0), ip_adapter=ip_adapter,
+                            image_encoder=image_encoder, folder=job.folder)
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
@@ -71,7 +73,7 @@ def levers(shot: Shot) -> tuple[float, DeepCache, bool, float]:
 def shot_levers_label(shot: Shot) -> str:
     """The draft levers a shot's images use, as `bcg plan` names them (`levers_label`; "" for a full render)."""
     cutoff, deepcache, _, end = levers(shot)
-    return levers_label(shot.steps, shot.guidance > 1, cutoff, shot.control is not None, end, deepcache)
+    return levers_label(shot.steps, shot.guidance > 1, cutoff, bool(shot.controls), end, deepcache)
 
 
 def deepcache_dropped(job: Job) -> list[str]:
@@ -111,7 +113,7 @@ def shot_levers(job: Job) -> list[dict]:
                      "guided_steps": guided_steps(s.steps, cutoff) if s.guidance > 1 else 0,
                      "cfg_cutoff": cutoff, "deepcache": deepcache.to_json(),
                      "deepcache_dropped": bool(s.deepcache and not deepcache),
-                     "control_steps": control_steps(s.steps, end) if s.control else None})
+                     "control_steps": control_steps(s.steps, end) if s.controls else None})
     return rows
 
 
@@ -275,7 +277,7 @@ class PlanSummary:
     def to_json(self) -> dict:
         """`bcg plan --json`: the keys of named nets and of references only where the job has them."""
         j = self.job
-        out = {"job": str(j.path), "name": j.name, "model": j.model, "controlnet": j.controlnet,
+        out = {"job": str(j.path), "name": j.name, "model": j.model, "controlnet": first_net(j.controlnets),
                "output_dir": str(j.output_dir), "shots": len(j.shots), "images": self.images,
                "unique_images": self.unique_images, "disk_bytes_estimate": self.disk_bytes,
                "buckets": [r.to_json() for r in self.buckets],

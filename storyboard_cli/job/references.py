@@ -1,6 +1,6 @@
 """What a job file refers to, checked as it loads: its LoRA files (the top-level `loras:`, each read and held against
 the job's model; a shot's `lora:` and its prompt's `<lora:name:scale>` tags), the images it names (every pixel
-decoded, the bytes hashed: `check_image`, for control images, job/controls.py, and references, job/characters.py)
+decoded, the bytes hashed: `check_image`, for control images, job/controls.py, and references, job/conditions/reference.py)
 and the files it names by sha256 (`inputs:`). No torch."""
 
 from __future__ import annotations

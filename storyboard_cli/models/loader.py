@@ -29,22 +29,16 @@ class SdxlModels:
     text_encoders: tuple[Any, Any]  # CLIPTextModel, CLIPTextModelWithProjection
     unet: Any
     vae: Any
-    controlnet: Any | None
     scheduler_config: dict
     device: torch.device
     dtype: torch.dtype  # UNet / ControlNet / text encoders
-    controlnet_name: str | None = None
-    controlnets: tuple[Any, ...] = ()  # every ControlNet, in the job's order of nets (`controlnet` is the first)
+    controlnets: tuple[Any, ...] = ()  # every ControlNet, in the job's order of nets
     ip_adapter: Any | None = None  # models/ip_adapter.py IpAdapter: its processors are in the UNet
     # tensors derived from weights that other kernels read (the compiled convolutions' channels_last copies, FP8
     # weights and their scales): name -> (value, refresh), and id(parameter) -> the names derived from it;
     # `written` refreshes them in place (compiled kernels hold their pointers)
     derived: dict[str, tuple[Any, Callable[[Any], None]]] = field(default_factory=dict, repr=False)
     sources: dict[int, list[str]] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.controlnet is not None and not self.controlnets:
-            self.controlnets = (self.controlnet,)
 
     def derive(self, name: str, params: list[Any], make: Callable[[], Any], refresh: Callable[[Any], None]) -> Any:
         """The registered value `name` (made by `make` the first time), refreshed by `refresh(value)` after an in-place
@@ -268,8 +262,7 @@ def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str |
         raise ModelError(f"cannot load model {spec!r}{nets}: {first}") from e
     nets = tuple(loaded[net] for net in specs)
     models = SdxlModels(spec, parts["tokenizers"], parts["text_encoders"], parts["unet"], parts["vae"],
-                        nets[0] if nets else None, parts["scheduler_config"], device, dtype,
-                        specs[0] if specs else None, nets)
+                        parts["scheduler_config"], device, dtype, controlnets=nets)
     vae_dtype = models.vae_dtype
     for module, dt in ((models.unet, dtype), (models.vae, vae_dtype), (models.text_encoders[0], dtype),
                        (models.text_encoders[1], dtype), *((net, dtype) for net in loaded.values())):

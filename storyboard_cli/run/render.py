@@ -104,7 +104,7 @@ def model_specs(job: Job, items: list) -> tuple:
     def opened(spec: str | None) -> str | None:
         return job_spec(spec, job.folder)
 
-    nets = tuple(opened(spec) for _, spec in job.controlnets) if any(i.control_image for i in items) else ()
+    nets = tuple(opened(spec) for _, spec in job.controlnets) if any(i.controls for i in items) else ()
     adapter = opened(job.ip_adapter) if any(i.references for i in items) else None
     return opened(job.model), nets, adapter, opened(job.image_encoder) if adapter else None
 

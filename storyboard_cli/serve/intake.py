@@ -17,6 +17,7 @@ from pathlib import Path
 from storyboard_cli.errors import BadInput, JobError, StoryboardError
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.adapter_files import ADAPTER_PRESETS
+from storyboard_cli.job.controls import first_net
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
@@ -90,7 +91,7 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model, job.controlnet),
+    images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model),
                                 mix_key(job, i), work(i)) for n, i in enumerate(work_items(job)))
     return Planned(job_id, job.name, path, folder / OUT, priority, content_hash(body, filename, priority),
                    max(job.buckets), images)
@@ -103,13 +104,15 @@ def mix_key(job: Job, item: WorkItem) -> str:
     loras = [(f.name, f.sha256, scale) for f, scale in item.loras]
     # the further ControlNets and the IP-Adapter only where a job has them: a plain job's key stays what it was
     extra = [[spec for _, spec in job.controlnets[1:]], job.ip_adapter, job.image_encoder]
-    blob = json.dumps([job.model, job.controlnet, item.key.label, loras] + (extra if any(extra) else [])).encode()
+    head = [job.model, first_net(job.controlnets), item.key.label, loras]
+    blob = json.dumps(head + (extra if any(extra) else [])).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def work(item: WorkItem) -> float:
-    """An image's denoising work in megapixel-steps, a ControlNet's steps counted at half a UNet's."""
-    control = 0.5 * item.steps * item.control_end if item.control_image is not None else 0.0
+    """An image's denoising work in megapixel-steps, each ControlNet's steps counted at half a UNet's (every net it
+    runs, as BucketKey.flops_saved counts them)."""
+    control = 0.5 * item.steps * sum(c.end for c in item.controls)
     return round(item.width * item.height / 1e6 * (item.steps + control), 4)
 
 

@@ -20,7 +20,7 @@ from storyboard_cli.folder.layout import RESERVED
 from storyboard_cli.folder.report import Report
 from storyboard_cli.job import file as job_file
 from storyboard_cli.job.file import SHOT_DEFAULTS
-from storyboard_cli.job.characters import REFERENCE_SCALE, REFERENCE_SLOTS
+from storyboard_cli.job.conditions.reference import REFERENCE_SCALE, REFERENCE_SLOTS
 from storyboard_cli.job.inputs import DIGEST
 from storyboard_cli.job.lora_files import SCALE_RANGE
 from storyboard_cli.job.preflight import PRESETS

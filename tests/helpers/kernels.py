@@ -45,8 +45,8 @@ def loads_in_a_new_process(root, device: str, dtype: str, controlnet: str | None
             "from storyboard_cli.engine.base import Shape; from storyboard_cli.models.loader import load_sdxl;"
             f"m = load_sdxl({model!r}, {controlnet!r}, {device!r}, torch.{dtype});"
             "k = CompiledKernels(m, None, root=Path(sys.argv[1]));"
-            f"k.want(k.targets([Shape(1, {side}, {side}, m.controlnet is not None)]));"
-            f"why = k.ready(1, {side}, {side}, m.controlnet is not None);"
+            f"k.want(k.targets([Shape(1, {side}, {side}, bool(m.controlnets))]));"
+            f"why = k.ready(1, {side}, {side}, bool(m.controlnets));"
             "print('loaded' if why is None else [why, k.notes])")
     done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=300)
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]

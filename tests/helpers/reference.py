@@ -22,7 +22,7 @@ def diffusers_pipeline(models, sampler: str = "euler", control: bool = False):
                  tokenizer=models.tokenizers[0], tokenizer_2=models.tokenizers[1], unet=models.unet,
                  scheduler=getattr(diffusers, SAMPLERS[sampler].scheduler).from_config(models.scheduler_config))
     if control:
-        pipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=models.controlnet)
+        pipe = diffusers.StableDiffusionXLControlNetPipeline(**parts, controlnet=models.controlnets[0])
     else:
         pipe = diffusers.StableDiffusionXLPipeline(**parts)
     pipe.set_progress_bar_config(disable=True)

@@ -17,8 +17,8 @@ from storyboard_cli.samplers import MAX_STEPS
 from storyboard_cli.steps import control_steps
 
 NAME = "control"
-# the names that are this kind's alone: the WorkItem's and BucketKey's fields it reads, its static buffers' names
-FIELDS = ("controls", "control_image", "control_scale", "control_file", "control_ends", "control_keep")
+# the names that are this kind's alone: the WorkItem's and BucketKey's fields it reads
+FIELDS = ("controls", "control_ends")
 CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x1024 one is 3 MB)
 
 
@@ -81,9 +81,7 @@ def control(images: list[torch.Tensor], scales: list[list[float]], device: torch
 def guides(item: Any) -> list[tuple[Path, float, str]]:
     """(control image, scale, the name the job gives the file) of each ControlNet a WorkItem runs, in the job's order
     of nets."""
-    if item.controls:
-        return [(c.image, c.scale, c.file) for c in item.controls]
-    return [] if item.control_image is None else [(item.control_image, item.control_scale, item.control_file)]
+    return [(c.image, c.scale, c.file) for c in item.controls]
 
 
 class Reader:
@@ -109,10 +107,10 @@ class Reader:
     def batch(self, items: Sequence[Any], key: Any) -> Control | None:
         """The batch's guides, one per ControlNet it runs (its rows share the nets: they are in the bucket key), each
         net's end as a per-step keep where the nets end apart."""
-        rows = [guides(it) for it in items]  # per row: (image, scale, file) per net
-        if not rows[0]:
+        nets = key.nets
+        if not nets:
             return None
-        nets = key.nets or (0,)
+        rows = [guides(it) for it in items]  # per row: (image, scale, file) per net
         images = [control_pixels(torch.stack([self.image(row[j][0], it.width, it.height)
                                               for it, row in zip(items, rows)])) for j in range(len(nets))]
         scales = [[row[j][1] for row in rows] for j in range(len(nets))]

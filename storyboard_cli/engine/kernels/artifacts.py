@@ -85,7 +85,9 @@ def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED, 
 
 
 def module_of(models: Any, module: str) -> torch.nn.Module:
-    return models.unet if module == "unet" else models.controlnet
+    if module == "unet":
+        return models.unet
+    return models.controlnets[0] if models.controlnets else None  # the first net's (targets)
 
 
 def options(target: Target) -> dict:

@@ -90,7 +90,7 @@ class CompiledKernels(StepCalls):
 
     def targets(self, shapes: Iterable[Shape]) -> list[Target]:
         """What these shapes are built for: the UNet in this run's precision, the ControlNets."""
-        return targets(shapes, self.models.controlnet is not None, self.variant, self.refs)
+        return targets(shapes, bool(self.models.controlnets), self.variant, self.refs)
 
     def unet_target(self, height: int, width: int, variant: str | None = None) -> Target:
         """The UNet artifact of a variant ("compiled": fp16, "fp8"; None: this run's best)."""

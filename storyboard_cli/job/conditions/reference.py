@@ -1,4 +1,4 @@
-"""A job's image references, for its IP-Adapter (job/adapter.py): the top-level `characters:` (named bundles of a
+"""The IP-Adapter reference kind: a job's image references, for its IP-Adapter (job/adapter.py): the top-level `characters:` (named bundles of a
 reference image and LoRAs that shots use by name), a shot's `characters: [...]` and its one-off `reference:`.
 No torch."""
 

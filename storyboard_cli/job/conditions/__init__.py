@@ -1,0 +1,1 @@
+"""job stage: the conditioning kinds, one module each."""
