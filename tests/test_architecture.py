@@ -109,7 +109,11 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
                         "storyboard_cli.engine.base.Shape"},
              "engine/conditions": {"storyboard_cli.engine.conditions", "storyboard_cli.engine.conditions.control",
                                    "storyboard_cli.engine.conditions.reference",
-                                   "storyboard_cli.engine.conditions.kind", "storyboard_cli.engine.conditions.kind.Kind"}}
+                                   "storyboard_cli.engine.conditions.kind", "storyboard_cli.engine.conditions.kind.Kind"},
+             # the table of conditioning kinds: one row per module of the folder
+             "job/conditions": {"storyboard_cli.job.conditions", "storyboard_cli.job.conditions.control",
+                                "storyboard_cli.job.conditions.reference", "storyboard_cli.job.kind",
+                                "storyboard_cli.job.kind.Kind"}}
 # torch-free at run time, through everything they import: `bcg plan`, job validation, the folder's readers and
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
 TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
@@ -276,6 +280,89 @@ def test_test_modules_share_through_conftest_and_helpers_and_mark_slow_per_test(
     assert not whole, f"mark these modules' slow tests one by one: {sorted(whole)}"
 
 
+# ---------------------------------------------------------------- conditioning kinds (job/conditions/)
+
+
+def test_the_table_of_kinds_lists_every_module_of_job_conditions_once():
+    from storyboard_cli.job import conditions
+
+    modules = {p.stem for p in (PACKAGE / "job" / "conditions").glob("*.py") if p.stem != "__init__"}
+    assert set(conditions.MODULES) == modules
+    assert [k.name for k in conditions.KINDS] == list(conditions.MODULES)
+    assert all(conditions.MODULES[k.name].KIND is k for k in conditions.KINDS)
+    fields = [f for k in conditions.KINDS for f in conditions.kind_fields(k) if f not in STEP_WORDS]
+    assert len(fields) == len(set(fields)), "two kinds share a field's name: which one a module means is unclear"
+
+
+def test_every_kind_holds_the_whole_protocol_and_keyword_only_parts():
+    import dataclasses
+
+    from storyboard_cli.job import conditions
+    from storyboard_cli.job.kind import Kind
+
+    members = {n for n in vars(Kind) if not n.startswith("_")} | set(Kind.__annotations__)
+    for kind in conditions.KINDS:
+        assert not {m for m in members if not hasattr(kind, m)}, kind.name
+        for attr in ("JobPart", "ShotPart", "ItemPart", "KeyPart", "SummaryPart"):
+            part = getattr(kind, attr)
+            params = getattr(part, "__dataclass_params__")
+            assert params.frozen and all(f.kw_only for f in dataclasses.fields(part)), f"{kind.name}.{attr}"
+
+
+KIND_ROOMS = ("job/", "folder/", "serve/")  # where only a `conditions/` folder names a kind's fields
+# the step plan's word (steps.StepKind.control: a step runs the side networks), which bucket keys, `bcg plan` and
+# the control kind's `control:` share
+STEP_WORDS = {"control"}
+# Modules that still name a kind's fields, each with the names it may (none may be added, an entry or a name it no
+# longer spells fails the test: take it out). report.json's keys are the report's own dataclass, which the typed report
+# restructures (issue 38, item 4); the wire's job body schema is pydantic, so it stays in serve/ (job/ does not import
+# pydantic), checked against the rows through TOP_KEYS and SHOT_KEYS (tests/test_serve_api.py's
+# test_the_openapi_schema_says_every_answer_and_describes_the_job); the IP-Adapter's files and
+# presets are read by the loader too.
+KIND_FIELDS_TO_CUT = {
+    "folder/report.py": {"characters", "references", "controlnets"},
+    "serve/wire.py": {"controlnet", "controlnets", "characters", "reference", "ip_adapter", "image_encoder",
+                      "REFERENCE_SLOTS"},
+    "job/adapter_files.py": {"image_encoder"},
+    "job/preflight.py": {"ip_adapter", "image_encoder"},
+}
+
+
+def _kind_fields() -> set[str]:
+    from storyboard_cli.job import conditions
+
+    return {f for k in conditions.KINDS for f in conditions.kind_fields(k)} - STEP_WORDS
+
+
+def _spelled(path: Path, names: set[str]) -> set[str]:
+    """The names a module spells as an identifier (a name, an attribute, a keyword, a parameter, a definition, an
+    import) or as a whole string (a dict key, a field's name in a message's f-string does not count)."""
+    found = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, (ast.keyword, ast.arg)):
+            found.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.alias):
+            found.add(node.asname or node.name.split(".")[-1])
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value)
+    return found & names
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if _rel(p).startswith(KIND_ROOMS)
+                                  and "/conditions/" not in f"/{_rel(p)}"], ids=_rel)
+def test_no_module_outside_conditions_names_a_kinds_fields(path):
+    spelled = _spelled(path, _kind_fields())
+    allowed = KIND_FIELDS_TO_CUT.get(_rel(path), set())
+    assert spelled <= allowed, f"{_rel(path)} names {sorted(spelled - allowed)}: read them through job/conditions/"
+    assert allowed <= spelled, f"{_rel(path)} no longer names {sorted(allowed - spelled)}: cut them from the ratchet"
+
+
 # Conditioning kinds (engine/conditions/): one row each in the engine's table, one module each, joined to the job
 # half's rows (job/conditions/) by name. A kind's module exports the names that are its alone (`FIELDS`: the WorkItem
 # fields it reads, its tensors' names); outside */conditions/ no module of engine/ or run/ spells one (an identifier,
@@ -285,7 +372,7 @@ KIND_SCOPE = ("engine/", "run/")
 # the exported UNet call's inputs are the compiled artifacts' traced signature (prebuilt kernels are keyed by it)
 PINNED_FIELDS = {"engine/kernels/export.py": {"ref_tokens", "ref_scale", "ref_mask"}}
 # what still names a kind's fields, to move behind the rows; none may be added, an entry that is gone fails too
-FIELDS_TO_MOVE = {"run/render.py": {"controls", "references"}}  # which models a job's items need loaded
+FIELDS_TO_MOVE: dict[str, set[str]] = {}  # none left
 
 
 def _kind_modules() -> list[str]:
@@ -317,12 +404,10 @@ def test_every_kind_has_a_row_in_both_halves():
     from storyboard_cli.engine.conditions import KINDS
 
     job = importlib.import_module("storyboard_cli.job.conditions")
-    if not hasattr(job, "KINDS"):
-        pytest.skip("the job half (job/conditions/) has no table of rows in this tree yet")
-    assert sorted(job.KINDS) == sorted(KINDS)
+    assert sorted(k.name for k in job.KINDS) == sorted(KINDS)
 
 
-def _spelled(path: Path, names: set[str]) -> dict[str, int]:
+def _spelled_at(path: Path, names: set[str]) -> dict[str, int]:
     """name -> the first line where `path` spells it as code (not in a docstring or a comment)."""
     tree = _tree(path)
     docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
@@ -356,7 +441,7 @@ def test_no_module_outside_the_kinds_names_their_fields():
     for path in SOURCES:
         rel = _rel(path)
         if rel.startswith(KIND_SCOPE) and "/conditions/" not in rel:
-            found = {n: line for n, line in _spelled(path, fields).items() if n not in PINNED_FIELDS.get(rel, ())}
+            found = {n: line for n, line in _spelled_at(path, fields).items() if n not in PINNED_FIELDS.get(rel, ())}
             if found:
                 naming[rel] = found
     assert {rel: set(found) for rel, found in naming.items()} == FIELDS_TO_MOVE, naming
@@ -370,4 +455,4 @@ def test_the_field_check_sees_a_field():
         probe = Path(tmp) / "probe.py"
         probe.write_text('"""mentions references."""\n\ndef f(item):\n    return item.references, "ref_mask"\n',
                          encoding="utf-8")
-        assert _spelled(probe, {"references", "ref_mask", "controls"}) == {"references": 4, "ref_mask": 4}
+        assert _spelled_at(probe, {"references", "ref_mask", "controls"}) == {"references": 4, "ref_mask": 4}

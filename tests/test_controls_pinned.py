@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from conftest import DATA, write_job
 from storyboard_cli.cli import app
 from storyboard_cli.folder.outputs import manifest_record, parameters_text, png_text
-from storyboard_cli.folder.report import job_inputs
+from storyboard_cli.folder.report import job_conditions
 from storyboard_cli.job.file import as_draft, load_job
 from storyboard_cli.job.plan import work_items
 from storyboard_cli.serve.intake import mix_key, work
@@ -74,7 +74,7 @@ def recorded(folder, monkeypatch) -> dict:
             assert result.exit_code == 0, result.output
             plans[" ".join(args) or "text"] = result.stdout
         found[name] = {"images": record(job), "draft": record(as_draft(job)), "plan": plans,
-                       "report": job_inputs(job)}
+                       "report": job_conditions(job)}
     return json.loads(json.dumps(found))  # tuples as lists, as the file holds them
 
 

@@ -286,8 +286,8 @@ class FakeStore:
 
 
 def _batch(w: int, h: int, steps: int, size: int, n: int, tag: str) -> Batch:
-    items = tuple(WorkItem(tag, k, k, "p", "", w, h, steps, 5.0, "euler", None, 0.0, (f"{tag}/{k}.png",))
-                  for k in range(n))
+    items = tuple(WorkItem(shot=tag, k=k, seed=k, prompt="p", negative="", width=w, height=h, steps=steps,
+                           guidance=5.0, sampler="euler", outputs=(f"{tag}/{k}.png",)) for k in range(n))
     return Batch(BucketKey(w, h, steps, "euler"), items, size)
 
 

@@ -388,7 +388,7 @@ def test_bad_references_and_controls_are_one_line_at_file_line_shot_and_field(fo
 
 
 def test_an_adapter_that_does_not_fit_the_model_is_a_located_error(folder, monkeypatch):
-    from storyboard_cli.job import adapter
+    from storyboard_cli.job.conditions import reference as adapter
 
     calls = []
     monkeypatch.setattr(adapter, "_adapter_problem", lambda *a: calls.append(a) or "made for SD 1.5, not SDXL")
@@ -404,10 +404,11 @@ def test_an_adapter_that_does_not_fit_the_model_is_a_located_error(folder, monke
 @pytest.mark.parametrize("adapter,model", [("tiny", "tiny"), ("tiny-plus", "tiny"), ("sdxl-random", "sdxl-random"),
                                            ("sdxl-random-plus", "sdxl-random")])
 def test_plan_takes_every_adapter_preset_render_and_serve_take(folder, adapter, model):
-    from storyboard_cli.job.preflight import ADAPTER_PRESETS
-    from storyboard_cli.serve.intake import ADAPTER_PRESETS as SERVED
+    from storyboard_cli.job.preflight import ADAPTER_PRESETS, presets_of
+    from storyboard_cli.serve import intake
 
-    assert SERVED is ADAPTER_PRESETS and adapter in ADAPTER_PRESETS  # one table of names
+    assert intake.presets_of is presets_of and presets_of("ip_adapter") == tuple(ADAPTER_PRESETS)  # one table
+    assert adapter in ADAPTER_PRESETS
     path = write_job(folder, f"version: 1\nmodel: {model}\nip_adapter: {adapter}\n" + S1
                      + "    reference: refs/mei.png\n")
     result = runner.invoke(app, ["plan", str(path)])

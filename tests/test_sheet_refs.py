@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from conftest import ROOT, write_job
 from storyboard_cli.folder.outputs import atomic_write, owner, png_bytes
-from storyboard_cli.folder.report import INPUTS, Report, Timings, job_inputs, markdown, write_report
+from storyboard_cli.folder.report import CONDITIONS, Report, Timings, job_conditions, markdown, write_report
 from storyboard_cli.folder.sheet import write_sheet
 from storyboard_cli.folder.sheet_assets import CSP
 from storyboard_cli.job.digests import file_sha256
@@ -211,7 +211,7 @@ def test_the_one_net_of_controlnet_beside_a_reference_is_a_guide(tmp_path):
 def _report_args(job) -> dict:
     return dict(job=str(job.path), out_dir=Path("o"), device="cpu", dtype="float32", engine="eager", model="tiny",
                 timings=Timings(), wall_s=1.0, rendered=6, skipped=0, failed=[], peak_mem_mb=None, graphs=[],
-                status="done", notes=[], **job_inputs(job))
+                status="done", notes=[], **job_conditions(job))
 
 
 def test_report_lists_the_characters_one_off_references_and_named_nets(tmp_path):
@@ -235,9 +235,9 @@ def test_report_lists_the_characters_one_off_references_and_named_nets(tmp_path)
 
 def test_report_of_a_job_without_them_keeps_its_keys_and_old_reports_load(tmp_path):
     job = _one_net_job(tmp_path, "  - {id: b, prompt: a keeper, control: {image: control/hero_pose.png, scale: 0.8}}\n")
-    assert job_inputs(job) == dict.fromkeys(INPUTS)  # the one net of `controlnet:` is no named net
+    assert job_conditions(job) == dict.fromkeys(CONDITIONS)  # the one net of `controlnet:` is no named net
     data = Report.build(**_report_args(job)).to_json()
-    assert not set(INPUTS) & set(data)
+    assert not set(CONDITIONS) & set(data)
     assert Report.from_json(dict(data)).to_json() == data  # a report.json from before these keys
     assert "## References" not in markdown(data) and "## ControlNets" not in markdown(data)
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 from storyboard_cli.errors import BadInput, RenderFailure
 from storyboard_cli.folder.layout import (MANIFEST, REPLACED, manifest_records, parse_output_name, read_fingerprint,
                                           read_report)
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.lora_files import a1111_lora_hashes, lora_tags
 from storyboard_cli.job.plan import WorkItem, work_items
 from storyboard_cli.samplers import SAMPLERS
@@ -82,11 +83,8 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
     units = control_units(settings)
     fields = [f"Steps: {item.steps}", f"Sampler: {SAMPLERS[item.sampler].label}", f"CFG scale: {item.guidance:g}",
               f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}", *units]
-    if "control_image" in settings and not units:  # the one net of `controlnet:`, without references
-        end = settings.get("control_end", 1.0)
-        end = f", end {end:.3g}" if end < 1 else ""
-        name = Path(settings["control_image"]).name  # as the job names it
-        fields.append(f"ControlNet: {name} (scale {settings['control_scale']:g}{end})")
+    if not units:  # an image's one unit as its kind's plain field (the `controlnet:` shorthand's `ControlNet:`)
+        fields += [plain for kind in KINDS if (plain := kind.plain(settings))]
     if loras:
         # quoted as A1111's infotext_utils.quote: the value holds ':' and ','
         fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")
@@ -101,20 +99,14 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
 
 
 def control_units(settings: dict) -> list[str]:
-    """An image's ControlNets and references as sd-webui-controlnet writes its units (`ControlNet 0: "Module: none,
-    Model: ..., Weight: ..., Guidance Start: 0, Guidance End: ..."`: only fields its parser knows, so A1111 and Forge
-    paste them back): the nets in the job's order, then one IP-Adapter unit per reference (module `ip-adapter-auto`,
-    which picks the image encoder from the model), each at the scale the adapter applied (one per image: the
-    references' largest). [] for an image with neither named nets nor references: its one net stays the
-    `ControlNet:` field it always was."""
-    if "controls" not in settings and "references" not in settings:
+    """An image's conditioning as sd-webui-controlnet writes its units (`ControlNet 0: "Module: none, Model: ...,
+    Weight: ..., Guidance Start: 0, Guidance End: ..."`: only fields its parser knows, so A1111 and Forge paste them
+    back): each kind's units (`Kind.units`: the nets in the job's order, then one IP-Adapter unit per reference).
+    [] where an image's only unit has a plain field of its own (`Kind.plain`: the `controlnet:` shorthand's one net
+    stays the `ControlNet:` field it always was)."""
+    units = [unit for kind in KINDS for unit in kind.units(settings)]
+    if len(units) == 1 and any(kind.plain(settings) for kind in KINDS):
         return []
-    one = {"controlnet": settings.get("controlnet"), "scale": settings.get("control_scale"),
-           "end": settings.get("control_end", 1.0)}  # the `controlnet:` shorthand's net, beside references
-    nets = settings.get("controls") or ([one] if "control_image" in settings else [])
-    units = [("none", n["controlnet"], n["scale"], n.get("end", 1.0)) for n in nets]
-    units += [("ip-adapter-auto", settings["ip_adapter"], settings["reference_scale"], 1.0)
-              for _ in settings.get("references", ())]
     # a unit's values hold no ',' or ':' (its parser splits on them): a model is named by its file or folder
     return [f"ControlNet {i}: " + json.dumps(f"Module: {module}, Model: {re.sub('[,:]', '_', Path(str(spec)).name)}, "
                                              f"Weight: {scale:g}, Guidance Start: 0, Guidance End: {end:g}")
@@ -227,9 +219,9 @@ def manifest_record(item: WorkItem, path: str, fingerprint: str, sha256: str | N
     was edited by someone else) and the time it landed; `settings` (the item's) adds its LoRAs and references."""
     it = owner(item, path)
     record = {"path": path, "shot": it.shot, "candidate": it.k, "seed": it.seed, "fingerprint": fingerprint}
-    for inputs in ("loras", "references"):
-        if (settings or {}).get(inputs):
-            record[inputs] = settings[inputs]
+    for key in ("loras", *(key for kind in KINDS for key in kind.manifest_keys)):
+        if (settings or {}).get(key):
+            record[key] = settings[key]
     for lever in ("cfg_cutoff", "deepcache", "draft"):  # draft renders: what made the image cheaper
         if lever in (settings or {}):
             record[lever] = settings[lever]

@@ -16,15 +16,15 @@ from typing_extensions import TypedDict  # typing's, before Python 3.12, is not 
 from storyboard_cli.errors import Status, StoryboardError
 from storyboard_cli.folder.layout import REPORT_JSON, REPORT_MD, read_report
 from storyboard_cli.folder.outputs import atomic_write
-from storyboard_cli.job.digests import SHORT
 from storyboard_cli.job.file import Job, as_draft, load_job
-from storyboard_cli.job.references import SHORTHAND_NET
+from storyboard_cli.job.conditions import KINDS, shown
 
 if TYPE_CHECKING:
     from storyboard_cli.models.lora import Swap
 
 STAGES = ("load", "capture", "encode", "denoise", "decode", "save")
-INPUTS = ("characters", "references", "controlnets")  # report.json's keys for what a job's images are conditioned on
+# report.json's keys for what a job's images are conditioned on beyond the prompt: each kind's (`Kind.report`)
+CONDITIONS = tuple(key for kind in KINDS for key in kind.report_keys)
 
 
 class BucketRow(TypedDict):
@@ -129,29 +129,12 @@ def lora_section(swaps: list[Swap] | None) -> dict | None:
             "layers": [s.layers for s in swaps], "sets": [list(s.labels) for s in swaps]}
 
 
-def job_inputs(job: Job) -> dict[str, list[dict[str, Any]] | None]:
-    """What the job's images are conditioned on beyond the prompt, for the report (`Report.build(**job_inputs(job))`):
-    `characters` (each with its reference: file, sha256, scale, and the shots that name it), one-off `references`
-    (one entry per image and scale, with the shots that use it) and the named `controlnets` (name, model, shots).
-    Each None where the job has none (a `controlnet:` job's one net included), so older jobs' reports keep their
-    keys."""
-    def used(pick) -> list[str]:
-        return [s.id for s in job.shots if pick(s)]
-
-    characters = [{"name": c.name, "file": c.reference.file, "sha256": c.reference.sha256[:SHORT],
-                   "scale": c.reference.scale, "shots": used(lambda s, n=c.name: n in s.characters)}
-                  for c in job.characters.values()]
-    one_off: dict[tuple[str, str, float], list[str]] = {}  # (file, sha256, scale) -> the shots
-    for s in job.shots:
-        for r in s.references:
-            if r.character is None:
-                one_off.setdefault((r.file, r.sha256[:SHORT], r.scale), []).append(s.id)
-    references = [{"file": file, "sha256": sha256, "scale": scale, "shots": shots}
-                  for (file, sha256, scale), shots in one_off.items()]
-    named = [n for n, _ in job.controlnets] != [SHORTHAND_NET]
-    nets = [{"name": name, "model": model, "shots": used(lambda s, n=name: any(c.net == n for c in s.controls))}
-            for name, model in job.controlnets] if named else []
-    return {"characters": characters or None, "references": references or None, "controlnets": nets or None}
+def job_conditions(job: Job) -> dict[str, list[dict[str, Any]] | None]:
+    """What the job's images are conditioned on beyond the prompt, for the report
+    (`Report.build(**job_conditions(job))`): each kind's entries (`Kind.report`: the characters and one-off
+    references, the named ControlNets), each None where the job has none (a `controlnet:` job's one net included), so
+    older jobs' reports keep their keys."""
+    return {key: value for kind in KINDS for key, value in kind.report(job).items()}
 
 
 def _per_s(count: float, seconds: float, digits: int) -> float:
@@ -199,7 +182,7 @@ class Report:
     notes: list[str]
     draft: bool
     shots: list[dict[str, Any]]  # what each shot used (plan.shot_levers)
-    # what the images are conditioned on (job_inputs); absent from report.json where the job has none
+    # what the images are conditioned on (job_conditions); absent from report.json where the job has none
     characters: list[dict[str, Any]] | None = None
     references: list[dict[str, Any]] | None = None
     controlnets: list[dict[str, Any]] | None = None
@@ -224,7 +207,7 @@ class Report:
               cached: int | None = None) -> Report:
         """One render's report. `run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted
         render; `error`: what ended a failed one; `shots`: what each shot used (plan.shot_levers); `characters`,
-        `references`, `controlnets`: what its images are conditioned on (job_inputs)."""
+        `references`, `controlnets`: what its images are conditioned on (job_conditions)."""
         shots = shots or []
         total_steps = sum(b.steps for b in timings.buckets.values())
         return cls(job=job, output_dir=str(out_dir), status=status, run=run or {},
@@ -276,7 +259,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         """report.json's object; a merged report's figures after the rest, a worker's share last."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "share"}
-        for name in (*INPUTS, "images_cached"):
+        for name in (*CONDITIONS, "images_cached"):
             if out[name] is None:
                 del out[name]
         if self.workers is None:
@@ -345,7 +328,7 @@ def markdown(report: dict) -> str:
         out += [f"| {w['rank']} | {w['host']} | {w['device']} | {w['images']} | {w['failed']} | {w['load_s']:.2f} | "
                 f"{w['capture_s']:.2f} | {w['busy_s']:.3f} | {w['idle_s']:.3f} | {w['images_per_s']:.3f} |"
                 for w in r["workers"]]
-    out += _inputs_md(r)
+    out += _conditions_md(r)
     if r.get("lora"):
         lo = r["lora"]
         out += ["", "## LoRA", "", f"- {lo['swaps']} swaps, {lo['total_s']:.3f} s in all, median {lo['median_s']:.3f} s",
@@ -359,18 +342,9 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _inputs_md(r: dict) -> list[str]:
-    """The references (the characters', then the one-off ones) and the named ControlNets, as tables."""
-    out = []
-    refs = [(c["name"], c) for c in r.get("characters") or ()] + [("(one-off)", x) for x in r.get("references") or ()]
-    if refs:
-        out += ["", "## References", "", "| character | file | sha256 | scale | shots |", "|---|---|---|---:|---|"]
-        out += [f"| {name} | {x['file']} | `{x['sha256']}` | {x['scale']:g} | {', '.join(x['shots'])} |"
-                for name, x in refs]
-    if r.get("controlnets"):
-        out += ["", "## ControlNets", "", "| net | model | shots |", "|---|---|---|"]
-        out += [f"| {n['name']} | `{n['model']}` | {', '.join(n['shots'])} |" for n in r["controlnets"]]
-    return out
+def _conditions_md(r: dict) -> list[str]:
+    """Each kind's tables (`Kind.report_md`: the references, the named ControlNets)."""
+    return [line for kind in shown() for line in kind.report_md(r)]
 
 
 def _control(shot: dict) -> str:

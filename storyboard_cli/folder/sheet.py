@@ -25,7 +25,9 @@ from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.folder.report import job_of_folder
 from storyboard_cli.folder.sheet_assets import CSP, SCRIPT, STYLE, json_island
 from storyboard_cli.folder.sheet_refs import Guide, guides_html, href, meta_guides, shot_guides
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import Job
+from storyboard_cli.job.kind import sortable
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.plan import shot_levers_label, work_items
 from storyboard_cli.steps import DeepCache, levers_label
@@ -109,17 +111,13 @@ def _levers_of_meta(meta: dict) -> str:
     """The draft levers an image's settings record, as `bcg plan` names them ("" for a full render, or settings
     too damaged to tell)."""
     steps, guidance = meta.get("steps"), meta.get("guidance")
-    ends = [c.get("end", 1.0) for c in meta.get("controls") or () if isinstance(c, dict)]  # named nets: the last's
-    cutoff, end = meta.get("cfg_cutoff", 1.0), max(ends, default=meta.get("control_end", 1.0), key=_sortable)
+    sides = [kind.meta_side(meta) for kind in KINDS]
+    side = any(runs for runs, _ in sides)
+    cutoff, end = meta.get("cfg_cutoff", 1.0), max((end for runs, end in sides if runs), default=1.0, key=sortable)
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (steps, guidance, cutoff, end))
     if not numbers or not isinstance(steps, int) or steps < 1:
         return ""
-    return levers_label(steps, guidance > 1, cutoff, bool(meta.get("control_image") or ends), end,
-                        DeepCache.from_json(meta.get("deepcache")))
-
-
-def _sortable(value: object) -> float:
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else -1.0
+    return levers_label(steps, guidance > 1, cutoff, side, end, DeepCache.from_json(meta.get("deepcache")))
 
 
 def _loras_text(loras: object) -> str:
@@ -192,9 +190,9 @@ class SheetWriter:
             self._thumbs[c.path] = cached = (c.mtime_ns, size)
         c.thumb, c.thumb_size = rel, cached[1]
 
-    def _input_thumb(self, shot: str, src: Path, name: str) -> tuple[str | None, tuple[int, int], str]:
-        """(the thumbnail `<shot>/thumbs/<name>`, its size, "") of one of a shot's input images (its control image, a
-        guide), wherever the image lives; (None, (0, 0), why not) where it is missing or unreadable."""
+    def _guide_thumb(self, shot: str, src: Path, name: str) -> tuple[str | None, tuple[int, int], str]:
+        """(the thumbnail `<shot>/thumbs/<name>`, its size, "") of one of a shot's guides (a reference, a control
+        image), wherever the image lives; (None, (0, 0), why not) where it is missing or unreadable."""
         try:
             mtime = src.stat().st_mtime_ns
         except OSError:
@@ -210,9 +208,9 @@ class SheetWriter:
             self._thumbs[key] = cached = (mtime, size)
         return rel, cached[1], ""
 
-    def _input_thumbs(self, row: ShotRow) -> None:
+    def _guide_thumbs(self, row: ShotRow) -> None:
         for g in row.guides:
-            g.thumb, g.thumb_size, g.note = self._input_thumb(row.id, g.image, g.thumb_file)
+            g.thumb, g.thumb_size, g.note = self._guide_thumb(row.id, g.image, g.thumb_file)
 
     def _gather(self, report: dict | None, job: Job | None, failures: list[dict] | None,
                 running: bool) -> list[ShotRow]:
@@ -262,7 +260,7 @@ class SheetWriter:
                 s["loras"] = first["loras"]
             shown = guides[shot_id] if shot_id in guides else meta_guides(first, job_dir) if first else []
             row = ShotRow(shot_id, s, sorted(cands.values(), key=lambda c: (c.k, c.seed)), guides=shown)
-            self._input_thumbs(row)
+            self._guide_thumbs(row)
             rows.append(row)
         return rows
 

@@ -1,12 +1,12 @@
-"""The contact sheet's inputs of a shot: its references (IP-Adapter: a character's look, or a one-off picture) and
-its control guides (one per ControlNet), shown beside its candidates, each with its caption (the character's name or
-"reference", the net's name; the scale; a net's end when it stops early). No torch.
+"""The contact sheet's guides of a shot: what its pictures are conditioned on, each kind's (job/conditions/:
+`Kind.guides`, from the job, or `Kind.meta_guides`, from an image's settings: its references, then its control guides),
+shown beside its candidates, each with its caption (the character's name or "reference", the net's name; the scale;
+a net's end when it stops early). No torch.
 
 The images may live anywhere (a shared refs/ folder, another drive): each is shown through a thumbnail the sheet
 writes into the shot's `thumbs/` folder, so the page links only to files under the output folder, which its content
 security policy (`img-src 'self' file:`) and any static server serve. A thumbnail is named by its image's content, so
-a guide swapped for another file never shows the old one. The one net of a `controlnet:` job is a guide like any
-other, captioned with its conventional name (SHORTHAND_NET).
+a guide swapped for another file never shows the old one.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from storyboard_cli.folder.charts import esc
+from storyboard_cli.job import kind
+from storyboard_cli.job.conditions import shown
 from storyboard_cli.job.digests import file_sha256
-from storyboard_cli.job.references import SHORTHAND_NET
 
 if TYPE_CHECKING:
     from storyboard_cli.job.file import Shot
 
-REFERENCE, CONTROL = "reference", "control"  # a guide's kind: its figure's class, the first word of its alt text
-ONE_OFF = "reference"  # the caption of a shot's own `reference:` (a character's reads its name)
 GUIDE_PX = 96  # the height a guide is shown at, as the one control image
 THUMB_PREFIX = "input-"  # <shot>/thumbs/input-<content digest>.jpg: apart from the candidates' <shot>_c<k>_s<seed>
 
@@ -39,9 +38,9 @@ def href(rel: str) -> str:
 class Guide:
     """One image a shot's pictures are conditioned on, as the sheet shows it."""
 
-    kind: str  # REFERENCE | CONTROL
+    kind: str  # its figure's class, the first word of its alt text (job/kind.py's Guide.kind)
     image: Path  # the file the thumbnail is made from
-    name: str  # the character's, ONE_OFF, or the net's
+    name: str  # the character's, the one-off's word, or the net's
     scale: float
     end: float = 1.0  # a control guide's: the fraction of the steps its net runs
     file: str = ""  # the image as the job names it (the figure's tooltip)
@@ -65,40 +64,24 @@ class Guide:
         return f"{THUMB_PREFIX}{digest[:16]}.jpg"
 
 
+def _sheet(g: kind.Guide) -> Guide:
+    return Guide(g.kind, g.image, g.name, g.scale, g.end, g.file)
+
+
 def shot_guides(shot: Shot) -> list[Guide]:
-    """A shot's references (in the order it names them, its one-off last), then its control guides (in the job's net
-    order)."""
-    return ([Guide(REFERENCE, r.image, r.character or ONE_OFF, r.scale, file=r.file) for r in shot.references]
-            + [Guide(CONTROL, c.image, c.net, c.scale, c.end, c.file or c.image.name) for c in shot.controls])
+    """A shot's guides, kind by kind in the order the sheet shows them (its references in the order it names them,
+    its one-off last, then its control guides in the job's net order)."""
+    return [_sheet(g) for k in shown() for g in k.guides(shot)]
 
 
 def meta_guides(meta: dict, job_dir: Path | None) -> list[Guide]:
-    """The same from an image's settings (its `bcg` chunk: `references`, `controls`), for a folder whose job does not
-    load. The files are recorded as the job names them, from its folder: `job_dir` (report.json's job file's
-    folder) when known."""
-    refs, controls = _entries(meta.get("references"), "file"), _entries(meta.get("controls"), "image")
-    if not controls and isinstance(meta.get("control_image"), str) and meta["control_image"]:  # `controlnet:`'s net
-        controls = [{"net": SHORTHAND_NET, "image": str(meta["control_image"]), "scale": meta.get("control_scale"),
-                     "end": meta.get("control_end")}]
-
+    """The same from an image's settings (its `bcg` chunk), for a folder whose job does not load. The files are
+    recorded as the job names them, from its folder: `job_dir` (report.json's job file's folder) when known."""
     def at(name: str) -> Path:
         path = Path(name)
         return path if path.is_absolute() or job_dir is None else job_dir / path
 
-    return ([Guide(REFERENCE, at(r["file"]), str(r.get("character") or ONE_OFF), _number(r.get("scale"), 0.0),
-                   file=r["file"]) for r in refs]
-            + [Guide(CONTROL, at(c["image"]), str(c.get("net") or SHORTHAND_NET), _number(c.get("scale"), 0.0),
-                     _number(c.get("end"), 1.0), c["image"]) for c in controls])
-
-
-def _entries(raw: object, key: str) -> list[dict]:
-    """The entries of a settings list that name their file at `key` (a damaged chunk's others are left out)."""
-    return [e for e in raw if isinstance(e, dict) and isinstance(e.get(key), str) and e[key]] \
-        if isinstance(raw, list) else []
-
-
-def _number(value: object, default: float) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    return [_sheet(g) for k in shown() for g in k.meta_guides(meta, at)]
 
 
 def guides_html(shot: str, guides: list[Guide]) -> str:

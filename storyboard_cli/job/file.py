@@ -1,9 +1,8 @@
 """YAML job file -> frozen, validated dataclasses. No torch here.
 
 Every error names file:line, the shot id and the field, in one line (errors.JobError). The YAML is read by
-job/yaml_loader.py, values are checked by job/values.py, the files the job refers to by job/references.py, its
-ControlNets by job/controls.py, its IP-Adapter by job/adapter.py and its references and characters by
-job/conditions/reference.py.
+job/yaml_loader.py, values are checked by job/values.py, the LoRA files and images the job names by job/files.py,
+and each conditioning kind's keys by its row in job/conditions/ (`Job` and `Shot` inherit the kinds' parts).
 """
 
 from __future__ import annotations
@@ -17,14 +16,12 @@ from typing import Any
 
 from storyboard_cli.errors import did_you_mean
 from storyboard_cli.folder.layout import RESERVED
-from storyboard_cli.job.adapter import resolve_adapter
-from storyboard_cli.job.conditions.reference import (Character, Reference, reference_image, resolve_characters, shot_references,
-                                           with_character_loras)
-from storyboard_cli.job.controls import Nets, resolve_controls, resolve_nets
+from storyboard_cli.job.conditions import KINDS, merged, parts
+from storyboard_cli.job.files import LoraFile, declared_inputs, lora_set, resolve_loras, shot_loras
 from storyboard_cli.job.inputs import INPUTS_KEY, Inputs
+from storyboard_cli.job.kind import ShotSource
 from storyboard_cli.job.lora_files import LORA_TAG
 from storyboard_cli.job.preflight import expanded, job_spec
-from storyboard_cli.job.references import LoraFile, ShotControl, declared_inputs, lora_set, resolve_loras, shot_loras
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_int, as_str, check_keys,
                                        given, line_of, type_name)
 from storyboard_cli.job.yaml_loader import SHOT_ID, Located, clip, read_yaml, short_repr
@@ -44,10 +41,10 @@ MAX_BUCKET = 64
 MAX_SEED = 2**63 - 1 - MAX_CANDIDATES
 MAX_PATH = 4096  # Linux's PATH_MAX
 
-TOP_KEYS = ("version", "name", "model", "controlnet", "output_dir", "buckets", "loras", "defaults", "shots", INPUTS_KEY,
-            "controlnets", "ip_adapter", "image_encoder", "characters")
-SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "control",
-             "lora", "cfg_cutoff", "deepcache", "characters", "reference")
+TOP_KEYS = ("version", "name", "model", "output_dir", "buckets", "loras", "defaults", "shots", INPUTS_KEY,
+            *(key for kind in KINDS for key in kind.job_keys))
+SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "lora",
+             "cfg_cutoff", "deepcache", *(key for kind in KINDS for key in kind.shot_keys))
 DEEPCACHE_KEYS = ("interval", "branch")
 MAX_INTERVAL = 10
 MAX_BRANCH = 2  # SDXL's UNet has 3 up blocks: branches 0 (the shallowest skip) to 2
@@ -68,7 +65,9 @@ SHOT_DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class Shot:
+class Shot(*parts("ShotPart")):
+    """One shot of the job; what it is conditioned on are its kinds' fields (job/conditions/: `shot.controls`)."""
+
     id: str
     prompt: str
     negative: str
@@ -85,13 +84,12 @@ class Shot:
     cfg_cutoff: float = 1.0  # the fraction of the steps that use guidance (1.0: every step)
     deepcache: DeepCache = NO_DEEPCACHE
     draft: bool = False  # rendered by `bcg render --draft`: marked so in every output
-    controls: tuple[ShotControl, ...] = ()  # every net it runs, in the job's net order (their residuals' sum's)
-    references: tuple[Reference, ...] = ()  # its characters' in the order it names them, then its `reference:`
-    characters: tuple[str, ...] = ()  # names in Job.characters
 
 
 @dataclass(frozen=True)
-class Job:
+class Job(*parts("JobPart")):
+    """A job file, validated; its conditioning kinds' top-level keys are their fields (job/conditions/)."""
+
     path: Path
     name: str
     model: str
@@ -99,11 +97,7 @@ class Job:
     buckets: tuple[int, ...]
     shots: tuple[Shot, ...]
     loras: dict[str, LoraFile] = field(default_factory=dict)  # the top-level `loras:`, by name
-    controlnets: Nets = ()  # ((name, model spec), ...) in file order; `controlnet: X` is (("controlnet", X),)
-    ip_adapter: str | None = None
-    image_encoder: str | None = None
-    characters: dict[str, Character] = field(default_factory=dict)  # the top-level `characters:`, by name
-    lines: dict[str, int | None] = field(default_factory=dict)  # the model fields' lines: model, controlnets.pose, ...
+    lines: dict[str, int | None] = field(default_factory=dict)  # the model fields' lines (model and the kinds')
     warnings: tuple[str, ...] = ()  # said once where the job loads (located as its errors are): `bcg plan`, `render`
 
     @property
@@ -191,18 +185,16 @@ def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir
     if sampler not in SAMPLERS:
         raise ctx.fail(line, shot_id, "sampler", f"unknown sampler {short_repr(sampler)} (known: {', '.join(SAMPLERS)})"
                        f"{did_you_mean(sampler, SAMPLERS)}")
-    controls = resolve_controls(ctx, *get("control"), shot_id, job_dir, job.controlnets)
-    names, names_line = get("characters")
-    names, references = shot_references(ctx, names, names_line, *get("reference"), shot_id, job_dir, job.characters,
-                                        job.ip_adapter)
-    lora_scales = with_character_loras(ctx, lora_scales, lora_raw, lora_line, prompt_line, names, names_line, shot_id,
-                                       job.characters)
+    conditioned = {}
+    for kind in KINDS:
+        part, lora_scales = kind.resolve_shot(ctx, ShotSource(get, shot_id, job_dir, job, lora_scales, lora_raw,
+                                                              lora_line, prompt_line))
+        conditioned.update(part)
     cfg_cutoff, line = get("cfg_cutoff")
     cfg_cutoff = 1.0 if cfg_cutoff is None else as_float(ctx, cfg_cutoff, line, shot_id, "cfg_cutoff", 0.0, 1.0)
     deepcache = _deepcache(ctx, *get("deepcache"), shot_id)
     return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler, raw.line,
-                loras=lora_set(lora_scales), cfg_cutoff=cfg_cutoff,
-                deepcache=deepcache, controls=controls, references=references, characters=names)
+                loras=lora_set(lora_scales), cfg_cutoff=cfg_cutoff, deepcache=deepcache, **conditioned)
 
 
 def _deepcache(ctx: Context, raw: Any, line: int | None, shot_id: str) -> DeepCache:
@@ -223,12 +215,12 @@ def _deepcache(ctx: Context, raw: Any, line: int | None, shot_id: str) -> DeepCa
 
 
 def as_draft(job: Job) -> Job:
-    """The job as `bcg render --draft` renders it: every shot with the draft levers, marked as a draft; a
-    ControlNet ends where the guidance does (or earlier, where the shot says so)."""
+    """The job as `bcg render --draft` renders it: every shot with the draft levers, marked as a draft; a kind's
+    side network ends where the guidance does (or earlier, where the shot says so: `Kind.draft`)."""
     def draft(s: Shot) -> Shot:
         end = guided_steps(s.steps, DRAFT_CUTOFF) / s.steps
-        controls = tuple(replace(c, end=min(c.end, end)) for c in s.controls)
-        return replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True, controls=controls)
+        return replace(s, cfg_cutoff=DRAFT_CUTOFF, deepcache=DRAFT_DEEPCACHE, draft=True,
+                       **merged(kind.draft(s, end) for kind in KINDS))
 
     return replace(job, shots=tuple(draft(s) for s in job.shots))
 
@@ -274,8 +266,6 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
     model, line = _top_field(ctx, doc, "model", required=True)
     model = as_str(ctx, model, line, None, "model", empty_ok=False)
     ctx.model_spec(model, line, "model")
-    nets = resolve_nets(ctx, doc)
-    ip_adapter, image_encoder = resolve_adapter(ctx, doc, job_spec(model, ctx.folder))
     output_dir, line = _top_field(ctx, doc, "output_dir")
     output_dir = Path("outputs") / name if output_dir is None else _output_dir(ctx, output_dir, line)
     ctx.confine(path.resolve().parent / output_dir, line, None, "output_dir", clip(str(output_dir)))
@@ -300,9 +290,8 @@ def load_job(path: str | Path, roots: tuple[Path, ...] | None = None, inputs: In
     job_dir = path.resolve().parent
     declared_inputs(ctx, *_top_field(ctx, doc, INPUTS_KEY))
     loras = resolve_loras(ctx, *_top_field(ctx, doc, "loras"), job_dir, job_spec(model, job_dir))
-    characters = resolve_characters(ctx, *_top_field(ctx, doc, "characters"), job_dir, loras, ip_adapter)
-    job = Job(path, name, model, output_dir, buckets, (), loras, nets, ip_adapter,
-              image_encoder, characters, dict(ctx.lines))
+    conditioned = merged(kind.resolve_job(ctx, doc, job_spec(model, ctx.folder), job_dir, loras) for kind in KINDS)
+    job = Job(path, name, model, output_dir, buckets, (), loras, dict(ctx.lines), **conditioned)
 
     shots_raw, line = _top_field(ctx, doc, "shots", required=True)
     if not isinstance(shots_raw, list):
@@ -347,8 +336,8 @@ def _name_from_file(ctx: Context, path: Path, line: int) -> str:
 
 
 def named_files(path: Path) -> list[str]:
-    """The files a job names (its LoRA files, its shots' and defaults' control images, one or a list, its
-    characters' and shots' reference images), as it writes them, in file order, without validating the rest: what
+    """The files a job names (its LoRA files, then each conditioning kind's: `Kind.job_files`, then per key of the
+    defaults and each shot, `Kind.shot_files`), as it writes them, in file order, without validating the rest: what
     `bcg submit` uploads. Raises JobError for a file that is not YAML."""
     doc = read_yaml(Path(path))
     if not isinstance(doc, dict):
@@ -357,16 +346,12 @@ def named_files(path: Path) -> list[str]:
     loras = doc.get("loras")
     if isinstance(loras, dict):
         names += loras.values()
-    characters = doc.get("characters")
-    if isinstance(characters, dict):
-        names += [reference_image(c.get("reference")) for c in characters.values() if isinstance(c, dict)]
+    for kind in KINDS:
+        names += kind.job_files(doc)
     defaults = doc.get("defaults")
     shots = doc.get("shots")
     for holder in ([defaults] if isinstance(defaults, dict) else []) + (shots if isinstance(shots, list) else []):
         for key, value in holder.items() if isinstance(holder, dict) else ():
-            if key == "control":
-                entries = value if isinstance(value, list) else [value]
-                names += [c.get("image") for c in entries if isinstance(c, dict)]
-            elif key == "reference":
-                names.append(reference_image(value))
+            for kind in KINDS:
+                names += kind.shot_files(key, value)
     return list(dict.fromkeys(n for n in names if isinstance(n, str) and n.strip()))

@@ -4,17 +4,15 @@ job/items.py's (`WorkItem`, `BucketKey`, imported from here too)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from storyboard_cli.errors import JobError
 from storyboard_cli.folder.layout import output_name
-from storyboard_cli.job.controls import first_net
+from storyboard_cli.job.conditions import KINDS, merged, parts
 from storyboard_cli.job.file import Job, Shot
 from storyboard_cli.job.items import BucketKey, LoraScales, WorkItem
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.preflight import check_destination, free_bytes, job_spec, model_problem
 from storyboard_cli.job.prompts import long_prompts
-from storyboard_cli.job.references import SHORTHAND_NET
 from storyboard_cli.steps import NO_DEEPCACHE, DeepCache, control_steps, guided_steps, levers_label
 
 
@@ -35,17 +33,13 @@ def work_items(job: Job) -> list[WorkItem]:
     for shot in job.shots:
         loras = tuple((job.loras[name], scale) for name, scale in shot.loras)
         cutoff, deepcache, draft, _ = levers(shot)
-        controls = tuple(replace(c, end=_ran_end(shot.steps, c.end)) for c in shot.controls)
-        refs = shot.references
-        ip_adapter, image_encoder = (job.ip_adapter, job.image_encoder) if refs else (None, None)
+        conditioned = merged(kind.item(shot, job) for kind in KINDS)
         for k in range(shot.first_candidate, shot.first_candidate + shot.candidates):
             seed = shot.seed + k
             item = WorkItem(shot=shot.id, k=k, seed=seed, prompt=shot.prompt, negative=shot.negative,
                             width=shot.width, height=shot.height, steps=shot.steps, guidance=shot.guidance,
                             sampler=shot.sampler, outputs=(output_name(shot.id, k, seed),), loras=loras,
-                            cfg_cutoff=cutoff, deepcache=deepcache, draft=draft, controls=controls, references=refs,
-                            reference_scale=max((r.scale for r in refs), default=0.0), ip_adapter=ip_adapter,
-                            image_encoder=image_encoder, folder=job.folder)
+                            cfg_cutoff=cutoff, deepcache=deepcache, draft=draft, folder=job.folder, **conditioned)
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
@@ -54,26 +48,27 @@ def work_items(job: Job) -> list[WorkItem]:
     return list(items.values())
 
 
-def _ran_end(steps: int, end: float) -> float:
-    """A ControlNet's end as it applies: 1.0 where it runs every step."""
-    return end if control_steps(steps, end) < steps else 1.0
+def sides(shot: Shot) -> tuple[int, float]:
+    """(the side networks the shot's images run at each step, where the last ends as it applies): the kinds'."""
+    found = [kind.shot_side(shot) for kind in KINDS]
+    return sum(n for n, _ in found), max((end for n, end in found if n), default=1.0)
 
 
 def levers(shot: Shot) -> tuple[float, DeepCache, bool, float]:
     """(cfg_cutoff, deepcache, draft, control_end) as they apply to the shot's images: no cut-off where there is no
-    guidance to cut (guidance <= 1, or a cut-off that keeps every step), the ControlNets' end (the last net's) only
-    where they stop before the last step, and DeepCache with ControlNets only when they all stop (DeepCache runs
-    after them: their residuals feed the blocks a shallow step skips)."""
+    guidance to cut (guidance <= 1, or a cut-off that keeps every step), the side networks' end (a ControlNet's, the
+    last one's) only where they stop before the last step, and DeepCache with side networks only when they all stop
+    (DeepCache runs after them: their residuals feed the blocks a shallow step skips)."""
     cut_off = shot.guidance > 1 and guided_steps(shot.steps, shot.cfg_cutoff) < shot.steps
-    end = _ran_end(shot.steps, max((c.end for c in shot.controls), default=1.0))
-    deepcache = NO_DEEPCACHE if shot.controls and end == 1.0 else shot.deepcache
+    n, end = sides(shot)
+    deepcache = NO_DEEPCACHE if n and end == 1.0 else shot.deepcache
     return (shot.cfg_cutoff if cut_off else 1.0), deepcache, shot.draft, end
 
 
 def shot_levers_label(shot: Shot) -> str:
     """The draft levers a shot's images use, as `bcg plan` names them (`levers_label`; "" for a full render)."""
     cutoff, deepcache, _, end = levers(shot)
-    return levers_label(shot.steps, shot.guidance > 1, cutoff, bool(shot.controls), end, deepcache)
+    return levers_label(shot.steps, shot.guidance > 1, cutoff, sides(shot)[0] > 0, end, deepcache)
 
 
 def deepcache_dropped(job: Job) -> list[str]:
@@ -92,17 +87,6 @@ def deepcache_note(job: Job) -> str | None:
             f"shallow steps skip; they get the guidance cut-off only (DeepCache runs after a `control.end`)")
 
 
-def reference_note(job: Job) -> str | None:
-    """What `bcg plan` says, once, about shots whose references ask for different scales: the adapter applies one
-    scale to an image's references (diffusers' one scale per adapter), their largest."""
-    shots = [f"{s.id} ({', '.join(f'{r.character or Path(r.file).name} {r.scale:g}' for r in s.references)})"
-             for s in job.shots if len({r.scale for r in s.references}) > 1]
-    if not shots:
-        return None
-    listed = ", ".join(shots[:5]) + (f" and {len(shots) - 5} more" if len(shots) > 5 else "")
-    return f"references at different scales in one shot: {listed}; each image gets their largest"
-
-
 def shot_levers(job: Job) -> list[dict]:
     """What each shot's images use, for the report: the guided steps of all steps, the cut-off and DeepCache as
     they apply (see `levers`), and whether the shot is a draft."""
@@ -113,7 +97,7 @@ def shot_levers(job: Job) -> list[dict]:
                      "guided_steps": guided_steps(s.steps, cutoff) if s.guidance > 1 else 0,
                      "cfg_cutoff": cutoff, "deepcache": deepcache.to_json(),
                      "deepcache_dropped": bool(s.deepcache and not deepcache),
-                     "control_steps": control_steps(s.steps, end) if s.controls else None})
+                     "control_steps": control_steps(s.steps, end) if sides(s)[0] else None})
     return rows
 
 
@@ -243,8 +227,9 @@ def decimal_size(nbytes: float) -> str:
 
 
 @dataclass(frozen=True)
-class PlanSummary:
-    """What `bcg plan` shows of a job, found without loading a model (`summary`)."""
+class PlanSummary(*parts("SummaryPart")):
+    """What `bcg plan` shows of a job, found without loading a model (`summary`); what it says of each conditioning
+    kind are the kind's fields (`Kind.summary`)."""
 
     job: Job
     unique_images: int  # images denoised: identical requests once
@@ -254,9 +239,6 @@ class PlanSummary:
     warnings: tuple[str, ...]  # the prompts CLIP cuts, then the disk where the images will not fit
     note: str | None  # about ControlNet shots that asked for DeepCache (deepcache_note)
     disk_bytes: int  # the images' size on disk, roughly
-    references: int = 0  # distinct reference images (by sha256): each encoded once
-    characters: tuple[str, ...] = ()  # the characters the shots use, in order of first use
-    reference_note: str | None = None  # about shots whose references' scales differ (reference_note)
 
     @property
     def images(self) -> int:
@@ -275,33 +257,29 @@ class PlanSummary:
         return sum(r.key.flops_saved * r.row_steps for r in self.buckets) / max(1, row_steps)
 
     def to_json(self) -> dict:
-        """`bcg plan --json`: the keys of named nets and of references only where the job has them."""
+        """`bcg plan --json`: each kind's keys beside the model and at the end (`Kind.plan_json`), those of named
+        nets and of references only where the job has them."""
         j = self.job
-        out = {"job": str(j.path), "name": j.name, "model": j.model, "controlnet": first_net(j.controlnets),
+        keys = [kind.plan_json(j, self) for kind in KINDS]
+        out = {"job": str(j.path), "name": j.name, "model": j.model, **merged(head for head, _ in keys),
                "output_dir": str(j.output_dir), "shots": len(j.shots), "images": self.images,
                "unique_images": self.unique_images, "disk_bytes_estimate": self.disk_bytes,
                "buckets": [r.to_json() for r in self.buckets],
-               "notes": [n for n in (self.note, self.reference_note) if n],
+               "notes": [n for n in (self.note, *(n for kind in KINDS for n in kind.notes(self))) if n],
                "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash}
                          for n, f in j.loras.items()},
                "lora_sets": [r.to_json() for r in self.lora_sets], "lora_swaps": self.lora_swaps,
                "prompt_warnings": list(self.warnings)}
         if j.warnings:
             out["warnings"] = list(j.warnings)
-        if j.controlnets and j.controlnets[0][0] != SHORTHAND_NET:
-            out["controlnets"] = dict(j.controlnets)
-        if j.ip_adapter is not None:
-            out.update(ip_adapter=j.ip_adapter, image_encoder=j.image_encoder, references=self.references,
-                       characters=list(self.characters))
+        for _, tail in keys:
+            out.update(tail)
         return out
 
 
 def model_fields(job: Job) -> list[tuple[str, str | None]]:
-    """(field, spec as written) of every model the job names: `model`, its nets (`controlnet` for the shorthand's one,
-    else `controlnets.<name>`), `ip_adapter`, `image_encoder`."""
-    nets = [(f"controlnets.{name}" if f"controlnets.{name}" in job.lines else "controlnet", spec)
-            for name, spec in job.controlnets]
-    return [("model", job.model), *nets, ("ip_adapter", job.ip_adapter), ("image_encoder", job.image_encoder)]
+    """(field, spec as written) of every model the job names: `model`, then each kind's (`Kind.models`)."""
+    return [("model", job.model), *(field for kind in KINDS for field in kind.models(job))]
 
 
 def check_models(job: Job) -> None:
@@ -325,7 +303,5 @@ def summary(job: Job) -> PlanSummary:
     if free is not None and disk > free:
         warnings.append(f"the images need about {decimal_size(disk)} on disk, {job.output_dir} has "
                         f"{decimal_size(free)} free")
-    references = {r.sha256 for s in job.shots for r in s.references}
-    characters = tuple(dict.fromkeys(c for s in job.shots for c in s.characters))
     return PlanSummary(job, len(items), tuple(bucket_table(batches)), tuple(lora_table(batches)), lora_swaps(batches),
-                       tuple(warnings), deepcache_note(job), disk, len(references), characters, reference_note(job))
+                       tuple(warnings), deepcache_note(job), disk, **merged(kind.summary(job) for kind in KINDS))

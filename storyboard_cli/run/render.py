@@ -23,9 +23,10 @@ from storyboard_cli.errors import Status, StoryboardError, folder_error
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
-from storyboard_cli.folder.report import Timings, build_report, job_inputs, write_report
+from storyboard_cli.folder.report import Timings, build_report, job_conditions, write_report
 from storyboard_cli.folder.shards import merge_shards
 from storyboard_cli.folder.sink import ContactSheet, OutputSink
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import Batch, check_models, deepcache_note, make_batches, shot_levers, work_items
 from storyboard_cli.job.preflight import check_destination, job_spec
@@ -101,12 +102,10 @@ def check_options(opts: RenderOptions) -> None:
 def model_specs(job: Job, items: list) -> tuple:
     """What `load_models` loads for these items: (model, ControlNets, IP-Adapter, image encoder); the ControlNets only
     when an item has a control image, the adapter only when one has a reference."""
-    def opened(spec: str | None) -> str | None:
-        return job_spec(spec, job.folder)
+    def opened(spec):
+        return tuple(opened(s) for s in spec) if isinstance(spec, tuple) else job_spec(spec, job.folder)
 
-    nets = tuple(opened(spec) for _, spec in job.controlnets) if any(i.controls for i in items) else ()
-    adapter = opened(job.ip_adapter) if any(i.references for i in items) else None
-    return opened(job.model), nets, adapter, opened(job.image_encoder) if adapter else None
+    return opened(job.model), *(opened(spec) for kind in KINDS for spec in kind.used_models(job, items))
 
 
 def load_models(job: Job, items: list, device: torch.device, dtype: torch.dtype) -> SdxlModels:
@@ -336,7 +335,7 @@ class RenderSession:
                                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                             stopped_by=signum, error=error,
                             lora_swaps=self.policy.runner.lora_swaps() if ran else None,
-                            shots=shot_levers(self.job), **job_inputs(self.job))
+                            shots=shot_levers(self.job), **job_conditions(self.job))
 
     def _close_writer(self, cancel: bool, after_error: bool = False) -> None:
         try:

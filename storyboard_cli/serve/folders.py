@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from storyboard_cli.errors import BadInput, Status, one_line
 from storyboard_cli.folder.outputs import Manifest, atomic_write
-from storyboard_cli.folder.report import INPUTS, Report, Timings, build_report, write_report
+from storyboard_cli.folder.report import CONDITIONS, Report, Timings, build_report, write_report
 from storyboard_cli.folder.sink import ContactSheet
 from storyboard_cli.serve import wire
 from storyboard_cli.serve.intake import served_job
@@ -132,7 +132,7 @@ def merged_report(job: dict, job_file: Path, now: float) -> dict:
         status=STATUS.get(job["state"], job["state"]),
         notes=list(dict.fromkeys(n for r in reports for n in r.get("notes", []))),
         run={"id": job["id"], "started": _iso(job["submitted"]), "finished": _iso(job["finished"])},
-        shots=first.get("shots"), **{k: first.get(k) for k in INPUTS})
+        shots=first.get("shots"), **{k: first.get(k) for k in CONDITIONS})
     report["workers"] = _workers(leases)
     return report
 

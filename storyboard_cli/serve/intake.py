@@ -16,13 +16,12 @@ from pathlib import Path
 
 from storyboard_cli.errors import BadInput, JobError, StoryboardError
 from storyboard_cli.folder.outputs import atomic_write
-from storyboard_cli.job.adapter_files import ADAPTER_PRESETS
-from storyboard_cli.job.controls import first_net
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
-from storyboard_cli.job.plan import WorkItem, work_items
-from storyboard_cli.job.preflight import PRESETS, check_model_path
+from storyboard_cli.job.plan import WorkItem, model_fields, work_items
+from storyboard_cli.job.preflight import PRESETS, check_model_path, presets_of
 from storyboard_cli.serve.blobs import BlobStore
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, TIERS
 
@@ -98,22 +97,23 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
 
 
 def mix_key(job: Job, item: WorkItem) -> str:
-    """What must match for images of different jobs to share a batch: the models, the bucket key (shape,
-    steps, sampler, control, the LoRA set by name and scale) and the LoRA files' contents. Everything else
-    (prompt, seed, guidance, control image) is per image."""
+    """What must match for images of different jobs to share a batch: the models (the job's and each kind's:
+    `Kind.mix`), the bucket key (shape, steps, sampler, the nets, the LoRA set by name and scale) and the LoRA
+    files' contents. Everything else (prompt, seed, guidance, a guide's image, a reference) is per image."""
     loras = [(f.name, f.sha256, scale) for f, scale in item.loras]
-    # the further ControlNets and the IP-Adapter only where a job has them: a plain job's key stays what it was
-    extra = [[spec for _, spec in job.controlnets[1:]], job.ip_adapter, job.image_encoder]
-    head = [job.model, first_net(job.controlnets), item.key.label, loras]
-    blob = json.dumps(head + (extra if any(extra) else [])).encode()
+    mixes = [kind.mix(job) for kind in KINDS]
+    # the kinds' further models only where a job has them: a plain job's key stays what it was
+    extra = [spec for _, further in mixes for spec in further]
+    blob = json.dumps([job.model, *(spec for head, _ in mixes for spec in head), item.key.label, loras]
+                      + (extra if any(extra) else [])).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def work(item: WorkItem) -> float:
-    """An image's denoising work in megapixel-steps, each ControlNet's steps counted at half a UNet's (every net it
-    runs, as BucketKey.flops_saved counts them)."""
-    control = 0.5 * item.steps * sum(c.end for c in item.controls)
-    return round(item.width * item.height / 1e6 * (item.steps + control), 4)
+    """An image's denoising work in megapixel-steps, each side network's steps (a ControlNet's) counted at half a
+    UNet's: every one it runs, as BucketKey.flops_saved counts them (`Kind.side_ends`)."""
+    side = 0.5 * item.steps * sum(end for kind in KINDS for end in kind.side_ends(item))
+    return round(item.width * item.height / 1e6 * (item.steps + side), 4)
 
 
 def content_hash(body: bytes, filename: str, priority: str) -> str:
@@ -154,10 +154,8 @@ def served_job(job_file: Path) -> Job:
 def _load(path: Path, filename: str, roots: tuple[Path, ...], inputs: Inputs, allow_models: tuple[str, ...]) -> Job:
     try:
         job = load_job(path, roots, inputs)
-        specs = ((job.model, "model"), *((spec, f"controlnets.{name}") for name, spec in job.controlnets),
-                 (job.ip_adapter, "ip_adapter"), (job.image_encoder, "image_encoder"))
-        for spec, field in specs:
-            if field == "ip_adapter" and spec in ADAPTER_PRESETS:
+        for field, spec in model_fields(job):
+            if spec in presets_of(field):
                 continue
             check_model_path(spec, field)
             if spec is not None and spec not in PRESETS and weights_path(spec) is None and spec not in allow_models:

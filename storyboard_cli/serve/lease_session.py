@@ -18,6 +18,7 @@ from storyboard_cli.errors import DeviceUnusable, Status, StoryboardError, first
 from storyboard_cli.folder.layout import MANIFEST
 from storyboard_cli.folder.outputs import Pending, atomic_write
 from storyboard_cli.folder.sink import OutputSink
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.plan import make_batches, work_items
@@ -65,11 +66,10 @@ class Hot:
         self.warm.clear()
 
     def for_job(self, job: Job) -> None:
-        spec = (job.model, tuple(s for _, s in job.controlnets), job.ip_adapter, job.image_encoder)
+        spec = (job.model, *(tuple(spec for _, spec in kind.models(job)) for kind in KINDS))
         m = self.models
-        lacking = m is not None and (bool(job.controlnets) and not m.controlnets
-                                     or job.ip_adapter is not None and m.ip_adapter is None)
-        if spec != self.spec or lacking:  # other models, or a ControlNet or adapter the first job did not need
+        lacking = m is not None and any(kind.needs(job) and not kind.loaded(m) for kind in KINDS)
+        if spec != self.spec or lacking:  # other models, or a kind's (a ControlNet) the first job did not need
             self.forget()
             self.spec = spec
 

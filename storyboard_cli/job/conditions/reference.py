@@ -1,16 +1,22 @@
-"""The IP-Adapter reference kind: a job's image references, for its IP-Adapter (job/adapter.py): the top-level `characters:` (named bundles of a
-reference image and LoRAs that shots use by name), a shot's `characters: [...]` and its one-off `reference:`.
-No torch."""
+"""The IP-Adapter reference kind: the job's `ip_adapter:` and `image_encoder:` (a preset, a folder in the
+h94/IP-Adapter layout, or a weights file with its encoder; confined as the model is and held against the job's model
+before any model loads), its `characters:` (named bundles of a reference image and LoRAs that shots use by name), a
+shot's `characters: [...]` and its one-off `reference:` (at most REFERENCE_SLOTS, their LoRAs merged with the shot's),
+and all an image records of them. No torch."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from storyboard_cli.errors import did_you_mean
-from storyboard_cli.job.references import LoraFile, check_image, lora_scales
-from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, check_keys, line_of,
+from storyboard_cli.job.digests import SHORT
+from storyboard_cli.job.files import LoraFile, check_image, lora_scales
+from storyboard_cli.job.kind import Guide, ShotSource, Unit, Weights, entries, number
+from storyboard_cli.job.preflight import ADAPTER_PRESETS, job_spec
+from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_str, check_keys, line_of,
                                        type_name)
 from storyboard_cli.job.yaml_loader import Located, clip, short_repr
 
@@ -44,6 +50,225 @@ class Character:
     reference: Reference
     loras: tuple[tuple[str, float], ...]  # (name in Job.loras, scale) sorted by name, zeros kept (they merge too)
     line: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobPart:
+    ip_adapter: str | None = None
+    image_encoder: str | None = None
+    characters: dict[str, Character] = dataclasses.field(default_factory=dict)  # the top-level `characters:`, by name
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShotPart:
+    references: tuple[Reference, ...] = ()  # its characters' in the order it names them, then its `reference:`
+    characters: tuple[str, ...] = ()  # names in Job.characters
+
+
+@dataclass(frozen=True, kw_only=True)
+class ItemPart:
+    references: tuple[Reference, ...] = ()
+    reference_scale: float = 0.0  # the adapter's one scale for the row: its references' largest (0: none)
+    ip_adapter: str | None = None  # the job's, where the item has references
+    image_encoder: str | None = None  # the job's `image_encoder:`, where the item has references and it is given
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyPart:
+    """Nothing: rows with and without references share a batch (and a graph: a row's empty slots are masked)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SummaryPart:
+    references: int = 0  # distinct reference images (by sha256): each encoded once
+    characters: tuple[str, ...] = ()  # the characters the shots use, in order of first use
+    reference_note: str | None = None  # about shots whose references' scales differ (reference_note)
+
+
+ONE_OFF = "reference"  # the sheet's caption of a shot's own `reference:` (a character's reads its name)
+REFERENCE = "reference"  # a reference's word on the sheet
+
+
+class References:
+    """The kind's row (job/kind.py's `Kind`)."""
+
+    name = "reference"
+    job_keys = ("ip_adapter", "image_encoder", "characters")
+    shot_keys = ("characters", "reference")
+    settings_keys = ("references", "reference_scale", "ip_adapter_weights", "image_encoder_weights")
+    manifest_keys = ("references",)
+    report_keys = ("characters", "references")
+    names = ("Reference", "Character", "REFERENCE_SLOTS")
+    shown = 0  # a shot's references before its guides
+    JobPart, ShotPart, ItemPart, KeyPart, SummaryPart = JobPart, ShotPart, ItemPart, KeyPart, SummaryPart
+
+    # ------------------------------------------------------------ the YAML
+
+    def resolve_job(self, ctx: Context, doc: Located, model: str, job_dir: Path, loras: dict) -> dict:
+        ip_adapter, image_encoder = resolve_adapter(ctx, doc, model)
+        raw, line = doc.get("characters"), line_of(doc, "characters")
+        characters = resolve_characters(ctx, raw, line, job_dir, loras, ip_adapter)
+        return {"ip_adapter": ip_adapter, "image_encoder": image_encoder, "characters": characters}
+
+    def resolve_shot(self, ctx: Context, src: ShotSource) -> tuple[dict, dict[str, float]]:
+        names, names_line = src.get("characters")
+        names, references = shot_references(ctx, names, names_line, *src.get("reference"), src.shot_id, src.job_dir,
+                                            src.job.characters, src.job.ip_adapter)
+        scales = with_character_loras(ctx, src.lora_scales, src.lora_raw, src.lora_line, src.prompt_line, names,
+                                      names_line, src.shot_id, src.job.characters)
+        return {"references": references, "characters": names}, scales
+
+    def draft(self, shot: Any, end: float) -> dict:
+        return {}
+
+    def job_files(self, doc: dict) -> list:
+        characters = doc.get("characters")
+        if not isinstance(characters, dict):
+            return []
+        return [reference_image(c.get("reference")) for c in characters.values() if isinstance(c, dict)]
+
+    def shot_files(self, key: str, value: Any) -> list:
+        return [reference_image(value)] if key == "reference" else []
+
+    # ------------------------------------------------------------ images and batches
+
+    def item(self, shot: Any, job: Any) -> dict:
+        refs = shot.references
+        return {"references": refs, "reference_scale": max((r.scale for r in refs), default=0.0),
+                "ip_adapter": job.ip_adapter if refs else None, "image_encoder": job.image_encoder if refs else None}
+
+    def identity(self, item: Any) -> tuple:
+        return tuple((r.sha256, r.scale) for r in item.references)
+
+    def key(self, item: Any) -> dict:
+        return {}
+
+    def side(self, key: Any) -> tuple[int, float]:
+        return 0, 1.0  # the adapter runs inside the UNet's attention: no network of its own
+
+    def side_ends(self, item: Any) -> list[float]:
+        return []
+
+    def shot_side(self, shot: Any) -> tuple[int, float]:
+        return 0, 1.0
+
+    def label(self, key: Any) -> str:
+        return ""
+
+    # ------------------------------------------------------------ what an image records
+
+    def settings(self, item: Any, weights: Weights) -> dict:
+        s: dict = {}
+        if item.references:
+            s["ip_adapter"] = item.ip_adapter
+            weights(s, "ip_adapter_weights", item.ip_adapter)
+            if item.image_encoder is not None:
+                s["image_encoder"] = item.image_encoder
+                weights(s, "image_encoder_weights", item.image_encoder)
+            s["references"] = [{"file": r.file, "sha256": r.sha256[:SHORT], "scale": r.scale}
+                               | ({"character": r.character} if r.character else {}) for r in item.references]
+            s["reference_scale"] = item.reference_scale
+        return s
+
+    def unplaced(self, settings: dict) -> None:
+        for entry in settings.get("references", ()):
+            entry.pop("file")
+
+    def units(self, settings: dict) -> list[Unit]:
+        """One IP-Adapter unit per reference (module `ip-adapter-auto`, which picks the image encoder from the
+        model), each at the scale the adapter applied (one per image: the references' largest)."""
+        return [("ip-adapter-auto", settings["ip_adapter"], settings["reference_scale"], 1.0)
+                for _ in settings.get("references", ())]
+
+    def plain(self, settings: dict) -> str | None:
+        return None
+
+    def meta_side(self, meta: dict) -> tuple[bool, float]:
+        return False, 1.0
+
+    def models(self, job: Any) -> list[tuple[str, str | None]]:
+        return [("ip_adapter", job.ip_adapter), ("image_encoder", job.image_encoder)]
+
+    def needs(self, job: Any) -> bool:
+        return job.ip_adapter is not None
+
+    def loaded(self, models: Any) -> bool:
+        """Whether loaded models (models/loader.py's SdxlModels) hold an IP-Adapter."""
+        return models.ip_adapter is not None
+
+    def mix(self, job: Any) -> tuple[list, list]:
+        """Its models in the service's mix key, after the rest (as the key always read)."""
+        return [], [job.ip_adapter, job.image_encoder]
+
+    def used_models(self, job: Any, items: list) -> tuple:
+        """(the adapter, its encoder) where an item has a reference, else (None, None): nothing loads."""
+        return (job.ip_adapter, job.image_encoder) if any(i.references for i in items) else (None, None)
+
+    # ------------------------------------------------------------ the report, the sheet, `bcg plan`
+
+    def report(self, job: Any) -> dict:
+        """`characters` (each with its reference: file, sha256, scale, and the shots that name it) and one-off
+        `references` (one entry per image and scale, with the shots that use it); each None where the job has
+        none."""
+        characters = [{"name": c.name, "file": c.reference.file, "sha256": c.reference.sha256[:SHORT],
+                       "scale": c.reference.scale, "shots": [s.id for s in job.shots if c.name in s.characters]}
+                      for c in job.characters.values()]
+        one_off: dict[tuple[str, str, float], list[str]] = {}  # (file, sha256, scale) -> the shots
+        for s in job.shots:
+            for r in s.references:
+                if r.character is None:
+                    one_off.setdefault((r.file, r.sha256[:SHORT], r.scale), []).append(s.id)
+        references = [{"file": file, "sha256": sha256, "scale": scale, "shots": shots}
+                      for (file, sha256, scale), shots in one_off.items()]
+        return {"characters": characters or None, "references": references or None}
+
+    def report_md(self, r: dict) -> list[str]:
+        """The references (the characters', then the one-off ones), as a table."""
+        refs = ([(c["name"], c) for c in r.get("characters") or ()]
+                + [("(one-off)", x) for x in r.get("references") or ()])
+        if not refs:
+            return []
+        out = ["", "## References", "", "| character | file | sha256 | scale | shots |", "|---|---|---|---:|---|"]
+        return out + [f"| {name} | {x['file']} | `{x['sha256']}` | {x['scale']:g} | {', '.join(x['shots'])} |"
+                      for name, x in refs]
+
+    def guides(self, shot: Any) -> list[Guide]:
+        """Its references in the order it names them, its one-off last."""
+        return [Guide(REFERENCE, r.image, r.character or ONE_OFF, r.scale, file=r.file) for r in shot.references]
+
+    def meta_guides(self, meta: dict, at: Callable[[str], Path]) -> list[Guide]:
+        return [Guide(REFERENCE, at(r["file"]), str(r.get("character") or ONE_OFF), number(r.get("scale"), 0.0),
+                      file=r["file"]) for r in entries(meta.get("references"), "file")]
+
+    def summary(self, job: Any) -> dict:
+        """What `bcg plan` says of the references: distinct images (each encoded once), the characters used in order
+        of first use, and a note on shots whose references ask for different scales."""
+        return {"references": len({r.sha256 for s in job.shots for r in s.references}),
+                "characters": tuple(dict.fromkeys(c for s in job.shots for c in s.characters)),
+                "reference_note": reference_note(job)}
+
+    def notes(self, summary: Any) -> list[str]:
+        return [summary.reference_note] if summary.reference_note else []
+
+    def plan_json(self, job: Any, summary: Any) -> tuple[dict, dict]:
+        if job.ip_adapter is None:
+            return {}, {}
+        return {}, {"ip_adapter": job.ip_adapter, "image_encoder": job.image_encoder, "references": summary.references,
+                "characters": list(summary.characters)}
+
+
+KIND = References()
+
+
+def reference_note(job: Any) -> str | None:
+    """A note, once, on shots whose references ask for different scales: the adapter applies one scale to an image's
+    references (diffusers' one scale per adapter), their largest."""
+    shots = [f"{s.id} ({', '.join(f'{r.character or Path(r.file).name} {r.scale:g}' for r in s.references)})"
+             for s in job.shots if len({r.scale for r in s.references}) > 1]
+    if not shots:
+        return None
+    listed = ", ".join(shots[:5]) + (f" and {len(shots) - 5} more" if len(shots) > 5 else "")
+    return f"references at different scales in one shot: {listed}; each image gets their largest"
 
 
 def resolve_reference(ctx: Context, raw: Any, line: int | None, shot_id: str | None, field: str, job_dir: Path,
@@ -156,3 +381,46 @@ def with_character_loras(ctx: Context, scales: dict[str, float], lora_raw: Any, 
 def reference_image(raw: Any) -> Any:
     """The image a `reference:` names (a path, or a mapping's `image`), unvalidated: job/file.py's `named_files`."""
     return raw.get("image") if isinstance(raw, dict) else raw
+
+
+# ---------------------------------------------------------------- the job's IP-Adapter
+
+def resolve_adapter(ctx: Context, doc: Located, model: str) -> tuple[str | None, str | None]:
+    """(ip_adapter, image_encoder) as the job gives them (None: not given); `model` as the loader opens it
+    (preflight.job_spec). Each problem is named at its own field."""
+    specs, lines = {}, {}
+    for key in ("ip_adapter", "image_encoder"):
+        raw, lines[key] = doc.get(key), line_of(doc, key)
+        specs[key] = None if raw is None else as_str(ctx, raw, lines[key], None, key, empty_ok=False)
+        ctx.model_spec(specs[key], lines[key], key)
+    adapter, encoder = specs["ip_adapter"], specs["image_encoder"]
+    if adapter is None:
+        if encoder is not None:
+            raise ctx.fail(lines["image_encoder"], None, "image_encoder", "the job sets no top-level 'ip_adapter' "
+                                                                          "for it to serve")
+        return None, None
+    if encoder is not None:
+        if adapter in ADAPTER_PRESETS:
+            raise ctx.fail(lines["image_encoder"], None, "image_encoder", f"the preset ip_adapter '{adapter}' "
+                           f"brings its own image encoder; leave image_encoder out")
+        problem = _encoder_problem(job_spec(encoder, ctx.folder), clip(encoder), job_spec(adapter, ctx.folder))
+        if problem:
+            raise ctx.fail(lines["image_encoder"], None, "image_encoder", problem)
+    problem = _adapter_problem(job_spec(adapter, ctx.folder), job_spec(encoder, ctx.folder), model)
+    if problem:
+        raise ctx.fail(lines["ip_adapter"], None, "ip_adapter", problem)
+    return adapter, encoder
+
+
+def _encoder_problem(encoder: str, shown: str, adapter: str) -> str | None:
+    """What keeps the encoder `image_encoder:` names from serving the adapter (its folder, its width), or None."""
+    from storyboard_cli.job.adapter_files import encoder_problem, given_encoder_problem
+
+    return encoder_problem(encoder, shown) or given_encoder_problem(adapter, encoder)
+
+
+def _adapter_problem(adapter: str, encoder: str | None, model: str) -> str | None:
+    """What keeps the adapter from serving the model (its files, their layout, its widths), or None."""
+    from storyboard_cli.job.adapter_files import adapter_problem
+
+    return adapter_problem(adapter, encoder, model)

@@ -1,7 +1,7 @@
-"""What a job file refers to, checked as it loads: its LoRA files (the top-level `loras:`, each read and held against
-the job's model; a shot's `lora:` and its prompt's `<lora:name:scale>` tags), the images it names (every pixel
-decoded, the bytes hashed: `check_image`, for control images, job/controls.py, and references, job/conditions/reference.py)
-and the files it names by sha256 (`inputs:`). No torch."""
+"""The files a job names, checked as it loads: its LoRA files (the top-level `loras:`, each read and held against the
+job's model; a shot's `lora:` and its prompt's `<lora:name:scale>` tags), the images it names (every pixel decoded,
+the bytes hashed: `check_image`, for the conditioning kinds' images, job/conditions/) and the files it names by
+sha256 (`inputs:`). No torch."""
 
 from __future__ import annotations
 
@@ -19,22 +19,6 @@ from storyboard_cli.job.lora_files import SCALE_RANGE, inspect_lora, lora_proble
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_str, line_of, type_name,
                                        unicode_text)
 from storyboard_cli.job.yaml_loader import MESSAGE_VALUE, Located, clip, short_repr
-
-SHORTHAND_NET = "controlnet"  # the one net of a job's `controlnet: X`
-
-
-@dataclass(frozen=True)
-class ShotControl:
-    """One ControlNet a shot runs, from its `control:` (the tensors a batch is conditioned on are
-    conditioning.Control)."""
-
-    image: Path  # absolute, resolved against the job file's folder
-    scale: float
-    file: str = ""  # the image as seen from the job file's folder: what the outputs record
-    end: float = 1.0  # the fraction of the steps the ControlNet runs, as diffusers' control_guidance_end
-    net: str = SHORTHAND_NET  # a name in Job.controlnets
-    model: str = ""  # that net's model spec, so the outputs record it without the job
-    index: int = 0  # the net's place in Job.controlnets (BucketKey.nets)
 
 
 @dataclass(frozen=True)
