@@ -95,7 +95,7 @@ STAGES = {
              "models/__init__.py"},
     "job": {"job/*", "job/conditions/*"},
     "models": {"models/*"},
-    "engine": {"engine/*", "engine/kernels/*", "engine/graph/*"},
+    "engine": {"engine/*", "engine/kernels/*", "engine/graph/*", "engine/conditions/*"},
     "folder": {"folder/*"},
     "run": {"run/*"},
     "serve": {"serve/*"},
@@ -104,8 +104,12 @@ STAGES = {
 ORDER = list(STAGES)
 FOLDERS = [m.removesuffix("/*") for members in STAGES.values() for m in members if m.endswith("/*")]
 # what a package's __init__.py may import: the engine's protocol (`from storyboard_cli.engine import Engine`)
+# and the conditioning kinds' table, its rows (`from storyboard_cli.engine.conditions import KINDS`)
 REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.base.Engine",
                         "storyboard_cli.engine.base.Shape"},
+             "engine/conditions": {"storyboard_cli.engine.conditions", "storyboard_cli.engine.conditions.control",
+                                   "storyboard_cli.engine.conditions.reference",
+                                   "storyboard_cli.engine.conditions.kind", "storyboard_cli.engine.conditions.kind.Kind"},
              # the table of conditioning kinds: one row per module of the folder
              "job/conditions": {"storyboard_cli.job.conditions", "storyboard_cli.job.conditions.control",
                                 "storyboard_cli.job.conditions.reference", "storyboard_cli.job.kind",
@@ -357,3 +361,98 @@ def test_no_module_outside_conditions_names_a_kinds_fields(path):
     allowed = KIND_FIELDS_TO_CUT.get(_rel(path), set())
     assert spelled <= allowed, f"{_rel(path)} names {sorted(spelled - allowed)}: read them through job/conditions/"
     assert allowed <= spelled, f"{_rel(path)} no longer names {sorted(allowed - spelled)}: cut them from the ratchet"
+
+
+# Conditioning kinds (engine/conditions/): one row each in the engine's table, one module each, joined to the job
+# half's rows (job/conditions/) by name. A kind's module exports the names that are its alone (`FIELDS`: the WorkItem
+# fields it reads, its tensors' names); outside */conditions/ no module of engine/ or run/ spells one (an identifier,
+# an attribute, an argument or a string; docstrings and comments may mention them), so the step, the buffers, the
+# graph runner and the batch runner read the rows and name no kind.
+KIND_SCOPE = ("engine/", "run/")
+# the exported UNet call's inputs are the compiled artifacts' traced signature (prebuilt kernels are keyed by it)
+PINNED_FIELDS = {"engine/kernels/export.py": {"ref_tokens", "ref_scale", "ref_mask"}}
+# what still names a kind's fields, to move behind the rows; none may be added, an entry that is gone fails too
+FIELDS_TO_MOVE: dict[str, set[str]] = {}  # none left
+
+
+def _kind_modules() -> list[str]:
+    return sorted(p.stem for p in (PACKAGE / "engine" / "conditions").glob("*.py") if p.stem not in ("__init__", "kind"))
+
+
+def test_every_kind_has_a_row_and_its_module_exports_its_fields():
+    import importlib
+
+    from storyboard_cli.engine.conditions import KINDS
+
+    assert sorted(KINDS) == sorted(row.name for row in KINDS.values()) and len(KINDS) >= 2
+    modules = {m: importlib.import_module(f"storyboard_cli.engine.conditions.{m}") for m in _kind_modules()}
+    # every kind module is a row, and every row is a module's
+    assert sorted(m.KIND.name for m in modules.values()) == sorted(KINDS)
+    for name, module in modules.items():
+        row = KINDS[module.KIND.name]
+        assert row is module.KIND and row.fields == module.FIELDS and row.fields, name
+        text = (PACKAGE / "engine" / "conditions" / f"{name}.py").read_text(encoding="utf-8")
+        assert all(f in text for f in row.fields), f"{name}.py exports a field it never spells"
+    fields = [f for row in KINDS.values() for f in row.fields]
+    assert len(fields) == len(set(fields)), "a field belongs to two kinds"
+
+
+def test_every_kind_has_a_row_in_both_halves():
+    """The job half (job/conditions/) and the engine half (engine/conditions/) are joined by the kind's name."""
+    import importlib
+
+    from storyboard_cli.engine.conditions import KINDS
+
+    job = importlib.import_module("storyboard_cli.job.conditions")
+    assert sorted(k.name for k in job.KINDS) == sorted(KINDS)
+
+
+def _spelled_at(path: Path, names: set[str]) -> dict[str, int]:
+    """name -> the first line where `path` spells it as code (not in a docstring or a comment)."""
+    tree = _tree(path)
+    docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+            ast.AsyncFunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            spelled = node.id
+        elif isinstance(node, ast.Attribute):
+            spelled = node.attr
+        elif isinstance(node, ast.arg):
+            spelled = node.arg
+        elif isinstance(node, ast.keyword):
+            spelled = node.arg
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            spelled = node.name
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            spelled = node.value
+        else:
+            continue
+        if spelled in names:
+            found.setdefault(spelled, node.lineno)
+    return found
+
+
+def test_no_module_outside_the_kinds_names_their_fields():
+    from storyboard_cli.engine.conditions import KINDS
+
+    fields = {f for row in KINDS.values() for f in row.fields}
+    naming = {}
+    for path in SOURCES:
+        rel = _rel(path)
+        if rel.startswith(KIND_SCOPE) and "/conditions/" not in rel:
+            found = {n: line for n, line in _spelled_at(path, fields).items() if n not in PINNED_FIELDS.get(rel, ())}
+            if found:
+                naming[rel] = found
+    assert {rel: set(found) for rel, found in naming.items()} == FIELDS_TO_MOVE, naming
+
+
+def test_the_field_check_sees_a_field():
+    """The check itself: a module that spells a kind's field, as code, is caught; a docstring's mention is not."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.py"
+        probe.write_text('"""mentions references."""\n\ndef f(item):\n    return item.references, "ref_mask"\n',
+                         encoding="utf-8")
+        assert _spelled_at(probe, {"references", "ref_mask", "controls"}) == {"references": 4, "ref_mask": 4}

@@ -267,7 +267,7 @@ def test_a_second_process_loads_from_the_cache(artifacts):
 def test_a_unet_with_an_ip_adapter_compiles_with_the_reference_inputs(artifacts, rows):
     """The adapter's UNet artifact takes the step's tokens, per-row scales and slot masks: rows with one, two and no
     references (scale 0) give what the modules give, and its key is not the plain UNet's."""
-    from storyboard_cli.engine.conditioning import references
+    from storyboard_cli.engine.conditions.reference import references
 
     models = load_sdxl("tiny", None, "cpu", torch.float32, "tiny")
     k = CompiledKernels(models, None, root=artifacts)
@@ -281,10 +281,10 @@ def test_a_unet_with_an_ip_adapter_compiles_with_the_reference_inputs(artifacts,
     adapter = models.ip_adapter
     tokens = [torch.randn(adapter.tokens, adapter.dim, generator=g) for _ in range(3)]
     per_row = [[tokens[0]], tokens[1:], []] * rows
-    refs = references(per_row[: rows // 2], adapter.negative, [0.9, 0.5, 0.0] * rows, 4)
+    refs = references(per_row[: rows // 2], adapter.negative, [0.9, 0.5, 0.0] * rows, 4).attention()
     with torch.no_grad():
-        got = k.unet(latents, t, embeds, pooled, time_ids, None, None, refs=refs)
-        want = StepCalls.eager(models).unet(latents, t, embeds, pooled, time_ids, None, None, refs=refs)
+        got = k.unet(latents, t, embeds, pooled, time_ids, None, None, refs)
+        want = StepCalls.eager(models).unet(latents, t, embeds, pooled, time_ids, None, None, refs)
         without = StepCalls.eager(models).unet(latents, t, embeds, pooled, time_ids, None, None)
     assert rel_error(got, want) < 1e-4
     assert rel_error(without, want) > 1e-3  # the references are in the comparison
@@ -295,8 +295,9 @@ def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifact
     beside it, and the summed residuals feed the compiled UNet: what the modules give."""
     import copy
 
-    from storyboard_cli.engine.conditioning import Control
-    from storyboard_cli.engine.eager import control_residuals
+    from storyboard_cli.engine.conditions.control import Control
+    from storyboard_cli.engine.conditions.kind import Step
+    from storyboard_cli.steps import FULL
 
     models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
     other = copy.deepcopy(models.controlnets[0])
@@ -312,7 +313,7 @@ def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifact
     ctl = Control(torch.stack([image, image.flip(-1)]), torch.stack([scale, 0.5 * scale]), (0, 1))
 
     def run(calls):
-        mid, down = control_residuals(calls, ctl, latents, t, embeds, pooled, time_ids)
+        mid, down = ctl.residuals(Step(calls, FULL, latents, t, embeds, pooled, time_ids))
         return calls.unet(latents, t, embeds, pooled, time_ids, mid, down)
 
     with torch.no_grad():

@@ -93,7 +93,9 @@ def test_control_end_equals_diffusers_control_guidance_end(tiny_cpu, end):
     from PIL import Image
 
     from conftest import ROOT
-    from storyboard_cli.engine.conditioning import Control, load_control_image
+    from storyboard_cli.engine.conditioning import load_control_image
+    from storyboard_cli.engine.conditions.control import Control
+    from storyboard_cli.engine.conditions.kind import Conditions
     from storyboard_cli.steps import control_steps
 
     models, seed, path = tiny_cpu, 99, ROOT / "jobs" / "control" / "hero_pose.png"
@@ -103,7 +105,8 @@ def test_control_end_equals_diffusers_control_guidance_end(tiny_cpu, end):
         image=Image.open(path).convert("RGB").resize((W, H), Image.LANCZOS), controlnet_conditioning_scale=0.9,
         control_guidance_end=end).images
     sched, x, noise, cond, guidance = _inputs(models, [seed], [GUIDANCE])
-    ctl = Control(load_control_image(path, W, H)[None, None].repeat(1, 2, 1, 1, 1), torch.full((1, 2, 1, 1, 1), 0.9))
+    ctl = Conditions.of(Control(load_control_image(path, W, H)[None, None].repeat(1, 2, 1, 1, 1),
+                                torch.full((1, 2, 1, 1, 1), 0.9)))
     plan = step_plan(STEPS, STEPS, control=control_steps(STEPS, end))
     got = EagerEngine(models).sample(x, sched, noise, cond, ctl, guidance, plan)
     assert rel_error(got, want) < RTOL

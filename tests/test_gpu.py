@@ -44,16 +44,20 @@ def test_pool_sharing_after_capture_in_another_shape(tiny_cuda):
 
 
 def test_padding_rows_do_not_change_real_rows(tiny_cuda):
-    from storyboard_cli.engine.conditioning import Cond, Control
+    from storyboard_cli.engine.conditioning import Cond
+    from storyboard_cli.engine.conditions.control import Control
+    from storyboard_cli.engine.conditions.kind import Conditions
 
     models, runner, eager, rtol = tiny_cuda
-    x, sched, noise, cond, ctl, guidance = loop_inputs(models, 1, 256, 256, True, seed=6)
-    alone = runner.sample(x, sched, noise, cond, ctl, guidance)
+    x, sched, noise, cond, conds, guidance = loop_inputs(models, 1, 256, 256, True, seed=6)
+    alone = runner.sample(x, sched, noise, cond, conds, guidance)
+    ctl = conds.get("control")
     # a bucket of 4 whose rows 1-3 are padding copies of row 0 (CFG rows: 4 negatives, then 4 positives)
     rows4 = lambda t: t.repeat_interleave(4, dim=0)  # noqa: E731
     padded = runner.sample(x.repeat(4, 1, 1, 1), sched, noise.repeat(1, 4, 1, 1, 1),
                            Cond(rows4(cond.embeds), rows4(cond.pooled), rows4(cond.time_ids)),
-                           Control(ctl.image.repeat_interleave(4, dim=1), ctl.scale.repeat_interleave(4, dim=1)),
+                           Conditions.of(Control(ctl.image.repeat_interleave(4, dim=1),
+                                                 ctl.scale.repeat_interleave(4, dim=1))),
                            guidance.repeat(4))
     # batch-size-dependent kernel choices (cuDNN convolutions use TF32 by default) move fp32 by ~1e-3
     tol = max(rtol, 3e-3)

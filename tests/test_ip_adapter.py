@@ -258,3 +258,48 @@ def test_the_tiny_adapters_are_h94s_layout():
         assert {"ip_adapter.1.to_k_ip.weight", "ip_adapter.7.to_v_ip.weight"} <= keys
         assert ("image_proj.latents" in keys) == (kind == "plus")
         assert ("image_proj.layers.3.0.to_kv.weight" in keys) == (kind == "plus")
+
+
+@pytest.mark.parametrize("ndim", [3, 4])
+def test_the_processor_is_diffusers_ip_adapter_processor_on_random_inputs(ndim):
+    """RowScaledIpProcessor copies AttnProcessor2_0 and the image part of IPAdapterAttnProcessor2_0: on random inputs
+    and weights (tiny shapes) it gives what diffusers' own processors give, for one image, two images in one softmax,
+    an empty slot masked, a row at scale 0 (the text attention alone) and no references; a diffusers change to either
+    processor that ours does not follow fails here."""
+    from diffusers.models.attention_processor import Attention, AttnProcessor2_0, IPAdapterAttnProcessor2_0
+
+    from storyboard_cli.models.ip_adapter import RowScaledIpProcessor
+
+    torch.manual_seed(0)
+    hidden, cross, heads, t, rows = 32, 24, 2, 4, 3
+    attn = Attention(query_dim=hidden, cross_attention_dim=cross, heads=heads, dim_head=hidden // heads).eval()
+    ours = RowScaledIpProcessor(hidden, cross, torch.device("cpu"), torch.float32)
+    torch.nn.init.normal_(ours.to_k_ip.weight)
+    torch.nn.init.normal_(ours.to_v_ip.weight)
+    x = torch.randn(rows, hidden, 4, 5) if ndim == 4 else torch.randn(rows, 20, hidden)
+    text = torch.randn(rows, 7, cross)
+    one, two = torch.randn(rows, t, cross), torch.randn(rows, t, cross)
+    scale = 0.7
+
+    def theirs(tokens: torch.Tensor) -> torch.Tensor:
+        proc = IPAdapterAttnProcessor2_0(hidden, cross, num_tokens=(tokens.shape[1],), scale=scale)
+        proc.to_k_ip[0].weight.data.copy_(ours.to_k_ip.weight)
+        proc.to_v_ip[0].weight.data.copy_(ours.to_v_ip.weight)
+        return proc(attn, x, (text, [tokens]))
+
+    def mine(tokens, row_scale=scale, mask=None):
+        return ours(attn, x, text, ref_tokens=tokens, ref_scale=torch.full((rows, 1, 1), row_scale), ref_mask=mask)
+
+    with torch.no_grad():
+        close = dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine(one), theirs(one), **close)
+        both = torch.cat([one, two], dim=1)  # two images of one adapter: their tokens in one softmax
+        torch.testing.assert_close(mine(both), theirs(both), **close)
+        empty = torch.zeros(rows, 1, 1, 2 * t)
+        empty[..., t:] = float("-inf")  # the second slot empty: noise there, masked
+        torch.testing.assert_close(mine(torch.cat([one, torch.randn(rows, t, cross)], dim=1), mask=empty),
+                                   theirs(one), **close)
+        plain = AttnProcessor2_0()(attn, x, text)
+        torch.testing.assert_close(mine(one, 0.0), plain, **close)
+        torch.testing.assert_close(ours(attn, x, text), plain, **close)
+        assert not torch.allclose(mine(one), plain, **close)  # the image part is in the comparison

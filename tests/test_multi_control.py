@@ -8,8 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
-from storyboard_cli.engine.conditioning import PromptCache, conditioning, control, control_pixels, guided_rows
+from storyboard_cli.engine.conditioning import PromptCache, conditioning, control_pixels, guided_rows
 from storyboard_cli.engine.conditioning import read_control_image
+from storyboard_cli.engine.conditions.control import control
+from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.sampling import draw_noise, schedule
@@ -81,10 +83,12 @@ def test_two_nets_match_diffusers_multicontrolnet(two_nets, guides):
                 image=[Image.open(p).convert("RGB") for p in guides], controlnet_conditioning_scale=list(SCALES),
                 control_guidance_end=list(ENDS)).images
     sched, x, noise, cond, guidance = _inputs(two_nets, [5])
-    got = EagerEngine(two_nets).sample(x, sched, noise, cond, _control(two_nets, guides), guidance, _plan())
+    got = EagerEngine(two_nets).sample(x, sched, noise, cond, Conditions.of(_control(two_nets, guides)), guidance,
+                                       _plan())
     assert rel_error(got, want) < RTOL
     # each net gets its own guide: swapping the guides changes the picture
-    swapped = EagerEngine(two_nets).sample(x, sched, noise, cond, _control(two_nets, guides[::-1]), guidance, _plan())
+    swapped = EagerEngine(two_nets).sample(x, sched, noise, cond, Conditions.of(_control(two_nets, guides[::-1])),
+                                           guidance, _plan())
     assert rel_error(swapped, got) > 1e-3
 
 
@@ -93,12 +97,12 @@ def test_graph_replays_equal_eager_with_two_nets(two_nets, guides):
     cpu_replays(runner)
     sched, x, noise, cond, guidance = _inputs(two_nets, [1, 2])
     ctl = _control(two_nets, guides, rows=2)
-    want = EagerEngine(two_nets).sample(x, sched, noise, cond, ctl, guidance, _plan())
-    got = runner.sample(x, sched, noise, cond, ctl, guidance, _plan())
+    want = EagerEngine(two_nets).sample(x, sched, noise, cond, Conditions.of(ctl), guidance, _plan())
+    got = runner.sample(x, sched, noise, cond, Conditions.of(ctl), guidance, _plan())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert runner.describe()[0]["shape"].startswith("2x64x48 +control 0+1")
     # the same graph with every net to the end (no keep): the buffers' keep is reset to ones
-    ends = replace(ctl, keep=None)
+    ends = Conditions.of(replace(ctl, keep=None))
     want = EagerEngine(two_nets).sample(x, sched, noise, cond, ends, guidance, _plan())
     torch.testing.assert_close(runner.sample(x, sched, noise, cond, ends, guidance, _plan()), want, rtol=1e-5,
                                atol=1e-5)

@@ -12,7 +12,9 @@ import torch
 from PIL import Image
 
 from conftest import ROOT, write_job
-from storyboard_cli.engine.conditioning import PromptCache, conditioning, references
+from storyboard_cli.engine.conditioning import PromptCache, conditioning
+from storyboard_cli.engine.conditions.kind import Conditions
+from storyboard_cli.engine.conditions.reference import references
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.sampling import draw_noise, schedule
@@ -125,9 +127,9 @@ def test_graph_replays_equal_eager_with_references(ref_models):
                      for p in (REFS / "mei.png", REFS / "stranger.png"))
     guidance = torch.full((3,), 5.0)
     for rows in ([[mei], [], [stranger, mei]], [[stranger], [mei], []]):
-        cond.refs = references(rows, adapter.negative, [0.7, 0.0, 0.9], 4)
-        want = EagerEngine(ref_models).sample(x, sched, None, cond, None, guidance)
-        torch.testing.assert_close(runner.sample(x, sched, None, cond, None, guidance), want, rtol=1e-5, atol=1e-5)
+        refs = Conditions.of(references(rows, adapter.negative, [0.7, 0.0, 0.9], 4))
+        want = EagerEngine(ref_models).sample(x, sched, None, cond, refs, guidance)
+        torch.testing.assert_close(runner.sample(x, sched, None, cond, refs, guidance), want, rtol=1e-5, atol=1e-5)
     assert len(captured) == 1
 
 
@@ -174,7 +176,8 @@ def test_references_and_two_nets_together_match_diffusers(tiny_cpu, ref_models, 
     from diffusers.models.controlnets.multicontrolnet import MultiControlNetModel
 
     from helpers.reference import RTOL, diffusers_pipeline, rel_error
-    from storyboard_cli.engine.conditioning import control, control_pixels, guided_rows, read_control_image
+    from storyboard_cli.engine.conditioning import control_pixels, guided_rows, read_control_image
+    from storyboard_cli.engine.conditions.control import control
     from storyboard_cli.models.tiny import ADAPTER_FILES, tiny_adapter_folder
     from storyboard_cli.steps import control_steps, step_plan
 
@@ -207,11 +210,11 @@ def test_references_and_two_nets_together_match_diffusers(tiny_cpu, ref_models, 
     negatives, g = guided_rows(["two figures on the stairs"], ["blurry"], [guidance])
     cond = conditioning(PromptCache(m), ["two figures on the stairs"], negatives, w, h)
     tokens = [m.ip_adapter.encode(r, hashlib.sha256(r.read_bytes()).hexdigest()) for r in refs]
-    cond.refs = references([tokens], m.ip_adapter.negative, [0.6], 4)
     runs = torch.tensor([control_steps(steps, e) for e in ends])
     keep = (torch.arange(steps)[:, None] < runs[None, :]).float()
     ctl = control([control_pixels(read_control_image(p, w, h))[None] for p in guides], [[s] for s in scales],
                   m.device, m.dtype, (0, 1), keep)
     plan = step_plan(steps, steps, control=max(runs).item())
-    got = EagerEngine(m).sample(x, sched, noise, cond, ctl, torch.tensor(g), plan)
+    conds = Conditions.of(ctl, references([tokens], m.ip_adapter.negative, [0.6], 4))
+    got = EagerEngine(m).sample(x, sched, noise, cond, conds, torch.tensor(g), plan)
     assert rel_error(got, want) < RTOL

@@ -31,14 +31,14 @@ DRAFT_LOOPS = {"full": (1.0, 0), "deepcache_3": (1.0, 3), "cfg_cutoff_0.5": (0.5
                "draft_preset": (DRAFT_CUTOFF, DRAFT_DEEPCACHE.interval)}
 
 
-def _loop_s(engine, x, sched, cond, guidance, plan) -> float:
+def _loop_s(engine, x, sched, cond, conds, guidance, plan) -> float:
     """One whole loop's seconds: CUDA events on the GPU, the wall clock on the CPU (a smoke run)."""
     cuda = x.device.type == "cuda"
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
-    engine.sample(x, sched, None, cond, None, guidance, plan)
+    engine.sample(x, sched, None, cond, conds, guidance, plan)
     if not cuda:
         return time.perf_counter() - t0
     end.record()
@@ -58,14 +58,14 @@ def draft_steps(models: SdxlModels, log: Callable[[str], None], batch: int = 8, 
              for name, (cutoff, interval) in DRAFT_LOOPS.items()}
     engine = graph_runner(models, [shape], compile="off") if cuda else EagerEngine(models)
     engine.prepare([shape], {shape: set().union(*plans.values())})
-    x, cond, _, guidance = synthetic_inputs(models, batch, side, side, False)
+    x, cond, conds, guidance = synthetic_inputs(models, batch, side, side, False)
     x = x * sched.init_sigma
     for plan in plans.values():  # first replays (checked against eager) and a warm-up loop each
-        engine.sample(x, sched, None, cond, None, guidance, plan)
+        engine.sample(x, sched, None, cond, conds, guidance, plan)
     times: dict[str, list[float]] = {name: [] for name in plans}
     for _ in range(repeats):
         for name, plan in plans.items():
-            times[name].append(_loop_s(engine, x, sched, cond, guidance, plan))
+            times[name].append(_loop_s(engine, x, sched, cond, conds, guidance, plan))
     ms = {name: statistics.median(t) * 1000 / (steps * batch) for name, t in times.items()}
     rec = {"shape": shape.label, "steps": steps, "repeats": repeats, "engine": engine.name,
            "ms_per_image_step": ms, "speedup_vs_full": {name: ms["full"] / m for name, m in ms.items()},

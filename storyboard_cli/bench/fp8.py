@@ -40,7 +40,7 @@ def step_drift(models: SdxlModels, log: Callable[[str], None], batch: int = 2, s
         k.reserve(batch, side * side)
         if k.ready(*shape) is not None:
             raise RuntimeError(f"no compiled kernels for {shape.label}: {k.ready(*shape)}; {notes}")
-    x, cond, _, _ = synthetic_inputs(models, batch, side, side, False)
+    x, cond, conds, _ = synthetic_inputs(models, batch, side, side, False)
     sched = schedule("euler", steps, models.scheduler_config)
     x = x.float() * sched.init_sigma
     g = torch.full((batch,), guidance, device=models.device)
@@ -49,8 +49,8 @@ def step_drift(models: SdxlModels, log: Callable[[str], None], batch: int = 2, s
     rows = []
     for i in range(steps):
         sigma = table[i][SIGMA]
-        x_next, d16 = sample_step(models, x, prev, zero, table[i], cond, None, g, k16)
-        _, d8 = sample_step(models, x, prev, zero, table[i], cond, None, g, k8)
+        x_next, d16 = sample_step(models, x, prev, zero, table[i], cond, conds.at(i), g, k16)
+        _, d8 = sample_step(models, x, prev, zero, table[i], cond, conds.at(i), g, k8)
         eps16, eps8 = (x - d16) / sigma, (x - d8) / sigma
         rows.append({"step": i, "t": round(table[i][1].item(), 1), "eps_rel": _rel(eps8, eps16),
                      "denoised_rel": _rel(d8, d16)})

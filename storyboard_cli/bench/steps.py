@@ -37,10 +37,10 @@ def step_flops(models: SdxlModels, batch: int, width: int, height: int, control:
     """FLOPs of one CFG-batched denoising step (ControlNet + UNet), counted by torch's FlopCounterMode."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    x, cond, ctl, guidance = synthetic_inputs(models, batch, width, height, control)
+    x, cond, conds, guidance = synthetic_inputs(models, batch, width, height, control)
     one = torch.ones((), device=models.device)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        denoise(models, x, one, one * 500, cond, ctl, guidance)
+        denoise(models, x, one, one * 500, cond, conds.at(0), guidance)
     return float(counter.get_total_flops())
 
 
@@ -97,13 +97,13 @@ def kernel_profile(models: SdxlModels, log: Callable[[str], None], batch: int = 
     if why:
         raise RuntimeError(f"no compiled kernels to profile: {why} {notes}")
     kernels.reserve(batch, side * side)
-    x, cond, _, guidance = synthetic_inputs(models, batch, side, side, False)
+    x, cond, conds, guidance = synthetic_inputs(models, batch, side, side, False)
     sigma, t = torch.tensor(10.0, device=models.device), torch.tensor(500.0, device=models.device)
     rel = lambda a, b: (torch.linalg.vector_norm((a - b).float()) / torch.linalg.vector_norm(b.float())).item()  # noqa: E731
     with torch.no_grad():
         rec = {"shape": shape.label,
-               "plain": top_kernels(lambda: denoise(models, x, sigma, t, cond, None, guidance)),
-               "compiled": top_kernels(lambda: denoise(models, x, sigma, t, cond, None, guidance, kernels))}
+               "plain": top_kernels(lambda: denoise(models, x, sigma, t, cond, conds, guidance)),
+               "compiled": top_kernels(lambda: denoise(models, x, sigma, t, cond, conds, guidance, kernels))}
         # how far the compiled kernels are from the plain modules: the noise prediction itself, and the
         # denoised estimate with and without guidance (CFG amplifies the first where eps+ and eps- are close)
         latents, tt = (x * 0.1).half().repeat(2, 1, 1, 1), t.expand(2 * batch)
@@ -112,7 +112,7 @@ def kernel_profile(models: SdxlModels, log: Callable[[str], None], batch: int = 
         rec["rel_err_eps"] = rel(eps[1], eps[0])
         for g in (1.0, 5.0):
             full = torch.full_like(guidance, g)
-            rec[f"rel_err_denoised_g{g:g}"] = rel(denoise(models, x, sigma, t, cond, None, full, kernels),
-                                                 denoise(models, x, sigma, t, cond, None, full))
+            rec[f"rel_err_denoised_g{g:g}"] = rel(denoise(models, x, sigma, t, cond, conds, full, kernels),
+                                                 denoise(models, x, sigma, t, cond, conds, full))
     log(json.dumps(rec))
     return rec

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from storyboard_cli.engine.conditioning import Cond, Control
+    from storyboard_cli.engine.conditioning import Cond
+    from storyboard_cli.engine.conditions.kind import Conditions
     from storyboard_cli.engine.sampling import Schedule
     from storyboard_cli.steps import StepKind, StepPlan
 
@@ -46,9 +47,10 @@ class Engine(Protocol):
     name: str  # "eager" | "graph": what the report calls it
 
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               control: Control | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
         """Initial latents x [B, 4, h, w] -> final latents [B, 4, h, w] float32. `noise`: per-step noise
-        [steps, B, 4, h, w] for ancestral samplers, else None; `guidance` [B]; `plan`: each step's kind
+        [steps, B, 4, h, w] for ancestral samplers, else None; `conds`: the batch's values of its conditioning kinds
+        (engine/conditions/), None for none; `guidance` [B]; `plan`: each step's kind
         (draft renders: steps.step_plan), None for every step guided and whole."""
         ...
 

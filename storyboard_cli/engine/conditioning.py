@@ -16,97 +16,19 @@ import torch
 from storyboard_cli.models.loader import SdxlModels
 
 
-@dataclass
-class Refs:
-    """IP-Adapter image tokens for one batch, CFG-doubled like the embeds (negative rows first). Every row has the same
-    number of token slots (models/ip_adapter.py REFERENCE_SLOTS images); a row's empty slots are masked, and a row
-    without a reference has scale 0, so rows with and without references share one batch and one graph."""
-
-    tokens: torch.Tensor  # [2B, S, C]: S = slots x tokens per image, C the UNet's cross-attention width
-    scale: torch.Tensor  # [2B, 1, 1]
-    mask: torch.Tensor  # [2B, 1, 1, S] additive: 0 for a reference's tokens, -inf for an empty slot's
-
-    def half(self, b: int) -> Refs:
-        """The conditional rows' (a step without guidance); clones: compiled kernels and SDPA want aligned rows."""
-        return Refs(self.tokens[b:], self.scale[b:].clone(), self.mask[b:].clone())
-
-    def kwargs(self) -> dict:
-        """What the adapter's attention processors read (models/ip_adapter.py), through cross_attention_kwargs."""
-        return {"ref_tokens": self.tokens, "ref_scale": self.scale, "ref_mask": self.mask}
-
-
-@dataclass
+@dataclass(frozen=True)
 class Cond:
+    """The text conditioning of one batch; what else conditions it (guides, references) are the kinds' values
+    (engine/conditions/), handed beside it."""
+
     embeds: torch.Tensor  # [2B, 77, C]  negative rows first, as diffusers' CFG
     pooled: torch.Tensor  # [2B, P]
     time_ids: torch.Tensor  # [2B, 6]
-    refs: Refs | None = None  # with an IP-Adapter loaded: every batch has them (rows without a reference at scale 0)
 
     def half(self, b: int) -> Cond:
         """The conditional rows alone (clones: compiled kernels assume 16-byte aligned inputs, and half of a small
         table is not)."""
-        return Cond(self.embeds[b:], self.pooled[b:].clone(), self.time_ids[b:].clone(),
-                    None if self.refs is None else self.refs.half(b))
-
-
-@dataclass
-class Control:
-    """ControlNet inputs for one batch, CFG-doubled like Cond (build with `control`): one guide per ControlNet the batch
-    runs, in the job's order of nets (their residuals are summed in that order, as diffusers' MultiControlNetModel)."""
-
-    image: torch.Tensor  # [N, 2B, 3, H, W] in [0, 1], negative rows first
-    scale: torch.Tensor  # [N, 2B, 1, 1, 1]
-    nets: tuple[int, ...] = (0,)  # which of the models' ControlNets, one per guide
-    # [steps, N]: 1 while a net runs, 0 after its own `end` (several nets ending apart; the step plan stops them all
-    # after the last end). None: every net runs every step the plan gives the ControlNets
-    keep: torch.Tensor | None = None
-
-    @property
-    def bits(self) -> int:
-        """Shape.control: bit i for net i."""
-        return sum(1 << n for n in self.nets)
-
-    def at(self, step: int | torch.Tensor) -> Control:
-        """The guides of one step: each net's scale times its keep (`step`: an int, or the graph's index tensor [1]),
-        as diffusers' `cond_scale = controlnet_conditioning_scale * controlnet_keep[i]`."""
-        if self.keep is None:
-            return self
-        keep = self.keep[step] if isinstance(step, int) else self.keep.index_select(0, step)
-        return Control(self.image, self.scale * keep.view(-1, 1, 1, 1, 1).to(self.scale.dtype), self.nets)
-
-    def half(self, b: int) -> Control:
-        return Control(self.image[:, b:], self.scale[:, b:].clone(), self.nets, self.keep)
-
-
-def control(images: list[torch.Tensor], scales: list[list[float]], device: torch.device, dtype: torch.dtype,
-            nets: tuple[int, ...] = (0,), keep: torch.Tensor | None = None) -> Control:
-    """images: per net [B, 3, H, W]; scales: per net one per image -> the CFG-doubled Control (the same image on both
-    halves)."""
-    image = torch.stack([i.to(device, dtype).repeat(2, 1, 1, 1) for i in images])  # [N, 2B, 3, H, W]
-    scale = torch.tensor([list(s) * 2 for s in scales], device=device, dtype=dtype)
-    return Control(image, scale.view(len(images), -1, 1, 1, 1), tuple(nets),
-                   None if keep is None else keep.to(device))
-
-
-def references(tokens: list[list[torch.Tensor]], negative: torch.Tensor, scales: list[float], slots: int) -> Refs:
-    """One row per image: its references' projected tokens (each [T, C]), the adapter's negative tokens [T, C] (the
-    unconditional half's, one per filled slot as diffusers builds them), its scale -> the CFG-doubled Refs with
-    `slots` image slots per row."""
-    t, c = negative.shape
-    rows = len(tokens)
-    pos = negative.new_zeros(rows, slots * t, c)
-    neg = negative.new_zeros(rows, slots * t, c)
-    mask = negative.new_zeros(rows, 1, 1, slots * t)
-    for i, row in enumerate(tokens):
-        if len(row) > slots:
-            raise ValueError(f"{len(row)} references in one row; at most {slots}")
-        for j, tok in enumerate(row):
-            pos[i, j * t:(j + 1) * t] = tok
-            neg[i, j * t:(j + 1) * t] = negative
-        if row:  # a row without a reference masks nothing: its scale is 0, and SDPA of no key would be NaN
-            mask[i, ..., len(row) * t:] = float("-inf")
-    scale = negative.new_tensor([s if row else 0.0 for s, row in zip(scales, tokens)]).view(-1, 1, 1)
-    return Refs(torch.cat([neg, pos]), scale.repeat(2, 1, 1), mask.repeat(2, 1, 1, 1))
+        return Cond(self.embeds[b:], self.pooled[b:].clone(), self.time_ids[b:].clone())
 
 
 @torch.no_grad()

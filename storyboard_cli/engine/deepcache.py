@@ -55,11 +55,11 @@ def writing_feature(unet, branch: int, feature: torch.Tensor):
 
 
 def shallow_unet(unet, latents, t, embeds, pooled, time_ids, feature: torch.Tensor, branch: int,
-                 refs=None) -> torch.Tensor:
+                 attention: dict | None = None) -> torch.Tensor:
     """The UNet's shallow path on a cached feature: eps [rows, 4, h, w]. Mirrors UNet2DConditionModel.forward
-    for what SDXL uses (no class labels, masks or ControlNet residuals; an IP-Adapter's tokens, `refs`
-    (engine/conditioning.py Refs), reach the cross-attention blocks as forward's cross_attention_kwargs do)."""
-    attn = None if refs is None else refs.kwargs()
+    for what SDXL uses (no class labels, masks or ControlNet residuals; the attention processors' keyword arguments,
+    `attention` (engine/conditions/kind.py Conditions.attention: an IP-Adapter's tokens), reach the cross-attention
+    blocks as forward's cross_attention_kwargs do)."""
     u = up_block(unet, branch)
     # as forward: the time and added (text_time) embeddings
     t_emb = unet.get_time_embed(sample=latents, timestep=t)
@@ -74,7 +74,7 @@ def shallow_unet(unet, latents, t, embeds, pooled, time_ids, feature: torch.Tens
     for block in unet.down_blocks[: branch + 1]:
         if getattr(block, "has_cross_attention", False):
             sample, res = block(hidden_states=sample, temb=emb, encoder_hidden_states=embeds,
-                                cross_attention_kwargs=attn)
+                                cross_attention_kwargs=attention)
         else:
             sample, res = block(hidden_states=sample, temb=emb)
         skips += res
@@ -85,7 +85,7 @@ def shallow_unet(unet, latents, t, embeds, pooled, time_ids, feature: torch.Tens
         res, skips = skips[-len(block.resnets):], skips[: -len(block.resnets)]
         if getattr(block, "has_cross_attention", False):
             sample = block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res, encoder_hidden_states=embeds,
-                           upsample_size=None, cross_attention_kwargs=attn)
+                           upsample_size=None, cross_attention_kwargs=attention)
         else:
             sample = block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res, upsample_size=None)
     if unet.conv_norm_out:

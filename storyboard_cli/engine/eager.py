@@ -1,6 +1,8 @@
-"""The denoiser step: ControlNet + UNet + classifier-free guidance, one function, plain PyTorch.
+"""The denoiser step: the conditioning kinds' inputs + UNet + classifier-free guidance, one function, plain PyTorch.
 
-The graph engine captures exactly these functions; the eager engine calls them directly.
+The graph engine captures exactly these functions; the eager engine calls them directly. The step names no
+conditioning kind: each reaches it through its value (engine/conditions/kind.py Condition), as k-diffusion's samplers
+pass `extra_args` through.
 """
 
 from __future__ import annotations
@@ -13,22 +15,23 @@ from typing import Callable
 import torch
 
 from storyboard_cli.engine.base import Shape
-from storyboard_cli.engine.conditioning import Cond, Control, Refs
+from storyboard_cli.engine.conditioning import Cond
+from storyboard_cli.engine.conditions.kind import Conditions, Step
 from storyboard_cli.engine.deepcache import feature_shape, shallow_unet, writing_feature
 from storyboard_cli.engine.sampling import SIGMA, TIMESTEP, Schedule, update
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.steps import FULL, StepKind, StepPlan
 
-__all__ = ["Control", "EagerEngine", "StepCalls", "controlnet_call", "denoise", "new_feature", "sample_step", "unet_call"]
+__all__ = ["EagerEngine", "StepCalls", "controlnet_call", "denoise", "new_feature", "sample_step", "unet_call"]
 
 
-def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down, refs: Refs | None = None) -> torch.Tensor:
+def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down, attention: dict | None = None) -> torch.Tensor:
     """The UNet as a function of tensors: latents [2B, 4, h, w], t [2B], embeds [2B, 77, C], pooled [2B, P],
-    time_ids [2B, 6], ControlNet residuals (mid, down) or None, IP-Adapter tokens (`refs`, read by the adapter's
-    attention processors) or None -> eps [2B, 4, h, w] in the model dtype."""
+    time_ids [2B, 6], residuals added to its blocks (mid, down: the ControlNets') or None, the attention processors'
+    keyword arguments (`attention`: Conditions.attention, an IP-Adapter's tokens) or None -> eps [2B, 4, h, w] in the
+    model dtype."""
     added = {"text_embeds": pooled, "time_ids": time_ids}
-    return unet(latents, t, encoder_hidden_states=embeds, added_cond_kwargs=added,
-                cross_attention_kwargs=None if refs is None else refs.kwargs(),
+    return unet(latents, t, encoder_hidden_states=embeds, added_cond_kwargs=added, cross_attention_kwargs=attention,
                 down_block_additional_residuals=down, mid_block_additional_residual=mid, return_dict=False)[0]
 
 
@@ -43,7 +46,7 @@ def controlnet_call(controlnet, latents, t, embeds, pooled, time_ids, image, sca
 class StepCalls:
     """The module calls inside the step: the one seam where compiled kernels replace the modules.
 
-    unet(latents, t, embeds, pooled, time_ids, mid, down[, refs=]) -> eps;
+    unet(latents, t, embeds, pooled, time_ids, mid, down[, attention]) -> eps;
     controlnet(latents, t, embeds, pooled, time_ids, image, scale) -> (mid, *down): the first ControlNet's,
     `others` the further nets' (a job's `controlnets:`).
     The default (`eager`) is `unet_call` / `controlnet_call` on the loaded modules."""
@@ -61,26 +64,17 @@ class StepCalls:
         return self.controlnet if i == 0 else self.others[i - 1]
 
 
-def control_residuals(calls: StepCalls, control: Control, latents, t, embeds, pooled, time_ids):
-    """Every guide's ControlNet, residuals summed in the job's order of nets (as diffusers' MultiControlNetModel) ->
-    (mid, down)."""
-    mid = down = None
-    for i, net in enumerate(control.nets):
-        m, *d = calls.net(net)(latents, t, embeds, pooled, time_ids, control.image[i], control.scale[i])
-        mid, down = (m, d) if mid is None else (mid + m, [a + b for a, b in zip(down, d)])
-    return mid, down
-
-
 def denoise(models: SdxlModels, x: torch.Tensor, sigma: torch.Tensor, timestep: torch.Tensor, cond: Cond,
-            control: Control | None, guidance: torch.Tensor, calls: StepCalls | None = None, kind: StepKind = FULL,
+            conds: Conditions, guidance: torch.Tensor, calls: StepCalls | None = None, kind: StepKind = FULL,
             feature: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, 4, h, w] float32 (VE form), sigma/timestep [] -> denoised [B, 4, h, w] float32.
 
     A guided step doubles the batch inside the step (negative rows first, as diffusers does); a step of the
-    conditional rows alone (`kind.guided` False) runs the second half of `cond` and `control` and no combine,
-    as diffusers does once guidance is off. `feature` [2B, C, h', w']: DeepCache's cache (engine/deepcache.py),
-    written by a "write" step and read by a "read" step (a conditional step uses its second half). A step
-    after the ControlNet's end (`kind.control` False) runs the UNet alone.
+    conditional rows alone (`kind.guided` False) runs the second half of `cond` and `conds` and no combine,
+    as diffusers does once guidance is off. `conds`: this step's values of the batch's conditioning kinds (their
+    attention inputs reach every UNet call, their residuals a whole UNet's). `feature` [2B, C, h', w']: DeepCache's
+    cache (engine/deepcache.py), written by a "write" step and read by a "read" step (a conditional step uses its
+    second half).
     """
     calls = calls or StepCalls.eager(models)
     b = x.shape[0]
@@ -88,24 +82,19 @@ def denoise(models: SdxlModels, x: torch.Tensor, sigma: torch.Tensor, timestep: 
     latents = (x * c_in).to(models.dtype)
     if kind.guided:
         latents = latents.repeat(2, 1, 1, 1)  # [2B, 4, h, w]
-        embeds, pooled, time_ids = cond.embeds, cond.pooled, cond.time_ids
     else:
-        cond = cond.half(b)
-        embeds, pooled, time_ids = cond.embeds, cond.pooled, cond.time_ids
-        if control is not None:
-            control = control.half(b)
+        cond, conds = cond.half(b), conds.half(b)
         if feature is not None:
             feature = feature[b:]
-    refs = {} if cond.refs is None else {"refs": cond.refs}
+    attention = conds.attention()
     t = timestep.expand(latents.shape[0])
     if kind.cache == "read":
-        eps = shallow_unet(models.unet, latents, t, embeds, pooled, time_ids, feature, kind.branch, **refs).float()
+        eps = shallow_unet(models.unet, latents, t, cond.embeds, cond.pooled, cond.time_ids, feature, kind.branch,
+                           attention).float()
     else:
-        mid = down = None
-        if control is not None and kind.control:
-            mid, down = control_residuals(calls, control, latents, t, embeds, pooled, time_ids)
+        mid, down = conds.residuals(Step(calls, kind, latents, t, cond.embeds, cond.pooled, cond.time_ids))
         with writing_feature(models.unet, kind.branch, feature) if kind.cache == "write" else nullcontext():
-            eps = calls.unet(latents, t, embeds, pooled, time_ids, mid, down, **refs).float()
+            eps = calls.unet(latents, t, cond.embeds, cond.pooled, cond.time_ids, mid, down, attention).float()
     if not kind.guided:
         return x - sigma * eps
     eps_neg, eps_pos = eps.chunk(2)
@@ -123,13 +112,14 @@ def new_feature(models: SdxlModels, x: torch.Tensor, plan: StepPlan | None) -> t
 
 
 def sample_step(models: SdxlModels, x: torch.Tensor, denoised_prev: torch.Tensor, noise: torch.Tensor,
-                row: torch.Tensor, cond: Cond, control: Control | None, guidance: torch.Tensor,
-                calls: StepCalls | None = None, kind: StepKind = FULL,
-                feature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One whole step: denoise, then the sampler update. Returns (x_next, denoised). `control`: this step's
-    (Control.at)."""
-    denoised = denoise(models, x, row[SIGMA], row[TIMESTEP], cond, control, guidance, calls, kind, feature)
-    return update(x, denoised, denoised_prev, noise, row), denoised
+                row: torch.Tensor, cond: Cond, conds: Conditions, guidance: torch.Tensor,
+                calls: StepCalls | None = None, kind: StepKind = FULL, feature: torch.Tensor | None = None,
+                index: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole step: denoise, the sampler update, then the kinds' hooks after it (Conditions.after_step). Returns
+    (x_next, denoised). `conds`: this step's (Conditions.at); `index`: the step's number (an int, or the graph's step
+    counter [1] on the device)."""
+    denoised = denoise(models, x, row[SIGMA], row[TIMESTEP], cond, conds, guidance, calls, kind, feature)
+    return conds.after_step(x, update(x, denoised, denoised_prev, noise, row), denoised, index), denoised
 
 
 class EagerEngine:
@@ -143,16 +133,17 @@ class EagerEngine:
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               control: Control | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
         """x [B, 4, h, w] initial latents on the device -> final latents [B, 4, h, w] float32. `plan`: each
         step's kind (steps.step_plan); None: every step guided, the UNet whole (FULL)."""
         table = sched.table.to(x.device)
         prev = torch.zeros_like(x)
         zero = torch.zeros_like(x)
         feature = new_feature(self.models, x, plan)
+        conds = conds or Conditions()
         for i in range(sched.steps):
             x, prev = sample_step(self.models, x, prev, zero if noise is None else noise[i], table[i], cond,
-                                  control and control.at(i), guidance, None, plan[i] if plan else FULL, feature)
+                                  conds.at(i), guidance, None, plan[i] if plan else FULL, feature, i)
         return x
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:

@@ -32,7 +32,7 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from storyboard_cli.errors import BadInput, ModelError, one_line
 from storyboard_cli.job.adapter_files import (PROJECTION_IN, AdapterFileError, adapter_files, adapter_kind, ip_key,
                                               weight_mismatch)
-from storyboard_cli.job.conditions.reference import REFERENCE_SLOTS  # noqa: F401 - the job's limit: a row's image slots
+from storyboard_cli.job.conditions.reference import REFERENCE_SLOTS  # the job's limit: a row's image slots
 from storyboard_cli.job.digests import SHORT, weights_digest
 from storyboard_cli.job.preflight import ADAPTER_PRESETS
 from storyboard_cli.models.tiny import cache_root, h94_adapter, tiny_adapter_folder
@@ -144,6 +144,12 @@ class IpAdapter:
     @property
     def device(self) -> torch.device:
         return self.negative.device
+
+    @property
+    def slots(self) -> int:
+        """A row's image slots (the job's limit, REFERENCE_SLOTS): the step's references are this many images' tokens
+        per row, the empty ones masked."""
+        return REFERENCE_SLOTS
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,14 +1,14 @@
 """BatchRunner: one batch of work items -> latents -> pixels. Compute only: no files, no policy.
 
-Owns what the batches of one job share: sigma schedules, the prompt cache and the control images (both
-bounded), the LoRA weights (swapped in place before a batch that needs another set), the engine it
-denoises with and the eager engine it falls back to when told.
+Owns what the batches of one job share: sigma schedules, the prompt cache (bounded), each conditioning kind's reader
+(engine/conditions/: its files decoded once, its batch tensors), the LoRA weights (swapped in place before a batch
+that needs another set), the engine it denoises with and the eager engine it falls back to when told. It names no
+conditioning kind: it reads the table's rows.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,21 +17,20 @@ from typing import Iterable
 import torch
 
 from storyboard_cli.engine.base import Engine, Shape
-from storyboard_cli.engine.conditioning import (BoundedCache, Control, PromptCache, Refs, conditioning, control,
-                                                control_pixels, guided_rows, read_control_image, references)
+from storyboard_cli.engine.conditioning import PromptCache, conditioning, guided_rows
+from storyboard_cli.engine.conditions import KINDS
+from storyboard_cli.engine.conditions.kind import Conditions, Unreadable
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
 from storyboard_cli.engine.streams import Lanes, Timer, hand_over
-from storyboard_cli.errors import ModelError, StoryboardError, first_line
+from storyboard_cli.errors import ModelError, StoryboardError
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.file import LoraFile
 from storyboard_cli.job.lora_files import LoraFileError
 from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
-from storyboard_cli.steps import StepKind, control_steps
-
-CONTROL_CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x1024 one is 3 MB)
+from storyboard_cli.steps import StepKind
 
 
 def batch_shapes(batches: list[Batch]) -> list[Shape]:
@@ -45,11 +44,6 @@ def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
     for shape, batch in zip(batch_shapes(batches), batches):
         kinds.setdefault(shape, set()).update(batch.key.plan)
     return kinds
-
-
-def guides(item: WorkItem) -> list[tuple[Path, float]]:
-    """(control image, scale) of each ControlNet the item runs, in the job's order of nets."""
-    return [(c.image, c.scale) for c in item.controls]
 
 
 def bucket_label(batch: Batch) -> str:
@@ -85,7 +79,7 @@ class Decoded:
 
 class Denoised(list):
     """run_batch's result: (item, latents [4, h, w]) for each row that was denoised, and in `failed` the
-    images that could not be (their control image broke since `plan`), each with its reason. On a GPU the latents
+    images that could not be (a file of theirs broke since `plan`), each with its reason. On a GPU the latents
     may still be being computed: `BatchRunner.start_decode` queues the decode after them."""
 
     def __init__(self, done: Iterable[tuple[WorkItem, torch.Tensor]] = (), failed: Iterable[Decoded] = (),
@@ -124,10 +118,6 @@ class Decoding:
         return [item for item, _ in self.done] + [d.item for d in self.done.failed]
 
 
-# what PIL raises for a control image it cannot decode
-CONTROL_ERRORS = (OSError, ValueError, SyntaxError, EOFError, zlib.error)
-
-
 class BatchRunner:
     """`loras`: every LoRA file the job uses, read and registered now (before the engine captures or
     compiles anything, where the caller creates the runner first), and the pristine weights are copied
@@ -144,7 +134,8 @@ class BatchRunner:
         self.fallback: Engine = EagerEngine(models)  # for the out-of-memory policy's last retry
         self.prompts = PromptCache(models)
         self.schedules: dict[tuple[str, int], Schedule] = {}
-        self.controls = BoundedCache(CONTROL_CACHE_BYTES)
+        # each kind's reader, where the models run the kind (its caches: decoded images, encoded references)
+        self.readers = [r for row in KINDS.values() if (r := row.reader(models)) is not None]
         self.lora = LoraApplier(models)
         self._lora_weights: dict[tuple[Path, str], LoraWeights] = {}
         self.unusable: dict[str, str] = {}  # LoRA name -> why these models reject it
@@ -152,7 +143,7 @@ class BatchRunner:
 
     def adopt(self, timings: Timings, loras: Iterable[LoraFile]) -> None:
         """The runner kept for another render on the same models (a render service's worker: its prompt, schedule,
-        control image and LoRA caches and the LoRA set applied stay): that render's timings, its LoRA files."""
+        conditioning kinds' and LoRA caches and the LoRA set applied stay): that render's timings, its LoRA files."""
         self.timings, self.unusable = timings, {}
         for f in loras:
             try:
@@ -201,59 +192,22 @@ class BatchRunner:
             self.schedules[key] = schedule(sampler, steps, self.models.scheduler_config)
         return self.schedules[key]
 
-    def control_image(self, path: Path, width: int, height: int) -> torch.Tensor:
-        """uint8 [3, H, W], decoded once while it stays in the bounded cache."""
-        key = (path, width, height)
-        found = self.controls.lookup(key)
-        return found if found is not None else self.controls.put(key, read_control_image(path, width, height))
-
-    def control(self, items: list[WorkItem], key: BucketKey) -> Control | None:
-        """The batch's guides, one per ControlNet it runs (its rows share the nets: they are in the bucket key), each
-        net's end as a per-step keep where the nets end apart."""
-        if not key.nets:
-            return None
-        nets = key.nets
-        rows = [guides(it) for it in items]  # per row: (image, scale) per net
-        images = [control_pixels(torch.stack([self.control_image(row[j][0], it.width, it.height)
-                                              for it, row in zip(items, rows)])) for j in range(len(nets))]
-        scales = [[row[j][1] for row in rows] for j in range(len(nets))]
-        keep = None
-        if key.control_ends:  # 1 while each net runs, as diffusers' controlnet_keep
-            runs = torch.tensor([control_steps(key.steps, end) for end in key.control_ends])
-            keep = (torch.arange(key.steps)[:, None] < runs[None, :]).float()  # [steps, N]
-        return control(images, scales, self.models.device, self.models.dtype, nets, keep)
-
-    def refs(self, items: list[WorkItem]) -> Refs | None:
-        """The IP-Adapter's tokens for the batch's rows (each reference encoded once per job and adapter: the
-        adapter's caches); None without an adapter. Rows without a reference ride at scale 0."""
-        adapter = self.models.ip_adapter
-        if adapter is None:
-            return None
-        from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS  # lazily: it imports diffusers
-
-        tokens = [[adapter.encode(r.image, r.sha256) for r in it.references] for it in items]
-        return references(tokens, adapter.negative, [it.reference_scale for it in items], REFERENCE_SLOTS)
-
     def readable(self, items: Iterable[WorkItem]) -> tuple[list[WorkItem], list[Decoded]]:
-        """The items whose control images and references decode, and a failure naming the file for each other one:
-        a file that broke after `plan` fails only the images that use it."""
+        """The items whose files (every kind's: control images, references) decode, and a failure naming the file for
+        each other one: a file that broke after `plan` fails only the images that use it."""
         ok, failed = [], []
         for it in items:
-            path, shown, what = None, "", "control image"
             try:
-                for path, shown in [(c.image, c.file) for c in it.controls]:
-                    self.control_image(path, it.width, it.height)
-                what = "reference"
-                for ref in it.references if self.models.ip_adapter is not None else ():
-                    path, shown = ref.image, ref.file
-                    with self.timings.stage("references"):  # encoded here once, then read from the adapter's cache
-                        self.models.ip_adapter.encode(ref.image, ref.sha256)
+                for reader in self.readers:
+                    reader.check(it, self.timings)
                 ok.append(it)
-            except CONTROL_ERRORS as e:  # the file named as the job names it (a served job's is a blob)
-                name = shown or str(path)
-                why = (first_line(e, 200) or e.__class__.__name__).replace(str(path), name)
-                failed.append(Decoded(it, None, f"{what} {name} cannot be read: {why}"))
+            except Unreadable as e:
+                failed.append(Decoded(it, None, str(e)))
         return ok, failed
+
+    def conditions(self, rows: list[WorkItem], key: BucketKey) -> Conditions:
+        """The batch's values of every kind it uses, in the table's order."""
+        return Conditions.of(*(reader.batch(rows, key) for reader in self.readers))
 
     def run_batch(self, batch: Batch, fallback: bool = False) -> Denoised:
         """Denoises one batch (on the fallback engine if told); returns (item, latents [4, h, w]) for its
@@ -261,7 +215,7 @@ class BatchRunner:
         are made on their own stream while the batch before still denoises, and the loop is queued behind it."""
         m, key = self.models, batch.key
         t0 = time.perf_counter()
-        with self.lanes.inputs():  # control images read, references encoded (once each)
+        with self.lanes.inputs():  # the kinds' files read (control images decoded, references encoded: once each)
             items, failed = self.readable(batch.items)
         readable_s = time.perf_counter() - t0
         if not items:
@@ -276,14 +230,13 @@ class BatchRunner:
             prompts = [r.prompt for r in rows]
             negatives, guidance = guided_rows(prompts, [r.negative for r in rows], [r.guidance for r in rows])
             cond = conditioning(self.prompts, prompts, negatives, key.width, key.height, text_loras)
-            ctl = self.control(rows, key)
-            cond.refs = self.refs(rows)
+            conds = self.conditions(rows, key)
             x, noise = draw_noise([r.seed for r in rows], key.steps, (4, key.height // 8, key.width // 8), sched)
             x = x.to(m.device)
             noise = None if noise is None else noise.to(m.device)
             guidance = torch.tensor(guidance, device=m.device, dtype=torch.float32)
             ready = self.lanes.timer()
-        hand_over((cond, ctl, x, noise, guidance))  # read on the UNet's stream from here on
+        hand_over((cond, conds, x, noise, guidance))  # read on the UNet's stream from here on
         inputs_s = readable_s + time.perf_counter() - t1
         self.timings.add("encode", inputs_s)
         engine = self.fallback if fallback else self.engine
@@ -294,7 +247,7 @@ class BatchRunner:
         last = self._last.timing if self._last is not None else None
         before = last.end if last is not None and not last.counted else None  # that loop still ran, or was not read
         start = self.lanes.timer()
-        latents = engine.sample(x, sched, noise, cond, ctl, guidance, batch.key.plan)
+        latents = engine.sample(x, sched, noise, cond, conds, guidance, batch.key.plan)
         timing = BatchTiming(bucket_label(batch), inputs_s, ready, start, self.lanes.timer(), before)
         self._last = Denoised(zip(items, latents[: len(items)]), failed, timing)
         return self._last

@@ -8,9 +8,11 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.engine.base import Shape, nets_of
+from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.build import check_engine, graph_runner
-from storyboard_cli.engine.conditioning import PromptCache, conditioning, control, references
+from storyboard_cli.engine.conditioning import PromptCache, conditioning
+from storyboard_cli.engine.conditions import KINDS
+from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import resolve_device
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
@@ -42,13 +44,13 @@ class ShapeTiming:
         return self.eager_ms / self.graph_ms if self.eager_ms and self.graph_ms else None
 
 
-def _timed_loop(engine, x, sched, cond, ctl, guidance, repeats: int, plan: StepPlan | None = None) -> float:
+def _timed_loop(engine, x, sched, cond, conds, guidance, repeats: int, plan: StepPlan | None = None) -> float:
     """Median ms per step over `repeats` loops of sched.steps steps, timed with CUDA events."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        engine.sample(x, sched, None, cond, ctl, guidance, plan)
+        engine.sample(x, sched, None, cond, conds, guidance, plan)
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / sched.steps)
@@ -57,26 +59,15 @@ def _timed_loop(engine, x, sched, cond, ctl, guidance, repeats: int, plan: StepP
 
 def synthetic_inputs(models: SdxlModels, batch: int, width: int, height: int, with_control: int,
                      cache: PromptCache | None = None):
-    """Inputs of the right shapes for timing (values do not change kernel times): x, cond, control, guidance.
-    `with_control`: Shape.control (the ControlNets' bits). With an IP-Adapter every row has one reference slot
-    filled (random tokens: the kernels are the same for any)."""
+    """Inputs of the right shapes for timing (values do not change kernel times): x, cond, the conditioning kinds'
+    values (each row's `synthetic`: with an IP-Adapter every row has one reference slot filled), guidance.
+    `with_control`: Shape.control (the ControlNets' bits)."""
     cache = cache or PromptCache(models)
     cond = conditioning(cache, ["a storyboard frame, ink"] * batch, [""] * batch, width, height)
-    adapter = models.ip_adapter
-    if adapter is not None:
-        from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS  # lazily: it imports diffusers
-
-        tokens = torch.randn(adapter.tokens, adapter.dim, generator=torch.Generator("cpu").manual_seed(0))
-        tokens = tokens.to(models.device, models.dtype)
-        cond.refs = references([[tokens]] * batch, adapter.negative, [0.6] * batch, REFERENCE_SLOTS)
-    ctl = None
-    if with_control:
-        nets = nets_of(with_control)
-        images = torch.rand((batch, 3, height, width), generator=torch.Generator("cpu").manual_seed(0))
-        ctl = control([images] * len(nets), [[1.0] * batch] * len(nets), models.device, models.dtype, nets)
+    conds = Conditions.of(*(row.synthetic(models, batch, width, height, int(with_control)) for row in KINDS.values()))
     x = torch.randn((batch, 4, height // 8, width // 8), generator=torch.Generator("cpu").manual_seed(0))
     guidance = torch.full((batch,), 5.0, device=models.device)
-    return x.to(models.device), cond, ctl, guidance
+    return x.to(models.device), cond, conds, guidance
 
 
 def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], steps: int = 10, repeats: int = 2,
@@ -107,32 +98,32 @@ def time_shapes(models: SdxlModels, runner: GraphRunner, shapes: list[Shape], st
     for i, shape in enumerate(todo):
         # what is left, by the shapes timed so far (the largest come first: an upper bound)
         left = (time.perf_counter() - t0) / i * (len(todo) - i) if i else None
-        x, cond, ctl, guidance = synthetic_inputs(models, shape.batch, shape.width, shape.height, shape.control,
+        x, cond, conds, guidance = synthetic_inputs(models, shape.batch, shape.width, shape.height, shape.control,
                                                   cache)
         x = x * sched.init_sigma
         eager_ms = None
         if eager:
             say(stage(f"shape {i + 1}/{len(todo)} {shape.label}: timing the eager step", left or 0.0))
-            eager_engine.sample(x, warm, None, cond, ctl, guidance)  # warm-up
-            eager_ms = _timed_loop(eager_engine, x, sched, cond, ctl, guidance, repeats)
+            eager_engine.sample(x, warm, None, cond, conds, guidance)  # warm-up
+            eager_ms = _timed_loop(eager_engine, x, sched, cond, conds, guidance, repeats)
         say(stage(f"shape {i + 1}/{len(todo)} {shape.label}: checking and timing its graph", left or 0.0))
-        runner.sample(x, sched, None, cond, ctl, guidance)  # first replay: checked against eager
+        runner.sample(x, sched, None, cond, conds, guidance)  # first replay: checked against eager
         st = runner.stats_of(shape)
-        graph_ms = _timed_loop(runner, x, sched, cond, ctl, guidance, repeats) if runner.can_run(shape) else None
+        graph_ms = _timed_loop(runner, x, sched, cond, conds, guidance, repeats) if runner.can_run(shape) else None
         row(ShapeTiming(st.key.label, st.state, st.reason, st.capture_s, st.pool_mb, eager_ms, graph_ms, st.compile_s))
         for plan in sorted(plans.get(shape, ())):
-            row(_plan_row(runner, shape, plan, x, cond, ctl, guidance, repeats))
+            row(_plan_row(runner, shape, plan, x, cond, conds, guidance, repeats))
     return rows
 
 
-def _plan_row(runner: GraphRunner, shape: Shape, plan: StepPlan, x, cond, ctl, guidance, repeats: int) -> ShapeTiming:
+def _plan_row(runner: GraphRunner, shape: Shape, plan: StepPlan, x, cond, conds, guidance, repeats: int) -> ShapeTiming:
     """A draft plan's loop on the graphs: its kinds checked against eager at first replay, then timed."""
     sched = schedule("euler", len(plan), runner.models.scheduler_config)
-    runner.sample(x, sched, None, cond, ctl, guidance, plan)
+    runner.sample(x, sched, None, cond, conds, guidance, plan)
     # a kind that fell back stops the loop's captures: the kinds after it have no stats
     stats = [s for s in (runner.stats_of(shape, kind) for kind in set(plan)) if s is not None]
     failed = [s for s in stats if s.state != "graph"]
-    graph_ms = None if failed else _timed_loop(runner, x, sched, cond, ctl, guidance, repeats, plan)
+    graph_ms = None if failed else _timed_loop(runner, x, sched, cond, conds, guidance, repeats, plan)
     state = failed[0].state if failed else "graph"
     reason = f"{failed[0].key.label}: {failed[0].reason}" if failed else "every step kind checked"
     today = runner.shape_key(*shape)  # has its own row (DeepCache's full step where the job caches at this shape)

@@ -2,9 +2,12 @@
 the relative-error assertion, and the compiled-kernel runner on sdxl-random at 1024x1024 with the checks that the
 fp16 and FP8 variants both pass."""
 
+from dataclasses import replace
+
 import torch
 
 from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.kernels.export import text_dims
 from storyboard_cli.engine.sampling import draw_noise, schedule
@@ -14,14 +17,16 @@ from helpers.reference import rel_error
 
 def loop_inputs(models, batch, w, h, control, sampler="euler_a", steps=6, seed=0):
     sched = schedule(sampler, steps, models.scheduler_config)
-    x, cond, ctl, guidance = synthetic_inputs(models, batch, w, h, control)
+    x, cond, conds, guidance = synthetic_inputs(models, batch, w, h, control)
     x0, noise = draw_noise([seed + i for i in range(batch)], steps, (4, h // 8, w // 8), sched)
     guidance = torch.linspace(3.0, 8.0, batch, device=models.device)  # per-row guidance
+    ctl = conds.get("control")
     if ctl is not None:
         scale = torch.linspace(0.3, 1.2, batch, device=models.device, dtype=models.dtype).repeat(2)
-        ctl.scale = scale.view(1, -1, 1, 1, 1).repeat(len(ctl.nets), 1, 1, 1, 1)  # [nets, 2B, 1, 1, 1]
+        scaled = replace(ctl, scale=scale.view(1, -1, 1, 1, 1).repeat(len(ctl.nets), 1, 1, 1, 1))  # [nets, 2B, 1, 1, 1]
+        conds = Conditions.of(scaled, *(c for c in conds if c is not ctl))
     noise = None if noise is None else noise.to(models.device)
-    return x0.to(models.device), sched, noise, cond, ctl, guidance
+    return x0.to(models.device), sched, noise, cond, conds, guidance
 
 
 

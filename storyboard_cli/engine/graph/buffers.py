@@ -1,5 +1,7 @@
 """The denoising step's static buffers: allocated once at the largest batch and latent size a job
-needs, sliced per graph (`Views`); CUDA graphs hold pointers into them, so they never move."""
+needs, sliced per graph (`Views`); CUDA graphs hold pointers into them, so they never move. Each conditioning kind's
+own buffers are its row's (engine/conditions/): allocated here, viewed per graph and loaded with the rest in one
+grouped copy."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from storyboard_cli.engine.base import Shape, nets_of
-from storyboard_cli.engine.conditioning import Cond, Control, Refs
+from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.conditioning import Cond
+from storyboard_cli.engine.conditions import KINDS
+from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.deepcache import feature_capacity, feature_shape
 from storyboard_cli.engine.sampling import Schedule
 from storyboard_cli.models.loader import SdxlModels
@@ -39,18 +43,8 @@ class Buffers:
         self.embeds = torch.zeros(rows, CLIP_TOKENS, text_dim, device=dev, dtype=m.dtype)
         self.pooled = torch.zeros(rows, pooled_dim, device=dev, dtype=m.dtype)
         self.time_ids = torch.zeros(rows, 6, device=dev, dtype=m.dtype)
-        nets = len(m.controlnets)  # one guide per ControlNet a batch may run
-        self.control_image = torch.zeros(nets * rows * 3 * max_pixels, device=dev, dtype=m.dtype)
-        self.control_scale = torch.zeros(nets, rows, 1, 1, 1, device=dev, dtype=m.dtype)
-        self.control_keep = torch.ones(MAX_STEPS, nets, device=dev)  # each net's keep per step (Control.keep)
-        self.refs = None  # the IP-Adapter's tokens, scale and mask (engine/conditioning.py Refs)
-        if m.ip_adapter is not None:
-            from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS  # lazily: it imports diffusers
-
-            width = REFERENCE_SLOTS * m.ip_adapter.tokens
-            self.refs = Refs(torch.zeros(rows, width, m.ip_adapter.dim, device=dev, dtype=m.dtype),
-                             torch.zeros(rows, 1, 1, device=dev, dtype=m.dtype),
-                             torch.zeros(rows, 1, 1, width, device=dev, dtype=m.dtype))
+        # each kind's, where the models run it (a ControlNet's guides, an IP-Adapter's tokens)
+        self.kinds = [s for row in KINDS.values() if (s := row.static(m, max_batch, max_pixels)) is not None]
         self.unet, self.dtype, self.device = m.unet, m.dtype, dev
         self.feature: torch.Tensor | None = None  # DeepCache's, made at the first graph that caches
 
@@ -81,35 +75,18 @@ class Views:
         self.prev = r.prev[:n].view(b, 4, h, w)
         self.noise = r.noise[:n].view(b, 4, h, w)
         self.guidance = r.guidance[:b]
-        refs = None if r.refs is None else Refs(r.refs.tokens[: 2 * b], r.refs.scale[: 2 * b], r.refs.mask[: 2 * b])
-        self.cond = Cond(r.embeds[: 2 * b], r.pooled[: 2 * b], r.time_ids[: 2 * b], refs)
-        self.control = None
-        if key.control:
-            nets = nets_of(key.control)
-            n = len(nets)
-            self.control = Control(r.control_image[: n * 2 * b * 3 * key.height * key.width]
-                                   .view(n, 2 * b, 3, key.height, key.width), r.control_scale[:n, : 2 * b], nets,
-                                   r.control_keep[:, :n])
+        self.cond = Cond(r.embeds[: 2 * b], r.pooled[: 2 * b], r.time_ids[: 2 * b])
+        self.conds = Conditions.of(*(s.view(key) for s in r.kinds))  # the kinds this graph runs
         self.feature = r.feature_of(key) if key.step.cache else None
 
-    def load(self, buf: Buffers, x: torch.Tensor, sched: Schedule, cond: Cond, control: Control | None,
+    def load(self, buf: Buffers, x: torch.Tensor, sched: Schedule, cond: Cond, conds: Conditions,
              guidance: torch.Tensor) -> None:
-        self.x.copy_(x)
+        """A batch's inputs into the buffers: the latents, text conditioning, guidance and every kind's tensors (the
+        kinds this graph runs: none of a step after the ControlNet's end) in one grouped copy."""
         self.prev.zero_()
         self.noise.zero_()
         buf.table[: sched.steps].copy_(sched.table, non_blocking=True)
         buf.index.zero_()
-        self.cond.embeds.copy_(cond.embeds)
-        self.cond.pooled.copy_(cond.pooled)
-        self.cond.time_ids.copy_(cond.time_ids)
-        self.guidance.copy_(guidance)
-        if cond.refs is not None and self.cond.refs is not None:
-            for mine, theirs in zip((self.cond.refs.tokens, self.cond.refs.scale, self.cond.refs.mask),
-                                    (cond.refs.tokens, cond.refs.scale, cond.refs.mask)):
-                mine.copy_(theirs)
-        if control is not None and self.control is not None:  # None: a step after the ControlNet's end
-            self.control.image.copy_(control.image)
-            self.control.scale.copy_(control.scale)
-            self.control.keep.fill_(1.0)
-            if control.keep is not None:
-                self.control.keep[: control.keep.shape[0]].copy_(control.keep)
+        pairs = [(self.x, x), (self.cond.embeds, cond.embeds), (self.cond.pooled, cond.pooled),
+                 (self.cond.time_ids, cond.time_ids), (self.guidance, guidance), *self.conds.pairs(conds)]
+        torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])

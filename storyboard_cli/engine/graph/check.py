@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 
-from storyboard_cli.engine.conditioning import Cond, Control
+from storyboard_cli.engine.conditioning import Cond
+from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.eager import sample_step
 from storyboard_cli.engine.graph.buffers import Buffers
 from storyboard_cli.engine.graph.keys import ShapeKey
@@ -17,7 +18,7 @@ from storyboard_cli.models.loader import SdxlModels
 
 
 def first_replay(models: SdxlModels, buf: Buffers, key: ShapeKey, replay: Callable[[], None], x: torch.Tensor,
-                 sched: Schedule, cond: Cond, control: Control | None, guidance: torch.Tensor) -> tuple[float, str]:
+                 sched: Schedule, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> tuple[float, str]:
     """(relative error, why it fails or "") of one replay of `key`'s graph against the eager step, in the next latents
     and in the prediction (the denoised latents: at the check's first, noisiest step the UNet's output dominates them,
     where the next latents move by a fraction of it). The caller reloads the buffers after. At guidance 1: CFG
@@ -25,17 +26,17 @@ def first_replay(models: SdxlModels, buf: Buffers, key: ShapeKey, replay: Callab
     and unconditional predictions are close; the check is there to catch broken kernels, and the guidance arithmetic
     is the same code in both."""
     guidance = torch.ones_like(guidance)
-    control = control if key.control else None  # a step after the ControlNet's end
     v = buf.view(key)
-    v.load(buf, x, sched, cond, control, guidance)
+    conds = conds.like(v.conds)  # the kinds the graph runs (a step after the ControlNet's end: not that one)
+    v.load(buf, x, sched, cond, conds, guidance)
     # DeepCache: a shallow step reads the feature in the buffer (the eager step reads the same copy);
     # a full step's written feature is checked with its output
     feature = None if v.feature is None else v.feature.clone()
     replay()
     replayed, predicted = v.x.clone(), v.prev.clone()  # clones: the next replay overwrites the static buffers
     row = sched.table[0].to(x.device)
-    expect, denoised = sample_step(models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond,
-                                   control and control.at(0), guidance, None, key.step, feature)
+    expect, denoised = sample_step(models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, conds.at(0),
+                                   guidance, None, key.step, feature, 0)
     pairs = [(replayed, expect), (predicted, denoised)]
     if key.step.cache == "write":  # the feature each wrote (a conditional step: its half) is checked too
         rows = slice(None) if key.step.guided else slice(key.batch, None)

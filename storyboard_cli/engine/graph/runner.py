@@ -5,7 +5,7 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
 
 - Static input buffers (`Buffers`, engine/graph/buffers.py) are allocated once, at the largest batch and latent size
   the job needs, and sliced per shape; every value that changes between steps or batches (latents,
-  sigma/timestep and sampler coefficients, embeds, time ids, guidance, control image and scale)
+  sigma/timestep and sampler coefficients, embeds, time ids, guidance, each conditioning kind's tensors)
   lives in them. Nothing that varies is baked into a graph.
 - The step index is a device tensor the graph itself increments, and the sampler's coefficients are
   a device table the graph indexes, so a 30-step loop is 30 replays and nothing else (plus one
@@ -40,7 +40,8 @@ from typing import Callable
 import torch
 
 from storyboard_cli.engine.base import Shape
-from storyboard_cli.engine.conditioning import Cond, Control
+from storyboard_cli.engine.conditioning import Cond
+from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
@@ -157,9 +158,9 @@ class GraphRunner:
         """One step on the static buffers of `v.key`'s graph: what its warm-up runs and its capture records."""
         row = self.buf.table.index_select(0, self.buf.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
         calls = None if v.key.variant == PLAIN else self.compiled.calls_for(v.key.variant)
-        control = v.control and v.control.at(self.buf.index)  # each net's scale times its keep at this step
-        x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, control, v.guidance,
-                                       calls, v.key.step, v.feature)
+        conds = v.conds.at(self.buf.index)  # the kinds' tensors at this step (a ControlNet's scale times its keep)
+        x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, conds, v.guidance,
+                                       calls, v.key.step, v.feature, self.buf.index)
         v.x.copy_(x_next)
         v.prev.copy_(denoised)
         self.buf.index.add_(1)
@@ -353,21 +354,22 @@ class GraphRunner:
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               control: Control | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
         """Same contract as EagerEngine.sample: initial latents [B, 4, h, w] -> final latents. Every graph the
         plan needs is captured and checked before the loop (the DeepCache full step before its shallow one)."""
         if self.compiled is not None:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
-        shape = Shape(b, 8 * h, 8 * w, 0 if control is None else control.bits)
+        conds = conds or Conditions()
+        shape = Shape(b, 8 * h, 8 * w, conds.bits)
         plan = plan or (FULL,) * sched.steps
         self._share(shape, set(plan))
-        graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, control, guidance))
+        graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, conds, guidance))
         if graphs is None:
-            return self.eager.sample(x, sched, noise, cond, control, guidance, plan)
+            return self.eager.sample(x, sched, noise, cond, conds, guidance, plan)
         steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
         v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
-        v.load(self.buf, x, sched, cond, control, guidance)
+        v.load(self.buf, x, sched, cond, conds, guidance)
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
         for i, (key, graph) in enumerate(steps):
             if segment is None or segment[0] != key:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.conditions import KINDS
 from storyboard_cli.engine.eager import StepCalls
 from storyboard_cli.engine.kernels.artifacts import (MODULES, Target, artifact_path, fits, loads_here, module_of,
                                                      open_package, targets)
@@ -70,12 +71,8 @@ class CompiledKernels(StepCalls):
         self.chain = [v for v in chain(variant) if v.compiled]  # best first
         self.notes = notes if notes is not None else []
         self.residuals = Residuals.of(models.unet)
-        adapter = models.ip_adapter  # its UNet artifacts take the reference tokens (Target.refs)
-        self.refs = 0
-        if adapter is not None:
-            from storyboard_cli.models.ip_adapter import REFERENCE_SLOTS  # lazily: it imports diffusers
-
-            self.refs = REFERENCE_SLOTS * adapter.tokens
+        # what the UNet's artifacts take from the conditioning kinds (an IP-Adapter's tokens: Target.refs)
+        self.refs = sum(row.artifact_width(models) for row in KINDS.values())
         self.calls: dict[Target, Callable] = {}
         self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
         self.load_s: dict[Target, float] = {}  # seconds each load and constant binding took
@@ -223,9 +220,10 @@ class CompiledKernels(StepCalls):
             return self.zeros[: rows * c * (h // d) * (w // d)].view(rows, h // d, w // d, c).permute(0, 3, 1, 2)
         return view(*self.residuals.mid), tuple(view(c, d) for c, d in self.residuals.down)
 
-    def _unet(self, latents, t, embeds, pooled, time_ids, mid, down, refs=None, variant: str | None = None):
-        """`variant`: which UNet kernels ("compiled", "fp8"); None: the best loaded for the size. `refs`: the
-        IP-Adapter's tokens (engine/conditioning.py Refs), which an adapter's artifacts take."""
+    def _unet(self, latents, t, embeds, pooled, time_ids, mid, down, attention=None, variant: str | None = None):
+        """`variant`: which UNet kernels ("compiled", "fp8"); None: the best loaded for the size. `attention`: the
+        attention processors' inputs (Conditions.attention: an IP-Adapter's tokens), which an adapter's artifacts take
+        after the residuals, in that order."""
         rows, _, h, w = latents.shape
         if mid is None:
             mid, down = self._zero_residuals(rows, h, w)
@@ -233,8 +231,7 @@ class CompiledKernels(StepCalls):
         # residuals are channels_last already (no copy); any other layout is made so
         mid, down = nhwc(mid), tuple(nhwc(d) for d in down)
         call = self.calls[self.unet_target(8 * h, 8 * w, variant or self._loaded(8 * h, 8 * w)[0])]
-        extra = () if refs is None else (refs.tokens, refs.scale, refs.mask)
-        return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down, *extra)
+        return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down, *(attention or {}).values())
 
     def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):
         call = self.calls[Target("controlnet", 8 * latents.shape[2], 8 * latents.shape[3])]

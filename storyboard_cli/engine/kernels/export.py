@@ -11,7 +11,7 @@ and the compiled recipe applied to the module (`export`; engine/kernels/artifact
 - The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros, so one UNet
   artifact per size serves both.
 - A UNet with an IP-Adapter's processors (models/ip_adapter.py) is exported with three more inputs, the step's
-  reference tokens, per-row scale and slot mask (engine/conditioning.py Refs), and keeps those processors (they read
+  reference tokens, per-row scale and slot mask (engine/conditions/reference.py Refs), and keeps those processors (they read
   to_k / to_v, views into the fused weight): `Target.refs`, the width of the tokens, is part of its key.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from storyboard_cli.engine.conditioning import Refs
+from storyboard_cli.engine.conditions.reference import Refs
 from storyboard_cli.engine.eager import controlnet_call, unet_call
 from storyboard_cli.engine.variants import COMPILED, PRECISIONS, VARIANTS, Variant
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
@@ -66,10 +66,12 @@ class UNetCall(torch.nn.Module):
         super().__init__()
         self.unet = unet
 
+    # the artifacts' traced signature (prebuilt kernels are keyed by it): these names stay
     def forward(self, latents, t, embeds, pooled, time_ids, mid, down, ref_tokens=None, ref_scale=None, ref_mask=None):
-        """`ref_*`: an IP-Adapter's tokens, per-row scale and slot mask (engine/conditioning.py Refs), or None."""
-        refs = None if ref_tokens is None else Refs(ref_tokens, ref_scale, ref_mask)
-        return unet_call(self.unet, latents, t, embeds, pooled, time_ids, mid, list(down), refs)
+        """`ref_*`: an IP-Adapter's tokens, per-row scale and slot mask (engine/conditions/reference.py Refs), or
+        None."""
+        attention = None if ref_tokens is None else Refs(ref_tokens, ref_scale, ref_mask).attention()
+        return unet_call(self.unet, latents, t, embeds, pooled, time_ids, mid, list(down), attention)
 
 
 class ControlNetCall(torch.nn.Module):

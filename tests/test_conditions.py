@@ -1,0 +1,178 @@
+"""The engine's conditioning kinds as rows (engine/conditions/), on the tiny preset (CPU, fp32): the step's hooks
+around the sampler's update (after_step, start) called with the step's number on the eager path and on the graph
+runner's static buffers, a kind's static buffers loaded by its pairs in the one grouped copy, and the compiled
+artifacts' keys and the export's inputs as they were before the kinds became rows (prebuilt kernels are keyed by
+them)."""
+
+import inspect
+from dataclasses import dataclass
+from unittest import mock
+
+import pytest
+import torch
+
+from storyboard_cli.engine.conditioning import PromptCache, conditioning, guided_rows
+from storyboard_cli.engine.conditions import KINDS
+from storyboard_cli.engine.conditions.kind import Conditions, Kind, Plain
+from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.graph.runner import GraphRunner
+from storyboard_cli.engine.sampling import draw_noise, schedule
+from storyboard_cli.steps import step_plan
+
+from helpers.graphs import cpu_replays
+
+W, H, STEPS = 64, 48, 4
+
+
+@dataclass(frozen=True)
+class Pull(Plain):
+    """A test kind with both hooks, as an inpainting mask and a per-row start will use them: after the update, each
+    row's latents pulled toward its target by its weight (a per-row latent blend); a row held until its first step."""
+
+    target: torch.Tensor  # [B, 4, h, w]
+    weight: torch.Tensor  # [B]
+    first: torch.Tensor  # [B] long
+    kind: str = "pull"
+
+    def half(self, b: int) -> "Pull":  # per image, not CFG-doubled: the conditional step has the same rows
+        return self
+
+    def after_step(self, x, x_next, denoised, index):
+        return x_next + self.weight.view(-1, 1, 1, 1) * (self.target - x_next)
+
+    def start(self):
+        return self.first
+
+    def pairs(self, value: "Pull"):
+        return [(self.target, value.target), (self.weight, value.weight), (self.first, value.first)]
+
+
+class PullBuffers:
+    def __init__(self, models, max_batch, max_pixels):
+        self.target = torch.zeros(max_batch * 4 * max_pixels // 64)
+        self.weight = torch.zeros(max_batch)
+        self.first = torch.zeros(max_batch, dtype=torch.long)
+        self.views = 0
+
+    def view(self, key):
+        self.views += 1
+        b, n = key.batch, key.batch * 4 * key.height * key.width // 64
+        return Pull(self.target[:n].view(b, 4, key.height // 8, key.width // 8), self.weight[:b], self.first[:b])
+
+
+def _inputs(models, rows):
+    sched = schedule("euler", STEPS, models.scheduler_config)
+    x, _ = draw_noise(list(range(rows)), STEPS, (4, H // 8, W // 8), sched)
+    negatives, guidance = guided_rows(["a lighthouse"] * rows, ["blurry"] * rows, [6.5] * rows)
+    cond = conditioning(PromptCache(models), ["a lighthouse"] * rows, negatives, W, H)
+    return sched, x, cond, torch.tensor(guidance)
+
+
+def _pull(x):
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    # row 0: untouched (weight 0, from the first step); row 1: held to the end; row 2: the target at every step;
+    # row 3: half-way pulled from its second step
+    return Pull(target, torch.tensor([0.0, 0.0, 1.0, 0.5]), torch.tensor([0, STEPS, 0, 1]))
+
+
+def test_the_hooks_run_after_each_update_with_the_step_number(tiny_cpu):
+    sched, x, cond, guidance = _inputs(tiny_cpu, 4)
+    x = x * sched.init_sigma
+    pull = _pull(x)
+    plain = EagerEngine(tiny_cpu).sample(x, sched, None, cond, None, guidance)
+    got = EagerEngine(tiny_cpu).sample(x, sched, None, cond, Conditions.of(pull), guidance)
+    assert torch.equal(got[0], plain[0])  # weight 0: the hook leaves the update as it is
+    assert torch.equal(got[1], x[1])  # never started: its latents as they came in
+    torch.testing.assert_close(got[2], pull.target[2], rtol=0, atol=1e-6)  # pulled all the way after the last update
+    assert not torch.equal(got[3], plain[3])
+    # row 3 held at step 0 (`start` sees the step's number), pulled at steps 1..3: not the row started at 0
+    started = EagerEngine(tiny_cpu).sample(x, sched, None, cond, Conditions.of(Pull(pull.target, pull.weight,
+                                                                                      torch.zeros(4).long())), guidance)
+    assert torch.equal(started[1], plain[1])
+    assert not torch.equal(got[3], started[3]) and not torch.equal(got[3], x[3])
+    # the conditional rows alone (guidance cut-off) call the hooks too
+    plan = step_plan(STEPS, 2)
+    cut = EagerEngine(tiny_cpu).sample(x, sched, None, cond, Conditions.of(pull), guidance, plan)
+    assert torch.equal(cut[1], x[1])
+    torch.testing.assert_close(cut[2], pull.target[2], rtol=0, atol=1e-6)
+
+
+def test_a_kinds_static_buffers_and_hooks_on_the_graph_runner(tiny_cpu, monkeypatch):
+    """A row's static buffers are allocated with the rest, viewed per graph, loaded by its pairs; the captured step
+    calls its hooks with the graph's step counter: the replays equal the eager loop, and a second batch with other
+    values replays the same graph."""
+    made = []
+
+    def static(models, max_batch, max_pixels):
+        made.append(PullBuffers(models, max_batch, max_pixels))
+        return made[-1]
+
+    monkeypatch.setitem(KINDS, "pull", Kind("pull", ("target",), lambda models: None, static,
+                                            lambda *a: None))
+    runner = GraphRunner(tiny_cpu, max_batch=4, max_hw=(H, W))
+    captured = cpu_replays(runner)
+    sched, x, cond, guidance = _inputs(tiny_cpu, 4)
+    x = x * sched.init_sigma
+    for pull in (_pull(x), Pull(-_pull(x).target, torch.tensor([0.3, 1.0, 0.0, 0.0]), torch.tensor([2, 0, 3, 0]))):
+        want = EagerEngine(tiny_cpu).sample(x, sched, None, cond, Conditions.of(pull), guidance)
+        got = runner.sample(x, sched, None, cond, Conditions.of(pull), guidance)
+        assert torch.equal(got, want)
+        assert torch.equal(made[-1].weight, pull.weight)  # loaded into the kind's own buffer
+    assert len(made) == 1 and len(captured) == 1
+
+
+# artifact_key of tiny targets (tiny models with the tiny ControlNet and IP-Adapter, CPU, fp32, torch/platform facts
+# fixed), computed before the conditioning kinds became rows: a change here retires every prebuilt kernel, so it comes
+# only with artifacts.FORMAT's bump and this table's new values
+PINNED_KEYS = {
+    ("unet", 128, 128, "fp16", 0): "50dd329ed8d16c45918c",
+    ("unet", 128, 192, "fp16", 16): "0917d01adbe3452e4a6d",
+    ("controlnet", 128, 128, "fp16", 0): "195c839cde82a94b5596",
+    ("unet", 128, 128, "fp8", 0): "33fb5b963d3191e38a37",
+}
+
+
+@pytest.fixture(scope="module")
+def adapter_models():
+    from storyboard_cli.models.loader import load_sdxl
+
+    return load_sdxl("tiny", "tiny", "cpu", torch.float32, "tiny")
+
+
+def test_artifact_keys_and_the_exported_inputs_are_unchanged(adapter_models):
+    from storyboard_cli.engine.kernels import artifacts
+    from storyboard_cli.engine.kernels.artifacts import Target, artifact_key, artifact_path
+    from storyboard_cli.engine.kernels.calls import CompiledKernels
+    from storyboard_cli.engine.kernels.export import ControlNetCall, UNetCall, example_inputs
+
+    m = adapter_models
+    with mock.patch.object(artifacts.torch, "__version__", "2.0.0"), \
+            mock.patch.object(artifacts.platform, "machine", lambda: "x86_64"), \
+            mock.patch.object(artifacts.platform, "python_compiler", lambda: "GCC"):
+        for (module, h, w, precision, refs), key in PINNED_KEYS.items():
+            model = m.unet if module == "unet" else m.controlnets[0]
+            assert artifact_key(Target(module, h, w, precision, refs), model) == key
+        assert artifact_path(Target("unet", 128, 192, "fp16", 16), m.unet).name == (
+            "unet-refs16-192x128-0917d01adbe3452e4a6d.pt2")
+    # the tokens an adapter's UNet artifacts take (Target.refs): the adapter's slots x its tokens per image
+    assert CompiledKernels(m).unet_target(128, 192) == Target("unet", 128, 192, "fp16", 16)
+    # the traced signature: the wrappers' input names and the example inputs' shapes, dtypes and strides
+    assert list(inspect.signature(UNetCall.forward).parameters) == [
+        "self", "latents", "t", "embeds", "pooled", "time_ids", "mid", "down", "ref_tokens", "ref_scale", "ref_mask"]
+    assert list(inspect.signature(ControlNetCall.forward).parameters) == [
+        "self", "latents", "t", "embeds", "pooled", "time_ids", "image", "scale"]
+
+    def spec(a):
+        return tuple(spec(x) for x in a) if isinstance(a, tuple) else (tuple(a.shape), str(a.dtype), a.stride())
+
+    f32 = "torch.float32"
+    assert spec(example_inputs("unet", m.unet, 2, 16, 16, 16)) == (
+        ((2, 4, 16, 16), f32, (1024, 256, 16, 1)), ((), f32, ()), ((2, 77, 80), f32, (6160, 80, 1)),
+        ((2, 32), f32, (32, 1)), ((2, 6), f32, (6, 1)), ((2, 64, 8, 8), f32, (4096, 1, 512, 64)),
+        (((2, 32, 16, 16), f32, (8192, 1, 512, 32)), ((2, 32, 16, 16), f32, (8192, 1, 512, 32)),
+         ((2, 32, 8, 8), f32, (2048, 1, 256, 32)), ((2, 64, 8, 8), f32, (4096, 1, 512, 64))),
+        ((2, 16, 80), f32, (1280, 80, 1)), ((2, 1, 1), f32, (1, 1, 1)), ((2, 1, 1, 16), f32, (16, 16, 16, 1)))
+    assert spec(example_inputs("controlnet", m.controlnets[0], 2, 16, 16)) == (
+        ((2, 4, 16, 16), f32, (1024, 256, 16, 1)), ((), f32, ()), ((2, 77, 80), f32, (6160, 80, 1)),
+        ((2, 32), f32, (32, 1)), ((2, 6), f32, (6, 1)), ((2, 3, 128, 128), f32, (49152, 16384, 128, 1)),
+        ((2, 1, 1, 1), f32, (1, 1, 1, 1)))
