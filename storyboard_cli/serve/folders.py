@@ -45,15 +45,16 @@ STATUS = {JobState.SUCCEEDED: Status.DONE, JobState.FAILED: Status.FAILED, JobSt
 Held = dict[str, tuple[Path, Path, set[str]]]  # Store.lease_outputs: job -> (job file, output folder, outputs)
 
 
-def check(held: Held, manifest: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
-    """The completion's lines by job and path, each checked against the file it names. Raises BadInput."""
+def check(held: Held, manifest: dict[str, list[wire.ManifestLine]]) -> dict[str, dict[str, dict]]:
+    """The completion's lines by job and path (as the manifest holds them), each checked against the file it names.
+    Raises BadInput."""
     checked: dict[str, dict[str, dict]] = {}
     for job_id, lines in manifest.items():
         if job_id not in held:
             raise BadInput(f"the lease holds no image of job {job_id}")
         _, out_dir, outputs = held[job_id]
-        for line in lines:
-            path = line.get("path")
+        for line in (sent.model_dump() for sent in lines):
+            path = line["path"]
             if path not in outputs:
                 raise BadInput(f"manifest line for {str(path)[:80]!r}: not an output of this lease")
             digest = line.get("sha256")
@@ -98,12 +99,13 @@ def store_upload(out_dir: Path, outputs: set[str], path: str, data: bytes) -> No
     atomic_write(out_dir / path, data)
 
 
-def keep_reports(held: Held, lease_id: str, worker: str | None, reports: dict[str, dict]) -> None:
+def keep_reports(held: Held, lease_id: str, worker: str | None, reports: dict[str, wire.LeaseReport]) -> None:
     """Each job's report of a completed lease, beside the job file (what the job's report is merged from)."""
     for job_id, report in reports.items():
         if job_id in held:
             folder = held[job_id][0].parent / LEASES
-            atomic_write(folder / f"{lease_id}.json", json.dumps({"worker": worker, "report": report}).encode())
+            kept = {"worker": worker, "report": report.model_dump(exclude_unset=True)}
+            atomic_write(folder / f"{lease_id}.json", json.dumps(kept).encode())
 
 
 def merged_report(job: dict, job_file: Path, now: float) -> dict:

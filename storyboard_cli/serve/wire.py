@@ -197,6 +197,25 @@ class StoredOutput(BaseModel):
     stored: str
 
 
+# ---------------------------------------------------------------- input files (blob_routes.py, client.py)
+
+MAX_QUERY = 10_000  # digests asked about in one POST /v1/blobs/missing
+
+
+class BlobQuery(BaseModel):
+    digests: list[Annotated[str, Field(pattern=f"^{DIGEST.pattern}$")]] = Field(max_length=MAX_QUERY)
+
+
+class BlobsMissing(BaseModel):
+    missing: list[str]
+
+
+class BlobStored(BaseModel):
+    sha256: str
+    size: int
+    created: bool
+
+
 # ---------------------------------------------------------------- jobs
 
 
