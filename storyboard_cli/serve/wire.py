@@ -1,7 +1,8 @@
 """What crosses `bcg serve`'s HTTP boundary, as pydantic models: the bodies the server validates before it acts
 (strict types: `"1"` is not an integer, `1` is not a boolean; every integer within 2^53, so within 64 bits;
 every string, list and mapping bounded), the answers /openapi.json describes, and the job body's JSON schema.
-The worker and `bcg submit` (serve/client.py) send these same shapes. Torch-free.
+The routes take and return these models; the worker (serve/lease_client.py, lease_session.py's `Outcome`) and `bcg
+submit` (serve/client.py) build and parse the same ones. Torch-free.
 
 The job body is validated by job/file.py (file:line, shot, field), never by these models: `JobDoc` only
 describes it, from job/file.py's own limits, so the schema and the validator share one home per number.
