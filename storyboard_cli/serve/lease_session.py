@@ -24,9 +24,9 @@ from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.run.oom import device_failure
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
+from storyboard_cli.serve import wire
 from storyboard_cli.serve.inputs_cache import InputFiles
 from storyboard_cli.serve.intake import JOBS, OUT
-from storyboard_cli.serve import wire
 from storyboard_cli.serve.wire import Lease, LeasedImage, LeasedJob
 from storyboard_cli.serve.worker_options import WorkerOptions
 
