@@ -367,7 +367,7 @@ def markdown(report: dict) -> str:
                 "| shot | draft | guided steps | cfg_cutoff | ControlNet steps | DeepCache |", "|---|---|---:|---:|---:|---|"]
         out += [f"| {s['shot']} | {'draft' if s['draft'] else ''} | {s['guided_steps']}/{s['steps']} | "
                 f"{s['cfg_cutoff']:g} | {_control(s)} | {_deepcache(s)} |" for s in levered]
-    if r.get("workers"):  # a multi-GPU render (dist.merge_reports)
+    if r.get("workers"):  # a merged report (Report.merge): a multi-GPU render, a served job
         out += ["", "## Workers", "", "| rank | host | device | images | failed | load s | capture s | busy s | idle s "
                 "| images/s |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {w['rank']} | {w['host']} | {w['device']} | {w['images']} | {w['failed']} | {w['load_s']:.2f} | "
