@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Iterable, Optional
+from typing import TYPE_CHECKING, Annotated, Iterable, Optional
 
 import typer
 from rich.table import Table
@@ -30,6 +30,9 @@ from storyboard_cli.errors import BadInput, Interrupted, Status, exit_code, plur
 from storyboard_cli.folder.layout import INDEX, REPLACED, REPORT_JSON, REPORT_MD, SELECTS
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
 from storyboard_cli.job.plan import decimal_size as _size
+
+if TYPE_CHECKING:
+    from storyboard_cli.folder.report import Report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Batch SDXL storyboard renderer: a YAML job of shots in, PNGs and a timing report out.")
@@ -171,22 +174,23 @@ def render(ctx: typer.Context, job: JobArg, out_dir: OutOpt = None,
         raise typer.Exit(code)
 
 
-def _outcome(report: dict, json_out: bool, report_paths: Iterable[Path], sheet: Path | None) -> None:
+def _outcome(report: Report, json_out: bool, report_paths: Iterable[Path], sheet: Path | None) -> None:
     """How a render ended, from its report: its notes, its failed images, then one summary line (or `--json`)."""
-    for note in report["notes"]:
+    for note in report.notes:
         err.print(Text(note, style="dim"))
-    for f in report["failures"]:
+    for f in report.failures:
         err.print(_styled("failed:", "yellow", f"{f['path']}: {f['reason']}"))
     if json_out:
-        out.print_json(json.dumps({k: report[k] for k in ("status", "output_dir", "device", "dtype", "engine",
-                                                           "wall_s", "images_rendered", "images_skipped",
-                                                           "images_failed", "images_per_s", "steps_per_s",
-                                                           "peak_memory_mb", "stages_s", "run", "stopped_by")}
+        data = report.to_json()
+        out.print_json(json.dumps({k: data[k] for k in ("status", "output_dir", "device", "dtype", "engine",
+                                                         "wall_s", "images_rendered", "images_skipped",
+                                                         "images_failed", "images_per_s", "steps_per_s",
+                                                         "peak_memory_mb", "stages_s", "run", "stopped_by")}
                                   | {"report": [str(p) for p in report_paths], "sheet": str(sheet) if sheet else None}))
     else:
-        err.print(f"{report['status']}: {report['images_rendered']} rendered, {report['images_skipped']} skipped, "
-                  f"{len(report['failures'])} failed in {report['wall_s']:.1f} s on {report['device']} "
-                  f"({report['engine']}) -> {report['output_dir']}")
+        err.print(f"{report.status}: {report.images_rendered} rendered, {report.images_skipped} skipped, "
+                  f"{len(report.failures)} failed in {report.wall_s:.1f} s on {report.device} "
+                  f"({report.engine}) -> {report.output_dir}")
 
 
 def _command_line(ctx: typer.Context) -> list[str]:

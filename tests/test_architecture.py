@@ -118,7 +118,7 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
 TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
               "serve/intake.py", "serve/store.py", "serve/queue_file.py", "serve/queue_workers.py",
-              "serve/queue_stats.py", "serve/metrics.py", "serve/api.py", "serve/client.py",
+              "serve/queue_stats.py", "serve/metrics.py", "serve/api.py", "serve/client.py", "serve/lease_client.py",
               "serve/server.py", "serve/folders.py", "serve/blobs.py", "serve/blob_routes.py", "serve/edge.py",
               "serve/wire.py", "serve/nvml.py", "serve/settings.py", "serve/inputs_cache.py",
               "serve/worker_options.py", "serve/openapi.py", "serve/api_state.py", "serve/job_routes.py",

@@ -18,7 +18,7 @@ from PIL import Image
 from conftest import DATA, ROOT, write_job
 from storyboard_cli.folder.layout import SHARDS
 from storyboard_cli.folder.outputs import Manifest, read_fingerprint
-from storyboard_cli.folder.report import Report, Timings, build_report
+from storyboard_cli.folder.report import Report, Timings
 from storyboard_cli.folder.shards import merge_shards, shard_manifest
 from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
 from storyboard_cli.run import dist
@@ -334,11 +334,11 @@ def _worker_report(rank, rendered, denoise, wall, failed, peak, busy, arrived, s
     b.images, b.batches, b.rows, b.steps, b.denoise_s = rendered, 2, 16, 60, denoise * 0.9
     c = t.bucket("832x1216 30 steps euler +control")
     c.images, c.batches, c.rows, c.steps, c.denoise_s = 1, 1, 2, 30 + rank, denoise * 0.1
-    report = build_report(job="jobs/x.yaml", out_dir=Path("out/x"), device=f"cuda:{rank}", dtype="float16",
+    report = Report.build(job="jobs/x.yaml", out_dir=Path("out/x"), device=f"cuda:{rank}", dtype="float16",
                           engine="graph", model="sdxl", timings=t, wall_s=wall, rendered=rendered, skipped=3,
                           failed=failed, peak_mem_mb=peak, graphs=[{"shape": "8x1024x1024", "state": "graph"}],
                           status=status, notes=list(notes), run={"id": "r1", "started": "s", "finished": "f"},
-                          shots=[{"shot": "a", "draft": False}, {"shot": "b", "draft": rank == 0}])
+                          shots=[{"shot": "a", "draft": False}, {"shot": "b", "draft": rank == 0}]).to_json()
     return report | {"rank": rank, "host": f"h{rank}", "busy_s": busy, "arrived_s": arrived}
 
 
@@ -351,10 +351,11 @@ def test_report_json_keeps_its_keys_order_and_figures():
     """report.json (a render's, a worker's on its way to rank 0, the merged one) as tests/data/report/reports.json
     recorded it, key order included."""
     want = json.loads((DATA / "report" / "reports.json").read_text())
-    single = build_report(job="j.yaml", out_dir=Path("o"), device="cpu", dtype="float32", engine="eager",
+    single = Report.build(job="j.yaml", out_dir=Path("o"), device="cpu", dtype="float32", engine="eager",
                           model="tiny", timings=Timings(stages={"load": 0.11111, "capture": 0.0, "denoise": 2.71828}),
                           wall_s=3.14159, rendered=7, skipped=1, failed=[{"path": "a/x.png", "shot": "a", "reason": "r"}],
-                          peak_mem_mb=None, graphs=[], status="failed", notes=["n"], stopped_by=15, error="e", shots=[])
+                          peak_mem_mb=None, graphs=[], status="failed", notes=["n"], stopped_by=15, error="e",
+                          shots=[]).to_json()
     merged = Report.merge([Report.from_json(r) for r in WORKERS]).to_json()
     for got, name in ((single, "single"), (WORKERS[0], "worker"), (merged, "merged")):
         assert json.dumps(got) == json.dumps(want[name]), name

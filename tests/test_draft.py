@@ -349,12 +349,12 @@ def test_draft_render_on_the_graph_runner_with_a_lora_equals_eager(job_dir, tmp_
     job = as_draft(load_job(write_job(job_dir, text)))
     result, runner = _graph_render(job, tmp_path / "graph", tiny_cpu)
     assert result.status == "done" and result.rendered == 5 and result.engine == "graph"
-    labels = {g["shape"] for g in result.report["graphs"]}
+    labels = {g["shape"] for g in result.report.graphs}
     # the ControlNet shot's steps after its end run the graphs of a shot without one (cond, DeepCache full)
     assert {"1x64x64 float32 deepcache full b0", "1x64x64 float32 cond deepcache shallow b0",
             "1x64x64 +control float32", "1x64x64 float32 cond deepcache full b0"} <= labels
     assert not any("+control" in label and "cond" in label for label in labels)
-    assert all(g["state"] == "graph" for g in result.report["graphs"])
+    assert all(g["state"] == "graph" for g in result.report.graphs)
     eager = render(job, RenderOptions(out_dir=tmp_path / "eager"), models=tiny_cpu)
     assert eager.engine == "eager" and eager.rendered == 5
     _same_images(tmp_path / "graph", tmp_path / "eager")

@@ -169,7 +169,7 @@ def test_render_graph_equals_eager(tmp_path):
     g = render(job, RenderOptions(out_dir=tmp_path / "g", device="cuda", dtype="fp32", engine="graph", compile="off"))
     e = render(job, RenderOptions(out_dir=tmp_path / "e", device="cuda", dtype="fp32", engine="eager"))
     assert g.status == e.status == "done" and g.rendered == e.rendered == 23
-    assert all(x["state"] == "graph" for x in g.report["graphs"]), g.report["graphs"]
+    assert all(x["state"] == "graph" for x in g.report.graphs), g.report.graphs
     for png in (tmp_path / "e").rglob("*.png"):
         a = np.asarray(Image.open(png), dtype=np.int16)
         b = np.asarray(Image.open(tmp_path / "g" / png.relative_to(tmp_path / "e")), dtype=np.int16)
@@ -205,7 +205,7 @@ def test_out_of_memory_splits_the_bucket(tmp_path):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_reserved()
         result = render(job(n, [n]), RenderOptions(out_dir=tmp_path / f"peak{n}", compile="off"), models=models)
-        assert result.status == "done" and result.report["graphs"][0]["state"] == "graph", result.report["graphs"]
+        assert result.status == "done" and result.report.graphs[0]["state"] == "graph", result.report.graphs
         return base, torch.cuda.max_memory_reserved() - base
 
     base, one = peak(1)
@@ -220,8 +220,8 @@ def test_out_of_memory_splits_the_bucket(tmp_path):
         torch.cuda.set_per_process_memory_fraction(1.0)
     why = {"one_mb": one >> 20, "eight_mb": eight >> 20, "base_mb": base >> 20, "notes": result.notes,
            "reasons": sorted({f["reason"] for f in result.failed}),
-           "graphs": [(g["shape"], g["state"], g["reason"]) for g in result.report["graphs"]]}
+           "graphs": [(g["shape"], g["state"], g["reason"]) for g in result.report.graphs]}
     assert result.status == "done" and result.rendered == 8, why
     assert any("out of GPU memory" in n for n in result.notes) or any(
-        "out of memory" in g["reason"].lower() for g in result.report["graphs"]), why
+        "out of memory" in g["reason"].lower() for g in result.report.graphs), why
     assert all(read_fingerprint(p) for p in (tmp_path / "capped").rglob("*.png"))

@@ -12,7 +12,7 @@ from conftest import write_job
 from storyboard_cli.errors import BadInput
 from storyboard_cli.folder.layout import REPLACED
 from storyboard_cli.folder.outputs import parameters_text, png_bytes
-from storyboard_cli.folder.report import build_report, markdown, Timings
+from storyboard_cli.folder.report import Report, markdown, Timings
 from storyboard_cli.job.file import LoraFile, load_job
 from storyboard_cli.job.plan import WorkItem
 from storyboard_cli.models.lora import Swap
@@ -168,14 +168,14 @@ def test_report_lora_section():
     common = dict(job="j", out_dir=Path("o"), device="cpu", dtype="float32", engine="eager", model="tiny",
                   timings=Timings(), wall_s=1.0, rendered=1, skipped=0, failed=[], peak_mem_mb=None, graphs=[],
                   status="done", notes=[])
-    report = build_report(**common, lora_swaps=swaps)
+    report = Report.build(**common, lora_swaps=swaps).to_json()
     assert report["lora"] == {"swaps": 3, "total_s": 0.85, "median_s": 0.25, "layers": [120, 120, 60],
                               "sets": [["none", "mei 0.8"], ["mei 0.8", "none"], ["none", "ink 0.4, mei 0.8"]]}
     md = markdown(report)
     assert "## LoRA" in md and "3 swaps, 0.850 s in all, median 0.250 s" in md
     assert "| none | mei 0.8 | 120 |\n| mei 0.8 | none | 120 |\n| none | ink 0.4, mei 0.8 | 60 |" in md
     assert "h" * 12 not in json.dumps(report) + md  # no hashes, no tuples
-    assert build_report(**common)["lora"] is None and "## LoRA" not in markdown(build_report(**common))
+    assert Report.build(**common).lora is None and "## LoRA" not in markdown(Report.build(**common).to_json())
 
 
 def test_a_render_with_a_lora_writes_its_tags_hashes_and_swaps(job_dir, out, tiny_cpu):
@@ -199,7 +199,7 @@ def test_a_render_with_a_lora_writes_its_tags_hashes_and_swaps(job_dir, out, tin
                               "shorthash": mei.shorthash}]
     (rec,) = [r for r in _lines(out).values() if r["shot"] == "a"]
     assert rec["loras"] == meta["loras"]
-    assert result.report["lora"]["swaps"] >= 1 and "## LoRA" in (out / "report.md").read_text()
+    assert result.report.lora["swaps"] >= 1 and "## LoRA" in (out / "report.md").read_text()
 
 
 def test_a_replaced_image_rewrites_its_manifest_line_instead_of_adding_one(tmp_path):

@@ -48,7 +48,7 @@ def test_overlapped_batches_write_what_sequential_ones_write_in_the_same_order(j
     seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
     assert result.status == seq.status == "done" and result.rendered == 5
     assert lines == seq_lines and files == seq_files  # the same bytes, in the same manifest order
-    assert set(result.report["hidden_s"]) == {"encode", "decode", "save"}
+    assert set(result.report.hidden_s) == {"encode", "decode", "save"}
     md = (tmp_path / "overlap" / "report.md").read_text()
     assert "| stage | s | hidden s |" in md
 
@@ -110,4 +110,4 @@ def test_on_a_gpu_the_decode_beside_the_next_batch_writes_the_same_bytes(job, tm
     seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", None, Sequential, device="cuda", compile="off")
     assert result.status == seq.status == "done" and result.engine == "graph"
     assert lines == seq_lines and files == seq_files
-    assert result.report["stages_s"]["denoise"] > 0 and set(result.report["hidden_s"]) == {"encode", "decode", "save"}
+    assert result.report.stages_s["denoise"] > 0 and set(result.report.hidden_s) == {"encode", "decode", "save"}

@@ -74,9 +74,9 @@ MIXED = """  - {id: a, prompt: a figure at a window, characters: [mei]}
 
 def test_rows_with_and_without_references_share_a_batch_and_equal_their_solo_renders(folder, tmp_path, ref_models):
     together = render(_job(folder, MIXED), RenderOptions(out_dir=tmp_path / "four"), models=ref_models)
-    assert together.rendered == 3 and len(together.report["buckets"]) == 1  # one bucket: the references are per row
+    assert together.rendered == 3 and len(together.report.buckets) == 1  # one bucket: the references are per row
     alone = render(_job(folder, MIXED, "[1]", "alone.yaml"), RenderOptions(out_dir=tmp_path / "one"), models=ref_models)
-    assert len(alone.report["buckets"]) == 1 and alone.report["buckets"][0]["batches"] == 3
+    assert len(alone.report.buckets) == 1 and alone.report.buckets[0]["batches"] == 3
     for shot in "abc":
         assert np.abs(_only_png(tmp_path / "four", shot) - _only_png(tmp_path / "one", shot)).max() <= 1
     # the references steer: the same prompt and seed with no, one and two references are different pictures
@@ -107,7 +107,7 @@ def test_two_nets_a_net_alone_and_their_guides_in_one_render(folder, tmp_path, r
   - {id: d, prompt: a room}
 """
     result = render(_job(folder, shots), RenderOptions(out_dir=tmp_path / "o"), models=ref_models)
-    labels = sorted(b["bucket"] for b in result.report["buckets"])
+    labels = sorted(b["bucket"] for b in result.report.buckets)
     assert len(labels) == 3 and any("+2 controls" in l for l in labels), labels
     a, b, c, d = (_only_png(tmp_path / "o", s) for s in "abcd")
     assert np.abs(a - b).max() <= 1  # listed in either order: summed in the job's order of nets
@@ -164,7 +164,7 @@ def test_resume_and_dedup_follow_the_references_content(folder, tmp_path, ref_mo
     twins = ("  - {id: e, prompt: x, characters: [mei]}\n  - {id: f, prompt: x, characters: [mei]}\n"
              "  - {id: g, prompt: x, characters: [kai]}\n")
     result = render(_job(folder, twins, name="twins.yaml"), RenderOptions(out_dir=tmp_path / "t"), models=ref_models)
-    assert result.rendered == 3 and result.report["buckets"][0]["rows"] == 2 * 4  # e and f share one row
+    assert result.rendered == 3 and result.report.buckets[0]["rows"] == 2 * 4  # e and f share one row
 
 
 def test_references_and_two_nets_together_match_diffusers(tiny_cpu, ref_models, tmp_path):

@@ -97,7 +97,7 @@ def test_padding_rows_are_dropped(job_dir, tmp_path, tiny_cpu):
                                       "  - {id: a, prompt: a castle, seed: 7, candidates: 3, steps: 3, size: 64x64}\n"))
     result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=tiny_cpu)
     assert result.rendered == 3 and len(list((tmp_path / "o").rglob("*.png"))) == 3
-    assert result.report["buckets"][0]["rows"] == 8  # one bucket of 4, CFG-doubled
+    assert result.report.buckets[0]["rows"] == 8  # one bucket of 4, CFG-doubled
 
 
 def test_nan_image_is_recorded_as_failed_never_saved_then_retried(job, tmp_path, tiny_cpu, monkeypatch):

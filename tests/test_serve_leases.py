@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from storyboard_cli.folder.report import Timings, build_report
+from storyboard_cli.folder.report import Report, Timings
 from storyboard_cli.serve.edge import PROBLEM
 
 from helpers.serve import YAML, eventually, register, start_worker, stop
@@ -41,9 +41,9 @@ def states(url, job_id):
 
 def lease_report(out_dir):
     """A worker's report of its part of a lease, as report.json's keys (folder/report.py) have it."""
-    return build_report(job="job.yaml", out_dir=Path(out_dir), device="cpu", dtype="fp32", engine="eager",
+    return Report.build(job="job.yaml", out_dir=Path(out_dir), device="cpu", dtype="fp32", engine="eager",
                         model="tiny", timings=Timings(), wall_s=0.5, rendered=0, skipped=0, failed=[],
-                        peak_mem_mb=None, graphs=[], status="failed", notes=[])
+                        peak_mem_mb=None, graphs=[], status="failed", notes=[]).to_json()
 
 
 def test_only_its_holder_renews_completes_or_gives_back_a_lease(server):

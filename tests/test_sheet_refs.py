@@ -172,7 +172,7 @@ def test_a_missing_reference_is_a_note_under_its_caption(folder):
 
 def test_sheet_from_the_images_settings_when_the_job_no_longer_loads(folder):
     job, out = folder
-    write_report(out, Report.build(**_report_args(job)).to_json())
+    write_report(out, Report.build(**_report_args(job)))
     job.path.write_text("shots: [", encoding="utf-8")  # broken: the sheet reads each image's bcg chunk
     page = Guides(write_sheet(out).read_text(encoding="utf-8"))
     assert _captions(page) == CAPTIONS

@@ -138,10 +138,10 @@ def bcg_render(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile
     return {"wall_s": result.wall_s, "images": result.rendered, "failed": len(result.failed),
             "failure": result.failed[0]["reason"] if result.failed else None,
             "images_per_s": result.rendered / result.wall_s,
-            "peak_mb": _peak_mb(models.device), "engine": result.engine, "stages_s": r["stages_s"],
-            "hidden_s": r.get("hidden_s"), "outside_denoise_s": round(result.wall_s - r["stages_s"]["denoise"], 4),
-            "ms_per_step": {b["bucket"]: b["ms_per_step"] for b in r["buckets"]}, "graphs": r["graphs"],
-            "lora": r.get("lora"), "notes": r["notes"]}
+            "peak_mb": _peak_mb(models.device), "engine": result.engine, "stages_s": r.stages_s,
+            "hidden_s": r.hidden_s, "outside_denoise_s": round(result.wall_s - r.stages_s["denoise"], 4),
+            "ms_per_step": {b["bucket"]: b["ms_per_step"] for b in r.buckets}, "graphs": r.graphs,
+            "lora": r.lora, "notes": r.notes}
 
 
 def warm_runner(job: Job, models: SdxlModels):

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 STAGES = ("load", "capture", "encode", "denoise", "decode", "save")
 # report.json's keys for what a job's images are conditioned on beyond the prompt: each kind's (`Kind.report`)
 CONDITIONS = tuple(key for kind in KINDS for key in kind.report_keys)
+# report.json's keys left out where they are None: the conditioning, a served job's cached images, a merged report's
+# figures, what the denoising hid
+OPTIONAL = (*CONDITIONS, "images_cached", "render_s", "render_images_per_s", "workers", "hidden_s")
 
 
 class BucketRow(TypedDict):
@@ -223,50 +226,61 @@ class Report:
 
     @classmethod
     def merge(cls, reports: list[Report]) -> Report:
-        """Every worker's report (rank order, each with its share) -> the job's: counts summed, stage seconds summed
-        over workers, buckets merged, and a `workers` table (busy, idle, images/s per GPU). A worker's idle time is
-        how long before the last one it finished (`arrived_s`: each by its own clock, so no clocks are compared
-        across machines). The rest is rank 0's (its run, its graphs)."""
+        """Workers' reports, each with its share, in rank order -> the job's: counts summed, stage seconds and what
+        they hid summed over workers, buckets merged, and a `workers` table (busy, idle, images/s per worker). A
+        worker may send several reports (a served job's leases: serve/folders.py): its row sums them. A worker's idle
+        time is how long before the last one it finished (`arrived_s`: each by its own clock, so no clocks are
+        compared across machines). The graphs are every worker's, each distinct one once (rank 0's first); the rest
+        is the first report's (rank 0's: its run, its LoRA swaps, its shots)."""
         first = reports[0]
+        ranks: dict[int, list[Report]] = {}
+        for r in reports:
+            ranks.setdefault(r.share.rank, []).append(r)
         end = max(r.share.arrived_s for r in reports)
-        idle_s = [end - r.share.arrived_s for r in reports]
+        idle_s = {rank: end - max(r.share.arrived_s for r in mine) for rank, mine in ranks.items()}
         rendered = sum(r.images_rendered for r in reports)
-        wall = first.wall_s + idle_s[0]  # rank 0 is the last to finish: it waited for the others
+        wall = first.wall_s + idle_s[first.share.rank]  # rank 0 is the last to finish: it waited for the others
         timings = Timings(stages={})
         for r in reports:
             timings.merge(r.timings)
-        workers = [{"rank": r.share.rank, "host": r.share.host, "device": r.device, "images": r.images_rendered,
-                    "failed": r.images_failed, "load_s": r.stages_s["load"], "capture_s": r.stages_s["capture"],
-                    "busy_s": round(r.share.busy_s, 3), "idle_s": round(idle, 3),
-                    "images_per_s": _per_s(r.images_rendered, r.share.busy_s, 4)} for r, idle in zip(reports, idle_s)]
+        workers = [_worker_row(mine, idle_s[rank]) for rank, mine in ranks.items()]
         render_s = max(w["capture_s"] + w["busy_s"] + w["idle_s"] for w in workers)  # weight loading excluded
         peaks = [r.peak_memory_mb for r in reports if r.peak_memory_mb is not None]
         return replace(first, share=None, status=Status.worst(r.status for r in reports), wall_s=round(wall, 3),
                        images_rendered=rendered, images_failed=sum(r.images_failed for r in reports),
                        images_per_s=_per_s(rendered, wall, 4), render_s=round(render_s, 3),
                        render_images_per_s=_per_s(rendered, render_s, 4),
-                       steps_per_s=round(sum(r.steps_per_s for r in reports), 3),
+                       steps_per_s=round(sum(_steps_per_s(mine) for mine in ranks.values()), 3),
                        peak_memory_mb=max(peaks) if peaks else None, stages_s=timings.stages_s(),
-                       buckets=timings.bucket_rows(), failures=[f for r in reports for f in r.failures],
+                       hidden_s=timings.hidden_s(), buckets=timings.bucket_rows(),
+                       graphs=list({json.dumps(g, sort_keys=True): g for r in reports for g in r.graphs}.values()),
+                       failures=[f for r in reports for f in r.failures],
                        notes=list(dict.fromkeys(n for r in reports for n in r.notes)), workers=workers)
 
     @property
+    def steps(self) -> int:
+        """Denoising steps run (per batch, summed over its buckets)."""
+        return sum(row["steps"] for row in self.buckets)
+
+    def recounted(self, rendered: int) -> Report:
+        """With `rendered` images (what the manifest holds of its run, once a multi-GPU launcher merged the lines of
+        workers whose figures never came in) and the rate that follows from it."""
+        return replace(self, images_rendered=rendered, images_per_s=_per_s(rendered, self.wall_s, 4))
+
+    @property
     def timings(self) -> Timings:
-        """The stage and bucket timings it was built from (as rounded here)."""
+        """The stage and bucket timings it was built from (as rounded here), what the denoising did not hide
+        included."""
         return Timings(stages=dict(self.stages_s),
-                       buckets={row["bucket"]: BucketTiming.from_row(row) for row in self.buckets})
+                       buckets={row["bucket"]: BucketTiming.from_row(row) for row in self.buckets},
+                       exposed={k: self.stages_s.get(k, 0.0) - hid for k, hid in (self.hidden_s or {}).items()})
 
     def to_json(self) -> dict[str, Any]:
         """report.json's object; a merged report's figures after the rest, a worker's share last."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "share"}
-        for name in (*CONDITIONS, "images_cached"):
+        for name in OPTIONAL:
             if out[name] is None:
                 del out[name]
-        if self.workers is None:
-            for name in ("render_s", "render_images_per_s", "workers"):
-                del out[name]
-        if self.hidden_s is None:
-            del out["hidden_s"]
         return out | (asdict(self.share) if self.share else {})
 
     @classmethod
@@ -277,9 +291,23 @@ class Report:
                    share=share)
 
 
-def build_report(**kwargs: Any) -> dict:
-    """One render's report as report.json holds it (`Report.build`)."""
-    return Report.build(**kwargs).to_json()
+def _worker_row(reports: list[Report], idle_s: float) -> dict[str, Any]:
+    """A worker's row in a merged report's workers table, from its reports (one per multi-GPU rank, one per lease of
+    a served job)."""
+    first, busy_s = reports[0], sum(r.share.busy_s for r in reports)
+    images = sum(r.images_rendered for r in reports)
+    return {"rank": first.share.rank, "host": first.share.host, "device": first.device, "images": images,
+            "failed": sum(r.images_failed for r in reports),
+            "load_s": round(sum(r.stages_s["load"] for r in reports), 4),
+            "capture_s": round(sum(r.stages_s["capture"] for r in reports), 4),
+            "busy_s": round(busy_s, 3), "idle_s": round(idle_s, 3), "images_per_s": _per_s(images, busy_s, 4)}
+
+
+def _steps_per_s(reports: list[Report]) -> float:
+    """One worker's denoising rate over its reports: their steps over their denoising seconds (each report's seconds
+    as its own steps and rate give them, unrounded). Workers run side by side: the job's rate is the sum of theirs."""
+    seconds = sum(r.steps / r.steps_per_s for r in reports if r.steps_per_s)
+    return sum(r.steps for r in reports if r.steps_per_s) / seconds if seconds else 0.0
 
 
 def _cached(report: dict) -> str:
@@ -322,7 +350,7 @@ def markdown(report: dict) -> str:
                 "| shot | draft | guided steps | cfg_cutoff | ControlNet steps | DeepCache |", "|---|---|---:|---:|---:|---|"]
         out += [f"| {s['shot']} | {'draft' if s['draft'] else ''} | {s['guided_steps']}/{s['steps']} | "
                 f"{s['cfg_cutoff']:g} | {_control(s)} | {_deepcache(s)} |" for s in levered]
-    if r.get("workers"):  # a multi-GPU render (dist.merge_reports)
+    if r.get("workers"):  # a merged report (Report.merge): a multi-GPU render, a served job
         out += ["", "## Workers", "", "| rank | host | device | images | failed | load s | capture s | busy s | idle s "
                 "| images/s |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         out += [f"| {w['rank']} | {w['host']} | {w['device']} | {w['images']} | {w['failed']} | {w['load_s']:.2f} | "
@@ -363,16 +391,12 @@ def _why(r: dict) -> str:
     return f" ({r['error']})" if r.get("error") else ""
 
 
-def recounted(report: dict, rendered: int) -> dict:
-    """The report with `rendered` images (what the manifest holds of its run, once a multi-GPU launcher merged the
-    lines of workers whose figures never came in) and the rate that follows from it."""
-    return report | {"images_rendered": rendered, "images_per_s": _per_s(rendered, report["wall_s"], 4)}
-
-
-def write_report(out_dir: Path, report: dict) -> tuple[Path, Path]:
+def write_report(out_dir: Path, report: Report) -> tuple[Path, Path]:
+    """report.json and report.md: where a report stops being a `Report`."""
+    data = report.to_json()
     js, md = out_dir / REPORT_JSON, out_dir / REPORT_MD
-    atomic_write(js, (json.dumps(report, indent=2) + "\n").encode())
-    atomic_write(md, markdown(report).encode())
+    atomic_write(js, (json.dumps(data, indent=2) + "\n").encode())
+    atomic_write(md, markdown(data).encode())
     return js, md
 
 

@@ -35,7 +35,7 @@ from storyboard_cli.errors import BadInput, OutputLocked, RenderFailure, Status
 from storyboard_cli.folder.layout import read_report
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending
-from storyboard_cli.folder.report import Report, WorkerShare, recounted, write_report
+from storyboard_cli.folder.report import Report, WorkerShare, write_report
 from storyboard_cli.folder.shards import merge_shards, shard_manifest
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import Batch
@@ -244,28 +244,27 @@ class DistSession(rendering.RenderSession):
         self.t_run = time.perf_counter()
         return claim(self.store, self.batches, self.w.rank)
 
-    def publish(self, report: dict, keep_last: bool) -> tuple[dict, tuple | None]:
+    def publish(self, report: Report, keep_last: bool) -> tuple[Report, tuple | None]:
         """Every worker posts its figures to the store; rank 0 waits for all of them (a few seconds at most
         after a stop; not at all after an error of its own), merges the shards and writes the job's report."""
         now = time.perf_counter()
         share = WorkerShare(self.w.rank, socket.gethostname(), busy_s=now - self.t_run if self.t_run else 0.0,
                             arrived_s=now - self.t_pending if self.t_pending else 0.0)
-        self.store.set(f"report/{self.w.rank}", json.dumps(replace(Report.from_json(report), share=share).to_json()))
+        self.store.set(f"report/{self.w.rank}", json.dumps(replace(report, share=share).to_json()))
         if not self.w.leader:
             # rank 0 speaks for the job (the report, the exit code): a worker whose share is finished exits
             # 0, so that torchrun never stops rank 0 while it merges (a failed image is in the report)
-            return report | {"status": Status.DONE if report["status"] == Status.FAILED else report["status"]}, None
-        if report["status"] == Status.ERROR:
+            return replace(report, status=Status.DONE if report.status == Status.FAILED else report.status), None
+        if report.status == Status.ERROR:
             return super().publish(report, keep_last)
-        seen = self._gather(stopped=report["status"] == Status.INTERRUPTED)
-        merged = Report.merge([Report.from_json(json.loads(self.store.get(f"report/{r}"))) for r in seen]).to_json()
+        seen = self._gather(stopped=report.status == Status.INTERRUPTED)
+        merged = Report.merge([Report.from_json(json.loads(self.store.get(f"report/{r}"))) for r in seen])
         if len(seen) < self.w.world:
-            merged["status"] = Status.INTERRUPTED
-            merged["notes"].append(f"{self.w.world - len(seen)} of {self.w.world} workers sent no figures; "
-                                   f"{SHARDS_LEFT}")
+            merged = replace(merged, status=Status.INTERRUPTED, notes=[
+                *merged.notes, f"{self.w.world - len(seen)} of {self.w.world} workers sent no figures; {SHARDS_LEFT}"])
         else:
             merge_shards(self.out_dir)
-        return super().publish(merged, keep_last and not merged["images_rendered"])
+        return super().publish(merged, keep_last and not merged.images_rendered)
 
     def _gather(self, stopped: bool) -> list[int]:
         """The ranks whose figures have come in: all of them, unless stopped (then what came in time)."""
@@ -305,7 +304,7 @@ def launch_note(n: int, device: str | None) -> str | None:
     return None
 
 
-def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODULE) -> tuple[int, dict | None]:
+def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODULE) -> tuple[int, Report | None]:
     """`bcg render JOB --gpus N`: starts N workers on this machine through torchrun's own launcher
     (`python -m <module> <argv>` each; a worker sees it runs under torchrun and ignores --gpus), and
     makes `out_dir` whole however they ended (`job`: what they render there): their manifest shards merged,
@@ -341,7 +340,7 @@ def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODUL
         merged = _merge_after(Path(out_dir), job)
         report = _settle_report(Path(out_dir), started, merged, death)
     if death:
-        done = f"the {report['images_rendered']} images this run rendered" if report else "the images finished"
+        done = f"the {report.images_rendered} images this run rendered" if report else "the images finished"
         raise RenderFailure(f"{death}; {done} are kept, the next run renders the rest")
     return code, report
 
@@ -357,20 +356,21 @@ def _merge_after(out_dir: Path, job: Job) -> bool:
         return False
 
 
-def _settle_report(out_dir: Path, started: str, merged: bool, death: str | None) -> dict | None:
+def _settle_report(out_dir: Path, started: str, merged: bool, death: str | None) -> Report | None:
     """This run's report (rank 0's) made true once its folder is whole: with the shards merged, its count of images
     is what the manifest holds of the run (rank 0 counted only the workers whose figures came in) and the note that
     the next run merges them goes; a dead worker makes its status an error naming it. None where rank 0 wrote no
     report this run."""
-    report = read_report(out_dir)
-    if not report or report.get("run", {}).get("started", "") < started:
+    data = read_report(out_dir)
+    if not data or data.get("run", {}).get("started", "") < started:
         return None  # rank 0 wrote none this run
-    if merged and any(n.endswith(SHARDS_LEFT) for n in report.get("notes", [])):
-        run = report["run"].get("id")
+    report = Report.from_json(data)  # this run's: written by this version, every key there
+    if merged and any(n.endswith(SHARDS_LEFT) for n in report.notes):
+        run = report.run.get("id")
         landed = sum(r.get("run") == run for r in Manifest(out_dir).records.values())
-        report = recounted(report, landed) | {"notes": [n for n in report["notes"] if not n.endswith(SHARDS_LEFT)]}
+        report = replace(report.recounted(landed), notes=[n for n in report.notes if not n.endswith(SHARDS_LEFT)])
     if death:
-        report |= {"status": Status.ERROR, "error": death, "stopped_by": None}
+        report = replace(report, status=Status.ERROR, error=death, stopped_by=None)
     try:
         write_report(out_dir, report)
     except OSError:

@@ -24,7 +24,7 @@ from storyboard_cli.errors import Status, StoryboardError, folder_error
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
-from storyboard_cli.folder.report import Timings, build_report, job_conditions, write_report
+from storyboard_cli.folder.report import Report, Timings, job_conditions, write_report
 from storyboard_cli.folder.shards import merge_shards
 from storyboard_cli.folder.sink import ContactSheet, OutputSink
 from storyboard_cli.job.conditions import KINDS
@@ -72,7 +72,7 @@ class RenderResult:
     wall_s: float
     device: str
     engine: str
-    report: dict
+    report: Report
     report_paths: tuple[Path, Path] | None
     notes: list[str] = field(default_factory=list)
     signal: int | None = None  # what stopped an interrupted render
@@ -193,7 +193,7 @@ class RenderSession:
             self.notes.append("--retry-failed: the last report lists no failed images")
         return settle_folder(self.job, self.out_dir, self.opts.force, only, self.shots)
 
-    def publish(self, report: dict, keep_last: bool) -> tuple[dict, tuple[Path, Path] | None]:
+    def publish(self, report: Report, keep_last: bool) -> tuple[Report, tuple[Path, Path] | None]:
         """Writes the report (unless the last one is kept); returns the report and its paths."""
         return report, None if keep_last else write_report(self.out_dir, report)
 
@@ -316,19 +316,19 @@ class RenderSession:
         except OSError as e:
             if status != Status.ERROR:  # else the error being raised says more than this one
                 raise folder_error(self.out_dir, e) from None
-        self.sheet.update(report["failures"])  # every worker's, after a multi-GPU run
+        self.sheet.update(report.failures)  # every worker's, after a multi-GPU run
         if self.policy:
             self.release(self.policy.runner)
-        return RenderResult(report["status"], self.out_dir, report["images_rendered"], skipped=self.pending.skipped,
-                            failed=report["failures"], wall_s=wall, device=device_name(self.device),
-                            engine=report["engine"], report=report, report_paths=paths, notes=report["notes"],
+        return RenderResult(report.status, self.out_dir, report.images_rendered, skipped=self.pending.skipped,
+                            failed=report.failures, wall_s=wall, device=device_name(self.device),
+                            engine=report.engine, report=report, report_paths=paths, notes=report.notes,
                             signal=signum, sheet=self.sheet.path)
 
     def _report(self, status: str, rendered: int, failed: list[dict], wall: float, signum: int | None,
-                error: str | None) -> dict:
+                error: str | None) -> Report:
         peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None
         ran = self.policy is not None
-        return build_report(job=str(self.job.path), out_dir=self.out_dir, device=device_name(self.device),
+        return Report.build(job=str(self.job.path), out_dir=self.out_dir, device=device_name(self.device),
                             dtype=dtype_name(self.dtype), engine=self.engine.name if ran else "none",
                             model=self.job.model, timings=self.timings, wall_s=wall, rendered=rendered,
                             skipped=self.pending.skipped, failed=failed, peak_mem_mb=peak,

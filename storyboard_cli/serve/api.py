@@ -1,7 +1,8 @@
 """The HTTP API (FastAPI): jobs in, their state out, the workers' lease protocol, /metrics. Torch-free:
 validation and planning run here without a model; rendering happens in the workers (worker.py). The app is
-assembled here from its routers (blob_routes.py, job_routes.py, lease_routes.py, ops_routes.py), which share
-one `ApiState` (api_state.py).
+assembled here from its routers (blob_routes.py, job_routes.py, lease_routes.py, ops_routes.py): module-level
+`APIRouter`s whose handlers take the one `ApiState` (api_state.py) through `Depends`, return their response model,
+and raise their errors (edge.py's `Refused`).
 
 Errors are RFC 9457 problem+json, and whatever a client or a worker sends gets a 4xx, never a 500 (edge.py:
 tokens, body caps, JSON that cannot surprise the parser). A bad job is a 422 whose `detail` is the line
@@ -22,7 +23,7 @@ from typing import Callable
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from storyboard_cli.serve import blob_routes, blobs, edge, folders, intake, job_routes, lease_routes, ops_routes
+from storyboard_cli.serve import blob_routes, blobs, edge, folders, intake, job_routes, lease_routes, metrics, ops_routes
 from storyboard_cli.serve.api_state import ApiState
 from storyboard_cli.serve.disk import Disk
 from storyboard_cli.serve.edge import PROBLEM, problem
@@ -74,14 +75,14 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     refresher = app.state.refresher = folders.Refresher(lambda job_id: _served(store, job_id, clock()), clock)
     app.state.blobs = blobs.BlobStore(settings.root, int(settings.max_blobs_gb * (1 << 30)))
     disk = Disk(settings.root, settings.min_free_mb)
-    state = ApiState(settings, store, clock, app.state.blobs, refresher, lambda: app.state.draining, disk)
+    app.state.api = ApiState(settings, store, clock, app.state.blobs, refresher, lambda: app.state.draining, disk,
+                             metrics.registry(store, settings.lease_s, clock, disk, app.state.blobs))
     edge.install(app, settings)
     for error in (OSError, sqlite3.OperationalError):  # a write refused for want of space: 507 (disk.py)
         app.add_exception_handler(error, disk.answer)
     app.openapi = lambda: app.openapi_schema or schema(app, settings)
-    app.include_router(blob_routes.router(lambda r: r.app.state.blobs, lambda r: settings.max_blob_mb << 20, disk))
-    for routes in (job_routes, lease_routes, ops_routes):
-        app.include_router(routes.router(state))
+    for routes in (blob_routes, job_routes, lease_routes, ops_routes):
+        app.include_router(routes.router)
     edge.fixed_paths(app)  # read once here, from the OpenAPI document: no request waits for it
     return app
 

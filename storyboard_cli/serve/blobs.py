@@ -31,7 +31,6 @@ from storyboard_cli.job.inputs import DIGEST_RULE, is_digest
 BLOBS = "blobs"
 TMP = "tmp"
 CHUNK = 1 << 20
-MAX_QUERY = 10_000  # digests asked about in one POST /v1/blobs/missing
 
 
 class BlobTooLarge(BadInput):

@@ -1,4 +1,5 @@
-"""The HTTP client: `bcg submit` and the worker's side of the lease protocol. Torch-free."""
+"""The HTTP client of `bcg submit`: the job's files uploaded, the job sent, its events followed (the worker's side of
+the lease protocol is lease_client.py). Torch-free, and without pydantic until a job names files."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import httpx
 import yaml
@@ -17,12 +18,8 @@ from storyboard_cli.job.file import named_files
 from storyboard_cli.job.inputs import INPUTS_KEY
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, END, JobState
 
-if TYPE_CHECKING:
-    from storyboard_cli.serve.wire import Lease
-
 SUBMIT_TIMEOUT_S = 60.0
 UPLOAD_CHUNK = 1 << 20
-MAX_WARM = 256  # mixes a worker names as warm (wire.WorkerReport)
 RECONNECTS = 5  # an event stream reopened this many times in a row before falling back to polling
 STREAM_READ_TIMEOUT_S = 60.0  # the server sends a keep-alive every 15 s
 
@@ -39,11 +36,11 @@ class QueueBusy(ServerError):
         self.retry_after = retry_after
 
 
-def _headers(token: str | None) -> dict:
+def headers_for(token: str | None) -> dict:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _problem(r: httpx.Response) -> str:
+def problem_of(r: httpx.Response) -> str:
     try:
         return str(r.json().get("detail", r.text))
     except ValueError:
@@ -88,9 +85,12 @@ def upload_inputs(http: httpx.Client, files: dict[str, Path], digests: dict[str,
     the (name, bytes) of each file sent."""
     if not digests:
         return []
-    r = http.post("/v1/blobs/missing", json={"digests": sorted(set(digests.values()))})
+    from storyboard_cli.serve import wire  # pydantic: here, so that a job without files is sent without it
+
+    query = wire.BlobQuery(digests=sorted(set(digests.values())))
+    r = http.post("/v1/blobs/missing", content=query.model_dump_json(), headers={"Content-Type": "application/json"})
     _raise_for(r)
-    missing, sent = set(r.json()["missing"]), []
+    missing, sent = set(wire.BlobsMissing.model_validate_json(r.content).missing), []
     for name, digest in digests.items():
         if digest not in missing:
             continue
@@ -101,17 +101,17 @@ def upload_inputs(http: httpx.Client, files: dict[str, Path], digests: dict[str,
                          headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
                          timeout=httpx.Timeout(SUBMIT_TIMEOUT_S, write=None))
         if r.status_code in (413, 422):
-            raise BadInput(f"{name}: {_problem(r)}")
+            raise BadInput(f"{name}: {problem_of(r)}")
         _raise_for(r)
-        sent.append((name, size))
+        sent.append((name, wire.BlobStored.model_validate_json(r.content).size))
     return sent
 
 
 def _raise_for(r: httpx.Response) -> None:
     if r.status_code == 503:
-        raise QueueBusy(f"{r.request.url.host}: {_problem(r)}", int(r.headers.get("Retry-After", "1")))
+        raise QueueBusy(f"{r.request.url.host}: {problem_of(r)}", int(r.headers.get("Retry-After", "1")))
     if r.status_code >= 300:
-        raise ServerError(f"{r.request.url}: HTTP {r.status_code}: {_problem(r)}")
+        raise ServerError(f"{r.request.url}: HTTP {r.status_code}: {problem_of(r)}")
 
 
 def submit(path: Path, server: str, priority: str = DEFAULT_PRIORITY, key: str | None = None,
@@ -127,7 +127,7 @@ def submit(path: Path, server: str, priority: str = DEFAULT_PRIORITY, key: str |
     except UnicodeDecodeError:
         text = None  # not UTF-8: the server names the byte
     try:
-        with httpx.Client(base_url=server.rstrip("/"), headers=_headers(token), timeout=SUBMIT_TIMEOUT_S) as http:
+        with httpx.Client(base_url=server.rstrip("/"), headers=headers_for(token), timeout=SUBMIT_TIMEOUT_S) as http:
             if text is not None:
                 files, digests = local_inputs(path)
                 sent = upload_inputs(http, files, digests)
@@ -144,18 +144,18 @@ def submit(path: Path, server: str, priority: str = DEFAULT_PRIORITY, key: str |
     except httpx.HTTPError as e:
         raise ServerError(f"{server}: {e}") from None
     if r.status_code in (413, 422):
-        raise BadInput(_problem(r).replace(path.name, str(path), 1))
+        raise BadInput(problem_of(r).replace(path.name, str(path), 1))
     if r.status_code == 503:
-        raise QueueBusy(f"{server}: {_problem(r)}", int(r.headers.get("Retry-After", "1")))
+        raise QueueBusy(f"{server}: {problem_of(r)}", int(r.headers.get("Retry-After", "1")))
     if r.status_code not in (200, 202):
-        raise ServerError(f"{server}: HTTP {r.status_code}: {_problem(r)}")
+        raise ServerError(f"{server}: HTTP {r.status_code}: {problem_of(r)}")
     return r.json()
 
 
 def get_job(server: str, job_id: str, token: str | None = None) -> dict:
-    r = httpx.get(f"{server.rstrip('/')}/v1/jobs/{job_id}", headers=_headers(token), timeout=30)
+    r = httpx.get(f"{server.rstrip('/')}/v1/jobs/{job_id}", headers=headers_for(token), timeout=30)
     if r.status_code != 200:
-        raise ServerError(f"{server}: HTTP {r.status_code}: {_problem(r)}")
+        raise ServerError(f"{server}: HTTP {r.status_code}: {problem_of(r)}")
     return r.json()
 
 
@@ -174,7 +174,7 @@ def events(server: str, job_id: str, token: str | None = None, last_id: int | No
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     failures = 0
     while True:
-        headers = {**_headers(token), "Accept": "text/event-stream"}
+        headers = {**headers_for(token), "Accept": "text/event-stream"}
         if last_id is not None:
             headers["Last-Event-ID"] = str(last_id)
         try:
@@ -182,7 +182,7 @@ def events(server: str, job_id: str, token: str | None = None, last_id: int | No
                               timeout=httpx.Timeout(10.0, read=STREAM_READ_TIMEOUT_S)) as r:
                 if r.status_code != 200:
                     r.read()
-                    raise ServerError(f"{server}: events of job {job_id}: HTTP {r.status_code}: {_problem(r)}")
+                    raise ServerError(f"{server}: events of job {job_id}: HTTP {r.status_code}: {problem_of(r)}")
                 for event in _parse(r.iter_lines()):
                     failures = 0
                     last_id = event.id
@@ -240,105 +240,3 @@ def poll(server: str, job_id: str, token: str | None = None, timeout_s: float | 
         if job["state"] in JobState.FINAL or (deadline is not None and time.monotonic() > deadline):
             return job
         time.sleep(poll_s)
-
-
-class Unregistered(ServerError):
-    """404 on a lease or heartbeat: the server did not issue this worker id (it restarted on a fresh root) or
-    forgot it (not seen within --lease-s). The worker registers again."""
-
-
-class Quarantined(ServerError):
-    """403 on a lease request: the server quarantined this worker (it gave back too many leases in a row for
-    errors of its own machine). It cannot render here: exit 2, as a worker that cannot start."""
-
-    exit_code = 2
-
-
-class LeaseClient:
-    """The worker's calls. Connection errors are retried by the caller's loop (the server may restart)."""
-
-    def __init__(self, server: str, token: str | None = None):
-        self.server = server
-        self.http = httpx.Client(base_url=server.rstrip("/"), headers=_headers(token), timeout=30)
-
-    def register(self, name: str) -> str:
-        """The worker id the server issues for this worker (named in its leases and heartbeats). Raises
-        QueueBusy while the server has --max-workers registered, BadInput for a name it refuses."""
-        r = self.http.post("/v1/workers", json={"name": name})
-        if r.status_code == 503:
-            raise QueueBusy(f"{self.server}: {_problem(r)}", int(r.headers.get("Retry-After", "1")))
-        if r.status_code == 422:
-            raise BadInput(f"worker name {name[:80]!r}: {_problem(r)}")
-        if r.status_code != 201:
-            raise ServerError(f"{self.server}: registering worker {name[:80]!r}: HTTP {r.status_code}: {_problem(r)}")
-        return str(r.json()["worker"])
-
-    def lease(self, worker: str, gpu: dict | None = None, ready: bool = False, warm: Iterable[str] = (),
-              uptime_s: float | None = None) -> Lease | None:
-        """The next batch, or None; `ready`: this worker's model is loaded and its graphs captured (/readyz);
-        `warm`: the mixes it has prepared (leased first); `uptime_s`: seconds since it started. Raises
-        Unregistered."""
-        body = {"worker": worker, "gpu": gpu, "ready": ready, "warm": sorted(warm)[-MAX_WARM:]}
-        if uptime_s is not None:
-            body["uptime_s"] = round(uptime_s, 3)
-        r = self.http.post("/v1/leases", json=body)
-        self._registered(r, worker)
-        if r.status_code == 403:
-            raise Quarantined(f"{self.server}: {_problem(r)}")
-        r.raise_for_status()
-        from storyboard_cli.serve.wire import Lease  # pydantic: here, so that `bcg submit` starts without it
-
-        return None if r.status_code == 204 else Lease.model_validate_json(r.content)
-
-    def heartbeat(self, lease_id: str, worker: str, gpu: dict | None = None, ready: bool = False) -> bool:
-        """False when the lease is gone (or not this worker's); raises Unregistered."""
-        r = self.http.post(f"/v1/leases/{lease_id}/heartbeat", json={"worker": worker, "gpu": gpu, "ready": ready})
-        self._registered(r, worker)
-        return r.status_code == 200
-
-    def _registered(self, r: httpx.Response, worker: str) -> None:
-        if r.status_code == 404:  # the lease routes answer 404 only for a worker id they do not know
-            raise Unregistered(f"{self.server}: worker {worker}: {_problem(r)}")
-
-    def complete(self, lease_id: str, worker: str, done: list[int], cached: list[int], failed: dict[int, str],
-                 work: dict | None = None, manifest: dict[str, list] | None = None,
-                 reports: dict[str, dict] | None = None) -> bool:
-        """`worker`: this worker's id (the lease's holder); `work`: batches (shape, images, bucket, seconds),
-        out_of_memory, model_loads, as the worker measured them; `manifest`: by job, the manifest line of each
-        image it wrote (the server records them); `reports`: by job, its report of this lease (merged into the
-        job's). False when the lease is gone; ServerError when the server refused the completion (its detail)."""
-        r = self.http.post(f"/v1/leases/{lease_id}/complete",
-                           json={"worker": worker, "done": done, "cached": cached, "failed": failed, **(work or {}),
-                                 "manifest": manifest or {}, "reports": reports or {}})
-        return self._acked(r, "completing")
-
-    def give_back(self, lease_id: str, worker: str, reason: str) -> bool:
-        """The lease given back for an error of this worker's machine (its images are queued again, their attempts
-        kept; a strike against this worker). False when the lease is gone; ServerError when refused."""
-        r = self.http.post(f"/v1/leases/{lease_id}/fail", json={"worker": worker, "reason": reason})
-        return self._acked(r, "giving back")
-
-    def _acked(self, r: httpx.Response, doing: str) -> bool:
-        if r.status_code == 410:
-            return False
-        if r.status_code != 200:
-            raise ServerError(f"{self.server}: {doing} lease: HTTP {r.status_code}: {_problem(r)}")
-        return True
-
-    def upload(self, lease_id: str, worker: str, job_id: str, path: str, data: bytes) -> bool:
-        """One output file of the lease (of one of its jobs), for a server whose filesystem this worker does
-        not share; `worker`: this worker's id (the lease's holder). False when the lease is gone."""
-        r = self.http.put(f"/v1/leases/{lease_id}/files/{job_id}/{path}", content=data, params={"worker": worker},
-                          headers={"Content-Type": "application/octet-stream"})
-        if r.status_code == 410:
-            return False
-        r.raise_for_status()
-        return True
-
-    def download(self, url_path: str) -> bytes | None:
-        """A file the server serves (a twin's PNG); None when it is gone."""
-        r = self.http.get(url_path)
-        return r.content if r.status_code == 200 else None
-
-    def close(self) -> None:
-        self.http.close()

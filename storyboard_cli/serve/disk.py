@@ -19,7 +19,7 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from storyboard_cli.serve.edge import problem
+from storyboard_cli.serve.edge import Refused
 
 log = logging.getLogger(__name__)
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -57,11 +57,11 @@ class Disk:
         return (f"{FULL}: {free / MB:.1f} MB free, under the {self.floor // MB} MB it keeps for the jobs it accepted "
                 "(--min-free-mb); free space on the server, or submit to another")
 
-    def refuse(self, why: str) -> JSONResponse:
-        """The 507 of a request refused for want of space (counted)."""
+    def refuse(self, why: str) -> Refused:
+        """The 507 of a request refused for want of space (counted), for the route to raise."""
         with self._lock:
             self.refused += 1
-        return problem(INSUFFICIENT_STORAGE, FULL_TITLE, why)
+        return Refused(INSUFFICIENT_STORAGE, FULL_TITLE, why)
 
     async def answer(self, request: Request, e: Exception) -> JSONResponse:
         """The app's handler of OSError and SQLite's errors: a write refused for want of space is a 507 (counted,
@@ -69,4 +69,4 @@ class Disk:
         if not is_full(e):
             raise e
         log.warning("%s %s: %s", request.method, request.url.path, FULL)
-        return self.refuse(f"{FULL}: nothing of this request was kept; free space on the server, then retry")
+        return self.refuse(f"{FULL}: nothing of this request was kept; free space on the server, then retry").answer()

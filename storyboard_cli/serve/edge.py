@@ -10,7 +10,8 @@
 - JSON parsed without Python's surprises: an integer of more digits than any 64-bit one, NaN or Infinity,
   a lone surrogate escape, or nesting past the parser's depth is a 422, never a 500; a number without a
   fraction (2.0) is an integer, as JSON Schema counts them.
-- Every error is RFC 9457 problem+json with a one-line detail that shows no Python repr and no server path.
+- Every error is RFC 9457 problem+json with a one-line detail that shows no Python repr and no server path; a
+  route raises it (`Refused`) and returns only its model.
 - A client that goes away mid-body is one log line, not a traceback (what it sent is dropped by the route).
 - A file path in a route (`{path:any}`) takes every character, a newline or a control character too, so that the
   route answers it (its own 404 or 422), not the router's "no route" (Starlette's `path` stops at a newline).
@@ -66,6 +67,22 @@ register_url_convertor("any", AnyPath())
 def problem(status: int, title: str, detail: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"type": "about:blank", "title": title, "status": status, "detail": one_line(detail)},
                         status_code=status, media_type=PROBLEM, headers=headers)
+
+
+class Refused(Exception):
+    """A route's answer other than its model: one problem, raised where the route finds it (`refused` answers it),
+    so that a handler returns only its model."""
+
+    def __init__(self, status: int, title: str, detail: str, headers: dict | None = None):
+        super().__init__(detail)
+        self.status, self.title, self.detail, self.headers = status, title, detail, headers
+
+    def answer(self) -> JSONResponse:
+        return problem(self.status, self.title, self.detail, self.headers)
+
+
+async def refused(request: Request, e: Refused) -> JSONResponse:
+    return e.answer()
 
 
 def one_line(text: str, limit: int = MAX_DETAIL) -> str:
@@ -290,4 +307,5 @@ def install(app, settings: Settings) -> None:
     app.add_middleware(Edge, settings=settings)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Refused, refused)
     app.add_exception_handler(ClientDisconnect, disconnected)

@@ -24,6 +24,7 @@ import os
 import stat
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -31,7 +32,7 @@ from pydantic import ValidationError
 
 from storyboard_cli.errors import BadInput, Status, one_line
 from storyboard_cli.folder.outputs import Manifest, atomic_write
-from storyboard_cli.folder.report import CONDITIONS, Report, Timings, build_report, write_report
+from storyboard_cli.folder.report import Report, Timings, WorkerShare, write_report
 from storyboard_cli.folder.sink import ContactSheet
 from storyboard_cli.serve import wire
 from storyboard_cli.serve.intake import served_job
@@ -43,17 +44,22 @@ REFRESH_S = 2.0
 STATUS = {JobState.SUCCEEDED: Status.DONE, JobState.FAILED: Status.FAILED, JobState.CANCELED: Status.INTERRUPTED}
 
 Held = dict[str, tuple[Path, Path, set[str]]]  # Store.lease_outputs: job -> (job file, output folder, outputs)
+# a job no lease has reported on yet (canceled while queued): what the queue knows, on nothing rendered
+NOTHING_RENDERED = Report.build(job="", out_dir=Path(), device="none", dtype="none", engine="none", model="",
+                                timings=Timings(), wall_s=0.0, rendered=0, skipped=0, failed=[], peak_mem_mb=None,
+                                graphs=[], status=Status.DONE, notes=[])
 
 
-def check(held: Held, manifest: dict[str, list[dict]]) -> dict[str, dict[str, dict]]:
-    """The completion's lines by job and path, each checked against the file it names. Raises BadInput."""
+def check(held: Held, manifest: dict[str, list[wire.ManifestLine]]) -> dict[str, dict[str, dict]]:
+    """The completion's lines by job and path (as the manifest holds them), each checked against the file it names.
+    Raises BadInput."""
     checked: dict[str, dict[str, dict]] = {}
     for job_id, lines in manifest.items():
         if job_id not in held:
             raise BadInput(f"the lease holds no image of job {job_id}")
         _, out_dir, outputs = held[job_id]
-        for line in lines:
-            path = line.get("path")
+        for line in (sent.model_dump() for sent in lines):
+            path = line["path"]
             if path not in outputs:
                 raise BadInput(f"manifest line for {str(path)[:80]!r}: not an output of this lease")
             digest = line.get("sha256")
@@ -98,55 +104,48 @@ def store_upload(out_dir: Path, outputs: set[str], path: str, data: bytes) -> No
     atomic_write(out_dir / path, data)
 
 
-def keep_reports(held: Held, lease_id: str, worker: str | None, reports: dict[str, dict]) -> None:
+def keep_reports(held: Held, lease_id: str, worker: str | None, reports: dict[str, wire.LeaseReport]) -> None:
     """Each job's report of a completed lease, beside the job file (what the job's report is merged from)."""
     for job_id, report in reports.items():
         if job_id in held:
             folder = held[job_id][0].parent / LEASES
-            atomic_write(folder / f"{lease_id}.json", json.dumps({"worker": worker, "report": report}).encode())
+            kept = {"worker": worker, "report": report.model_dump(exclude_unset=True)}
+            atomic_write(folder / f"{lease_id}.json", json.dumps(kept).encode())
 
 
-def merged_report(job: dict, job_file: Path, now: float) -> dict:
-    """The job's report: the leases' figures merged (stage seconds and buckets summed, a row per worker), its
-    images and failures as the queue has them, its wall time from submission to its end (or now)."""
+def merged_report(job: dict, job_file: Path, now: float) -> Report:
+    """The job's report: its leases' reports merged as a multi-GPU render's workers' are (`Report.merge`: stage
+    seconds and buckets summed, a row per worker, its leases summed; `host` the id the server issued it), with what
+    the queue knows of the job: its images done, cached and failed, its state, its wall time from submission to its
+    end (or now)."""
     leases = _stored(job["id"], job_file)
-    reports = [entry["report"] for entry in leases]
-    timings = Timings()
-    for r in reports:
-        timings.merge(Report.from_json(r).timings)
-    first = reports[0] if reports else {}
+    workers = list(dict.fromkeys(worker for worker, _ in leases))
+    reports = [replace(r, share=WorkerShare(workers.index(worker), worker, busy_s=r.wall_s, arrived_s=0.0))
+               for worker, r in leases]
     images = job["images"]
     done = [i for i in images if i["state"] == ImageState.DONE]
     failures = [{"path": p, "shot": i["shot"], "reason": i["reason"] or "failed"}
                 for i in images if i["state"] == ImageState.FAILED for p in i["outputs"]]
-    end = job["finished"] or now
-    graphs = {json.dumps(g, sort_keys=True): g for r in reports for g in r.get("graphs", [])}
-    peaks = [r["peak_memory_mb"] for r in reports if r.get("peak_memory_mb") is not None]
-    report = build_report(
-        job=str(job_file), out_dir=Path(job["out_dir"]), device=first.get("device", "none"),
-        dtype=first.get("dtype", "none"), engine=first.get("engine", "none"), model=first.get("model", ""),
-        timings=timings, wall_s=end - job["submitted"], skipped=0,
-        rendered=sum(len(i["outputs"]) for i in done if not i["cached"]),
-        cached=sum(len(i["outputs"]) for i in done if i["cached"]),
-        failed=failures, peak_mem_mb=max(peaks) if peaks else None, graphs=list(graphs.values()),
-        status=STATUS.get(job["state"], job["state"]),
-        notes=list(dict.fromkeys(n for r in reports for n in r.get("notes", []))),
-        run={"id": job["id"], "started": _iso(job["submitted"]), "finished": _iso(job["finished"])},
-        shots=first.get("shots"), **{k: first.get(k) for k in CONDITIONS})
-    report["workers"] = _workers(leases)
-    return report
+    merged = Report.merge(reports) if reports else NOTHING_RENDERED
+    return replace(merged, job=str(job_file), output_dir=job["out_dir"], status=STATUS.get(job["state"], job["state"]),
+                   run={"id": job["id"], "started": _iso(job["submitted"]), "finished": _iso(job["finished"])},
+                   wall_s=round((job["finished"] or now) - job["submitted"], 3), images_skipped=0,
+                   images_failed=len(failures), failures=failures,
+                   images_cached=sum(len(i["outputs"]) for i in done if i["cached"]),
+                   render_s=None, render_images_per_s=None,  # a served job's wall time is the queue's
+                   workers=merged.workers or []).recounted(sum(len(i["outputs"]) for i in done if not i["cached"]))
 
 
-def _stored(job_id: str, job_file: Path) -> list[dict]:
-    """The job's completed leases' reports (`keep_reports`), each checked as a completion's is (wire.LeaseReport):
-    one the server cannot read (damaged, or kept by another bcg version) is skipped with a log line, so it never
-    stops the job's report and sheet from being written."""
+def _stored(job_id: str, job_file: Path) -> list[tuple[str, Report]]:
+    """The job's completed leases' reports (`keep_reports`) and their workers, each checked as a completion's is
+    (wire.LeaseReport): one the server cannot read (damaged, or kept by another bcg version) is skipped with a log
+    line, so it never stops the job's report and sheet from being written."""
     leases = []
     for f in sorted((job_file.parent / LEASES).glob("*.json")):
         try:
             entry = json.loads(f.read_text(encoding="utf-8"))
-            report = wire.LeaseReport.model_validate(entry["report"]).model_dump(exclude_unset=True)
-            leases.append({"worker": entry.get("worker"), "report": report})
+            report = wire.report_of(wire.LeaseReport.model_validate(entry["report"]))
+            leases.append((entry.get("worker") or "?", report))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # ValidationError is a ValueError
             log.warning("job %s: the report of lease %s is skipped, the server cannot read it: %s", job_id, f.stem,
                         _why(e))
@@ -159,25 +158,6 @@ def _why(e: Exception) -> str:
         first = e.errors(include_url=False)[0]
         return one_line(f"{'.'.join(map(str, first['loc'])) or 'report'}: {first['msg']}", 200)
     return one_line(e, 200)
-
-
-def _workers(leases: list[dict]) -> list[dict]:
-    """A row per worker, in the report's workers table (as a multi-GPU render's): its leases' images, failures,
-    load and capture seconds and busy time summed; `host` is the id the server issued it."""
-    rows: dict[str, dict] = {}
-    for entry in leases:
-        r, name = entry["report"], entry.get("worker") or "?"
-        row = rows.setdefault(name, {"rank": len(rows), "host": name, "device": r.get("device"), "images": 0,
-                                     "failed": 0, "load_s": 0.0, "capture_s": 0.0, "busy_s": 0.0, "idle_s": 0.0})
-        stages = r.get("stages_s", {})
-        row["images"] += r.get("images_rendered", 0)
-        row["failed"] += r.get("images_failed", 0)
-        row["load_s"] = round(row["load_s"] + stages.get("load", 0.0), 3)
-        row["capture_s"] = round(row["capture_s"] + stages.get("capture", 0.0), 3)
-        row["busy_s"] = round(row["busy_s"] + r.get("wall_s", 0.0), 3)
-    for row in rows.values():
-        row["images_per_s"] = round(row["images"] / row["busy_s"], 4) if row["busy_s"] else 0.0
-    return list(rows.values())
 
 
 def _iso(t: float | None) -> str | None:
@@ -253,5 +233,5 @@ class Refresher:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_report(out_dir, report)
         notes: list[str] = []
-        ContactSheet(out_dir, served_job(job_file), notes).update(report["failures"],
+        ContactSheet(out_dir, served_job(job_file), notes).update(report.failures,
                                                                    running=job["state"] in (JobState.QUEUED, JobState.RUNNING))

@@ -10,7 +10,7 @@ import httpx
 from storyboard_cli.job.digests import file_sha256
 from storyboard_cli.job.inputs import InputProblem, Inputs
 from storyboard_cli.serve.blobs import BlobStore
-from storyboard_cli.serve.client import LeaseClient
+from storyboard_cli.serve.lease_client import LeaseClient
 from storyboard_cli.serve.intake import root_of
 from storyboard_cli.serve.wire import LeasedJob
 

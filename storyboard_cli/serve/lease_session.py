@@ -17,6 +17,7 @@ from pathlib import Path
 from storyboard_cli.errors import DeviceUnusable, Status, StoryboardError, first_line, folder_error
 from storyboard_cli.folder.layout import MANIFEST
 from storyboard_cli.folder.outputs import Pending, atomic_write
+from storyboard_cli.folder.report import Report
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import Job, load_job
@@ -24,6 +25,7 @@ from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.run.oom import device_failure
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
+from storyboard_cli.serve import wire
 from storyboard_cli.serve.inputs_cache import InputFiles
 from storyboard_cli.serve.intake import JOBS, OUT
 from storyboard_cli.serve.wire import Lease, LeasedImage, LeasedJob
@@ -76,13 +78,26 @@ class Hot:
 
 @dataclass
 class Outcome:
+    """What a lease's render did, for its completion (`completion`: the wire body the worker sends)."""
+
     done: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
     stopped: bool = False
-    work: dict = field(default_factory=dict)  # what the server's histograms and counters record
+    batches: list[wire.Batch] = field(default_factory=list)  # what the server's histograms record
+    out_of_memory: int = 0
+    model_loads: int = 0
     records: dict[str, list[dict]] = field(default_factory=dict)  # job id -> manifest lines of its images written
-    reports: dict[str, dict] = field(default_factory=dict)  # job id -> this lease's report of it
+    reports: dict[str, Report] = field(default_factory=dict)  # job id -> this lease's report of it
+
+    def completion(self, worker: str) -> wire.Completion:
+        """POST /v1/leases/{lease_id}/complete's body, from `worker` (this worker's id, the lease's holder)."""
+        return wire.Completion(worker=worker, done=self.done, cached=self.cached,
+                               failed={str(image): reason[:wire.MAX_TEXT] for image, reason in self.failed.items()},
+                               batches=self.batches, out_of_memory=self.out_of_memory, model_loads=self.model_loads,
+                               manifest={job_id: [wire.ManifestLine(**line) for line in lines]
+                                         for job_id, lines in self.records.items()},
+                               reports={job_id: wire.lease_report(r) for job_id, r in self.reports.items()})
 
 
 class Recorder:
@@ -124,11 +139,11 @@ class LeaseSession(RenderSession):
         self.mine = {p for image in images for p in image.outputs}
         self.twins = {image.outputs[0]: image.twin for image in images if image.twin}
         self.copied: set[str] = set()
-        self.timed: list[dict] = []  # per rendered batch: shape, images, bucket, seconds
+        self.timed: list[wire.Batch] = []  # per rendered batch: shape, images, bucket, seconds
         self.riders: list[LeaseSession] = []
         self.sheet = NoSheet()
         self.recorder = Recorder()
-        self.report: dict | None = None
+        self.report: Report | None = None
 
     def lock(self):
         return nullcontext()  # the server writes the folder's manifest; PNGs land atomically
@@ -150,7 +165,7 @@ class LeaseSession(RenderSession):
     def release(self, runner) -> None:
         pass  # the LoRA set stays applied for the next lease (a LoRA swap only when the set changes)
 
-    def publish(self, report: dict, keep_last: bool):
+    def publish(self, report: Report, keep_last: bool) -> tuple[Report, None]:
         self.report = report  # sent with the completion; the server merges the job's
         return report, None
 
@@ -172,8 +187,8 @@ class LeaseSession(RenderSession):
         for batch in make_batches(rest, self.job.buckets):
             t0 = time.perf_counter()
             yield batch  # rendered before the loop asks for the next one
-            self.timed.append({"shape": f"{batch.key.width}x{batch.key.height}", "images": len(batch.items),
-                               "bucket": batch.size, "seconds": round(time.perf_counter() - t0, 4)})
+            self.timed.append(wire.Batch(shape=f"{batch.key.width}x{batch.key.height}", images=len(batch.items),
+                                         bucket=batch.size, seconds=round(time.perf_counter() - t0, 4)))
 
     def copy_twin(self, item) -> bool:
         """Writes the item from its twin's PNG (its pixel data kept, the metadata its own), if there is one
@@ -308,8 +323,9 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
         return out
     except RuntimeError as e:  # a CUDA error loading the models or capturing the graphs: the device's, not the job's
         raise device_failure(e) or e
-    out.work = {"batches": head.timed, "out_of_memory": head.policy.out_of_memory if head.policy else 0,
-                "model_loads": int(hot.models is None and head.models is not None)}
+    out.batches = head.timed
+    out.out_of_memory = head.policy.out_of_memory if head.policy else 0
+    out.model_loads = int(hot.models is None and head.models is not None)
     if head.models is not None:
         hot.models, hot.engine = head.models, head.engine
     for session, result in results.items():

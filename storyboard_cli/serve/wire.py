@@ -1,7 +1,8 @@
 """What crosses `bcg serve`'s HTTP boundary, as pydantic models: the bodies the server validates before it acts
 (strict types: `"1"` is not an integer, `1` is not a boolean; every integer within 2^53, so within 64 bits;
 every string, list and mapping bounded), the answers /openapi.json describes, and the job body's JSON schema.
-The worker and `bcg submit` (serve/client.py) send these same shapes. Torch-free.
+The routes take and return these models; the worker (serve/lease_client.py, lease_session.py's `Outcome`) and `bcg
+submit` (serve/client.py) build and parse the same ones. Torch-free.
 
 The job body is validated by job/file.py (file:line, shot, field), never by these models: `JobDoc` only
 describes it, from job/file.py's own limits, so the schema and the validator share one home per number.
@@ -31,13 +32,15 @@ MAX_INT = 2**53 - 1  # I-JSON's exact integers (RFC 7493): within int64, and no 
 MAX_LEASE_IMAGES = 4096  # far above a lease (one batch of at most MAX_BUCKET images, its riders included)
 MAX_BATCHES = 1024  # batches rendered for one lease (an out-of-memory retry splits one in two)
 NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # worker names and ids: they label metric series
+MAX_TEXT = 4000  # characters of a reason (an image's failure, a lease given back)
+MAX_WARM = 256  # mixes a worker names as warm
 
 Priority = Literal[tuple(TIERS)]
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1-64 letters, digits, '_', '.' or '-'")]
 ImageId = Annotated[int, Field(ge=0, le=MAX_INT)]
 ImageKey = Annotated[str, Field(pattern=r"^[0-9]{1,15}$", description="an image id, in decimal")]
 JobId = Annotated[str, Field(min_length=1, max_length=64)]
-Text = Annotated[str, Field(max_length=4000)]
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
 
 
@@ -85,7 +88,7 @@ class WorkerReport(Body):
         None, max_length=32, description="torch.cuda memory (bytes) and NVML utilisation (0-1); null on a CPU")
     ready: bool = False
     warm: list[Annotated[str, Field(max_length=64)]] = Field(
-        [], max_length=256, description="the mixes (models, bucket key, LoRA set) this worker has prepared: "
+        [], max_length=MAX_WARM, description="the mixes (models, bucket key, LoRA set) this worker has prepared: "
                                         "it is leased those first")
     uptime_s: Seconds | None = Field(None, description="seconds since the worker started")
 
@@ -115,6 +118,16 @@ def _report_model() -> type[BaseModel]:
 
 
 LeaseReport = _report_model()
+
+
+def lease_report(report: Report) -> LeaseReport:
+    """A worker's `Report` of its part of a lease, as its completion sends it."""
+    return LeaseReport.model_validate(report.to_json())
+
+
+def report_of(sent: LeaseReport) -> Report:
+    """The `Report` a completion (or a lease report the server kept) carries; keys it does not name are dropped."""
+    return Report.from_json(sent.model_dump())
 
 
 class Completion(Body):
@@ -195,6 +208,25 @@ class LeaseAck(BaseModel):
 
 class StoredOutput(BaseModel):
     stored: str
+
+
+# ---------------------------------------------------------------- input files (blob_routes.py, client.py)
+
+MAX_QUERY = 10_000  # digests asked about in one POST /v1/blobs/missing
+
+
+class BlobQuery(BaseModel):
+    digests: list[Annotated[str, Field(pattern=f"^{DIGEST.pattern}$")]] = Field(max_length=MAX_QUERY)
+
+
+class BlobsMissing(BaseModel):
+    missing: list[str]
+
+
+class BlobStored(BaseModel):
+    sha256: str
+    size: int
+    created: bool
 
 
 # ---------------------------------------------------------------- jobs

@@ -25,8 +25,10 @@ from storyboard_cli.errors import DeviceUnusable, first_line
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, check_options, warm
-from storyboard_cli.serve.client import LeaseClient, QueueBusy, ServerError, Unregistered
+from storyboard_cli.serve import wire
+from storyboard_cli.serve.client import QueueBusy, ServerError
 from storyboard_cli.serve.inputs_cache import InputFiles
+from storyboard_cli.serve.lease_client import LeaseClient, Unregistered
 from storyboard_cli.serve.lease_session import Hot, Outcome, Place, place, render_lease
 from storyboard_cli.serve.wire import NAME_PATTERN, Lease, LeasedImage
 from storyboard_cli.serve.worker_options import WorkerOptions
@@ -95,7 +97,8 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self.done.wait(self.lease.ttl / 3):
             try:
-                if not self.client.heartbeat(self.lease.lease, self.worker, gpu_stats(self.hot), self.hot.ready):
+                beat = wire.WorkerReport(worker=self.worker, gpu=gpu_stats(self.hot), ready=self.hot.ready)
+                if not self.client.heartbeat(self.lease.lease, beat):
                     self.lost = True
             except (httpx.HTTPError, Unregistered) as e:  # Unregistered: the next lease request registers again
                 log.warning("heartbeat failed: %s", e)
@@ -138,7 +141,9 @@ def run_worker(opts: WorkerOptions) -> int:
                 if worker is None:
                     worker = client.register(name)
                     log.info("registered with %s as %s (%s)", opts.server, worker, name)
-                lease = client.lease(worker, gpu_stats(hot), hot.ready, hot.warm, time.monotonic() - started)
+                lease = client.lease(wire.WorkerReport(worker=worker, gpu=gpu_stats(hot), ready=hot.ready,
+                                                       warm=sorted(hot.warm)[-wire.MAX_WARM:],
+                                                       uptime_s=round(time.monotonic() - started, 3)))
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while: wait for it
                 if not unreachable:  # once per outage, not once per retry
                     log.warning("cannot reach %s (%s): retrying every %.0f s at most until it answers", opts.server,
@@ -178,7 +183,7 @@ def run_worker(opts: WorkerOptions) -> int:
             hot.warm.update(i.mix for i in lease.images if i.mix and i.id in outcome.done)
             if uploaded:
                 _report(client, lease, worker, outcome)
-            batches = sum(b["seconds"] for b in outcome.work.get("batches", ()))
+            batches = sum(b.seconds for b in outcome.batches)
             log.info("lease %s: %d images in %.2f s (batches %.2f s, the rest: folder, PNGs, report, sheet), "
                      "completed in %.2f s", lease.lease, len(lease.images), t1 - t0, batches,
                      time.perf_counter() - t1)
@@ -219,13 +224,13 @@ def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, pla
 
 
 def _report(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome) -> None:
-    _retried(lambda: client.complete(lease.lease, worker, outcome.done, outcome.cached, outcome.failed, outcome.work,
-                                     outcome.records, outcome.reports), lease, "completed")
+    _retried(lambda: client.complete(lease.lease, outcome.completion(worker)), lease, "completed")
 
 
 def _give_back(client: LeaseClient, lease: Lease, worker: str, reason: str) -> None:
     log.warning("lease %s given back: %s", lease.lease, reason)
-    _retried(lambda: client.give_back(lease.lease, worker, reason), lease, "was given back")
+    failure = wire.LeaseFailure(worker=worker, reason=reason[:wire.MAX_TEXT])
+    _retried(lambda: client.give_back(lease.lease, failure), lease, "was given back")
 
 
 def _retried(call, lease: Lease, done: str, tries: int = 5) -> None:
