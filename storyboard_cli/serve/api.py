@@ -1,6 +1,7 @@
 """The HTTP API (FastAPI): jobs in, their state out, the workers' lease protocol, /metrics. Torch-free:
 validation and planning run here without a model; rendering happens in the workers (worker.py). The app is
-assembled here from its routers (blob_routes.py, job_routes.py, lease_routes.py, ops_routes.py): module-level
+assembled here from its routers (blob_routes.py, job_routes.py, lease_routes.py, ops_routes.py, queue_routes.py and
+ui_routes.py, the queue page): module-level
 `APIRouter`s whose handlers take the one `ApiState` (api_state.py) through `Depends`, return their response model,
 and raise their errors (edge.py's `Refused`).
 
@@ -23,7 +24,8 @@ from typing import Callable
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from storyboard_cli.serve import blob_routes, blobs, edge, folders, intake, job_routes, lease_routes, metrics, ops_routes
+from storyboard_cli.serve import (blob_routes, blobs, edge, folders, intake, job_routes, lease_routes, metrics, ops_routes,
+                                  queue_routes, ui_routes)
 from storyboard_cli.serve.api_state import ApiState
 from storyboard_cli.serve.disk import Disk
 from storyboard_cli.serve.edge import PROBLEM, problem
@@ -81,7 +83,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
     for error in (OSError, sqlite3.OperationalError):  # a write refused for want of space: 507 (disk.py)
         app.add_exception_handler(error, disk.answer)
     app.openapi = lambda: app.openapi_schema or schema(app, settings)
-    for routes in (blob_routes, job_routes, lease_routes, ops_routes):
+    for routes in (blob_routes, job_routes, lease_routes, ops_routes, queue_routes, ui_routes):
         app.include_router(routes.router)
     edge.fixed_paths(app)  # read once here, from the OpenAPI document: no request waits for it
     return app

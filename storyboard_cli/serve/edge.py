@@ -1,9 +1,10 @@
 """What every request to `bcg serve` meets before a route runs, and what every error looks like. Torch-free.
 
-- The token its path needs (401): the worker token for /v1/workers and /v1/leases, either token for
+- The token its path needs (401): the worker token for /v1/workers and /v1/leases (but the studio's list of
+  workers and a worker's drain and resume: the client token), either token for
   GET /v1/blobs/{sha256}, the client token for the rest of /v1 (and any unknown path). /healthz, /readyz,
-  /metrics and the API's description (/docs, /redoc, /openapi.json: no job data in them, and a studio's proxy
-  and tools can read the schema) stay open.
+  /metrics, the API's description (/docs, /redoc, /openapi.json: no job data in them, and a studio's proxy
+  and tools can read the schema) and the queue page's static file (/ui) stay open.
 - Its body's cap (413): a job body --max-job-kb, a PUT of a file --max-blob-mb, any other body JSON_CAP. A
   Content-Length over the cap is refused before a byte is read; a body without one is counted as it arrives
   and refused at the first chunk past the cap, the rest left unread.
@@ -45,7 +46,9 @@ MAX_INT_DIGITS = 40  # a JSON integer longer than this is no 64-bit integer (pyd
 MAX_DETAIL = 300  # characters of a problem's detail
 MAX_ERRORS = 3  # validation errors named in one detail
 METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # what a 405's Allow may name
-OPEN = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+                  "/ui"})  # /ui: the queue page's static file, no job data (it asks for the token itself)
+STUDIO_WORKER_ROUTES = ("/drain", "/resume")  # POST /v1/workers/{id}/drain and /resume: the client token's
 CLIENT, WORKER = "client", "worker"  # the two tokens, as the OpenAPI security schemes name them
 
 
@@ -96,6 +99,9 @@ def guard(method: str, path: str) -> tuple[str, ...]:
     """The tokens any one of which opens `method path` (a route's path or its template); () for none."""
     if path in OPEN:
         return ()
+    if (path == "/v1/workers" and method in ("GET", "HEAD")
+            or path.startswith("/v1/workers/") and path.endswith(STUDIO_WORKER_ROUTES)):
+        return (CLIENT,)  # the studio reads and drains its workers; the workers' own protocol is the worker token's
     if path == "/v1/workers" or path.startswith(("/v1/workers/", "/v1/leases")):
         return (WORKER,)
     if method in ("GET", "HEAD") and path.startswith("/v1/blobs/") and path != "/v1/blobs/missing":

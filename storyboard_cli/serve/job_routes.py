@@ -55,8 +55,9 @@ def view(state: ApiState, job_id: str, request: Request) -> wire.JobView:
     def url(path: str) -> str:
         return root + job_file_url(job_id, path)
 
-    images = [wire.ImageView(**image, urls=[url(p) for p in image["outputs"]] if image["state"] == "done" else [])
-              for image in job.pop("images")]
+    runs = state.store.image_runs(job_id, state.clock())  # who rendered each image, for how long
+    images = [wire.ImageView(**image, urls=[url(p) for p in image["outputs"]] if image["state"] == "done" else [],
+                             **runs.get(image["id"], {})) for image in job.pop("images")]
     del job["out_dir"]
     return wire.JobView(**job, images=images, url=root + f"/v1/jobs/{job_id}", report_url=url(REPORT_JSON),
                         sheet_url=url(INDEX))
@@ -197,7 +198,7 @@ async def _stream(state: ApiState, job_id: str, after: int):
         for seq, kind, data in rows:
             yield f"id: {seq}\nevent: {kind}\ndata: {data}\n\n"
             after = seq
-            if kind == END:
+            if kind == END and seq == rows[-1][0]:  # an `end` followed by more: the job was retried (queue_routes)
                 return
         quiet = 0.0 if rows else quiet + EVENT_POLL_S
         if quiet >= KEEPALIVE_S:  # a comment line: proxies keep the connection, clients ignore it

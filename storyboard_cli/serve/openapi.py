@@ -43,6 +43,14 @@ EVENT = {"type": "object", "required": ["event", "data"], "properties": {  # one
     "id": {"type": "string", "pattern": "^[0-9]+$", "description": "its sequence number (Last-Event-ID)"},
     "retry": {"type": "integer"},
     "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": {"$ref": REF + "JobEvent"}}}}
+QUEUE_EVENT = {"type": "object", "required": ["event", "data"], "properties": {  # one event of GET /v1/events
+    "event": {"type": "string", "description": "a job's (queued, running, images, lease_lost, priority, front, "
+                                               "retried, canceled, end) or the queue's (queue_paused, queue_resumed, "
+                                               "worker_drained, worker_resumed)"},
+    "id": {"type": "string", "pattern": "^[0-9]+$", "description": "its sequence number, monotonic (Last-Event-ID)"},
+    "retry": {"type": "integer", "description": "milliseconds a client waits before it reconnects"},
+    "data": {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"$ref": REF + "QueueEvent"}}}}
 ANSWERS = {401: "the route's token is missing or wrong (WWW-Authenticate: Bearer)",
            413: "the body is larger than its cap (--max-job-kb, --max-blob-mb, 4 MB for JSON)",
            422: "a malformed body, header, path or query parameter: `detail` names it",
@@ -74,7 +82,7 @@ def schema(app: FastAPI, settings: Settings) -> dict:
     models = components.setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         models.pop(name, None)
-    models.update(wire.component_schemas((wire.JobDoc, wire.JobEvent, wire.Problem)))
+    models.update(wire.component_schemas((wire.JobDoc, wire.JobEvent, wire.QueueEvent, wire.Problem)))
     schemes = {name: {"type": "http", "scheme": "bearer", "description": f"the {name} token"}
                for name, token in edge.tokens(settings).items() if token}
     if schemes:

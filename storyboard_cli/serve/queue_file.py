@@ -24,12 +24,12 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
   id TEXT PRIMARY KEY, idem_key TEXT UNIQUE, content_hash TEXT NOT NULL, name TEXT NOT NULL, path TEXT NOT NULL,
   out_dir TEXT NOT NULL, priority TEXT NOT NULL, submitted REAL NOT NULL, batch INTEGER NOT NULL,
-  canceled INTEGER NOT NULL DEFAULT 0, finished REAL);
+  canceled INTEGER NOT NULL DEFAULT 0, finished REAL, front REAL);
 CREATE TABLE IF NOT EXISTS images (
   id INTEGER PRIMARY KEY, job TEXT NOT NULL REFERENCES jobs(id), ord INTEGER NOT NULL, shot TEXT NOT NULL,
   k INTEGER NOT NULL, seed INTEGER NOT NULL, outputs TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
   state TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, lease TEXT, reason TEXT, cached INTEGER NOT NULL DEFAULT 0,
-  done REAL, mix TEXT, cost REAL NOT NULL DEFAULT 1);
+  done REAL, mix TEXT, cost REAL NOT NULL DEFAULT 1, worker TEXT, leased REAL);
 CREATE INDEX IF NOT EXISTS images_state ON images(state);
 CREATE INDEX IF NOT EXISTS images_job ON images(job);
 CREATE INDEX IF NOT EXISTS images_fingerprint ON images(fingerprint, state);
@@ -43,7 +43,9 @@ CREATE TABLE IF NOT EXISTS histograms (name TEXT NOT NULL, label TEXT NOT NULL, 
 CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NULL, total REAL NOT NULL,
   PRIMARY KEY (name, label));
 CREATE TABLE IF NOT EXISTS workers (id TEXT PRIMARY KEY, name TEXT NOT NULL, seen REAL NOT NULL, ttl REAL NOT NULL,
-  gpu TEXT, ready INTEGER NOT NULL DEFAULT 0, first_ready REAL, strikes INTEGER NOT NULL DEFAULT 0, quarantined TEXT);
+  gpu TEXT, ready INTEGER NOT NULL DEFAULT 0, first_ready REAL, strikes INTEGER NOT NULL DEFAULT 0, quarantined TEXT,
+  draining INTEGER NOT NULL DEFAULT 0, warm TEXT);
+CREATE TABLE IF NOT EXISTS controls (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # a queue made before application_id was set holds only these (sqlite_sequence: AUTOINCREMENT's)
 QUEUE_TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}
@@ -86,12 +88,20 @@ def _migrate(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE images ADD COLUMN mix TEXT")
     if "cost" not in columns:  # before batches were ordered by their work
         db.execute("ALTER TABLE images ADD COLUMN cost REAL NOT NULL DEFAULT 1")
+    if "worker" not in columns:  # before the queue page: who rendered an image, and when its lease began
+        db.execute("ALTER TABLE images ADD COLUMN worker TEXT")
+        db.execute("ALTER TABLE images ADD COLUMN leased REAL")
+    if "front" not in {r["name"] for r in db.execute("PRAGMA table_info(jobs)")}:  # before move to front
+        db.execute("ALTER TABLE jobs ADD COLUMN front REAL")
     worker_columns = {r["name"] for r in db.execute("PRAGMA table_info(workers)")}
     if "ttl" in worker_columns and "first_ready" not in worker_columns:  # before the start-up histogram
         db.execute("ALTER TABLE workers ADD COLUMN first_ready REAL")
     if "ttl" in worker_columns and "strikes" not in worker_columns:  # before quarantine
         db.execute("ALTER TABLE workers ADD COLUMN strikes INTEGER NOT NULL DEFAULT 0")
         db.execute("ALTER TABLE workers ADD COLUMN quarantined TEXT")
+    if "ttl" in worker_columns and "draining" not in worker_columns:  # before drain
+        db.execute("ALTER TABLE workers ADD COLUMN draining INTEGER NOT NULL DEFAULT 0")
+        db.execute("ALTER TABLE workers ADD COLUMN warm TEXT")
     if "ttl" not in worker_columns:  # before registration
         db.execute("DROP TABLE workers")  # rows named by the workers themselves: they register again
         db.executescript(SCHEMA)

@@ -46,10 +46,13 @@ class Waiting:
     batch: int  # the job's largest bucket
     mix: str | None = None  # images of other jobs with the same mix may share its batch (None: none may)
     cost: float = 1.0  # its denoising work (steps x pixels, more with a ControlNet): what orders a job's batches
+    front: float | None = None  # the rank its job was moved to (None: its priority and submission time rank it)
 
 
-def rank(priority: str, submitted: float) -> float:
-    return submitted + TIERS[priority]
+def rank(priority: str, submitted: float, front: float | None = None) -> float:
+    """An image's rank (lower first): its job's submission time plus its tier's delay, or the rank the job was
+    moved to (`front`: ahead of every job open when it was moved)."""
+    return submitted + TIERS[priority] if front is None else front
 
 
 def pick(waiting: list[Waiting], busy_fingerprints: set[str], warm: frozenset[str] = frozenset()) -> list[Waiting]:
@@ -81,7 +84,7 @@ def pick(waiting: list[Waiting], busy_fingerprints: set[str], warm: frozenset[st
 
 
 def _order(w: Waiting) -> tuple:
-    return rank(w.priority, w.submitted), w.job, w.order
+    return rank(w.priority, w.submitted, w.front), w.job, w.order
 
 
 def _work(group: list[Waiting], batch: int) -> float:

@@ -1,7 +1,8 @@
 """The durable queue: jobs, their images and leases, in the queue file (queue_file.py: one SQLite file,
 written by one process, the server; workers reach it over HTTP). One `Store`, one connection behind one lock,
-its parts in their own modules: the registered workers (queue_workers.py) and the counters, histograms and
-/metrics reads (queue_stats.py). Torch-free.
+its parts in their own modules: the registered workers (queue_workers.py), the counters, histograms and
+/metrics reads (queue_stats.py), dispatch paused and workers drained with the global event stream (queue_control.py)
+and the queue page's reads (queue_views.py). Torch-free.
 
 Leases: a worker leases one batch of one job for `ttl` seconds and renews it by heartbeat. A lease that
 expires goes back to the queue; an image whose lease was lost MAX_ATTEMPTS times fails. A completion for a
@@ -20,12 +21,14 @@ from typing import Callable
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
 from storyboard_cli.serve.intake import JOBS, Planned
+from storyboard_cli.serve.queue_control import QueueControl
 from storyboard_cli.serve.queue_file import APPLICATION_ID, DB, QueueUnusable
 from storyboard_cli.serve.queue_stats import (BATCH_FILL, BATCH_SECONDS, BUCKETS_S, CACHED, EXPIRED, FAILED,
                                               FILL_BUCKETS, FIRST_IMAGE, IMAGE_RENDER, JOB_LATENCY, LATE,
                                               MODEL_LOADS, OOMS, QUEUE_WAIT, REJECTED_FULL, REJECTED_INVALID,
                                               QUARANTINES, RENDERED, RETRIES, STRIKES, WORKER_STARTUP, QueueStats,
                                               bounds)
+from storyboard_cli.serve.queue_views import QueueViews
 from storyboard_cli.serve.queue_workers import (MAX_STRIKES, Quarantined, Seen, TooManyWorkers, UnknownWorker,
                                                 WorkerRegistry)
 from storyboard_cli.serve.schedule import END, MAX_ATTEMPTS, TIERS, ImageState, JobState, Waiting
@@ -35,7 +38,7 @@ from storyboard_cli.serve.wire import Lease, LeasedImage, LeasedJob, job_file_ur
 __all__ = ["APPLICATION_ID", "BATCH_FILL", "BATCH_SECONDS", "BUCKETS_S", "CACHED", "DB", "EXPIRED", "FAILED",
            "FILL_BUCKETS", "FIRST_IMAGE", "IMAGE_RENDER", "JOB_LATENCY", "LATE", "MODEL_LOADS", "OOMS", "QUEUE_WAIT",
            "REJECTED_FULL", "REJECTED_INVALID", "RENDERED", "RETRIES", "WORKER_STARTUP", "IdempotencyConflict",
-           "JobFinal", "QueueFull", "QueueUnusable", "Seen", "Store", "TooManyWorkers", "UnknownWorker", "Work",
+           "JobFinal", "NothingToRetry", "QueueFull", "QueueUnusable", "Seen", "Store", "TooManyWorkers", "UnknownWorker", "Work",
            "bounds", "MAX_STRIKES", "NotHolder", "Quarantined", "QUARANTINES", "STRIKES", "Strike"]
 
 
@@ -81,6 +84,13 @@ class Strike:
     quarantined: bool
 
 
+class NothingToRetry(Exception):
+    """A retry of a job none of whose images failed: nothing changes."""
+
+    def __init__(self, job_id: str):
+        super().__init__(f"job {job_id} has no failed image to retry")
+
+
 class JobFinal(Exception):
     """The job is already succeeded, failed or canceled: a cancel or a priority change would rewrite its
     outcome, so it is refused and nothing changes. `state`: that final state."""
@@ -91,7 +101,7 @@ class JobFinal(Exception):
 
 
 
-class Store(WorkerRegistry, QueueStats):
+class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
     """The queue: jobs, their images, leases and progress events (its workers and figures: the classes it
     inherits, sharing its connection and lock). A job's file and output folder are kept relative to `root`
     (resolved once here): the server may start again from another working directory, or with another spelling
@@ -248,11 +258,14 @@ class Store(WorkerRegistry, QueueStats):
             self._seen(db, worker, gpu, now, ready)
             self._usable(db, worker)  # Quarantined: no lease
             self._expire(db, now)
+            self._warm(db, worker, warm)
+            if self._held_back(db, worker):  # the queue paused, or this worker drained (queue_control.py)
+                return None
             rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, i.mix, i.cost, j.priority, "
-                              "j.submitted, j.batch FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ?",
-                              (ImageState.QUEUED,))
+                              "j.submitted, j.batch, j.front FROM images i JOIN jobs j ON j.id = i.job "
+                              "WHERE i.state = ?", (ImageState.QUEUED,))
             waiting = [Waiting(r["id"], r["job"], r["priority"], r["submitted"], r["key"], r["fingerprint"], r["ord"],
-                               r["batch"], r["mix"], r["cost"]) for r in rows]
+                               r["batch"], r["mix"], r["cost"], r["front"]) for r in rows]
             busy = db.execute("SELECT fingerprint FROM images WHERE state = ?", (ImageState.LEASED,)).fetchall()
             picked = schedule.pick(waiting, {r[0] for r in busy}, warm)
             if not picked:
@@ -270,8 +283,8 @@ class Store(WorkerRegistry, QueueStats):
                     self._count(db, RETRIES)
                 else:
                     self._observe(db, QUEUE_WAIT, priority, now - submitted)
-            db.executemany("UPDATE images SET state = ?, lease = ?, attempts = attempts + 1 WHERE id = ?",
-                           [(ImageState.LEASED, lease_id, i) for i in ids])
+            db.executemany("UPDATE images SET state = ?, lease = ?, attempts = attempts + 1, worker = ?, leased = ? "
+                           "WHERE id = ?", [(ImageState.LEASED, lease_id, worker, now, i) for i in ids])
             images, jobs = [], {}
             for w in picked:
                 r = db.execute("SELECT outputs, fingerprint FROM images WHERE id = ?", (w.image,)).fetchone()
@@ -478,9 +491,45 @@ class Store(WorkerRegistry, QueueStats):
         with self._tx() as db:
             if not self._open_job(db, job_id):
                 return False
-            db.execute("UPDATE jobs SET priority = ? WHERE id = ?", (priority, job_id))
+            db.execute("UPDATE jobs SET priority = ?, front = NULL WHERE id = ?", (priority, job_id))
             self._event(db, job_id, "priority", now, priority=priority)
             return True
+
+    def to_front(self, job_id: str, now: float) -> bool:
+        """The job ranks ahead of every open job (until its priority is changed again): its queued images are the
+        next leased. False for no such job; JobFinal for one already final."""
+        with self._tx() as db:
+            if not self._open_job(db, job_id):
+                return False
+            ranks = [schedule.rank(*r) for r in db.execute(
+                "SELECT j.priority, j.submitted, j.front FROM jobs j WHERE j.id != ? AND EXISTS (SELECT 1 FROM images "
+                "i WHERE i.job = j.id AND i.state IN (?, ?))", (job_id, *ImageState.OPEN))]
+            own = db.execute("SELECT priority, submitted, front FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            front = min([schedule.rank(*own), *(r - 1.0 for r in ranks)])
+            db.execute("UPDATE jobs SET front = ? WHERE id = ?", (front, job_id))
+            self._event(db, job_id, "front", now, rank=front)
+            return True
+
+    def retry(self, job_id: str, now: float) -> list[int] | None:
+        """The job's failed images queued again, their attempts and reasons cleared; a failed job runs again (its
+        stream goes on after its `end` with `retried`). The ids queued; None for no such job. Raises JobFinal for a
+        canceled job, NothingToRetry for a job without a failed image."""
+        with self._tx() as db:
+            job = db.execute("SELECT canceled FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if job is None:
+                return None
+            if job["canceled"]:
+                raise JobFinal(job_id, JobState.CANCELED)
+            failed = [r[0] for r in db.execute("SELECT id FROM images WHERE job = ? AND state = ? ORDER BY ord",
+                                               (job_id, ImageState.FAILED))]
+            if not failed:
+                raise NothingToRetry(job_id)
+            db.execute("UPDATE images SET state = ?, attempts = 0, reason = NULL, done = NULL, lease = NULL, "
+                       "worker = NULL, leased = NULL WHERE job = ? AND state = ?",
+                       (ImageState.QUEUED, job_id, ImageState.FAILED))
+            db.execute("UPDATE jobs SET finished = NULL WHERE id = ?", (job_id,))
+            self._event(db, job_id, "retried", now, requeued=failed)
+            return failed
 
     def job_state(self, job_id: str) -> str | None:
         """The job's state (None: no such job)."""
@@ -511,9 +560,9 @@ class Store(WorkerRegistry, QueueStats):
             if job is None:
                 return None
             images = db.execute("SELECT * FROM images WHERE job = ? ORDER BY ord", (job_id,)).fetchall()
-            ahead = sum(1 for r in db.execute("SELECT j.priority, j.submitted FROM images i JOIN jobs j ON j.id = i.job "
-                                              "WHERE i.state = ? AND i.job != ?", (ImageState.QUEUED, job_id))
-                        if schedule.rank(r[0], r[1]) < schedule.rank(job["priority"], job["submitted"]))
+            ahead = sum(1 for r in db.execute("SELECT j.priority, j.submitted, j.front FROM images i JOIN jobs j ON "
+                                              "j.id = i.job WHERE i.state = ? AND i.job != ?", (ImageState.QUEUED, job_id))
+                        if schedule.rank(*r) < schedule.rank(job["priority"], job["submitted"], job["front"]))
             rate = self._drain_rate(db, now)
         states = Counter(r["state"] for r in images)
         state = schedule.job_state(states, bool(job["canceled"]))

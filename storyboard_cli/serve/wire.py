@@ -249,6 +249,9 @@ class ImageView(BaseModel):
     reason: str | None
     outputs: list[str]
     urls: list[str] = Field(description="the outputs' URLs, once done")
+    worker: str | None = Field(None, description="the worker of its last lease (null: never leased)")
+    seconds: float | None = Field(None, description="its last lease's seconds: to its end, or until now while it "
+                                                    "renders (null: never leased, or queued again)")
 
 
 class JobView(BaseModel):
@@ -265,6 +268,97 @@ class JobView(BaseModel):
     url: str
     report_url: str
     sheet_url: str
+
+
+class JobRow(BaseModel):
+    """A job as a row of GET /v1/jobs: its view without its images, with who renders it and its latest image."""
+
+    id: str
+    name: str
+    state: Literal[JobState.ALL]
+    priority: Priority
+    front: bool = Field(description="moved to the front: it ranks ahead of the jobs open when it was moved")
+    submitted: float
+    finished: float | None
+    images: int = Field(description="its images, every state")
+    images_by_state: dict[str, int]
+    queue_position: int | None = Field(description="images queued ahead of this job's; null once none is open")
+    eta_s: float | None
+    workers: list[str] = Field(description="the workers rendering its images now")
+    latest_url: str | None = Field(description="its image finished last (null: none yet)")
+    thumbnail_url: str | None = Field(description="that image's thumbnail once the contact sheet has it, else the "
+                                                  "image")
+    url: str
+    report_url: str
+    sheet_url: str
+
+
+class JobPage(BaseModel):
+    """GET /v1/jobs: a page of jobs, newest first."""
+
+    jobs: list[JobRow]
+    next: str | None = Field(description="the `cursor` of the next page (null: the last page)")
+    last_event: int = Field(description="the global stream's last id when the page was read (GET /v1/events?after=)")
+
+
+class WorkerView(BaseModel):
+    id: str = Field(description="the id the server issued")
+    name: str
+    state: Literal["rendering", "idle", "cold", "draining", "drained", "quarantined", "lost"] = Field(
+        description="cold: its model not ready yet; draining: leased nothing more, its batch running; lost: not seen "
+                    "within --lease-s")
+    job: str | None = Field(description="the head job of its current lease")
+    lease: str | None
+    images: int = Field(description="its current lease's images")
+    shape: str | None = Field(description="its current batch's bucket key (size, steps, sampler)")
+    warm: list[str] = Field(description="the mixes it has prepared (its warm graphs), from its last lease request")
+    heartbeat_age_s: float = Field(description="seconds since its last lease request or heartbeat")
+    images_per_s: float = Field(description="images it finished per second over the last 5 minutes")
+    gpu: dict[str, float] | None = Field(description="its GPU's figures (memory bytes, power watts, ...); null on "
+                                                     "a CPU")
+    ready: bool
+    draining: bool
+    strikes: int
+    quarantined: str | None
+
+
+class WorkersView(BaseModel):
+    """GET /v1/workers: every registered worker."""
+
+    workers: list[WorkerView]
+    last_event: int
+
+
+class TierView(BaseModel):
+    queued: int = Field(description="images waiting for a lease")
+    rendering: int = Field(description="images leased")
+    jobs: int = Field(description="jobs with an image queued or rendering")
+    oldest_s: float = Field(description="seconds the oldest waiting image has waited since its job's submission")
+
+
+class QueueView(BaseModel):
+    """GET /v1/queue: the queue per priority, whether it dispatches, its drain rate and workers."""
+
+    tiers: dict[Priority, TierView]
+    paused: bool = Field(description="dispatch paused: no batch is leased (POST /v1/queue/resume)")
+    paused_since: float | None
+    leases: int
+    images_per_s: float = Field(description="the drain rate: images finished per second over the last 5 minutes")
+    workers: int = Field(description="registered workers seen within --lease-s")
+    workers_ready: int
+    drained: list[str] = Field(description="the workers drained (leased nothing more)")
+    last_event: int
+
+
+class QueueEvent(BaseModel):
+    """The `data` of an event of GET /v1/events: a job's event (JobEvent: `job`, `state`, `images_by_state`, ...)
+    or one of the queue's own (queue_paused, queue_resumed; worker_drained, worker_resumed with `worker`, `name`)."""
+
+    model_config = ConfigDict(extra="allow")
+    at: float
+    job: str | None = None
+    state: Literal[JobState.ALL] | None = None
+    worker: str | None = None
 
 
 class JobEvent(BaseModel):
