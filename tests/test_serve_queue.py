@@ -231,7 +231,7 @@ def test_a_drained_worker_gets_no_new_lease_and_its_current_batch_finishes(clien
     assert table[a]["state"] == "drained" and table[a]["draining"] and table[a]["images"] == 0
     assert table[b]["state"] == "rendering" and table[b]["shape"].startswith("64x72 ") and table[b]["images"] == 2
     assert table[a]["images_per_s"] > 0 and table[a]["warm"] == [] and table[b]["gpu"] is None
-    assert client.get("/v1/queue").json()["drained"] == [a]
+    assert client.get("/v1/queue").json()["drained"] == ["a"]
     assert client.post(f"/v1/workers/{a}/resume").json()["state"] in ("idle", "cold")
     assert lease(client, a).status_code == 200
     assert problem_of(client.post("/v1/workers/w-000000000000/drain"), 404)
@@ -267,11 +267,12 @@ def test_pause_holds_dispatch_and_survives_a_restart_as_does_a_drain(tmp_path, c
         c.app.state.store.close()
     with TestClient(create_app(Settings(tmp_path / "root", lease_s=30), clock=clock)) as c:  # the server restarted
         q = c.get("/v1/queue").json()
-        assert q["paused"] and q["paused_since"] == 1000.0 and q["drained"] == [b]
+        assert q["paused"] and q["paused_since"] == 1000.0 and q["drained"] == ["b"]
         assert q["tiers"]["normal"] == {"queued": 2, "rendering": 0, "jobs": 1, "oldest_s": 0.0}
         assert lease(c, a).status_code == 204
         assert c.post("/v1/queue/resume").json()["paused"] is False
         assert lease(c, b).status_code == 204  # still drained
+        assert lease(c, register(c, "b")).status_code == 204  # its name is: the worker started again is drained too
         assert lease(c, a).status_code == 200
         kinds = [e for _, e, _ in events(c)[0]]
         assert kinds.count("queue_paused") == 1 and kinds.count("queue_resumed") == 1

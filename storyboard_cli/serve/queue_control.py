@@ -1,6 +1,8 @@
 """What the studio holds back, kept in the queue file so that it survives a restart of the server: dispatch paused
 (no worker is leased a batch; running batches finish) and workers drained (a drained worker is leased nothing more;
-its current batch finishes). Each change is an event of the queue's one global stream (`events_after`), beside the
+its current batch finishes). A drain holds the worker's name, the machine the studio sees, not its registration: a
+worker process that starts again (the server's own, restarted with it) registers anew under its name and stays
+drained until it is resumed. Each change is an event of the queue's one global stream (`events_after`), beside the
 jobs' own: the events table's sequence numbers are the stream's ids, monotonic across jobs and restarts.
 `QueueControl`: the part of `store.Store` that writes and reads them. Torch-free.
 """
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from storyboard_cli.serve.queue_file import QueueFile
 
 PAUSED = "paused"  # the controls row of a paused queue (its value: when, as JSON)
+DRAINED = "drained:"  # + a worker's name: the controls row of a drained worker (its value: when)
 QUEUE = ""  # the `job` of an event of the queue or its workers, not of one job (a job id is never empty)
 # the global stream's own events, beside the jobs' (queued, running, images, ...)
 QUEUE_PAUSED, QUEUE_RESUMED, WORKER_DRAINED, WORKER_RESUMED = ("queue_paused", "queue_resumed", "worker_drained",
@@ -22,7 +25,7 @@ MAX_EVENTS = 1000  # events read at once: a stream resumed far behind catches up
 
 @dataclass(frozen=True)
 class Dispatch:
-    """Whether the queue leases batches: `paused` since when (None: it does), and the drained workers' ids."""
+    """Whether the queue leases batches: `paused` since when (None: it does), and the drained workers' names."""
 
     paused: float | None
     drained: frozenset[str]
@@ -54,29 +57,34 @@ class QueueControl(QueueFile):
             return True
 
     def drain(self, worker: str, now: float, draining: bool = True) -> bool | None:
-        """The worker is leased nothing more after its current batch (`draining` False: it is again); None for a
-        worker not registered, False when it already was (or was not)."""
+        """The worker (every registration of its name) is leased nothing more after its current batch (`draining`
+        False: it is again); None for a worker not registered, False when it already was (or was not)."""
         with self._tx() as db:
-            row = db.execute("SELECT name, draining FROM workers WHERE id = ?", (worker,)).fetchone()
+            row = db.execute("SELECT name FROM workers WHERE id = ?", (worker,)).fetchone()
             if row is None:
                 return None
-            if bool(row["draining"]) == draining:
-                return False
-            db.execute("UPDATE workers SET draining = ? WHERE id = ?", (draining, worker))
-            self._note(db, WORKER_DRAINED if draining else WORKER_RESUMED, now, worker=worker, name=row["name"])
-            return True
+            if draining:
+                changed = db.execute("INSERT OR IGNORE INTO controls VALUES (?, ?)",
+                                     (DRAINED + row["name"], json.dumps(now))).rowcount
+            else:
+                changed = db.execute("DELETE FROM controls WHERE name = ?", (DRAINED + row["name"],)).rowcount
+            if changed:
+                self._note(db, WORKER_DRAINED if draining else WORKER_RESUMED, now, worker=worker, name=row["name"])
+            return bool(changed)
 
     def dispatch(self) -> Dispatch:
         with self.lock:
-            paused = self.db.execute("SELECT value FROM controls WHERE name = ?", (PAUSED,)).fetchone()
-            drained = self.db.execute("SELECT id FROM workers WHERE draining").fetchall()
-        return Dispatch(None if paused is None else json.loads(paused[0]), frozenset(r[0] for r in drained))
+            return self._dispatch(self.db)
+
+    def _dispatch(self, db) -> Dispatch:
+        rows = dict(db.execute("SELECT name, value FROM controls WHERE name = ? OR name LIKE ?", (PAUSED, DRAINED + "%")))
+        paused = rows.pop(PAUSED, None)
+        return Dispatch(None if paused is None else json.loads(paused), frozenset(n[len(DRAINED):] for n in rows))
 
     def _held_back(self, db, worker: str) -> bool:
         """Whether `worker` may be leased nothing now: the queue is paused, or the worker drained."""
-        if db.execute("SELECT 1 FROM controls WHERE name = ?", (PAUSED,)).fetchone():
-            return True
-        return bool(db.execute("SELECT draining FROM workers WHERE id = ?", (worker,)).fetchone()[0])
+        return db.execute("SELECT 1 FROM controls WHERE name = ? OR name = ? || (SELECT name FROM workers WHERE id = ?)",
+                          (PAUSED, DRAINED, worker)).fetchone() is not None
 
     def _warm(self, db, worker: str, warm: frozenset[str]) -> None:
         """The mixes the worker says it has prepared (its warm graphs), as its last lease request named them."""

@@ -44,7 +44,7 @@ CREATE TABLE IF NOT EXISTS histogram_sums (name TEXT NOT NULL, label TEXT NOT NU
   PRIMARY KEY (name, label));
 CREATE TABLE IF NOT EXISTS workers (id TEXT PRIMARY KEY, name TEXT NOT NULL, seen REAL NOT NULL, ttl REAL NOT NULL,
   gpu TEXT, ready INTEGER NOT NULL DEFAULT 0, first_ready REAL, strikes INTEGER NOT NULL DEFAULT 0, quarantined TEXT,
-  draining INTEGER NOT NULL DEFAULT 0, warm TEXT);
+  warm TEXT);
 CREATE TABLE IF NOT EXISTS controls (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # a queue made before application_id was set holds only these (sqlite_sequence: AUTOINCREMENT's)
@@ -99,8 +99,7 @@ def _migrate(db: sqlite3.Connection) -> None:
     if "ttl" in worker_columns and "strikes" not in worker_columns:  # before quarantine
         db.execute("ALTER TABLE workers ADD COLUMN strikes INTEGER NOT NULL DEFAULT 0")
         db.execute("ALTER TABLE workers ADD COLUMN quarantined TEXT")
-    if "ttl" in worker_columns and "draining" not in worker_columns:  # before drain
-        db.execute("ALTER TABLE workers ADD COLUMN draining INTEGER NOT NULL DEFAULT 0")
+    if "ttl" in worker_columns and "warm" not in worker_columns:  # before the queue page
         db.execute("ALTER TABLE workers ADD COLUMN warm TEXT")
     if "ttl" not in worker_columns:  # before registration
         db.execute("DROP TABLE workers")  # rows named by the workers themselves: they register again

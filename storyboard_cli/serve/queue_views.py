@@ -110,6 +110,7 @@ class QueueViews(QueueFile):
         with self.lock:
             db = self.db
             workers = db.execute("SELECT * FROM workers ORDER BY name, id").fetchall()
+            drained = self._dispatch(db).drained
             leases = {r["worker"]: r for r in db.execute(
                 "SELECT l.worker, l.id, l.job, l.expires, COUNT(i.id) AS images, MIN(i.key) AS key FROM leases l "
                 "LEFT JOIN images i ON i.lease = l.id GROUP BY l.id")}
@@ -121,12 +122,13 @@ class QueueViews(QueueFile):
         for w in workers:
             lease = leases.get(w["id"])
             table.append({
-                "id": w["id"], "name": w["name"], "state": _worker_state(w, lease is not None, now - w["seen"] <= window_s),
+                "id": w["id"], "name": w["name"],
+                "state": _worker_state(w, w["name"] in drained, lease is not None, now - w["seen"] <= window_s),
                 "job": lease["job"] if lease else None, "lease": lease["id"] if lease else None,
                 "images": lease["images"] if lease else 0, "shape": lease["key"] if lease else None,
                 "warm": json.loads(w["warm"] or "[]"), "heartbeat_age_s": round(max(now - w["seen"], 0.0), 3),
                 "images_per_s": round(rates.get(w["id"], 0.0), 4), "gpu": json.loads(w["gpu"] or "null"),
-                "ready": bool(w["ready"]), "draining": bool(w["draining"]), "strikes": w["strikes"],
+                "ready": bool(w["ready"]), "draining": w["name"] in drained, "strikes": w["strikes"],
                 "quarantined": w["quarantined"]})
         return table
 
@@ -153,10 +155,10 @@ class QueueViews(QueueFile):
         return {"tiers": tiers, "leases": leases, "images_per_s": round(rate or 0.0, 4), "last_event": last}
 
 
-def _worker_state(w, rendering: bool, seen: bool) -> str:
+def _worker_state(w, draining: bool, rendering: bool, seen: bool) -> str:
     if w["quarantined"] is not None:
         return WorkerState.QUARANTINED
-    if w["draining"]:
+    if draining:
         return WorkerState.DRAINING if rendering else WorkerState.DRAINED
     if rendering:
         return WorkerState.RENDERING

@@ -346,7 +346,7 @@ class QueueView(BaseModel):
     images_per_s: float = Field(description="the drain rate: images finished per second over the last 5 minutes")
     workers: int = Field(description="registered workers seen within --lease-s")
     workers_ready: int
-    drained: list[str] = Field(description="the workers drained (leased nothing more)")
+    drained: list[str] = Field(description="the names of the workers drained (leased nothing more until resumed)")
     last_event: int
 
 
