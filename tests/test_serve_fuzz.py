@@ -8,9 +8,11 @@ The server runs with limits the fuzzer cannot reach, so that every 503 it could 
 test_serve_api.py exercises (a full queue, --max-workers registrations, /readyz before a worker is ready), not one
 that the run's own submissions and registrations cause; and with a token, so the `ignored_auth` check sees each
 route refuse a request without it. One worker is registered and ready before the run: /readyz answers 200.
-Half the job and lease ids the fuzzer sends are real ones (a canceled job, a live lease), so it reaches past the
-404s: the job's view and its event stream, a PATCH or cancel of a final job (409), a heartbeat or completion of a
-lease that exists.
+Half the job, lease and worker ids the fuzzer sends are real ones (a canceled job, a live lease, the registered
+worker), so it reaches past the 404s: the job's view and its event stream, a PATCH, cancel, retry or move to front of
+a final job (409), a heartbeat or completion of a lease that exists, a drain and resume of a worker. The global event
+stream is asked with `follow=false` (the events until now, then its end): a stream that follows never ends, and the
+fuzzer reads each answer whole.
 
 Every check runs. `positive_data_acceptance` (a schema-valid request must not be refused) is told two answers of
 this API that a JSON schema cannot rule out:
@@ -60,13 +62,20 @@ checks.positive_data_acceptance.expected-statuses = {accepted_422}
 include-name = ["PUT /v1/leases/{{lease_id}}/files/{{job_id}}/{{path}}"]
 checks.positive_data_acceptance.expected-statuses = {accepted_lease_file}
 
+[[operations]]
+include-name = ["GET /v1/events"]
+parameters = {{ "query.follow" = false }}
+
 [dictionaries.jobs]
 values = ["{job}"]
 [dictionaries.leases]
 values = ["{lease}"]
+[dictionaries.workers]
+values = ["{worker}"]
 [parameters]
 "path.job_id" = {{ dictionary = "jobs", probability = 0.5 }}
 "path.lease_id" = {{ dictionary = "leases", probability = 0.5 }}
+"path.worker_id" = {{ dictionary = "workers", probability = 0.5 }}
 """
 
 
@@ -95,7 +104,7 @@ def test_schemathesis_finds_nothing_and_the_server_stays_healthy(tmp_path):
         config = CONFIG.format(accepted=json.dumps(DEFAULT_ACCEPTED + ["410"]),
                                accepted_422=json.dumps(DEFAULT_ACCEPTED + ["422"]),
                                accepted_lease_file=json.dumps(DEFAULT_ACCEPTED + ["410", "422"]), job=canceled,
-                               lease=lease, stateful=STATEFUL)
+                               lease=lease, worker=worker, stateful=STATEFUL)
         (tmp_path / "schemathesis.toml").write_text(config)
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "--config-file", str(tmp_path / "schemathesis.toml"), "run",

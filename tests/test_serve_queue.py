@@ -158,7 +158,8 @@ def test_the_global_stream_has_monotonic_ids_and_resumes_after_last_event_id(cli
     for k, (seen, _, _) in enumerate(got):
         assert events(client, **{"Last-Event-ID": str(seen)})[0] == got[k + 1:]
         assert events(client, after=seen)[0] == got[k + 1:]
-    assert events(client, after=0, **{"Last-Event-ID": str(ids[3])})[0] == got[4:]  # the header wins
+    assert events(client, after=0, **{"Last-Event-ID": str(ids[3])})[0] == got[4:]  # the later of the two
+    assert events(client, after=ids[4], **{"Last-Event-ID": str(ids[3])})[0] == got[5:]
     one = client.get(f"/v1/events?follow=false&job={b}").text
     assert re.findall(r"^event: (\S+)$", one, re.M) == ["queued"]
     assert problem_of(client.get("/v1/events", headers={"Last-Event-ID": "-1"}), 422)

@@ -33,9 +33,9 @@ Cursor = Annotated[str | None, Query(pattern=r"^[0-9]{1,18}$", description="the 
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="jobs on the page")]
 After = Annotated[int, Query(ge=0, le=wire.MAX_INT, description="the stream starts after this id (a page opens it "
                                                                 "after the `last_event` it read)")]
-LastEventId = Annotated[int | None, Header(alias="Last-Event-ID", ge=0, le=wire.MAX_INT,
-                                           description="the last id this client saw: the stream resumes after it "
-                                                       "(over `after`)")]
+LastEventId = Annotated[int, Header(alias="Last-Event-ID", ge=0, le=wire.MAX_INT,
+                                    description="the last id this client saw (an EventSource sends it when it "
+                                                "reconnects): the stream resumes after the later of it and `after`")]
 JobFilter = Annotated[str | None, Query(pattern=wire.NAME_PATTERN, description="only this job's events (a page's "
                                                                           "log of one job: with `follow=false`)")]
 Follow = Annotated[bool, Query(description="false: the events after `after` until now, then the stream ends")]
@@ -173,12 +173,12 @@ def resume(state: State) -> wire.QueueView:
     200: {"description": "every job's events and the queue's own, each as it happens, oldest first",
           "content": {EVENT_STREAM: {"schema": QUEUE_EVENT}}}})
 def events(state: State, after: After = 0, follow: Follow = True, job: JobFilter = None,
-           last_event_id: LastEventId = None) -> EventStream:
+           last_event_id: LastEventId = 0) -> EventStream:
     """One stream for the whole queue (a browser allows 6 streams per host over HTTP/1.1: a page follows every job
     on this one). `id:` is monotonic; a client that reconnects with `Last-Event-ID` gets exactly the events after
     it. `retry:` says how long to wait before reconnecting; a comment line every 15 s keeps proxies from closing
     it. It ends when the server stops (or, with `follow=false`, once it has sent the events until now)."""
-    return EventStream(_stream(state, after if last_event_id is None else last_event_id, follow, job),
+    return EventStream(_stream(state, max(after, last_event_id), follow, job),
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
