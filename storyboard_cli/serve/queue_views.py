@@ -16,6 +16,10 @@ from storyboard_cli.serve.queue_stats import DRAIN_WINDOW_S
 from storyboard_cli.serve.schedule import TIERS, ImageState, JobState
 
 SCAN = 256  # jobs read at once while a page is filled
+# schedule.rank of a row of `jobs j`, in SQL (the same float arithmetic): a job's queue position is counted by SQLite,
+# not by a Python loop over every queued image, so a page of 50 jobs reads fast with thousands queued
+RANK_SQL = ("COALESCE(j.front, j.submitted + CASE j.priority "
+            + " ".join(f"WHEN '{p}' THEN {delay!r}" for p, delay in TIERS.items()) + " END)")
 OPEN_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
 
 

@@ -28,7 +28,7 @@ from storyboard_cli.serve.queue_stats import (BATCH_FILL, BATCH_SECONDS, BUCKETS
                                               MODEL_LOADS, OOMS, QUEUE_WAIT, REJECTED_FULL, REJECTED_INVALID,
                                               QUARANTINES, RENDERED, RETRIES, STRIKES, WORKER_STARTUP, QueueStats,
                                               bounds)
-from storyboard_cli.serve.queue_views import QueueViews
+from storyboard_cli.serve.queue_views import RANK_SQL, QueueViews
 from storyboard_cli.serve.queue_workers import (MAX_STRIKES, Quarantined, Seen, TooManyWorkers, UnknownWorker,
                                                 WorkerRegistry)
 from storyboard_cli.serve.schedule import END, MAX_ATTEMPTS, TIERS, ImageState, JobState, Waiting
@@ -560,9 +560,9 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
             if job is None:
                 return None
             images = db.execute("SELECT * FROM images WHERE job = ? ORDER BY ord", (job_id,)).fetchall()
-            ahead = sum(1 for r in db.execute("SELECT j.priority, j.submitted, j.front FROM images i JOIN jobs j ON "
-                                              "j.id = i.job WHERE i.state = ? AND i.job != ?", (ImageState.QUEUED, job_id))
-                        if schedule.rank(*r) < schedule.rank(job["priority"], job["submitted"], job["front"]))
+            ahead = db.execute(f"SELECT COUNT(*) FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ? AND "
+                               f"i.job != ? AND {RANK_SQL} < ?", (ImageState.QUEUED, job_id, schedule.rank(
+                                   job["priority"], job["submitted"], job["front"]))).fetchone()[0]
             rate = self._drain_rate(db, now)
         states = Counter(r["state"] for r in images)
         state = schedule.job_state(states, bool(job["canceled"]))
