@@ -6,7 +6,6 @@ again, the page reconnects and shows the true state, a change made while it was 
 event stream. `BCG_UI_SCREENSHOTS=docs` keeps the page's screenshots there (docs/SERVE.md shows them)."""
 
 import os
-import shutil
 import time
 from pathlib import Path
 

@@ -24,8 +24,8 @@ from typing import Callable
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from storyboard_cli.serve import (blob_routes, blobs, edge, folders, intake, job_routes, lease_routes, metrics, ops_routes,
-                                  queue_routes, ui_routes)
+from storyboard_cli.serve import (blob_routes, blobs, edge, folders, intake, job_routes, lease_routes, metrics,
+                                  ops_routes, queue_routes, ui_routes)
 from storyboard_cli.serve.api_state import ApiState
 from storyboard_cli.serve.disk import Disk
 from storyboard_cli.serve.edge import PROBLEM, problem

@@ -77,20 +77,22 @@ class QueueControl(QueueFile):
             return self._dispatch(self.db)
 
     def _dispatch(self, db) -> Dispatch:
-        rows = dict(db.execute("SELECT name, value FROM controls WHERE name = ? OR name LIKE ?", (PAUSED, DRAINED + "%")))
+        rows = dict(db.execute("SELECT name, value FROM controls WHERE name = ? OR name LIKE ?",
+                               (PAUSED, DRAINED + "%")))
         paused = rows.pop(PAUSED, None)
         return Dispatch(None if paused is None else json.loads(paused), frozenset(n[len(DRAINED):] for n in rows))
 
     def _held_back(self, db, worker: str) -> bool:
         """Whether `worker` may be leased nothing now: the queue is paused, or the worker drained."""
-        return db.execute("SELECT 1 FROM controls WHERE name = ? OR name = ? || (SELECT name FROM workers WHERE id = ?)",
-                          (PAUSED, DRAINED, worker)).fetchone() is not None
+        return db.execute("SELECT 1 FROM controls WHERE name = ? OR name = ? || (SELECT name FROM workers WHERE "
+                          "id = ?)", (PAUSED, DRAINED, worker)).fetchone() is not None
 
     def _warm(self, db, worker: str, warm: frozenset[str]) -> None:
         """The mixes the worker says it has prepared (its warm graphs), as its last lease request named them."""
         db.execute("UPDATE workers SET warm = ? WHERE id = ?", (json.dumps(sorted(warm)), worker))
 
-    def events_after(self, after: int, limit: int = MAX_EVENTS, job: str | None = None) -> list[tuple[int, str, str, str]]:
+    def events_after(self, after: int, limit: int = MAX_EVENTS,
+                     job: str | None = None) -> list[tuple[int, str, str, str]]:
         """The global stream after sequence number `after`, oldest first, at most `limit`: (seq, job or "" for the
         queue's own, kind, JSON data); `job`: that job's events alone."""
         only = "AND job = ? " if job is not None else ""

@@ -18,8 +18,8 @@ from storyboard_cli.serve import wire
 from storyboard_cli.serve.api_state import ApiState, Id, State
 from storyboard_cli.serve.edge import JSONRoute, Refused
 from storyboard_cli.serve.job_routes import EVENT_POLL_S, KEEPALIVE_S, RECONNECT_MS, final, not_found, view
-from storyboard_cli.serve.queue_control import MAX_EVENTS
 from storyboard_cli.serve.openapi import EVENT_STREAM, QUEUE_EVENT, EventStream, problems
+from storyboard_cli.serve.queue_control import MAX_EVENTS
 from storyboard_cli.serve.schedule import JobState
 from storyboard_cli.serve.store import JobFinal, NothingToRetry
 from storyboard_cli.serve.wire import job_file_url
@@ -27,16 +27,17 @@ from storyboard_cli.serve.wire import job_file_url
 DEFAULT_PAGE = 50  # jobs per page
 MAX_PAGE = 500
 
-StateFilter = Annotated[list[Literal[JobState.ALL]] | None, Query(
-    alias="state", max_length=len(JobState.ALL), description="only jobs in these states (repeat it: `state=queued&state=running`)")]
-Cursor = Annotated[str | None, Query(pattern=r"^[0-9]{1,18}$", description="the `next` of the page before")]
+StateFilter = Annotated[list[Literal[JobState.ALL]], Query(
+    alias="state", max_length=len(JobState.ALL), description="only jobs in these states (repeated: "
+                                                             "`state=queued&state=running`)")]
+Cursor = Annotated[str, Query(pattern=r"^[0-9]{1,18}$", description="the `next` of the page before")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="jobs on the page")]
 After = Annotated[int, Query(ge=0, le=wire.MAX_INT, description="the stream starts after this id (a page opens it "
                                                                 "after the `last_event` it read)")]
 LastEventId = Annotated[int, Header(alias="Last-Event-ID", ge=0, le=wire.MAX_INT,
                                     description="the last id this client saw (an EventSource sends it when it "
                                                 "reconnects): the stream resumes after the later of it and `after`")]
-JobFilter = Annotated[str | None, Query(pattern=wire.NAME_PATTERN, description="only this job's events (a page's "
+JobFilter = Annotated[str, Query(pattern=wire.NAME_PATTERN, description="only this job's events (a page's "
                                                                           "log of one job: with `follow=false`)")]
 Follow = Annotated[bool, Query(description="false: the events after `after` until now, then the stream ends")]
 

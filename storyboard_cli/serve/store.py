@@ -38,7 +38,8 @@ from storyboard_cli.serve.wire import Lease, LeasedImage, LeasedJob, job_file_ur
 __all__ = ["APPLICATION_ID", "BATCH_FILL", "BATCH_SECONDS", "BUCKETS_S", "CACHED", "DB", "EXPIRED", "FAILED",
            "FILL_BUCKETS", "FIRST_IMAGE", "IMAGE_RENDER", "JOB_LATENCY", "LATE", "MODEL_LOADS", "OOMS", "QUEUE_WAIT",
            "REJECTED_FULL", "REJECTED_INVALID", "RENDERED", "RETRIES", "WORKER_STARTUP", "IdempotencyConflict",
-           "JobFinal", "NothingToRetry", "QueueFull", "QueueUnusable", "Seen", "Store", "TooManyWorkers", "UnknownWorker", "Work",
+           "JobFinal", "NothingToRetry", "QueueFull", "QueueUnusable", "Seen", "Store", "TooManyWorkers",
+           "UnknownWorker", "Work",
            "bounds", "MAX_STRIKES", "NotHolder", "Quarantined", "QUARANTINES", "STRIKES", "Strike"]
 
 

@@ -27,8 +27,9 @@ def page() -> tuple[str, str]:
     """The page's HTML and its content security policy (the hashes of its one script and one style sheet)."""
     html = PAGE.read_text(encoding="utf-8")
     inline = {tag: csp_hash(body) for tag, body in INLINE.findall(html)}
-    csp = (f"default-src 'none'; script-src {inline['script']}; style-src {inline['style']}; img-src 'self' blob: data:; "
-           "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    csp = (f"default-src 'none'; script-src {inline['script']}; style-src {inline['style']}; "
+           "img-src 'self' blob: data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+           "frame-ancestors 'none'")
     return html, csp
 
 
