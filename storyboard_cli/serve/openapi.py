@@ -24,8 +24,9 @@ DESCRIPTION = """SDXL storyboard jobs: queue, state, outputs; and the workers' l
 
 Every error is `application/problem+json` (RFC 9457). With a token (`bcg serve --token`), every /v1 route needs
 `Authorization: Bearer <token>`; the worker routes (/v1/workers, /v1/leases) need the worker token
-(`--worker-token`, else the same), and `GET /v1/blobs/{sha256}` either. /healthz, /readyz, /metrics and this
-description (/docs, /redoc, /openapi.json) are open."""
+(`--worker-token`, else the same), but for the studio's `GET /v1/workers` and a worker's drain and resume (the client
+token), and `GET /v1/blobs/{sha256}` either. /healthz, /readyz, /metrics, this description (/docs, /redoc,
+/openapi.json) and the queue page (/ui) are open."""
 REF = "#/components/schemas/"
 PROBLEM_CONTENT = {PROBLEM: {"schema": {"$ref": REF + "Problem"}}}
 UNKNOWN_WORKER = "a worker id this server did not issue, or forgot (not seen within --lease-s): register again"
