@@ -277,6 +277,10 @@ def test_pause_holds_dispatch_and_survives_a_restart_as_does_a_drain(tmp_path, c
         assert lease(c, a).status_code == 200
         kinds = [e for _, e, _ in events(c)[0]]
         assert kinds.count("queue_paused") == 1 and kinds.count("queue_resumed") == 1
+        scraped = c.get("/metrics").text
+        assert "bcg_dispatch_paused 0.0" in scraped and "bcg_workers_drained 1.0" in scraped
+        c.post("/v1/queue/pause")
+        assert "bcg_dispatch_paused 1.0" in c.get("/metrics").text
 
 
 def test_the_queue_summary_per_priority(client, clock):

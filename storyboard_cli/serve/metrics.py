@@ -104,6 +104,11 @@ class StoreCollector:
         yield GaugeMetricFamily(PREFIX + "workers_ready", "Registered workers seen lately whose model is loaded and "
                                 "graphs captured, not quarantined (what /readyz waits for).",
                                 value=sum(w.ready and w.quarantined is None for w in s["workers"]))
+        dispatch = self.store.dispatch()  # what the studio holds back (POST /v1/queue/pause, /v1/workers/{id}/drain)
+        yield GaugeMetricFamily(PREFIX + "dispatch_paused", "1 while dispatch is paused: no batch is leased.",
+                                value=float(dispatch.paused is not None))
+        yield GaugeMetricFamily(PREFIX + "workers_drained", "Worker names drained: leased nothing until resumed.",
+                                value=len(dispatch.drained))
 
 
 def histograms(observed: dict[tuple[str, str], tuple[list[int], float]]):
