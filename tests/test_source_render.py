@@ -211,3 +211,12 @@ def test_a_resize_mode_lets_another_aspect_through(folder):
                             "     init: {image: refs/mei.png, resize: crop}}\n")
     result = CliRunner().invoke(app, ["plan", str(job)])
     assert result.exit_code == 0, result.output
+
+
+def test_the_bench_part_times_the_three_loops_side_by_side(tiny_cpu):
+    """`bcg bench --parts source` (its CPU smoke run): text-to-image, img2img and inpainting loops, their ratios."""
+    from storyboard_cli.bench.source import source_steps
+
+    rec = source_steps(tiny_cpu, lambda line: None, 2, 64, 6, repeats=1, compile="off")
+    assert rec["tail_steps"] == 3 and set(rec["ratio_vs_text_to_image"]) == {"text_to_image", "img2img", "inpaint"}
+    assert rec["ratio_vs_text_to_image"]["text_to_image"] == 1.0 and all(m > 0 for m in rec["ms_per_image_step"].values())
