@@ -28,6 +28,7 @@ from storyboard_cli.cli_engine import bench, capture
 from storyboard_cli.cli_progress import render_progress
 from storyboard_cli.errors import BadInput, Interrupted, Status, exit_code, plural
 from storyboard_cli.folder.layout import INDEX, REPLACED, REPORT_JSON, REPORT_MD, SELECTS
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
 from storyboard_cli.job.plan import decimal_size as _size
 
@@ -98,8 +99,8 @@ def plan(job: JobArg, json_out: JsonOpt = False,
         characters = f"; characters: {', '.join(s.characters)}" if s.characters else ""
         out.print(f"references: {plural(s.references, 'reference')}, encoded once (ip_adapter {j.ip_adapter})"
                   f"{characters}")
-    if s.reference_note:
-        out.print(s.reference_note)
+    for note in (n for kind in KINDS for n in kind.notes(s)):  # the references' scales, the regions per shot
+        out.print(note)
 
 
 def _warn(warnings: Iterable[str]) -> None:

@@ -320,7 +320,7 @@ STEP_WORDS = {"control"}
 # test_the_openapi_schema_says_every_answer_and_describes_the_job); the IP-Adapter's files and
 # presets are read by the loader too.
 KIND_FIELDS_TO_CUT = {
-    "folder/report.py": {"characters", "references", "controlnets"},
+    "folder/report.py": {"characters", "references", "controlnets", "regions"},
     "serve/wire.py": {"controlnet", "controlnets", "characters", "reference", "ip_adapter", "image_encoder",
                       "REFERENCE_SLOTS"},
     "job/adapter_files.py": {"image_encoder"},

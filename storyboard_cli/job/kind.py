@@ -29,6 +29,8 @@ class ShotSource:
     lora_raw: Any  # the shot's `lora:` as written (a message names where a LoRA's scale came from)
     lora_line: int | None
     prompt_line: int | None
+    width: int = 0  # the shot's frame, in pixels (a region's box is checked against it)
+    height: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,13 @@ class Kind(Protocol):
 
     def plain(self, settings: dict) -> str | None:
         """The A1111 field that stands for its units where they are an image's only unit (else None)."""
+
+    def fields(self, settings: dict) -> list[str]:
+        """Its own A1111 fields (after every kind's units), from an image's settings."""
+
+    def boxes(self, meta: dict) -> list[Any]:
+        """The parts of the frame it draws on a candidate on the contact sheet (job/conditions/region.py Box: in
+        fractions of the frame, with a caption), from the image's settings."""
 
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         """`side` from an image's settings: (whether it runs a side network, where the last ends)."""

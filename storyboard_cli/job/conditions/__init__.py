@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from storyboard_cli.job.conditions import control, reference
+from storyboard_cli.job.conditions import control, reference, region
 from storyboard_cli.job.kind import Kind
 
-KINDS: tuple[Kind, ...] = (control.KIND, reference.KIND)  # in the order an image's A1111 units are written
-MODULES = {"control": control, "reference": reference}  # every module of job/conditions/, by its kind's name
+KINDS: tuple[Kind, ...] = (control.KIND, reference.KIND, region.KIND)  # in the order an image's A1111 units are written
+MODULES = {"control": control, "reference": reference, "region": region}  # every module of job/conditions/, by its kind's name
 
 
 def shown() -> list[Kind]:

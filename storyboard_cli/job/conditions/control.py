@@ -190,6 +190,12 @@ class Control:
         end = f", end {end:.3g}" if end < 1 else ""
         return f"ControlNet: {Path(settings['control_image']).name} (scale {settings['control_scale']:g}{end})"
 
+    def fields(self, settings: dict) -> list[str]:
+        return []
+
+    def boxes(self, meta: dict) -> list:
+        return []
+
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         """(whether an image's settings record a net, where the last ends) for the sheet's levers."""
         ends = [c.get("end", 1.0) for c in meta.get("controls") or () if isinstance(c, dict)]  # named nets: the last's

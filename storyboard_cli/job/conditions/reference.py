@@ -183,6 +183,12 @@ class References:
     def plain(self, settings: dict) -> str | None:
         return None
 
+    def fields(self, settings: dict) -> list[str]:
+        return []
+
+    def boxes(self, meta: dict) -> list:
+        return []
+
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         return False, 1.0
 
@@ -201,8 +207,10 @@ class References:
         return [], [job.ip_adapter, job.image_encoder]
 
     def used_models(self, job: Any, items: list) -> tuple:
-        """(the adapter, its encoder) where an item has a reference, else (None, None): nothing loads."""
-        return (job.ip_adapter, job.image_encoder) if any(i.references for i in items) else (None, None)
+        """(the adapter, its encoder) where an item has a reference (its own or a region's), else (None, None):
+        nothing loads."""
+        used = any(i.references or any(r.references for r in i.regions) for i in items)  # a region's too
+        return (job.ip_adapter, job.image_encoder) if used else (None, None)
 
     # ------------------------------------------------------------ the report, the sheet, `bcg plan`
 
@@ -243,7 +251,8 @@ class References:
     def summary(self, job: Any) -> dict:
         """What `bcg plan` says of the references: distinct images (each encoded once), the characters used in order
         of first use, and a note on shots whose references ask for different scales."""
-        return {"references": len({r.sha256 for s in job.shots for r in s.references}),
+        return {"references": len({r.sha256 for s in job.shots for r in (*s.references, *(x for g in s.regions
+                                                                                        for x in g.references))}),
                 "characters": tuple(dict.fromkeys(c for s in job.shots for c in s.characters)),
                 "reference_note": reference_note(job)}
 
@@ -328,33 +337,33 @@ def resolve_characters(ctx: Context, raw: Any, line: int | None, job_dir: Path, 
 
 def shot_references(ctx: Context, names: Any, names_line: int | None, one_off: Any, one_off_line: int | None,
                     shot_id: str, job_dir: Path, characters: dict[str, Character],
-                    ip_adapter: str | None) -> tuple[tuple[str, ...], tuple[Reference, ...]]:
+                    ip_adapter: str | None, prefix: str = "") -> tuple[tuple[str, ...], tuple[Reference, ...]]:
     """A shot's `characters: [name, ...]` and `reference:`: (the characters, their references in the order the
-    shot names them, then the one-off)."""
+    shot names them, then the one-off). `prefix`: where the keys are (a region's: `regions[0].`)."""
     if names is None:
         names = []
     elif isinstance(names, str):
         names = [names]
     elif not isinstance(names, list):
-        raise ctx.fail(names_line, shot_id, "characters", f"must be a list of character names, like [mei], got "
+        raise ctx.fail(names_line, shot_id, f"{prefix}characters", f"must be a list of character names, like [mei], got "
                        f"{type_name(names)}")
     if names and ip_adapter is None:
-        raise ctx.fail(names_line, shot_id, "characters", NO_ADAPTER)
+        raise ctx.fail(names_line, shot_id, f"{prefix}characters", NO_ADAPTER)
     if one_off is not None and ip_adapter is None:
-        raise ctx.fail(one_off_line, shot_id, "reference", NO_ADAPTER)
+        raise ctx.fail(one_off_line, shot_id, f"{prefix}reference", NO_ADAPTER)
     for i, name in enumerate(names):
         if not isinstance(name, str) or name not in characters:
             known = (f"the job's characters: {clip(', '.join(characters))}" if characters
                      else "the job has no top-level 'characters:'")
-            raise ctx.fail(names_line, shot_id, "characters", f"unknown character {short_repr(name)} ({known})"
+            raise ctx.fail(names_line, shot_id, f"{prefix}characters", f"unknown character {short_repr(name)} ({known})"
                            f"{did_you_mean(str(name), characters)}")
         if name in names[:i]:
-            raise ctx.fail(names_line, shot_id, "characters", f"'{name}' is named twice")
+            raise ctx.fail(names_line, shot_id, f"{prefix}characters", f"'{name}' is named twice")
     references = [characters[n].reference for n in names]
     if one_off is not None:
-        references.append(resolve_reference(ctx, one_off, one_off_line, shot_id, "reference", job_dir))
+        references.append(resolve_reference(ctx, one_off, one_off_line, shot_id, f"{prefix}reference", job_dir))
     if len(references) > REFERENCE_SLOTS:
-        raise ctx.fail(names_line if names else one_off_line, shot_id, "characters", f"{len(references)} "
+        raise ctx.fail(names_line if names else one_off_line, shot_id, f"{prefix}characters", f"{len(references)} "
                        f"references (its characters' and its 'reference:'); a shot may use at most {REFERENCE_SLOTS}")
     return tuple(names), tuple(references)
 
