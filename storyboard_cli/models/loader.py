@@ -34,7 +34,7 @@ class SdxlModels:
     dtype: torch.dtype  # UNet / ControlNet / text encoders
     controlnets: tuple[Any, ...] = ()  # every ControlNet, in the job's order of nets
     ip_adapter: Any | None = None  # models/ip_adapter.py IpAdapter: its processors are in the UNet
-    regions: Any | None = None  # models/regions.py Layout: the UNet's attention takes regional prompts
+    region_layout: Any | None = None  # models/regions.py Layout: the UNet's attention takes regional prompts
     # tensors derived from weights that other kernels read (the compiled convolutions' channels_last copies, FP8
     # weights and their scales): name -> (value, refresh), and id(parameter) -> the names derived from it;
     # `written` refreshes them in place (compiled kernels hold their pointers)
@@ -279,7 +279,7 @@ def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str |
         from storyboard_cli.job.conditions.region import REGION_REFERENCES, REGION_SLOTS  # the job's limits: the slots
         from storyboard_cli.models.regions import install
 
-        models.regions = install(models.unet, REGION_SLOTS, REGION_REFERENCES)
+        models.region_layout = install(models.unet, REGION_SLOTS, REGION_REFERENCES)
     if device.type == "cuda":  # one image at a time, torch's GroupNorm kernel uses a quarter of the GPU
         widen(models.vae.decoder)
     return models

@@ -21,8 +21,10 @@ from storyboard_cli.models.regions import LEVELS, Layout
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
 
 NAME = "region"
-BIAS = tuple(f"region_bias_{i}" for i in range(LEVELS))
-WEIGHT = tuple(f"region_ref_weight_{i}" for i in range(LEVELS))
+# by attention level (models/regions.py LEVELS of them): the processors' keyword arguments
+BIAS = ("region_bias_0", "region_bias_1", "region_bias_2", "region_bias_3")
+WEIGHT = ("region_ref_weight_0", "region_ref_weight_1", "region_ref_weight_2", "region_ref_weight_3")
+assert len(BIAS) == len(WEIGHT) == LEVELS
 # the names that are this kind's alone: the WorkItem's fields it reads, the attention processors' keyword arguments
 FIELDS = ("regions", "region_embeds", "region_ref_tokens", *BIAS, *WEIGHT)
 MASK_LEVEL = 128  # as job/conditions/region.py: a mask's pixels at this grey level and above are inside
@@ -177,7 +179,7 @@ class Reader:
 
     def batch(self, items: Sequence[Any], key: Any) -> Regions | None:
         """Every batch of models made for regions has them: a row without regions rides with every slot masked."""
-        layout = self.models.regions
+        layout = self.models.region_layout
         if layout is None:
             if any(it.regions for it in items):
                 raise ModelError("regions: these models were loaded without the regions' attention "
@@ -204,7 +206,7 @@ class Buffers:
     A mask's rows are KEY_ALIGN keys apart (models/regions.py), so SDPA reads its views without a copy."""
 
     def __init__(self, models: Any, max_batch: int, max_pixels: int):
-        layout, dev, dtype = models.regions, models.device, models.dtype
+        layout, dev, dtype = models.region_layout, models.device, models.dtype
         rows, c = 2 * max_batch, models.unet.config.cross_attention_dim
         self.layout = layout
         self.embeds = torch.zeros(rows, layout.slots * CLIP_TOKENS, c, device=dev, dtype=dtype)
@@ -229,7 +231,7 @@ class Buffers:
 
 def synthetic(models: Any, batch: int, width: int, height: int, bits: int) -> Regions | None:
     """Every row with every slot filled (random prompts, boxes side by side: the kernels are the same for any)."""
-    layout = models.regions
+    layout = models.region_layout
     if layout is None:
         return None
     g = torch.Generator("cpu").manual_seed(0)
@@ -249,6 +251,6 @@ def synthetic(models: Any, batch: int, width: int, height: int, bits: int) -> Re
 
 
 KIND = Kind(NAME, FIELDS, lambda models: Reader(models),
-            lambda models, max_batch, max_pixels: None if models.regions is None else Buffers(models, max_batch,
+            lambda models, max_batch, max_pixels: None if models.region_layout is None else Buffers(models, max_batch,
                                                                                                max_pixels),
             synthetic)

@@ -160,11 +160,7 @@ class References:
     def settings(self, item: Any, weights: Weights) -> dict:
         s: dict = {}
         if item.references:
-            s["ip_adapter"] = item.ip_adapter
-            weights(s, "ip_adapter_weights", item.ip_adapter)
-            if item.image_encoder is not None:
-                s["image_encoder"] = item.image_encoder
-                weights(s, "image_encoder_weights", item.image_encoder)
+            s.update(adapter_settings(item.ip_adapter, item.image_encoder, weights))
             s["references"] = [{"file": r.file, "sha256": r.sha256[:SHORT], "scale": r.scale}
                                | ({"character": r.character} if r.character else {}) for r in item.references]
             s["reference_scale"] = item.reference_scale
@@ -267,6 +263,16 @@ class References:
 
 
 KIND = References()
+
+
+def adapter_settings(ip_adapter: str, image_encoder: str | None, weights: Weights) -> dict:
+    """The IP-Adapter an image's references go through, as its settings record it (and its weights' digests)."""
+    s: dict = {"ip_adapter": ip_adapter}
+    weights(s, "ip_adapter_weights", ip_adapter)
+    if image_encoder is not None:
+        s["image_encoder"] = image_encoder
+        weights(s, "image_encoder_weights", image_encoder)
+    return s
 
 
 def reference_note(job: Any) -> str | None:

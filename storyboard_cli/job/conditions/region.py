@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from storyboard_cli.job.conditions.reference import Reference, shot_references
+from storyboard_cli.job.conditions.reference import Reference, adapter_settings, shot_references
 from storyboard_cli.job.digests import SHORT
 from storyboard_cli.job.files import check_image
 from storyboard_cli.job.kind import Guide, ShotSource, Unit, Weights, entries, number
@@ -53,6 +53,8 @@ class ShotPart:
 @dataclass(frozen=True, kw_only=True)
 class ItemPart:
     regions: tuple[Region, ...] = ()
+    region_adapter: tuple[str, str | None] | None = None  # the job's (ip_adapter, image_encoder) where a region has
+    # a reference
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +121,8 @@ class Regions:
     # ------------------------------------------------------------ images and batches
 
     def item(self, shot: Any, job: Any) -> dict:
-        return {"regions": shot.regions}
+        refs = any(r.references for r in shot.regions)
+        return {"regions": shot.regions, "region_adapter": (job.ip_adapter, job.image_encoder) if refs else None}
 
     def identity(self, item: Any) -> tuple:
         return tuple((r.prompt, r.box, r.mask_sha256, tuple((x.sha256, x.scale) for x in r.references))
@@ -146,7 +149,8 @@ class Regions:
         """`regions`, only where the image has some: a job without regions keeps its fingerprints."""
         if not item.regions:
             return {}
-        return {"regions": [region_settings(r) for r in item.regions]}
+        s = adapter_settings(*item.region_adapter, weights) if item.region_adapter else {}  # as a reference's
+        return s | {"regions": [region_settings(r) for r in item.regions]}
 
     def unplaced(self, settings: dict) -> None:
         for entry in settings.get("regions", ()):
@@ -180,7 +184,7 @@ class Regions:
 
     def loaded(self, models: Any) -> bool:
         """Whether loaded models (models/loader.py's SdxlModels) were made for regions (their attention)."""
-        return models.regions is not None
+        return models.region_layout is not None
 
     def mix(self, job: Any) -> tuple[list, list]:
         return [], []
