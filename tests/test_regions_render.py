@@ -281,7 +281,7 @@ def test_the_sheet_draws_each_regions_box_on_its_candidates(folder, tmp_path, re
         frame = img.bounding_box()
         rects = [r.bounding_box() for r in page.locator("figure.cand svg.boxes rect").all()]
         captions = page.locator("figure.cand svg.boxes text").all_text_contents()
-        shot = page.locator("figure.cand .frame").first.screenshot()
+        shot = page.screenshot(clip=frame)  # the candidate's thumbnail with the boxes over it
         browser.close()
     assert captions == ["1: a red coat", "2: a lantern"]
     (left, lantern) = rects
