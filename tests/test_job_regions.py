@@ -117,6 +117,14 @@ def test_report_plan_sheet_boxes_and_uploads(folder):
     assert named_files(path) == ["refs/mei.png", "mask.png", "refs/kai.png"]
 
 
+def test_a_job_with_regions_is_a_mix_of_its_own(folder):
+    from storyboard_cli.serve.intake import mix_key
+
+    plain = load_job(write_job(folder, TOP + S1, "plain.yaml"))
+    regional = _job(folder, "      - {box: [0, 0, 0.5, 1], prompt: a}\n")
+    assert mix_key(plain, work_items(plain)[0]) != mix_key(regional, work_items(regional)[0])
+
+
 def test_the_example_job_loads_as_the_readme_says():
     job = load_job(ROOT / "jobs" / "regions.yaml")
     meeting = job.shots[0]

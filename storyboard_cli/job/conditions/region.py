@@ -187,7 +187,9 @@ class Regions:
         return models.region_layout is not None
 
     def mix(self, job: Any) -> tuple[list, list]:
-        return [], []
+        """A job with regions is its own mix (its worker's UNet takes the regions' attention); a job without keeps its
+        key."""
+        return [], ["regions"] if self.needs(job) else []
 
     def used_models(self, job: Any, items: list) -> tuple:
         """(whether the UNet's attention takes regions,): only where an item has some."""
