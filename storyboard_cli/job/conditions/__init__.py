@@ -15,7 +15,8 @@ from storyboard_cli.job.conditions import control, reference, region
 from storyboard_cli.job.kind import Kind
 
 KINDS: tuple[Kind, ...] = (control.KIND, reference.KIND, region.KIND)  # in the order an image's A1111 units are written
-MODULES = {"control": control, "reference": reference, "region": region}  # every module of job/conditions/, by its kind's name
+# every module of job/conditions/, by its kind's name
+MODULES = {"control": control, "reference": reference, "region": region}
 
 
 def shown() -> list[Kind]:

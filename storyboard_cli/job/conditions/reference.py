@@ -351,8 +351,8 @@ def shot_references(ctx: Context, names: Any, names_line: int | None, one_off: A
     elif isinstance(names, str):
         names = [names]
     elif not isinstance(names, list):
-        raise ctx.fail(names_line, shot_id, f"{prefix}characters", f"must be a list of character names, like [mei], got "
-                       f"{type_name(names)}")
+        raise ctx.fail(names_line, shot_id, f"{prefix}characters", f"must be a list of character names, like [mei], "
+                       f"got {type_name(names)}")
     if names and ip_adapter is None:
         raise ctx.fail(names_line, shot_id, f"{prefix}characters", NO_ADAPTER)
     if one_off is not None and ip_adapter is None:
