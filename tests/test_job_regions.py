@@ -92,7 +92,7 @@ def test_a_shot_without_regions_keeps_its_settings(folder):
     job = load_job(write_job(folder, TOP + S1))
     assert "regions" not in work_items(job)[0].settings(job.model)
     assert "Regions:" not in png_text(work_items(job)[0], job.model)["parameters"]
-    assert "regions" not in job_conditions(job)
+    assert job_conditions(job)["regions"] is None
 
 
 def test_report_plan_sheet_boxes_and_uploads(folder):

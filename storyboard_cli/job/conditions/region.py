@@ -198,10 +198,9 @@ class Regions:
     # ------------------------------------------------------------ the report, the sheet, `bcg plan`
 
     def report(self, job: Any) -> dict:
-        """`regions`: each shot's, as its images record them; left out where no shot has any (so a job without regions
-        reports what it always did)."""
+        """`regions`: each shot's, as its images record them; None where no shot has any (report.json leaves it out)."""
         out = [{"shot": s.id, "regions": [region_settings(r) for r in s.regions]} for s in job.shots if s.regions]
-        return {"regions": out} if out else {}
+        return {"regions": out or None}
 
     def report_md(self, r: dict) -> list[str]:
         rows = [(e.get("shot", ""), x) for e in r.get("regions") or () if isinstance(e, dict)
