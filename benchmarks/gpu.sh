@@ -41,10 +41,13 @@
 #   refs[:COMPILE]    `bcg capture benchmarks/jobs/references.yaml --warm --compile COMPILE` (default off), then the
 #                     same job without its IP-Adapter: a reference's cost per step at 8 x 1024², two ControlNets
 #                     against one at 2 x 1024²
+#   regions[:COMPILE] `bcg capture benchmarks/jobs/regions.yaml --warm --compile COMPILE` (default off), then the same
+#                     job without its regions: the regions' cost per image-step at 8 x 1024² (the regions' graphs are
+#                     plain: compiled kernels are not built with regions)
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,44p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,47p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -135,6 +138,15 @@ leg() {  # LEG ARG NAME
     grep -v -e '^ip_adapter:' -e '^characters:' -e '^  mei:' benchmarks/jobs/references.yaml \
       | sed 's/, characters: \[mei\]//' > "$plain"
     for job in benchmarks/jobs/references.yaml "$plain"; do
+      STDOUT=json step "$n-$(basename "$job" .yaml)" 540 python -m storyboard_cli capture "$job" --warm \
+        --compile "${arg:-off}" --steps 10 --json
+      python benchmarks/capture_table.py "$R/$n-$(basename "$job" .yaml).json" >> "$R/$n.log"
+    done
+    rm -f "$plain";;
+  regions)
+    local plain=benchmarks/jobs/regions-plain.yaml
+    awk '/^    regions:/ {skip=1; next} skip && /^      - / {next} {skip=0; print}' benchmarks/jobs/regions.yaml > "$plain"
+    for job in benchmarks/jobs/regions.yaml "$plain"; do
       STDOUT=json step "$n-$(basename "$job" .yaml)" 540 python -m storyboard_cli capture "$job" --warm \
         --compile "${arg:-off}" --steps 10 --json
       python benchmarks/capture_table.py "$R/$n-$(basename "$job" .yaml).json" >> "$R/$n.log"

@@ -28,6 +28,7 @@ from storyboard_cli.cli_engine import bench, capture
 from storyboard_cli.cli_progress import render_progress
 from storyboard_cli.errors import BadInput, Interrupted, Status, exit_code, plural
 from storyboard_cli.folder.layout import INDEX, REPLACED, REPORT_JSON, REPORT_MD, SELECTS
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
 from storyboard_cli.job.plan import decimal_size as _size
 

@@ -109,11 +109,12 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
                         "storyboard_cli.engine.base.Shape"},
              "engine/conditions": {"storyboard_cli.engine.conditions", "storyboard_cli.engine.conditions.control",
                                    "storyboard_cli.engine.conditions.reference", "storyboard_cli.engine.conditions.source",
+                                   "storyboard_cli.engine.conditions.region",
                                    "storyboard_cli.engine.conditions.kind", "storyboard_cli.engine.conditions.kind.Kind"},
              # the table of conditioning kinds: one row per module of the folder
              "job/conditions": {"storyboard_cli.job.conditions", "storyboard_cli.job.conditions.control",
                                 "storyboard_cli.job.conditions.reference", "storyboard_cli.job.conditions.source",
-                                "storyboard_cli.job.kind",
+                                "storyboard_cli.job.conditions.region", "storyboard_cli.job.kind",
                                 "storyboard_cli.job.kind.Kind"}}
 # torch-free at run time, through everything they import: `bcg plan`, job validation, the folder's readers and
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
@@ -323,9 +324,9 @@ STEP_WORDS = {"control"}
 # test_the_openapi_schema_says_every_answer_and_describes_the_job); the IP-Adapter's files and
 # presets are read by the loader too.
 KIND_FIELDS_TO_CUT = {
-    "folder/report.py": {"characters", "references", "controlnets"},
+    "folder/report.py": {"characters", "references", "controlnets", "regions"},
     "serve/wire.py": {"controlnet", "controlnets", "characters", "reference", "ip_adapter", "image_encoder",
-                      "REFERENCE_SLOTS", "init", "mask"},
+                      "REFERENCE_SLOTS", "init", "mask", "regions", "REGION_SLOTS"},
     "job/adapter_files.py": {"image_encoder"},
     "job/preflight.py": {"ip_adapter", "image_encoder"},
 }

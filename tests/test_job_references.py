@@ -481,7 +481,7 @@ def test_every_relative_path_in_a_job_is_read_from_the_job_files_folder(project,
     assert (job.controlnets, job.ip_adapter, job.image_encoder) == ((("controlnet", "models/cn"),), adapter,
                                                                     "encoder")  # as written
     (item,) = work_items(job)
-    assert model_specs(job, [item])[2:] == (str(jobs / adapter), str(jobs / "encoder"))  # what the loader opens
+    assert model_specs(job, [item])[2:4] == (str(jobs / adapter), str(jobs / "encoder"))  # what the loader opens
     settings = item.settings(job.model)
     assert (settings["ip_adapter"], settings["image_encoder"]) == (adapter, "encoder")  # recorded as written
     assert settings["ip_adapter_weights"] and settings["image_encoder_weights"]  # by the files' digests

@@ -189,6 +189,7 @@ class Report:
     characters: list[dict[str, Any]] | None = None
     references: list[dict[str, Any]] | None = None
     controlnets: list[dict[str, Any]] | None = None
+    regions: list[dict[str, Any]] | None = None
     # a multi-GPU render's (`merge`): the wall time less weight loading, and each worker's row
     render_s: float | None = None
     render_images_per_s: float | None = None
@@ -207,10 +208,10 @@ class Report:
               stopped_by: int | None = None, error: str | None = None, lora_swaps: list[Swap] | None = None,
               shots: list[dict] | None = None, characters: list[dict] | None = None,
               references: list[dict] | None = None, controlnets: list[dict] | None = None,
-              cached: int | None = None) -> Report:
+              regions: list[dict] | None = None, cached: int | None = None) -> Report:
         """One render's report. `run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted
         render; `error`: what ended a failed one; `shots`: what each shot used (plan.shot_levers); `characters`,
-        `references`, `controlnets`: what its images are conditioned on (job_conditions)."""
+        `references`, `controlnets`, `regions`: what its images are conditioned on (job_conditions)."""
         shots = shots or []
         total_steps = sum(b.steps for b in timings.buckets.values())
         return cls(job=job, output_dir=str(out_dir), status=status, run=run or {},
@@ -222,7 +223,8 @@ class Report:
                    peak_memory_mb=None if peak_mem_mb is None else round(peak_mem_mb, 1),
                    stages_s=timings.stages_s(), hidden_s=timings.hidden_s(), buckets=timings.bucket_rows(),
                    graphs=graphs, failures=failed, notes=notes, draft=any(s["draft"] for s in shots), shots=shots,
-                   characters=characters, references=references, controlnets=controlnets, images_cached=cached)
+                   characters=characters, references=references, controlnets=controlnets, regions=regions,
+                   images_cached=cached)
 
     @classmethod
     def merge(cls, reports: list[Report]) -> Report:

@@ -347,9 +347,10 @@ class SheetWriter:
                 draft = c.meta.get("draft") is True
                 mark = '<span class="draft-mark" title="a draft render: bcg render --final for full quality">' \
                        'draft</span>' if draft else ""
-                h.append(f'<figure class="cand {c.state}{" draft" if draft else ""}"><a href="{href(c.path)}" '
-                         f'target="_blank"><img src="{href(c.thumb)}" width="{w}" height="{ht}" loading="lazy" '
-                         f'alt="{esc(row.id)} candidate {c.k}{" (draft)" if draft else ""}"></a><figcaption>'
+                h.append(f'<figure class="cand {c.state}{" draft" if draft else ""}"><div class="frame"><a '
+                         f'href="{href(c.path)}" target="_blank"><img src="{href(c.thumb)}" width="{w}" height="{ht}" '
+                         f'loading="lazy" alt="{esc(row.id)} candidate {c.k}{" (draft)" if draft else ""}"></a>'
+                         f'{boxes_svg(c.meta, w, ht)}</div><figcaption>'
                          f'<span>{esc(label)}</span>{mark}<label><input type="radio" class="pick" name="{group}" value="{esc(c.path)}"> pick'
                          "</label></figcaption>")
                 if c.state in ("stale", "edited"):
@@ -363,6 +364,21 @@ class SheetWriter:
         text = "".join(h)
         self._rows[row.id] = (key, text)
         return text
+
+
+def boxes_svg(meta: dict, width: int, height: int) -> str:
+    """The parts of the frame the kinds draw on a candidate (`Kind.boxes`: a region's box), each a rectangle with its
+    caption, over its thumbnail ("" for none). SVG attributes, no inline style: the page's CSP allows none."""
+    boxes = [b for kind in KINDS for b in kind.boxes(meta)]
+    if not boxes or width <= 0 or height <= 0:
+        return ""
+    out = [f'<svg class="boxes" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+           f'aria-label="{len(boxes)} region{"s" * (len(boxes) != 1)}">']
+    for b in boxes:
+        x, y, w, h = b.x * width, b.y * height, b.w * width, b.h * height
+        out.append(f'<g><title>{esc(b.caption)}</title><rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" '
+                   f'height="{h:.1f}"></rect><text x="{x + 3:.1f}" y="{y + 13:.1f}">{esc(b.caption[:40])}</text></g>')
+    return "".join(out) + "</svg>"
 
 
 def write_sheet(out_dir: Path, job: Job | None = None, notes: list[str] | None = None) -> Path:

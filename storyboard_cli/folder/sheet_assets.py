@@ -48,6 +48,11 @@ textarea { width: 100%; max-width: 48rem; height: 8rem; font-family: ui-monospac
 .draft-mark { background: var(--warn); color: #fff; font-weight: bold; font-size: 11px; letter-spacing: .05em;
   padding: 0 .35rem; border-radius: 3px; text-transform: uppercase; }
 .cand.draft img { outline: 2px dashed var(--warn); outline-offset: -2px; }
+.frame { position: relative; }
+.frame svg.boxes { position: absolute; left: 0; top: 0; pointer-events: none; overflow: visible; }
+.boxes rect { fill: none; stroke: #ffd23f; stroke-width: 2; }
+.boxes text { fill: #ffd23f; font-size: 11px; font-family: system-ui, sans-serif; paint-order: stroke;
+  stroke: #000; stroke-width: 3px; }
 """
 
 # The picking script. It reads the recorded picks from the JSON island, keeps no state of its own

@@ -121,6 +121,10 @@ class Kind(Protocol):
         """An image's decoded pixels (uint8 [H, W, 3], numpy) as they are written (a cropped inpainting pasted back
         over its source); `pixels` itself where the kind leaves them."""
 
+    def boxes(self, meta: dict) -> list[Any]:
+        """The parts of the frame it draws on a candidate on the contact sheet (job/conditions/region.py Box: in
+        fractions of the frame, with a caption), from the image's settings."""
+
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         """`side` from an image's settings: (whether it runs a side network, where the last ends)."""
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.preflight import job_spec
+from storyboard_cli.job.tokens import token_count as _count
+from storyboard_cli.job.tokens import tokenizer_for
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
 
 SHOWN_WORDS = 12  # of the dropped text, in a warning: a pasted wall of text is cut to its first words
@@ -39,26 +40,6 @@ def _shown(dropped: str) -> str:
     words = dropped.split()
     more = len(words) - SHOWN_WORDS
     return " ".join(words[:SHOWN_WORDS]) + (f" ...\" and {more} more word{'s' * (more != 1)}" if more > 0 else '"')
-
-
-@lru_cache(maxsize=4)
-def tokenizer_for(model: str):
-    from storyboard_cli.models.tokenizers import make_tokenizer, real_clip_merges
-
-    if model == "tiny":
-        from storyboard_cli.models.tiny import TOKENIZER_MERGES
-
-        return make_tokenizer(TOKENIZER_MERGES)
-    folder = weights_path(model)
-    if folder is not None and (folder / "tokenizer" / "vocab.json").is_file():
-        from transformers import CLIPTokenizer
-
-        return CLIPTokenizer.from_pretrained(str(folder), subfolder="tokenizer")
-    return make_tokenizer(real_clip_merges())
-
-
-def _count(tokenizer, text: str) -> int:
-    return len(tokenizer(text, truncation=False, verbose=False).input_ids)  # with the start and end tokens
 
 
 def dropped_text(prompt: str, tokenizer) -> tuple[int, str]:

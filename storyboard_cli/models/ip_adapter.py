@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_processor import AttnProcessor2_0
 
 from storyboard_cli.errors import BadInput, ModelError, one_line
 from storyboard_cli.job.adapter_files import (PROJECTION_IN, AdapterFileError, adapter_files, adapter_kind, ip_key,
@@ -35,6 +34,7 @@ from storyboard_cli.job.adapter_files import (PROJECTION_IN, AdapterFileError, a
 from storyboard_cli.job.conditions.reference import REFERENCE_SLOTS  # the job's limit: a row's image slots
 from storyboard_cli.job.digests import SHORT, weights_digest
 from storyboard_cli.job.preflight import ADAPTER_PRESETS
+from storyboard_cli.models.regions import RegionProcessor, pick, attend, masked_references
 from storyboard_cli.models.tiny import cache_root, h94_adapter, tiny_adapter_folder
 
 REFERENCES = "references"  # cache_root()/references/<digest>/<sha256>.safetensors: one reference's tokens per dtype
@@ -49,18 +49,10 @@ SDXL_ENCODERS = {
 SDXL_RESAMPLER_WIDTH = 1280  # ip-adapter-plus_sdxl_vit-h: 20 heads of 64
 
 
-class SelfAttnProcessor(AttnProcessor2_0):
-    """AttnProcessor2_0 that takes the adapter's kwargs and leaves them: every attention of the UNet is called with
-    the same cross_attention_kwargs, and diffusers warns of (and drops) those a processor does not name."""
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
-                 ref_tokens=None, ref_scale=None, ref_mask=None):
-        return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
-
-
 class RowScaledIpProcessor(torch.nn.Module):
-    """A cross-attention layer's processor: diffusers' AttnProcessor2_0 for the text, plus the image tokens'
-    attention of IPAdapterAttnProcessor2_0 for one adapter with a scale and a key mask per row."""
+    """A cross-attention layer's processor: diffusers' AttnProcessor2_0 for the text (with the regions' keys and mask
+    where given: models/regions.py), plus the image tokens' attention of IPAdapterAttnProcessor2_0 for one adapter with
+    a scale and a key mask per row, and the regional references' (each slot weighted by its region's mask)."""
 
     def __init__(self, hidden: int, cross: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
@@ -69,61 +61,37 @@ class RowScaledIpProcessor(torch.nn.Module):
 
     # __call__, not forward: diffusers' Attention reads the processor's keyword arguments from its __call__
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
-                 ref_tokens=None, ref_scale=None, ref_mask=None):
-        # as diffusers AttnProcessor2_0.__call__, up to the output projection
-        residual = hidden_states
-        if attn.spatial_norm is not None:
-            hidden_states = attn.spatial_norm(hidden_states, temb)
-        input_ndim = hidden_states.ndim
-        if input_ndim == 4:
-            batch_size, channel, height, width = hidden_states.shape
-            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-        batch_size, sequence_length, _ = (
-            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape)
-        if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
-        if attn.group_norm is not None:
-            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
-        query = attn.to_q(hidden_states)
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
-        elif attn.norm_cross:
-            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
-        head_dim = key.shape[-1] // attn.heads
-        query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # [R, heads, L, head_dim]
-        key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        hidden_states = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
-                                                       is_causal=False)
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
-        hidden_states = hidden_states.to(query.dtype)
+                 ref_tokens=None, ref_scale=None, ref_mask=None, region_embeds=None, region_bias_0=None,
+                 region_bias_1=None, region_bias_2=None, region_bias_3=None, region_ref_tokens=None,
+                 region_ref_weight_0=None, region_ref_weight_1=None, region_ref_weight_2=None,
+                 region_ref_weight_3=None):
+        queries = hidden_states.shape[1] if hidden_states.ndim == 3 else hidden_states.shape[2] * hidden_states.shape[3]
+        bias = pick(queries, region_bias_0, region_bias_1, region_bias_2, region_bias_3, dim=2)
+        weight = pick(queries, region_ref_weight_0, region_ref_weight_1, region_ref_weight_2, region_ref_weight_3,
+                       dim=1)
 
-        if ref_tokens is not None:
-            # as IPAdapterAttnProcessor2_0 for one adapter without masks: several images' tokens in one softmax
-            # (ref_mask keeps an empty slot's out), scaled per row; a row at scale 0 adds 0 (its mask must leave
-            # a key unmasked: a row of -inf only would make NaN, and 0 * NaN stays NaN)
-            ip_key = self.to_k_ip(ref_tokens).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-            ip_value = self.to_v_ip(ref_tokens).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-            ip = F.scaled_dot_product_attention(query, ip_key, ip_value, attn_mask=ref_mask, dropout_p=0.0,
-                                                is_causal=False)
-            ip = ip.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
-            hidden_states = hidden_states + ref_scale.to(query.dtype) * ip
+        def add(query: torch.Tensor, batch_size: int, head_dim: int) -> torch.Tensor | None:
+            out = None
+            if ref_tokens is not None:
+                # as IPAdapterAttnProcessor2_0 for one adapter without masks: several images' tokens in one softmax
+                # (ref_mask keeps an empty slot's out), scaled per row; a row at scale 0 adds 0 (its mask must leave
+                # a key unmasked: a row of -inf only would make NaN, and 0 * NaN stays NaN)
+                ip_key = self.to_k_ip(ref_tokens).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+                ip_value = self.to_v_ip(ref_tokens).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+                ip = F.scaled_dot_product_attention(query, ip_key, ip_value, attn_mask=ref_mask, dropout_p=0.0,
+                                                    is_causal=False)
+                ip = ip.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
+                out = ref_scale.to(query.dtype) * ip
+            if region_ref_tokens is not None and weight is not None:
+                # as IPAdapterAttnProcessor2_0 with ip_adapter_masks: each reference its own softmax, times its
+                # region's mask and its scale (`weight`)
+                k = self.to_k_ip(region_ref_tokens).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+                v = self.to_v_ip(region_ref_tokens).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+                masked = masked_references(query, k, v, weight, weight.shape[-1])
+                out = masked if out is None else out + masked
+            return out
 
-        # as AttnProcessor2_0, from the output projection on
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
-        if attn.residual_connection:
-            hidden_states = hidden_states + residual
-        return hidden_states / attn.rescale_output_factor
+        return attend(attn, hidden_states, encoder_hidden_states, attention_mask, temb, region_embeds, bias, add)
 
 
 @dataclass
@@ -281,7 +249,7 @@ def _read(spec: str, image_encoder: str | None, unet, device, dtype) -> tuple[st
 def install_processors(unet, device: torch.device, dtype: torch.dtype) -> list[RowScaledIpProcessor]:
     """The adapter's processors put into `unet` (its weights not set: the loader copies them in, a kernel build
     compiles none): one per cross-attention layer in diffusers' order, returned in it."""
-    plain = SelfAttnProcessor()  # stateless: one for every self-attention layer
+    plain = RegionProcessor()  # stateless: one for every self-attention layer (AttnProcessor2_0's, taking the kwargs)
     processors = {n: plain for n in unet.attn_processors}
     made = []
     for n, attn in _cross_attention(unet):

@@ -34,6 +34,7 @@ class SdxlModels:
     dtype: torch.dtype  # UNet / ControlNet / text encoders
     controlnets: tuple[Any, ...] = ()  # every ControlNet, in the job's order of nets
     ip_adapter: Any | None = None  # models/ip_adapter.py IpAdapter: its processors are in the UNet
+    region_layout: Any | None = None  # models/regions.py Layout: the UNet's attention takes regional prompts
     # tensors derived from weights that other kernels read (the compiled convolutions' channels_last copies, FP8
     # weights and their scales): name -> (value, refresh), and id(parameter) -> the names derived from it;
     # `written` refreshes them in place (compiled kernels hold their pointers)
@@ -237,10 +238,11 @@ def cuda_allocator() -> str:
 
 
 def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str | torch.device, dtype: torch.dtype,
-              ip_adapter: str | None = None, image_encoder: str | None = None) -> SdxlModels:
+              ip_adapter: str | None = None, image_encoder: str | None = None, regions: bool = False) -> SdxlModels:
     """Loads every part onto `device`. `controlnet`: one ControlNet, or a job's nets in its order (one module per
     distinct spec: two nets of the same weights share it). `ip_adapter`: its processors go into the UNet
-    (models/ip_adapter.py). Raises ModelError (with the cause, one line) on failure."""
+    (models/ip_adapter.py). `regions`: the UNet's attention takes regional prompts (models/regions.py). Raises
+    ModelError (with the cause, one line) on failure."""
     device = torch.device(device)
     if device.type == "cuda":
         cuda_allocator()
@@ -273,6 +275,11 @@ def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str |
         from storyboard_cli.models.ip_adapter import load_ip_adapter
 
         models.ip_adapter = load_ip_adapter(ip_adapter, image_encoder, models.unet, device, dtype)
+    if regions:
+        from storyboard_cli.job.conditions.region import REGION_REFERENCES, REGION_SLOTS  # the job's limits: the slots
+        from storyboard_cli.models.regions import install
+
+        models.region_layout = install(models.unet, REGION_SLOTS, REGION_REFERENCES)
     if device.type == "cuda":  # one image at a time, torch's GroupNorm kernel uses a quarter of the GPU
         widen(models.vae.decoder)
     return models

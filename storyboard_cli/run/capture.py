@@ -163,9 +163,9 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     if warm and dev.type != "cuda":
         raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
     kernels = check_engine("graph" if warm else "auto", compile, dev, kernels)  # a row's name (engine/variants.py)
-    adapter = encoder = None
+    kinds: list = []  # the kinds' arguments to the loader after the ControlNets (an IP-Adapter, regions)
     if job is not None:
-        model, controlnet, adapter, encoder = model_specs(job, work_items(job))
+        model, controlnet, *kinds = model_specs(job, work_items(job))
     shapes = job_shapes(job, controlnet, buckets)
     plans = job_plans(job) if job is not None else {}
     labels = [s.label for s in shapes]
@@ -174,7 +174,7 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
         return labels, loops, []
     say = on_event or (lambda e: None)
     say(stage(f"loading the weights of {model}"))
-    models = load_sdxl(model, controlnet, dev, dt, adapter, encoder)
+    models = load_sdxl(model, controlnet, dev, dt, *kinds)
     notes: list[str] = []
     runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event, kernels)
     for note in notes:

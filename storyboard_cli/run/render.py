@@ -101,9 +101,12 @@ def check_options(opts: RenderOptions) -> None:
 
 
 def model_specs(job: Job, items: list) -> tuple:
-    """What `load_models` loads for these items: (model, ControlNets, IP-Adapter, image encoder); the ControlNets only
-    when an item has a control image, the adapter only when one has a reference."""
+    """What `load_models` loads for these items: (model, ControlNets, IP-Adapter, image encoder, regions); the
+    ControlNets only when an item has a control image, the adapter only when one has a reference, the regions'
+    attention only when one has regions."""
     def opened(spec):
+        if isinstance(spec, bool):  # a kind's switch (regions), not a model
+            return spec
         return tuple(opened(s) for s in spec) if isinstance(spec, tuple) else job_spec(spec, job.folder)
 
     return opened(job.model), *(opened(spec) for kind in KINDS for spec in kind.used_models(job, items))
@@ -111,8 +114,8 @@ def model_specs(job: Job, items: list) -> tuple:
 
 def load_models(job: Job, items: list, device: torch.device, dtype: torch.dtype) -> SdxlModels:
     """The job's model, with its ControlNets and IP-Adapter where `items` use them (`model_specs`)."""
-    model, nets, adapter, encoder = model_specs(job, items)
-    return load_sdxl(model, nets, device, dtype, adapter, encoder)
+    model, nets, *kinds = model_specs(job, items)  # the kinds' arguments after the ControlNets, in KINDS order
+    return load_sdxl(model, nets, device, dtype, *kinds)
 
 
 def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:

@@ -23,6 +23,7 @@ from storyboard_cli.job import file as job_file
 from storyboard_cli.job.file import SHOT_DEFAULTS
 from storyboard_cli.job.conditions import source as source_kind
 from storyboard_cli.job.conditions.reference import REFERENCE_SCALE, REFERENCE_SLOTS
+from storyboard_cli.job.conditions.region import REGION_SLOTS
 from storyboard_cli.job.inputs import DIGEST
 from storyboard_cli.job.lora_files import SCALE_RANGE
 from storyboard_cli.job.preflight import PRESETS
@@ -426,6 +427,21 @@ class CharacterDoc(Doc):
     lora: dict[str, Scale] | None = Field(None, description="name in the job's `loras` -> scale")
 
 
+class RegionDoc(Doc):
+    """One part of a shot's frame with its own prompt: `box` or `mask`, one of the two."""
+
+    box: Annotated[list[float], Field(min_length=4, max_length=4)] | None = Field(
+        None, description="[x, y, w, h] in pixels, or fractions of the frame when all are <= 1; inside the frame")
+    mask: NonEmpty | None = Field(None, description="a mask image (white: the region): a name in the job's `inputs`, "
+                                                    "or a path under the server's folders")
+    prompt: NonEmpty = Field(description="what the region shows: at most 77 CLIP tokens")
+    characters: Annotated[list[SafeName], Field(max_length=REFERENCE_SLOTS)] | None = Field(
+        None, description="names in the job's `characters`: their references, inside the region alone (needs "
+                          "`ip_adapter`; their LoRAs are not applied: no per-region LoRA)")
+    reference: NonEmpty | ReferenceDoc | None = Field(None, description="a reference inside the region alone (needs "
+                                                                        "`ip_adapter`)")
+
+
 class DeepCacheDoc(Doc):
     interval: Annotated[int, Field(ge=2, le=job_file.MAX_INTERVAL)]
     branch: Annotated[int, Field(ge=0, le=job_file.MAX_BRANCH)] = 0
@@ -467,6 +483,9 @@ class ShotFields(Doc):
     characters: Annotated[list[SafeName], Field(max_length=REFERENCE_SLOTS)] | None = Field(
         None, description="names in the job's `characters`: their references and LoRAs (needs `ip_adapter`)")
     reference: NonEmpty | ReferenceDoc | None = Field(None, description="a one-off reference (needs `ip_adapter`)")
+    regions: Annotated[list[RegionDoc], Field(max_length=REGION_SLOTS)] | None = Field(
+        None, description="parts of the frame with their own prompts (and references); the shot's prompt is seen "
+                          "everywhere")
     lora: dict[str, Scale] | None = Field(None, description="name in the job's `loras` -> scale")
     init: InitDoc | None = Field(None, description="start from an image (img2img)")
     mask: MaskDoc | None = Field(None, description="repaint only part of the `init` image (inpainting)")

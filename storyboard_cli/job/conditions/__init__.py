@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from storyboard_cli.job.conditions import control, reference, source
+from storyboard_cli.job.conditions import control, reference, region, source
 from storyboard_cli.job.kind import Kind
 
-KINDS: tuple[Kind, ...] = (control.KIND, reference.KIND, source.KIND)  # in the order an image's A1111 units are written
-MODULES = {"control": control, "reference": reference, "source": source}  # every module of job/conditions/, by its kind's name
+KINDS: tuple[Kind, ...] = (control.KIND, reference.KIND, source.KIND, region.KIND)  # in the order an image's A1111 units are written
+# every module of job/conditions/, by its kind's name
+MODULES = {"control": control, "reference": reference, "source": source, "region": region}
 
 
 def shown() -> list[Kind]:

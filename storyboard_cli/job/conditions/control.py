@@ -199,6 +199,9 @@ class Control:
     def finish(self, item: Any, pixels: Any) -> Any:
         return pixels
 
+    def boxes(self, meta: dict) -> list:
+        return []
+
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         """(whether an image's settings record a net, where the last ends) for the sheet's levers."""
         ends = [c.get("end", 1.0) for c in meta.get("controls") or () if isinstance(c, dict)]  # named nets: the last's

@@ -163,11 +163,7 @@ class References:
     def settings(self, item: Any, weights: Weights) -> dict:
         s: dict = {}
         if item.references:
-            s["ip_adapter"] = item.ip_adapter
-            weights(s, "ip_adapter_weights", item.ip_adapter)
-            if item.image_encoder is not None:
-                s["image_encoder"] = item.image_encoder
-                weights(s, "image_encoder_weights", item.image_encoder)
+            s.update(adapter_settings(item.ip_adapter, item.image_encoder, weights))
             s["references"] = [{"file": r.file, "sha256": r.sha256[:SHORT], "scale": r.scale}
                                | ({"character": r.character} if r.character else {}) for r in item.references]
             s["reference_scale"] = item.reference_scale
@@ -192,6 +188,9 @@ class References:
     def finish(self, item: Any, pixels: Any) -> Any:
         return pixels
 
+    def boxes(self, meta: dict) -> list:
+        return []
+
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         return False, 1.0
 
@@ -210,8 +209,10 @@ class References:
         return [], [job.ip_adapter, job.image_encoder]
 
     def used_models(self, job: Any, items: list) -> tuple:
-        """(the adapter, its encoder) where an item has a reference, else (None, None): nothing loads."""
-        return (job.ip_adapter, job.image_encoder) if any(i.references for i in items) else (None, None)
+        """(the adapter, its encoder) where an item has a reference (its own or a region's), else (None, None):
+        nothing loads."""
+        used = any(i.references or any(r.references for r in i.regions) for i in items)  # a region's too
+        return (job.ip_adapter, job.image_encoder) if used else (None, None)
 
     # ------------------------------------------------------------ the report, the sheet, `bcg plan`
 
@@ -252,7 +253,8 @@ class References:
     def summary(self, job: Any) -> dict:
         """What `bcg plan` says of the references: distinct images (each encoded once), the characters used in order
         of first use, and a note on shots whose references ask for different scales."""
-        return {"references": len({r.sha256 for s in job.shots for r in s.references}),
+        return {"references": len({r.sha256 for s in job.shots for r in (*s.references, *(x for g in s.regions
+                                                                                        for x in g.references))}),
                 "characters": tuple(dict.fromkeys(c for s in job.shots for c in s.characters)),
                 "reference_note": reference_note(job)}
 
@@ -267,6 +269,16 @@ class References:
 
 
 KIND = References()
+
+
+def adapter_settings(ip_adapter: str, image_encoder: str | None, weights: Weights) -> dict:
+    """The IP-Adapter an image's references go through, as its settings record it (and its weights' digests)."""
+    s: dict = {"ip_adapter": ip_adapter}
+    weights(s, "ip_adapter_weights", ip_adapter)
+    if image_encoder is not None:
+        s["image_encoder"] = image_encoder
+        weights(s, "image_encoder_weights", image_encoder)
+    return s
 
 
 def reference_note(job: Any) -> str | None:
@@ -337,33 +349,33 @@ def resolve_characters(ctx: Context, raw: Any, line: int | None, job_dir: Path, 
 
 def shot_references(ctx: Context, names: Any, names_line: int | None, one_off: Any, one_off_line: int | None,
                     shot_id: str, job_dir: Path, characters: dict[str, Character],
-                    ip_adapter: str | None) -> tuple[tuple[str, ...], tuple[Reference, ...]]:
+                    ip_adapter: str | None, prefix: str = "") -> tuple[tuple[str, ...], tuple[Reference, ...]]:
     """A shot's `characters: [name, ...]` and `reference:`: (the characters, their references in the order the
-    shot names them, then the one-off)."""
+    shot names them, then the one-off). `prefix`: where the keys are (a region's: `regions[0].`)."""
     if names is None:
         names = []
     elif isinstance(names, str):
         names = [names]
     elif not isinstance(names, list):
-        raise ctx.fail(names_line, shot_id, "characters", f"must be a list of character names, like [mei], got "
-                       f"{type_name(names)}")
+        raise ctx.fail(names_line, shot_id, f"{prefix}characters", f"must be a list of character names, like [mei], "
+                       f"got {type_name(names)}")
     if names and ip_adapter is None:
-        raise ctx.fail(names_line, shot_id, "characters", NO_ADAPTER)
+        raise ctx.fail(names_line, shot_id, f"{prefix}characters", NO_ADAPTER)
     if one_off is not None and ip_adapter is None:
-        raise ctx.fail(one_off_line, shot_id, "reference", NO_ADAPTER)
+        raise ctx.fail(one_off_line, shot_id, f"{prefix}reference", NO_ADAPTER)
     for i, name in enumerate(names):
         if not isinstance(name, str) or name not in characters:
             known = (f"the job's characters: {clip(', '.join(characters))}" if characters
                      else "the job has no top-level 'characters:'")
-            raise ctx.fail(names_line, shot_id, "characters", f"unknown character {short_repr(name)} ({known})"
+            raise ctx.fail(names_line, shot_id, f"{prefix}characters", f"unknown character {short_repr(name)} ({known})"
                            f"{did_you_mean(str(name), characters)}")
         if name in names[:i]:
-            raise ctx.fail(names_line, shot_id, "characters", f"'{name}' is named twice")
+            raise ctx.fail(names_line, shot_id, f"{prefix}characters", f"'{name}' is named twice")
     references = [characters[n].reference for n in names]
     if one_off is not None:
-        references.append(resolve_reference(ctx, one_off, one_off_line, shot_id, "reference", job_dir))
+        references.append(resolve_reference(ctx, one_off, one_off_line, shot_id, f"{prefix}reference", job_dir))
     if len(references) > REFERENCE_SLOTS:
-        raise ctx.fail(names_line if names else one_off_line, shot_id, "characters", f"{len(references)} "
+        raise ctx.fail(names_line if names else one_off_line, shot_id, f"{prefix}characters", f"{len(references)} "
                        f"references (its characters' and its 'reference:'); a shot may use at most {REFERENCE_SLOTS}")
     return tuple(names), tuple(references)
 

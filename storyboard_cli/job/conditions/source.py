@@ -208,6 +208,9 @@ class Source:
                 out += ["Inpaint area: Only masked", f"Masked area padding: {mask['padding']}"]
         return out
 
+    def boxes(self, meta: dict) -> list:
+        return []
+
     def finish(self, item: Any, pixels: Any) -> Any:
         """A cropped inpainting's decoded pixels (uint8 [H, W, 3] at the shot's size) pasted back over its source
         (`overlay`): the image written, at the source's size. Others as they are."""
