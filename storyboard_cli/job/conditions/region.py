@@ -131,6 +131,9 @@ class Regions:
     def key(self, item: Any) -> dict:
         return {}
 
+    def first(self, key: Any) -> int:
+        return 0
+
     def side(self, key: Any) -> tuple[int, float]:
         return 0, 1.0  # inside the UNet's cross-attention: no network of its own
 
