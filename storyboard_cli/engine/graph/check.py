@@ -43,9 +43,10 @@ class Referee:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="bcg-check")
         side = self.stream()
         side.wait_stream(torch.cuda.current_stream())  # the check's inputs and its replay's outputs come first
+        index = torch.cuda.current_device() if self.device.index is None else self.device.index
 
         def run() -> tuple[float, str]:
-            torch.cuda.set_device(self.device)  # the current device is the thread's own
+            torch.cuda.set_device(index)  # the current device is the thread's own (`cuda` names no index)
             with torch.no_grad(), torch.cuda.stream(side):  # grad mode is the thread's own too
                 return work()
 
