@@ -372,9 +372,23 @@ class GraphRunner:
         if graphs is None:
             return self.eager.sample(x, sched, noise, cond, conds, guidance, plan)
         # the first replay of each graph not checked yet, its eager reference made beside the loop
-        checks = [first_replay(self.models, self.buf, key, graph.replay, self.referee, x, sched, cond, conds,
-                               guidance) for key, graph in self._unchecked(graphs)]
-        steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
+        checks: list[Check] = []
+        try:
+            for key, graph in self._unchecked(graphs):
+                checks.append(first_replay(self.models, self.buf, key, graph.replay, self.referee, x, sched, cond,
+                                           conds, guidance))
+            out = self._loop([graphs[kind] for kind in plan], x, sched, noise, cond, conds, guidance)
+        except BaseException:
+            for check in checks:  # ended before what follows (an out-of-memory's release, a capture) runs
+                check.outcome.exception()
+            raise
+        if not self._passed(checks):  # the loop ran on a graph that fails its check: again, one variant lower
+            return self.sample(x, sched, noise, cond, conds, guidance, plan)
+        return out
+
+    def _loop(self, steps: list, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
+              conds: Conditions, guidance: torch.Tensor) -> torch.Tensor:
+        """The batch's replays, (key, graph) of each step, on its inputs: the final latents."""
         v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, conds, guidance)
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
@@ -386,10 +400,7 @@ class GraphRunner:
                 v.noise.copy_(noise[i])
             graph.replay()
         self._time(segment, len(steps))
-        out = v.x.clone()  # clone: the next batch overwrites the static buffer
-        if not self._passed(checks):  # the loop ran on a graph that fails its check: again, one variant lower
-            return self.sample(x, sched, noise, cond, conds, guidance, plan)
-        return out
+        return v.x.clone()  # clone: the next batch overwrites the static buffer
 
     @staticmethod
     def _order(key: ShapeKey) -> tuple:
