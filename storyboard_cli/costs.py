@@ -105,6 +105,7 @@ class Costs:
     load_s: float | None = None
     capture_s: dict[str, float] = field(default_factory=dict)
     check_s: dict[str, float] = field(default_factory=dict)
+    render_s: float = 0.0  # per render, outside its batches: the folder read, the report and the contact sheet
     sources: dict[str, str] = field(default_factory=dict)  # where the figures outside the steps came from
 
     def step(self, shape: StepShape) -> Lookup | None:
@@ -157,7 +158,8 @@ class Costs:
                 "steps": {s.key: m.to_json() for s, m in sorted(self.steps.items())},
                 "encode_ms_per_batch": self.encode_ms, "decode_ms_per_megapixel": self.decode_ms,
                 "save_ms_per_megapixel": self.save_ms, "hidden": self.hidden, "load_s": self.load_s,
-                "capture_s_per_shape": self.capture_s, "check_s_per_shape": self.check_s, "sources": self.sources}
+                "capture_s_per_shape": self.capture_s, "check_s_per_shape": self.check_s,
+                "render_s": self.render_s, "sources": self.sources}
 
     @classmethod
     def from_json(cls, d: dict) -> Costs:
@@ -165,7 +167,8 @@ class Costs:
                    {StepShape.parse(k): Measured.from_json(v) for k, v in d.get("steps", {}).items()},
                    d.get("encode_ms_per_batch"), d.get("decode_ms_per_megapixel"), d.get("save_ms_per_megapixel"),
                    dict(d.get("hidden") or {}), d.get("load_s"), dict(d.get("capture_s_per_shape") or {}),
-                   dict(d.get("check_s_per_shape") or {}), dict(d.get("sources") or {}))
+                   dict(d.get("check_s_per_shape") or {}), float(d.get("render_s") or 0.0),
+                   dict(d.get("sources") or {}))
 
 
 def _distance(have: StepShape, want: StepShape) -> tuple:

@@ -42,15 +42,14 @@ def tables(device: str, model: str) -> tuple[Costs | None, str]:
         base, mine = shipped.get((device, m)), cached.get((device, m))
         if base is None and mine is None:
             continue
-        table = base or Costs(device, m)
-        if mine is not None:
-            for shape, entry in mine.steps.items():
-                table.steps[shape] = entry
-            for name in ("encode_ms", "decode_ms", "save_ms", "load_s"):
+        table = base or mine
+        if base is not None and mine is not None:  # this machine's figures over the shipped ones
+            table.steps.update(mine.steps)
+            for name in ("encode_ms", "decode_ms", "save_ms", "load_s", "render_s"):
                 if getattr(mine, name) is not None:
                     setattr(table, name, getattr(mine, name))
-            table.hidden.update(mine.hidden)
-            table.capture_s.update(mine.capture_s)
+            for name in ("hidden", "capture_s", "check_s"):
+                getattr(table, name).update(getattr(mine, name))
         what = ("measured on " + device + (" (this machine's renders)" if mine is not None and base is None else
                                            " (this machine's renders and bcg's figures)" if mine is not None else
                                            " (bcg's figures)"))
@@ -165,7 +164,7 @@ def estimate(batches: list[Batch], model: str, device: str, kernels: str = "auto
     priced = [batch_cost(table, b, variant, refs) for b in batches]
     shapes = {c.shape: c for c in priced}
     est.shapes, est.extrapolated = len(shapes), sum(not c.measured for c in shapes.values())
-    busy = [0.0] * gpus
+    busy = [table.render_s] * gpus  # each GPU's share of a render outside its batches (the folder, the report)
     owned: list[set] = [set() for _ in range(gpus)]
     prepare = [0.0] * gpus
     order = sorted(priced, key=lambda c: -c.seconds) if gpus > 1 else priced
@@ -195,6 +194,7 @@ class Observed:
     buckets: list[tuple[Batch, dict]]
     stages: dict[str, float]
     hidden: dict[str, float]
+    wall_s: float
     images: int
     megapixels: float
     shapes: int
@@ -205,7 +205,8 @@ class Observed:
 def observe(seen: Observed, file=None) -> Costs:
     """Adds a render's figures to the cache's table of its device and model (costs.update): each bucket whose every
     step has one shape (no draft lever), its ms per row-step; the stages per batch and megapixel and what the
-    denoising hid of them; the weights' and each shape's graphs' seconds where this render paid them."""
+    denoising hid of them; the weights' and each shape's graphs' seconds where this render paid them; the rest of its
+    wall (its folder, report and contact sheet)."""
     batches = sum(row["batches"] for _, row in seen.buckets)
 
     def merge(table: Costs) -> None:
@@ -229,6 +230,11 @@ def observe(seen: Observed, file=None) -> Costs:
         for name in ("encode", "decode", "save"):
             if s.get(name):
                 table.hidden[name] = min(1.0, max(0.0, seen.hidden.get(name, 0.0) / s[name]))
+        if seen.device == CPU:  # the inputs and the decode run in place on the CPU (BatchRunner.start_decode): the
+            table.hidden.update(encode=0.0, decode=0.0)  # wall holds them whole, whatever the streams' timers said
+        inside = s.get("load", 0.0) + s.get("capture", 0.0) + s.get("denoise", 0.0) + sum(
+            s.get(name, 0.0) * (1 - table.hidden.get(name, 0.0)) for name in ("encode", "decode", "save"))
+        table.render_s = max(0.0, seen.wall_s - inside)
         if s.get("load", 0.0) > 0.5:  # weights loaded by this render (not handed in)
             table.load_s = s["load"]
         if seen.shapes and s.get("capture", 0.0) > 0.05:
