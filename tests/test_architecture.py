@@ -122,7 +122,7 @@ TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "costs.py", "costs_h200.py
               "serve/server.py", "serve/folders.py", "serve/blobs.py", "serve/blob_routes.py", "serve/edge.py",
               "serve/wire.py", "serve/nvml.py", "serve/settings.py", "serve/inputs_cache.py",
               "serve/worker_options.py", "serve/openapi.py", "serve/api_state.py", "serve/job_routes.py",
-              "serve/lease_routes.py", "serve/ops_routes.py", "serve/disk.py"]
+              "serve/lease_routes.py", "serve/ops_routes.py", "serve/disk.py", "serve/estimates.py"]
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
 # builds one; capture and bench's parts, which time them
 ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench/contenders.py", "bench/steps.py",

@@ -241,3 +241,18 @@ def observe(seen: Observed, file=None) -> Costs:
             table.capture_s[seen.variant] = s["capture"] / seen.shapes
 
     return costs.update(Costs(seen.device, seen.model), merge, file)
+
+
+def image_seconds(batches: list[Batch], model: str, device: str, kernels: str = "auto", refs: int = 0
+                  ) -> dict[int, float]:
+    """Each item's share of its batch's seconds (by `id(item)`), the service's unit of work: on the device's table,
+    or where it has none on the shipped one, extrapolated by FLOPs (the server calibrates each worker against it)."""
+    table, _ = tables(device, model)
+    variant = variant_for(kernels, device)
+    if table is None or table.step(StepShape(64, 64, 2, 0, 0, variant)) is None:
+        table, variant = costs_h200.table(), AUTO_GPU
+    shares = {}
+    for b in batches:
+        seconds = batch_cost(table, b, variant, refs).seconds
+        shares.update({id(item): seconds / len(b.items) for item in b.items})
+    return shares
