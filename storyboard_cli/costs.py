@@ -75,7 +75,8 @@ class Measured:
 
     @classmethod
     def from_json(cls, d: dict) -> Measured:
-        return cls(float(d["ms_per_row_step"]), int(d.get("n", 1)), bool(d.get("loop", False)), str(d.get("source", "")))
+        return cls(float(d["ms_per_row_step"]), int(d.get("n", 1)), bool(d.get("loop", False)),
+                   str(d.get("source", "")))
 
 
 @dataclass(frozen=True)

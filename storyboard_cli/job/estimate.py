@@ -104,7 +104,8 @@ class Estimate:
                 "shapes_extrapolated": self.extrapolated, "row_steps": self.row_steps}
 
     def line(self) -> str:
-        """"~14 min (12-16 min) on 1 GPU, measured on NVIDIA H200 (bcg's figures), compiled kernels; cold start 40 s"."""
+        """"time: ~14 min (12-16 min) on 1 GPU, measured on NVIDIA H200 (bcg's figures), compiled kernels; cold start
+        40 s (weights 12 s, graphs 28 s)"; without a table, what it lacks."""
         gpus = f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}" if self.device != CPU else "the CPU"
         if self.seconds is None:
             return f"time: {self.basis} ({self.row_steps:,} UNet row-steps); a render here measures it"
@@ -256,3 +257,19 @@ def image_seconds(batches: list[Batch], model: str, device: str, kernels: str = 
         seconds = batch_cost(table, b, variant, refs).seconds
         shares.update({id(item): seconds / len(b.items) for item in b.items})
     return shares
+
+
+def observe_loops(device: str, model: str, loops: list[tuple[StepShape, float, float]], file=None) -> Costs:
+    """`bcg capture --warm`'s figures into the cache's table: per shape (its step, ms per step of its short loop,
+    its capture seconds). A short loop's figure does not replace a render's (Costs.add_step keeps what a render
+    measured; a render's replaces a loop's)."""
+    def merge(table: Costs) -> None:
+        for shape, ms, _ in loops:
+            if shape not in table.steps or table.steps[shape].loop:
+                table.steps[shape] = costs.Measured(ms / shape.rows, 1, True, "bcg capture --warm")
+        by_variant: dict[str, list[float]] = {}
+        for shape, _, capture_s in loops:
+            by_variant.setdefault(shape.variant, []).append(capture_s)
+        table.capture_s.update({v: sum(c) / len(c) for v, c in by_variant.items()})
+
+    return costs.update(Costs(device, model), merge, file)

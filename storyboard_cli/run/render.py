@@ -319,7 +319,7 @@ class RenderSession:
             if status != Status.ERROR:  # else the error being raised says more than this one
                 raise folder_error(self.out_dir, e) from None
         self.sheet.update(report.failures)  # every worker's, after a multi-GPU run
-        if self.policy and rendered:
+        if self.policy and rendered and report.workers is None:  # one process's figures, not a merge of several
             self.record_costs(report)
         if self.policy:
             self.release(self.policy.runner)
@@ -338,7 +338,8 @@ class RenderSession:
         items = [i for b in self.batches for i in b.items]
         try:
             observe(Observed(device_of(report.device), self.job.model, variant, buckets, report.stages_s,
-                             report.hidden_s or {}, time.perf_counter() - self.t_start, len(items), sum(i.width * i.height for i in items) / 1e6,
+                             report.hidden_s or {}, time.perf_counter() - self.t_start, len(items),
+                             sum(i.width * i.height for i in items) / 1e6,
                              len(set(batch_shapes(self.batches))), adapted(self.job)))
         except OSError as e:  # a cache that cannot be written costs the next estimate its calibration, nothing else
             log.debug("cost table not written: %s", e)

@@ -95,7 +95,8 @@ class StoreCollector:
         yield GaugeMetricFamily(PREFIX + "images_per_second", "Images finished per second over the last 5 minutes.",
                                 value=s["images_per_s"])
         yield GaugeMetricFamily(PREFIX + "stale_leases", f"Leases running longer than {STALE:g}x their time estimate "
-                                "(the cost table times their worker's calibration).", value=self.store.stale_leases(now))
+                                "(the cost table times their worker's calibration).",
+                                value=self.store.stale_leases(now))
         ratio = GaugeMetricFamily(PREFIX + "worker_estimate_ratio", "A worker's measured over estimated batch seconds "
                                   "(the median of its last leases): its calibration.", labels=WORKER)
         for w in s["workers"]:
