@@ -68,7 +68,7 @@ def test_the_arithmetic_on_a_hand_made_table(tmp_path, hand_cache):
     # cold start: the weights, then each shape's capture, and the check only where its figure is a short loop's
     assert est.load_s == 3.0 and est.prepare_s == pytest.approx(0.25 + 0.5 + 0.25)
     assert (est.low, est.high) == pytest.approx((0.9 * est.seconds, 1.1 * est.seconds))
-    assert est.basis == "measured on Hand GPU (this machine's renders)"
+    assert est.basis == "measured on Hand GPU (this machine's measurements)"
 
 
 def test_unmeasured_shapes_are_extrapolated_by_flops_and_said_so(tmp_path, hand_cache):
@@ -174,7 +174,7 @@ def test_plan_prints_the_estimate_and_its_basis(tmp_path, monkeypatch):
 def test_plan_reads_this_machines_measurements(tmp_path, hand_cache):
     path = write_job(tmp_path, TWO_SHOTS)
     result = runner.invoke(app, ["plan", str(path), "--on", "Hand GPU", "--kernels", "compiled"])
-    assert "measured on Hand GPU (this machine's renders), compiled kernels; cold start" in result.stdout
+    assert "measured on Hand GPU (this machine's measurements), compiled kernels; cold start" in result.stdout
     e = json.loads(runner.invoke(app, ["plan", str(path), "--on", "Hand GPU", "--kernels", "compiled",
                                        "--json"]).stdout)["estimate"]
     assert e["seconds"] == pytest.approx(estimate(_batches(tmp_path, TWO_SHOTS)[1], "tiny", "Hand GPU",
@@ -250,7 +250,7 @@ def test_a_cpu_render_is_estimated_within_10_percent_from_an_earlier_one(job_dir
         monkeypatch.setenv("BCG_CACHE", str(job_dir / f"cache{trial}"))
         render(a, RenderOptions(out_dir=job_dir / f"a{trial}"), models=tiny_cpu)
         est = estimate(make_batches(work_items(b), b.buckets), "tiny", CPU)
-        assert est.basis == "measured on cpu (this machine's renders)" and est.extrapolated == 0, est.to_json()
+        assert est.basis == "measured on cpu (this machine's measurements)" and est.extrapolated == 0, est.to_json()
         t0 = time.perf_counter()
         result = render(b, RenderOptions(out_dir=job_dir / f"b{trial}"), models=tiny_cpu)
         wall = time.perf_counter() - t0

@@ -50,8 +50,8 @@ def tables(device: str, model: str) -> tuple[Costs | None, str]:
                     setattr(table, name, getattr(mine, name))
             for name in ("hidden", "capture_s", "check_s"):
                 getattr(table, name).update(getattr(mine, name))
-        what = ("measured on " + device + (" (this machine's renders)" if mine is not None and base is None else
-                                           " (this machine's renders and bcg's figures)" if mine is not None else
+        what = ("measured on " + device + (" (this machine's measurements)" if mine is not None and base is None else
+                                           " (this machine's measurements and bcg's figures)" if mine is not None else
                                            " (bcg's figures)"))
         if m != model:
             what += f", for {m} (SDXL-base's shapes), not {model}"
