@@ -18,6 +18,8 @@ from storyboard_cli.job.file import as_draft, load_job
 from storyboard_cli.job.plan import work_items
 from storyboard_cli.serve.intake import mix_key, work
 
+from helpers.plan_output import without_estimate
+
 PINNED = DATA / "controls_pinned.json"
 IMAGES = {  # PNG bytes as written, so no encoder's version can change a digest
     "pose.png": "iVBORw0KGgoAAAANSUhEUgAAABAAAAAQCAIAAACQkWg2AAAAGUlEQVR4nGP8//8/AymAiSTVoxpGNQwpDQBVbQMdPVIhQwAAAABJRU5ErkJggg==",
@@ -56,13 +58,6 @@ def record(job) -> dict:
                      "manifest": manifest_record(item, path, fp, "0" * 64, settings=settings)}
         out[path]["manifest"].pop("finished")  # the clock's
     return out
-
-
-def without_estimate(stdout: str) -> str:
-    """`bcg plan`'s output less its time estimate: this machine's figures (tests/test_estimate.py checks it)."""
-    if stdout.startswith("{"):
-        return json.dumps({k: v for k, v in json.loads(stdout).items() if k != "estimate"}, indent=2) + "\n"
-    return "".join(line for line in stdout.splitlines(keepends=True) if not line.startswith("time: "))
 
 
 def recorded(folder, monkeypatch) -> dict:
