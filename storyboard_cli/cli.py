@@ -53,16 +53,26 @@ def _main(version: Annotated[bool, typer.Option("--version", metavar="", callbac
 
 @app.command()
 def plan(job: JobArg, json_out: JsonOpt = False,
-         draft: Annotated[bool, _flag("--draft", "The job as `bcg render --draft` renders it.")] = False) -> None:
-    """Validate a job and print its bucket table, without loading a model."""
+         draft: Annotated[bool, _flag("--draft", "The job as `bcg render --draft` renders it.")] = False,
+         gpus: Annotated[int, typer.Option(min=1, help="The time on this many GPUs (`bcg render --gpus N`).")] = 1,
+         kernels: KernelsOpt = None, fp8: Fp8Opt = False,
+         on: Annotated[Optional[str], typer.Option("--on", help="The time on this GPU's measurements (its name as "
+                                                               "nvidia-smi gives it, e.g. 'NVIDIA H200', or cpu; "
+                                                               "default: this machine's).")] = None) -> None:
+    """Validate a job and print its bucket table and how long it takes, without loading a model."""
+    from storyboard_cli.costs import local_device
+    from storyboard_cli.job.estimate import adapted, estimate
     from storyboard_cli.job.file import as_draft, load_job
-    from storyboard_cli.job.plan import summary
+    from storyboard_cli.job.plan import make_batches, summary, work_items
 
     with _domain_errors():
         j = load_job(job)
-        s = summary(as_draft(j) if draft else j)
+        planned = as_draft(j) if draft else j
+        s = summary(planned)
+        est = estimate(make_batches(work_items(planned), planned.buckets), j.model, on or local_device(),
+                       kernels_name(kernels, fp8), gpus, adapted(j))
     if json_out:
-        out.print_json(json.dumps(s.to_json()))
+        out.print_json(json.dumps(s.to_json() | {"estimate": est.to_json()}))
         return
     _warn(j.warnings + s.warnings)
     table = Table(title=f"{j.name}: {plural(len(j.shots), 'shot')}, {plural(s.images, 'image')} "
@@ -102,6 +112,7 @@ def plan(job: JobArg, json_out: JsonOpt = False,
                   f"{characters}")
     for note in s.kind_notes:  # the references' scales, the shots that start from a source
         out.print(note)
+    out.print(est.line())
 
 
 def _warn(warnings: Iterable[str]) -> None:

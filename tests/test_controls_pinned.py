@@ -18,6 +18,8 @@ from storyboard_cli.job.file import as_draft, load_job
 from storyboard_cli.job.plan import work_items
 from storyboard_cli.serve.intake import mix_key, work
 
+from helpers.plan_output import without_estimate
+
 PINNED = DATA / "controls_pinned.json"
 RECORDED_KINDS_KEYS = ("characters", "references", "controlnets")  # report.json's conditioning keys in the record
 IMAGES = {  # PNG bytes as written, so no encoder's version can change a digest
@@ -73,7 +75,7 @@ def recorded(folder, monkeypatch) -> dict:
         for args in ([], ["--json"], ["--draft", "--json"]):
             result = runner.invoke(app, ["plan", f"{name}.yaml", *args])
             assert result.exit_code == 0, result.output
-            plans[" ".join(args) or "text"] = result.stdout
+            plans[" ".join(args) or "text"] = without_estimate(result.stdout)
         # the report's conditioning keys of the kinds the record was made with; a later kind's key only where it
         # has an entry (none for these jobs: report.json leaves a None key out)
         report = {k: v for k, v in job_conditions(job).items() if k in RECORDED_KINDS_KEYS or v is not None}

@@ -31,6 +31,7 @@ from storyboard_cli.engine.device import device_name, dtype_name
 from storyboard_cli.engine.variants import FP8
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import Job, load_job
+from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.loader import SdxlModels, cuda_allocator, load_sdxl
 
 CONTENDERS = ("a_diffusers", "c_bcg_cold", "d_bcg_warm", "e_bcg_compiled", "f_bcg_fp8")
@@ -168,6 +169,9 @@ def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: 
     cache (a new render: loading them, checking and capturing is counted), (b) diffusers +
     torch.compile, in that order."""
     cuda = models.device.type == "cuda"
+    # `bcg plan`'s estimate of (e) and (f), from the cost table before any render here adds to it (docs/PERFORMANCE.md
+    # compares it with their walls)
+    est = {kernels: estimated(job, models.device, kernels) for kernels in ("compiled", FP8)}
     with tempfile.TemporaryDirectory() as tmp:
         if "a_diffusers" in contenders:
             part("a_diffusers", lambda: loop.run_job(job, Path(tmp) / "a"))
@@ -179,15 +183,36 @@ def _job_parts(job: Job, models: SdxlModels, loop: DiffusersLoop, with_compile: 
                 return bcg_render(job, models, Path(tmp) / "d", engine=runner) | {"capture_warm_s": warm_s}
             part("d_bcg_warm", warm)
         if cuda and "e_bcg_compiled" in contenders:
-            part("e_bcg_compiled", lambda: bcg_render(job, models, Path(tmp) / "e", compile="auto"))
+            part("e_bcg_compiled", lambda: against(bcg_render(job, models, Path(tmp) / "e", compile="auto"),
+                                                   est["compiled"]))
         if "f_bcg_fp8" in contenders and fp8_ready(models.device):  # (e) with the UNet's FP8 kernels
-            part("f_bcg_fp8", lambda: bcg_render(job, models, Path(tmp) / "f", compile="auto", kernels=FP8))
+            part("f_bcg_fp8", lambda: against(bcg_render(job, models, Path(tmp) / "f", compile="auto", kernels=FP8),
+                                              est[FP8]))
             if (Path(tmp) / "e").is_dir():  # the pictures against (e)'s, same seeds
                 part("fp8_images", lambda: image_drift(Path(tmp) / "f", Path(tmp) / "e"))
         if with_compile:
             loop.compile_unet()
             part("b_compile_first", lambda: loop.run_job(job, Path(tmp) / "b1"))
             part("b_compile_steady", lambda: loop.run_job(job, Path(tmp) / "b2"))
+
+
+def estimated(job: Job, device, kernels: str) -> dict:
+    """`bcg plan JOB --gpus 1 --kernels KERNELS --json`'s estimate on this machine's cost table."""
+    from storyboard_cli.costs import device_of
+    from storyboard_cli.engine.build import device_name
+    from storyboard_cli.job.estimate import adapted, estimate
+
+    batches = make_batches(work_items(job), job.buckets)
+    return estimate(batches, job.model, device_of(device_name(device)), kernels, 1, adapted(job)).to_json()
+
+
+def against(result: dict, est: dict) -> dict:
+    """A render's record with the estimate made before it: the batches and each shape's graphs (the bench loads the
+    weights once, outside every contender's wall) over the wall."""
+    if est["seconds"] is None:
+        return result | {"estimate": est}
+    ratio = (est["seconds"] + est["prepare_s"]) / result["wall_s"]
+    return result | {"estimate": est, "estimate_ratio": round(ratio, 4)}
 
 
 def _ratios(rec: dict, log: Callable[[str], None]) -> None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from storyboard_cli.engine.base import Shape
-from storyboard_cli.engine.build import check_engine, graph_runner
+from storyboard_cli.costs import StepShape, device_of
+from storyboard_cli.engine.base import Shape, nets_of
+from storyboard_cli.engine.build import check_engine, device_name, graph_runner
 from storyboard_cli.engine.conditioning import PromptCache, conditioning
 from storyboard_cli.engine.conditions import KINDS
 from storyboard_cli.engine.conditions.kind import Conditions
@@ -18,14 +20,17 @@ from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.kernels.builds import CompileEvent, stage
 from storyboard_cli.engine.sampling import schedule
-from storyboard_cli.engine.variants import AUTO
+from storyboard_cli.engine.variants import AUTO, VARIANTS
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import NAMED_SIZES, Job
+from storyboard_cli.job.estimate import observe_loops
 from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.run.batch import batch_shapes
 from storyboard_cli.run.render import model_specs
 from storyboard_cli.steps import FULL, StepPlan, plan_label
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -179,4 +184,24 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event, kernels)
     for note in notes:
         say(note)
-    return labels, loops, time_shapes(models, runner, shapes, steps=steps, plans=plans, on_stage=say)
+    rows = time_shapes(models, runner, shapes, steps=steps, plans=plans, on_stage=say)
+    record_loops(rows, shapes, plans, device_of(device_name(dev)), model, int(adapter is not None))
+    return labels, loops, rows
+
+
+def record_loops(rows: list[ShapeTiming], shapes: list[Shape], plans: dict, device: str, model: str,
+                 refs: int) -> None:
+    """Each shape's graph loop (its guided step: 2 rows per image) into the cache's cost table (job/estimate.py
+    `observe_loops`): a later `bcg plan` on this machine reads it. `rows` as `time_shapes` made them: a shape's row,
+    then one per draft plan of it."""
+    loops, at = [], 0
+    for shape in sorted(set(shapes), reverse=True):
+        timing, at = rows[at], at + 1 + len(plans.get(shape, ()))
+        if timing.graph_ms and timing.state in VARIANTS:
+            step = StepShape(shape.width, shape.height, 2 * shape.batch, len(nets_of(shape.control)), refs,
+                             timing.state)
+            loops.append((step, timing.graph_ms, timing.capture_s))
+    try:
+        observe_loops(device, model, loops)
+    except OSError as e:  # only a cache: the next estimate is not calibrated on it
+        log.debug("cost table not written: %s", e)

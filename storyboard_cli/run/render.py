@@ -19,7 +19,8 @@ import torch
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
 from storyboard_cli.engine.device import probe
-from storyboard_cli.engine.variants import AUTO
+from storyboard_cli.engine.variants import AUTO, VARIANTS
+from storyboard_cli.costs import EAGER, device_of
 from storyboard_cli.errors import Status, StoryboardError, folder_error
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
@@ -28,12 +29,13 @@ from storyboard_cli.folder.report import Report, Timings, job_conditions, write_
 from storyboard_cli.folder.shards import merge_shards
 from storyboard_cli.folder.sink import ContactSheet, OutputSink
 from storyboard_cli.job.conditions import KINDS
+from storyboard_cli.job.estimate import Observed, adapted, observe
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import Batch, check_models, deepcache_note, make_batches, shot_levers, work_items
 from storyboard_cli.job.preflight import check_destination, job_spec
 from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
-from storyboard_cli.run.batch import BatchRunner, batch_kinds, batch_shapes
+from storyboard_cli.run.batch import BatchRunner, batch_kinds, batch_shapes, bucket_label
 from storyboard_cli.run.oom import OutOfMemoryPolicy
 from storyboard_cli.run.signals import StopFlag, Stopped, stop_signals
 
@@ -320,12 +322,30 @@ class RenderSession:
             if status != Status.ERROR:  # else the error being raised says more than this one
                 raise folder_error(self.out_dir, e) from None
         self.sheet.update(report.failures)  # every worker's, after a multi-GPU run
+        if self.policy and rendered and report.workers is None:  # one process's figures, not a merge of several
+            self.record_costs(report)
         if self.policy:
             self.release(self.policy.runner)
         return RenderResult(report.status, self.out_dir, report.images_rendered, skipped=self.pending.skipped,
                             failed=report.failures, wall_s=wall, device=device_name(self.device),
                             engine=report.engine, report=report, report_paths=paths, notes=report.notes,
                             signal=signum, sheet=self.sheet.path)
+
+    def record_costs(self, report: Report) -> None:
+        """This render's timings into the cache's cost table (job/estimate.py `observe`): the next `bcg plan` on this
+        machine is calibrated on it. Its variant: the one most of its graphs ran (the eager engine's "eager")."""
+        states = [g["state"] for g in report.graphs if g.get("state") in VARIANTS]
+        variant = max(set(states), key=states.count) if states else EAGER
+        shapes = {bucket_label(b): b for b in self.batches}
+        buckets = [(shapes[row["bucket"]], row) for row in report.buckets if row["bucket"] in shapes]
+        items = [i for b in self.batches for i in b.items]
+        try:
+            observe(Observed(device_of(report.device), self.job.model, variant, buckets, report.stages_s,
+                             report.hidden_s or {}, time.perf_counter() - self.t_start, len(items),
+                             sum(i.width * i.height for i in items) / 1e6,
+                             len(set(batch_shapes(self.batches))), adapted(self.job)))
+        except OSError as e:  # a cache that cannot be written costs the next estimate its calibration, nothing else
+            log.debug("cost table not written: %s", e)
 
     def _report(self, status: str, rendered: int, failed: list[dict], wall: float, signum: int | None,
                 error: str | None) -> Report:

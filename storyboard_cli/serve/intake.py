@@ -7,6 +7,7 @@ name, not the server's copy, so they read as `bcg plan` prints them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -14,13 +15,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from storyboard_cli.costs import local_device
 from storyboard_cli.errors import BadInput, JobError, StoryboardError
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
-from storyboard_cli.job.plan import WorkItem, model_fields, work_items
+from storyboard_cli.job.estimate import adapted, image_seconds
+from storyboard_cli.job.plan import WorkItem, make_batches, model_fields, work_items
 from storyboard_cli.job.preflight import PRESETS, check_model_path, presets_of
 from storyboard_cli.serve.blobs import BlobStore
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, TIERS
@@ -43,6 +46,7 @@ class PlannedImage:
     fingerprint: str
     mix: str  # images of different jobs with the same mix may share a batch (model, bucket key, LoRA contents)
     cost: float = 1.0  # denoising work, megapixel-steps (a ControlNet adds half): what orders a job's batches
+    est: float = 0.0  # its share of its batch's seconds on the server's cost table (serve/estimates.py calibrates it)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,12 @@ class Planned:
     content_hash: str  # body, file name and priority: what an Idempotency-Key is checked against
     batch: int
     images: tuple[PlannedImage, ...]
+
+
+@functools.cache
+def server_device() -> str:
+    """The GPU of the server's machine (or the CPU), asked once: the cost table its estimates start from."""
+    return local_device()
 
 
 def job_folder(root: Path, job_id: str) -> Path:
@@ -90,8 +100,10 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
+    items = work_items(job)
+    est = image_seconds(make_batches(items, job.buckets), job.model, server_device(), refs=adapted(job))
     images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model),
-                                mix_key(job, i), work(i)) for n, i in enumerate(work_items(job)))
+                                mix_key(job, i), work(i), round(est[id(i)], 4)) for n, i in enumerate(items))
     return Planned(job_id, job.name, path, folder / OUT, priority, content_hash(body, filename, priority),
                    max(job.buckets), images)
 

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from storyboard_cli.serve import store as queue
 from storyboard_cli.serve.blobs import BlobStore
 from storyboard_cli.serve.disk import Disk
+from storyboard_cli.serve.estimates import STALE
 from storyboard_cli.serve.schedule import TIERS
 
 PREFIX = "bcg_"
@@ -93,6 +94,15 @@ class StoreCollector:
         yield from (images, jobs, oldest, by_state, leases)
         yield GaugeMetricFamily(PREFIX + "images_per_second", "Images finished per second over the last 5 minutes.",
                                 value=s["images_per_s"])
+        yield GaugeMetricFamily(PREFIX + "stale_leases", f"Leases running longer than {STALE:g}x their time estimate "
+                                "(the cost table times their worker's calibration).",
+                                value=self.store.stale_leases(now))
+        ratio = GaugeMetricFamily(PREFIX + "worker_estimate_ratio", "A worker's measured over estimated batch seconds "
+                                  "(the median of its last leases): its calibration.", labels=WORKER)
+        for w in s["workers"]:
+            if (factor := self.store.calibration.factor(w.id)) is not None:
+                ratio.add_metric([w.id, w.name], factor)
+        yield ratio
         for name, (metric, text) in COUNTERS.items():
             yield CounterMetricFamily(PREFIX + metric, text, value=s["counters"].get(name, 0))
         rejected = CounterMetricFamily(PREFIX + "rejected_submissions", "Submissions refused.", labels=["reason"])

@@ -29,12 +29,14 @@ CREATE TABLE IF NOT EXISTS images (
   id INTEGER PRIMARY KEY, job TEXT NOT NULL REFERENCES jobs(id), ord INTEGER NOT NULL, shot TEXT NOT NULL,
   k INTEGER NOT NULL, seed INTEGER NOT NULL, outputs TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL,
   state TEXT NOT NULL, attempts INTEGER NOT NULL DEFAULT 0, lease TEXT, reason TEXT, cached INTEGER NOT NULL DEFAULT 0,
-  done REAL, mix TEXT, cost REAL NOT NULL DEFAULT 1, worker TEXT, leased REAL);
+  done REAL, mix TEXT, cost REAL NOT NULL DEFAULT 1, worker TEXT, leased REAL,
+  est REAL NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS images_state ON images(state);
 CREATE INDEX IF NOT EXISTS images_job ON images(job);
 CREATE INDEX IF NOT EXISTS images_fingerprint ON images(fingerprint, state);
 CREATE INDEX IF NOT EXISTS images_done ON images(done);
-CREATE TABLE IF NOT EXISTS leases (id TEXT PRIMARY KEY, worker TEXT NOT NULL, job TEXT NOT NULL, expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (id TEXT PRIMARY KEY, worker TEXT NOT NULL, job TEXT NOT NULL, expires REAL NOT NULL,
+  started REAL, est REAL NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, kind TEXT NOT NULL,
   data TEXT NOT NULL);
@@ -94,6 +96,11 @@ def _migrate(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE images ADD COLUMN leased REAL")
     if "front" not in {r["name"] for r in db.execute("PRAGMA table_info(jobs)")}:  # before move to front
         db.execute("ALTER TABLE jobs ADD COLUMN front REAL")
+    if "est" not in columns:  # before the time estimates (serve/estimates.py)
+        db.execute("ALTER TABLE images ADD COLUMN est REAL NOT NULL DEFAULT 0")
+    if "started" not in {r["name"] for r in db.execute("PRAGMA table_info(leases)")}:
+        db.execute("ALTER TABLE leases ADD COLUMN started REAL")
+        db.execute("ALTER TABLE leases ADD COLUMN est REAL NOT NULL DEFAULT 0")
     worker_columns = {r["name"] for r in db.execute("PRAGMA table_info(workers)")}
     if "ttl" in worker_columns and "first_ready" not in worker_columns:  # before the start-up histogram
         db.execute("ALTER TABLE workers ADD COLUMN first_ready REAL")

@@ -20,6 +20,7 @@ from typing import Callable
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import schedule
+from storyboard_cli.serve.estimates import Calibration, Estimates
 from storyboard_cli.serve.intake import JOBS, Planned
 from storyboard_cli.serve.queue_control import QueueControl
 from storyboard_cli.serve.queue_file import APPLICATION_ID, DB, QueueUnusable
@@ -102,7 +103,7 @@ class JobFinal(Exception):
 
 
 
-class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
+class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
     """The queue: jobs, their images, leases and progress events (its workers and figures: the classes it
     inherits, sharing its connection and lock). A job's file and output folder are kept relative to `root`
     (resolved once here): the server may start again from another working directory, or with another spelling
@@ -110,6 +111,7 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
+        self.calibration = Calibration()
         super().__init__(self.root)
         self._repair_paths()
 
@@ -213,7 +215,7 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
                 refused: Exception = BadInput(f"the job has {n} images, more than the queue holds ({max_queue})")
                 self._count(db, REJECTED_INVALID)
             elif depth + n > max_queue:
-                refused = QueueFull(schedule.retry_after(depth + n - max_queue, self._drain_rate(db, now)), depth)
+                refused = QueueFull(schedule.retry_after(depth + n - max_queue, self._drain_estimate(db, now)), depth)
                 self._count(db, REJECTED_FULL)
             else:
                 refused = None
@@ -230,7 +232,7 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
             if depth < max_queue:
                 return
             self._count(db, REJECTED_FULL)
-            refused = QueueFull(schedule.retry_after(depth + 1 - max_queue, self._drain_rate(db, now)), depth)
+            refused = QueueFull(schedule.retry_after(depth + 1 - max_queue, self._drain_estimate(db, now)), depth)
         raise refused
 
     def _insert(self, db, job: Planned, key: str | None, now: float) -> None:
@@ -238,10 +240,10 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                    (job.id, key, job.content_hash, job.name, self._stored(job.path), self._stored(job.out_dir),
                     job.priority, now, job.batch))
-        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state, mix, cost)"
-                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        db.executemany("INSERT INTO images (job, ord, shot, k, seed, outputs, key, fingerprint, state, mix, cost, est)"
+                       " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        [(job.id, i.order, i.shot, i.k, i.seed, json.dumps(i.outputs), i.key, i.fingerprint,
-                         ImageState.QUEUED, i.mix, i.cost) for i in job.images])
+                         ImageState.QUEUED, i.mix, i.cost, i.est) for i in job.images])
         self._event(db, job.id, "queued", now, priority=job.priority)
 
     def _depth(self, db) -> int:
@@ -275,7 +277,10 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
             if ready and uptime_s is not None and db.execute(
                     "UPDATE workers SET first_ready = ? WHERE id = ? AND first_ready IS NULL", (now, worker)).rowcount:
                 self._observe(db, WORKER_STARTUP, "", uptime_s)  # its first lease taken ready
-            db.execute("INSERT INTO leases VALUES (?, ?, ?, ?)", (lease_id, worker, head, now + ttl))
+            est = db.execute(f"SELECT COALESCE(SUM(est), 0) FROM images WHERE id IN ({','.join('?' * len(picked))})",
+                             [w.image for w in picked]).fetchone()[0]
+            db.execute("INSERT INTO leases (id, worker, job, expires, started, est) VALUES (?, ?, ?, ?, ?, ?)",
+                       (lease_id, worker, head, now + ttl, now, est))
             ids = [w.image for w in picked]
             for image, attempts, submitted, priority in db.execute(
                     f"SELECT i.id, i.attempts, j.submitted, j.priority FROM images i JOIN jobs j ON j.id = i.job "
@@ -383,6 +388,8 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
                 return False
             db.execute("UPDATE workers SET strikes = 0 WHERE id = (SELECT worker FROM leases WHERE id = ?)",
                        (lease_id,))
+            if work.batches:
+                self._calibrate(db, lease_id, worker, sum(b[2] for b in work.batches))
             held = db.execute("SELECT i.id, i.job, j.canceled, i.outputs FROM images i JOIN jobs j ON j.id = i.job "
                               "WHERE i.lease = ?", (lease_id,)).fetchall()
             if record is not None:
@@ -565,13 +572,15 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews):
                                f"i.job != ? AND {RANK_SQL} < ?", (ImageState.QUEUED, job_id, schedule.rank(
                                    job["priority"], job["submitted"], job["front"]))).fetchone()[0]
             rate = self._drain_rate(db, now)
+            eta = self._eta(db, job, now)
         states = Counter(r["state"] for r in images)
         state = schedule.job_state(states, bool(job["canceled"]))
         left = sum(states[s] for s in ImageState.OPEN)
         return {"id": job["id"], "name": job["name"], "state": state, "priority": job["priority"],
                 "submitted": job["submitted"], "finished": job["finished"], "out_dir": str(self._path(job["out_dir"])),
                 "images_by_state": dict(states), "queue_position": ahead if left else None,
-                "eta_s": round((ahead + left) / rate, 1) if rate and left else None,
+                "eta_s": None if not left else round(eta, 1) if eta is not None else
+                round((ahead + left) / rate, 1) if rate else None,
                 "images": [{"id": r["id"], "shot": r["shot"], "candidate": r["k"], "seed": r["seed"],
                             "state": r["state"], "attempts": r["attempts"], "cached": bool(r["cached"]),
                             "reason": r["reason"], "outputs": json.loads(r["outputs"])} for r in images]}
