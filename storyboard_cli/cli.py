@@ -100,6 +100,10 @@ def plan(job: JobArg, json_out: JsonOpt = False,
                   f"{characters}")
     if s.reference_note:
         out.print(s.reference_note)
+    for h in s.hires:
+        out.print(f"hires {h['shot']}: {h['size']} -> {h['hires_size']} ({h['upscaler']} x{h['scale']:g}), "
+                  f"{h['steps_run']} of {h['steps']} steps at strength {h['strength']:g}, "
+                  f"{plural(h['images'], 'image')}")
 
 
 def _warn(warnings: Iterable[str]) -> None:
@@ -244,6 +248,35 @@ def pick(out_dir: FolderArg,
     for path in written:
         out.print(str(path))
     err.print(f"{len(written)} selects in {Path(out_dir) / SELECTS}")
+
+
+@app.command()
+def refine(out_dir: FolderArg,
+           refines: Annotated[Path, typer.Argument(help="REFINES.yaml, or the contact sheet's picks file with a "
+                                                        "`refine:` list.", show_default=False, callback=_user_path)],
+           draft: Annotated[bool, _flag("--draft", "Refinements with the draft levers, marked as drafts.")] = False,
+           json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
+           device: DeviceOpt = None, dtype: DtypeOpt = None,
+           engine: EngineOpt = "auto", compile: CompileOpt = "auto", kernels: KernelsOpt = None,
+           fp8: Fp8Opt = False) -> None:
+    """Refine picked candidates (img2img, a masked area repainted, a hires pass), written beside them."""
+    from storyboard_cli.folder.refines import load_refines, refine_job
+    from storyboard_cli.folder.report import job_of_folder
+    from storyboard_cli.run import render as rendering
+
+    with _domain_errors():
+        kernels = kernels_name(kernels, fp8)
+        j = job_of_folder(out_dir)
+        entries = load_refines(refines, out_dir, j)
+        job = refine_job(j, out_dir, entries, refines, draft)
+        opts = rendering.RenderOptions(out_dir=out_dir, device=device, dtype=dtype, engine=engine,
+                                       compile=compile, kernels=kernels)
+        with render_progress(quiet) as on_event:
+            result = rendering.RenderSession(job, opts, on_event).execute()
+    _outcome(result.report, json_out, result.report_paths or (), result.sheet)
+    code = exit_code(result.status, result.signal)
+    if code:
+        raise typer.Exit(code)
 
 
 app.command()(capture)

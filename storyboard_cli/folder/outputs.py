@@ -24,6 +24,7 @@ from storyboard_cli.errors import BadInput, RenderFailure
 from storyboard_cli.folder.layout import (MANIFEST, REPLACED, manifest_records, parse_output_name, read_fingerprint,
                                           read_report)
 from storyboard_cli.job.conditions import KINDS
+from storyboard_cli.job.hires import a1111_fields
 from storyboard_cli.job.lora_files import a1111_lora_hashes, lora_tags
 from storyboard_cli.job.plan import WorkItem, work_items
 from storyboard_cli.samplers import SAMPLERS
@@ -94,6 +95,9 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
         fields.append(f"DeepCache: interval {item.deepcache.interval} branch {item.deepcache.branch}")
     if item.draft:
         fields.append("Draft: true")
+    if "hires" in settings:
+        fields += [f"{name}: {value:g}" if isinstance(value, float) else f"{name}: {value}"
+                   for name, value in a1111_fields(settings["hires"])]
     lines.append(", ".join(fields))
     return "\n".join(lines)
 
@@ -222,7 +226,7 @@ def manifest_record(item: WorkItem, path: str, fingerprint: str, sha256: str | N
     for key in ("loras", *(key for kind in KINDS for key in kind.manifest_keys)):
         if (settings or {}).get(key):
             record[key] = settings[key]
-    for lever in ("cfg_cutoff", "deepcache", "draft"):  # draft renders: what made the image cheaper
+    for lever in ("cfg_cutoff", "deepcache", "draft", "hires", "refine"):  # draft renders: what made the image cheaper
         if lever in (settings or {}):
             record[lever] = settings[lever]
     if sha256 is not None:

@@ -15,6 +15,8 @@ from pathlib import Path
 from storyboard_cli.job.conditions import KINDS, merged, parts
 from storyboard_cli.job.digests import weights_digest
 from storyboard_cli.job.files import LoraFile
+from storyboard_cli.job.hires import Hires
+from storyboard_cli.job.refinement import Refinement
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.preflight import job_spec
 from storyboard_cli.steps import (NO_DEEPCACHE, DeepCache, StepPlan, control_steps, guided_steps, levers_label,
@@ -106,6 +108,8 @@ class WorkItem(*parts("ItemPart")):
     cfg_cutoff: float = 1.0  # 1.0 where it does not apply (guidance <= 1: no guided step to cut)
     deepcache: DeepCache = NO_DEEPCACHE  # off where it does not apply (a ControlNet that runs to the end)
     draft: bool = False
+    hires: Hires | None = None  # a hires pass: its settings record the size it makes (job/hires.py)
+    refine: Refinement | None = None  # a refinement of a candidate (`bcg refine`)
     folder: Path | None = None  # the job file's folder, which the model fields' relative paths are read from
 
     @property
@@ -121,7 +125,7 @@ class WorkItem(*parts("ItemPart")):
     def identity(self) -> tuple:
         return (self.prompt, self.negative, self.width, self.height, self.seed, self.steps, self.guidance,
                 self.sampler, tuple((f.sha256, scale) for f, scale in self.loras), self.cfg_cutoff, self.deepcache,
-                self.draft, *(kind.identity(self) for kind in KINDS))
+                self.draft, self.hires, self.refine, *(kind.identity(self) for kind in KINDS))
 
     def settings(self, model: str) -> dict:
         """What decides the pixels: written into each PNG and the manifest, and used to tell a stale file
@@ -144,6 +148,10 @@ class WorkItem(*parts("ItemPart")):
             s["deepcache"] = self.deepcache.to_json()
         if self.draft:
             s["draft"] = True
+        if self.hires is not None:
+            s["hires"] = self.hires.settings(self.width, self.height, self.steps)
+        if self.refine is not None:
+            s["refine"] = self.refine.settings()
         return s
 
     def fingerprint(self, model: str) -> str:

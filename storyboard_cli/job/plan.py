@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from storyboard_cli.errors import JobError
-from storyboard_cli.folder.layout import output_name
+from storyboard_cli.folder.layout import output_name, refine_name
 from storyboard_cli.job.conditions import KINDS, merged, parts
 from storyboard_cli.job.file import Job, Shot
+from storyboard_cli.job.hires import hires_size
 from storyboard_cli.job.items import BucketKey, LoraScales, WorkItem
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.preflight import check_destination, free_bytes, job_spec, model_problem
@@ -36,10 +37,13 @@ def work_items(job: Job) -> list[WorkItem]:
         conditioned = merged(kind.item(shot, job) for kind in KINDS)
         for k in range(shot.first_candidate, shot.first_candidate + shot.candidates):
             seed = shot.seed + k
+            out = refine_name(shot.refine.source, shot.refine.tag, k, seed) if shot.refine else \
+                output_name(shot.id, k, seed)
             item = WorkItem(shot=shot.id, k=k, seed=seed, prompt=shot.prompt, negative=shot.negative,
                             width=shot.width, height=shot.height, steps=shot.steps, guidance=shot.guidance,
-                            sampler=shot.sampler, outputs=(output_name(shot.id, k, seed),), loras=loras,
-                            cfg_cutoff=cutoff, deepcache=deepcache, draft=draft, folder=job.folder, **conditioned)
+                            sampler=shot.sampler, outputs=(out,), loras=loras, cfg_cutoff=cutoff,
+                            deepcache=deepcache, draft=draft, hires=shot.hires, refine=shot.refine,
+                            folder=job.folder, **conditioned)
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
@@ -226,6 +230,20 @@ def decimal_size(nbytes: float) -> str:
     return ""
 
 
+def hires_rows(job: Job) -> list[dict]:
+    """Each shot's hires pass as `bcg plan` shows it: the sizes and the steps that run of its schedule."""
+    rows = []
+    for s in job.shots:
+        if s.hires is None:
+            continue
+        w, h = hires_size(s.width, s.height, s.hires.scale)
+        rows.append({"shot": s.id, "size": f"{s.width}x{s.height}", "hires_size": f"{w}x{h}",
+                     "scale": s.hires.scale, "strength": s.hires.strength, "steps": s.hires.schedule(s.steps),
+                     "steps_run": s.hires.steps_run(s.steps), "upscaler": s.hires.upscaler,
+                     "images": s.candidates})
+    return rows
+
+
 @dataclass(frozen=True)
 class PlanSummary(*parts("SummaryPart")):
     """What `bcg plan` shows of a job, found without loading a model (`summary`); what it says of each conditioning
@@ -239,6 +257,7 @@ class PlanSummary(*parts("SummaryPart")):
     warnings: tuple[str, ...]  # the prompts CLIP cuts, then the disk where the images will not fit
     note: str | None  # about ControlNet shots that asked for DeepCache (deepcache_note)
     disk_bytes: int  # the images' size on disk, roughly
+    hires: tuple[dict, ...] = ()  # each hires shot's pass (hires_rows)
 
     @property
     def images(self) -> int:
@@ -272,6 +291,8 @@ class PlanSummary(*parts("SummaryPart")):
                "prompt_warnings": list(self.warnings)}
         if j.warnings:
             out["warnings"] = list(j.warnings)
+        if self.hires:  # only where a shot has a pass: a job without one keeps its plan byte for byte
+            out["hires"] = list(self.hires)
         for _, tail in keys:
             out.update(tail)
         return out
@@ -304,4 +325,5 @@ def summary(job: Job) -> PlanSummary:
         warnings.append(f"the images need about {decimal_size(disk)} on disk, {job.output_dir} has "
                         f"{decimal_size(free)} free")
     return PlanSummary(job, len(items), tuple(bucket_table(batches)), tuple(lora_table(batches)), lora_swaps(batches),
-                       tuple(warnings), deepcache_note(job), disk, **merged(kind.summary(job) for kind in KINDS))
+                       tuple(warnings), deepcache_note(job), disk, tuple(hires_rows(job)),
+                       **merged(kind.summary(job) for kind in KINDS))

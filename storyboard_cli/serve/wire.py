@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 from storyboard_cli.folder.layout import RESERVED
 from storyboard_cli.folder.report import Report
 from storyboard_cli.job import file as job_file
+from storyboard_cli.job import hires
 from storyboard_cli.job.file import SHOT_DEFAULTS
 from storyboard_cli.job.conditions.reference import REFERENCE_SCALE, REFERENCE_SLOTS
 from storyboard_cli.job.inputs import DIGEST
@@ -336,6 +337,16 @@ class DeepCacheDoc(Doc):
     branch: Annotated[int, Field(ge=0, le=job_file.MAX_BRANCH)] = 0
 
 
+class HiresDoc(Doc):
+    scale: Annotated[float, Field(ge=1.0, le=hires.MAX_SCALE, description=f"the upscale factor; the result at most "
+                                                                           f"{hires.MAX_HIRES_SIDE} px a side")]
+    strength: Annotated[float, Field(gt=0.0, le=1.0, description="of the pass's S steps, the last int(S * strength) "
+                                                                 "run")] = hires.DEFAULT_STRENGTH
+    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = Field(None, description="the pass's schedule (left "
+                                                                                       "out: the shot's steps)")
+    upscaler: Literal[tuple(hires.UPSCALERS)] = hires.DEFAULT_UPSCALER
+
+
 class ShotFields(Doc):
     """What a shot sets, and what `defaults` sets for every shot."""
 
@@ -357,6 +368,7 @@ class ShotFields(Doc):
     lora: dict[str, Scale] | None = Field(None, description="name in the job's `loras` -> scale")
     cfg_cutoff: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     deepcache: DeepCacheDoc | Literal[False] | None = None
+    hires: HiresDoc | Literal[False] | None = Field(None, description="upscale, then img2img at the new size")
 
 
 class ShotDoc(ShotFields):
@@ -367,8 +379,8 @@ class ShotDoc(ShotFields):
 
 class JobDoc(Doc):
     """A job file (`bcg plan`'s format), as YAML or JSON. A null top-level value is as if left out, except
-    for the required ones; within a shot (or `defaults`) only `negative`, `seed`, `control`, `lora`, `cfg_cutoff`
-    and `deepcache` may be null."""
+    for the required ones; within a shot (or `defaults`) only `negative`, `seed`, `control`, `lora`, `cfg_cutoff`,
+    `deepcache` and `hires` may be null."""
 
     version: Literal[1]
     name: SafeName | None = Field(None, description="the output folder's name (default: from X-Job-Filename)")

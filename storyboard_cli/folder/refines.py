@@ -1,0 +1,235 @@
+"""`bcg refine OUT_DIR REFINES.yaml`: refinements of a render's candidates, read and checked (`load_refines`), and
+the job that renders them beside their sources (`refine_job`). No torch.
+
+    refine:
+      - shot: s01-cold-open
+        candidate: s01-cold-open/s01-cold-open_c1_s1002.png   # left out: the shot's pick
+        name: hand            # the files' tag (left out: r1, r2, ... in the file's order)
+        mask: {box: [40, 96, 64, 64], blur: 4, padding: 32}   # or {image: hand-mask.png}: the job's `mask:`
+        prompt: a hand holding a red umbrella                   # left out: the shot's
+        strength: 0.6
+        candidates: 2
+        seed: 7               # left out: the source's seed
+        hires: {scale: 1.5, strength: 0.35, steps: 12}
+
+The same `refine:` list may sit in the contact sheet's picks file, whose `picks:` then name the candidates the
+entries without `candidate` refine (else picks.json's, from `bcg pick`). A refinement is the shot again, started
+from the candidate's pixels (`init: {image, strength}`) and repainted where its mask is white (`mask:`): the init
+and mask kinds' keys (job/conditions/), read here from the entry so their errors name REFINES.yaml's lines. Its
+files are `<source stem>.<tag>_c<j>_s<seed>.png` beside the source (folder/layout.py `refine_name`): never a
+candidate's name, and bcg replaces only files it wrote there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from storyboard_cli.errors import BadInput, JobError, did_you_mean
+from storyboard_cli.folder.layout import REFINE_TAG, REPORT_JSON, read_chunk, recorded_picks
+from storyboard_cli.folder.picks import PICK_KEYS, picked
+from storyboard_cli.folder.report import job_of_folder
+from storyboard_cli.job.conditions import KINDS
+from storyboard_cli.job.file import MAX_CANDIDATES, MAX_SEED, Job, Shot, as_draft
+from storyboard_cli.job.hires import read_hires
+from storyboard_cli.job.kind import ShotSource
+from storyboard_cli.job.refinement import Refinement
+from storyboard_cli.job.values import Context, as_float, as_int, as_str, check_keys, given, line_of
+from storyboard_cli.job.yaml_loader import Located, clip, read_yaml
+
+ENTRY_KEYS = ("shot", "candidate", "name", "mask", "prompt", "negative", "strength", "candidates", "seed", "hires")
+INIT, MASK = "init", "mask"  # the job's keys a refinement sets (the init and mask kinds')
+DEFAULT_STRENGTH = 0.75  # A1111's inpaint default
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One refinement asked for, checked."""
+
+    shot: Shot  # the source's shot, as the job has it
+    source: str  # the candidate refined, relative to the output folder
+    tag: str
+    line: int
+    mask: Located | None  # the entry's `mask:` as written: the mask kind reads it
+    outline: tuple[int, int, int, int] | None
+    prompt: str
+    negative: str
+    strength: float
+    candidates: int
+    seed: int
+    hires: Any
+
+
+def load_refines(path: str | Path, out_dir: str | Path, job: Job | None = None) -> list[Entry]:
+    """Reads and checks REFINES.yaml against the output folder and its job (report.json's, when not given). Raises
+    JobError (exit 2) naming file:line, the entry's shot and the field."""
+    path, out_dir = Path(path), Path(out_dir)
+    file = str(path)
+    ctx = Context(file)
+    job = job or job_of_folder(out_dir)
+    if job is None:
+        raise BadInput(f"{out_dir}: no job to refine (its {REPORT_JSON} names none that loads); render it first")
+    doc = read_yaml(path)
+    if not isinstance(doc, Located):
+        raise JobError(file, 1, None, None, "the top level must be a mapping with a 'refine' list")
+    check_keys(ctx, doc, PICK_KEYS, None)
+    raw = doc.get("refine")
+    if not isinstance(raw, list) or not raw:
+        raise ctx.fail(line_of(doc, "refine", doc.line), None, "refine",
+                       f"must be a list of refinements, got {given(raw)}")
+    picks = _picks(ctx, doc, out_dir)
+    shots = {s.id: s for s in reversed(job.shots)}  # the job's first shot of each id
+    entries: list[Entry] = []
+    tags: dict[tuple[str, str], int] = {}
+    for index, value in enumerate(raw):
+        entry = _entry(ctx, value, index, line_of(doc, "refine", doc.line), shots, picks, out_dir, tags)
+        entries.append(entry)
+    return entries
+
+
+def _picks(ctx: Context, doc: Located, out_dir: Path) -> dict[str, str]:
+    """The picks entries without a candidate refine: this file's `picks:`, else picks.json's."""
+    own = doc.get("picks")
+    if isinstance(own, Located):
+        return {str(k): v for k, v in own.items() if isinstance(v, str)}
+    return recorded_picks(out_dir)["picks"]
+
+
+def _entry(ctx: Context, raw: Any, index: int, list_line: int | None, shots: dict[str, Shot], picks: dict[str, str],
+           out_dir: Path, tags: dict[tuple[str, str], int]) -> Entry:
+    label = f"#{index + 1}"
+    if not isinstance(raw, Located):
+        raise ctx.fail(list_line, label, None, f"a refinement must be a mapping, got {given(raw)}")
+    shot_id = raw.get("shot")
+    if shot_id is None:
+        raise ctx.fail(raw.line, label, "shot", "missing")
+    shot_id = as_str(ctx, shot_id, line_of(raw, "shot"), label, "shot", empty_ok=False)
+    if shot_id not in shots:
+        raise ctx.fail(line_of(raw, "shot"), clip(shot_id), "shot",
+                       f"unknown shot (not in the folder's job){did_you_mean(shot_id, shots)}")
+    shot = shots[shot_id]
+    check_keys(ctx, raw, ENTRY_KEYS, shot_id)
+    source, line = raw.get("candidate"), line_of(raw, "candidate", raw.line)
+    if source is None:
+        source = picks.get(shot_id)
+        if source is None:
+            raise ctx.fail(raw.line, shot_id, "candidate", "missing, and the shot has no pick (pick it on the "
+                           "contact sheet, or name the candidate)")
+    source = _source(ctx, as_str(ctx, source, line, shot_id, "candidate", empty_ok=False), line, shot_id, out_dir)
+    name_line = line_of(raw, "name", raw.line)
+    n = tags.get((source, ""), 0) + 1
+    tag = as_str(ctx, raw["name"], name_line, shot_id, "name", empty_ok=False) if "name" in raw else f"r{n}"
+    if not REFINE_TAG.fullmatch(tag):
+        raise ctx.fail(name_line, shot_id, "name", f"must be 1-32 letters, digits or '-' (it names the files), "
+                       f"got {clip(tag)!r}")
+    if (source, tag) in tags:
+        raise ctx.fail(name_line, shot_id, "name", f"{tag!r} names two refinements of {source}; give each its own "
+                       f"`name`")
+    tags[(source, tag)] = 1
+    tags[(source, "")] = n
+    width, height = _size(out_dir / source)
+    mask, outline = _mask(ctx, raw, shot_id, width, height)
+    prompt = as_str(ctx, raw["prompt"], line_of(raw, "prompt"), shot_id, "prompt", empty_ok=False) \
+        if "prompt" in raw else shot.prompt
+    negative = as_str(ctx, raw["negative"], line_of(raw, "negative"), shot_id, "negative", empty_ok=True) \
+        if raw.get("negative") is not None else shot.negative
+    strength_line = line_of(raw, "strength", raw.line)
+    strength = as_float(ctx, raw.get("strength", DEFAULT_STRENGTH), strength_line, shot_id, "strength", 0.0, 1.0)
+    if strength == 0:
+        raise ctx.fail(strength_line, shot_id, "strength", "must be in (0, 1], got 0 (nothing would change)")
+    candidates = as_int(ctx, raw.get("candidates", 1), line_of(raw, "candidates", raw.line), shot_id, "candidates",
+                        1, MAX_CANDIDATES)
+    seed = as_int(ctx, raw["seed"], line_of(raw, "seed"), shot_id, "seed", 0, MAX_SEED) if "seed" in raw else \
+        picked(source)[2]
+    hires = read_hires(ctx, raw.get("hires"), line_of(raw, "hires", raw.line), shot_id, shot.width, shot.height,
+                       shot.steps)
+    return Entry(shot, source, tag, raw.line, mask, outline, prompt, negative, strength, candidates, seed, hires)
+
+
+def _source(ctx: Context, rel: str, line: int | None, shot: str, out_dir: Path) -> str:
+    """`rel` must name a candidate bcg rendered for `shot`, on disk in the output folder."""
+    p = PurePosixPath(rel.replace("\\", "/"))
+    if p.is_absolute() or ".." in p.parts:
+        raise ctx.fail(line, shot, "candidate", f"{clip(rel)!r}: give the path relative to the output folder "
+                       f"{out_dir}")
+    rel = p.as_posix()
+    if not (out_dir / rel).is_file():
+        raise ctx.fail(line, shot, "candidate", f"missing file: {out_dir / rel}")
+    found = picked(rel)
+    meta = read_chunk(out_dir / rel)
+    if found is None or found[0] != shot or meta is None or meta.get("shot") != shot:
+        raise ctx.fail(line, shot, "candidate", f"{rel} is not an image bcg rendered for this shot")
+    return rel
+
+
+def _size(path: Path) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.size
+
+
+def _mask(ctx: Context, raw: Located, shot: str, width: int, height: int
+          ) -> tuple[Located | None, tuple[int, int, int, int] | None]:
+    """The entry's `mask:` (read again by the mask kind, as a shot's), and the box the sheet outlines: a `box`'s, or
+    the white area's of an `image` (the mask kind checks the image itself). No mask: the whole frame (img2img)."""
+    mask = raw.get(MASK)
+    if mask is None:
+        return None, None
+    line = line_of(raw, MASK)
+    if not isinstance(mask, Located):
+        raise ctx.fail(line, shot, MASK, f"must be a mapping like {{box: [x, y, w, h]}} or {{image: file}}, got "
+                       f"{given(mask)}")
+    box = mask.get("box")
+    if box is not None:
+        box_line = line_of(mask, "box")
+        if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                                  for v in box)):
+            raise ctx.fail(box_line, shot, "mask.box", f"must be [x, y, w, h] in pixels, got {given(box)}")
+        x, y, w, h = box
+        if w <= 0 or h <= 0 or x < 0 or y < 0 or x + w > width or y + h > height:
+            raise ctx.fail(box_line, shot, "mask.box", f"[{x}, {y}, {w}, {h}] is outside the {width}x{height} "
+                           f"image (or empty)")
+        return mask, (x, y, w, h)
+    image = mask.get("image")
+    if isinstance(image, str) and image.strip():
+        path = (ctx.folder / image).resolve()
+        try:
+            from PIL import Image
+
+            with Image.open(path) as im:
+                white = im.convert("L").point(lambda v: 255 if v > 127 else 0)
+                bbox = white.resize((width, height)).getbbox() if im.size != (width, height) else white.getbbox()
+        except OSError:
+            return mask, None  # the mask kind says what is wrong with the file, at its line
+        if bbox is not None:
+            return mask, (bbox[0], bbox[1], bbox[2] - bbox[0], bbox[3] - bbox[1])
+    return mask, None
+
+
+def refine_job(job: Job, out_dir: Path, entries: list[Entry], refines_path: Path, draft: bool = False) -> Job:
+    """The job that renders the refinements: per entry its shot again, started from the source's pixels and
+    repainted under its mask (the init and mask kinds' keys, read by their rows from the entry), with the entry's
+    prompt, seed, candidates and hires pass, named as refinements of the source. `draft`: with the draft levers."""
+    ctx = Context(str(refines_path))
+    rows = [kind for kind in KINDS if INIT in kind.shot_keys or MASK in kind.shot_keys]
+    if not rows:
+        raise BadInput("refinements need the init and mask conditioning kinds, which this build lacks")
+    shots = []
+    for e in entries:
+        init = Located(image=str((out_dir / e.source).resolve()), strength=e.strength)
+        init.line, init.lines = e.line, {"image": e.line, "strength": e.line}
+        given_keys = {INIT: init, MASK: e.mask}
+
+        def get(key: str, given_keys=given_keys, line=e.line) -> tuple[Any, int | None]:
+            return (given_keys.get(key), given_keys[key].line if isinstance(given_keys.get(key), Located) else line)
+
+        part: dict = {}
+        for kind in rows:
+            fields, _ = kind.resolve_shot(ctx, ShotSource(get, e.shot.id, out_dir, job, {}, None, None, e.line))
+            part.update(fields)
+        shots.append(replace(e.shot, prompt=e.prompt, negative=e.negative, candidates=e.candidates, seed=e.seed,
+                             first_candidate=0, hires=e.hires, refine=Refinement(e.source, e.tag, e.outline),
+                             **part))
+    refined = replace(job, shots=tuple(shots))
+    return as_draft(refined) if draft else refined
