@@ -3,6 +3,7 @@ check that keeps bcg from replacing a file it did not write. No torch, no job: e
 
     <out>/<shot>/<shot>_c<k>_s<seed>.png   a candidate (its `bcg` PNG chunk: settings, fingerprint)
     <out>/<shot>/<shot>_c<k>_s<seed>.<tag>_c<j>_s<seed'>.png   a refinement of that candidate (`bcg refine`)
+    <out>/<shot>/<shot>_c<k>_s<seed>.base.png   a hires candidate's first pass, at the shot's size
     <out>/<shot>/thumbs/<name>.jpg         the contact sheet's thumbnails
     <out>/manifest.jsonl                   one line per image bcg wrote (outputs.Manifest)
     <out>/report.json, report.md           the last render's report (report.py)
@@ -49,6 +50,7 @@ OUTPUT_NAME = re.compile(r"(?P<folder>[^/]+)/(?P<shot>[^/]+)_c(?P<k>[0-9]+)_s(?P
 REFINE_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,31}")
 REFINE_NAME = re.compile(r"(?P<folder>[^/]+)/(?P<source>(?P<shot>[^/]+)_c(?P<k>[0-9]+)_s(?P<seed>[0-9]+))"
                          rf"\.(?P<tag>{REFINE_TAG.pattern})_c(?P<j>[0-9]+)_s(?P<rseed>[0-9]+)\.png")
+BASE_SUFFIX = ".base.png"
 SELECT_NAME = re.compile(r"^\d{3,}_(?P<shot>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.png$")
 
 
@@ -70,6 +72,12 @@ def parse_output_name(path: str) -> tuple[str, int, int] | None:
 def refine_name(source: str, tag: str, j: int, seed: int) -> str:
     """`<shot>/<shot>_c1_s1002.<tag>_c<j>_s<seed>.png`: refinement j of the candidate at `source` (its path)."""
     return f"{source[:-len('.png')]}.{tag}_c{j}_s{seed}.png"
+
+
+def base_name(path: str) -> str:
+    """Where a hires candidate's first pass is kept: `<shot>/<shot>_c1_s1002.base.png` (never a candidate's or a
+    refinement's name: the hires frame is the candidate)."""
+    return f"{path[:-len('.png')]}{BASE_SUFFIX}"
 
 
 def parse_refine_name(path: str) -> tuple[str, str, str, int, int] | None:

@@ -29,16 +29,15 @@ from storyboard_cli.errors import BadInput, JobError, did_you_mean
 from storyboard_cli.folder.layout import REFINE_TAG, REPORT_JSON, read_chunk, recorded_picks
 from storyboard_cli.folder.picks import PICK_KEYS, picked
 from storyboard_cli.folder.report import job_of_folder
-from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import MAX_CANDIDATES, MAX_SEED, Job, Shot, as_draft
 from storyboard_cli.job.hires import read_hires
-from storyboard_cli.job.kind import ShotSource
+from storyboard_cli.job.plan import started_from
 from storyboard_cli.job.refinement import Refinement
 from storyboard_cli.job.values import Context, as_float, as_int, as_str, check_keys, given, line_of
 from storyboard_cli.job.yaml_loader import Located, clip, read_yaml
 
 ENTRY_KEYS = ("shot", "candidate", "name", "mask", "prompt", "negative", "strength", "candidates", "seed", "hires")
-INIT, MASK = "init", "mask"  # the job's keys a refinement sets (the init and mask kinds')
+MASK = "mask"  # the job's key of the area a refinement repaints (the mask kind's)
 DEFAULT_STRENGTH = 0.75  # A1111's inpaint default
 
 
@@ -212,22 +211,9 @@ def refine_job(job: Job, out_dir: Path, entries: list[Entry], refines_path: Path
     repainted under its mask (the init and mask kinds' keys, read by their rows from the entry), with the entry's
     prompt, seed, candidates and hires pass, named as refinements of the source. `draft`: with the draft levers."""
     ctx = Context(str(refines_path))
-    rows = [kind for kind in KINDS if INIT in kind.shot_keys or MASK in kind.shot_keys]
-    if not rows:
-        raise BadInput("refinements need the init and mask conditioning kinds, which this build lacks")
     shots = []
     for e in entries:
-        init = Located(image=str((out_dir / e.source).resolve()), strength=e.strength)
-        init.line, init.lines = e.line, {"image": e.line, "strength": e.line}
-        given_keys = {INIT: init, MASK: e.mask}
-
-        def get(key: str, given_keys=given_keys, line=e.line) -> tuple[Any, int | None]:
-            return (given_keys.get(key), given_keys[key].line if isinstance(given_keys.get(key), Located) else line)
-
-        part: dict = {}
-        for kind in rows:
-            fields, _ = kind.resolve_shot(ctx, ShotSource(get, e.shot.id, out_dir, job, {}, None, None, e.line))
-            part.update(fields)
+        part = started_from(ctx, job, e.shot, (out_dir / e.source).resolve(), e.strength, e.line, e.mask)
         shots.append(replace(e.shot, prompt=e.prompt, negative=e.negative, candidates=e.candidates, seed=e.seed,
                              first_candidate=0, hires=e.hires, refine=Refinement(e.source, e.tag, e.outline),
                              **part))

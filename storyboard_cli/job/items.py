@@ -110,7 +110,14 @@ class WorkItem(*parts("ItemPart")):
     draft: bool = False
     hires: Hires | None = None  # a hires pass: its settings record the size it makes (job/hires.py)
     refine: Refinement | None = None  # a refinement of a candidate (`bcg refine`)
+    final: WorkItem | None = None  # a hires pass's item: the planned image whose settings and name it writes
     folder: Path | None = None  # the job file's folder, which the model fields' relative paths are read from
+
+    @property
+    def recorded(self) -> WorkItem:
+        """The item an image's metadata speaks of: a hires pass writes its planned image's (job/plan.py
+        `second_pass`)."""
+        return self.final if self.final is not None else self
 
     @property
     def lora_scales(self) -> LoraScales:
@@ -131,7 +138,10 @@ class WorkItem(*parts("ItemPart")):
         """What decides the pixels: written into each PNG and the manifest, and used to tell a stale file
         from a done one. Files are recorded by content (a control image's sha256, a LoRA's hash, weights
         given as a path by size + mtime + header); keys appear only where they apply, so an image without
-        them keeps its fingerprint. Each conditioning kind writes its own (`Kind.settings`)."""
+        them keeps its fingerprint. Each conditioning kind writes its own (`Kind.settings`). A hires pass writes
+        the planned image's (`recorded`): its fingerprint is known before its first pass has run."""
+        if self.final is not None:
+            return self.final.settings(model)
         s = {"prompt": self.prompt, "negative": self.negative, "width": self.width, "height": self.height,
              "seed": self.seed, "steps": self.steps, "guidance": self.guidance, "sampler": self.sampler,
              "model": model}
@@ -155,6 +165,8 @@ class WorkItem(*parts("ItemPart")):
         return s
 
     def fingerprint(self, model: str) -> str:
+        if self.final is not None:
+            return self.final.fingerprint(model)
         s = self.settings(model)
         # where the files live does not decide the pixels: a moved project folder keeps its images
         for kind in KINDS:

@@ -4,12 +4,16 @@ job/items.py's (`WorkItem`, `BucketKey`, imported from here too)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from storyboard_cli.errors import JobError
-from storyboard_cli.folder.layout import output_name, refine_name
+from storyboard_cli.folder.layout import base_name, output_name, refine_name
 from storyboard_cli.job.conditions import KINDS, merged, parts
 from storyboard_cli.job.file import Job, Shot
 from storyboard_cli.job.hires import hires_size
+from storyboard_cli.job.kind import ShotSource
+from storyboard_cli.job.values import Context
+from storyboard_cli.job.yaml_loader import Located
 from storyboard_cli.job.items import BucketKey, LoraScales, WorkItem
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.preflight import check_destination, free_bytes, job_spec, model_problem
@@ -50,6 +54,62 @@ def work_items(job: Job) -> list[WorkItem]:
             else:
                 items[item.identity] = replace(twin, outputs=twin.outputs + item.outputs)
     return list(items.values())
+
+
+# ---------------------------------------------------------------- images that start from another (hires, refine)
+
+INIT = "init"  # the job's key of the kind a picture starts from (job/conditions/: `init: {image, strength}`)
+UPSCALE_MODES = {"lanczos": "stretch", "latent": "latent"}  # a hires upscaler -> how its source takes the new size
+
+
+def started_from(ctx: Context, job: Job, shot: Shot, image: Path, strength: float, line: int | None,
+                 mask: Located | None = None, resize: str | None = None) -> dict:
+    """The shot fields of a picture that starts from `image` (an absolute path) and repaints `mask`'s area (its
+    image read from `ctx`'s folder): the kinds' own, read by their rows from `init:` and `mask:` as a shot's keys
+    would be, at the shot's size (errors at `ctx`'s file and `line`)."""
+    init = Located(image=str(image), strength=strength, **({"resize": resize} if resize else {}))
+    init.line, init.lines = line, {k: line for k in init}
+    given = {INIT: init, "mask": mask}
+    rows = [kind for kind in KINDS if INIT in kind.shot_keys]
+    if not rows:
+        raise JobError(ctx.file, line, shot.id, INIT, "this build has no kind that starts from an image")
+
+    def get(key: str) -> tuple[object, int | None]:
+        value = given.get(key)
+        return value, value.line if isinstance(value, Located) else line
+
+    fields: dict = {}
+    for kind in rows:
+        part, _ = kind.resolve_shot(ctx, ShotSource(get=get, shot_id=shot.id, job_dir=ctx.folder, job=job,
+                                                    lora_scales={}, lora_raw=None, lora_line=None, prompt_line=line))
+        fields.update(part)
+    return fields
+
+
+def base_item(item: WorkItem) -> WorkItem:
+    """A hires image's first pass: the picture at the shot's size, kept beside the candidate (`base_name`)."""
+    return replace(item, hires=None, outputs=(base_name(item.outputs[0]),))
+
+
+def first_pass(items: list[WorkItem]) -> list[WorkItem]:
+    """What a render's first phase denoises: every item but the hires passes (they start from their bases)."""
+    return [i for i in items if i.hires is None]
+
+
+def second_pass(job: Job, item: WorkItem, out_dir: Path) -> WorkItem:
+    """A hires image's second pass: its base (on disk) upscaled and denoised again at the new size over the tail
+    of the pass's schedule; it writes the planned item's name and settings (`WorkItem.final`). Raises JobError
+    where the base cannot be read."""
+    hires = item.hires
+    width, height = hires_size(item.width, item.height, hires.scale)
+    shot = next(s for s in job.shots if s.id == item.shot)
+    base = (out_dir / base_name(item.outputs[0])).resolve()
+    part = started_from(Context(str(job.path)), job, replace(shot, width=width, height=height), base,
+                        hires.strength, shot.line, resize=UPSCALE_MODES[hires.upscaler])
+    steps = hires.schedule(item.steps)
+    again = replace(shot, width=width, height=height, steps=steps, **part)
+    return replace(item, width=width, height=height, steps=steps, hires=None, final=item,
+                   **merged(kind.item(again, job) for kind in KINDS))
 
 
 def sides(shot: Shot) -> tuple[int, float]:
