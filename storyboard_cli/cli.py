@@ -75,7 +75,8 @@ def plan(job: JobArg, json_out: JsonOpt = False,
         batches = ", ".join(f"{n}x{b}" for b, n in sorted(Counter(r.batches).items(), reverse=True))
         extra = (k.levers, f"{100 * k.flops_saved:.0f}%" if k.levers else "") if levered else ()
         control = (f"{len(k.nets)} nets" if len(k.nets) > 1 else "yes") if k.control else ""
-        table.add_row(f"{k.width}x{k.height}", str(k.steps), k.sampler, control, str(r.images),
+        steps = f"{k.runs} of {k.steps}" if k.first else str(k.steps)  # an init's strength: the tail that runs
+        table.add_row(f"{k.width}x{k.height}", steps, k.sampler, control, str(r.images),
                       batches, str(r.rows), f"{r.padded_rows} ({100 * r.waste:.0f}%)", f"{r.row_steps:,}", *extra)
     table.add_section()
     table.add_row("total", "", "", "", str(sum(r.images for r in rows)), str(sum(len(r.batches) for r in rows)),
@@ -98,8 +99,8 @@ def plan(job: JobArg, json_out: JsonOpt = False,
         characters = f"; characters: {', '.join(s.characters)}" if s.characters else ""
         out.print(f"references: {plural(s.references, 'reference')}, encoded once (ip_adapter {j.ip_adapter})"
                   f"{characters}")
-    if s.reference_note:
-        out.print(s.reference_note)
+    for note in s.kind_notes:  # the references' scales, the shots that start from a source
+        out.print(note)
     for h in s.hires:
         out.print(f"hires {h['shot']}: {h['size']} -> {h['hires_size']} ({h['upscaler']} x{h['scale']:g}), "
                   f"{h['steps_run']} of {h['steps']} steps at strength {h['strength']:g}, "

@@ -108,11 +108,12 @@ FOLDERS = [m.removesuffix("/*") for members in STAGES.values() for m in members 
 REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.base.Engine",
                         "storyboard_cli.engine.base.Shape"},
              "engine/conditions": {"storyboard_cli.engine.conditions", "storyboard_cli.engine.conditions.control",
-                                   "storyboard_cli.engine.conditions.reference",
+                                   "storyboard_cli.engine.conditions.reference", "storyboard_cli.engine.conditions.source",
                                    "storyboard_cli.engine.conditions.kind", "storyboard_cli.engine.conditions.kind.Kind"},
              # the table of conditioning kinds: one row per module of the folder
              "job/conditions": {"storyboard_cli.job.conditions", "storyboard_cli.job.conditions.control",
-                                "storyboard_cli.job.conditions.reference", "storyboard_cli.job.kind",
+                                "storyboard_cli.job.conditions.reference", "storyboard_cli.job.conditions.source",
+                                "storyboard_cli.job.kind",
                                 "storyboard_cli.job.kind.Kind"}}
 # torch-free at run time, through everything they import: `bcg plan`, job validation, the folder's readers and
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
@@ -322,7 +323,7 @@ STEP_WORDS = {"control"}
 KIND_FIELDS_TO_CUT = {
     "folder/report.py": {"characters", "references", "controlnets"},
     "serve/wire.py": {"controlnet", "controlnets", "characters", "reference", "ip_adapter", "image_encoder",
-                      "REFERENCE_SLOTS"},
+                      "REFERENCE_SLOTS", "init", "mask"},
     "job/adapter_files.py": {"image_encoder"},
     "job/preflight.py": {"ip_adapter", "image_encoder"},
 }

@@ -47,16 +47,19 @@ def _diffusers_schedule(sampler: str, steps: int, scheduler_config: dict):
     return sched, sched.sigmas.double(), sched.timesteps.double()
 
 
-def schedule(sampler: str, steps: int, scheduler_config: dict) -> Schedule:
+def schedule(sampler: str, steps: int, scheduler_config: dict, start: int = 0) -> Schedule:
+    """The `steps`-step schedule, or its tail from step `start` (img2img: diffusers' `get_timesteps` and
+    `set_begin_index`): the tail's first step is a multistep sampler's first, as diffusers' solver starts its
+    `lower_order_nums` at the tail."""
     sched, sigmas, timesteps = _diffusers_schedule(sampler, steps, scheduler_config)
     spec = SAMPLERS[sampler]
     rows = []
-    for i in range(steps):
+    for i in range(start, steps):
         s, sn = sigmas[i].item(), sigmas[i + 1].item()
-        rows.append((s, timesteps[i].item(), *spec.coefficients(sigmas[i - 1].item() if i else None, s, sn)))
+        rows.append((s, timesteps[i].item(), *spec.coefficients(sigmas[i - 1].item() if i > start else None, s, sn)))
     s0 = sigmas[0].item()
-    init = math.sqrt(1 + s0**2) if spec.variance_preserving else float(sched.init_noise_sigma)
-    return Schedule(sampler, sigmas, torch.tensor(rows, dtype=torch.float32), init)
+    unit = math.sqrt(1 + s0**2) if spec.variance_preserving else float(sched.init_noise_sigma)
+    return Schedule(sampler, sigmas[start:], torch.tensor(rows, dtype=torch.float32), unit)
 
 
 def update(x: torch.Tensor, denoised: torch.Tensor, denoised_prev: torch.Tensor, noise: torch.Tensor,

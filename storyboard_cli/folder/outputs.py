@@ -86,6 +86,7 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
               f"Seed: {item.seed}", f"Size: {item.width}x{item.height}", f"Model: {model}", *units]
     if not units:  # an image's one unit as its kind's plain field (the `controlnet:` shorthand's `ControlNet:`)
         fields += [plain for kind in KINDS if (plain := kind.plain(settings))]
+    fields += [field for kind in KINDS for field in kind.a1111(settings)]  # `Denoising strength`, an inpainting's
     if loras:
         # quoted as A1111's infotext_utils.quote: the value holds ':' and ','
         fields.append(f"Lora hashes: {json.dumps(a1111_lora_hashes({l['name']: l['shorthash'] for l in loras}))}")

@@ -191,8 +191,8 @@ def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir
                        f"{did_you_mean(sampler, SAMPLERS)}")
     conditioned = {}
     for kind in KINDS:
-        part, lora_scales = kind.resolve_shot(ctx, ShotSource(get, shot_id, job_dir, job, lora_scales, lora_raw,
-                                                              lora_line, prompt_line))
+        part, lora_scales = kind.resolve_shot(ctx, ShotSource(get, shot_id, (width, height), job_dir, job, lora_scales,
+                                                              lora_raw, lora_line, prompt_line))
         conditioned.update(part)
     cfg_cutoff, line = get("cfg_cutoff")
     cfg_cutoff = 1.0 if cfg_cutoff is None else as_float(ctx, cfg_cutoff, line, shot_id, "cfg_cutoff", 0.0, 1.0)

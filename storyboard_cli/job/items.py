@@ -48,31 +48,42 @@ class BucketKey(*parts("KeyPart")):
         return sum(n for n, _ in sides), max((end for n, end in sides if n), default=1.0)
 
     @property
+    def first(self) -> int:
+        """The schedule's first step the batch runs: the steps before it are skipped (an init image's strength, the
+        kinds' `Kind.first`); its rows run the last `runs` of the `steps`."""
+        return max((kind.first(self) for kind in KINDS), default=0)
+
+    @property
+    def runs(self) -> int:
+        """The steps the batch runs: the step plan, the cut-off and the side networks' ends count over them."""
+        return self.steps - self.first
+
+    @property
     def control(self) -> bool:
         """Whether the batch's steps run a side network (steps.StepKind.control)."""
         return self.sides[0] > 0
 
     @property
     def guided_steps(self) -> int:
-        return guided_steps(self.steps, self.cfg_cutoff) if self.guided else 0
+        return guided_steps(self.runs, self.cfg_cutoff) if self.guided else 0
 
     @property
     def control_steps(self) -> int | None:
         """The steps the side networks run (the first ones, until the last of them ends); None without one."""
         n, end = self.sides
-        return control_steps(self.steps, end) if n else None
+        return control_steps(self.runs, end) if n else None
 
     @property
     def plan(self) -> StepPlan:
         """Each step's kind (steps.step_plan): one plan per batch."""
-        return step_plan(self.steps, self.guided_steps, self.deepcache.interval, self.deepcache.branch,
+        return step_plan(self.runs, self.guided_steps, self.deepcache.interval, self.deepcache.branch,
                          self.control_steps)
 
     @property
     def levers(self) -> str:
         """What the batches do differently from a full render ("" when nothing): the label's tail."""
         n, end = self.sides
-        return levers_label(self.steps, self.guided, self.cfg_cutoff, n > 0, end, self.deepcache)
+        return levers_label(self.runs, self.guided, self.cfg_cutoff, n > 0, end, self.deepcache)
 
     @property
     def label(self) -> str:
@@ -85,7 +96,7 @@ class BucketKey(*parts("KeyPart")):
     def flops_saved(self) -> float:
         """The fraction of the UNet's FLOPs a batch of this key saves against the same batch with every step
         guided and whole, the side networks included (step_costs): the estimate `bcg plan` shows per bucket."""
-        return 1 - step_costs(self.plan, self.sides[0]) / self.steps
+        return 1 - step_costs(self.plan, self.sides[0]) / self.runs
 
 
 @dataclass(frozen=True, kw_only=True)

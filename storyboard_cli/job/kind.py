@@ -23,6 +23,7 @@ class ShotSource:
 
     get: Callable[[str], tuple[Any, "int | None"]]
     shot_id: str
+    size: tuple[int, int]  # the shot's (width, height)
     job_dir: Path
     job: Any  # job/file.py's Job, without the shots
     lora_scales: dict[str, float]
@@ -86,6 +87,9 @@ class Kind(Protocol):
     def key(self, item: Any) -> dict:
         """Its KeyPart's fields: what the images of a batch share."""
 
+    def first(self, key: Any) -> int:
+        """The steps of the schedule a batch skips for it (an init image's strength: the rows run its tail); 0."""
+
     def side(self, key: Any) -> tuple[int, float]:
         """(the side networks a batch runs for it at each step, the fraction of the steps until the last ends)."""
 
@@ -109,6 +113,13 @@ class Kind(Protocol):
 
     def plain(self, settings: dict) -> str | None:
         """The A1111 field that stands for its units where they are an image's only unit (else None)."""
+
+    def a1111(self, settings: dict) -> list[str]:
+        """Its A1111 infotext fields besides its units (`Denoising strength: 0.5`), from an image's settings."""
+
+    def finish(self, item: Any, pixels: Any) -> Any:
+        """An image's decoded pixels (uint8 [H, W, 3], numpy) as they are written (a cropped inpainting pasted back
+        over its source); `pixels` itself where the kind leaves them."""
 
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         """`side` from an image's settings: (whether it runs a side network, where the last ends)."""

@@ -80,8 +80,9 @@ def started_from(ctx: Context, job: Job, shot: Shot, image: Path, strength: floa
 
     fields: dict = {}
     for kind in rows:
-        part, _ = kind.resolve_shot(ctx, ShotSource(get=get, shot_id=shot.id, job_dir=ctx.folder, job=job,
-                                                    lora_scales={}, lora_raw=None, lora_line=None, prompt_line=line))
+        part, _ = kind.resolve_shot(ctx, ShotSource(get=get, shot_id=shot.id, size=(shot.width, shot.height),
+                                                    job_dir=ctx.folder, job=job, lora_scales={}, lora_raw=None,
+                                                    lora_line=None, prompt_line=line))
         fields.update(part)
     return fields
 
@@ -216,13 +217,13 @@ class BucketRow:
 
     @property
     def row_steps(self) -> int:
-        return self.rows * self.key.steps
+        return self.rows * self.key.runs
 
     def to_json(self) -> dict:
         """The row in `bcg plan --json`."""
         k = self.key
-        return {"bucket": k.label, "width": k.width, "height": k.height, "steps": k.steps, "sampler": k.sampler,
-                "control": k.control, "images": self.images, "unique": self.unique, "batches": list(self.batches),
+        return {"bucket": k.label, "width": k.width, "height": k.height, "steps": k.steps,
+                **({"runs": k.runs} if k.first else {}), "sampler": k.sampler, "control": k.control, "images": self.images, "unique": self.unique, "batches": list(self.batches),
                 "rows": self.rows, "padded_rows": self.padded_rows, "waste": round(self.waste, 4),
                 "row_steps": self.row_steps, "levers": k.levers, "guided_steps": k.guided_steps,
                 "cfg_cutoff": k.cfg_cutoff, "control_steps": k.control_steps, "deepcache": k.deepcache.to_json(),
@@ -335,6 +336,11 @@ class PlanSummary(*parts("SummaryPart")):
         row_steps = sum(r.row_steps for r in self.buckets)
         return sum(r.key.flops_saved * r.row_steps for r in self.buckets) / max(1, row_steps)
 
+    @property
+    def kind_notes(self) -> list[str]:
+        """What each conditioning kind says of the job, once (`Kind.notes`)."""
+        return [n for kind in KINDS for n in kind.notes(self)]
+
     def to_json(self) -> dict:
         """`bcg plan --json`: each kind's keys beside the model and at the end (`Kind.plan_json`), those of named
         nets and of references only where the job has them."""
@@ -344,7 +350,7 @@ class PlanSummary(*parts("SummaryPart")):
                "output_dir": str(j.output_dir), "shots": len(j.shots), "images": self.images,
                "unique_images": self.unique_images, "disk_bytes_estimate": self.disk_bytes,
                "buckets": [r.to_json() for r in self.buckets],
-               "notes": [n for n in (self.note, *(n for kind in KINDS for n in kind.notes(self))) if n],
+               "notes": [n for n in (self.note, *self.kind_notes) if n],
                "loras": {n: {"file": str(f.path), "sha256": f.sha256, "shorthash": f.shorthash}
                          for n, f in j.loras.items()},
                "lora_sets": [r.to_json() for r in self.lora_sets], "lora_swaps": self.lora_swaps,

@@ -25,6 +25,7 @@ from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
 from storyboard_cli.engine.streams import Lanes, Timer, hand_over
 from storyboard_cli.errors import ModelError, StoryboardError
 from storyboard_cli.folder.report import Timings
+from storyboard_cli.job.conditions import KINDS as JOB_KINDS
 from storyboard_cli.job.file import LoraFile
 from storyboard_cli.job.lora_files import LoraFileError
 from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
@@ -44,6 +45,15 @@ def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
     for shape, batch in zip(batch_shapes(batches), batches):
         kinds.setdefault(shape, set()).update(batch.key.plan)
     return kinds
+
+
+def finished(item: WorkItem, pixels: torch.Tensor) -> torch.Tensor:
+    """An image's decoded pixels as they are written: each kind's `finish` (a cropped inpainting pasted back over its
+    source, at the source's size)."""
+    array = out = pixels.numpy()
+    for kind in JOB_KINDS:
+        out = kind.finish(item, out)
+    return pixels if out is array else torch.from_numpy(out.copy())
 
 
 def bucket_label(batch: Batch) -> str:
@@ -133,7 +143,7 @@ class BatchRunner:
         self._last: Denoised | None = None  # the latest batch denoised: where the next batch's inputs are measured from
         self.fallback: Engine = EagerEngine(models)  # for the out-of-memory policy's last retry
         self.prompts = PromptCache(models)
-        self.schedules: dict[tuple[str, int], Schedule] = {}
+        self.schedules: dict[tuple[str, int, int], Schedule] = {}
         # each kind's reader, where the models run the kind (its caches: decoded images, encoded references)
         self.readers = [r for row in KINDS.values() if (r := row.reader(models)) is not None]
         self.lora = LoraApplier(models)
@@ -186,10 +196,11 @@ class BatchRunner:
         """The models' own weights back (bit for bit), so whoever holds the models next sees them unchanged."""
         self.lora.restore()
 
-    def schedule(self, sampler: str, steps: int) -> Schedule:
-        key = (sampler, steps)
+    def schedule(self, sampler: str, steps: int, start: int = 0) -> Schedule:
+        """The `steps`-step schedule's tail from `start` (the whole of it from 0)."""
+        key = (sampler, steps, start)
         if key not in self.schedules:
-            self.schedules[key] = schedule(sampler, steps, self.models.scheduler_config)
+            self.schedules[key] = schedule(sampler, steps, self.models.scheduler_config, start)
         return self.schedules[key]
 
     def readable(self, items: Iterable[WorkItem]) -> tuple[list[WorkItem], list[Decoded]]:
@@ -222,7 +233,7 @@ class BatchRunner:
             self.timings.add("encode", readable_s)
             return Denoised((), failed)
         rows = items + [items[-1]] * (batch.size - len(items))  # a padded row copies a real row
-        sched = self.schedule(key.sampler, key.steps)
+        sched = self.schedule(key.sampler, key.steps, key.first)  # its tail, where the kinds skip steps
         swaps = len(self.lora.swaps)
         text_loras = self.apply_loras(items[0])  # one set per batch: it is in the bucket key (on the UNet's stream)
         t1 = time.perf_counter()
@@ -231,8 +242,8 @@ class BatchRunner:
             negatives, guidance = guided_rows(prompts, [r.negative for r in rows], [r.guidance for r in rows])
             cond = conditioning(self.prompts, prompts, negatives, key.width, key.height, text_loras)
             conds = self.conditions(rows, key)
-            x, noise = draw_noise([r.seed for r in rows], key.steps, (4, key.height // 8, key.width // 8), sched)
-            x = x.to(m.device)
+            x, noise = draw_noise([r.seed for r in rows], sched.steps, (4, key.height // 8, key.width // 8), sched)
+            x = conds.begin(x.to(m.device))  # a source's rows start from it, noised
             noise = None if noise is None else noise.to(m.device)
             guidance = torch.tensor(guidance, device=m.device, dtype=torch.float32)
             ready = self.lanes.timer()
@@ -243,7 +254,7 @@ class BatchRunner:
         bt = self.timings.bucket(bucket_label(batch))
         bt.batches += 1
         bt.rows += (2 if key.guided else 1) * batch.size
-        bt.steps += key.steps
+        bt.steps += key.runs
         last = self._last.timing if self._last is not None else None
         before = last.end if last is not None and not last.counted else None  # that loop still ran, or was not read
         start = self.lanes.timer()
@@ -311,7 +322,7 @@ class BatchRunner:
             elif not d.finite[1, i]:
                 out.append(Decoded(item, None, "NaN/inf in the decoded pixels"))
             else:
-                out.append(Decoded(item, d.pixels[i]))
+                out.append(Decoded(item, finished(item, d.pixels[i])))
         return out + done.failed
 
     def decode(self, done: Denoised) -> list[Decoded]:

@@ -22,6 +22,7 @@ from storyboard_cli.folder.report import Report
 from storyboard_cli.job import file as job_file
 from storyboard_cli.job import hires
 from storyboard_cli.job.file import SHOT_DEFAULTS
+from storyboard_cli.job.conditions import source as source_kind
 from storyboard_cli.job.conditions.reference import REFERENCE_SCALE, REFERENCE_SLOTS
 from storyboard_cli.job.inputs import DIGEST
 from storyboard_cli.job.lora_files import SCALE_RANGE
@@ -347,6 +348,24 @@ class HiresDoc(Doc):
     upscaler: Literal[tuple(hires.UPSCALERS)] = hires.DEFAULT_UPSCALER
 
 
+class InitDoc(Doc):
+    image: NonEmpty = Field(description="the image the shot starts from: a name in the job's `inputs`, or a path "
+                                        "under the server's folders")
+    strength: Annotated[float, Field(gt=0.0, le=1.0)] | None = Field(
+        None, description="of S steps the last int(S * strength) run (default 0.3, with a mask 0.9999)")
+    resize: Literal[tuple(source_kind.RESIZE)] | None = Field(
+        None, description="how a source of another aspect than the shot's becomes its size")
+
+
+class MaskDoc(Doc):
+    image: NonEmpty | None = Field(None, description="white repaints; the source's size (not with `box`)")
+    box: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=4, max_length=4)] | None = Field(
+        None, description="[x, y, width, height] in the source's pixels (not with `image`)")
+    blur: Annotated[int, Field(ge=0, le=source_kind.MAX_BLUR)] = 0
+    padding: Annotated[int, Field(ge=0, le=source_kind.MAX_PADDING)] | None = Field(
+        None, description="repaint the masked area plus this many pixels at the shot's size and paste it back")
+
+
 class ShotFields(Doc):
     """What a shot sets, and what `defaults` sets for every shot."""
 
@@ -366,6 +385,8 @@ class ShotFields(Doc):
         None, description="names in the job's `characters`: their references and LoRAs (needs `ip_adapter`)")
     reference: NonEmpty | ReferenceDoc | None = Field(None, description="a one-off reference (needs `ip_adapter`)")
     lora: dict[str, Scale] | None = Field(None, description="name in the job's `loras` -> scale")
+    init: InitDoc | None = Field(None, description="start from an image (img2img)")
+    mask: MaskDoc | None = Field(None, description="repaint only part of the `init` image (inpainting)")
     cfg_cutoff: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     deepcache: DeepCacheDoc | Literal[False] | None = None
     hires: HiresDoc | Literal[False] | None = Field(None, description="upscale, then img2img at the new size")
@@ -379,8 +400,8 @@ class ShotDoc(ShotFields):
 
 class JobDoc(Doc):
     """A job file (`bcg plan`'s format), as YAML or JSON. A null top-level value is as if left out, except
-    for the required ones; within a shot (or `defaults`) only `negative`, `seed`, `control`, `lora`, `cfg_cutoff`,
-    `deepcache` and `hires` may be null."""
+    for the required ones; within a shot (or `defaults`) only `negative`, `seed`, `control`, `lora`, `init`, `mask`,
+    `cfg_cutoff`, `deepcache` and `hires` may be null."""
 
     version: Literal[1]
     name: SafeName | None = Field(None, description="the output folder's name (default: from X-Job-Filename)")

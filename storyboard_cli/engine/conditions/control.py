@@ -115,9 +115,9 @@ class Reader:
                                               for it, row in zip(items, rows)])) for j in range(len(nets))]
         scales = [[row[j][1] for row in rows] for j in range(len(nets))]
         keep = None
-        if key.control_ends:  # 1 while each net runs, as diffusers' controlnet_keep
-            runs = torch.tensor([control_steps(key.steps, end) for end in key.control_ends])
-            keep = (torch.arange(key.steps)[:, None] < runs[None, :]).float()  # [steps, N]
+        if key.control_ends:  # 1 while each net runs, as diffusers' controlnet_keep (over the steps that run)
+            runs = torch.tensor([control_steps(key.runs, end) for end in key.control_ends])
+            keep = (torch.arange(key.runs)[:, None] < runs[None, :]).float()  # [steps, N]
         return control(images, scales, self.models.device, self.models.dtype, nets, keep)
 
 

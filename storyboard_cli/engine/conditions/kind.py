@@ -4,8 +4,9 @@ all the step, the static buffers, the graph runner and the batch runner see of a
 
 The step reads a kind only through `Condition`: its conditional rows (`half`), its tensors at a step (`at`), what it
 adds to the UNet call (`attention`: the attention processors' keyword arguments; `residuals`: added to the UNet's
-blocks, a ControlNet's), and two hooks around the sampler's update: `after_step` (the latents after the update, e.g.
-an inpainting mask's per-row blend) and `start` (each row's first step; a row keeps its latents until then). A graph
+blocks, a ControlNet's), and hooks around the sampler's update: `after_step` (the latents after the update, e.g.
+an inpainting mask's per-row blend), `start` (each row's first step; a row keeps its latents until then) and `begin`
+(a batch's first latents, once before the loop: a source's, noised). A graph
 holds a kind's static buffers (`Static`, allocated once at the largest shape) through a `Condition` of views into
 them (`Static.view`), which `pairs` fills from a batch's value: every kind's (dst, src) pairs are loaded with one
 grouped copy (engine/graph/buffers.py).
@@ -83,6 +84,16 @@ class Condition(Protocol):
         the first step."""
         ...
 
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch's first latents [B, 4, h, w] as this kind leaves them (a source's, noised to the first sigma of the
+        schedule's tail); x itself for none. Run once, before the loop."""
+        ...
+
+    def idle(self) -> list[Pair]:
+        """On a graph's views: what loads a batch without this kind's value into its buffers, where the graph runs the
+        kind anyway (a blend left as a no-op); [] for none."""
+        ...
+
     def pairs(self, value: Condition) -> list[Pair]:
         """On a graph's views: (its buffer, `value`'s tensor) for each tensor a batch's `value` loads."""
         ...
@@ -108,6 +119,12 @@ class Plain:
 
     def start(self) -> torch.Tensor | None:
         return None
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def idle(self) -> list[Pair]:
+        return []
 
 
 class Static(Protocol):
@@ -222,10 +239,16 @@ class Conditions:
         return x_next
 
     def pairs(self, values: Conditions) -> list[Pair]:
-        """On a graph's views: the (dst, src) pairs that load `values` (a kind the views lack is not loaded)."""
+        """On a graph's views: the (dst, src) pairs that load `values` (a kind the views lack is not loaded; a kind
+        `values` lack, its `idle` pairs)."""
         out: list[Pair] = []
         for view in self.values:
             value = values.get(view.kind)
-            if value is not None:
-                out += view.pairs(value)
+            out += view.pairs(value) if value is not None else view.idle()
         return out
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch's first latents, as its kinds leave them (Condition.begin), in the table's order."""
+        for v in self.values:
+            x = v.begin(x)
+        return x

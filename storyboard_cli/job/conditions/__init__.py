@@ -4,18 +4,18 @@ job side knows of its kind (job/kind.py's `Kind`): its YAML keys and their check
 `Shot`, `WorkItem` and `BucketKey`, its bucket key part, what an image records of it (settings, fingerprint, A1111
 units), its models, the files `bcg submit` uploads, its report entries and table and its contact-sheet thumbnails.
 The rest of the job, the folder and the service read the rows and name none of its fields (tests/test_architecture.py
-holds them to it). Adding a kind (an inpainting mask, regional prompts) is one module here and one row in KINDS, with
+holds them to it). Adding a kind (regional prompts) is one module here and one row in KINDS, with
 its engine half. No torch."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-from storyboard_cli.job.conditions import control, reference
+from storyboard_cli.job.conditions import control, reference, source
 from storyboard_cli.job.kind import Kind
 
-KINDS: tuple[Kind, ...] = (control.KIND, reference.KIND)  # in the order an image's A1111 units are written
-MODULES = {"control": control, "reference": reference}  # every module of job/conditions/, by its kind's name
+KINDS: tuple[Kind, ...] = (control.KIND, reference.KIND, source.KIND)  # in the order an image's A1111 units are written
+MODULES = {"control": control, "reference": reference, "source": source}  # every module of job/conditions/, by its kind's name
 
 
 def shown() -> list[Kind]:

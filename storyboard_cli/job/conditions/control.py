@@ -138,6 +138,9 @@ class Control:
         return {"nets": tuple(c.index for c in item.controls), "control_end": max(ends, default=1.0),
                 "control_ends": ends if len(set(ends)) > 1 else ()}
 
+    def first(self, key: Any) -> int:
+        return 0
+
     def side(self, key: Any) -> tuple[int, float]:
         """(the ControlNets a batch runs, where the last of them ends)."""
         return len(key.nets), key.control_end
@@ -189,6 +192,12 @@ class Control:
         end = settings.get("control_end", 1.0)
         end = f", end {end:.3g}" if end < 1 else ""
         return f"ControlNet: {Path(settings['control_image']).name} (scale {settings['control_scale']:g}{end})"
+
+    def a1111(self, settings: dict) -> list[str]:
+        return []
+
+    def finish(self, item: Any, pixels: Any) -> Any:
+        return pixels
 
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         """(whether an image's settings record a net, where the last ends) for the sheet's levers."""

@@ -143,6 +143,9 @@ class References:
     def key(self, item: Any) -> dict:
         return {}
 
+    def first(self, key: Any) -> int:
+        return 0
+
     def side(self, key: Any) -> tuple[int, float]:
         return 0, 1.0  # the adapter runs inside the UNet's attention: no network of its own
 
@@ -182,6 +185,12 @@ class References:
 
     def plain(self, settings: dict) -> str | None:
         return None
+
+    def a1111(self, settings: dict) -> list[str]:
+        return []
+
+    def finish(self, item: Any, pixels: Any) -> Any:
+        return pixels
 
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         return False, 1.0
