@@ -98,7 +98,7 @@ def test_entries_take_the_pick_the_shot_and_a_tag_by_position(job, out, tmp_path
         "a/a_c1_s8.png", "r1", (8, 8, 16, 24), 0.5, 8, "a lighthouse keeper")
     assert (a2.tag, a2.outline, a2.prompt, a2.candidates, a2.seed, a2.hires.scale) == (
         "r2", (10, 20, 20, 24), "a hand", 2, 99, 1.5)
-    assert (b.source, b.tag, b.mask, b.outline, b.strength) == ("b/b_c0_s30.png", "sky", None, None, 0.75)
+    assert (b.source, b.tag, b.area, b.outline, b.strength) == ("b/b_c0_s30.png", "sky", None, None, 0.75)
     # without this file's picks: picks.json's (`bcg pick`); without a job: the folder's report's
     apply_picks(out, load_picks(_refines(tmp_path, "picks:\n  b: b/b_c0_s30.png\n", "picks.yaml"), out, job), job)
     assert load_refines(_refines(tmp_path, "refine:\n  - {shot: b}\n"), out)[0].source == "b/b_c0_s30.png"

@@ -29,6 +29,7 @@ from storyboard_cli.errors import BadInput, JobError, did_you_mean
 from storyboard_cli.folder.layout import REFINE_TAG, REPORT_JSON, read_chunk, recorded_picks
 from storyboard_cli.folder.picks import PICK_KEYS, picked
 from storyboard_cli.folder.report import job_of_folder
+from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import MAX_CANDIDATES, MAX_SEED, Job, Shot, as_draft
 from storyboard_cli.job.hires import read_hires
 from storyboard_cli.job.plan import started_from
@@ -36,8 +37,9 @@ from storyboard_cli.job.refinement import Refinement
 from storyboard_cli.job.values import Context, as_float, as_int, as_str, check_keys, given, line_of
 from storyboard_cli.job.yaml_loader import Located, clip, read_yaml
 
-ENTRY_KEYS = ("shot", "candidate", "name", "mask", "prompt", "negative", "strength", "candidates", "seed", "hires")
-MASK = "mask"  # the job's key of the area a refinement repaints (the mask kind's)
+# the area a refinement repaints is written as a shot's (the key of the kind a picture starts from: Kind.start_keys)
+REPAINT = next((kind.start_keys[1] for kind in KINDS if kind.start_keys), "")
+ENTRY_KEYS = ("shot", "candidate", "name", REPAINT, "prompt", "negative", "strength", "candidates", "seed", "hires")
 DEFAULT_STRENGTH = 0.75  # A1111's inpaint default
 
 
@@ -49,7 +51,7 @@ class Entry:
     source: str  # the candidate refined, relative to the output folder
     tag: str
     line: int
-    mask: Located | None  # the entry's `mask:` as written: the mask kind reads it
+    area: Located | None  # the area it repaints as written (`mask:`): the kind a picture starts from reads it
     outline: tuple[int, int, int, int] | None
     prompt: str
     negative: str
@@ -127,7 +129,7 @@ def _entry(ctx: Context, raw: Any, index: int, list_line: int | None, shots: dic
     tags[(source, tag)] = 1
     tags[(source, "")] = n
     width, height = _size(out_dir / source)
-    mask, outline = _mask(ctx, raw, shot_id, width, height)
+    area, outline = _area(ctx, raw, shot_id, width, height)
     prompt = as_str(ctx, raw["prompt"], line_of(raw, "prompt"), shot_id, "prompt", empty_ok=False) \
         if "prompt" in raw else shot.prompt
     negative = as_str(ctx, raw["negative"], line_of(raw, "negative"), shot_id, "negative", empty_ok=True) \
@@ -142,7 +144,7 @@ def _entry(ctx: Context, raw: Any, index: int, list_line: int | None, shots: dic
         picked(source)[2]
     hires = read_hires(ctx, raw.get("hires"), line_of(raw, "hires", raw.line), shot_id, shot.width, shot.height,
                        shot.steps)
-    return Entry(shot, source, tag, raw.line, mask, outline, prompt, negative, strength, candidates, seed, hires)
+    return Entry(shot, source, tag, raw.line, area, outline, prompt, negative, strength, candidates, seed, hires)
 
 
 def _source(ctx: Context, rel: str, line: int | None, shot: str, out_dir: Path) -> str:
@@ -168,42 +170,41 @@ def _size(path: Path) -> tuple[int, int]:
         return im.size
 
 
-def _mask(ctx: Context, raw: Located, shot: str, width: int, height: int
+def _area(ctx: Context, raw: Located, shot: str, width: int, height: int
           ) -> tuple[Located | None, tuple[int, int, int, int] | None]:
-    """The entry's `mask:` (read again by the mask kind, as a shot's), and the box the sheet outlines: a `box`'s, or
-    the white area's of an `image` (the mask kind checks the image itself). No mask: the whole frame (img2img)."""
-    mask = raw.get(MASK)
-    if mask is None:
+    """The area the entry repaints (`mask:`, read again by its kind as a shot's), and the box the sheet outlines: a
+    `box`'s, or the white area's of an `image` (its kind checks the image itself). None: the whole frame (img2img)."""
+    area = raw.get(REPAINT)
+    if area is None:
         return None, None
-    line = line_of(raw, MASK)
-    if not isinstance(mask, Located):
-        raise ctx.fail(line, shot, MASK, f"must be a mapping like {{box: [x, y, w, h]}} or {{image: file}}, got "
-                       f"{given(mask)}")
-    box = mask.get("box")
+    line = line_of(raw, REPAINT)
+    if not isinstance(area, Located):
+        raise ctx.fail(line, shot, REPAINT, f"must be a mapping like {{box: [x, y, w, h]}} or {{image: file}}, got "
+                       f"{given(area)}")
+    box = area.get("box")
     if box is not None:
-        box_line = line_of(mask, "box")
+        box_line = line_of(area, "box")
         if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, int) and not isinstance(v, bool)
                                                                   for v in box)):
-            raise ctx.fail(box_line, shot, "mask.box", f"must be [x, y, w, h] in pixels, got {given(box)}")
+            raise ctx.fail(box_line, shot, f"{REPAINT}.box", f"must be [x, y, w, h] in pixels, got {given(box)}")
         x, y, w, h = box
         if w <= 0 or h <= 0 or x < 0 or y < 0 or x + w > width or y + h > height:
-            raise ctx.fail(box_line, shot, "mask.box", f"[{x}, {y}, {w}, {h}] is outside the {width}x{height} "
+            raise ctx.fail(box_line, shot, f"{REPAINT}.box", f"[{x}, {y}, {w}, {h}] is outside the {width}x{height} "
                            f"image (or empty)")
-        return mask, (x, y, w, h)
-    image = mask.get("image")
+        return area, (x, y, w, h)
+    image = area.get("image")
     if isinstance(image, str) and image.strip():
-        path = (ctx.folder / image).resolve()
         try:
             from PIL import Image
 
-            with Image.open(path) as im:
-                white = im.convert("L").point(lambda v: 255 if v > 127 else 0)
-                bbox = white.resize((width, height)).getbbox() if im.size != (width, height) else white.getbbox()
+            with Image.open((ctx.folder / image).resolve()) as im:
+                white = im.convert("L").resize((width, height)).point(lambda v: 255 if v > 127 else 0)
+                bbox = white.getbbox()
         except OSError:
-            return mask, None  # the mask kind says what is wrong with the file, at its line
+            return area, None  # its kind says what is wrong with the file, at its line
         if bbox is not None:
-            return mask, (bbox[0], bbox[1], bbox[2] - bbox[0], bbox[3] - bbox[1])
-    return mask, None
+            return area, (bbox[0], bbox[1], bbox[2] - bbox[0], bbox[3] - bbox[1])
+    return area, None
 
 
 def refine_job(job: Job, out_dir: Path, entries: list[Entry], refines_path: Path, draft: bool = False) -> Job:
@@ -213,7 +214,7 @@ def refine_job(job: Job, out_dir: Path, entries: list[Entry], refines_path: Path
     ctx = Context(str(refines_path))
     shots = []
     for e in entries:
-        part = started_from(ctx, job, e.shot, (out_dir / e.source).resolve(), e.strength, e.line, e.mask)
+        part = started_from(ctx, job, e.shot, (out_dir / e.source).resolve(), e.strength, e.line, e.area)
         shots.append(replace(e.shot, prompt=e.prompt, negative=e.negative, candidates=e.candidates, seed=e.seed,
                              first_candidate=0, hires=e.hires, refine=Refinement(e.source, e.tag, e.outline),
                              **part))

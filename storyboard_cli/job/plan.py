@@ -58,28 +58,29 @@ def work_items(job: Job) -> list[WorkItem]:
 
 # ---------------------------------------------------------------- images that start from another (hires, refine)
 
-INIT = "init"  # the job's key of the kind a picture starts from (job/conditions/: `init: {image, strength}`)
 UPSCALE_MODES = {"lanczos": "stretch", "latent": "latent"}  # a hires upscaler -> how its source takes the new size
 
 
 def started_from(ctx: Context, job: Job, shot: Shot, image: Path, strength: float, line: int | None,
-                 mask: Located | None = None, resize: str | None = None) -> dict:
-    """The shot fields of a picture that starts from `image` (an absolute path) and repaints `mask`'s area (its
-    image read from `ctx`'s folder): the kinds' own, read by their rows from `init:` and `mask:` as a shot's keys
-    would be, at the shot's size (errors at `ctx`'s file and `line`)."""
-    init = Located(image=str(image), strength=strength, **({"resize": resize} if resize else {}))
-    init.line, init.lines = line, {k: line for k in init}
-    given = {INIT: init, "mask": mask}
-    rows = [kind for kind in KINDS if INIT in kind.shot_keys]
+                 area: Located | None = None, resize: str | None = None) -> dict:
+    """The shot fields of a picture that starts from `image` (an absolute path) and repaints `area` (a mapping as a
+    shot's would be, its image read from `ctx`'s folder): the fields of the kind a picture starts from
+    (`Kind.start_keys`), read by its row as a shot's keys would be, at the shot's size (errors at `ctx`'s file and
+    `line`)."""
+    rows = [kind for kind in KINDS if kind.start_keys]
     if not rows:
-        raise JobError(ctx.file, line, shot.id, INIT, "this build has no kind that starts from an image")
-
-    def get(key: str) -> tuple[object, int | None]:
-        value = given.get(key)
-        return value, value.line if isinstance(value, Located) else line
-
+        raise JobError(ctx.file, line, shot.id, None, "this build has no kind that starts from an image")
     fields: dict = {}
     for kind in rows:
+        source, repaint = kind.start_keys
+        start = Located(image=str(image), strength=strength, **({"resize": resize} if resize else {}))
+        start.line, start.lines = line, {k: line for k in start}
+        given = {source: start, repaint: area}
+
+        def get(key: str, given=given) -> tuple[object, int | None]:
+            value = given.get(key)
+            return value, value.line if isinstance(value, Located) else line
+
         part, _ = kind.resolve_shot(ctx, ShotSource(get=get, shot_id=shot.id, size=(shot.width, shot.height),
                                                     job_dir=ctx.folder, job=job, lora_scales={}, lora_raw=None,
                                                     lora_line=None, prompt_line=line))
