@@ -261,19 +261,15 @@ def refine(out_dir: FolderArg,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto", kernels: KernelsOpt = None,
            fp8: Fp8Opt = False) -> None:
     """Refine picked candidates (img2img, a masked area repainted, a hires pass), written beside them."""
-    from storyboard_cli.folder.refines import load_refines, refine_job
-    from storyboard_cli.folder.report import job_of_folder
     from storyboard_cli.run import render as rendering
+    from storyboard_cli.run.refine import refine as refining
 
     with _domain_errors():
         kernels = kernels_name(kernels, fp8)
-        j = job_of_folder(out_dir)
-        entries = load_refines(refines, out_dir, j)
-        job = refine_job(j, out_dir, entries, refines, draft)
         opts = rendering.RenderOptions(out_dir=out_dir, device=device, dtype=dtype, engine=engine,
                                        compile=compile, kernels=kernels)
         with render_progress(quiet) as on_event:
-            result = rendering.RenderSession(job, opts, on_event).execute()
+            result = refining(out_dir, refines, opts, draft, on_event)
     _outcome(result.report, json_out, result.report_paths or (), result.sheet)
     code = exit_code(result.status, result.signal)
     if code:

@@ -3,6 +3,8 @@ runs, what an image records of it (settings, fingerprint, A1111 fields, manifest
 
 import json
 
+import numpy as np
+
 import pytest
 from typer.testing import CliRunner
 
@@ -113,3 +115,62 @@ def test_a_result_over_2048_px_names_the_size_at_plan_exit_2(tmp_path):
     line = result.output.strip()
     assert "\n" not in line and "job.yaml:7 shot 'wide' field 'hires.scale'" in line
     assert "1344x768 x 2 is 2688x1536: over 2048 px a side" in line
+
+
+RENDER = """version: 1
+model: tiny
+defaults: {size: 64x96, steps: 4, guidance: 5.0}
+shots:
+  - {id: a, prompt: a lighthouse at dusk, seed: 5, candidates: 2,
+     hires: {scale: 1.5, strength: 0.5, steps: 6}}
+  - {id: b, prompt: a boat, seed: 9, hires: {scale: 2, strength: 0.5, upscaler: lanczos}}
+  - {id: c, prompt: a gull, seed: 3}
+"""
+
+
+def _png(path):
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.size, json.loads(im.info["bcg"]), im.info["parameters"], np.asarray(im.convert("RGB"))
+
+
+def test_a_hires_render_keeps_the_base_writes_the_candidate_at_the_new_size_and_resumes(tmp_path, tiny_cpu):
+    from storyboard_cli.folder.layout import candidate_files
+    from storyboard_cli.run.render import RenderOptions, render
+
+    job = load_job(write_job(tmp_path, RENDER))
+    out = tmp_path / "out"
+    result = render(job, RenderOptions(out_dir=out), models=tiny_cpu)
+    assert result.status == "done" and result.rendered == 7  # 4 candidates and 3 bases
+    planned = {p: i for i in work_items(job) for p in i.outputs}
+    for path, (w, h), base in [("a/a_c0_s5.png", (96, 144), True), ("a/a_c1_s6.png", (96, 144), True),
+                               ("b/b_c0_s9.png", (128, 192), True), ("c/c_c0_s3.png", (64, 96), False)]:
+        size, meta, text, _ = _png(out / path)
+        assert size == (w, h) and meta["fingerprint"] == planned[path].fingerprint(job.model)
+        assert (out / path.replace(".png", ".base.png")).exists() == base
+        if base:
+            assert _png(out / path.replace(".png", ".base.png"))[0] == (64, 96)
+            assert "Size: 64x96" in text and f"Hires resize: {w}x{h}" in text and "Denoising strength: 0.5" in text
+    assert "Hires upscaler: Latent" in _png(out / "a/a_c0_s5.png")[2]
+    assert "Hires upscaler: Lanczos, " in _png(out / "b/b_c0_s9.png")[2] + ", "
+    assert [c[0] for c in candidate_files(out, "a")] == ["a/a_c0_s5.png", "a/a_c1_s6.png"]  # the base is no candidate
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert {r["path"]: r.get("hires", {}).get("width") for r in records}["a/a_c0_s5.png"] == 96
+    # the hires pass denoised the tail of its schedule: 3 of 6 steps from step 4, at the new size
+    buckets = {b["bucket"]: b for b in result.report.to_json()["buckets"]}
+    assert buckets["2 x 96x144 6 steps euler from step 4"]["steps"] == 3
+    # resume: everything on disk is skipped; a lost candidate runs its hires pass alone, from its base
+    again = render(job, RenderOptions(out_dir=out), models=tiny_cpu)
+    assert (again.rendered, again.skipped) == (0, 4)
+    before = _png(out / "a/a_c1_s6.png")[3]
+    (out / "a/a_c1_s6.png").unlink()
+    redo = render(job, RenderOptions(out_dir=out), models=tiny_cpu)
+    assert (redo.rendered, redo.skipped) == (1, 3)
+    assert [b["bucket"] for b in redo.report.to_json()["buckets"]] == ["1 x 96x144 6 steps euler from step 4"]
+    # the same picture, alone in its batch now (a CPU's kernels round by the batch's rows: a level at most)
+    assert np.abs(_png(out / "a/a_c1_s6.png")[3].astype(int) - before).max() <= 1
+    # a lost base is rendered again, and its candidate with it (the candidate starts from it)
+    (out / "b/b_c0_s9.base.png").unlink()
+    (out / "b/b_c0_s9.png").unlink()
+    assert render(job, RenderOptions(out_dir=out), models=tiny_cpu).rendered == 2

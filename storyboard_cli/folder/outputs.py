@@ -98,7 +98,8 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
         fields.append("Draft: true")
     if "hires" in settings:
         fields += [f"{name}: {value:g}" if isinstance(value, float) else f"{name}: {value}"
-                   for name, value in a1111_fields(settings["hires"])]
+                   for name, value in a1111_fields(settings["hires"])
+                   if not any(f.startswith(f"{name}:") for f in fields)]  # a refinement's own strength stays first
     lines.append(", ".join(fields))
     return "\n".join(lines)
 
@@ -382,15 +383,15 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
                 p.kept.append(path)
         if todo:
             p.items.append(replace(item, outputs=tuple(todo)))
-    p.items = with_bases(p.items, out_dir, job.model)
+    p.items = with_bases(p.items, out_dir, job.model, force)
     return p
 
 
-def with_bases(items: list[WorkItem], out_dir: Path, model: str) -> list[WorkItem]:
+def with_bases(items: list[WorkItem], out_dir: Path, model: str, force: bool = False) -> list[WorkItem]:
     """The items, after the first passes their hires passes still need: a base that is not on disk as the
-    item asks for it (job/plan.py `base_item`) is rendered first."""
+    item asks for it (job/plan.py `base_item`), or every one with `force`, is rendered first."""
     bases = [b for b in (base_item(i) for i in items if i.hires is not None)
-             if read_fingerprint(out_dir / b.outputs[0]) != b.fingerprint(model)]
+             if force or read_fingerprint(out_dir / b.outputs[0]) != b.fingerprint(model)]
     return bases + items
 
 

@@ -47,7 +47,7 @@ DEFAULT_STRENGTH = 0.75  # A1111's inpaint default
 class Entry:
     """One refinement asked for, checked."""
 
-    shot: Shot  # the source's shot, as the job has it
+    shot: Shot  # the source's shot, as the job has it, at the source's size (a hires frame is refined at its own)
     source: str  # the candidate refined, relative to the output folder
     tag: str
     line: int
@@ -129,6 +129,7 @@ def _entry(ctx: Context, raw: Any, index: int, list_line: int | None, shots: dic
     tags[(source, tag)] = 1
     tags[(source, "")] = n
     width, height = _size(out_dir / source)
+    shot = replace(shot, width=width, height=height)
     area, outline = _area(ctx, raw, shot_id, width, height)
     prompt = as_str(ctx, raw["prompt"], line_of(raw, "prompt"), shot_id, "prompt", empty_ok=False) \
         if "prompt" in raw else shot.prompt

@@ -163,7 +163,10 @@ def shot_levers(job: Job) -> list[dict]:
                      "guided_steps": guided_steps(s.steps, cutoff) if s.guidance > 1 else 0,
                      "cfg_cutoff": cutoff, "deepcache": deepcache.to_json(),
                      "deepcache_dropped": bool(s.deepcache and not deepcache),
-                     "control_steps": control_steps(s.steps, end) if sides(s)[0] else None})
+                     "control_steps": control_steps(s.steps, end) if sides(s)[0] else None,
+                     **({"hires": s.hires.settings(s.width, s.height, s.steps)
+                         | {"size": f"{s.width}x{s.height}", "steps_run": s.hires.steps_run(s.steps)}}
+                       if s.hires else {})})
     return rows
 
 
