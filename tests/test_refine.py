@@ -198,3 +198,50 @@ class Figures(HTMLParser):
         if tag == "section" and self.shot:
             self.figures[self.shot] = [tuple(f) for f in self.figures[self.shot]]
             self.shot = None
+
+
+def test_bcg_refine_end_to_end_beside_the_candidates_resumes_and_picks(job, out, tmp_path):
+    """Through the CLI on tiny: a cropped inpainting (pixels outside its mask the source's, exactly), an img2img with
+    a hires pass, a draft; the sheet rebuilt from the folder's job; re-running skips what exists; a pick."""
+    report = (out / "report.json").read_bytes()
+    path = _refines(tmp_path, "refine:\n"
+                              "  - shot: a\n    candidate: a/a_c1_s8.png\n    name: hand\n"
+                              "    mask: {box: [8, 16, 24, 20], padding: 4}\n    prompt: a keeper's hand\n"
+                              "    strength: 0.6\n    candidates: 2\n"
+                              "  - shot: b\n    candidate: b/b_c0_s30.png\n    strength: 0.5\n"
+                              "    hires: {scale: 1.5, strength: 0.5}\n")
+    result = runner.invoke(app, ["refine", str(out), str(path), "--device", "cpu", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "done: 4 rendered" in result.output  # two refinements, one img2img, its base
+    hand = ["a/a_c1_s8.hand_c0_s8.png", "a/a_c1_s8.hand_c1_s9.png"]
+    assert [r[0] for r in refinement_files(out, "a")] == hand
+    assert [r[0] for r in refinement_files(out, "b")] == ["b/b_c0_s30.r1_c0_s30.png"]
+    assert (out / "b/b_c0_s30.r1_c0_s30.base.png").is_file()
+    source = np.asarray(Image.open(out / "a/a_c1_s8.png").convert("RGB"))
+    for rel in hand:
+        with Image.open(out / rel) as im:
+            meta, pixels = json.loads(im.info["bcg"]), np.asarray(im.convert("RGB"))
+        assert meta["shot"] == "a" and meta["prompt"] == "a keeper's hand" and meta["refine"] == {
+            "source": "a/a_c1_s8.png", "tag": "hand", "outline": [8, 16, 24, 20]}
+        outside = np.ones(source.shape[:2], bool)
+        outside[16:36, 8:32] = False
+        np.testing.assert_array_equal(pixels[outside], source[outside])  # only the masked area is repainted
+        assert not np.array_equal(pixels, source)
+    with Image.open(out / "b/b_c0_s30.r1_c0_s30.png") as im:
+        assert im.size == (96, 96) and "Hires upscale: 1.5" in im.info["parameters"]
+    assert (out / "report.json").read_bytes() == report  # the folder's report stays the render's
+    page = Figures((out / "index.html").read_text())
+    assert page.figures["a"][2:] == [(hand[0], "a/a_c1_s8.png"), (hand[1], "a/a_c1_s8.png")]
+    assert page.rects == [{"x": "8", "y": "16", "width": "24", "height": "20"}] * 2
+    assert [c[0] for c in candidate_files(out, "a")] == ["a/a_c0_s7.png", "a/a_c1_s8.png"]
+
+    again = runner.invoke(app, ["refine", str(out), str(path), "--device", "cpu", "--quiet"])
+    assert again.exit_code == 0 and "0 rendered, 3 skipped" in again.output
+    draft = runner.invoke(app, ["refine", str(out), str(path), "--device", "cpu", "--quiet", "--draft"])
+    assert draft.exit_code == 0 and "skipped" in draft.output
+    with Image.open(out / hand[0]) as im:
+        assert json.loads(im.info["bcg"])["draft"] is True and "Draft: true" in im.info["parameters"]
+
+    picks = _refines(tmp_path, f"picks:\n  a: {hand[1]}\n", "picks.yaml")
+    assert runner.invoke(app, ["pick", str(out), str(picks)]).exit_code == 0
+    assert (out / "selects/001_a.png").read_bytes() == (out / hand[1]).read_bytes()
