@@ -256,11 +256,20 @@ def refine(out_dir: FolderArg,
            refines: Annotated[Path, typer.Argument(help="REFINES.yaml, or the contact sheet's picks file with a "
                                                         "`refine:` list.", show_default=False, callback=_user_path)],
            draft: Annotated[bool, _flag("--draft", "Refinements with the draft levers, marked as drafts.")] = False,
+           job_out: Annotated[Optional[Path], typer.Option(
+               "--job-out", callback=_user_path, help="Write the refinements as a job file (for `bcg submit`; "
+               "beside the folder's job file, whose relative paths it keeps) instead of rendering them.")] = None,
            json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
            device: DeviceOpt = None, dtype: DtypeOpt = None,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto", kernels: KernelsOpt = None,
            fp8: Fp8Opt = False) -> None:
     """Refine picked candidates (img2img, a masked area repainted, a hires pass), written beside them."""
+    if job_out is not None:
+        from storyboard_cli.folder.refines import refine_job_file
+
+        with _domain_errors():
+            out.print(str(refine_job_file(out_dir, refines, job_out)))
+        return
     from storyboard_cli.run import render as rendering
     from storyboard_cli.run.refine import refine as refining
 

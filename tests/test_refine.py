@@ -245,3 +245,50 @@ def test_bcg_refine_end_to_end_beside_the_candidates_resumes_and_picks(job, out,
     picks = _refines(tmp_path, f"picks:\n  a: {hand[1]}\n", "picks.yaml")
     assert runner.invoke(app, ["pick", str(out), str(picks)]).exit_code == 0
     assert (out / "selects/001_a.png").read_bytes() == (out / hand[1]).read_bytes()
+
+
+@pytest.mark.slow
+def test_a_refine_submitted_renders_on_a_worker_without_the_servers_files(job, out, tmp_path):
+    """`bcg refine --job-out` writes the refinements as a job; `bcg submit` uploads its sources and masks as blobs;
+    a worker with a root of its own renders them after the render's folder has gone from where the job names it."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from helpers.serve import Server, free_port, start_worker, stop
+
+    mask = Image.new("L", (64, 64))
+    mask.paste(255, (40, 8, 60, 30))
+    mask.save(tmp_path / "sky.png")
+    refines = _refines(tmp_path, "refine:\n  - shot: a\n    candidate: a/a_c1_s8.png\n    name: hand\n"
+                                 "    mask: {box: [8, 16, 24, 20], padding: 4}\n    strength: 0.6\n"
+                                 "  - shot: b\n    candidate: b/b_c0_s30.png\n    mask: {image: sky.png}\n")
+    job_file = tmp_path / "refine.yaml"
+    made = runner.invoke(app, ["refine", str(out), str(refines), "--job-out", str(job_file)])
+    assert made.exit_code == 0, made.output
+    sources = {name: np.asarray(Image.open(out / rel).convert("RGB"))
+               for name, rel in (("a.hand", "a/a_c1_s8.png"), ("b.r1", "b/b_c0_s30.png"))}
+    server = Server(tmp_path / "root", free_port()).start(lease_s=10, gpus="none")
+    worker = None
+    try:
+        sent = subprocess.run([sys.executable, "-m", "storyboard_cli", "submit", str(job_file), "--server",
+                               server.url, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+        assert sent.returncode == 0, sent.stderr
+        job_id = json.loads(sent.stdout)["id"]
+        out.rename(tmp_path / "moved")  # the worker reads the sources from the blobs, not the paths
+        (tmp_path / "sky.png").unlink()
+        worker = start_worker(server.url, "remote", "--upload", "--root", str(tmp_path / "elsewhere"))
+        state = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"))
+        assert state["state"] == "succeeded", state
+        served = server.root / "jobs" / job_id / "out"
+        hand = np.asarray(Image.open(served / "a.hand/a.hand_c0_s8.png").convert("RGB"))
+        outside = np.ones((64, 64), bool)
+        outside[16:36, 8:32] = False
+        np.testing.assert_array_equal(hand[outside], sources["a.hand"][outside])
+        assert not np.array_equal(hand, sources["a.hand"])
+        sky = np.asarray(Image.open(served / "b.r1/b.r1_c0_s30.png").convert("RGB"))
+        assert not np.array_equal(sky, sources["b.r1"])
+    finally:
+        if worker is not None:
+            stop(worker)
+        server.kill_everything()

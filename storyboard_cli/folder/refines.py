@@ -52,6 +52,7 @@ class Entry:
     tag: str
     line: int
     area: Located | None  # the area it repaints as written (`mask:`): the kind a picture starts from reads it
+    area_folder: Path  # what the area's image path is read from (REFINES.yaml's folder)
     outline: tuple[int, int, int, int] | None
     prompt: str
     negative: str
@@ -145,7 +146,7 @@ def _entry(ctx: Context, raw: Any, index: int, list_line: int | None, shots: dic
         picked(source)[2]
     hires = read_hires(ctx, raw.get("hires"), line_of(raw, "hires", raw.line), shot_id, shot.width, shot.height,
                        shot.steps)
-    return Entry(shot, source, tag, raw.line, area, outline, prompt, negative, strength, candidates, seed, hires)
+    return Entry(shot, source, tag, raw.line, area, ctx.folder, outline, prompt, negative, strength, candidates, seed, hires)
 
 
 def _source(ctx: Context, rel: str, line: int | None, shot: str, out_dir: Path) -> str:
@@ -221,3 +222,57 @@ def refine_job(job: Job, out_dir: Path, entries: list[Entry], refines_path: Path
                              **part))
     refined = replace(job, shots=tuple(shots))
     return as_draft(refined) if draft else refined
+
+
+JOB_MARK = "# written by bcg refine"  # the first line of a refine job file: bcg replaces only such a file
+
+
+def refine_job_text(job: Job, out_dir: Path, entries: list[Entry]) -> str:
+    """The refinements as a job file of their own, for `bcg submit` (a server, and a worker without this machine's
+    files: the sources and masks travel as the job's files): the folder's job file with its shots replaced by one
+    shot per refinement, `<shot>.<tag>`, each its shot's keys plus where it starts (the source's `init:`) and what
+    it repaints, its prompt, seed, size, candidates and hires pass. Paths stay as the job wrote them (read from the
+    job file's folder: write it there); the sources and masks are absolute."""
+    import yaml
+
+    doc = yaml.safe_load(job.path.read_text(encoding="utf-8"))
+    raw = {s.get("id"): s for s in doc.get("shots", []) if isinstance(s, dict)}
+    kind = next(k for k in KINDS if k.start_keys)
+    start, repaint = kind.start_keys
+    shots = []
+    for e in entries:
+        shot = {k: v for k, v in raw.get(e.shot.id, {}).items() if k not in ("candidates", "seed", "size")}
+        shot.update({"id": f"{e.shot.id}.{e.tag}", "prompt": e.prompt, "negative": e.negative,
+                     "candidates": e.candidates, "seed": e.seed, "size": f"{e.shot.width}x{e.shot.height}",
+                     start: {"image": str((out_dir / e.source).resolve()), "strength": e.strength}})
+        if e.area is not None:
+            area = dict(e.area)
+            if isinstance(area.get("image"), str):
+                area["image"] = str((Path(e.area_folder) / area["image"]).resolve())
+            shot[repaint] = area
+        shot["hires"] = e.hires.settings(e.shot.width, e.shot.height, e.shot.steps) if e.hires else False
+        for key in ("width", "height"):
+            if isinstance(shot["hires"], dict):
+                shot["hires"].pop(key)
+        shots.append(shot)
+    doc["shots"] = shots
+    doc.pop("inputs", None)
+    return f"{JOB_MARK} from {out_dir}\n" + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
+
+
+def write_refine_job(path: Path, text: str) -> None:
+    """Writes the refine job file, replacing only one bcg refine wrote."""
+    from storyboard_cli.folder.outputs import atomic_write
+
+    if path.exists() and not path.read_text(encoding="utf-8", errors="replace").startswith(JOB_MARK):
+        raise BadInput(f"{path}: exists and was not written by bcg refine; choose another --job-out")
+    atomic_write(path, text.encode("utf-8"))
+
+
+def refine_job_file(out_dir: Path, refines: Path, job_out: Path) -> Path:
+    """`bcg refine OUT_DIR REFINES.yaml --job-out FILE`: the refinements checked and written as a job file."""
+    job = job_of_folder(out_dir)
+    if job is None:
+        raise BadInput(f"{out_dir}: no job to refine (its {REPORT_JSON} names none that loads); render it first")
+    write_refine_job(job_out, refine_job_text(job, out_dir, load_refines(refines, out_dir, job)))
+    return job_out
