@@ -24,6 +24,7 @@ from storyboard_cli.bench.contenders import (DiffusersLoop, bcg_render, compile_
                                              single_shot, warm_runner)
 from storyboard_cli.bench.draft import draft_capture, draft_job, draft_steps
 from storyboard_cli.bench.fp8 import fp8_ready, image_drift, step_drift
+from storyboard_cli.bench.refine import refine_part
 from storyboard_cli.bench.report import NAMES, markdown
 from storyboard_cli.bench.steps import kernel_profile, matmul_tflops, step_curve
 from storyboard_cli.engine.device import device_name, dtype_name
@@ -145,6 +146,8 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         part("draft_capture", lambda: draft_capture(job, models, log))
     elif "draft_capture" in parts:  # the capture part alone
         part("draft_capture", lambda: draft_capture(job, models, log))
+    if "refine" in parts:  # bcg refine against diffusers' inpainting loop; the hires pass per pick
+        part("refine", lambda: refine_part(models, job.model, log))
     if "first_render" in parts and device.type == "cuda":
         part("first_render", lambda: first_render(job, models, log))
     if "first_render_fp8" in parts and fp8_ready(device):
