@@ -127,7 +127,8 @@ TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "job/*", "folder/*", "run/
 # who drives an engine (builds one, prepares it, samples with it): the batch runner and the render that
 # builds one; capture and bench's parts, which time them
 ENGINE_DRIVERS = {"run/batch.py", "run/render.py", "run/capture.py", "bench/contenders.py", "bench/steps.py",
-                  "bench/draft.py", "bench/harness.py", "bench/fp8.py"}
+                  "bench/draft.py", "bench/harness.py", "bench/fp8.py",
+                  "bench/source.py"}
 
 
 def _expand(names: list[str]) -> list[str]:

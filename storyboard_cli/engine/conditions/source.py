@@ -192,12 +192,13 @@ class Buffers:
                      self.mask[:n].view(b, 1, h, w), self.next_sigma)
 
 
-def synthetic(models: Any, batch: int, width: int, height: int, bits: int) -> Blend:
-    """Every row inpainting half of a random source (values do not change the blend's kernels)."""
+def synthetic(models: Any, batch: int, width: int, height: int, bits: int, repaint: float = 1.0) -> Blend:
+    """Every row repainting the left `repaint` of a random source (values do not change the blend's kernels; 1.0, as
+    timing and checks take it: img2img, every row's mask 1, its update kept exactly)."""
     g = torch.Generator("cpu").manual_seed(0)
     h, w, dev = height // 8, width // 8, models.device
     mask = torch.zeros(batch, 1, h, w)
-    mask[..., : w // 2] = 1
+    mask[..., : round(w * repaint)] = 1
     return Blend(torch.randn(batch, 4, h, w, generator=g).to(dev), torch.randn(batch, 4, h, w, generator=g).to(dev),
                  mask.to(dev), torch.linspace(10, 0, MAX_STEPS).to(dev))
 
