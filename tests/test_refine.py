@@ -292,3 +292,24 @@ def test_a_refine_submitted_renders_on_a_worker_without_the_servers_files(job, o
         if worker is not None:
             stop(worker)
         server.kill_everything()
+
+
+def test_the_example_files_as_written(tmp_path):
+    """jobs/finishing.yaml's hires shot and jobs/finishing-refines.yaml, as the README runs them (fewer steps)."""
+    from conftest import ROOT
+
+    for sub in ("refs", "finishing"):
+        shutil.copytree(ROOT / "jobs" / sub, tmp_path / sub)
+    job = tmp_path / "finishing.yaml"
+    job.write_text((ROOT / "jobs" / "finishing.yaml").read_text().replace("steps: 8", "steps: 4"))
+    shutil.copy(ROOT / "jobs" / "finishing-refines.yaml", tmp_path / "finishing-refines.yaml")
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["render", str(job), "--out", str(out), "--device", "cpu", "--quiet"]).exit_code == 0
+    assert Image.open(out / "f04-final/f04-final_c0_s4004.png").size == (192, 192)
+    assert Image.open(out / "f04-final/f04-final_c0_s4004.base.png").size == (128, 128)
+    result = runner.invoke(app, ["refine", str(out), str(tmp_path / "finishing-refines.yaml"), "--device", "cpu",
+                                 "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert [r[0] for r in refinement_files(out, "f04-final")] == [
+        "f04-final/f04-final_c0_s4004.hand_c0_s4004.png", "f04-final/f04-final_c0_s4004.hand_c1_s4005.png"]
+    assert Image.open(out / "f01-retouch/f01-retouch_c1_s4002.r1_c0_s4002.png").size == (256, 256)
