@@ -174,3 +174,30 @@ def test_a_hires_render_keeps_the_base_writes_the_candidate_at_the_new_size_and_
     (out / "b/b_c0_s9.base.png").unlink()
     (out / "b/b_c0_s9.png").unlink()
     assert render(job, RenderOptions(out_dir=out), models=tiny_cpu).rendered == 2
+
+
+@pytest.mark.slow
+def test_a_hires_job_served_to_a_worker_without_the_servers_files(tmp_path):
+    """`bcg serve` + `bcg worker --upload --root elsewhere`: the candidates land in the server's folder at the pass's
+    size with the planned fingerprints (the first passes stay on the worker)."""
+    import httpx
+
+    from helpers.serve import Server, free_port, start_worker, stop
+
+    path = write_job(tmp_path, RENDER)
+    job = load_job(path)
+    server = Server(tmp_path / "root", free_port()).start(lease_s=10, gpus="none")
+    worker = start_worker(server.url, "remote", "--upload", "--root", str(tmp_path / "elsewhere"))
+    try:
+        job_id = httpx.post(server.url + "/v1/jobs", content=path.read_bytes(),
+                            headers={"Content-Type": "application/yaml"}).json()["id"]
+        state = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"))
+        assert state["state"] == "succeeded", state
+        served = server.root / "jobs" / job_id / "out"
+        for item in work_items(job):
+            size, meta, _, _ = _png(served / item.outputs[0])
+            assert meta["fingerprint"] == item.fingerprint(job.model)
+            assert size == ((96, 144) if item.shot == "a" else (128, 192) if item.shot == "b" else (64, 96))
+    finally:
+        stop(worker)
+        server.kill_everything()
