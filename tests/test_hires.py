@@ -201,3 +201,11 @@ def test_a_hires_job_served_to_a_worker_without_the_servers_files(tmp_path):
     finally:
         stop(worker)
         server.kill_everything()
+
+
+def test_the_services_work_estimate_counts_the_pass(tmp_path):
+    from storyboard_cli.serve.intake import work
+
+    a, *_, c = work_items(load_job(write_job(tmp_path, RENDER)))
+    assert work(c) == round(64 * 96 / 1e6 * 4, 4)
+    assert work(a) == round(64 * 96 / 1e6 * 4 + 96 * 144 / 1e6 * 3, 4)  # and 3 of 6 steps at 96x144
