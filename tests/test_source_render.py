@@ -220,3 +220,13 @@ def test_the_bench_part_times_the_three_loops_side_by_side(tiny_cpu):
     rec = source_steps(tiny_cpu, lambda line: None, 2, 64, 6, repeats=1, compile="off")
     assert rec["tail_steps"] == 3 and set(rec["ratio_vs_text_to_image"]) == {"text_to_image", "img2img", "inpaint"}
     assert rec["ratio_vs_text_to_image"]["text_to_image"] == 1.0 and all(m > 0 for m in rec["ms_per_image_step"].values())
+
+
+def test_bcg_submit_uploads_the_sources_and_masks(folder):
+    """`bcg submit` uploads what `named_files` lists: each shot's (and the defaults') source and mask image."""
+    from storyboard_cli.job.file import named_files
+
+    job = write_job(folder, "version: 1\nmodel: tiny\ndefaults: {init: {image: refs/stranger.png}}\nshots:\n"
+                            f"  - {{id: a, prompt: x, init: {{image: refs/mei.png}}, mask: {{image: {MASK}}}}}\n"
+                            "  - {id: b, prompt: x, mask: {box: [0, 0, 8, 8]}}\n")
+    assert named_files(job) == ["refs/stranger.png", "refs/mei.png", MASK]
