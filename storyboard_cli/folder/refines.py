@@ -31,7 +31,7 @@ from storyboard_cli.folder.picks import PICK_KEYS, picked
 from storyboard_cli.folder.report import job_of_folder
 from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import MAX_CANDIDATES, MAX_SEED, Job, Shot, as_draft
-from storyboard_cli.job.hires import read_hires
+from storyboard_cli.job.hires import Hires, read_hires
 from storyboard_cli.job.plan import started_from
 from storyboard_cli.job.refinement import Refinement
 from storyboard_cli.job.values import Context, as_float, as_int, as_str, check_keys, given, line_of
@@ -59,7 +59,7 @@ class Entry:
     strength: float
     candidates: int
     seed: int
-    hires: Any
+    hires: Hires | None
 
 
 def load_refines(path: str | Path, out_dir: str | Path, job: Job | None = None) -> list[Entry]:
