@@ -230,3 +230,12 @@ def test_bcg_submit_uploads_the_sources_and_masks(folder):
                             f"  - {{id: a, prompt: x, init: {{image: refs/mei.png}}, mask: {{image: {MASK}}}}}\n"
                             "  - {id: b, prompt: x, mask: {box: [0, 0, 8, 8]}}\n")
     assert named_files(job) == ["refs/stranger.png", "refs/mei.png", MASK]
+
+
+def test_a_source_that_breaks_after_plan_fails_only_its_images(folder, tmp_path, src_models):
+    shots = MIXED.splitlines()
+    job = _job(folder, shots[1] + "\n" + shots[2] + "\n")
+    (folder / "refs/stranger.png").write_bytes(b"broken")
+    result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=src_models)
+    assert result.rendered == 1 and [f["shot"] for f in result.report.failures] == ["redo"]
+    assert "source image refs/stranger.png cannot be read" in result.report.failures[0]["reason"]

@@ -142,12 +142,15 @@ class Reader:
     def check(self, item: Any, timings: Any) -> None:
         if item.init is None:
             return
-        try:
-            with timings.stage("sources"):  # encoded here once, then read from the cache
+        with timings.stage("sources"):  # encoded here once, then read from the cache
+            try:
                 self.latents(item)
+            except DECODE_ERRORS as e:
+                raise Unreadable("source image", item.init.image, item.init.file, e) from e
+            try:
                 self.mask(item)
-        except DECODE_ERRORS as e:
-            raise Unreadable("source image", item.init.image, item.init.file, e) from e
+            except DECODE_ERRORS as e:
+                raise Unreadable("mask image", item.mask.image, item.mask.file, e) from e
 
     def tail(self, sampler: str, steps: int, start: int) -> torch.Tensor:
         """The sigmas of the tail from `start` of an S-step schedule [steps - start + 1] (its first: where the sources
