@@ -112,6 +112,10 @@ def plan(job: JobArg, json_out: JsonOpt = False,
                   f"{characters}")
     for note in s.kind_notes:  # the references' scales, the shots that start from a source
         out.print(note)
+    for h in s.hires:
+        out.print(f"hires {h['shot']}: {h['size']} -> {h['hires_size']} ({h['upscaler']} x{h['scale']:g}), "
+                  f"{h['steps_run']} of {h['steps']} steps at strength {h['strength']:g}, "
+                  f"{plural(h['images'], 'image')}")
     out.print(est.line())
 
 
@@ -257,6 +261,40 @@ def pick(out_dir: FolderArg,
     for path in written:
         out.print(str(path))
     err.print(f"{len(written)} selects in {Path(out_dir) / SELECTS}")
+
+
+@app.command()
+def refine(out_dir: FolderArg,
+           refines: Annotated[Path, typer.Argument(help="REFINES.yaml, or the contact sheet's picks file with a "
+                                                        "`refine:` list.", show_default=False, callback=_user_path)],
+           draft: Annotated[bool, _flag("--draft", "Refinements with the draft levers, marked as drafts.")] = False,
+           job_out: Annotated[Optional[Path], typer.Option(
+               "--job-out", callback=_user_path, help="Write the refinements as a job file (for `bcg submit`; "
+               "beside the folder's job file, whose relative paths it keeps) instead of rendering them.")] = None,
+           json_out: JsonOpt = False, quiet: Annotated[bool, _flag("--quiet", "No progress output.")] = False,
+           device: DeviceOpt = None, dtype: DtypeOpt = None,
+           engine: EngineOpt = "auto", compile: CompileOpt = "auto", kernels: KernelsOpt = None,
+           fp8: Fp8Opt = False) -> None:
+    """Refine picked candidates (img2img, a masked area repainted, a hires pass), written beside them."""
+    if job_out is not None:
+        from storyboard_cli.folder.refines import refine_job_file
+
+        with _domain_errors():
+            out.print(str(refine_job_file(out_dir, refines, job_out)))
+        return
+    from storyboard_cli.run import render as rendering
+    from storyboard_cli.run.refine import refine as refining
+
+    with _domain_errors():
+        kernels = kernels_name(kernels, fp8)
+        opts = rendering.RenderOptions(out_dir=out_dir, device=device, dtype=dtype, engine=engine,
+                                       compile=compile, kernels=kernels)
+        with render_progress(quiet) as on_event:
+            result = refining(out_dir, refines, opts, draft, on_event)
+    _outcome(result.report, json_out, result.report_paths or (), result.sheet)
+    code = exit_code(result.status, result.signal)
+    if code:
+        raise typer.Exit(code)
 
 
 app.command()(capture)

@@ -91,3 +91,19 @@ def test_the_draft_capture_groups_are_todays_keys_and_the_rest(tiny_cpu):
     assert rec["plain"] == {"graphs": 1, "warmups": 1, "capture_s": 0.5, "warmup_s": 0.3, "end_s": 0.0, "pool_mb": 100.0}
     assert rec["extra"]["graphs"] == 2 and rec["extra"]["warmups"] == 1 and rec["extra"]["pool_mb"] == 2.0
     assert abs(rec["capture_ratio"] - 0.11 / 0.5) < 1e-9 and rec["pool_ratio"] == 0.02
+
+
+@pytest.mark.slow
+def test_bench_quick_refine_part(tmp_path):
+    """The refine part on tiny (what a GPU run measures at 8 x 1024x1024): bcg refine against diffusers'
+    inpainting pipeline on the same picks, and the hires pass per pick once built."""
+    result = CliRunner().invoke(app, ["bench", str(ROOT / "jobs" / "bench.yaml"), "--quick", "--parts", "refine",
+                                      "--results", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (record,) = tmp_path.glob("*.json")
+    rec = json.loads(record.read_text())
+    assert "errors" not in rec, rec.get("errors")
+    r = rec["refine"]
+    assert r["bcg_refine"]["images"] == r["diffusers_inpaint"]["images"] == r["work"]["picks"] == 2
+    assert r["ratio"] > 0 and r["hires"]["s_per_pick"] > 0 and r["hires"]["size"] == "96x96"
+    assert len(r["hires"]["rounds_s"]) == 2

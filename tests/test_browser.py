@@ -144,3 +144,37 @@ def test_sheet_through_a_static_web_server(example, browser):
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
+
+
+def test_sheet_shows_a_refinement_after_its_source_with_the_mask_outlined(example, browser, tiny_cpu, tmp_path):
+    """`bcg refine` on the example's folder (a shot with a LoRA, a cropped inpainting): the sheet in Chromium shows
+    the refinement right after its source, the repainted box outlined over its thumbnail, pickable."""
+    from storyboard_cli.run.refine import refine
+
+    job, rendered = example
+    out = tmp_path / "episode1"
+    shutil.copytree(rendered, out)
+    source = "s02-keeper-wakes/s02-keeper-wakes_c1_s1003.png"
+    (tmp_path / "refines.yaml").write_text(f"refine:\n  - shot: s02-keeper-wakes\n    candidate: {source}\n"
+                                           "    name: face\n    mask: {box: [64, 48, 96, 80], padding: 16}\n"
+                                           "    prompt: the keeper's face, lantern light\n    strength: 0.5\n")
+    result = refine(out, tmp_path / "refines.yaml", RenderOptions(), models=tiny_cpu)
+    assert result.status == "done" and result.rendered == 1
+    refined = "s02-keeper-wakes/s02-keeper-wakes_c1_s1003.face_c0_s1003.png"
+    page, problems = _open(browser, (out / "index.html").as_uri())
+    row = page.locator('section[data-shot="s02-keeper-wakes"] figure')
+    hrefs = [row.nth(i).locator("a").get_attribute("href") for i in range(row.count())]
+    assert hrefs[hrefs.index(source) + 1] == refined  # right after its source
+    figure = page.locator("figure.refine")
+    assert figure.count() == 1 and figure.get_attribute("data-source") == source
+    figure.scroll_into_view_if_needed()
+    img = figure.locator("img").bounding_box()
+    rect = figure.locator("svg.mask-outline rect").bounding_box()
+    scale = img["width"] / 256  # the 256x256 frame as its thumbnail shows it
+    assert abs(rect["x"] - (img["x"] + 64 * scale)) <= 2 and abs(rect["y"] - (img["y"] + 48 * scale)) <= 2
+    assert abs(rect["width"] - 96 * scale) <= 3 and abs(rect["height"] - 80 * scale) <= 3
+    assert figure.locator("img").evaluate("img => img.naturalWidth") > 0
+    figure.locator("input.pick").click()
+    assert f'"s02-keeper-wakes": "{refined}"' in page.locator("#picks-yaml").input_value()
+    assert problems == []
+    page.close()

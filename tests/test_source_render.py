@@ -169,7 +169,7 @@ def test_bcg_render_of_the_example_job(tmp_path):
     result = CliRunner().invoke(app, ["render", str(job), "--out", str(tmp_path / "out"), "--device", "cpu",
                                       "--quiet"])
     assert result.exit_code == 0, result.output
-    pngs = sorted((tmp_path / "out").glob("*/*.png"))
+    pngs = sorted((tmp_path / "out").glob("f0[123]-*/*.png"))  # f04-final is the hires example: tests/test_refine.py
     assert len(pngs) == 3 and all(Image.open(p).size == (128, 128) for p in pngs)
     plan = CliRunner().invoke(app, ["plan", str(job)])
     assert plan.exit_code == 0 and "2 of 4" in plan.output and "crop at" in plan.output

@@ -63,6 +63,7 @@ class DiffusersLoop:
         parts = dict(vae=vae, text_encoder=m.text_encoders[0], text_encoder_2=m.text_encoders[1],
                      tokenizer=m.tokenizers[0], tokenizer_2=m.tokenizers[1], unet=m.unet,
                      scheduler=diffusers.EulerDiscreteScheduler.from_config(m.scheduler_config))
+        self.parts = parts  # the refine part builds the inpainting pipeline on the same modules
         self.pipe = diffusers.StableDiffusionXLPipeline(**parts)
         self.pipe.set_progress_bar_config(disable=True)
         self.cpipe = None

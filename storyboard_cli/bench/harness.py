@@ -24,6 +24,7 @@ from storyboard_cli.bench.contenders import (DiffusersLoop, bcg_render, compile_
                                              single_shot, warm_runner)
 from storyboard_cli.bench.draft import draft_capture, draft_job, draft_steps
 from storyboard_cli.bench.fp8 import fp8_ready, image_drift, step_drift
+from storyboard_cli.bench.refine import refine_part
 from storyboard_cli.bench.report import NAMES, markdown
 from storyboard_cli.bench.source import source_steps
 from storyboard_cli.bench.steps import kernel_profile, matmul_tflops, step_curve
@@ -147,6 +148,8 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
         part("draft_capture", lambda: draft_capture(job, models, log))
     elif "draft_capture" in parts:  # the capture part alone
         part("draft_capture", lambda: draft_capture(job, models, log))
+    if "refine" in parts:  # bcg refine against diffusers' inpainting loop; the hires pass per pick
+        part("refine", lambda: refine_part(models, job.model, log))
     if "source" in parts:  # text-to-image against img2img and inpainting steps, compiled, side by side
         part("source_steps", lambda: source_steps(models, log, *((8, 1024, 30) if device.type == "cuda" else (2, 64, 6)),
                                                   compile="on" if device.type == "cuda" else "off"))

@@ -141,6 +141,14 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
         for x, y in zip(pr["plain"], pr["compiled"]):
             out.append(f"| `{x['kernel'][:60]}` | {x['ms_per_step']:.2f} | `{y['kernel'][:60]}` | {y['ms_per_step']:.2f} |")
         out.append("")
+    if "refine" in rec:
+        r, w = rec["refine"], rec["refine"]["work"]
+        h = r["hires"]
+        out += [f"Refining {w['picks']} picks at {w['side']}x{w['side']} (cropped inpainting, strength {w['strength']:g} "
+                f"of {w['steps']} steps): bcg refine {r['bcg_refine']['wall_s']:.2f} s, diffusers' "
+                f"StableDiffusionXLInpaintPipeline loop {r['diffusers_inpaint']['wall_s']:.2f} s: **{r['ratio']:.2f}x**. "
+                f"Hires pass to {h['size']} (strength {h['strength']:g} of {h['steps']} steps), once built: "
+                f"**{h['s_per_pick']:.3f} s per pick**", ""]
     if rec.get("errors"):
         out += ["Parts that failed:", ""] + [f"- {k}: {v}" for k, v in rec["errors"].items()] + [""]
     return "\n".join(out) + "\n"

@@ -2,6 +2,8 @@
 check that keeps bcg from replacing a file it did not write. No torch, no job: every stage may read it.
 
     <out>/<shot>/<shot>_c<k>_s<seed>.png   a candidate (its `bcg` PNG chunk: settings, fingerprint)
+    <out>/<shot>/<shot>_c<k>_s<seed>.<tag>_c<j>_s<seed'>.png   a refinement of that candidate (`bcg refine`)
+    <out>/<shot>/<shot>_c<k>_s<seed>.base.png   a hires candidate's first pass, at the shot's size
     <out>/<shot>/thumbs/<name>.jpg         the contact sheet's thumbnails
     <out>/manifest.jsonl                   one line per image bcg wrote (outputs.Manifest)
     <out>/report.json, report.md           the last render's report (report.py)
@@ -43,6 +45,12 @@ PICKS_GENERATOR = "bcg pick"
 INDEX_MARK = f'<meta name="generator" content="{SHEET_GENERATOR}">'
 
 OUTPUT_NAME = re.compile(r"(?P<folder>[^/]+)/(?P<shot>[^/]+)_c(?P<k>[0-9]+)_s(?P<seed>[0-9]+)\.png")
+# a refinement: its source candidate's stem, the entry's tag (no '_' or '.': the name parses one way), its own
+# candidate and seed; never a candidate's name (OUTPUT_NAME's shot would have to equal the folder)
+REFINE_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,31}")
+REFINE_NAME = re.compile(r"(?P<folder>[^/]+)/(?P<source>(?P<shot>[^/]+)_c(?P<k>[0-9]+)_s(?P<seed>[0-9]+))"
+                         rf"\.(?P<tag>{REFINE_TAG.pattern})_c(?P<j>[0-9]+)_s(?P<rseed>[0-9]+)\.png")
+BASE_SUFFIX = ".base.png"
 SELECT_NAME = re.compile(r"^\d{3,}_(?P<shot>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})\.png$")
 
 
@@ -59,6 +67,25 @@ def parse_output_name(path: str) -> tuple[str, int, int] | None:
     if not m or m["shot"] != m["folder"]:
         return None
     return m["shot"], int(m["k"]), int(m["seed"])
+
+
+def refine_name(source: str, tag: str, j: int, seed: int) -> str:
+    """`<shot>/<shot>_c1_s1002.<tag>_c<j>_s<seed>.png`: refinement j of the candidate at `source` (its path)."""
+    return f"{source[:-len('.png')]}.{tag}_c{j}_s{seed}.png"
+
+
+def base_name(path: str) -> str:
+    """Where a hires candidate's first pass is kept: `<shot>/<shot>_c1_s1002.base.png` (never a candidate's or a
+    refinement's name: the hires frame is the candidate)."""
+    return f"{path[:-len('.png')]}{BASE_SUFFIX}"
+
+
+def parse_refine_name(path: str) -> tuple[str, str, str, int, int] | None:
+    """The inverse of refine_name: (shot, source path, tag, j, seed); None for other names."""
+    m = REFINE_NAME.fullmatch(path)
+    if not m or m["shot"] != m["folder"]:
+        return None
+    return m["shot"], f"{m['folder']}/{m['source']}.png", m["tag"], int(m["j"]), int(m["rseed"])
 
 
 def thumb_name(shot: str, image: str) -> str:
@@ -139,6 +166,21 @@ def candidate_files(out_dir: Path, shot: str) -> list[tuple[str, int, int, os.st
         if parsed and e.is_file():
             found.append((f"{shot}/{e.name}", parsed[1], parsed[2], e.stat()))
     return sorted(found, key=lambda f: f[1])
+
+
+def refinement_files(out_dir: Path, shot: str) -> list[tuple[str, str, str, int, int, os.stat_result]]:
+    """(rel path, source path, tag, j, seed, stat) of every file in `<out>/<shot>/` named as a refinement of one of
+    `shot`'s candidates."""
+    found = []
+    try:
+        entries = list(os.scandir(out_dir / shot))
+    except OSError:
+        return found
+    for e in entries:
+        parsed = parse_refine_name(f"{shot}/{e.name}")
+        if parsed and e.is_file():
+            found.append((f"{shot}/{e.name}", parsed[1], parsed[2], parsed[3], parsed[4], e.stat()))
+    return sorted(found, key=lambda f: (f[1], f[2], f[3]))
 
 
 def shot_order(out_dir: Path, first: Iterable[str] = ()) -> list[str]:

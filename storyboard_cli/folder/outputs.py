@@ -24,8 +24,9 @@ from storyboard_cli.errors import BadInput, RenderFailure
 from storyboard_cli.folder.layout import (MANIFEST, REPLACED, manifest_records, parse_output_name, read_fingerprint,
                                           read_report)
 from storyboard_cli.job.conditions import KINDS
+from storyboard_cli.job.hires import a1111_fields
 from storyboard_cli.job.lora_files import a1111_lora_hashes, lora_tags
-from storyboard_cli.job.plan import WorkItem, work_items
+from storyboard_cli.job.plan import WorkItem, base_item, work_items
 from storyboard_cli.samplers import SAMPLERS
 
 
@@ -95,6 +96,10 @@ def parameters_text(item: WorkItem, settings: dict, model: str) -> str:
         fields.append(f"DeepCache: interval {item.deepcache.interval} branch {item.deepcache.branch}")
     if item.draft:
         fields.append("Draft: true")
+    if "hires" in settings:
+        fields += [f"{name}: {value:g}" if isinstance(value, float) else f"{name}: {value}"
+                   for name, value in a1111_fields(settings["hires"])
+                   if not any(f.startswith(f"{name}:") for f in fields)]  # a refinement's own strength stays first
     lines.append(", ".join(fields))
     return "\n".join(lines)
 
@@ -118,7 +123,7 @@ def png_text(item: WorkItem, model: str) -> dict[str, str]:
     """The text chunks of an output PNG, keyword -> text, in the order they are written."""
     settings = item.settings(model)
     meta = {"fingerprint": item.fingerprint(model), **settings, "shot": item.shot, "candidate": item.k}
-    return {"parameters": parameters_text(item, settings, model), "bcg": json.dumps(meta, sort_keys=True)}
+    return {"parameters": parameters_text(item.recorded, settings, model), "bcg": json.dumps(meta, sort_keys=True)}
 
 
 def _png_info(text: dict[str, str]):
@@ -223,7 +228,7 @@ def manifest_record(item: WorkItem, path: str, fingerprint: str, sha256: str | N
     for key in ("loras", *(key for kind in KINDS for key in kind.manifest_keys)):
         if (settings or {}).get(key):
             record[key] = settings[key]
-    for lever in ("cfg_cutoff", "deepcache", "draft"):  # draft renders: what made the image cheaper
+    for lever in ("cfg_cutoff", "deepcache", "draft", "hires", "refine"):  # draft renders: what made the image cheaper
         if lever in (settings or {}):
             record[lever] = settings[lever]
     if sha256 is not None:
@@ -378,7 +383,16 @@ def pending_items(job: Job, out_dir: Path, force: bool, only: set[str] | None = 
                 p.kept.append(path)
         if todo:
             p.items.append(replace(item, outputs=tuple(todo)))
+    p.items = with_bases(p.items, out_dir, job.model, force)
     return p
+
+
+def with_bases(items: list[WorkItem], out_dir: Path, model: str, force: bool = False) -> list[WorkItem]:
+    """The items, after the first passes their hires passes still need: a base that is not on disk as the
+    item asks for it (job/plan.py `base_item`), or every one with `force`, is rendered first."""
+    bases = [b for b in (base_item(i) for i in items if i.hires is not None)
+             if force or read_fingerprint(out_dir / b.outputs[0]) != b.fingerprint(model)]
+    return bases + items
 
 
 def set_aside(out_dir: Path, path: str, stamp: str) -> Path:
@@ -420,6 +434,11 @@ class Writer:
 
     def _reap(self) -> None:
         while self.futures and self.futures[0].done():
+            self.futures.pop(0).result()
+
+    def drain(self) -> None:
+        """Waits for everything submitted (a hires pass reads the files its first pass wrote)."""
+        while self.futures:
             self.futures.pop(0).result()
 
     def close(self, cancel: bool = False) -> None:

@@ -24,14 +24,15 @@ import yaml
 
 from storyboard_cli.errors import BadInput, JobError, did_you_mean, folder_error
 from storyboard_cli.folder.layout import (DRAFT, INDEX, PICKS_GENERATOR, PICKS_JSON, REROLLS, SELECT_NAME, SELECTS,
-                                          candidate_files, parse_output_name, read_chunk, read_fingerprint, read_json,
-                                          refuse_foreign, select_name, shot_order, written_by_bcg)
+                                          candidate_files, parse_output_name, parse_refine_name, read_chunk,
+                                          read_fingerprint, read_json, refuse_foreign, select_name, shot_order,
+                                          written_by_bcg)
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.folder.report import job_of_folder
 from storyboard_cli.job.file import Job, Shot, as_draft
 from storyboard_cli.job.yaml_loader import read_text
 
-PICK_KEYS = ("picks", "reroll", "round")
+PICK_KEYS = ("picks", "reroll", "round", "refine")  # `refine`: what `bcg refine` reads of it (folder/refines.py)
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,20 @@ def _check_file(file: str, line: int, shot: str, rel: str, out_dir: Path) -> str
     path = out_dir / rel
     if not path.is_file():
         raise JobError(file, line, shot, "picks", f"missing file: {path}")
-    parsed = parse_output_name(rel)
     meta = read_chunk(path)  # None: an artist's edit of the candidate (its tool dropped bcg's chunk)
-    if parsed is None or parsed[0] != shot or (meta is not None and meta.get("shot") != shot):
+    if picked(rel) is None or picked(rel)[0] != shot or (meta is not None and meta.get("shot") != shot):
         raise JobError(file, line, shot, "picks", f"{rel} is not a candidate image bcg rendered for this shot")
     return rel
+
+
+def picked(rel: str) -> tuple[str, int, int] | None:
+    """(shot, candidate, seed) of a file a pick may name: a candidate, or a refinement of one (`bcg refine`: its own
+    candidate and seed); None for any other name."""
+    parsed = parse_output_name(rel)
+    if parsed is not None:
+        return parsed
+    refined = parse_refine_name(rel)
+    return (refined[0], refined[3], refined[4]) if refined is not None else None
 
 
 def _shot_ids(job: Job | None) -> list[str]:
@@ -203,7 +213,7 @@ def _apply_picks(out_dir: Path, picks: Picks, job: Job | None = None) -> list[Pa
         if not (dst.is_file() and dst.stat().st_size == len(data) and dst.read_bytes() == data):
             atomic_write(dst, data)
         meta = read_chunk(src)
-        _, k, seed = parse_output_name(picks.picks[shot])
+        _, k, seed = picked(picks.picks[shot])
         records.append({"shot": shot, "path": picks.picks[shot], "select": dst.relative_to(out_dir).as_posix(),
                         "candidate": k, "seed": seed, "fingerprint": (meta or {}).get("fingerprint"),
                         "edited": meta is None})
@@ -305,6 +315,9 @@ def finals(job: Job, draft_dir: Path, picks_path: str | Path) -> Job:
     for shot in job.shots:
         rel = picks.picks.get(shot.id)
         if rel is not None and shot.id not in {s.id for s in shots}:
+            if parse_output_name(rel) is None:
+                raise BadInput(f"{picks_path}: --final: {rel} is a refinement; refine the final's candidate with "
+                               f"`bcg refine` instead")
             _, k, seed = parse_output_name(rel)
             shots.append(replace(shot, first_candidate=k, candidates=1, seed=seed - k))  # candidate k: seed + k
     return replace(job, shots=tuple(shots))

@@ -352,6 +352,13 @@ def markdown(report: dict) -> str:
                 "| shot | draft | guided steps | cfg_cutoff | ControlNet steps | DeepCache |", "|---|---|---:|---:|---:|---|"]
         out += [f"| {s['shot']} | {'draft' if s['draft'] else ''} | {s['guided_steps']}/{s['steps']} | "
                 f"{s['cfg_cutoff']:g} | {_control(s)} | {_deepcache(s)} |" for s in levered]
+    hires = [s for s in r.get("shots", ()) if isinstance(s.get("hires"), dict)]
+    if hires:
+        out += ["", "## Hires passes", "", "| shot | size | hires size | steps run | strength | upscaler |",
+                "|---|---|---|---:|---:|---|"]
+        out += [f"| {s['shot']} | {h.get('size', '?')} | {h['width']}x{h['height']} | "
+                f"{h.get('steps_run', '?')}/{h['steps']} | {h['strength']:g} | {h['upscaler']} |"
+                for s in hires for h in [s["hires"]]]
     if r.get("workers"):  # a merged report (Report.merge): a multi-GPU render, a served job
         out += ["", "## Workers", "", "| rank | host | device | images | failed | load s | capture s | busy s | idle s "
                 "| images/s |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]

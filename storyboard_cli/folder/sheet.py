@@ -18,8 +18,8 @@ from pathlib import Path
 from storyboard_cli.errors import BadInput, folder_error
 from storyboard_cli.folder.charts import esc, report_svgs
 from storyboard_cli.folder.layout import (INDEX, INDEX_MARK, SHEET_GENERATOR, candidate_files,
-                                          parse_output_name, read_chunk, read_report, recorded_picks, refuse_foreign,
-                                          shot_order, thumb_name)
+                                          parse_output_name, read_chunk, read_report, recorded_picks, refinement_files,
+                                          refuse_foreign, shot_order, thumb_name)
 from storyboard_cli.folder.lock import held
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.folder.report import job_of_folder
@@ -48,6 +48,14 @@ class Candidate:
     thumb_size: tuple[int, int] = (0, 0)
     state: str = "ok"  # ok | stale | edited | failed | missing
     reason: str = ""
+    source: str = ""  # a refinement's: the candidate it refines (`bcg refine`), shown after it
+    tag: str = ""
+
+    @property
+    def order(self) -> tuple:
+        """A candidate by its index, each refinement right after its source."""
+        src = parse_output_name(self.source) if self.source else None
+        return (src[1], src[2], 1, self.tag, self.k) if src else (self.k, self.seed, 0, "", 0)
 
 
 @dataclass
@@ -126,6 +134,20 @@ def _loras_text(loras: object) -> str:
     entries = [x for x in loras if isinstance(x, dict)] if isinstance(loras, list) else []
     return lora_set_label((str(x.get("name") or Path(str(x.get("path") or x.get("file") or "?")).name),
                            x["scale"] if isinstance(x.get("scale"), (int, float)) else None) for x in entries)
+
+
+def _outline(meta: dict, w: int, h: int) -> str:
+    """The area a refinement repainted, outlined over its thumbnail (its settings' `refine.outline`, in the
+    source's pixels: the image's own width and height); "" for anything else."""
+    refine = meta.get("refine")
+    box = refine.get("outline") if isinstance(refine, dict) else None
+    width, height = meta.get("width"), meta.get("height")
+    if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, int) for v in box)
+            and isinstance(width, int) and isinstance(height, int) and width > 0 and height > 0):
+        return ""
+    x, y, bw, bh = box
+    return (f'<svg class="mask-outline" viewBox="0 0 {width} {height}" width="{w}" height="{h}" aria-hidden="true">'
+            f'<rect x="{x}" y="{y}" width="{bw}" height="{bh}" vector-effect="non-scaling-stroke"></rect></svg>')
 
 
 class SheetWriter:
@@ -245,6 +267,18 @@ class SheetWriter:
                 except (OSError, ValueError):
                     continue  # not an image PIL reads: nothing to show
                 cands[rel] = c
+            for rel, source, tag, j, seed, st in refinement_files(self.out_dir, shot_id):
+                meta = self._chunk(rel, st)
+                if meta is None or meta.get("shot") != shot_id:
+                    continue  # refinements are bcg's own files: one without its chunk is not shown
+                c = Candidate(rel, shot_id, j, seed, st.st_mtime_ns, meta, source=source, tag=tag)
+                if rel in expected and meta.get("fingerprint") != expected[rel]:
+                    c.state, c.reason = "stale", "settings changed since; bcg refine redoes it"
+                try:
+                    self._thumb(c)
+                except (OSError, ValueError):
+                    continue
+                cands[rel] = c
             for rel in [p for p in expected if p.startswith(f"{shot_id}/")] + list(failed):
                 parsed = parse_output_name(rel)
                 if rel in cands or not parsed or parsed[0] != shot_id:
@@ -254,12 +288,13 @@ class SheetWriter:
                 else:
                     cands[rel] = Candidate(rel, shot_id, parsed[1], parsed[2], state="missing",
                                            reason="not rendered yet" if running else "not on disk")
-            first = next((c.meta for c in sorted(cands.values(), key=lambda c: c.k) if c.meta), None)
+            first = next((c.meta for c in sorted(cands.values(), key=lambda c: c.order) if c.meta and not c.source),
+                         None)
             s = dict(settings.get(shot_id) or (_settings_of_meta(first) if first else {}))
             if first and first.get("loras"):
                 s["loras"] = first["loras"]
             shown = guides[shot_id] if shot_id in guides else meta_guides(first, job_dir) if first else []
-            row = ShotRow(shot_id, s, sorted(cands.values(), key=lambda c: (c.k, c.seed)), guides=shown)
+            row = ShotRow(shot_id, s, sorted(cands.values(), key=lambda c: c.order), guides=shown)
             self._guide_thumbs(row)
             rows.append(row)
         return rows
@@ -341,16 +376,19 @@ class SheetWriter:
             h.append(f'<p>picked: {esc(picks["picks"][row.id])}</p>')
         h.append('</div><div class="cands">')
         for c in row.candidates:
-            label = f"c{c.k} · seed {c.seed}"
+            label = f"{c.tag} c{c.k} · seed {c.seed}" if c.source else f"c{c.k} · seed {c.seed}"
             if c.meta is not None:
                 w, ht = c.thumb_size
                 draft = c.meta.get("draft") is True
                 mark = '<span class="draft-mark" title="a draft render: bcg render --final for full quality">' \
                        'draft</span>' if draft else ""
-                h.append(f'<figure class="cand {c.state}{" draft" if draft else ""}"><div class="frame"><a '
-                         f'href="{href(c.path)}" target="_blank"><img src="{href(c.thumb)}" width="{w}" height="{ht}" '
-                         f'loading="lazy" alt="{esc(row.id)} candidate {c.k}{" (draft)" if draft else ""}"></a>'
-                         f'{boxes_svg(c.meta, w, ht)}</div><figcaption>'
+                what = f"refinement {c.tag} {c.k} of {Path(c.source).name}" if c.source else f"candidate {c.k}"
+                refine = " refine" if c.source else ""
+                source = f' data-source="{esc(c.source)}" title="refines {esc(c.source)}"' if c.source else ""
+                h.append(f'<figure class="cand {c.state}{refine}{" draft" if draft else ""}"{source}><div class="frame">'
+                         f'<a href="{href(c.path)}" target="_blank"><img src="{href(c.thumb)}" width="{w}" '
+                         f'height="{ht}" loading="lazy" alt="{esc(row.id)} {what}{" (draft)" if draft else ""}">'
+                         f'{_outline(c.meta, w, ht)}</a>{boxes_svg(c.meta, w, ht)}</div><figcaption>'
                          f'<span>{esc(label)}</span>{mark}<label><input type="radio" class="pick" name="{group}" value="{esc(c.path)}"> pick'
                          "</label></figcaption>")
                 if c.state in ("stale", "edited"):

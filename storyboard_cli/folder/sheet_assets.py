@@ -37,6 +37,10 @@ dt { color: #888; } dd { margin: 0; overflow-wrap: anywhere; }
 .cand { margin: 0; padding: 4px; border: 3px solid transparent; background: var(--card); border-radius: 4px; }
 .cand:has(input:checked) { border-color: var(--pick); }
 .cand img { display: block; }
+.cand a { position: relative; display: block; }
+.cand.refine { border-left: 3px solid var(--line); }
+.mask-outline { position: absolute; left: 0; top: 0; pointer-events: none; }
+.mask-outline rect { fill: none; stroke: #ff3b6b; stroke-width: 2px; stroke-dasharray: 4 3; }
 .cand figcaption { font-size: 12px; display: flex; justify-content: space-between; gap: .5rem; }
 .hole { width: 10rem; height: 8rem; display: flex; align-items: center; justify-content: center; text-align: center; padding: .5rem;
   box-sizing: border-box; border: 2px dashed var(--line); font-size: 12px; overflow-wrap: anywhere; }

@@ -134,6 +134,10 @@ class OutputSink:
             if self.remaining[shot] == 0:
                 self.sheet.update(self.failed, final=False)
 
+    def drain(self) -> None:
+        """Every file handed over so far on disk, its manifest line recorded."""
+        self.writer.drain()
+
     def close(self, cancel: bool = False) -> None:
         try:
             self.writer.close(cancel=cancel)

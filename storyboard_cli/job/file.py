@@ -18,6 +18,8 @@ from storyboard_cli.errors import did_you_mean
 from storyboard_cli.folder.layout import RESERVED
 from storyboard_cli.job.conditions import KINDS, merged, parts
 from storyboard_cli.job.files import LoraFile, declared_inputs, lora_set, resolve_loras, shot_loras
+from storyboard_cli.job.hires import Hires, read_hires
+from storyboard_cli.job.refinement import Refinement
 from storyboard_cli.job.inputs import INPUTS_KEY, Inputs
 from storyboard_cli.job.kind import ShotSource
 from storyboard_cli.job.lora_files import LORA_TAG
@@ -44,7 +46,7 @@ MAX_PATH = 4096  # Linux's PATH_MAX
 TOP_KEYS = ("version", "name", "model", "output_dir", "buckets", "loras", "defaults", "shots", INPUTS_KEY,
             *(key for kind in KINDS for key in kind.job_keys))
 SHOT_KEYS = ("id", "prompt", "negative", "candidates", "size", "seed", "steps", "guidance", "sampler", "lora",
-             "cfg_cutoff", "deepcache", *(key for kind in KINDS for key in kind.shot_keys))
+             "cfg_cutoff", "deepcache", "hires", *(key for kind in KINDS for key in kind.shot_keys))
 DEEPCACHE_KEYS = ("interval", "branch")
 MAX_INTERVAL = 10
 MAX_BRANCH = 2  # SDXL's UNet has 3 up blocks: branches 0 (the shallowest skip) to 2
@@ -84,6 +86,8 @@ class Shot(*parts("ShotPart")):
     cfg_cutoff: float = 1.0  # the fraction of the steps that use guidance (1.0: every step)
     deepcache: DeepCache = NO_DEEPCACHE
     draft: bool = False  # rendered by `bcg render --draft`: marked so in every output
+    hires: Hires | None = None  # a hires pass after the shot's size (job/hires.py)
+    refine: Refinement | None = None  # a refinement of one of its candidates (`bcg refine`: folder/refines.py)
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,9 @@ def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir
     cfg_cutoff, line = get("cfg_cutoff")
     cfg_cutoff = 1.0 if cfg_cutoff is None else as_float(ctx, cfg_cutoff, line, shot_id, "cfg_cutoff", 0.0, 1.0)
     deepcache = _deepcache(ctx, *get("deepcache"), shot_id)
+    hires = read_hires(ctx, *get("hires"), shot_id, width, height, steps)
     return Shot(shot_id, prompt, negative, candidates, width, height, seed, steps, guidance, sampler, raw.line,
-                loras=lora_set(lora_scales), cfg_cutoff=cfg_cutoff, deepcache=deepcache, **conditioned)
+                loras=lora_set(lora_scales), cfg_cutoff=cfg_cutoff, deepcache=deepcache, hires=hires, **conditioned)
 
 
 def _deepcache(ctx: Context, raw: Any, line: int | None, shot_id: str) -> DeepCache:

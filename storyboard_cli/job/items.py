@@ -15,6 +15,8 @@ from pathlib import Path
 from storyboard_cli.job.conditions import KINDS, merged, parts
 from storyboard_cli.job.digests import weights_digest
 from storyboard_cli.job.files import LoraFile
+from storyboard_cli.job.hires import Hires
+from storyboard_cli.job.refinement import Refinement
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.preflight import job_spec
 from storyboard_cli.steps import (NO_DEEPCACHE, DeepCache, StepPlan, control_steps, guided_steps, levers_label,
@@ -117,7 +119,16 @@ class WorkItem(*parts("ItemPart")):
     cfg_cutoff: float = 1.0  # 1.0 where it does not apply (guidance <= 1: no guided step to cut)
     deepcache: DeepCache = NO_DEEPCACHE  # off where it does not apply (a ControlNet that runs to the end)
     draft: bool = False
+    hires: Hires | None = None  # a hires pass: its settings record the size it makes (job/hires.py)
+    refine: Refinement | None = None  # a refinement of a candidate (`bcg refine`)
+    final: WorkItem | None = None  # a hires pass's item: the planned image whose settings and name it writes
     folder: Path | None = None  # the job file's folder, which the model fields' relative paths are read from
+
+    @property
+    def recorded(self) -> WorkItem:
+        """The item an image's metadata speaks of: a hires pass writes its planned image's (job/plan.py
+        `second_pass`)."""
+        return self.final if self.final is not None else self
 
     @property
     def lora_scales(self) -> LoraScales:
@@ -132,13 +143,16 @@ class WorkItem(*parts("ItemPart")):
     def identity(self) -> tuple:
         return (self.prompt, self.negative, self.width, self.height, self.seed, self.steps, self.guidance,
                 self.sampler, tuple((f.sha256, scale) for f, scale in self.loras), self.cfg_cutoff, self.deepcache,
-                self.draft, *(kind.identity(self) for kind in KINDS))
+                self.draft, self.hires, self.refine, *(kind.identity(self) for kind in KINDS))
 
     def settings(self, model: str) -> dict:
         """What decides the pixels: written into each PNG and the manifest, and used to tell a stale file
         from a done one. Files are recorded by content (a control image's sha256, a LoRA's hash, weights
         given as a path by size + mtime + header); keys appear only where they apply, so an image without
-        them keeps its fingerprint. Each conditioning kind writes its own (`Kind.settings`)."""
+        them keeps its fingerprint. Each conditioning kind writes its own (`Kind.settings`). A hires pass writes
+        the planned image's (`recorded`): its fingerprint is known before its first pass has run."""
+        if self.final is not None:
+            return self.final.settings(model)
         s = {"prompt": self.prompt, "negative": self.negative, "width": self.width, "height": self.height,
              "seed": self.seed, "steps": self.steps, "guidance": self.guidance, "sampler": self.sampler,
              "model": model}
@@ -155,9 +169,15 @@ class WorkItem(*parts("ItemPart")):
             s["deepcache"] = self.deepcache.to_json()
         if self.draft:
             s["draft"] = True
+        if self.hires is not None:
+            s["hires"] = self.hires.settings(self.width, self.height, self.steps)
+        if self.refine is not None:
+            s["refine"] = self.refine.settings()
         return s
 
     def fingerprint(self, model: str) -> str:
+        if self.final is not None:
+            return self.final.fingerprint(model)
         s = self.settings(model)
         # where the files live does not decide the pixels: a moved project folder keeps its images
         for kind in KINDS:

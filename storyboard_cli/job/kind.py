@@ -57,6 +57,9 @@ class Kind(Protocol):
     report_keys: tuple[str, ...]  # its keys in report.json (`report`)
     names: tuple[str, ...]  # its other names (types, constants) that only its module and the engine's spell
     shown: int  # where its thumbnails and tables come on the sheet and in report.md, lowest first
+    # (the key naming the image a picture starts from, the key of the area it repaints) where the kind is what a
+    # picture starts from (`bcg refine` and a hires pass start theirs from a candidate through it); else ()
+    start_keys: tuple[str, ...]
     JobPart: type  # the frozen, keyword-only dataclasses whose fields Job, Shot, WorkItem and BucketKey inherit
     ShotPart: type
     ItemPart: type

@@ -4,11 +4,16 @@ job/items.py's (`WorkItem`, `BucketKey`, imported from here too)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from storyboard_cli.errors import JobError
-from storyboard_cli.folder.layout import output_name
+from storyboard_cli.folder.layout import base_name, output_name, refine_name
 from storyboard_cli.job.conditions import KINDS, merged, parts
 from storyboard_cli.job.file import Job, Shot
+from storyboard_cli.job.hires import hires_size
+from storyboard_cli.job.kind import ShotSource
+from storyboard_cli.job.values import Context
+from storyboard_cli.job.yaml_loader import Located
 from storyboard_cli.job.items import BucketKey, LoraScales, WorkItem
 from storyboard_cli.job.lora_files import lora_set_label
 from storyboard_cli.job.preflight import check_destination, free_bytes, job_spec, model_problem
@@ -36,16 +41,77 @@ def work_items(job: Job) -> list[WorkItem]:
         conditioned = merged(kind.item(shot, job) for kind in KINDS)
         for k in range(shot.first_candidate, shot.first_candidate + shot.candidates):
             seed = shot.seed + k
+            out = refine_name(shot.refine.source, shot.refine.tag, k, seed) if shot.refine else \
+                output_name(shot.id, k, seed)
             item = WorkItem(shot=shot.id, k=k, seed=seed, prompt=shot.prompt, negative=shot.negative,
                             width=shot.width, height=shot.height, steps=shot.steps, guidance=shot.guidance,
-                            sampler=shot.sampler, outputs=(output_name(shot.id, k, seed),), loras=loras,
-                            cfg_cutoff=cutoff, deepcache=deepcache, draft=draft, folder=job.folder, **conditioned)
+                            sampler=shot.sampler, outputs=(out,), loras=loras, cfg_cutoff=cutoff,
+                            deepcache=deepcache, draft=draft, hires=shot.hires, refine=shot.refine,
+                            folder=job.folder, **conditioned)
             twin = items.get(item.identity)
             if twin is None:
                 items[item.identity] = item
             else:
                 items[item.identity] = replace(twin, outputs=twin.outputs + item.outputs)
     return list(items.values())
+
+
+# ---------------------------------------------------------------- images that start from another (hires, refine)
+
+UPSCALE_MODES = {"lanczos": "stretch", "latent": "latent"}  # a hires upscaler -> how its source takes the new size
+
+
+def started_from(ctx: Context, job: Job, shot: Shot, image: Path, strength: float, line: int | None,
+                 area: Located | None = None, resize: str | None = None) -> dict:
+    """The shot fields of a picture that starts from `image` (an absolute path) and repaints `area` (a mapping as a
+    shot's would be, its image read from `ctx`'s folder): the fields of the kind a picture starts from
+    (`Kind.start_keys`), read by its row as a shot's keys would be, at the shot's size (errors at `ctx`'s file and
+    `line`)."""
+    rows = [kind for kind in KINDS if kind.start_keys]
+    if not rows:
+        raise JobError(ctx.file, line, shot.id, None, "this build has no kind that starts from an image")
+    fields: dict = {}
+    for kind in rows:
+        source, repaint = kind.start_keys
+        start = Located(image=str(image), strength=strength, **({"resize": resize} if resize else {}))
+        start.line, start.lines = line, {k: line for k in start}
+        given = {source: start, repaint: area}
+
+        def get(key: str, given=given) -> tuple[object, int | None]:
+            value = given.get(key)
+            return value, value.line if isinstance(value, Located) else line
+
+        part, _ = kind.resolve_shot(ctx, ShotSource(get=get, shot_id=shot.id, size=(shot.width, shot.height),
+                                                    job_dir=ctx.folder, job=job, lora_scales={}, lora_raw=None,
+                                                    lora_line=None, prompt_line=line))
+        fields.update(part)
+    return fields
+
+
+def base_item(item: WorkItem) -> WorkItem:
+    """A hires image's first pass: the picture at the shot's size, kept beside the candidate (`base_name`)."""
+    return replace(item, hires=None, outputs=(base_name(item.outputs[0]),))
+
+
+def first_pass(items: list[WorkItem]) -> list[WorkItem]:
+    """What a render's first phase denoises: every item but the hires passes (they start from their bases)."""
+    return [i for i in items if i.hires is None]
+
+
+def second_pass(job: Job, item: WorkItem, out_dir: Path) -> WorkItem:
+    """A hires image's second pass: its base (on disk) upscaled and denoised again at the new size over the tail
+    of the pass's schedule; it writes the planned item's name and settings (`WorkItem.final`). Raises JobError
+    where the base cannot be read."""
+    hires = item.hires
+    width, height = hires_size(item.width, item.height, hires.scale)
+    shot = next(s for s in job.shots if s.id == item.shot)
+    base = (out_dir / base_name(item.outputs[0])).resolve()
+    part = started_from(Context(str(job.path)), job, replace(shot, width=width, height=height), base,
+                        hires.strength, shot.line, resize=UPSCALE_MODES[hires.upscaler])
+    steps = hires.schedule(item.steps)
+    again = replace(shot, width=width, height=height, steps=steps, **part)
+    return replace(item, width=width, height=height, steps=steps, hires=None, final=item,
+                   **merged(kind.item(again, job) for kind in KINDS))
 
 
 def sides(shot: Shot) -> tuple[int, float]:
@@ -97,7 +163,10 @@ def shot_levers(job: Job) -> list[dict]:
                      "guided_steps": guided_steps(s.steps, cutoff) if s.guidance > 1 else 0,
                      "cfg_cutoff": cutoff, "deepcache": deepcache.to_json(),
                      "deepcache_dropped": bool(s.deepcache and not deepcache),
-                     "control_steps": control_steps(s.steps, end) if sides(s)[0] else None})
+                     "control_steps": control_steps(s.steps, end) if sides(s)[0] else None,
+                     **({"hires": s.hires.settings(s.width, s.height, s.steps)
+                         | {"size": f"{s.width}x{s.height}", "steps_run": s.hires.steps_run(s.steps)}}
+                       if s.hires else {})})
     return rows
 
 
@@ -226,6 +295,20 @@ def decimal_size(nbytes: float) -> str:
     return ""
 
 
+def hires_rows(job: Job) -> list[dict]:
+    """Each shot's hires pass as `bcg plan` shows it: the sizes and the steps that run of its schedule."""
+    rows = []
+    for s in job.shots:
+        if s.hires is None:
+            continue
+        w, h = hires_size(s.width, s.height, s.hires.scale)
+        rows.append({"shot": s.id, "size": f"{s.width}x{s.height}", "hires_size": f"{w}x{h}",
+                     "scale": s.hires.scale, "strength": s.hires.strength, "steps": s.hires.schedule(s.steps),
+                     "steps_run": s.hires.steps_run(s.steps), "upscaler": s.hires.upscaler,
+                     "images": s.candidates})
+    return rows
+
+
 @dataclass(frozen=True)
 class PlanSummary(*parts("SummaryPart")):
     """What `bcg plan` shows of a job, found without loading a model (`summary`); what it says of each conditioning
@@ -239,6 +322,7 @@ class PlanSummary(*parts("SummaryPart")):
     warnings: tuple[str, ...]  # the prompts CLIP cuts, then the disk where the images will not fit
     note: str | None  # about ControlNet shots that asked for DeepCache (deepcache_note)
     disk_bytes: int  # the images' size on disk, roughly
+    hires: tuple[dict, ...] = ()  # each hires shot's pass (hires_rows)
 
     @property
     def images(self) -> int:
@@ -277,6 +361,8 @@ class PlanSummary(*parts("SummaryPart")):
                "prompt_warnings": list(self.warnings)}
         if j.warnings:
             out["warnings"] = list(j.warnings)
+        if self.hires:  # only where a shot has a pass: a job without one keeps its plan byte for byte
+            out["hires"] = list(self.hires)
         for _, tail in keys:
             out.update(tail)
         return out
@@ -309,4 +395,5 @@ def summary(job: Job) -> PlanSummary:
         warnings.append(f"the images need about {decimal_size(disk)} on disk, {job.output_dir} has "
                         f"{decimal_size(free)} free")
     return PlanSummary(job, len(items), tuple(bucket_table(batches)), tuple(lora_table(batches)), lora_swaps(batches),
-                       tuple(warnings), deepcache_note(job), disk, **merged(kind.summary(job) for kind in KINDS))
+                       tuple(warnings), deepcache_note(job), disk, tuple(hires_rows(job)),
+                       **merged(kind.summary(job) for kind in KINDS))

@@ -233,6 +233,9 @@ class DistSession(rendering.RenderSession):
         self.t_pending = time.perf_counter()  # the moment every worker shares: idle times are measured from it
         return pending, shard_manifest(self.out_dir, self.w.rank)
 
+    def owns_done_bases(self) -> bool:
+        return self.w.leader  # each worker renders the hires passes of the bases it rendered; rank 0 the rest
+
     def capture_ahead(self, shapes: list) -> list:
         """None: a worker captures the shapes it claims, on first use (the engine is sized for all of
         them when it is built). Capturing every shape on every GPU would cost each worker the whole

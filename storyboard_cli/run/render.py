@@ -21,7 +21,7 @@ from storyboard_cli.engine.build import build_engine, check_engine, device_name,
 from storyboard_cli.engine.device import probe
 from storyboard_cli.engine.variants import AUTO, VARIANTS
 from storyboard_cli.costs import EAGER, device_of
-from storyboard_cli.errors import Status, StoryboardError, folder_error
+from storyboard_cli.errors import JobError, Status, StoryboardError, folder_error
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
@@ -31,7 +31,8 @@ from storyboard_cli.folder.sink import ContactSheet, OutputSink
 from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.estimate import Observed, adapted, observe
 from storyboard_cli.job.file import Job
-from storyboard_cli.job.plan import Batch, check_models, deepcache_note, make_batches, shot_levers, work_items
+from storyboard_cli.job.plan import (Batch, WorkItem, base_item, check_models, deepcache_note, first_pass,
+                                    make_batches, second_pass, shot_levers, work_items)
 from storyboard_cli.job.preflight import check_destination, job_spec
 from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
@@ -210,6 +211,11 @@ class RenderSession:
         """After the render: the models' own weights back (after LoRAs), for whoever holds them next."""
         runner.close()
 
+    def owns_done_bases(self) -> bool:
+        """Whether this session renders the hires passes whose bases were on disk before it started (a multi-GPU
+        render: one worker does)."""
+        return True
+
     def capture_ahead(self, shapes: list[Shape]) -> list[Shape]:
         """The shapes the engine captures before the first batch; the others are captured on first use."""
         return shapes
@@ -223,7 +229,7 @@ class RenderSession:
         manifest = self.prepare_folder()
         if not self.pending.items:
             return
-        self.batches = make_batches(self.pending.items, self.job.buckets)
+        self.batches = make_batches(first_pass(self.pending.items), self.job.buckets)
         shapes = batch_shapes(self.batches)
         with self.timings.stage("load"):
             if self.models is None:
@@ -266,12 +272,13 @@ class RenderSession:
         return self.batches  # the batches this session renders, in order
 
     def run(self, stop: StopFlag | None = None) -> str:
-        """Batches -> images on disk. Returns "done"; a stop request raises Stopped at a batch boundary (what was
-        denoised before it is still decoded and written)."""
+        """Batches -> images on disk, then the hires passes of the bases this session rendered (or found done).
+        Returns "done"; a stop request raises Stopped at a batch boundary (what was denoised before it is still
+        decoded and written)."""
         r, stop = self.policy, stop or StopFlag()
         if r is None:
             return Status.DONE
-        total, last, shown = self.pending.outputs, None, 0
+        total, shown = self.pending.outputs, 0
 
         def progress(batch: Batch) -> None:  # a line per delivery: none while the first batch's decode is in flight
             nonlocal shown
@@ -279,24 +286,52 @@ class RenderSession:
                 shown = self.sink.delivered
                 self.on_event(Event("progress", shown, total, batch.items[-1].shot, batch.key.label))
 
-        try:
-            for batch in self.work():
+        def loop(batches: Iterable[Batch]) -> set[str]:
+            done, last = set(), None
+            try:
+                for batch in batches:
+                    stop.check()
+                    self.on_event(Event("batch", self.sink.delivered, total, batch.items[0].shot, batch.key.label))
+                    r.process(batch, self.job.buckets)  # delivers the batch before (this one's decode is in flight)
+                    done.update(p for i in batch.items for p in i.outputs)
+                    progress(batch)
+                    last = batch
                 stop.check()
-                self.on_event(Event("batch", self.sink.delivered, total, batch.items[0].shot, batch.key.label))
-                r.process(batch, self.job.buckets)  # delivers the batch before (this one's decode is in flight)
-                progress(batch)
-                last = batch
-            stop.check()
-        except Stopped:
+            except Stopped:
+                r.flush()
+                raise
             r.flush()
-            raise
-        r.flush()
-        if last is not None:
-            progress(last)
+            if last is not None:
+                progress(last)
+            return done
+
+        rendered = loop(self.work())
+        passes = self.second_passes(rendered)
+        if passes:
+            loop(make_batches(passes, self.job.buckets))
         t0 = time.perf_counter()
         self.sink.close()
         self.timings.expose("save", time.perf_counter() - t0)  # the writes still queued when the last image was decoded
         return Status.DONE
+
+    def second_passes(self, rendered: set[str]) -> list[WorkItem]:
+        """The hires passes this session renders next (`rendered`: the outputs of the batches it ran): each
+        one's base upscaled and denoised again (job/plan.py `second_pass`), once its file has landed. One whose
+        base could not be rendered or read fails with the reason."""
+        pending_bases = {p for i in first_pass(self.pending.items) for p in i.outputs}
+        hires = [i for i in self.pending.items if i.hires is not None]
+        mine = [i for i in hires if base_item(i).outputs[0] in rendered
+                or (base_item(i).outputs[0] not in pending_bases and self.owns_done_bases())]
+        if not mine:
+            return []
+        self.sink.drain()
+        passes = []
+        for item in mine:
+            try:
+                passes.append(second_pass(self.job, item, self.out_dir))
+            except JobError as e:
+                self.sink.fail([item], f"its first pass: {e.message}")
+        return passes
 
     def finish(self, status: str, signum: int | None = None, error: str | None = None) -> RenderResult:
         """The manifest compacted, the report (a run that rendered nothing keeps the last one, and its

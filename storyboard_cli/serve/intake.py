@@ -21,6 +21,7 @@ from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.digests import weights_path
 from storyboard_cli.job.file import Job, load_job
+from storyboard_cli.job.hires import hires_size
 from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.estimate import adapted, image_seconds
 from storyboard_cli.job.plan import WorkItem, make_batches, model_fields, work_items
@@ -125,7 +126,11 @@ def work(item: WorkItem) -> float:
     """An image's denoising work in megapixel-steps, each side network's steps (a ControlNet's) counted at half a
     UNet's: every one it runs, as BucketKey.flops_saved counts them (`Kind.side_ends`)."""
     side = 0.5 * item.steps * sum(end for kind in KINDS for end in kind.side_ends(item))
-    return round(item.width * item.height / 1e6 * (item.steps + side), 4)
+    hires = 0.0
+    if item.hires is not None:  # its second pass: the steps it runs at the size it makes
+        w, h = hires_size(item.width, item.height, item.hires.scale)
+        hires = w * h / 1e6 * item.hires.steps_run(item.steps)
+    return round(item.width * item.height / 1e6 * (item.steps + side) + hires, 4)
 
 
 def content_hash(body: bytes, filename: str, priority: str) -> str:

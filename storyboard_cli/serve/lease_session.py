@@ -16,13 +16,13 @@ from pathlib import Path
 
 from storyboard_cli.errors import DeviceUnusable, Status, StoryboardError, first_line, folder_error
 from storyboard_cli.folder.layout import MANIFEST
-from storyboard_cli.folder.outputs import Pending, atomic_write
+from storyboard_cli.folder.outputs import Pending, atomic_write, with_bases
 from storyboard_cli.folder.report import Report
 from storyboard_cli.folder.sink import OutputSink
 from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
-from storyboard_cli.job.plan import make_batches, work_items
+from storyboard_cli.job.plan import first_pass, make_batches, work_items
 from storyboard_cli.run.oom import device_failure
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
 from storyboard_cli.serve import wire
@@ -151,7 +151,7 @@ class LeaseSession(RenderSession):
     def find_pending(self):
         items = [replace(i, outputs=tuple(p for p in i.outputs if p in self.mine))
                  for i in work_items(self.job) if self.mine.intersection(i.outputs)]
-        return Pending(items=items), self.recorder
+        return Pending(items=with_bases(items, self.out_dir, self.job.model)), self.recorder
 
     def batch_runner(self):
         """The worker's runner, kept across leases while its models stay (a new one for new models)."""
@@ -184,7 +184,7 @@ class LeaseSession(RenderSession):
         mine = [(i, self) for batch in self.batches for i in batch.items]
         rest = [item for item, owner in mine + [(i, r) for r in self.riders for i in r.pending.items]
                 if not owner.copy_twin(item)]
-        for batch in make_batches(rest, self.job.buckets):
+        for batch in make_batches(first_pass(rest), self.job.buckets):  # a rider's hires passes go back unrendered
             t0 = time.perf_counter()
             yield batch  # rendered before the loop asks for the next one
             self.timed.append(wire.Batch(shape=f"{batch.key.width}x{batch.key.height}", images=len(batch.items),

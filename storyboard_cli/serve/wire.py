@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 from storyboard_cli.folder.layout import RESERVED
 from storyboard_cli.folder.report import Report
 from storyboard_cli.job import file as job_file
+from storyboard_cli.job import hires
 from storyboard_cli.job.file import SHOT_DEFAULTS
 from storyboard_cli.job.conditions import source as source_kind
 from storyboard_cli.job.conditions.reference import REFERENCE_SCALE, REFERENCE_SLOTS
@@ -447,6 +448,16 @@ class DeepCacheDoc(Doc):
     branch: Annotated[int, Field(ge=0, le=job_file.MAX_BRANCH)] = 0
 
 
+class HiresDoc(Doc):
+    scale: Annotated[float, Field(ge=1.0, le=hires.MAX_SCALE, description=f"the upscale factor; the result at most "
+                                                                           f"{hires.MAX_HIRES_SIDE} px a side")]
+    strength: Annotated[float, Field(gt=0.0, le=1.0, description="of the pass's S steps, the last int(S * strength) "
+                                                                 "run")] = hires.DEFAULT_STRENGTH
+    steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = Field(None, description="the pass's schedule (left "
+                                                                                       "out: the shot's steps)")
+    upscaler: Literal[tuple(hires.UPSCALERS)] = hires.DEFAULT_UPSCALER
+
+
 class InitDoc(Doc):
     image: NonEmpty = Field(description="the image the shot starts from: a name in the job's `inputs`, or a path "
                                         "under the server's folders")
@@ -491,6 +502,7 @@ class ShotFields(Doc):
     mask: MaskDoc | None = Field(None, description="repaint only part of the `init` image (inpainting)")
     cfg_cutoff: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     deepcache: DeepCacheDoc | Literal[False] | None = None
+    hires: HiresDoc | Literal[False] | None = Field(None, description="upscale, then img2img at the new size")
 
 
 class ShotDoc(ShotFields):
@@ -501,8 +513,8 @@ class ShotDoc(ShotFields):
 
 class JobDoc(Doc):
     """A job file (`bcg plan`'s format), as YAML or JSON. A null top-level value is as if left out, except
-    for the required ones; within a shot (or `defaults`) only `negative`, `seed`, `control`, `lora`, `init`, `mask`, `cfg_cutoff`
-    and `deepcache` may be null."""
+    for the required ones; within a shot (or `defaults`) only `negative`, `seed`, `control`, `lora`, `init`, `mask`,
+    `cfg_cutoff`, `deepcache` and `hires` may be null."""
 
     version: Literal[1]
     name: SafeName | None = Field(None, description="the output folder's name (default: from X-Job-Filename)")

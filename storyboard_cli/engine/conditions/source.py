@@ -111,10 +111,16 @@ class Reader:
 
             with Image.open(i.image) as im:
                 image = im.convert("RGB")
-            pixels = self.images.preprocess(image, height=item.height, width=item.width, crops_coords=crop,
-                                            resize_mode=mode_of(item))
+            latent = mode_of(item) == "latent"  # encoded at its own size, its latents resized (A1111's "Latent")
+            height, width = (i.height, i.width) if latent else (item.height, item.width)
+            pixels = self.images.preprocess(image, height=height, width=width, crops_coords=crop,
+                                            resize_mode="default" if latent else mode_of(item))
             with torch.no_grad():
-                found = self.cache.put(key, encode(self.models, pixels, int(i.sha256[:15], 16)))
+                z = encode(self.models, pixels, int(i.sha256[:15], 16))
+                if latent:  # as A1111's hires fix: F.interpolate(..., mode="bilinear", antialias=False)
+                    z = torch.nn.functional.interpolate(z, size=(item.height // 8, item.width // 8), mode="bilinear",
+                                                        align_corners=False)
+                found = self.cache.put(key, z)
         return found
 
     def mask(self, item: Any) -> torch.Tensor:
@@ -124,11 +130,12 @@ class Reader:
         if item.mask is None:
             return torch.ones(1, 1, h, w, device=self.models.device)
         m = item.mask
-        key = ("mask", m, item.init.width, item.init.height, mode_of(item), item.width, item.height)
+        mode = "default" if mode_of(item) == "latent" else mode_of(item)  # a mask is resized as pixels
+        key = ("mask", m, item.init.width, item.init.height, mode, item.width, item.height)
         found = self.cache.lookup(key)
         if found is None:
             full = self.masks.preprocess(m.pil((item.init.width, item.init.height)), height=item.height,
-                                         width=item.width, resize_mode=mode_of(item), crops_coords=m.crop)
+                                         width=item.width, resize_mode=mode, crops_coords=m.crop)
             found = self.cache.put(key, torch.nn.functional.interpolate(full, size=(h, w)).to(self.models.device))
         return found
 

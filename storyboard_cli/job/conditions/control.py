@@ -97,6 +97,7 @@ class Control:
     name = "control"
     job_keys = ("controlnet", "controlnets")
     shot_keys = ("control",)
+    start_keys = ()
     settings_keys = ("controlnet", "control_image", "control_scale", "control_sha256", "controlnet_weights")
     manifest_keys = ()
     report_keys = ("controlnets",)

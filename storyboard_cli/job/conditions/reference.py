@@ -95,6 +95,7 @@ class References:
     name = "reference"
     job_keys = ("ip_adapter", "image_encoder", "characters")
     shot_keys = ("characters", "reference")
+    start_keys = ()
     settings_keys = ("references", "reference_scale", "ip_adapter_weights", "image_encoder_weights")
     manifest_keys = ("references",)
     report_keys = ("characters", "references")

@@ -22,7 +22,8 @@ from storyboard_cli.job.yaml_loader import Located
 INIT_KEYS = ("image", "strength", "resize")
 MASK_KEYS = ("image", "box", "blur", "padding")
 # a source whose aspect is not the shot's: how it becomes the shot's size (diffusers' VaeImageProcessor.resize modes)
-RESIZE = {"stretch": "default", "crop": "crop", "fill": "fill"}
+# "latent": the source encoded at its own size and its latents resized (A1111's "Latent" hires upscaler: bilinear)
+RESIZE = {"stretch": "default", "crop": "crop", "fill": "fill", "latent": "latent"}
 # diffusers' defaults: StableDiffusionXLImg2ImgPipeline's strength, and the inpainting pipeline's
 STRENGTH, MASK_STRENGTH = 0.3, 0.9999
 MAX_BLUR, MAX_PADDING = 256, 4096
@@ -121,6 +122,7 @@ class Source:
     name = "source"
     job_keys = ()
     shot_keys = ("init", "mask")
+    start_keys = shot_keys  # `init`, `mask`: refinements and hires passes start from an image through them
     settings_keys = ()
     manifest_keys = ("init", "mask")
     report_keys = ()
