@@ -84,6 +84,7 @@ class Regions:
     name = "region"
     job_keys = ()
     shot_keys = ("regions",)
+    start_keys = ()
     settings_keys = ()
     manifest_keys = ("regions",)
     report_keys = ("regions",)
