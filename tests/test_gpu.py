@@ -105,37 +105,6 @@ def test_a_capture_that_fails_inside_cuda_leaves_the_pool_usable(tiny_cuda, monk
     assert runner.stats[runner.shape_key(2, 256, 256, False)].state == "graph"
 
 
-def test_the_first_replays_eager_reference_is_made_beside_the_loop_and_a_failed_check_throws_the_loop_away(
-        tiny_cuda, monkeypatch):
-    """The check's eager step runs on the runner's check thread (its launches beside the loop's replays), and its
-    comparison comes after the loop was queued: a graph that fails it has its loop's latents thrown away, the shape
-    falls back, and what comes back is the fallback's."""
-    import threading
-
-    from storyboard_cli.engine.graph import check
-    from storyboard_cli.engine.graph.runner import GraphRunner
-
-    models, _, eager, rtol = tiny_cuda
-    threads, original = [], check.sample_step
-
-    def recorded(*args, **kwargs):
-        threads.append(threading.current_thread().name)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(check, "sample_step", recorded)
-    runner = GraphRunner(models, max_batch=2, max_hw=(256, 256))
-    args = loop_inputs(models, 2, 256, 256, False)
-    assert_rel_close(runner.sample(*args), eager.sample(*args), rtol)
-    assert len(threads) == 1 and threads[0].startswith("bcg-check"), threads
-    key = runner.shape_key(2, 256, 256, False)
-    assert runner.stats[key].checked and runner.stats[key].replays == 6
-    broken = GraphRunner(models, max_batch=2, max_hw=(256, 256))
-    broken.stepper = lambda v: (broken.step(v), v.prev.mul_(1.05))  # every replay's prediction 5% off
-    assert_rel_close(broken.sample(*args), eager.sample(*args), 1e-6)
-    stats = broken.stats[key]
-    assert stats.state == "eager" and "replay check failed" in stats.reason and stats.replays == 6  # the loop ran
-
-
 def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(tiny_cuda):
     """LoRA swaps weights with param.data.copy_ after the graphs exist: a replay must use the new values."""
     from storyboard_cli.engine.graph.runner import GraphRunner

@@ -14,10 +14,8 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   after a warm-up on a side stream, unless a graph already captured ran every kernel of this one at the
   same rows and size (`Warmed`: draft mode's kinds of a shape, a conditional step of B rows after a guided
   step of B / 2 images); a capture without one that fails is tried again after one. The first replay of
-  each is checked against the eager step on the same inputs, the eager step made beside the batch's loop
-  (graph/check.py) and compared once the loop is queued; a capture failure or a mismatch sends that shape
-  down the variant table (engine/variants.py: FP8 -> compiled -> plain -> eager), with the reason, and a
-  loop whose graph failed its check is run again on the variant below.
+  each is checked against the eager step on the same inputs; a capture failure or a mismatch sends that
+  shape down the variant table (engine/variants.py: FP8 -> compiled -> plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
   guidance <= 1; DeepCache's full step writing its feature and its shallow step reading it) are more
   graphs of the same shape, in the same pool, over the same static buffers (the feature has one more):
@@ -47,7 +45,7 @@ from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
-from storyboard_cli.engine.graph.check import Check, Referee, first_replay
+from storyboard_cli.engine.graph.check import first_replay
 from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.export import MAX_ROWS, MIN_ROWS
@@ -77,8 +75,7 @@ class GraphRunner:
         self.demoted: dict[Shape, set[str]] = {}  # the variants of a shape that failed (capture or check)
         self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
         self.pool = None  # one memory pool shared by every graph, made at the first capture
-        self.side: torch.cuda.Stream | None = None  # the warm-ups' and the checks' references' stream
-        self.referee = Referee(models.device, self._side)  # where the first replays' eager references run
+        self.side: torch.cuda.Stream | None = None  # the warm-ups' stream, made at the first
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
@@ -206,7 +203,9 @@ class GraphRunner:
         and the end of capture's seconds in `_spent`."""
         t0 = time.perf_counter()
         if warmup:
-            side = self._side()
+            if self.side is None:  # one for every warm-up: a library handle's workspace is kept per stream (34 MB
+                self.side = torch.cuda.Stream()  # of cuBLAS workspace each, measured as the pool growth of a capture)
+            side = self.side
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # lazy inits outside the graph
                 for _ in range(WARMUP_STEPS):
@@ -228,13 +227,6 @@ class GraphRunner:
             self._after_failed_capture(stream)
             raise
         return graph
-
-    def _side(self) -> torch.cuda.Stream:
-        """One side stream for every warm-up and check reference: a library handle's workspace is kept per stream (34
-        MB of cuBLAS workspace each, measured as the pool growth of a capture)."""
-        if self.side is None:
-            self.side = torch.cuda.Stream()
-        return self.side
 
     def _after_failed_capture(self, stream: torch.cuda.Stream) -> None:
         """A capture that failed inside CUDA raises from the end of the capture, before torch restores the stream and
@@ -344,17 +336,21 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ running
 
-    def _passed(self, checks: list[Check]) -> bool:
-        """Each first replay against its eager step (graph/check.py); a failure falls back with the reason."""
-        passed = True
-        for check in checks:
-            err, problem = check.result()
-            if problem:
-                self._fall_back(check.key, f"replay check failed: {problem}")
-                passed = False
-            else:
-                self.stats[check.key].checked, self.stats[check.key].reason = True, f"checked: rel. error {err:.1e}"
-        return passed
+    def _check(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, *inputs) -> bool:
+        """The first replay against the eager step (graph/check.py); a failure falls back with the reason."""
+        err, problem = first_replay(self.models, self.buf, key, graph.replay, *inputs)
+        if problem:
+            self._fall_back(key, f"replay check failed: {problem}")
+            return False
+        self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}"
+        return True
+
+    def _checked_graph(self, key: ShapeKey, *inputs) -> torch.cuda.CUDAGraph | None:
+        """The graph for `key`, captured and checked; None when the shape has fallen back (why: stats)."""
+        graph = self.graph(key)
+        if graph is not None and not self.stats[key].checked and not self._check(key, graph, *inputs):
+            return None
+        return graph
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
@@ -368,27 +364,10 @@ class GraphRunner:
         shape = Shape(b, 8 * h, 8 * w, conds.bits)
         plan = plan or (FULL,) * sched.steps
         self._share(shape, set(plan))
-        graphs = self._plan_graphs(shape, set(plan))
+        graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, conds, guidance))
         if graphs is None:
             return self.eager.sample(x, sched, noise, cond, conds, guidance, plan)
-        # the first replay of each graph not checked yet, its eager reference made beside the loop
-        checks: list[Check] = []
-        try:
-            for key, graph in self._unchecked(graphs):
-                checks.append(first_replay(self.models, self.buf, key, graph.replay, self.referee, x, sched, cond,
-                                           conds, guidance))
-            out = self._loop([graphs[kind] for kind in plan], x, sched, noise, cond, conds, guidance)
-        except BaseException:
-            for check in checks:  # ended before what follows (an out-of-memory's release, a capture) runs
-                check.outcome.exception()
-            raise
-        if not self._passed(checks):  # the loop ran on a graph that fails its check: again, one variant lower
-            return self.sample(x, sched, noise, cond, conds, guidance, plan)
-        return out
-
-    def _loop(self, steps: list, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-              conds: Conditions, guidance: torch.Tensor) -> torch.Tensor:
-        """The batch's replays, (key, graph) of each step, on its inputs: the final latents."""
+        steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
         v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, conds, guidance)
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
@@ -402,25 +381,15 @@ class GraphRunner:
         self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
 
-    @staticmethod
-    def _order(key: ShapeKey) -> tuple:
-        """DeepCache's full step before its shallow one: a shallow step's check reads the feature the full one wrote."""
-        return key.step.cache != "write", key.step
-
-    def _unchecked(self, graphs: dict) -> list[tuple[ShapeKey, torch.cuda.CUDAGraph]]:
-        pairs = {key: graph for key, graph in graphs.values() if not self.stats[key].checked}
-        return [(key, pairs[key]) for key in sorted(pairs, key=self._order)]
-
-    def _plan_graphs(self, shape: Shape, kinds: set[StepKind]) -> dict | None:
-        """kind -> (key, graph) for each of `kinds`, captured on the best variant left to it (every capture before
-        any check's eager reference starts: a capture forbids other threads' allocations); None when a plain graph
-        failed: the shape runs eager. The one fallback loop: a graph that fails moves its shape one row down the
-        variant table (`_fall_back`) and every kind is keyed again, so each pass runs one row lower, and the plain
-        row's failure ends it (a failed check, found after the loop, does the same through `sample`)."""
+    def _plan_graphs(self, shape: Shape, kinds: set[StepKind], inputs: tuple) -> dict | None:
+        """kind -> (key, graph) for each of `kinds`, captured and checked (DeepCache's full step before its shallow
+        one) on the best variant left to it; None when a plain graph failed: the shape runs eager. The one fallback
+        loop: a graph that fails moves its shape one row down the variant table (`_fall_back`) and every kind is keyed
+        again, so each pass runs one row lower, and the plain row's failure ends it."""
         while True:
             key_of = {kind: self.shape_key(*shape, kind) for kind in kinds}
-            failed = next((key for key in sorted(set(key_of.values()), key=self._order) if self.graph(key) is None),
-                          None)
+            failed = next((key for key in sorted(set(key_of.values()), key=lambda k: (k.step.cache != "write", k.step))
+                           if self._checked_graph(key, *inputs) is None), None)
             if failed is None:
                 return {kind: (key, self.graphs[key]) for kind, key in key_of.items()}
             if VARIANTS[failed.variant].fallback == EAGER:
