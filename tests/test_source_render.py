@@ -239,3 +239,17 @@ def test_a_source_that_breaks_after_plan_fails_only_its_images(folder, tmp_path,
     result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=src_models)
     assert result.rendered == 1 and [f["shot"] for f in result.report.failures] == ["redo"]
     assert "source image refs/stranger.png cannot be read" in result.report.failures[0]["reason"]
+
+
+def test_the_services_work_estimate_counts_the_steps_an_init_runs(folder):
+    """An image that starts from a source runs the last int(S x strength) steps of its schedule: the service orders
+    and estimates it by those, not by S."""
+    from storyboard_cli.serve.intake import work
+
+    plain, half, whole = work_items(_job(folder, """  - {id: plain, prompt: a keeper, seed: 1}
+  - {id: half, prompt: a keeper, seed: 2, init: {image: refs/mei.png, strength: 0.6}}
+  - {id: whole, prompt: a keeper, seed: 3, init: {image: refs/mei.png, strength: 1.0}}
+"""))
+    megapixels = 64 * 64 / 1e6
+    assert work(plain) == work(whole) == round(megapixels * 5, 4)
+    assert half.key.runs == 3 and work(half) == round(megapixels * 3, 4)

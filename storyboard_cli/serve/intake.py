@@ -123,14 +123,16 @@ def mix_key(job: Job, item: WorkItem) -> str:
 
 
 def work(item: WorkItem) -> float:
-    """An image's denoising work in megapixel-steps, each side network's steps (a ControlNet's) counted at half a
-    UNet's: every one it runs, as BucketKey.flops_saved counts them (`Kind.side_ends`)."""
-    side = 0.5 * item.steps * sum(end for kind in KINDS for end in kind.side_ends(item))
+    """An image's denoising work in megapixel-steps, over the steps it runs (an init image's strength skips the
+    schedule's first ones: BucketKey.runs), each side network's steps (a ControlNet's) counted at half a UNet's: every
+    one it runs, as BucketKey.flops_saved counts them (`Kind.side_ends`)."""
+    runs = item.key.runs
+    side = 0.5 * runs * sum(end for kind in KINDS for end in kind.side_ends(item))
     hires = 0.0
     if item.hires is not None:  # its second pass: the steps it runs at the size it makes
         w, h = hires_size(item.width, item.height, item.hires.scale)
         hires = w * h / 1e6 * item.hires.steps_run(item.steps)
-    return round(item.width * item.height / 1e6 * (item.steps + side) + hires, 4)
+    return round(item.width * item.height / 1e6 * (runs + side) + hires, 4)
 
 
 def content_hash(body: bytes, filename: str, priority: str) -> str:
