@@ -158,7 +158,7 @@ def estimate(batches: list[Batch], model: str, device: str, kernels: str = "auto
     of the batches it claims; batches are claimed largest first (run/dist.py), each by the GPU free first."""
     variant = variant_for(kernels, device)
     table, basis = tables(device, model)
-    row_steps = sum(b.size * (2 if b.key.guided else 1) * b.key.steps for b in batches)
+    row_steps = sum(b.size * (2 if b.key.guided else 1) * b.key.runs for b in batches)
     est = Estimate(basis, device, model, variant, gpus, row_steps)
     if table is None or table.step(StepShape(64, 64, 2, 0, 0, variant)) is None:
         return est
