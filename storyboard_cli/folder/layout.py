@@ -154,33 +154,25 @@ def manifest_records(folder: Path) -> list[dict]:
     return records
 
 
-def candidate_files(out_dir: Path, shot: str) -> list[tuple[str, int, int, os.stat_result]]:
-    """(rel path, k, seed, stat) of every file in `<out>/<shot>/` named as a candidate of `shot`."""
-    found = []
+def _named_files(out_dir: Path, shot: str, parse) -> list[tuple]:
+    """(rel path, *what `parse` read of its name after the shot, stat) of every file in `<out>/<shot>/` it reads."""
     try:
         entries = list(os.scandir(out_dir / shot))
     except OSError:
-        return found
-    for e in entries:
-        parsed = parse_output_name(f"{shot}/{e.name}")
-        if parsed and e.is_file():
-            found.append((f"{shot}/{e.name}", parsed[1], parsed[2], e.stat()))
-    return sorted(found, key=lambda f: f[1])
+        return []
+    return [(f"{shot}/{e.name}", *parsed[1:], e.stat()) for e in entries
+            if (parsed := parse(f"{shot}/{e.name}")) and e.is_file()]
+
+
+def candidate_files(out_dir: Path, shot: str) -> list[tuple[str, int, int, os.stat_result]]:
+    """(rel path, k, seed, stat) of every file in `<out>/<shot>/` named as a candidate of `shot`."""
+    return sorted(_named_files(out_dir, shot, parse_output_name), key=lambda f: f[1])
 
 
 def refinement_files(out_dir: Path, shot: str) -> list[tuple[str, str, str, int, int, os.stat_result]]:
     """(rel path, source path, tag, j, seed, stat) of every file in `<out>/<shot>/` named as a refinement of one of
     `shot`'s candidates."""
-    found = []
-    try:
-        entries = list(os.scandir(out_dir / shot))
-    except OSError:
-        return found
-    for e in entries:
-        parsed = parse_refine_name(f"{shot}/{e.name}")
-        if parsed and e.is_file():
-            found.append((f"{shot}/{e.name}", parsed[1], parsed[2], parsed[3], parsed[4], e.stat()))
-    return sorted(found, key=lambda f: (f[1], f[2], f[3]))
+    return sorted(_named_files(out_dir, shot, parse_refine_name), key=lambda f: (f[1], f[2], f[3]))
 
 
 def shot_order(out_dir: Path, first: Iterable[str] = ()) -> list[str]:
