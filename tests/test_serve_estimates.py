@@ -110,3 +110,42 @@ shots:
     est = image_seconds(make_batches(items, j.buckets), j.model, "cpu")
     a, _, b, _, c = (est[id(i)] for i in items)
     assert 0 < a < b < c
+
+
+@pytest.mark.slow  # a real `bcg serve` and `bcg worker`
+def test_a_real_worker_is_calibrated_by_its_leases_and_a_queued_jobs_eta_follows(tmp_path):
+    """Through the real processes: a CPU worker's completions carry its batch timings, the server calibrates that
+    worker from them (`bcg_worker_estimate_ratio` on /metrics), and a job queued behind paused dispatch has an
+    `eta_s`."""
+    import re
+
+    import httpx
+
+    from helpers.serve import Server, free_port, start_worker, stop
+
+    text = """version: 1
+name: calib
+model: tiny
+defaults: {steps: 3, size: 64x64}
+buckets: [2]
+shots:
+  - {id: a, prompt: a lighthouse at night, candidates: 2, seed: 1}
+"""
+    path = write_job(tmp_path, text)
+    server = Server(tmp_path / "root", free_port()).start(gpus="none")
+    worker = start_worker(server.url, "calib")
+    try:
+        first = httpx.post(server.url + "/v1/jobs", content=path.read_bytes(),
+                           headers={"Content-Type": "application/yaml"}).json()["id"]
+        assert server.wait(first, lambda j: j["state"] in ("succeeded", "failed"))["state"] == "succeeded"
+        scrape = httpx.get(server.url + "/metrics").text
+        ratio = re.search(r'bcg_worker_estimate_ratio\{[^}]*name="calib"[^}]*\} ([0-9.e+-]+)', scrape)
+        assert ratio is not None and float(ratio.group(1)) > 0, scrape[-2000:]
+        assert httpx.post(server.url + "/v1/queue/pause").status_code < 300
+        second = httpx.post(server.url + "/v1/jobs", content=path.read_bytes().replace(b"seed: 1", b"seed: 7"),
+                            headers={"Content-Type": "application/yaml"}).json()["id"]
+        queued = server.job(second)
+        assert queued["state"] == "queued" and queued["eta_s"] is not None and queued["eta_s"] > 0, queued
+    finally:
+        stop(worker)
+        server.kill_everything()
