@@ -182,3 +182,64 @@ def number(value: object, default: float) -> float:
 def sortable(value: object) -> float:
     """A recorded number as max() compares it (a damaged one lowest)."""
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else -1.0
+
+
+class Quiet:
+    """The no-op answers a kind's row inherits for what it does not take part in (no job keys, no side network, no
+    steps skipped, no A1111 fields, no boxes on the sheet...): a row overrides what it does."""
+
+    start_keys: tuple[str, ...] = ()
+
+    def resolve_job(self, ctx: Any, doc: Any, model: str, job_dir: Path, loras: dict) -> dict:
+        return {}
+
+    def draft(self, shot: Any, end: float) -> dict:
+        return {}
+
+    def job_files(self, doc: dict) -> list:
+        return []
+
+    def key(self, item: Any) -> dict:
+        return {}
+
+    def first(self, key: Any) -> int:
+        return 0
+
+    def side(self, key: Any) -> tuple[int, float]:
+        return 0, 1.0
+
+    def side_ends(self, item: Any) -> list[float]:
+        return []
+
+    def shot_side(self, shot: Any) -> tuple[int, float]:
+        return 0, 1.0
+
+    def label(self, key: Any) -> str:
+        return ""
+
+    def units(self, settings: dict) -> list:
+        return []
+
+    def plain(self, settings: dict) -> str | None:
+        return None
+
+    def a1111(self, settings: dict) -> list[str]:
+        return []
+
+    def finish(self, item: Any, pixels: Any) -> Any:
+        return pixels
+
+    def boxes(self, meta: dict) -> list:
+        return []
+
+    def meta_side(self, meta: dict) -> tuple[bool, float]:
+        return False, 1.0
+
+    def models(self, job: Any) -> list[tuple[str, str | None]]:
+        return []
+
+    def used_models(self, job: Any, items: list) -> tuple:
+        return ()
+
+    def notes(self, summary: Any) -> list[str]:
+        return []

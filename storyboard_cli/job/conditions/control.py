@@ -13,7 +13,7 @@ from typing import Any, Callable
 from storyboard_cli.errors import did_you_mean
 from storyboard_cli.job.digests import SHORT, file_sha256
 from storyboard_cli.job.files import check_image
-from storyboard_cli.job.kind import Guide, ShotSource, Unit, Weights, entries, number, sortable
+from storyboard_cli.job.kind import Guide, Quiet, ShotSource, Unit, Weights, entries, number, sortable
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_str, check_keys, line_of,
                                        type_name)
 from storyboard_cli.job.yaml_loader import Located, clip, short_repr
@@ -91,13 +91,12 @@ def _ran_end(steps: int, end: float) -> float:
     return end if control_steps(steps, end) < steps else 1.0
 
 
-class Control:
+class Control(Quiet):
     """The kind's row (job/conditions/__init__.py's `Kind`)."""
 
     name = "control"
     job_keys = ("controlnet", "controlnets")
     shot_keys = ("control",)
-    start_keys = ()
     settings_keys = ("controlnet", "control_image", "control_scale", "control_sha256", "controlnet_weights")
     manifest_keys = ()
     report_keys = ("controlnets",)
@@ -118,9 +117,6 @@ class Control:
         """A draft's nets end where its guidance does (or earlier, where the shot says so)."""
         return {"controls": tuple(replace(c, end=min(c.end, end)) for c in shot.controls)}
 
-    def job_files(self, doc: dict) -> list:
-        return []
-
     def shot_files(self, key: str, value: Any) -> list:
         if key != "control":
             return []
@@ -138,9 +134,6 @@ class Control:
         ends = tuple(c.end for c in item.controls)
         return {"nets": tuple(c.index for c in item.controls), "control_end": max(ends, default=1.0),
                 "control_ends": ends if len(set(ends)) > 1 else ()}
-
-    def first(self, key: Any) -> int:
-        return 0
 
     def side(self, key: Any) -> tuple[int, float]:
         """(the ControlNets a batch runs, where the last of them ends)."""
@@ -193,15 +186,6 @@ class Control:
         end = settings.get("control_end", 1.0)
         end = f", end {end:.3g}" if end < 1 else ""
         return f"ControlNet: {Path(settings['control_image']).name} (scale {settings['control_scale']:g}{end})"
-
-    def a1111(self, settings: dict) -> list[str]:
-        return []
-
-    def finish(self, item: Any, pixels: Any) -> Any:
-        return pixels
-
-    def boxes(self, meta: dict) -> list:
-        return []
 
     def meta_side(self, meta: dict) -> tuple[bool, float]:
         """(whether an image's settings record a net, where the last ends) for the sheet's levers."""
@@ -262,9 +246,6 @@ class Control:
 
     def summary(self, job: Any) -> dict:
         return {}
-
-    def notes(self, summary: Any) -> list[str]:
-        return []
 
     def plan_json(self, job: Any, summary: Any) -> tuple[dict, dict]:
         """`bcg plan --json`: `controlnet` (the first net's model) beside the model always, `controlnets` at the end

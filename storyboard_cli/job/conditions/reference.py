@@ -14,7 +14,7 @@ from typing import Any, Callable
 from storyboard_cli.errors import did_you_mean
 from storyboard_cli.job.digests import SHORT
 from storyboard_cli.job.files import LoraFile, check_image, lora_scales
-from storyboard_cli.job.kind import Guide, ShotSource, Unit, Weights, entries, number
+from storyboard_cli.job.kind import Guide, Quiet, ShotSource, Unit, Weights, entries, number
 from storyboard_cli.job.preflight import ADAPTER_PRESETS, job_spec
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_str, check_keys, line_of,
                                        type_name)
@@ -89,13 +89,12 @@ ONE_OFF = "reference"  # the sheet's caption of a shot's own `reference:` (a cha
 REFERENCE = "reference"  # a reference's word on the sheet
 
 
-class References:
+class References(Quiet):
     """The kind's row (job/kind.py's `Kind`)."""
 
     name = "reference"
     job_keys = ("ip_adapter", "image_encoder", "characters")
     shot_keys = ("characters", "reference")
-    start_keys = ()
     settings_keys = ("references", "reference_scale", "ip_adapter_weights", "image_encoder_weights")
     manifest_keys = ("references",)
     report_keys = ("characters", "references")
@@ -119,9 +118,6 @@ class References:
                                       names_line, src.shot_id, src.job.characters)
         return {"references": references, "characters": names}, scales
 
-    def draft(self, shot: Any, end: float) -> dict:
-        return {}
-
     def job_files(self, doc: dict) -> list:
         characters = doc.get("characters")
         if not isinstance(characters, dict):
@@ -140,24 +136,6 @@ class References:
 
     def identity(self, item: Any) -> tuple:
         return tuple((r.sha256, r.scale) for r in item.references)
-
-    def key(self, item: Any) -> dict:
-        return {}
-
-    def first(self, key: Any) -> int:
-        return 0
-
-    def side(self, key: Any) -> tuple[int, float]:
-        return 0, 1.0  # the adapter runs inside the UNet's attention: no network of its own
-
-    def side_ends(self, item: Any) -> list[float]:
-        return []
-
-    def shot_side(self, shot: Any) -> tuple[int, float]:
-        return 0, 1.0
-
-    def label(self, key: Any) -> str:
-        return ""
 
     # ------------------------------------------------------------ what an image records
 
@@ -179,21 +157,6 @@ class References:
         model), each at the scale the adapter applied (one per image: the references' largest)."""
         return [("ip-adapter-auto", settings["ip_adapter"], settings["reference_scale"], 1.0)
                 for _ in settings.get("references", ())]
-
-    def plain(self, settings: dict) -> str | None:
-        return None
-
-    def a1111(self, settings: dict) -> list[str]:
-        return []
-
-    def finish(self, item: Any, pixels: Any) -> Any:
-        return pixels
-
-    def boxes(self, meta: dict) -> list:
-        return []
-
-    def meta_side(self, meta: dict) -> tuple[bool, float]:
-        return False, 1.0
 
     def models(self, job: Any) -> list[tuple[str, str | None]]:
         return [("ip_adapter", job.ip_adapter), ("image_encoder", job.image_encoder)]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from storyboard_cli.job.conditions.reference import Reference, adapter_settings, shot_references
 from storyboard_cli.job.digests import SHORT
 from storyboard_cli.job.files import check_image
-from storyboard_cli.job.kind import Guide, ShotSource, Unit, Weights, entries, number
+from storyboard_cli.job.kind import Guide, Quiet, ShotSource, Unit, Weights, entries, number
 from storyboard_cli.job.values import Context, as_str, check_keys, line_of, type_name
 from storyboard_cli.job.yaml_loader import Located
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
@@ -78,13 +78,12 @@ class Box:
     caption: str
 
 
-class Regions:
+class Regions(Quiet):
     """The kind's row (job/kind.py's `Kind`)."""
 
     name = "region"
     job_keys = ()
     shot_keys = ("regions",)
-    start_keys = ()
     settings_keys = ()
     manifest_keys = ("regions",)
     report_keys = ("regions",)
@@ -94,18 +93,9 @@ class Regions:
 
     # ------------------------------------------------------------ the YAML
 
-    def resolve_job(self, ctx: Context, doc: Located, model: str, job_dir: Path, loras: dict) -> dict:
-        return {}
-
     def resolve_shot(self, ctx: Context, src: ShotSource) -> tuple[dict, dict[str, float]]:
         raw, line = src.get("regions")
         return {"regions": resolve_regions(ctx, raw, line, src)}, src.lora_scales
-
-    def draft(self, shot: Any, end: float) -> dict:
-        return {}
-
-    def job_files(self, doc: dict) -> list:
-        return []
 
     def shot_files(self, key: str, value: Any) -> list:
         """Each region's mask and reference image, unvalidated (a character's reference is the job's)."""
@@ -129,24 +119,6 @@ class Regions:
         return tuple((r.prompt, r.box, r.mask_sha256, tuple((x.sha256, x.scale) for x in r.references))
                      for r in item.regions)
 
-    def key(self, item: Any) -> dict:
-        return {}
-
-    def first(self, key: Any) -> int:
-        return 0
-
-    def side(self, key: Any) -> tuple[int, float]:
-        return 0, 1.0  # inside the UNet's cross-attention: no network of its own
-
-    def side_ends(self, item: Any) -> list[float]:
-        return []
-
-    def shot_side(self, shot: Any) -> tuple[int, float]:
-        return 0, 1.0
-
-    def label(self, key: Any) -> str:
-        return ""
-
     # ------------------------------------------------------------ what an image records
 
     def settings(self, item: Any, weights: Weights) -> dict:
@@ -168,23 +140,11 @@ class Regions:
         return [("ip-adapter-auto", settings.get("ip_adapter"), number(ref.get("scale"), 0.0), 1.0)
                 for r in _regions(settings) for ref in entries(r.get("references"), "file")]
 
-    def plain(self, settings: dict) -> str | None:
-        return None
-
     def a1111(self, settings: dict) -> list[str]:
         """The A1111 `Regions:` field: each region's place and prompt (`box x,y,w,h` or `mask FILE`), JSON-quoted
         as A1111's infotext_utils.quote does a value that holds ':' and ','."""
         shown = [f"{_where(r)}: {r.get('prompt', '')}" for r in _regions(settings)]
         return [f"Regions: {json.dumps('; '.join(shown))}"] if shown else []
-
-    def finish(self, item: Any, pixels: Any) -> Any:
-        return pixels
-
-    def meta_side(self, meta: dict) -> tuple[bool, float]:
-        return False, 1.0
-
-    def models(self, job: Any) -> list[tuple[str, str | None]]:
-        return []
 
     def needs(self, job: Any) -> bool:
         return any(s.regions for s in job.shots)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from storyboard_cli.job.digests import SHORT
 from storyboard_cli.job.files import check_image
-from storyboard_cli.job.kind import Guide, ShotSource, Unit, Weights
+from storyboard_cli.job.kind import Guide, Quiet, ShotSource, Weights
 from storyboard_cli.job.values import Context, as_float, as_int, as_str, check_keys, given, line_of, type_name
 from storyboard_cli.job.yaml_loader import Located
 
@@ -116,7 +116,7 @@ def skipped(steps: int, strength: float) -> int:
     return steps - min(int(steps * strength), steps)
 
 
-class Source:
+class Source(Quiet):
     """The kind's row (job/conditions/__init__.py's `Kind`)."""
 
     name = "source"
@@ -132,17 +132,8 @@ class Source:
 
     # ------------------------------------------------------------ the YAML
 
-    def resolve_job(self, ctx: Context, doc: Located, model: str, job_dir: Path, loras: dict) -> dict:
-        return {}
-
     def resolve_shot(self, ctx: Context, src: ShotSource) -> tuple[dict, dict[str, float]]:
         return resolve_source(ctx, src), src.lora_scales
-
-    def draft(self, shot: Any, end: float) -> dict:
-        return {}
-
-    def job_files(self, doc: dict) -> list:
-        return []
 
     def shot_files(self, key: str, value: Any) -> list:
         return [value.get("image")] if key in self.shot_keys and isinstance(value, dict) else []
@@ -160,15 +151,6 @@ class Source:
 
     def first(self, key: Any) -> int:
         return key.init_skip
-
-    def side(self, key: Any) -> tuple[int, float]:
-        return 0, 1.0
-
-    def side_ends(self, item: Any) -> list[float]:
-        return []
-
-    def shot_side(self, shot: Any) -> tuple[int, float]:
-        return 0, 1.0
 
     def label(self, key: Any) -> str:
         return f" from step {key.init_skip + 1}" if key.init_skip else ""
@@ -193,12 +175,6 @@ class Source:
             if key in settings:
                 settings[key].pop("image", None)
 
-    def units(self, settings: dict) -> list[Unit]:
-        return []
-
-    def plain(self, settings: dict) -> str | None:
-        return None
-
     def a1111(self, settings: dict) -> list[str]:
         """A1111's img2img fields: `Denoising strength`, and an inpainting's `Mask blur`, `Inpaint area: Only
         masked` and `Masked area padding`."""
@@ -209,9 +185,6 @@ class Source:
             if "padding" in mask:
                 out += ["Inpaint area: Only masked", f"Masked area padding: {mask['padding']}"]
         return out
-
-    def boxes(self, meta: dict) -> list:
-        return []
 
     def finish(self, item: Any, pixels: Any) -> Any:
         """A cropped inpainting's decoded pixels (uint8 [H, W, 3] at the shot's size) pasted back over its source
@@ -226,17 +199,8 @@ class Source:
         mask = item.mask.pil(source.size)
         return np.asarray(overlay(mask, source, Image.fromarray(np.asarray(pixels), "RGB"), item.mask.crop))
 
-    def meta_side(self, meta: dict) -> tuple[bool, float]:
-        return False, 1.0
-
-    def models(self, job: Any) -> list[tuple[str, str | None]]:
-        return []
-
     def mix(self, job: Any) -> tuple[list, list]:
         return [], []
-
-    def used_models(self, job: Any, items: list) -> tuple:
-        return ()  # the job's own VAE encodes the sources
 
     def needs(self, job: Any) -> bool:
         return False
