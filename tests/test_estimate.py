@@ -238,7 +238,7 @@ shots:
 def test_a_cpu_render_is_estimated_within_10_percent_from_an_earlier_one(job_dir, tiny_cpu, monkeypatch):
     """Calibrated on this machine in this test: job A rendered (its timings into a fresh cache), then job B (other
     shots, batches and steps) estimated before it is rendered, then rendered; the estimate within 10% of B's wall.
-    A loaded 2-core machine can slow one render of a few seconds by a third: the median of three such trials."""
+    A loaded 2-core machine can slow one render of a few seconds by a third: the median of five such trials."""
     from storyboard_cli.run.render import RenderOptions, render
 
     a = load_job(write_job(job_dir, CALIBRATE.replace("STEPS", "6"), "a.yaml"))
@@ -246,7 +246,7 @@ def test_a_cpu_render_is_estimated_within_10_percent_from_an_earlier_one(job_dir
     monkeypatch.setenv("BCG_CACHE", str(job_dir / "warm-cache"))
     render(a, RenderOptions(out_dir=job_dir / "warm"), models=tiny_cpu)  # the process's first calls, not counted
     ratios = []
-    for trial in range(3):
+    for trial in range(5):
         monkeypatch.setenv("BCG_CACHE", str(job_dir / f"cache{trial}"))
         render(a, RenderOptions(out_dir=job_dir / f"a{trial}"), models=tiny_cpu)
         est = estimate(make_batches(work_items(b), b.buckets), "tiny", CPU)
@@ -257,7 +257,7 @@ def test_a_cpu_render_is_estimated_within_10_percent_from_an_earlier_one(job_dir
         assert result.status == "done"
         ratios.append(est.seconds / wall)
         print(f"CPU estimate {est.seconds:.2f} s against {wall:.2f} s ({est.seconds / wall - 1:+.1%})")
-    assert abs(sorted(ratios)[1] - 1) < 0.10, ratios
+    assert abs(sorted(ratios)[2] - 1) < 0.10, ratios
 
 
 def test_capture_warm_records_each_shapes_loop(tmp_path, monkeypatch):
