@@ -209,3 +209,26 @@ def test_the_services_work_estimate_counts_the_pass(tmp_path):
     a, *_, c = work_items(load_job(write_job(tmp_path, RENDER)))
     assert work(c) == round(64 * 96 / 1e6 * 4, 4)
     assert work(a) == round(64 * 96 / 1e6 * 4 + 96 * 144 / 1e6 * 3, 4)  # and 3 of 6 steps at 96x144
+
+
+def test_the_planned_passes_size_the_graphs_so_a_pass_drops_none(tmp_path, tiny_cpu):
+    """The hires passes' shapes are known before their bases exist (`planned_passes`): a graph runner prepared with
+    them as `later` fits every pass that runs, so its first capture does not grow the buffers and drop the first
+    phase's graphs (the pass's item is the one `second_pass` makes: same size and steps)."""
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.job.plan import first_pass, make_batches, planned_passes
+    from storyboard_cli.run.batch import batch_shapes
+
+    job = load_job(write_job(tmp_path, RENDER))
+    items = work_items(job)
+    passes = planned_passes(items)
+    assert [(i.shot, i.width, i.height, i.steps) for i in passes] == [
+        ("a", 96, 144, 6), ("a", 96, 144, 6), ("b", 128, 192, 4)]  # int(S * strength) of the pass's schedule run
+    first = batch_shapes(make_batches(first_pass(items), job.buckets))
+    later = batch_shapes(make_batches(passes, job.buckets))
+    without, runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(8, 8)), GraphRunner(tiny_cpu, max_batch=1, max_hw=(8, 8))
+    without.ensure_capacity(first)
+    runner.ensure_capacity(first)
+    runner.prepare([], later=later)
+    assert all(runner.buf.fits(s) for s in first + later) and not runner.graphs
+    assert not all(without.buf.fits(s) for s in later)  # the passes are larger: without them the buffers would grow

@@ -54,9 +54,11 @@ class Engine(Protocol):
         (draft renders: steps.step_plan), None for every step guided and whole."""
         ...
 
-    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:
+    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,
+                later: list[Shape] = ()) -> None:
         """Get ready for these shapes ahead of the first batch (a graph engine sizes and captures); `kinds`:
-        the step kinds a shape's batches run, where they are not today's full step."""
+        the step kinds a shape's batches run, where they are not today's full step; `later`: shapes that run after
+        them (a render's hires passes), sized for and their kernels wanted now, captured on first use."""
         ...
 
     def release(self) -> None:

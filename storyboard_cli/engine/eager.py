@@ -146,7 +146,8 @@ class EagerEngine:
                                   conds.at(i), guidance, None, plan[i] if plan else FULL, feature, i)
         return x
 
-    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:
+    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,
+                later: list[Shape] = ()) -> None:
         pass
 
     def release(self) -> None:

@@ -98,6 +98,17 @@ def first_pass(items: list[WorkItem]) -> list[WorkItem]:
     return [i for i in items if i.hires is None]
 
 
+def planned_passes(items: list[WorkItem]) -> list[WorkItem]:
+    """The hires passes of `items` as planned before their bases exist: each at its new size and over its steps
+    (what the engine sizes its buffers for and wants kernels for ahead of the first batch); `second_pass` makes
+    the one that runs."""
+    def planned(item: WorkItem) -> WorkItem:
+        width, height = hires_size(item.width, item.height, item.hires.scale)
+        return replace(item, width=width, height=height, steps=item.hires.schedule(item.steps), hires=None)
+
+    return [planned(i) for i in items if i.hires is not None]
+
+
 def second_pass(job: Job, item: WorkItem, out_dir: Path) -> WorkItem:
     """A hires image's second pass: its base (on disk) upscaled and denoised again at the new size over the tail
     of the pass's schedule; it writes the planned item's name and settings (`WorkItem.final`). Raises JobError

@@ -185,7 +185,7 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     for note in notes:
         say(note)
     rows = time_shapes(models, runner, shapes, steps=steps, plans=plans, on_stage=say)
-    record_loops(rows, shapes, plans, device_of(device_name(dev)), model, int(adapter is not None))
+    record_loops(rows, shapes, plans, device_of(device_name(dev)), model, int(models.ip_adapter is not None))
     return labels, loops, rows
 
 

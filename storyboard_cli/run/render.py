@@ -32,7 +32,7 @@ from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.estimate import Observed, adapted, observe
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import (Batch, WorkItem, base_item, check_models, deepcache_note, first_pass,
-                                    make_batches, second_pass, shot_levers, work_items)
+                                    make_batches, planned_passes, second_pass, shot_levers, work_items)
 from storyboard_cli.job.preflight import check_destination, job_spec
 from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
@@ -231,19 +231,20 @@ class RenderSession:
             return
         self.batches = make_batches(first_pass(self.pending.items), self.job.buckets)
         shapes = batch_shapes(self.batches)
+        later = batch_shapes(make_batches(planned_passes(self.pending.items), self.job.buckets))  # hires passes
         with self.timings.stage("load"):
             if self.models is None:
                 self.models = load_models(self.job, self.pending.items, self.device, self.dtype)
         stop.check()
         with self.timings.stage("capture"):
             if self.engine is None:
-                self.engine = build_engine(self.models, self.opts.engine, shapes, self.notes, self.opts.compile,
-                                           kernels=self.kernels)
+                self.engine = build_engine(self.models, self.opts.engine, shapes + later, self.notes,
+                                           self.opts.compile, kernels=self.kernels)
         with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
             runner = self.batch_runner()
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())
         with self.timings.stage("capture"):
-            self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches))
+            self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches), later)
         stop.check()
         self.sink = self.open_sink(manifest)
         self.policy = OutOfMemoryPolicy(runner, self.sink)

@@ -223,7 +223,7 @@ class GraphRunner:
                 body = time.perf_counter()
             self._spent = (warmed - t0, time.perf_counter() - body)
         except BaseException:
-            del graph  # now: the exception's traceback keeps this frame, and would keep the graph's memory
+            graph = None  # now: the exception's traceback keeps this frame, and would keep the graph's memory
             self._after_failed_capture(stream)
             raise
         return graph
@@ -293,15 +293,18 @@ class GraphRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None) -> None:
+    def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,
+                later: list[Shape] = ()) -> None:
         """Sizes the buffers, loads the compiled kernels the cache has for these shapes, then captures ahead
         of time, largest first, so smaller graphs reuse the pool's blocks; last, the kernels the cache
         lacks start compiling in the background. Out of memory stops the captures: the shapes left are
         captured on first use (and their batches split if they must be). `kinds`: the step kinds a shape's
-        batches run (draft mode); a shape not in it runs today's step (FULL)."""
-        self.ensure_capacity(shapes)
+        batches run (draft mode); a shape not in it runs today's step (FULL). `later`: shapes that run after these
+        (a render's hires passes): the buffers fit them now, so that their first capture drops no graph, and their
+        kernels are wanted with the others'; they are captured on first use."""
+        self.ensure_capacity([*shapes, *later])
         if self.compiled is not None:
-            self.compiled.want(self.compiled.targets(shapes))
+            self.compiled.want(self.compiled.targets([*shapes, *later]))
         for shape in shapes:
             self._share(shape, (kinds or {}).get(shape, ()))
         keys = {self.shape_key(*s, k) for s in shapes for k in (kinds or {}).get(s, {FULL})}
