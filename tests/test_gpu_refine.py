@@ -41,7 +41,10 @@ def _same(a, b):
     assert pngs == sorted(p.relative_to(b) for p in b.rglob("*.png") if "thumbs" not in p.parts) and pngs
     for rel in pngs:
         x, y = (np.asarray(Image.open(f / rel), dtype=np.int16) for f in (a, b))
-        assert np.abs(x - y).max() <= 2, rel
+        diff = np.abs(x - y).max(-1)
+        at = np.unravel_index(diff.argmax(), diff.shape)
+        assert diff.max() <= 2, (str(rel), int(diff.max()), "at (y, x)", at, "over 2:", int((diff > 2).sum()),
+                                 "of", diff.size, "mean", float(diff.mean()))
 
 
 def test_hires_and_refine_on_graphs_match_eager(tmp_path):
