@@ -69,6 +69,18 @@ def test_eta_from_calibrated_workers(store):
     assert store.job("second", 70)["eta_s"] == pytest.approx(6 * 2.0)
 
 
+def test_an_unpriced_image_makes_the_eta_the_drained_images_per_second(store):
+    """A job whose images no table prices (est 0) has no calibrated eta: a zero would say "done now". The job's
+    eta_s is then its images ahead and left over the images/s drained, as before any calibration."""
+    a = register(store, "a")
+    store.submit(job("first", 12, est=1.0), None, 100, now=0)
+    land(store, a, now=1, seconds=8.0)  # a calibrated, 4 images drained
+    store.submit(job("unpriced", 4, est=0.0, priority="urgent"), None, 100, now=9)  # nothing ranked ahead of it
+    eta = store.job("unpriced", 9)["eta_s"]
+    assert eta and eta > 0
+    assert store.job("first", 9)["eta_s"] > 0  # an unpriced image ahead of it: its eta falls back too
+
+
 def test_a_lease_past_one_and_a_half_times_its_estimate_is_stale(store):
     w = register(store, "w")
     store.submit(job("j", 8, est=1.0), None, 100, now=0)
@@ -145,7 +157,8 @@ shots:
         second = httpx.post(server.url + "/v1/jobs", content=path.read_bytes().replace(b"seed: 1", b"seed: 7"),
                             headers={"Content-Type": "application/yaml"}).json()["id"]
         queued = server.job(second)
-        assert queued["state"] == "queued" and queued["eta_s"] is not None, queued  # 0.0 where no table prices tiny
+        # a fresh cache prices tiny at nothing: the eta is the images/s the first job drained, never a zero
+        assert queued["state"] == "queued" and queued["eta_s"] and queued["eta_s"] > 0, queued
     finally:
         stop(worker)
         server.kill_everything()

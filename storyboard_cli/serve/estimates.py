@@ -55,17 +55,20 @@ class Estimates:
 
     def _eta(self, db, job, now: float) -> float | None:
         """Seconds until the job's last image lands: the work ranked ahead of it and its own open images, over what
-        the live calibrated workers drain; None before any is calibrated (the caller falls back to images/s)."""
+        the live calibrated workers drain; None before any is calibrated, or where an image it counts has no price (no
+        table prices its model: a zero would read as "done now"); the caller falls back to images/s."""
         rate = self.calibration.rate(self._live_workers(db, now))
         if not rate:
             return None
         mine = rank(job["priority"], job["submitted"])
-        ahead = sum(r[2] for r in db.execute(
+        ahead = [r[2] for r in db.execute(
             "SELECT j.priority, j.submitted, i.est FROM images i JOIN jobs j ON j.id = i.job WHERE i.state = ? "
-            "AND i.job != ?", (ImageState.QUEUED, job["id"])) if rank(r[0], r[1]) < mine)
-        left = db.execute("SELECT COALESCE(SUM(est), 0) FROM images WHERE job = ? AND state IN (?, ?)",
-                          (job["id"], *ImageState.OPEN)).fetchone()[0]
-        return (ahead + left) / rate
+            "AND i.job != ?", (ImageState.QUEUED, job["id"])) if rank(r[0], r[1]) < mine]
+        left = [r[0] for r in db.execute("SELECT est FROM images WHERE job = ? AND state IN (?, ?)",
+                                         (job["id"], *ImageState.OPEN))]
+        if any(not est or est <= 0 for est in ahead + left):
+            return None
+        return (sum(ahead) + sum(left)) / rate
 
     def _drain_estimate(self, db, now: float) -> float | None:
         """Images per second the live workers drain, from their calibration and the open images' mean estimate
