@@ -44,6 +44,11 @@ __all__ = ["APPLICATION_ID", "BATCH_FILL", "BATCH_SECONDS", "BUCKETS_S", "CACHED
            "bounds", "MAX_STRIKES", "NotHolder", "Quarantined", "QUARANTINES", "STRIKES", "Strike"]
 
 
+def open_seconds(seconds: float) -> float:
+    """An open job's eta in tenths of a second, never 0.0 (which would read as done)."""
+    return max(round(seconds, 1), 0.1)
+
+
 @dataclass(frozen=True)
 class Work:
     """What a worker measured while rendering a lease: (shape, images, seconds, bucket or None) per batch,
@@ -579,8 +584,8 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
         return {"id": job["id"], "name": job["name"], "state": state, "priority": job["priority"],
                 "submitted": job["submitted"], "finished": job["finished"], "out_dir": str(self._path(job["out_dir"])),
                 "images_by_state": dict(states), "queue_position": ahead if left else None,
-                "eta_s": None if not left else round(eta, 1) if eta is not None else
-                round((ahead + left) / rate, 1) if rate else None,
+                "eta_s": None if not left else open_seconds(eta) if eta is not None else
+                open_seconds((ahead + left) / rate) if rate else None,
                 "images": [{"id": r["id"], "shot": r["shot"], "candidate": r["k"], "seed": r["seed"],
                             "state": r["state"], "attempts": r["attempts"], "cached": bool(r["cached"]),
                             "reason": r["reason"], "outputs": json.loads(r["outputs"])} for r in images]}
