@@ -4,8 +4,7 @@ regions' prompts concatenated, with an additive mask that lets each region's ima
 as diffusers' `ip_adapter_masks` apply them (each reference's attention output multiplied by its region's mask).
 
 - The processors take, through cross_attention_kwargs (engine/conditions/region.py Regions.attention):
-  `region_embeds` [B, N*77, C] (the regions' prompts, one 77-token slot each; the conditional rows alone: a
-  guided step's negative rows attend as AttnProcessor2_0 does), `region_bias_<l>` [B, 1, L_l, 77 + N*77]
+  `region_embeds` [R, N*77, C] (the regions' prompts, one 77-token slot each), `region_bias_<l>` [R, 1, L_l, 77 + N*77]
   (additive, in the query's dtype: 0 where a query token sees a key, -inf where it does not) for each attention level
   l of the UNet (queries at 1/2^l of the latent side: L_l of them), and, with an IP-Adapter, `region_ref_tokens`
   [R, M*T, C] (M reference slots of T tokens) and `region_ref_weight_<l>` [R, L_l, M] (each slot's scale times its
@@ -74,10 +73,7 @@ def attend(attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
            add: Callable[[torch.Tensor, int, int], torch.Tensor | None] | None = None) -> torch.Tensor:
     """diffusers' AttnProcessor2_0.__call__, with the regions' keys after the prompt's (`region_embeds`, masked by
     `region_bias`, its level's) and `add(query, batch, head_dim)`: what an adapter adds before the output projection
-    ([R, L, heads * head_dim] or None). The regions' tensors hold the conditional rows alone ([B], the last B of the
-    step's rows): a guided step's negative rows see their own prompt and nothing else, which is the plain attention
-    over its 77 keys, so they run it unmasked (the masked kernel reads its bias per key and is several times slower;
-    both halves of the batch paying it cost twice)."""
+    ([R, L, heads * head_dim] or None)."""
     # as diffusers AttnProcessor2_0.__call__, up to the attention
     residual = hidden_states
     if attn.spatial_norm is not None:
@@ -86,12 +82,15 @@ def attend(attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
     if input_ndim == 4:
         batch_size, channel, height, width = hidden_states.shape
         hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-    regional = encoder_hidden_states is not None and region_embeds is not None
-    if regional and region_bias is None:
-        raise ValueError("the regions' keys without their mask at this attention's level")
+    if encoder_hidden_states is not None and region_embeds is not None:
+        # one key per token of the shot's prompt, then of each region's slot; the bias says which a query sees
+        if region_bias is None:
+            raise ValueError("the regions' keys without their mask at this attention's level")
+        encoder_hidden_states = torch.cat([encoder_hidden_states, region_embeds.to(encoder_hidden_states.dtype)], 1)
+        attention_mask = region_bias
     batch_size, sequence_length, _ = (
         hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape)
-    if attention_mask is not None and not regional:
+    if attention_mask is not None and region_bias is None:
         attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
         attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
     if attn.group_norm is not None:
@@ -99,33 +98,22 @@ def attend(attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
     query = attn.to_q(hidden_states)
     if encoder_hidden_states is None:
         encoder_hidden_states = hidden_states
-    head_dim = query.shape[-1] // attn.heads
-
-    def heads(t: torch.Tensor) -> torch.Tensor:  # [R, N, heads * head_dim] -> [R, heads, N, head_dim]
-        return t.view(t.shape[0], -1, attn.heads, head_dim).transpose(1, 2)
-
-    def attention(q: torch.Tensor, context: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        if attn.norm_cross and context is not hidden_states:
-            context = attn.norm_encoder_hidden_states(context)
-        key, value = heads(attn.to_k(context)), heads(attn.to_v(context))
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask.to(q.dtype)
-        return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False)
-
-    query = heads(query)  # [R, heads, L, head_dim]
+    elif attn.norm_cross:
+        encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+    key = attn.to_k(encoder_hidden_states)
+    value = attn.to_v(encoder_hidden_states)
+    head_dim = key.shape[-1] // attn.heads
+    query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)  # [R, heads, L, head_dim]
+    key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+    value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
     if attn.norm_q is not None:
         query = attn.norm_q(query)
-    if regional:
-        # one key per token of the shot's prompt, then of each region's slot; the bias says which a query sees
-        n = batch_size - region_embeds.shape[0]  # the negative rows of a guided step, first
-        context = torch.cat([encoder_hidden_states[n:], region_embeds.to(encoder_hidden_states.dtype)], 1)
-        hidden_states = attention(query[n:], context, region_bias)
-        if n:
-            hidden_states = torch.cat([attention(query[:n], encoder_hidden_states[:n], None), hidden_states])
-    else:
-        hidden_states = attention(query, encoder_hidden_states, attention_mask)
+    if attn.norm_k is not None:
+        key = attn.norm_k(key)
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        attention_mask = attention_mask.to(query.dtype)
+    hidden_states = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.0,
+                                                   is_causal=False)
     hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
     hidden_states = hidden_states.to(query.dtype)
     extra = add(query, batch_size, head_dim) if add is not None else None

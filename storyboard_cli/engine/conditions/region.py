@@ -1,6 +1,5 @@
 """The `region` kind on the engine side: regional prompts and regional references. Each row's regions' prompts in the
-key slots after the shot's prompt (one slot of 77 tokens per region, an unused slot masked; the conditional rows'
-alone: a guided step's negative rows attend to their own prompt unmasked),
+key slots after the shot's prompt (one slot of 77 tokens per region; the negative rows' and an unused slot's masked),
 the additive masks that let each region's image tokens see only their own prompt, one per attention level of the UNet,
 and, with an IP-Adapter, the regions' references in their own slots, each weighted by its region's mask and scale.
 Every batch of models made for regions has them (a row without regions has every slot masked), so rows with and
@@ -34,18 +33,17 @@ INSIDE = 0.5  # a query token is inside a region when the region covers at least
 
 @dataclass(frozen=True)
 class Regions(Plain):
-    """One batch's regions (the prompts' keys and masks for its conditional rows, the references' CFG-doubled like the
-    embeds, negative rows first), or a graph's views of the buffers."""
+    """One batch's regions, CFG-doubled like the embeds (negative rows first), or a graph's views of the buffers."""
 
-    embeds: torch.Tensor  # [B, N*77, C]: the regions' prompts, the conditional rows' alone (models/regions.py attend)
-    bias: tuple[torch.Tensor, ...]  # per attention level: [B, 1, L_l, 77 + N*77] additive (0 seen, -inf not)
+    embeds: torch.Tensor  # [2B, N*77, C]: the regions' prompts
+    bias: tuple[torch.Tensor, ...]  # per attention level: [2B, 1, L_l, 77 + N*77] additive (0 seen, -inf not)
     levels: tuple[int, ...]  # the UNet's attention levels, one per entry of `bias` and `weight`
     ref_tokens: torch.Tensor | None = None  # [2B, M*T, C]: the regional references' tokens (with an IP-Adapter)
     weight: tuple[torch.Tensor, ...] = ()  # per level: [2B, L_l, M], each slot's scale times its region's mask
     kind: str = NAME
 
     def half(self, b: int) -> Regions:
-        return Regions(self.embeds, self.bias, self.levels,  # the conditional rows' already
+        return Regions(self.embeds[b:], tuple(t[b:] for t in self.bias), self.levels,
                        None if self.ref_tokens is None else self.ref_tokens[b:], tuple(t[b:] for t in self.weight))
 
     def attention(self) -> dict[str, torch.Tensor]:
@@ -111,28 +109,27 @@ def level_masks(pixels: torch.Tensor, level: int) -> torch.Tensor:
 def regions_value(layout: Layout, dim: int, embeds: list[list[torch.Tensor]], pixels: list[torch.Tensor],
                   refs: list[list[tuple[int, torch.Tensor, float]]] | None, negative: torch.Tensor | None,
                   dtype: torch.dtype, device: torch.device) -> Regions:
-    """The Regions of a batch: per row, its regions' prompt embeddings (each [77, C]), their pixel masks [n, H, W] (n
-    regions), and with an adapter its regional references (region index, tokens [T, C], scale) and the adapter's
-    negative tokens [T, C] (the negative rows', one per filled slot, as diffusers builds them). The prompts and their
-    masks are the conditional rows' alone; the references are CFG-doubled like the embeds."""
+    """The CFG-doubled Regions of a batch: per row, its regions' prompt embeddings (each [77, C]), their pixel masks
+    [n, H, W] (n regions), and with an adapter its regional references (region index, tokens [T, C], scale) and the
+    adapter's negative tokens [T, C] (the negative rows', one per filled slot, as diffusers builds them)."""
     rows, slots, t = len(embeds), layout.slots, CLIP_TOKENS
     width = layout.keys
     h, w = pixels[0].shape[-2] // 8, pixels[0].shape[-1] // 8
-    region_embeds = torch.zeros(rows, slots * t, dim, dtype=dtype, device=device)
+    region_embeds = torch.zeros(2 * rows, slots * t, dim, dtype=dtype, device=device)
     bias, weight = [], []
     level_of = {lv: [level_masks(p.to(device), lv) if p.shape[0] else None for p in pixels] for lv in layout.levels}
     for lv in layout.levels:
         length = tokens(h, w, lv)
-        b = torch.full((rows, 1, length, width), float("-inf"), dtype=dtype, device=device)
+        b = torch.full((2 * rows, 1, length, width), float("-inf"), dtype=dtype, device=device)
         b[..., :t] = 0  # the shot's prompt: seen everywhere
         for i, masks in enumerate(level_of[lv]):
             for k in range(0 if masks is None else masks.shape[0]):
                 seen = masks[k].to(dtype).view(-1, 1)  # [L, 1]
-                b[i, 0, :, t * (1 + k):t * (2 + k)] = torch.where(seen > 0, 0.0, float("-inf")).to(dtype)
+                b[rows + i, 0, :, t * (1 + k):t * (2 + k)] = torch.where(seen > 0, 0.0, float("-inf")).to(dtype)
         bias.append(b)
     for i, row in enumerate(embeds):
         for k, e in enumerate(row):
-            region_embeds[i, k * t:(k + 1) * t] = e
+            region_embeds[rows + i, k * t:(k + 1) * t] = e
     ref_tokens = None
     if refs is not None and negative is not None:
         m, tt = layout.ref_slots, negative.shape[0]
@@ -212,10 +209,9 @@ class Buffers:
         layout, dev, dtype = models.region_layout, models.device, models.dtype
         rows, c = 2 * max_batch, models.unet.config.cross_attention_dim
         self.layout = layout
-        self.embeds = torch.zeros(max_batch, layout.slots * CLIP_TOKENS, c, device=dev, dtype=dtype)  # conditional
+        self.embeds = torch.zeros(rows, layout.slots * CLIP_TOKENS, c, device=dev, dtype=dtype)
         most = {lv: capacity(max_pixels, lv) for lv in layout.levels}  # flat: each size views its own length
-        self.bias = {lv: torch.zeros(max_batch * n * layout.padded_keys, device=dev, dtype=dtype)
-                     for lv, n in most.items()}
+        self.bias = {lv: torch.zeros(rows * n * layout.padded_keys, device=dev, dtype=dtype) for lv, n in most.items()}
         adapter = models.ip_adapter
         self.ref_tokens = None if adapter is None else torch.zeros(rows, layout.ref_slots * adapter.tokens,
                                                                    adapter.dim, device=dev, dtype=dtype)
@@ -223,13 +219,13 @@ class Buffers:
                                                                   dtype=dtype) for lv, n in most.items()}
 
     def view(self, key: Any) -> Regions:
-        b, rows, lay = key.batch, 2 * key.batch, self.layout
+        rows, lay = 2 * key.batch, self.layout
         length = {lv: tokens(key.height // 8, key.width // 8, lv) for lv in lay.levels}
-        bias = tuple(self.bias[lv][:b * length[lv] * lay.padded_keys].view(b, 1, length[lv], lay.padded_keys)
+        bias = tuple(self.bias[lv][:rows * length[lv] * lay.padded_keys].view(rows, 1, length[lv], lay.padded_keys)
                      [..., :lay.keys] for lv in lay.levels)
         weight = tuple(self.weight[lv][:rows * length[lv] * lay.ref_slots].view(rows, length[lv], lay.ref_slots)
                        for lv in lay.levels) if self.weight else ()
-        return Regions(self.embeds[:b], bias, lay.levels,
+        return Regions(self.embeds[:rows], bias, lay.levels,
                        None if self.ref_tokens is None else self.ref_tokens[:rows], weight)
 
 
