@@ -92,13 +92,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--variants", default=ALL)
     args = ap.parse_args()
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
     from storyboard_cli.models.loader import load_sdxl
 
     result: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "variants": {}}
     result["micro"] = micro()
     print(json.dumps(result["micro"], indent=1), flush=True)
     models = load_sdxl("sdxl-random", None, "cuda", torch.float16)
-    plain_processors = dict(models.unet.attn_processors)
     for name in args.variants.split(","):
         slots = {"plain": 0, "plain_cudnn": 0, "plain_again": 0, "slots4": 4, "slots2": 2, "slots1": 1,
                  "slots4_cudnn": 4}[name]
@@ -106,7 +107,7 @@ def main() -> None:
             result["variants"][name] = step_ms(models, slots, name.endswith("_cudnn"))
         except Exception as e:  # noqa: BLE001 - a scout: record and go on
             result["variants"][name] = {"error": f"{e.__class__.__name__}: {str(e)[:300]}"}
-        models.unet.set_attn_processor(plain_processors)
+        models.unet.set_attn_processor(AttnProcessor2_0())  # what load_sdxl leaves without regions
         print(name, result["variants"][name], flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     base = min(v["ms_per_step"] for k, v in result["variants"].items() if k.startswith("plain") and "ms_per_step" in v)
