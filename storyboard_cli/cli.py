@@ -63,13 +63,13 @@ def plan(job: JobArg, json_out: JsonOpt = False,
     from storyboard_cli.costs import local_device
     from storyboard_cli.job.estimate import adapted, estimate
     from storyboard_cli.job.file import as_draft, load_job
-    from storyboard_cli.job.plan import make_batches, summary, work_items
+    from storyboard_cli.job.plan import render_batches, summary, work_items
 
     with _domain_errors():
         j = load_job(job)
         planned = as_draft(j) if draft else j
         s = summary(planned)
-        est = estimate(make_batches(work_items(planned), planned.buckets), j.model, on or local_device(),
+        est = estimate(render_batches(planned, work_items(planned)), j.model, on or local_device(),
                        kernels_name(kernels, fp8), gpus, adapted(j))
     if json_out:
         out.print_json(json.dumps(s.to_json() | {"estimate": est.to_json()}))

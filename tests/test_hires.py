@@ -212,18 +212,18 @@ def test_the_services_work_estimate_counts_the_pass(tmp_path):
 
 
 def test_the_planned_passes_size_the_graphs_so_a_pass_drops_none(tmp_path, tiny_cpu):
-    """The hires passes' shapes are known before their bases exist (`planned_passes`): a graph runner prepared with
-    them as `later` fits every pass that runs, so its first capture does not grow the buffers and drop the first
-    phase's graphs (the pass's item is the one `second_pass` makes: same size and steps)."""
+    """The hires passes' shapes are known before their bases exist (`planned_passes`: at the pass's size, over the
+    steps it runs): a graph runner prepared with them as `later` fits every pass that runs, so its first capture does
+    not grow the buffers and drop the first phase's graphs."""
     from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.job.plan import first_pass, make_batches, planned_passes
     from storyboard_cli.run.batch import batch_shapes
 
     job = load_job(write_job(tmp_path, RENDER))
     items = work_items(job)
-    passes = planned_passes(items)
+    passes = planned_passes(job, items)
     assert [(i.shot, i.width, i.height, i.steps) for i in passes] == [
-        ("a", 96, 144, 6), ("a", 96, 144, 6), ("b", 128, 192, 4)]  # int(S * strength) of the pass's schedule run
+        ("a", 96, 144, 3), ("a", 96, 144, 3), ("b", 128, 192, 2)]  # int(S * strength) of the pass's schedule run
     first = batch_shapes(make_batches(first_pass(items), job.buckets))
     later = batch_shapes(make_batches(passes, job.buckets))
     without, runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(8, 8)), GraphRunner(tiny_cpu, max_batch=1, max_hw=(8, 8))
@@ -232,3 +232,24 @@ def test_the_planned_passes_size_the_graphs_so_a_pass_drops_none(tmp_path, tiny_
     runner.prepare([], later=later)
     assert all(runner.buf.fits(s) for s in first + later) and not runner.graphs
     assert not all(without.buf.fits(s) for s in later)  # the passes are larger: without them the buffers would grow
+
+
+def test_plan_and_the_server_price_the_passes(tmp_path):
+    """`bcg plan`'s estimate counts the hires passes' UNet row-steps (guided: 2 rows an image): the first phase's
+    4 images x 4 steps in one batch of 4 = 32, a's two passes 2 x 3 steps at 96x144 = 12, b's 1 x 2 steps at 128x192
+    = 4; and the server's per-image seconds give a hires image its pass's share on top of its base's."""
+    from storyboard_cli.job.plan import phases
+    from storyboard_cli.serve.intake import item_seconds
+
+    path = write_job(tmp_path, RENDER)
+    result = runner.invoke(app, ["plan", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["estimate"]["row_steps"] == 2 * (4 * 4 + 2 * 3 + 1 * 2)
+    job = load_job(path)
+    items = work_items(job)
+    firsts, passes = phases(job, items)
+    assert [i.outputs for i in firsts] == [(o.replace(".png", ".base.png"),) if i.hires else i.outputs
+                                           for i in items for o in i.outputs]
+    est = item_seconds(job, items)
+    a, _, b, c = items
+    assert est[id(a)] > est[id(c)] > 0 and est[id(b)] > est[id(c)]

@@ -98,15 +98,34 @@ def first_pass(items: list[WorkItem]) -> list[WorkItem]:
     return [i for i in items if i.hires is None]
 
 
-def planned_passes(items: list[WorkItem]) -> list[WorkItem]:
-    """The hires passes of `items` as planned before their bases exist: each at its new size and over its steps
-    (what the engine sizes its buffers for and wants kernels for ahead of the first batch); `second_pass` makes
-    the one that runs."""
+def planned_passes(job: Job, items: list[WorkItem]) -> list[WorkItem]:
+    """The hires passes of `items` as planned before their bases exist: each at its new size over the steps it runs
+    (its schedule's tail, counted from 0: what it costs and the shapes it runs; the kinds' parts as `second_pass` makes
+    them, without the picture it starts from). The engine sizes its buffers and wants kernels for them ahead of the
+    first batch; an estimate prices them. `second_pass` makes the one that runs."""
+    shots = {s.id: s for s in job.shots}
+    unstarted = {key: None for kind in KINDS for key in kind.start_keys}
+
     def planned(item: WorkItem) -> WorkItem:
         width, height = hires_size(item.width, item.height, item.hires.scale)
-        return replace(item, width=width, height=height, steps=item.hires.schedule(item.steps), hires=None)
+        again = replace(shots[item.shot], width=width, height=height, steps=item.hires.steps_run(item.steps),
+                        **unstarted)
+        return replace(item, width=width, height=height, steps=again.steps, hires=None,
+                       **merged(kind.item(again, job) for kind in KINDS))
 
     return [planned(i) for i in items if i.hires is not None]
+
+
+def phases(job: Job, items: list[WorkItem]) -> tuple[list[WorkItem], list[WorkItem]]:
+    """What a render of `items` runs, as an estimate prices it: the first phase, one item per item in its order (a
+    hires image's base at the shot's size), and the hires passes as planned, one per hires image in its order."""
+    return [base_item(i) if i.hires is not None else i for i in items], planned_passes(job, items)
+
+
+def render_batches(job: Job, items: list[WorkItem]) -> list[Batch]:
+    """The batches of both phases (`phases`)."""
+    firsts, passes = phases(job, items)
+    return make_batches(firsts, job.buckets) + make_batches(passes, job.buckets)
 
 
 def second_pass(job: Job, item: WorkItem, out_dir: Path) -> WorkItem:

@@ -24,7 +24,7 @@ from storyboard_cli.engine.variants import AUTO, VARIANTS
 from storyboard_cli.errors import BadInput
 from storyboard_cli.job.file import NAMED_SIZES, Job
 from storyboard_cli.job.estimate import observe_loops
-from storyboard_cli.job.plan import make_batches, work_items
+from storyboard_cli.job.plan import render_batches, work_items
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
 from storyboard_cli.run.batch import batch_shapes
 from storyboard_cli.run.render import model_specs
@@ -139,7 +139,7 @@ def _plan_row(runner: GraphRunner, shape: Shape, plan: StepPlan, x, cond, conds,
 
 def job_plans(job: Job) -> dict[Shape, set[StepPlan]]:
     """The step plans of a job's batches other than today's loop (the draft levers, a ControlNet's end), by shape."""
-    batches = make_batches(work_items(job), job.buckets)
+    batches = render_batches(job, work_items(job))
     plans: dict[Shape, set[StepPlan]] = {}
     for shape, batch in zip(batch_shapes(batches), batches):
         if any(kind != FULL for kind in batch.key.plan):
@@ -148,9 +148,9 @@ def job_plans(job: Job) -> dict[Shape, set[StepPlan]]:
 
 
 def job_shapes(job: Job | None, controlnet: str | None, buckets: tuple[int, ...]) -> list[Shape]:
-    """A job's batch shapes, or (no job) every named size at every bucket, largest first."""
+    """A job's batch shapes (its hires passes' too), or (no job) every named size at every bucket, largest first."""
     if job is not None:
-        return sorted(set(batch_shapes(make_batches(work_items(job), job.buckets))), reverse=True)
+        return sorted(set(batch_shapes(render_batches(job, work_items(job)))), reverse=True)
     flags = (False, True) if controlnet else (False,)
     return sorted({Shape(n, h, w, c) for (w, h) in NAMED_SIZES.values() for n in buckets for c in flags},
                   reverse=True)

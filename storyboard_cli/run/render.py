@@ -32,7 +32,8 @@ from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.estimate import Observed, adapted, observe
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import (Batch, WorkItem, base_item, check_models, deepcache_note, first_pass,
-                                    make_batches, planned_passes, second_pass, shot_levers, work_items)
+                                    make_batches, planned_passes, render_batches, second_pass, shot_levers,
+                                    work_items)
 from storyboard_cli.job.preflight import check_destination, job_spec
 from storyboard_cli.job.prompts import long_prompts
 from storyboard_cli.models.loader import SdxlModels, load_sdxl
@@ -128,7 +129,7 @@ def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:
     kernels = check_engine(opts.engine, opts.compile, device, opts.kernels)
     check_models(job)
     items = work_items(job)
-    batches = make_batches(items, job.buckets)
+    batches = render_batches(job, items)  # the hires passes' shapes too
     shapes = batch_shapes(batches)
     models = load_models(job, items, device, dtype)
     engine = build_engine(models, opts.engine, shapes, [], opts.compile, kernels=kernels)
@@ -231,7 +232,7 @@ class RenderSession:
             return
         self.batches = make_batches(first_pass(self.pending.items), self.job.buckets)
         shapes = batch_shapes(self.batches)
-        later = batch_shapes(make_batches(planned_passes(self.pending.items), self.job.buckets))  # hires passes
+        later = batch_shapes(make_batches(planned_passes(self.job, self.pending.items), self.job.buckets))
         with self.timings.stage("load"):
             if self.models is None:
                 self.models = load_models(self.job, self.pending.items, self.device, self.dtype)

@@ -24,7 +24,7 @@ from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.hires import hires_size
 from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.estimate import adapted, image_seconds
-from storyboard_cli.job.plan import WorkItem, make_batches, model_fields, work_items
+from storyboard_cli.job.plan import WorkItem, make_batches, model_fields, phases, work_items
 from storyboard_cli.job.preflight import PRESETS, check_model_path, presets_of
 from storyboard_cli.serve.blobs import BlobStore
 from storyboard_cli.serve.schedule import DEFAULT_PRIORITY, TIERS
@@ -102,11 +102,21 @@ def plan_submission(root: Path, job_id: str, body: bytes, filename: str, priorit
         shutil.rmtree(folder, ignore_errors=True)
         raise
     items = work_items(job)
-    est = image_seconds(make_batches(items, job.buckets), job.model, server_device(), refs=adapted(job))
+    est = item_seconds(job, items)
     images = tuple(PlannedImage(n, i.shot, i.k, i.seed, i.outputs, i.key.label, i.fingerprint(job.model),
                                 mix_key(job, i), work(i), round(est[id(i)], 4)) for n, i in enumerate(items))
     return Planned(job_id, job.name, path, folder / OUT, priority, content_hash(body, filename, priority),
                    max(job.buckets), images)
+
+
+def item_seconds(job: Job, items: list[WorkItem]) -> dict[int, float]:
+    """Each item's estimated seconds (by `id(item)`): its share of its batch, and a hires image's of its pass's too."""
+    firsts, planned = phases(job, items)
+    passes = dict(zip((id(i) for i in items if i.hires is not None), planned))
+    shares = image_seconds(make_batches(firsts, job.buckets) + make_batches(planned, job.buckets),
+                           job.model, server_device(), refs=adapted(job))
+    return {id(i): shares[id(f)] + (shares[id(passes[id(i)])] if id(i) in passes else 0.0)
+            for i, f in zip(items, firsts)}
 
 
 def mix_key(job: Job, item: WorkItem) -> str:
