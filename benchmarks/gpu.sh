@@ -41,9 +41,9 @@
 #   refs[:COMPILE]    `bcg capture benchmarks/jobs/references.yaml --warm --compile COMPILE` (default off), then the
 #                     same job without its IP-Adapter: a reference's cost per step at 8 x 1024², two ControlNets
 #                     against one at 2 x 1024²
-#   regions[:COMPILE] `bcg capture benchmarks/jobs/regions.yaml --warm --compile COMPILE` (default off), then the same
-#                     job without its regions: the regions' cost per image-step at 8 x 1024² (the regions' graphs are
-#                     plain: compiled kernels are not built with regions)
+#   regions[:COMPILE] `bcg capture benchmarks/jobs/regions.yaml --warm --compile COMPILE` (default off: four slots),
+#                     its two-region shot alone (two slots), then the job without its regions: the regions' cost per
+#                     image-step at 8 x 1024² (the regions' graphs are plain: compiled kernels are not built with them)
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
@@ -142,16 +142,17 @@ leg() {  # LEG ARG NAME
         --compile "${arg:-off}" --steps 10 --json
       python benchmarks/capture_table.py "$R/$n-$(basename "$job" .yaml).json" >> "$R/$n.log"
     done
-    rm -f "$plain";;
+    rm -f "$plain" "$two";;
   regions)
-    local plain=benchmarks/jobs/regions-plain.yaml
+    local plain=benchmarks/jobs/regions-plain.yaml two=benchmarks/jobs/regions-two.yaml
     awk '/^    regions:/ {skip=1; next} skip && /^      - / {next} {skip=0; print}' benchmarks/jobs/regions.yaml > "$plain"
-    for job in benchmarks/jobs/regions.yaml "$plain"; do
+    sed '/^  - id: four/,$d' benchmarks/jobs/regions.yaml > "$two"  # the two-region shot alone: two slots
+    for job in benchmarks/jobs/regions.yaml "$two" "$plain"; do
       STDOUT=json step "$n-$(basename "$job" .yaml)" 540 python -m storyboard_cli capture "$job" --warm \
         --compile "${arg:-off}" --steps 10 --json
       python benchmarks/capture_table.py "$R/$n-$(basename "$job" .yaml).json" >> "$R/$n.log"
     done
-    rm -f "$plain";;
+    rm -f "$plain" "$two";;
   capture)
     for mode in plain draft; do
       STDOUT=json step "$n-$mode" 240 python -m storyboard_cli capture jobs/bench.yaml --warm --compile off \

@@ -1,7 +1,7 @@
 """Regions under captured CUDA graphs (skipped without CUDA): one graph replays batches with other regions and matches
 the eager loop; and what regions cost per image-step at 8 x 1024x1024 on sdxl-random (issue 40's numbers: two regions
-at most 5% over the same shape without regions, four at most 10%; the region keys are one slot per region whether
-used or not, so two and four regions run the same kernels: the timing fills all four)."""
+at most 5% over the same shape without regions, four at most 10%; a job's models take as many slots as its shots
+have regions at most, each slot 77 more keys: the timing fills every slot)."""
 
 import pytest
 import torch
@@ -38,9 +38,10 @@ def _inputs(models, batch: int, side: int, regions: list[list[tuple[str, tuple[i
 def test_one_graph_replays_other_regions(dtype, rtol):
     from storyboard_cli.engine.eager import EagerEngine
     from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.job.conditions.region import REGION_SLOTS
     from storyboard_cli.models.loader import load_sdxl
 
-    models = load_sdxl("tiny", None, "cuda", dtype, regions=True)
+    models = load_sdxl("tiny", None, "cuda", dtype, regions=REGION_SLOTS)
     runner, eager = GraphRunner(models, max_batch=3, max_hw=(256, 256)), EagerEngine(models)
     for regions in ([[("a red coat", (0, 0, 128, 256))], [], [("a", (0, 0, 256, 64))] * 3],
                     [[], [("a lantern", (64, 64, 64, 64)), ("rain", (128, 0, 128, 256))], []]):
@@ -51,14 +52,14 @@ def test_one_graph_replays_other_regions(dtype, rtol):
     assert row["state"] == "graph" and row["replays"] == 2 * sched.steps
 
 
-@pytest.mark.xfail(reason="not reached on the H200: 1.061x and 1.074x (plain graphs, two calls, docs/PERFORMANCE.md)",
-                   strict=False)
-def test_regions_cost_at_most_5_percent_per_image_step_at_8_x_1024():
+def test_regions_cost_per_image_step_at_8_x_1024():
     """The same loaded weights timed side by side: plain graphs without regions, then with the regions' processors
-    and buffers (every slot filled). `bcg capture benchmarks/jobs/regions.yaml --warm` measures the same for a job."""
+    and buffers in two slots (a job whose shots have two regions at most) and in four, every slot filled; the plain
+    graphs again last (the GPU's clock drifts under load). Issue 40: two regions at most 5% per image-step over the
+    shape without, four at most 10%. `bash benchmarks/gpu.sh regions` measures the same for jobs."""
     from storyboard_cli.engine.base import Shape
     from storyboard_cli.engine.graph.runner import GraphRunner
-    from storyboard_cli.job.conditions.region import REGION_REFERENCES, REGION_SLOTS
+    from storyboard_cli.job.conditions.region import REGION_REFERENCES
     from storyboard_cli.models.loader import load_sdxl
     from storyboard_cli.models.regions import install
     from storyboard_cli.run.capture import time_shapes
@@ -74,10 +75,13 @@ def test_regions_cost_at_most_5_percent_per_image_step_at_8_x_1024():
         return timing.graph_ms
 
     plain = ms()
-    models.region_layout = install(models.unet, REGION_SLOTS, REGION_REFERENCES)
-    regions = ms()
-    models.region_layout = None  # the plain graphs again, after: the GPU's clock drifts under load
+    regions = {}
+    for slots in (2, 4):
+        models.region_layout = install(models.unet, slots, REGION_REFERENCES)
+        regions[slots] = ms()
+    models.region_layout = None
     again = ms()
-    ratio = regions / min(plain, again)
-    print(f"8 x 1024x1024 per step: plain {plain:.1f} / {again:.1f} ms, regions {regions:.1f} ms: {ratio:.3f}x")
-    assert ratio <= 1.05, ratio  # two regions; four run the same kernels (<= 1.10 asked)
+    ratio = {n: t / min(plain, again) for n, t in regions.items()}
+    print(f"8 x 1024x1024 per step: plain {plain:.1f} / {again:.1f} ms, two regions {regions[2]:.1f} ms "
+          f"({ratio[2]:.3f}x), four {regions[4]:.1f} ms ({ratio[4]:.3f}x)")
+    assert ratio[2] <= 1.05 and ratio[4] <= 1.10, ratio

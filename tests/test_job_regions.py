@@ -125,6 +125,28 @@ def test_a_job_with_regions_is_a_mix_of_its_own(folder):
     assert mix_key(plain, work_items(plain)[0]) != mix_key(regional, work_items(regional)[0])
 
 
+def test_a_jobs_models_take_as_many_region_slots_as_its_shots_have_regions_at_most(folder):
+    """Each slot is 77 more keys in every cross-attention (the masked attention costs in proportion): a job's models
+    take its most regions per shot (`used_models`, what the loader gets), its mix says so, and models loaded for fewer
+    slots do not serve it (a worker loads them again)."""
+    from types import SimpleNamespace
+
+    from storyboard_cli.models.regions import Layout
+    from storyboard_cli.serve.intake import mix_key
+
+    two = _job(folder, "      - {box: [0, 0, 0.5, 1], prompt: a}\n      - {box: [0.5, 0, 0.5, 1], prompt: b}\n")
+    items = work_items(two)
+    assert KIND.used_models(two, items) == (2,) and KIND.mix(two) == ([], ["regions 2"])
+    assert KIND.used_models(two, []) == (0,)  # nothing pending: no regions' attention loaded
+    three = load_job(write_job(folder, TOP + S1 + "    regions:\n" + "      - {box: [0, 0, 0.25, 1], prompt: a}\n" * 3
+                               + "  - id: s2\n    prompt: y\n", "three.yaml"))
+    assert KIND.used_models(three, work_items(three)) == (3,)
+    assert mix_key(two, items[0]) != mix_key(three, work_items(three)[0])
+    models = lambda n: SimpleNamespace(region_layout=Layout((1,), n, 4) if n else None)  # noqa: E731
+    assert KIND.loaded(models(2), two) and KIND.loaded(models(4), two)
+    assert not KIND.loaded(models(2), three) and not KIND.loaded(models(0), two)
+
+
 def test_the_example_job_loads_as_the_readme_says():
     job = load_job(ROOT / "jobs" / "regions.yaml")
     meeting = job.shots[0]

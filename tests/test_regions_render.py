@@ -19,6 +19,7 @@ from storyboard_cli.engine.conditions.region import level_masks, regions_value
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.sampling import draw_noise, schedule
+from storyboard_cli.job.conditions.region import REGION_SLOTS
 from storyboard_cli.job.file import load_job
 from storyboard_cli.models.ip_adapter import RowScaledIpProcessor
 from storyboard_cli.models.regions import RegionProcessor
@@ -43,7 +44,7 @@ def region_models():
     """The tiny models with the tiny adapter, made for regions (their own copy: the processors go into the UNet)."""
     from storyboard_cli.models.loader import load_sdxl
 
-    return load_sdxl("tiny", None, "cpu", torch.float32, "tiny", None, regions=True)
+    return load_sdxl("tiny", None, "cpu", torch.float32, "tiny", None, regions=REGION_SLOTS)
 
 
 @pytest.fixture
@@ -171,6 +172,21 @@ def test_an_all_masked_slot_changes_nothing(region_models):
     # masked keys weigh exactly 0: what is left is the rounding of longer matrix products (1.3e-5 measured)
     torch.testing.assert_close(both[0], plain[0], rtol=1e-4, atol=1e-4)
     assert (both[1] - plain[1]).abs().mean() > 1e-2
+
+
+def test_models_with_more_slots_than_a_batch_needs_give_the_same_picture(folder, tmp_path, region_models):
+    """A job's models take its most regions per shot in slots (job/conditions/region.py `slots`): two regions
+    rendered on models of two slots and of four (two masked everywhere) give the same picture."""
+    from storyboard_cli.models.loader import load_sdxl
+
+    shot = ("  - id: s\n    prompt: two figures\n    regions:\n      - {box: [0, 0, 32, 64], prompt: a red coat}\n"
+            "      - {box: [32, 0, 32, 64], prompt: a blue coat}\n")
+    job = _job(folder, shot)
+    two = load_sdxl("tiny", None, "cpu", torch.float32, "tiny", None, regions=2)
+    assert two.region_layout.slots == 2 and region_models.region_layout.slots == REGION_SLOTS
+    render(job, RenderOptions(out_dir=tmp_path / "two"), models=two)
+    render(job, RenderOptions(out_dir=tmp_path / "four"), models=region_models)
+    assert np.abs(_png(tmp_path / "two", "s") - _png(tmp_path / "four", "s")).max() <= 1
 
 
 def test_regions_listed_in_another_order_give_the_same_picture(folder, tmp_path, region_models):

@@ -144,8 +144,8 @@ class Kind(Protocol):
     def needs(self, job: Any) -> bool:
         """Whether the job's images may need the kind's models."""
 
-    def loaded(self, models: Any) -> bool:
-        """Whether loaded models (models/loader.py's SdxlModels) hold the kind's."""
+    def loaded(self, models: Any, job: Any) -> bool:
+        """Whether loaded models (models/loader.py's SdxlModels) hold what the job's images need of the kind."""
 
     def report(self, job: Any) -> dict:
         """Its report.json entries (each None where the job has none)."""

@@ -238,10 +238,11 @@ def cuda_allocator() -> str:
 
 
 def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str | torch.device, dtype: torch.dtype,
-              ip_adapter: str | None = None, image_encoder: str | None = None, regions: bool = False) -> SdxlModels:
+              ip_adapter: str | None = None, image_encoder: str | None = None, regions: int = 0) -> SdxlModels:
     """Loads every part onto `device`. `controlnet`: one ControlNet, or a job's nets in its order (one module per
     distinct spec: two nets of the same weights share it). `ip_adapter`: its processors go into the UNet
-    (models/ip_adapter.py). `regions`: the UNet's attention takes regional prompts (models/regions.py). Raises
+    (models/ip_adapter.py). `regions`: the UNet's attention takes regional prompts in this many region slots
+    (models/regions.py; the most regions a shot of the job has, job/conditions/region.py `slots`; 0: none). Raises
     ModelError (with the cause, one line) on failure."""
     device = torch.device(device)
     if device.type == "cuda":
@@ -279,7 +280,9 @@ def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str |
         from storyboard_cli.job.conditions.region import REGION_REFERENCES, REGION_SLOTS  # the job's limits: the slots
         from storyboard_cli.models.regions import install
 
-        models.region_layout = install(models.unet, REGION_SLOTS, REGION_REFERENCES)
+        if not 0 < regions <= REGION_SLOTS:
+            raise ValueError(f"regions={regions}: the region slots are 1 to {REGION_SLOTS}")
+        models.region_layout = install(models.unet, int(regions), REGION_REFERENCES)
     if device.type == "cuda":  # one image at a time, torch's GroupNorm kernel uses a quarter of the GPU
         widen(models.vae.decoder)
     return models

@@ -109,7 +109,7 @@ def model_specs(job: Job, items: list) -> tuple:
     ControlNets only when an item has a control image, the adapter only when one has a reference, the regions'
     attention only when one has regions."""
     def opened(spec):
-        if isinstance(spec, bool):  # a kind's switch (regions), not a model
+        if isinstance(spec, int):  # a kind's number (the region slots), not a model
             return spec
         return tuple(opened(s) for s in spec) if isinstance(spec, tuple) else job_spec(spec, job.folder)
 

@@ -70,7 +70,7 @@ class Hot:
     def for_job(self, job: Job) -> None:
         spec = (job.model, *(tuple(spec for _, spec in kind.models(job)) for kind in KINDS))
         m = self.models
-        lacking = m is not None and any(kind.needs(job) and not kind.loaded(m) for kind in KINDS)
+        lacking = m is not None and any(kind.needs(job) and not kind.loaded(m, job) for kind in KINDS)
         if spec != self.spec or lacking:  # other models, or a kind's (a ControlNet) the first job did not need
             self.forget()
             self.spec = spec

@@ -183,8 +183,12 @@ class Reader:
         if layout is None:
             if any(it.regions for it in items):
                 raise ModelError("regions: these models were loaded without the regions' attention "
-                                 "(load_sdxl(..., regions=True))")
+                                 "(load_sdxl(..., regions=SLOTS))")
             return None
+        most = max(len(it.regions) for it in items)
+        if most > layout.slots:
+            raise ModelError(f"regions: a shot with {most} regions, on models loaded for {layout.slots} "
+                             f"(load_sdxl(..., regions={most}))")
         m = self.models
         lora_key = tuple((f.sha256, s) for f, s in items[0].loras)  # one LoRA set per batch: the bucket key's
         embeds = []

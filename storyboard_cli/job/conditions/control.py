@@ -211,7 +211,7 @@ class Control(Quiet):
     def needs(self, job: Any) -> bool:
         return bool(job.controlnets)
 
-    def loaded(self, models: Any) -> bool:
+    def loaded(self, models: Any, job: Any) -> bool:
         """Whether loaded models (models/loader.py's SdxlModels) hold the job's nets."""
         return bool(models.controlnets)
 

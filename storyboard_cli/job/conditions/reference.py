@@ -164,7 +164,7 @@ class References(Quiet):
     def needs(self, job: Any) -> bool:
         return job.ip_adapter is not None
 
-    def loaded(self, models: Any) -> bool:
+    def loaded(self, models: Any, job: Any) -> bool:
         """Whether loaded models (models/loader.py's SdxlModels) hold an IP-Adapter."""
         return models.ip_adapter is not None
 

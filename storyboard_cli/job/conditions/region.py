@@ -20,12 +20,19 @@ from storyboard_cli.job.values import Context, as_str, check_keys, line_of, type
 from storyboard_cli.job.yaml_loader import Located
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
 
-REGION_SLOTS = 4  # regions one shot may have: the step's region keys are this many prompts of 77 tokens per row
+REGION_SLOTS = 4  # regions one shot may have; the step's region keys are one prompt of 77 tokens per slot, and a
+# job's models take as many slots as its shots have regions at most (`slots`): two regions cost two slots' keys
 REGION_REFERENCES = 4  # references all of a shot's regions may use together (the step's regional reference slots)
 REGION_KEYS = ("box", "mask", "prompt", "characters", "reference")
 MASK_USE = "each shot resizes it to its own size and takes its pixels of 128 and more"  # a very large mask's warning
 MASK_LEVEL = 128  # a mask's pixels at this grey level and above are inside the region
 
+
+
+def slots(shots: Any) -> int:
+    """The region slots a job's models take: the most regions any of `shots` (shots or work items) has; 0 for none.
+    Every row's key is this many prompts of 77 tokens after its own (the masked attention costs in proportion)."""
+    return max((len(s.regions) for s in shots), default=0)
 
 @dataclass(frozen=True)
 class Region:
@@ -149,18 +156,20 @@ class Regions(Quiet):
     def needs(self, job: Any) -> bool:
         return any(s.regions for s in job.shots)
 
-    def loaded(self, models: Any) -> bool:
-        """Whether loaded models (models/loader.py's SdxlModels) were made for regions (their attention)."""
-        return models.region_layout is not None
+    def loaded(self, models: Any, job: Any) -> bool:
+        """Whether loaded models (models/loader.py's SdxlModels) were made for the job's regions: their attention, with
+        as many region slots as its shots have regions at most."""
+        layout = models.region_layout
+        return layout is not None and layout.slots >= slots(job.shots)
 
     def mix(self, job: Any) -> tuple[list, list]:
-        """A job with regions is its own mix (its worker's UNet takes the regions' attention); a job without keeps its
-        key."""
-        return [], ["regions"] if self.needs(job) else []
+        """A job with regions is its own mix, by its slots (its worker's UNet takes the regions' attention with that
+        many region keys); a job without keeps its key."""
+        return [], [f"regions {slots(job.shots)}"] if self.needs(job) else []
 
     def used_models(self, job: Any, items: list) -> tuple:
-        """(whether the UNet's attention takes regions,): only where an item has some."""
-        return (any(i.regions for i in items),)
+        """(the region slots the UNet's attention takes: the most regions an item has, 0 for none,)."""
+        return (slots(items),)
 
     # ------------------------------------------------------------ the report, the sheet, `bcg plan`
 

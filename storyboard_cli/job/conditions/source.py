@@ -205,7 +205,7 @@ class Source(Quiet):
     def needs(self, job: Any) -> bool:
         return False
 
-    def loaded(self, models: Any) -> bool:
+    def loaded(self, models: Any, job: Any) -> bool:
         return True
 
     # ------------------------------------------------------------ the report, the sheet, `bcg plan`
