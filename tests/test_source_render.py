@@ -3,6 +3,7 @@ img2img and plain rows equals their solo renders, pixels outside a cropped mask 
 replays equal eager, a LoRA swap and references with a mask, resume by the source's settings, `bcg render` of the
 example job, and bad input refused at `bcg plan`."""
 
+import json
 import shutil
 
 import numpy as np
@@ -171,6 +172,11 @@ def test_bcg_render_of_the_example_job(tmp_path):
     assert result.exit_code == 0, result.output
     pngs = sorted((tmp_path / "out").glob("f0[123]-*/*.png"))  # f04-final is the hires example: tests/test_refine.py
     assert len(pngs) == 3 and all(Image.open(p).size == (128, 128) for p in pngs)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    shots = [s["shot"] for s in report["sources"]]  # each shot that starts from an image, as its images record it
+    assert shots and all(isinstance(s["init"]["strength"], float) for s in report["sources"])
+    assert any("mask" in s for s in report["sources"]) and "references" not in report
+    assert "## Sources" in (tmp_path / "out" / "report.md").read_text()
     plan = CliRunner().invoke(app, ["plan", str(job)])
     assert plan.exit_code == 0 and "2 of 4" in plan.output and "crop at" in plan.output
 

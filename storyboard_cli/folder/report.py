@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 STAGES = ("load", "capture", "encode", "denoise", "decode", "save")
 # report.json's keys for what a job's images are conditioned on beyond the prompt: each kind's (`Kind.report`)
 CONDITIONS = tuple(key for kind in KINDS for key in kind.report_keys)
-# report.json's keys left out where they are None: the conditioning, a served job's cached images, a merged report's
-# figures, what the denoising hid
-OPTIONAL = (*CONDITIONS, "images_cached", "render_s", "render_images_per_s", "workers", "hidden_s")
+# report.json's keys left out where they are None (as the conditioning's are where a job has none): a served job's
+# cached images, a merged report's figures, what the denoising hid
+OPTIONAL = ("images_cached", "render_s", "render_images_per_s", "workers", "hidden_s")
 
 
 class BucketRow(TypedDict):
@@ -134,7 +134,7 @@ def lora_section(swaps: list[Swap] | None) -> dict | None:
 
 def job_conditions(job: Job) -> dict[str, list[dict[str, Any]] | None]:
     """What the job's images are conditioned on beyond the prompt, for the report
-    (`Report.build(**job_conditions(job))`): each kind's entries (`Kind.report`: the characters and one-off
+    (`Report.build(conditions=job_conditions(job))`): each kind's entries (`Kind.report`: the characters and one-off
     references, the named ControlNets), each None where the job has none (a `controlnet:` job's one net included), so
     older jobs' reports keep their keys."""
     return {key: value for kind in KINDS for key, value in kind.report(job).items()}
@@ -185,11 +185,9 @@ class Report:
     notes: list[str]
     draft: bool
     shots: list[dict[str, Any]]  # what each shot used (plan.shot_levers)
-    # what the images are conditioned on (job_conditions); absent from report.json where the job has none
-    characters: list[dict[str, Any]] | None = None
-    references: list[dict[str, Any]] | None = None
-    controlnets: list[dict[str, Any]] | None = None
-    regions: list[dict[str, Any]] | None = None
+    # what the images are conditioned on (job_conditions): each kind's report.json keys (`Kind.report_keys`) at the
+    # top level of report.json, each absent where the job has none
+    conditions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # a multi-GPU render's (`merge`): the wall time less weight loading, and each worker's row
     render_s: float | None = None
     render_images_per_s: float | None = None
@@ -206,12 +204,11 @@ class Report:
               wall_s: float, rendered: int, skipped: int, failed: list[dict], peak_mem_mb: float | None,
               graphs: list[dict], status: str, notes: list[str], run: dict | None = None,
               stopped_by: int | None = None, error: str | None = None, lora_swaps: list[Swap] | None = None,
-              shots: list[dict] | None = None, characters: list[dict] | None = None,
-              references: list[dict] | None = None, controlnets: list[dict] | None = None,
-              regions: list[dict] | None = None, cached: int | None = None) -> Report:
+              shots: list[dict] | None = None, conditions: dict[str, list[dict] | None] | None = None,
+              cached: int | None = None) -> Report:
         """One render's report. `run`: id, started, finished; `stopped_by`: the signal that stopped an interrupted
-        render; `error`: what ended a failed one; `shots`: what each shot used (plan.shot_levers); `characters`,
-        `references`, `controlnets`, `regions`: what its images are conditioned on (job_conditions)."""
+        render; `error`: what ended a failed one; `shots`: what each shot used (plan.shot_levers); `conditions`: what its
+        images are conditioned on (job_conditions: each kind's keys, None where the job has none)."""
         shots = shots or []
         total_steps = sum(b.steps for b in timings.buckets.values())
         return cls(job=job, output_dir=str(out_dir), status=status, run=run or {},
@@ -223,8 +220,7 @@ class Report:
                    peak_memory_mb=None if peak_mem_mb is None else round(peak_mem_mb, 1),
                    stages_s=timings.stages_s(), hidden_s=timings.hidden_s(), buckets=timings.bucket_rows(),
                    graphs=graphs, failures=failed, notes=notes, draft=any(s["draft"] for s in shots), shots=shots,
-                   characters=characters, references=references, controlnets=controlnets, regions=regions,
-                   images_cached=cached)
+                   conditions={k: v for k, v in (conditions or {}).items() if v is not None}, images_cached=cached)
 
     @classmethod
     def merge(cls, reports: list[Report]) -> Report:
@@ -279,10 +275,13 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         """report.json's object; a merged report's figures after the rest, a worker's share last."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "share"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("share", "conditions")}
         for name in OPTIONAL:
             if out[name] is None:
                 del out[name]
+        at = list(out).index("shots") + 1  # the conditions' keys after the shots, where report.json always had them
+        items = list(out.items())
+        out = dict(items[:at] + [(k, self.conditions[k]) for k in CONDITIONS if k in self.conditions] + items[at:])
         return out | (asdict(self.share) if self.share else {})
 
     @classmethod
@@ -290,7 +289,7 @@ class Report:
         """A report as `to_json` wrote it (a worker's share included)."""
         share = WorkerShare(**{f.name: data[f.name] for f in fields(WorkerShare)}) if "rank" in data else None
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data and f.name != "share"},
-                   share=share)
+                   conditions={k: data[k] for k in CONDITIONS if data.get(k) is not None}, share=share)
 
 
 def _worker_row(reports: list[Report], idle_s: float) -> dict[str, Any]:

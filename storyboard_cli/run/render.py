@@ -397,7 +397,7 @@ class RenderSession:
                                  "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                             stopped_by=signum, error=error,
                             lora_swaps=self.policy.runner.lora_swaps() if ran else None,
-                            shots=shot_levers(self.job), **job_conditions(self.job))
+                            shots=shot_levers(self.job), conditions=job_conditions(self.job))
 
     def _close_writer(self, cancel: bool, after_error: bool = False) -> None:
         try:

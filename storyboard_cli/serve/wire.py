@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.json_schema import models_json_schema
 
 from storyboard_cli.folder.layout import RESERVED
-from storyboard_cli.folder.report import Report
+from storyboard_cli.folder.report import CONDITIONS, Report
 from storyboard_cli.job import file as job_file
 from storyboard_cli.job import hires
 from storyboard_cli.job.file import SHOT_DEFAULTS
@@ -117,7 +117,8 @@ def _report_model() -> type[BaseModel]:
     hints = typing.get_type_hints(Report)
     return create_model("LeaseReport", __config__=ConfigDict(strict=True, extra="allow"), **{
         f.name: (hints[f.name], ... if f.default is dataclasses.MISSING else f.default)
-        for f in dataclasses.fields(Report) if f.name != "share"})
+        for f in dataclasses.fields(Report) if f.name not in ("share", "conditions")}, **{
+        key: (list[dict[str, typing.Any]] | None, None) for key in CONDITIONS})  # each kind's, at the top level
 
 
 LeaseReport = _report_model()

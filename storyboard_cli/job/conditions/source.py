@@ -116,6 +116,30 @@ def skipped(steps: int, strength: float) -> int:
     return steps - min(int(steps * strength), steps)
 
 
+def recorded(x: Any) -> dict:
+    """What an image records of its source and mask (settings, PNG chunk, manifest) and the report lists of a shot's:
+    `x` a work item or a shot."""
+    s: dict = {}
+    if x.init is not None:
+        i = x.init
+        s["init"] = {"image": i.file, "sha256": i.sha256[:SHORT], "strength": i.strength} \
+            | ({"resize": i.resize} if i.resize else {})
+    if x.mask is not None:
+        m = x.mask
+        where = {"box": list(m.box)} if m.box else {"image": m.file, "sha256": m.sha256[:SHORT]}
+        s["mask"] = where | ({"blur": m.blur} if m.blur else {}) \
+            | ({"padding": m.padding, "crop": list(m.crop)} if m.padding is not None else {})
+    return s
+
+
+def _mask_cell(mask: Any) -> str:
+    """A report.md cell: the mask's box or file, and its padding (a cropped inpainting)."""
+    if not isinstance(mask, dict):
+        return ""
+    where = f"box {mask['box']}" if mask.get("box") else str(mask.get("image", ""))
+    return where + (f", padding {mask['padding']}" if mask.get("padding") is not None else "")
+
+
 class Source(Quiet):
     """The kind's row (job/conditions/__init__.py's `Kind`)."""
 
@@ -125,7 +149,7 @@ class Source(Quiet):
     start_keys = shot_keys  # `init`, `mask`: refinements and hires passes start from an image through them
     settings_keys = ()
     manifest_keys = ("init", "mask")
-    report_keys = ()
+    report_keys = ("sources",)
     names = ("SourceInit", "SourceMask", "init_lines")
     shown = 2  # after the references and the guides
     JobPart, ShotPart, ItemPart, KeyPart, SummaryPart = JobPart, ShotPart, ItemPart, KeyPart, SummaryPart
@@ -158,17 +182,7 @@ class Source(Quiet):
     # ------------------------------------------------------------ what an image records
 
     def settings(self, item: Any, weights: Weights) -> dict:
-        s: dict = {}
-        if item.init is not None:
-            i = item.init
-            s["init"] = {"image": i.file, "sha256": i.sha256[:SHORT], "strength": i.strength} \
-                | ({"resize": i.resize} if i.resize else {})
-        if item.mask is not None:
-            m = item.mask
-            where = {"box": list(m.box)} if m.box else {"image": m.file, "sha256": m.sha256[:SHORT]}
-            s["mask"] = where | ({"blur": m.blur} if m.blur else {}) \
-                | ({"padding": m.padding, "crop": list(m.crop)} if m.padding is not None else {})
-        return s
+        return recorded(item)
 
     def unplaced(self, settings: dict) -> None:
         for key in self.shot_keys:
@@ -211,10 +225,18 @@ class Source(Quiet):
     # ------------------------------------------------------------ the report, the sheet, `bcg plan`
 
     def report(self, job: Any) -> dict:
-        return {}
+        """`sources`: each shot that starts from an image, its source and mask as its images record them (a hires
+        pass's and a refinement's are in their images' settings); None where no shot has one."""
+        out = [{"shot": s.id, **recorded(s)} for s in job.shots if s.init is not None]
+        return {"sources": out or None}
 
-    def report_md(self, report: dict) -> list[str]:
-        return []
+    def report_md(self, r: dict) -> list[str]:
+        rows = [e for e in r.get("sources") or () if isinstance(e, dict) and isinstance(e.get("init"), dict)]
+        if not rows:
+            return []
+        out = ["", "## Sources", "", "| shot | source | strength | mask |", "|---|---|---|---|"]
+        return out + [f"| {e.get('shot', '')} | {e['init'].get('image', '')} | {e['init'].get('strength', '')} | "
+                      f"{_mask_cell(e.get('mask'))} |" for e in rows]
 
     def guides(self, shot: Any) -> list[Guide]:
         """Its source (at the strength it keeps) and its mask image, as the sheet shows a shot's guides."""
