@@ -318,13 +318,11 @@ KIND_ROOMS = ("job/", "folder/", "serve/")  # where only a `conditions/` folder 
 # the control kind's `control:` share
 STEP_WORDS = {"control"}
 # Modules that still name a kind's fields, each with the names it may (none may be added, an entry or a name it no
-# longer spells fails the test: take it out). report.json's keys are the report's own dataclass, which the typed report
-# restructures (issue 38, item 4); the wire's job body schema is pydantic, so it stays in serve/ (job/ does not import
-# pydantic), checked against the rows through TOP_KEYS and SHOT_KEYS (tests/test_serve_api.py's
-# test_the_openapi_schema_says_every_answer_and_describes_the_job); the IP-Adapter's files and
-# presets are read by the loader too.
+# longer spells fails the test: take it out). The wire's job body schema is pydantic, so it stays in serve/ (job/ does
+# not import pydantic), checked against the rows through TOP_KEYS and SHOT_KEYS (tests/test_serve_api.py's
+# test_the_openapi_schema_says_every_answer_and_describes_the_job); the IP-Adapter's files and presets are read by the
+# loader too.
 KIND_FIELDS_TO_CUT = {
-    "folder/report.py": {"characters", "references", "controlnets", "regions"},
     "serve/wire.py": {"controlnet", "controlnets", "characters", "reference", "ip_adapter", "image_encoder",
                       "REFERENCE_SLOTS", "init", "mask", "regions", "REGION_SLOTS"},
     "job/adapter_files.py": {"image_encoder"},
