@@ -211,7 +211,7 @@ def test_the_one_net_of_controlnet_beside_a_reference_is_a_guide(tmp_path):
 def _report_args(job) -> dict:
     return dict(job=str(job.path), out_dir=Path("o"), device="cpu", dtype="float32", engine="eager", model="tiny",
                 timings=Timings(), wall_s=1.0, rendered=6, skipped=0, failed=[], peak_mem_mb=None, graphs=[],
-                status="done", notes=[], **job_conditions(job))
+                status="done", notes=[], conditions=job_conditions(job))
 
 
 def test_report_lists_the_characters_one_off_references_and_named_nets(tmp_path):
