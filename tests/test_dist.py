@@ -1,5 +1,5 @@
-"""One job over several torchrun workers (gloo, CPU): the same files as one process, one manifest, one
-report; two "machines" on one host; a worker killed and a launcher stopped lose nothing."""
+"""One job over several torchrun workers (gloo, CPU): the same files as one process (hires passes included), one
+manifest, one report; two "machines" on one host; a worker killed and a launcher stopped lose nothing."""
 
 import json
 import os
@@ -34,11 +34,12 @@ buckets: [1, 2]
 shots:
   - {id: big, prompt: a lighthouse at night, steps: 3, size: 64x96, candidates: 3, seed: 11}
   - {id: wide, prompt: a boat in the waves, steps: 3, size: 96x64, candidates: 3, seed: 12}
-  - {id: small, prompt: a hut, steps: 2, size: 64x64, candidates: 4, seed: 13, sampler: dpmpp_2m}
+  - {id: small, prompt: a hut, steps: 2, size: 64x64, candidates: 4, seed: 13, sampler: dpmpp_2m,
+     hires: {scale: 1.5, strength: 0.5}}
   - {id: pose, prompt: the keeper, steps: 2, size: 64x64, candidates: 1, seed: 14,
      control: {image: control/hero_pose.png, scale: 0.8}}
 """
-IMAGES = 11
+IMAGES = 15  # 11 candidates and the 4 first passes of small's hires candidates (a worker renders the passes of its bases)
 LONG = f"version: 1\nmodel: tiny\nbuckets: [1]\nshots:\n  - {{id: a, prompt: x, steps: 6, size: 64x64, candidates: 40}}\n"
 VOLATILE = ("finished", "run")  # a manifest line's time and run id
 
