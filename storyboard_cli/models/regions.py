@@ -12,7 +12,7 @@ as diffusers' `ip_adapter_masks` apply them (each reference's attention output m
   choice on a static shape, so CUDA graphs capture it. Without them, the step is diffusers' AttnProcessor2_0.
 - `attend`: AttnProcessor2_0's computation, with the region keys and their mask, and what an adapter adds before the
   output projection (models/ip_adapter.py RowScaledIpProcessor reads it, so the adapter's processors take regions too).
-- `install`: the processors put into a UNet that has no adapter's (`load_sdxl(..., regions=True)`); `Layout`: the
+- `install`: the processors put into a UNet that has no adapter's (`load_sdxl(..., regions=SLOTS)`); `Layout`: the
   attention levels of a UNet and the slots, what the engine's buffers are shaped by.
 """
 
