@@ -3,6 +3,7 @@ table's basis, `bcg plan`'s line and --json, a render's timings into the cache, 
 from an earlier one's table."""
 
 import json
+import statistics
 import time
 
 import pytest
@@ -238,26 +239,35 @@ shots:
 def test_a_cpu_render_is_estimated_within_10_percent_from_an_earlier_one(job_dir, tiny_cpu, monkeypatch):
     """Calibrated on this machine in this test: job A rendered (its timings into a fresh cache), then job B (other
     shots, batches and steps) estimated before it is rendered, then rendered; the estimate within 10% of B's wall.
-    A loaded 2-core machine can slow one render of a few seconds by a third: the median of five such trials."""
+    A render of about a second on this 2-core machine swings by a third from one trial to the next, idle or beside the
+    other test worker (one trial's estimate against its own B ran from -31% to +32% in a CI run; from -20% to +28%
+    idle, at 6 and 8 steps), so A and B run 12 and 16 steps (renders of about 1.7 s: three runs idle gave -5.4%,
+    -5.4%, -0.6%) and the test holds the trials' median estimate against their median wall, over seven trials."""
     from storyboard_cli.run.render import RenderOptions, render
 
-    a = load_job(write_job(job_dir, CALIBRATE.replace("STEPS", "6"), "a.yaml"))
-    b = load_job(write_job(job_dir, PREDICT.replace("STEPS", "8"), "b.yaml"))
+    a = load_job(write_job(job_dir, CALIBRATE.replace("STEPS", "12"), "a.yaml"))
+    b = load_job(write_job(job_dir, PREDICT.replace("STEPS", "16"), "b.yaml"))
     monkeypatch.setenv("BCG_CACHE", str(job_dir / "warm-cache"))
     render(a, RenderOptions(out_dir=job_dir / "warm"), models=tiny_cpu)  # the process's first calls, not counted
-    ratios = []
-    for trial in range(5):
+    estimates, walls = [], []
+    for trial in range(7):
         monkeypatch.setenv("BCG_CACHE", str(job_dir / f"cache{trial}"))
+        t0 = time.perf_counter()
         render(a, RenderOptions(out_dir=job_dir / f"a{trial}"), models=tiny_cpu)
+        wall_a = time.perf_counter() - t0
         est = estimate(make_batches(work_items(b), b.buckets), "tiny", CPU)
         assert est.basis == "measured on cpu (this machine's measurements)" and est.extrapolated == 0, est.to_json()
         t0 = time.perf_counter()
         result = render(b, RenderOptions(out_dir=job_dir / f"b{trial}"), models=tiny_cpu)
         wall = time.perf_counter() - t0
         assert result.status == "done"
-        ratios.append(est.seconds / wall)
-        print(f"CPU estimate {est.seconds:.2f} s against {wall:.2f} s ({est.seconds / wall - 1:+.1%})")
-    assert abs(sorted(ratios)[2] - 1) < 0.10, ratios
+        estimates.append(est.seconds)
+        walls.append(wall)
+        print(f"CPU estimate {est.seconds:.2f} s against {wall:.2f} s ({est.seconds / wall - 1:+.1%}), A {wall_a:.2f} s")
+    ratio = statistics.median(estimates) / statistics.median(walls)
+    print(f"median estimate {statistics.median(estimates):.2f} s against median wall {statistics.median(walls):.2f} s "
+          f"({ratio - 1:+.1%})")
+    assert abs(ratio - 1) < 0.10, (estimates, walls)
 
 
 def test_capture_warm_records_each_shapes_loop(tmp_path, monkeypatch):
