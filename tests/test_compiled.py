@@ -290,6 +290,44 @@ def test_a_unet_with_an_ip_adapter_compiles_with_the_reference_inputs(artifacts,
     assert rel_error(without, want) > 1e-3  # the references are in the comparison
 
 
+def test_a_unet_with_regions_runs_compiled_and_its_replays_equal_eager(artifacts):
+    """The regions' UNet artifact takes the prompts' keys and the per-level masks as the graphs hand them over (views
+    of the static buffers, the masks' rows padded): a batch with 2, 0 and 1 regions on the compiled graph gives the
+    eager loop's latents, and the regions are in the comparison."""
+    from storyboard_cli.engine.conditioning import PromptCache, conditioning
+    from storyboard_cli.engine.conditions.kind import Conditions
+    from storyboard_cli.engine.conditions.region import regions_value
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.sampling import draw_noise, schedule
+
+    from helpers.graphs import cpu_replays
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32, regions=2)
+    k = CompiledKernels(models, None, root=artifacts)
+    assert k.unet_target(SIDE, SIDE) == Target("unet", SIDE, SIDE, tags=("regions2",))
+    runner = GraphRunner(models, max_batch=3, max_hw=(SIDE, SIDE), compiled=k)
+    captured = cpu_replays(runner)
+    runner.prepare([Shape(3, SIDE, SIDE, 0)])
+    sched = schedule("euler", 3, models.scheduler_config)
+    x, noise = draw_noise([1, 2, 3], 3, (4, SIDE // 8, SIDE // 8), sched)
+    cache = PromptCache(models)
+    cond = conditioning(cache, ["a harbour"] * 3, ["blurry"] * 3, SIDE, SIDE)
+    pixels = [torch.zeros(2, SIDE, SIDE), torch.zeros(0, SIDE, SIDE), torch.zeros(1, SIDE, SIDE)]
+    pixels[0][0, :, :64], pixels[0][1, :, 64:], pixels[2][0, 32:96, 32:96] = 1, 1, 1
+    embeds = [list(cache.get(["a red coat", "a blue hat"])[0]), [], list(cache.get(["a lantern"])[0])]
+    value = regions_value(models.region_layout, models.unet.config.cross_attention_dim, embeds, pixels, None, None,
+                          models.dtype, models.device)
+    guidance = torch.full((3,), 5.0)
+    with torch.no_grad():
+        want = EagerEngine(models).sample(x, sched, noise, cond, Conditions.of(value), guidance)
+        got = runner.sample(x, sched, noise, cond, Conditions.of(value), guidance)
+        without = EagerEngine(models).sample(x, sched, noise, cond, Conditions.of(), guidance)
+    assert [key.variant for key in captured] == ["compiled"]
+    assert rel_error(got, want) < 1e-4
+    assert rel_error(without[:1], want[:1]) > 1e-3  # the regions are in the comparison
+
+
 def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifacts):
     """The ControlNet artifact is bound to the first net's weights; a second net (other weights) runs its own module
     beside it, and the summed residuals feed the compiled UNet: what the modules give."""

@@ -158,7 +158,8 @@ def test_artifact_keys_and_the_exported_inputs_are_unchanged(adapter_models):
     assert CompiledKernels(m).unet_target(128, 192) == Target("unet", 128, 192, "fp16", 16)
     # the traced signature: the wrappers' input names and the example inputs' shapes, dtypes and strides
     assert list(inspect.signature(UNetCall.forward).parameters) == [
-        "self", "latents", "t", "embeds", "pooled", "time_ids", "mid", "down", "ref_tokens", "ref_scale", "ref_mask"]
+        "self", "latents", "t", "embeds", "pooled", "time_ids", "mid", "down", "ref_tokens", "ref_scale", "ref_mask",
+        "tagged"]
     assert list(inspect.signature(ControlNetCall.forward).parameters) == [
         "self", "latents", "t", "embeds", "pooled", "time_ids", "image", "scale"]
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from storyboard_cli.engine.conditioning import PromptCache
-from storyboard_cli.engine.conditions.kind import DECODE_ERRORS, Kind, Pair, Plain, Unreadable
+from storyboard_cli.engine.conditions.kind import DECODE_ERRORS, Export, Kind, Pair, Plain, Unreadable
 from storyboard_cli.errors import ModelError
-from storyboard_cli.models.regions import LEVELS, Layout
+from storyboard_cli.models.regions import LEVELS, Layout, install
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
 
 NAME = "region"
@@ -254,7 +254,37 @@ def synthetic(models: Any, batch: int, width: int, height: int, bits: int) -> Re
                          models.dtype, models.device)
 
 
+TAG = "regions"  # a UNet artifact built with the regions' inputs: "regions<slots>" (Kind.artifact)
+
+
+def artifact(models: Any) -> str:
+    """The tag of the UNet artifacts these models' regions want: their slot count names the inputs' widths."""
+    layout = models.region_layout
+    return "" if layout is None else f"{TAG}{layout.slots}"
+
+
+def _slots(tag: str) -> int:
+    return int(tag.removeprefix(TAG))
+
+
+def prepare_export(unet: Any, tag: str) -> None:
+    install(unet, _slots(tag), 0)
+
+
+def export_inputs(unet: Any, tag: str, rows: int, height: int, width: int) -> dict[str, torch.Tensor]:
+    """The regions' inputs of an exported UNet: views of the static buffers at `rows` (CFG-doubled) and this size, the
+    masks' rows KEY_ALIGN keys apart as every graph hands them over; every key seen (values do not matter)."""
+    from types import SimpleNamespace
+
+    p = next(unet.parameters())
+    models = SimpleNamespace(region_layout=Layout.of(unet, _slots(tag), 0), device=p.device, dtype=p.dtype, unet=unet,
+                             ip_adapter=None)
+    view = Buffers(models, rows // 2, height * width).view(SimpleNamespace(batch=rows // 2, height=height, width=width))
+    view.embeds.normal_()
+    return view.attention()
+
+
 KIND = Kind(NAME, FIELDS, lambda models: Reader(models),
             lambda models, max_batch, max_pixels: None if models.region_layout is None else Buffers(models, max_batch,
                                                                                                max_pixels),
-            synthetic)
+            synthetic, artifact=artifact, export=Export(TAG, prepare_export, export_inputs))

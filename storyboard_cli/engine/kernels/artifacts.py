@@ -71,7 +71,8 @@ def fits(batch: int, height: int, width: int) -> str | None:
     return None
 
 
-def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED, refs: int = 0) -> list[Target]:
+def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED, refs: int = 0,
+            tags: tuple[str, ...] = ()) -> list[Target]:
     """The artifacts these shapes use: a UNet per size (in `variant`'s precision), a ControlNet per size used with a
     control image. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size). The
     ControlNet artifact is the first net's (bound to its weights): a shape's further nets run their modules inside
@@ -79,7 +80,7 @@ def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED, 
     need = set()
     for s in shapes:
         if fits(s.batch, s.height, s.width) is None:
-            need.add(Target("unet", s.height, s.width, VARIANTS[variant].precision, refs))
+            need.add(Target("unet", s.height, s.width, VARIANTS[variant].precision, refs, tags))
             if s.control & 1 and controlnet:
                 need.add(Target("controlnet", s.height, s.width))
     return sorted(need, key=lambda t: (t.module != "unet", -t.height * t.width, t.height))
@@ -117,11 +118,14 @@ def artifact_key(target: Target, model: torch.nn.Module) -> str:
     }
     if target.refs:  # only where there are: a UNet without an adapter keeps the key it had
         facts["refs"] = target.refs
+    if target.tags:  # the same: a UNet that takes no further kind's inputs keeps its key
+        facts["tags"] = list(target.tags)
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
 def artifact_path(target: Target, model: torch.nn.Module, root: Path | None = None) -> Path:
     kind = target.module + (f"-{target.tag}" if target.tag else "") + (f"-refs{target.refs}" if target.refs else "")
+    kind += "".join(f"-{t}" for t in target.tags)
     name = f"{kind}-{target.width}x{target.height}-{artifact_key(target, model)}.pt2"
     return (root or cache_root() / "compiled") / name
 

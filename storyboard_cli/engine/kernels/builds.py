@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from storyboard_cli.engine.kernels.artifacts import Target, build
+from storyboard_cli.engine.kernels.export import tagged
 from storyboard_cli.engine.device import DTYPES, dtype_flag
 
 CORES_PER_BUILD = 2  # a build is mostly one Python thread (tracing, lowering, scheduling) plus compile workers
@@ -171,7 +172,7 @@ class Builds:
             torch.device("cuda", torch.cuda.current_device())
         cmd = [sys.executable, "-m", "storyboard_cli.engine.kernels.builds", b.target.module, type(b.model).__name__,
                str(config), dtype_flag(b.model.dtype), str(device), str(b.target.height), str(b.target.width), str(b.path),
-               b.target.precision, str(b.target.refs)]
+               b.target.precision, str(b.target.refs), ",".join(b.target.tags)]
         # every child gets every core for its compile workers: one build's serial stretches (tracing,
         # lowering, the C++ wrapper) leave them to the others' parallel ones
         env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(len(os.sched_getaffinity(0)))}
@@ -216,9 +217,9 @@ def _max_rss_mb() -> float:
 
 
 def _main(argv: list[str]) -> None:
-    """A build child: MODULE CLASS CONFIG DTYPE DEVICE HEIGHT WIDTH PATH PRECISION REFS. Exits 0 without an artifact
-    when another process holds the artifact's lock (or finished it since the parent looked)."""
-    module, cls_name, config, dtype, device, height, width, path, precision, refs = argv
+    """A build child: MODULE CLASS CONFIG DTYPE DEVICE HEIGHT WIDTH PATH PRECISION REFS TAGS (comma-separated). Exits 0
+    without an artifact when another process holds the artifact's lock (or finished it since the parent looked)."""
+    module, cls_name, config, dtype, device, height, width, path, precision, refs, tags = argv
     path = Path(path)
     lock = open(path.with_suffix(".lock"), "a+")  # held until this process exits, however it exits
     try:
@@ -247,8 +248,10 @@ def _main(argv: list[str]) -> None:
         from storyboard_cli.models.ip_adapter import install_processors
 
         install_processors(model, torch.device(device), DTYPES[dtype])
+    target = Target(module, int(height), int(width), precision, int(refs), tuple(filter(None, tags.split(","))))
+    for row, tag in tagged(target.tags):  # a kind's processors (the regions'), which its inputs reach
+        row.export.prepare(model, tag)
     made = time.perf_counter() - t0
-    target = Target(module, int(height), int(width), precision, int(refs))
     stats = build(target, model, path)
     path.with_suffix(".failed").unlink(missing_ok=True)
     stats = {"target": target.label, "make_module_s": round(made, 1), **stats,

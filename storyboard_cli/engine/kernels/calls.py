@@ -73,6 +73,7 @@ class CompiledKernels(StepCalls):
         self.residuals = Residuals.of(models.unet)
         # what the UNet's artifacts take from the conditioning kinds (an IP-Adapter's tokens: Target.refs)
         self.refs = sum(row.artifact_width(models) for row in KINDS.values())
+        self.tags = tuple(tag for row in KINDS.values() if (tag := row.artifact(models)))  # and further kinds' inputs
         self.calls: dict[Target, Callable] = {}
         self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
         self.load_s: dict[Target, float] = {}  # seconds each load and constant binding took
@@ -90,11 +91,11 @@ class CompiledKernels(StepCalls):
 
     def targets(self, shapes: Iterable[Shape]) -> list[Target]:
         """What these shapes are built for: the UNet in this run's precision, the ControlNets."""
-        return targets(shapes, bool(self.models.controlnets), self.variant, self.refs)
+        return targets(shapes, bool(self.models.controlnets), self.variant, self.refs, self.tags)
 
     def unet_target(self, height: int, width: int, variant: str | None = None) -> Target:
         """The UNet artifact of a variant ("compiled": fp16, "fp8"; None: this run's best)."""
-        return Target("unet", height, width, VARIANTS[variant or self.variant].precision, self.refs)
+        return Target("unet", height, width, VARIANTS[variant or self.variant].precision, self.refs, self.tags)
 
     def variants(self, batch: int, height: int, width: int, control: bool) -> list[str]:
         """The ShapeKey variants this shape can run on now, best first (the run's compiled rows whose UNet kernels for

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from storyboard_cli.engine.conditions.reference import Refs
 from storyboard_cli.engine.eager import controlnet_call, unet_call
 from storyboard_cli.engine.variants import COMPILED, PRECISIONS, VARIANTS, Variant
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
@@ -43,6 +42,7 @@ class Target:
     width: int
     precision: str = VARIANTS[COMPILED].precision  # another compiled row's: the UNet's FP8 kernels ("fp8")
     refs: int = 0  # a UNet with an IP-Adapter: its reference tokens per row (slots x tokens per image); 0 without
+    tags: tuple[str, ...] = ()  # a UNet taking further kinds' inputs: each such kind's tag (Kind.artifact), in table order
 
     @property
     def variant(self) -> Variant:
@@ -56,22 +56,26 @@ class Target:
     @property
     def label(self) -> str:
         return (f"{self.module} {self.width}x{self.height}" + (f" {self.tag}" if self.tag else "")
-                + (f" +refs {self.refs}" if self.refs else ""))
+                + (f" +refs {self.refs}" if self.refs else "") + "".join(f" +{t}" for t in self.tags))
 
 
 class UNetCall(torch.nn.Module):
-    """The step's UNet call (engine/eager.py unet_call) as a module to export: down is a tuple."""
+    """The step's UNet call (engine/eager.py unet_call) as a module to export: down is a tuple; `ref_*` an
+    IP-Adapter's tokens, per-row scale and slot mask (engine/conditions/reference.py Refs), or None; `tagged` the
+    inputs of the kinds an artifact is tagged with (Target.tags), named by `names`. An artifact reads its inputs as
+    one flat list of tensors, in Conditions.attention's order, which is this order."""
 
-    def __init__(self, unet: torch.nn.Module):
+    def __init__(self, unet: torch.nn.Module, names: tuple[str, ...] = ()):
         super().__init__()
-        self.unet = unet
+        self.unet, self.names = unet, names
 
     # the artifacts' traced signature (prebuilt kernels are keyed by it): these names stay
-    def forward(self, latents, t, embeds, pooled, time_ids, mid, down, ref_tokens=None, ref_scale=None, ref_mask=None):
-        """`ref_*`: an IP-Adapter's tokens, per-row scale and slot mask (engine/conditions/reference.py Refs), or
-        None."""
-        attention = None if ref_tokens is None else Refs(ref_tokens, ref_scale, ref_mask).attention()
-        return unet_call(self.unet, latents, t, embeds, pooled, time_ids, mid, list(down), attention)
+    def forward(self, latents, t, embeds, pooled, time_ids, mid, down, ref_tokens=None, ref_scale=None, ref_mask=None,
+                tagged=()):
+        attention = {} if ref_tokens is None else {"ref_tokens": ref_tokens, "ref_scale": ref_scale,
+                                                    "ref_mask": ref_mask}
+        attention.update(zip(self.names, tagged, strict=True))
+        return unet_call(self.unet, latents, t, embeds, pooled, time_ids, mid, list(down), attention or None)
 
 
 class ControlNetCall(torch.nn.Module):
@@ -116,8 +120,11 @@ def text_dims(model: torch.nn.Module) -> tuple[int, int]:
     return cfg.cross_attention_dim, cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
 
 
-def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: int, refs: int = 0) -> tuple:
-    """Inputs of the exported call for `model` at latent size h x w (values do not matter); `refs`: Target.refs."""
+def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: int, refs: int = 0,
+                   tags: tuple[str, ...] = ()) -> tuple:
+    """Inputs of the exported call for `model` at latent size h x w (values do not matter); `refs`: Target.refs,
+    `tags`: Target.tags. A UNet's last input is a tuple of the attention processors' inputs (UNetCall), when it takes
+    any."""
     dtype, device = model.dtype, model.device
     text_dim, pooled_dim = text_dims(model)
     latents = torch.randn(rows, 4, h, w, dtype=dtype, device=device)
@@ -133,11 +140,35 @@ def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: in
     mid, down = Residuals.of(model).zeros(rows, h, w, dtype, device)
     # channels_last, as the compiled ControlNet (channels_last convolutions) hands them over
     mid, down = nhwc(mid), tuple(nhwc(d) for d in down)
+    args = (latents, t, embeds, pooled, time_ids, mid, down)
     if refs:  # the IP-Adapter's tokens, per-row scale and additive slot mask, as the step's static buffers hold them
-        return (latents, t, embeds, pooled, time_ids, mid, down, torch.randn(rows, refs, text_dim, dtype=dtype,
-                device=device), torch.ones(rows, 1, 1, dtype=dtype, device=device),
-                torch.zeros(rows, 1, 1, refs, dtype=dtype, device=device))
-    return latents, t, embeds, pooled, time_ids, mid, down
+        args += (torch.randn(rows, refs, text_dim, dtype=dtype, device=device),
+                 torch.ones(rows, 1, 1, dtype=dtype, device=device),
+                 torch.zeros(rows, 1, 1, refs, dtype=dtype, device=device))
+    if tags:
+        args += (None,) * (10 - len(args)) + (tuple(tagged_inputs(model, rows, h, w, tags).values()),)
+    return args
+
+
+def tagged_inputs(model: torch.nn.Module, rows: int, h: int, w: int, tags: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The inputs of the kinds an artifact is tagged with, by name, in table order (each kind's Export hooks)."""
+    out = {}
+    for row, tag in tagged(tags):
+        out.update(row.export.inputs(model, tag, rows, 8 * h, 8 * w))
+    return out
+
+
+def tagged(tags: tuple[str, ...]) -> list[tuple[Any, str]]:
+    """(the kind's row, its tag) for each of an artifact's tags: the row whose `artifact` tag starts the same."""
+    from storyboard_cli.engine.conditions import KINDS
+
+    out = []
+    for tag in tags:
+        rows = [row for row in KINDS.values() if row.export is not None and tag.startswith(row.export.tag)]
+        if len(rows) != 1:
+            raise ValueError(f"an artifact tag no conditioning kind names: {tag!r}")
+        out.append((rows[0], tag))
+    return out
 
 
 def nhwc(t: torch.Tensor) -> torch.Tensor:
@@ -152,6 +183,8 @@ def dynamic_shapes(args: tuple) -> tuple:
     rows = Dim("rows", min=MIN_ROWS, max=MAX_ROWS)
 
     def spec(a):
+        if a is None:
+            return None
         return tuple(spec(x) for x in a) if isinstance(a, tuple) else (None if a.dim() == 0 else {0: rows})
     return tuple(spec(a) for a in args)
 
@@ -196,15 +229,20 @@ def channels_last_weights(models: Any, model: torch.nn.Module) -> dict[str, torc
 def export(target: Target, model: torch.nn.Module) -> torch.export.ExportedProgram:
     """`model` (a UNet or ControlNet: its values do not matter) with the recipe applied, its call exported for
     `target`'s image size, the rows dynamic."""
-    adapter = {n: p for n, p in model.attn_processors.items() if isinstance(p, torch.nn.Module)}  # an IP-Adapter's
+    # an IP-Adapter's processors (modules: they hold its weights) and a kind's in the cross-attentions (the regions')
+    # stay: they read to_k / to_v, views into the fused weight; the self-attentions take diffusers' fused processor
+    kept = {n: p for n, p in model.attn_processors.items()
+            if isinstance(p, torch.nn.Module) or (".attn2." in n and target.tags)}
     fuse_projections(model, processor=True)
-    if adapter:  # its processors stay: they hold its weights, and read to_k / to_v (views into the fused weight)
-        model.set_attn_processor({**model.attn_processors, **adapter})
+    if kept:
+        model.set_attn_processor({**model.attn_processors, **kept})
     model.to(memory_format=torch.channels_last)
     rewrite = target.variant.rewrite
     if rewrite is not None:
         rewrite(model)
-    wrapper = UNetCall(model) if target.module == "unet" else ControlNetCall(model)
-    args = example_inputs(target.module, model, MIN_ROWS, target.height // 8, target.width // 8, target.refs)
+    args = example_inputs(target.module, model, MIN_ROWS, target.height // 8, target.width // 8, target.refs,
+                          target.tags)
+    names = tuple(tagged_inputs(model, MIN_ROWS, 8, 8, target.tags)) if target.tags else ()
+    wrapper = UNetCall(model, names) if target.module == "unet" else ControlNetCall(model)
     with torch.no_grad():
         return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(args), strict=False)
