@@ -74,3 +74,48 @@ def test_two_jobs_share_a_batch_and_each_png_equals_its_solo_render(tmp_path, ti
         if worker is not None:
             stop(worker)
         server.kill_everything()
+
+
+
+REGIONS = """version: 1
+model: tiny
+buckets: [1]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - id: s
+    prompt: two people on a pier
+    seed: SEED
+"""
+ONE = """    regions:
+      - {box: [0, 0, 0.5, 1], prompt: a woman in a red coat}
+"""
+TWO = ONE + """      - {box: [0.5, 0, 0.5, 1], prompt: a man in a blue coat}
+"""
+
+
+@pytest.mark.slow  # a server and a rendering worker process, four jobs one after another
+def test_a_worker_loads_again_for_more_region_slots_and_keeps_its_models_for_fewer(tmp_path):
+    """The worker's UNet takes as many region slots as the jobs it renders have regions per shot: a job with one
+    region loads the models, one with two loads them again (two slots), then one with one region and one without run
+    on those (an unused slot is masked), and every PNG equals `bcg render`'s of its job alone."""
+    from helpers.serve import metric
+
+    server = Server(tmp_path / "root", free_port())
+    server.start(lease_s=10, gpus="none")
+    worker = start_worker(server.url, "w")
+    try:
+        loads = []
+        for seed, (name, regions) in enumerate((("one", ONE), ("two", TWO), ("again", ONE), ("none", ""))):
+            text = REGIONS.replace("SEED", str(seed)) + regions
+            job_id = httpx.post(server.url + "/v1/jobs", content=text, headers=YAML).json()["id"]
+            assert server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"))["state"] == "succeeded", name
+            loads.append(metric(server.url, "bcg_model_loads_total"))
+            alone = render(load_job(write_job(tmp_path, text, f"{name}.yaml")),
+                           RenderOptions(out_dir=tmp_path / name)).out_dir  # its own models, its own slots
+            served = server.root / "jobs" / job_id / "out"
+            (png,) = sorted(p.relative_to(served).as_posix() for p in served.glob("*/*.png"))
+            assert np.abs(pixels(served / png) - pixels(alone / png)).max() == 0, name
+        assert loads == [1, 2, 2, 2]
+    finally:
+        stop(worker)
+        server.kill_everything()
