@@ -171,7 +171,8 @@ case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ -O1 ;; *) exec g++
 def artifacts(tmp_path_factory):
     """The CPU kernel artifacts of the compiled and FP8 tests, built once a session into one folder the way `bcg
     capture --warm` (and `--fp8`) builds them, child processes side by side: a tiny UNet and ControlNet at 128x128,
-    the UNet's FP8 twin, the UNet with the tiny IP-Adapter's processors and the UNet with two region slots. The compiler links libstdc++ statically: a library with its own copy of libstdc++
+    the UNet's FP8 twin, the UNet with the tiny IP-Adapter's processors, the UNet with two region slots, and with both
+    (regional references). The compiler links libstdc++ statically: a library with its own copy of libstdc++
     crashed at load on the GPU image (AOTInductor's loader parses the device string with std::regex, which reads
     the copy's never-initialised locale); bcg's link options must keep it loadable."""
     import torch
@@ -195,14 +196,16 @@ def artifacts(tmp_path_factory):
         fp8 = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32), builds, notes, root=root, variant="fp8")
         ip = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32, "tiny"), builds, notes, root=root)
         regions = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32, regions=2), builds, notes, root=root)
+        both = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32, "tiny", regions=2), builds, notes,
+                               root=root)
         wanted = [k.want(k.targets([Shape(4, SIDE, SIDE, control)])) for k, control in
-                  ((fp16, True), (fp8, False), (ip, False), (regions, False))]
-        assert [[t.label for t in w] for w in wanted] == [["unet 128x128", "controlnet 128x128"], ["unet 128x128 fp8"],
-                                                          ["unet 128x128 +refs 16"], ["unet 128x128 +regions2"]]
-        for k in (fp16, fp8, ip, regions):
+                  ((fp16, True), (fp8, False), (ip, False), (regions, False), (both, False))]
+        labels = [["unet 128x128", "controlnet 128x128"], ["unet 128x128 fp8"], ["unet 128x128 +refs 16"],
+                  ["unet 128x128 +regions2"], ["unet 128x128 +refs 16 +regions2x4x4"]]
+        assert [[t.label for t in w] for w in wanted] == labels
+        for k in (fp16, fp8, ip, regions, both):
             k.start(background=False)
         builds.wait()
     assert not [n for n in notes if "fail" in n or "not used" in n], notes
-    assert {e.module for e in events if e.state == "done"} == {"unet 128x128", "controlnet 128x128", "unet 128x128 fp8",
-                                                               "unet 128x128 +refs 16", "unet 128x128 +regions2"}
+    assert {e.module for e in events if e.state == "done"} == {label for w in labels for label in w}
     return root

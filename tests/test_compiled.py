@@ -290,10 +290,12 @@ def test_a_unet_with_an_ip_adapter_compiles_with_the_reference_inputs(artifacts,
     assert rel_error(without, want) > 1e-3  # the references are in the comparison
 
 
-def test_a_unet_with_regions_runs_compiled_and_its_replays_equal_eager(artifacts):
-    """The regions' UNet artifact takes the prompts' keys and the per-level masks as the graphs hand them over (views
-    of the static buffers, the masks' rows padded): a batch with 2, 0 and 1 regions on the compiled graph gives the
-    eager loop's latents, and the regions are in the comparison."""
+@pytest.mark.parametrize("adapter,tag", [(None, "regions2"), ("tiny", "regions2x4x4")])
+def test_a_unet_with_regions_runs_compiled_and_its_replays_equal_eager(artifacts, adapter, tag):
+    """The regions' UNet artifact takes the prompts' keys and the per-level masks (with an IP-Adapter, the regional
+    references' tokens and weights too) as the graphs hand them over (views of the static buffers, the masks' rows
+    padded): a batch with 2, 0 and 1 regions on the compiled graph gives the eager loop's latents, and the regions are
+    in the comparison."""
     from storyboard_cli.engine.conditioning import PromptCache, conditioning
     from storyboard_cli.engine.conditions.kind import Conditions
     from storyboard_cli.engine.conditions.region import regions_value
@@ -303,9 +305,9 @@ def test_a_unet_with_regions_runs_compiled_and_its_replays_equal_eager(artifacts
 
     from helpers.graphs import cpu_replays
 
-    models = load_sdxl("tiny", None, "cpu", torch.float32, regions=2)
+    models = load_sdxl("tiny", None, "cpu", torch.float32, adapter, regions=2)
     k = CompiledKernels(models, None, root=artifacts)
-    assert k.unet_target(SIDE, SIDE) == Target("unet", SIDE, SIDE, tags=("regions2",))
+    assert k.unet_target(SIDE, SIDE).tags == (tag,)
     runner = GraphRunner(models, max_batch=3, max_hw=(SIDE, SIDE), compiled=k)
     captured = cpu_replays(runner)
     runner.prepare([Shape(3, SIDE, SIDE, 0)])
@@ -316,8 +318,13 @@ def test_a_unet_with_regions_runs_compiled_and_its_replays_equal_eager(artifacts
     pixels = [torch.zeros(2, SIDE, SIDE), torch.zeros(0, SIDE, SIDE), torch.zeros(1, SIDE, SIDE)]
     pixels[0][0, :, :64], pixels[0][1, :, 64:], pixels[2][0, 32:96, 32:96] = 1, 1, 1
     embeds = [list(cache.get(["a red coat", "a blue hat"])[0]), [], list(cache.get(["a lantern"])[0])]
-    value = regions_value(models.region_layout, models.unet.config.cross_attention_dim, embeds, pixels, None, None,
-                          models.dtype, models.device)
+    refs = negative = None
+    if models.ip_adapter is not None:  # the first row's second region and the third row's region with a reference
+        g = torch.Generator().manual_seed(3)
+        tokens = [torch.randn(models.ip_adapter.tokens, models.ip_adapter.dim, generator=g) for _ in range(2)]
+        refs, negative = [[(1, tokens[0], 0.8)], [], [(0, tokens[1], 0.6)]], models.ip_adapter.negative
+    value = regions_value(models.region_layout, models.unet.config.cross_attention_dim, embeds, pixels, refs,
+                          negative, models.dtype, models.device)
     guidance = torch.full((3,), 5.0)
     with torch.no_grad():
         want = EagerEngine(models).sample(x, sched, noise, cond, Conditions.of(value), guidance)
@@ -326,6 +333,12 @@ def test_a_unet_with_regions_runs_compiled_and_its_replays_equal_eager(artifacts
     assert [key.variant for key in captured] == ["compiled"]
     assert rel_error(got, want) < 1e-4
     assert rel_error(without[:1], want[:1]) > 1e-3  # the regions are in the comparison
+    if refs is not None:  # and the regional references
+        plain = regions_value(models.region_layout, models.unet.config.cross_attention_dim, embeds, pixels, None,
+                              None, models.dtype, models.device)
+        with torch.no_grad():
+            no_refs = EagerEngine(models).sample(x, sched, noise, cond, Conditions.of(plain), guidance)
+        assert rel_error(no_refs[2:], want[2:]) > 1e-3
 
 
 def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifacts):

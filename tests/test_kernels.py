@@ -117,12 +117,11 @@ def test_a_row_not_built_with_a_models_part_falls_back_with_a_note():
                      "instead"]
     assert fit(FP8, SimpleNamespace(ip_adapter=None), notes) == FP8
     assert fit(COMPILED, SimpleNamespace(ip_adapter=object()), notes) == COMPILED and len(notes) == 1
-    # compiled kernels take regions, or an IP-Adapter, but not both at once (regional references): plain graphs
-    assert fit(COMPILED, SimpleNamespace(ip_adapter=None, region_layout=object()), notes) == COMPILED
+    # compiled kernels take regions, with an IP-Adapter too (regional references); FP8's do not
+    assert fit(COMPILED, SimpleNamespace(ip_adapter=object(), region_layout=object()), notes) == COMPILED
     assert fit(FP8, SimpleNamespace(ip_adapter=None, region_layout=object()), notes) == COMPILED
-    assert fit(COMPILED, SimpleNamespace(ip_adapter=object(), region_layout=object()), notes) == PLAIN
-    assert notes[-1] == ("--kernels compiled: its kernels are not built with an IP-Adapter (ip_adapter:) together "
-                         "with regional prompts (regions:); plain kernels instead")
+    assert notes[-1] == "--kernels fp8: its kernels are not built with regional prompts (regions:); compiled kernels " \
+                        "instead"
 
 
 def test_every_exclusion_is_one_the_table_can_say():
@@ -132,8 +131,7 @@ def test_every_exclusion_is_one_the_table_can_say():
 
     fields = {f.name for f in dataclasses.fields(SdxlModels)}
     for row in VARIANTS.values():
-        parts = {p for entry in row.without for p in ((entry,) if isinstance(entry, str) else entry)}
-        assert set(row.refuses) <= set(INSTEAD) and parts <= set(PARTS) <= fields, row.name
+        assert set(row.refuses) <= set(INSTEAD) and set(row.without) <= set(PARTS) <= fields, row.name
         assert (row.capability is not None) == row.compiled == bool(row.refuses), row.name
 
 

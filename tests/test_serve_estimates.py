@@ -69,6 +69,30 @@ def test_eta_from_calibrated_workers(store):
     assert store.job("second", 70)["eta_s"] == pytest.approx(6 * 2.0)
 
 
+def test_a_server_started_again_keeps_its_workers_calibration(tmp_path):
+    """The kept ratios live in the queue file: the same workers' factors after a restart, before any new lease lands;
+    only the last KEPT per worker are kept, and a worker the queue forgot takes its ratios with it."""
+    from storyboard_cli.serve.estimates import KEPT
+
+    store = Store(tmp_path)
+    a, b = register(store, "a"), register(store, "b")
+    store.submit(job("first", 4 * (KEPT + 5), est=1.0), None, 1000, now=0)
+    for n in range(KEPT + 2):  # a: 2x the table, after two slow first leases that fall out of the kept window
+        land(store, a, now=n, seconds=40.0 if n < 2 else 8.0)
+    land(store, b, now=20, seconds=16.0)
+    before = (store.calibration.factor(a), store.calibration.factor(b))
+    assert before == (pytest.approx(2.0), pytest.approx(4.0))
+    assert store.db.execute("SELECT COUNT(*) FROM calibration").fetchone()[0] == KEPT + 1
+    store.db.execute("DELETE FROM workers WHERE id = ?", (b,))  # forgotten (as an expired registration is)
+    store.close()
+    again = Store(tmp_path)
+    try:
+        assert (again.calibration.factor(a), again.calibration.factor(b)) == (pytest.approx(2.0), None)
+        assert again.job("first", 40)["eta_s"] is not None  # from a's factor, with no lease since the start
+    finally:
+        again.close()
+
+
 def test_an_unpriced_image_makes_the_eta_the_drained_images_per_second(store):
     """A job whose images no table prices (est 0) has no calibrated eta: a zero would say "done now". The job's
     eta_s is then its images ahead and left over the images/s drained, as before any calibration."""
@@ -133,7 +157,7 @@ def test_a_real_worker_is_calibrated_by_its_leases_and_a_queued_jobs_eta_follows
 
     import httpx
 
-    from helpers.serve import Server, free_port, start_worker, stop
+    from helpers.serve import Server, eventually, free_port, start_worker, stop
 
     text = """version: 1
 name: calib
@@ -159,6 +183,12 @@ shots:
         queued = server.job(second)
         # a fresh cache prices tiny at nothing: the eta is the images/s the first job drained, never a zero
         assert queued["state"] == "queued" and queued["eta_s"] and queued["eta_s"] > 0, queued
+        server.kill_everything()  # the server alone (kill -9): its worker runs on and asks it again
+        server.start(gpus="none")
+        pattern = r'bcg_worker_estimate_ratio\{[^}]*name="calib"[^}]*\} ([0-9.e+-]+)'
+        again = eventually(lambda: httpx.get(server.url + "/metrics").text, lambda t: re.search(pattern, t), 30)
+        assert float(re.search(pattern, again).group(1)) == float(ratio.group(1))  # kept: no lease landed since
+        assert server.job(second)["state"] == "queued"  # dispatch still paused: nothing leased it
     finally:
         stop(worker)
         server.kill_everything()

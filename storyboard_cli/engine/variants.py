@@ -55,9 +55,7 @@ class Variant:
     capability: tuple[int, int] | None = None
     hardware: str = ""
     refuses: tuple[str, ...] = ()  # options it cannot run with (INSTEAD's keys): refused before anything loads
-    # model parts its kernels are not built with (PARTS' keys; a tuple of them: not built with those together): its
-    # fallback runs
-    without: tuple[str | tuple[str, ...], ...] = ()
+    without: tuple[str, ...] = ()  # model parts its kernels are not built with (PARTS' keys): its fallback runs
 
     @property
     def compiled(self) -> bool:
@@ -78,10 +76,9 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # on an H200 (benchmarks/probes/fp8_scout.py); an artifact that read its timestep as fp16 bits was 1.2e-1 to
     # 1.6e-1 off. Inductor's Triton kernels need compute capability 7.0 (torch refuses an older GPU: "too old to be
     # supported by the triton GPU compiler").
-    # Built with regions (their prompts' keys and masks: Target.tags), but not with regions and an IP-Adapter at once
-    # (regional references): such a job runs the plain graphs.
-    Variant(COMPILED, PLAIN, 2e-2, "fp16", capability=(7, 0), hardware="Volta or later", refuses=COMPILED_ONLY,
-            without=(("ip_adapter", "region_layout"),)),
+    # Built with an IP-Adapter (Target.refs) and with regions (their prompts' keys, masks and regional references:
+    # Target.tags).
+    Variant(COMPILED, PLAIN, 2e-2, "fp16", capability=(7, 0), hardware="Volta or later", refuses=COMPILED_ONLY),
     Variant(PLAIN, EAGER, 2e-2),  # the eager kernels captured (0 measured)
 )}
 PRECISIONS: dict[str, Variant] = {v.precision: v for v in VARIANTS.values() if v.compiled}
@@ -121,16 +118,11 @@ def fit(name: str, models: Any, notes: list[str]) -> str:
     """`name`'s row, or the first row it falls back to whose kernels are built for the loaded models' parts; a note
     says why for each row passed over."""
     row = VARIANTS[name]
-    while parts := [p for p in row.without if all(getattr(models, q, None) is not None for q in _parts(p))]:
-        notes.append(f"--kernels {row.name}: its kernels are not built with "
-                     f"{' together with '.join(PARTS[q] for q in _parts(parts[0]))}; {row.fallback} kernels instead")
+    while parts := [p for p in row.without if getattr(models, p, None) is not None]:
+        notes.append(f"--kernels {row.name}: its kernels are not built with {PARTS[parts[0]]}; {row.fallback} "
+                     "kernels instead")
         row = VARIANTS[row.fallback]
     return row.name
-
-
-def _parts(entry: str | tuple[str, ...]) -> tuple[str, ...]:
-    """A `without` entry's parts: one, or several that only refuse together."""
-    return (entry,) if isinstance(entry, str) else entry
 
 
 def chain(name: str) -> list[Variant]:

@@ -23,9 +23,15 @@ class Calibration:
     def __init__(self) -> None:
         self.ratios: dict[str, deque[float]] = {}
 
-    def observe(self, worker: str, measured_s: float, predicted_s: float) -> None:
+    def observe(self, worker: str, measured_s: float, predicted_s: float) -> float | None:
+        """The ratio kept (None for a lease that measured or predicted nothing)."""
         if measured_s > 0 and predicted_s > 0:
-            self.ratios.setdefault(worker, deque(maxlen=KEPT)).append(measured_s / predicted_s)
+            self.keep(worker, measured_s / predicted_s)
+            return measured_s / predicted_s
+        return None
+
+    def keep(self, worker: str, ratio: float) -> None:
+        self.ratios.setdefault(worker, deque(maxlen=KEPT)).append(ratio)
 
     def factor(self, worker: str) -> float | None:
         """How much longer than the table this worker takes (None before its first lease landed)."""
@@ -48,10 +54,24 @@ class Estimates:
                                          (now,))]
 
     def _calibrate(self, db, lease_id: str, worker: str | None, measured_s: float) -> None:
-        """A completion's batch seconds against its lease's prediction (inside `complete`'s transaction)."""
+        """A completion's batch seconds against its lease's prediction (inside `complete`'s transaction), kept in the
+        queue file too: a server started again knows its workers' factors before their next lease lands."""
         row = db.execute("SELECT worker, est FROM leases WHERE id = ?", (lease_id,)).fetchone()
-        if row is not None:
-            self.calibration.observe(worker or row["worker"], measured_s, row["est"])
+        if row is None:
+            return
+        worker = worker or row["worker"]
+        ratio = self.calibration.observe(worker, measured_s, row["est"])
+        if ratio is not None:
+            db.execute("INSERT INTO calibration (worker, ratio) VALUES (?, ?)", (worker, ratio))
+            db.execute("DELETE FROM calibration WHERE worker = ? AND seq NOT IN (SELECT seq FROM calibration "
+                       "WHERE worker = ? ORDER BY seq DESC LIMIT ?)", (worker, worker, KEPT))
+
+    def _load_calibration(self) -> None:
+        """The registered workers' kept ratios from the queue file (a server's start); a forgotten worker's dropped."""
+        with self._tx() as db:
+            db.execute("DELETE FROM calibration WHERE worker NOT IN (SELECT id FROM workers)")
+            for row in db.execute("SELECT worker, ratio FROM calibration ORDER BY seq").fetchall():
+                self.calibration.keep(row["worker"], row["ratio"])
 
     def _eta(self, db, job, now: float) -> float | None:
         """Seconds until the job's last image lands: the work ranked ahead of it and its own open images, over what

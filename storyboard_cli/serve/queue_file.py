@@ -49,6 +49,8 @@ CREATE TABLE IF NOT EXISTS workers (id TEXT PRIMARY KEY, name TEXT NOT NULL, see
   gpu TEXT, ready INTEGER NOT NULL DEFAULT 0, first_ready REAL, strikes INTEGER NOT NULL DEFAULT 0, quarantined TEXT,
   warm TEXT);
 CREATE TABLE IF NOT EXISTS controls (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS calibration (seq INTEGER PRIMARY KEY AUTOINCREMENT, worker TEXT NOT NULL,
+  ratio REAL NOT NULL);
 """
 # a queue made before application_id was set holds only these (sqlite_sequence: AUTOINCREMENT's)
 QUEUE_TABLES = set(re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA)) | {"sqlite_sequence"}

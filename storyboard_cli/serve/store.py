@@ -119,6 +119,7 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
         self.calibration = Calibration()
         super().__init__(self.root)
         self._repair_paths()
+        self._load_calibration()
 
     def _stored(self, path: Path) -> str:
         """A path as the jobs table keeps it: relative to the root, absolute when outside it."""

@@ -254,21 +254,31 @@ def synthetic(models: Any, batch: int, width: int, height: int, bits: int) -> Re
                          models.dtype, models.device)
 
 
-TAG = "regions"  # a UNet artifact built with the regions' inputs: "regions<slots>" (Kind.artifact)
+TAG = "regions"  # a UNet artifact built with the regions' inputs (Kind.artifact): "regions<slots>", and with an
+# IP-Adapter "regions<slots>x<reference slots>x<tokens>", its regional references' slots and tokens per image
 
 
 def artifact(models: Any) -> str:
-    """The tag of the UNet artifacts these models' regions want: their slot count names the inputs' widths."""
+    """The tag of the UNet artifacts these models' regions want: their slot count and, with an adapter, the regional
+    reference slots and its tokens per image name the inputs' widths."""
     layout = models.region_layout
-    return "" if layout is None else f"{TAG}{layout.slots}"
+    if layout is None:
+        return ""
+    adapter = models.ip_adapter
+    return f"{TAG}{layout.slots}" + ("" if adapter is None else f"x{layout.ref_slots}x{adapter.tokens}")
 
 
-def _slots(tag: str) -> int:
-    return int(tag.removeprefix(TAG))
+def _parse(tag: str) -> tuple[int, int, int]:
+    """(slots, reference slots, the adapter's tokens per image: 0 and 0 without one)."""
+    slots, *refs = (int(n) for n in tag.removeprefix(TAG).split("x"))
+    ref_slots, tokens = refs or (0, 0)
+    return slots, ref_slots, tokens
 
 
 def prepare_export(unet: Any, tag: str) -> None:
-    install(unet, _slots(tag), 0)
+    """The regions' processors into a UNet a build made (an adapter's, put in first, stay: they take regions too)."""
+    slots, ref_slots, _ = _parse(tag)
+    install(unet, slots, ref_slots)
 
 
 def export_inputs(unet: Any, tag: str, rows: int, height: int, width: int) -> dict[str, torch.Tensor]:
@@ -276,11 +286,15 @@ def export_inputs(unet: Any, tag: str, rows: int, height: int, width: int) -> di
     masks' rows KEY_ALIGN keys apart as every graph hands them over; every key seen (values do not matter)."""
     from types import SimpleNamespace
 
+    slots, ref_slots, tokens = _parse(tag)
     p = next(unet.parameters())
-    models = SimpleNamespace(region_layout=Layout.of(unet, _slots(tag), 0), device=p.device, dtype=p.dtype, unet=unet,
-                             ip_adapter=None)
+    adapter = SimpleNamespace(tokens=tokens, dim=unet.config.cross_attention_dim) if tokens else None
+    models = SimpleNamespace(region_layout=Layout.of(unet, slots, ref_slots), device=p.device, dtype=p.dtype,
+                             unet=unet, ip_adapter=adapter)
     view = Buffers(models, rows // 2, height * width).view(SimpleNamespace(batch=rows // 2, height=height, width=width))
     view.embeds.normal_()
+    if view.ref_tokens is not None:
+        view.ref_tokens.normal_()
     return view.attention()
 
 
