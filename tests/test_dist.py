@@ -402,23 +402,32 @@ def test_a_worker_keeps_to_its_lora_set_within_a_tier():
 def test_the_launcher_records_an_image_a_killed_worker_wrote_but_did_not_record(tmp_path, tiny_cpu):
     """kill -9 can land between a worker's PNG rename and its shard line: once the workers have exited, the
     launcher merges the shards and adds a line for such a file (verified by its fingerprint), as the next
-    render's start would; the folder's manifest then lists every PNG, each once."""
+    render's start would; the folder's manifest then lists every PNG, each once, and the run's report counts that
+    image too (a CI run saw 10 counted of 11 written)."""
     from storyboard_cli.job.file import load_job
     from storyboard_cli.run.render import RenderOptions, render
 
     job = load_job(write_job(tmp_path, "version: 1\nmodel: tiny\ndefaults: {steps: 2, size: 64x64}\nshots:\n"
                                        "  - {id: a, prompt: x, seed: 3, candidates: 3}\n"))
+    since = time.time() - 1  # file times may round down
     out = render(job, RenderOptions(out_dir=tmp_path / "out"), models=tiny_cpu).out_dir
     records = sorted(Manifest(out).records.values(), key=lambda r: r["path"])
     (out / "manifest.jsonl").unlink()
     for rank, record in enumerate(records[:2]):  # two workers' lines in their shards; the third never written
         shard_manifest(out, rank).append(record)
-    assert dist._merge_after(out, job)
+    assert dist._merge_after(out, job, since) == 1  # the third, written this run
     merged = Manifest(out).records
     assert sorted(merged) == [r["path"] for r in records] and not (out / SHARDS).exists()
     assert all(merged[r["path"]]["fingerprint"] == r["fingerprint"] and merged[r["path"]]["sha256"] == r["sha256"]
                for r in records)
     assert merged[records[0]["path"]] == records[0]  # a worker's own line, as it wrote it
+    from storyboard_cli.folder.layout import read_report
+    from storyboard_cli.folder.report import write_report
+
+    write_report(out, Report.from_json(read_report(out)).recounted(2))  # what rank 0 saw: the two recorded
+    assert dist._settle_report(out, "", 1, None).images_rendered == 3  # two lines of the run's, one recovered
+    assert json.loads((out / "report.json").read_text())["images_rendered"] == 3
+    assert dist._merge_after(out, job, time.time() + 60) == 0  # nothing left to recover, and none of a later run's
 
 
 def test_rank_0_done_with_its_batches_shows_the_others_progress_to_the_total(monkeypatch):

@@ -250,12 +250,15 @@ class Manifest:
         self.path = folder / MANIFEST
         self.records: dict[str, dict] = {r["path"]: r for r in manifest_records(folder)}
 
-    def reconcile(self, found: dict[str, dict]) -> None:
+    def reconcile(self, found: dict[str, dict]) -> list[str]:
         """Keeps the lines whose file is still on disk (other jobs', other shots'), adds `found` (images
-        verified done that it had no line for: a crash between an image's rename and its line)."""
+        verified done) that it had no line for: a crash between an image's rename and its line. Returns those
+        added."""
         kept = {p: r for p, r in self.records.items() if (self.folder / p).is_file()}
-        self.records = kept | {p: r for p, r in found.items() if p not in kept}
+        added = [p for p in found if p not in kept]
+        self.records = kept | {p: found[p] for p in added}
         self.compact()
+        return added
 
     def compact(self) -> None:
         atomic_write(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records.values()).encode())

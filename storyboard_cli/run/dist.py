@@ -324,7 +324,7 @@ def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODUL
     if torch.cuda.is_available() and n > torch.cuda.device_count():
         raise BadInput(f"--gpus {n}: this machine has {torch.cuda.device_count()} GPU(s)")
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={n}", "--module", module, *argv])
-    started, code, death = time.strftime("%Y-%m-%dT%H:%M:%S%z"), 0, None
+    started, since, code, death = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.time(), 0, None
     os.environ[LAUNCHED] = "1"  # inherited by the workers
     try:
         run(args)
@@ -340,37 +340,47 @@ def launch(n: int, argv: list[str], out_dir: Path, job: Job, module: str = MODUL
         code = 128 + e.sigval  # as a single render stopped by that signal
     finally:
         os.environ.pop(LAUNCHED, None)
-        merged = _merge_after(Path(out_dir), job)
-        report = _settle_report(Path(out_dir), started, merged, death)
+        recovered = _merge_after(Path(out_dir), job, since)
+        report = _settle_report(Path(out_dir), started, recovered, death)
     if death:
         done = f"the {report.images_rendered} images this run rendered" if report else "the images finished"
         raise RenderFailure(f"{death}; {done} are kept, the next run renders the rest")
     return code, report
 
 
-def _merge_after(out_dir: Path, job: Job) -> bool:
+def _merge_after(out_dir: Path, job: Job, since: float) -> int | None:
     """The folder made whole once the workers have all exited, as a render's start would (under the folder's
-    lock: False when another render holds it, or the folder cannot be written; the next run does it)."""
+    lock): how many images it found written since `since` (this run's start) with no line, which a killed worker
+    renamed into place but did not record; None when another render holds the folder, or it cannot be written (the
+    next run does it)."""
     try:
         with OutputLock(out_dir):
-            rendering.settle_folder(job, out_dir)
-        return True
+            recovered = rendering.settle_folder(job, out_dir)[2]
     except (OutputLocked, BadInput, OSError):
+        return None
+    return sum(_written_since(out_dir / path, since) for path in recovered)
+
+
+def _written_since(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except OSError:
         return False
 
 
-def _settle_report(out_dir: Path, started: str, merged: bool, death: str | None) -> Report | None:
-    """This run's report (rank 0's) made true once its folder is whole: with the shards merged, its count of images
-    is what the manifest holds of the run (rank 0 counted only the workers whose figures came in) and the note that
-    the next run merges them goes; a dead worker makes its status an error naming it. None where rank 0 wrote no
-    report this run."""
+def _settle_report(out_dir: Path, started: str, recovered: int | None, death: str | None) -> Report | None:
+    """This run's report (rank 0's) made true once its folder is whole (`recovered`: _merge_after's count, None
+    where it could not): with the shards merged, its count of images is what the manifest holds of the run (rank 0
+    counted only the workers whose figures came in), plus the images a killed worker wrote but did not record, and
+    the note that the next run merges them goes; a dead worker makes its status an error naming it. None where rank
+    0 wrote no report this run."""
     data = read_report(out_dir)
     if not data or data.get("run", {}).get("started", "") < started:
         return None  # rank 0 wrote none this run
     report = Report.from_json(data)  # this run's: written by this version, every key there
-    if merged and any(n.endswith(SHARDS_LEFT) for n in report.notes):
+    if recovered is not None and (recovered or any(n.endswith(SHARDS_LEFT) for n in report.notes)):
         run = report.run.get("id")
-        landed = sum(r.get("run") == run for r in Manifest(out_dir).records.values())
+        landed = sum(r.get("run") == run for r in Manifest(out_dir).records.values()) + recovered
         report = replace(report.recounted(landed), notes=[n for n in report.notes if not n.endswith(SHARDS_LEFT)])
     if death:
         report = replace(report, status=Status.ERROR, error=death, stopped_by=None)

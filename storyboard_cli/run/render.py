@@ -84,16 +84,17 @@ class RenderResult:
 
 
 def settle_folder(job: Job, out_dir: Path, force: bool = False, only: set[str] | None = None,
-                  shots: set[str] | None = None) -> tuple[Pending, Manifest]:
+                  shots: set[str] | None = None) -> tuple[Pending, Manifest, list[str]]:
     """The folder made whole after whatever ended the last writer: its stale temp files removed, the shards of
     a multi-GPU run merged (dist.py), and the manifest reconciled with the files (a line for each image a
-    killed writer renamed into place but did not record). Returns what is left to render and the manifest."""
+    killed writer renamed into place but did not record). Returns what is left to render, the manifest and the
+    images it recorded for such a writer."""
     remove_stale_temps(out_dir)
     merge_shards(out_dir)
     manifest = Manifest(out_dir)
     pending = pending_items(job, out_dir, force, only, shots, manifest.records)
-    manifest.reconcile(pending.found)
-    return pending, manifest
+    recovered = manifest.reconcile(pending.found)
+    return pending, manifest, recovered
 
 
 def check_options(opts: RenderOptions) -> None:
@@ -198,7 +199,7 @@ class RenderSession:
         only = previous_failures(self.out_dir) if self.opts.retry_failed else None
         if only is not None and not only:
             self.notes.append("--retry-failed: the last report lists no failed images")
-        return settle_folder(self.job, self.out_dir, self.opts.force, only, self.shots)
+        return settle_folder(self.job, self.out_dir, self.opts.force, only, self.shots)[:2]
 
     def publish(self, report: Report, keep_last: bool) -> tuple[Report, tuple[Path, Path] | None]:
         """Writes the report (unless the last one is kept); returns the report and its paths."""
