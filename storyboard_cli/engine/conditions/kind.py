@@ -175,20 +175,20 @@ class Kind:
     synthetic: Callable[[Any, int, int, int, int], Condition | None]
     # (models) -> the width of what an exported UNet takes from the kind (engine/kernels/export.py Target.refs); 0
     artifact_width: Callable[[Any], int] = lambda models: 0
-    # A kind whose inputs change an exported UNet's signature beyond that: `artifact` (models) -> a short tag naming
-    # them ("" for none; Target.tags: the artifact's key, label and file name), and its `Export` hooks
-    artifact: Callable[[Any], str] = lambda models: ""
+    # a kind whose inputs change an exported UNet's signature beyond that (the regions'): its part of the artifacts
     export: Export | None = None
 
 
 @dataclass(frozen=True)
 class Export:
-    """A kind's part of a UNet artifact whose tag it named (Kind.artifact, which starts with `tag`): `prepare` (unet,
-    tag) puts the kind's attention processors into a UNet a build made from its config; `inputs` (unet, tag, rows,
-    height, width) gives its example inputs, in its `attention()` order, with the strides its static buffers' views
-    have (an artifact reads its inputs with the strides it was built for)."""
+    """A kind's part of the UNet artifacts: `artifact` (models) -> the tag naming the inputs these models want ("" for
+    none; it starts with `tag`; Target.tags: the artifact's key, label and file name); `prepare` (unet, tag) puts the
+    kind's attention processors into a UNet a build made from its config; `inputs` (unet, tag, rows, height, width)
+    gives its example inputs, in its `attention()` order, with the strides its static buffers' views have (an
+    artifact reads its inputs with the strides it was built for)."""
 
     tag: str
+    artifact: Callable[[Any], str]
     prepare: Callable[[Any, str], None]
     inputs: Callable[[Any, str, int, int, int], dict[str, torch.Tensor]]
 

@@ -254,7 +254,7 @@ def synthetic(models: Any, batch: int, width: int, height: int, bits: int) -> Re
                          models.dtype, models.device)
 
 
-TAG = "regions"  # a UNet artifact built with the regions' inputs (Kind.artifact): "regions<slots>", and with an
+TAG = "regions"  # a UNet artifact built with the regions' inputs (Export.artifact): "regions<slots>", and with an
 # IP-Adapter "regions<slots>x<reference slots>x<tokens>", its regional references' slots and tokens per image
 
 
@@ -301,4 +301,4 @@ def export_inputs(unet: Any, tag: str, rows: int, height: int, width: int) -> di
 KIND = Kind(NAME, FIELDS, lambda models: Reader(models),
             lambda models, max_batch, max_pixels: None if models.region_layout is None else Buffers(models, max_batch,
                                                                                                max_pixels),
-            synthetic, artifact=artifact, export=Export(TAG, prepare_export, export_inputs))
+            synthetic, export=Export(TAG, artifact, prepare_export, export_inputs))

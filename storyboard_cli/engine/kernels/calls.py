@@ -73,7 +73,7 @@ class CompiledKernels(StepCalls):
         self.residuals = Residuals.of(models.unet)
         # what the UNet's artifacts take from the conditioning kinds (an IP-Adapter's tokens: Target.refs)
         self.refs = sum(row.artifact_width(models) for row in KINDS.values())
-        self.tags = tuple(tag for row in KINDS.values() if (tag := row.artifact(models)))  # and further kinds' inputs
+        self.tags = tuple(tag for row in KINDS.values() if row.export and (tag := row.export.artifact(models)))
         self.calls: dict[Target, Callable] = {}
         self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
         self.load_s: dict[Target, float] = {}  # seconds each load and constant binding took

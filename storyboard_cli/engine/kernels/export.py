@@ -42,7 +42,7 @@ class Target:
     width: int
     precision: str = VARIANTS[COMPILED].precision  # another compiled row's: the UNet's FP8 kernels ("fp8")
     refs: int = 0  # a UNet with an IP-Adapter: its reference tokens per row (slots x tokens per image); 0 without
-    tags: tuple[str, ...] = ()  # a UNet taking further kinds' inputs: each such kind's tag (Kind.artifact), in table order
+    tags: tuple[str, ...] = ()  # a UNet taking further kinds' inputs: each such kind's tag (Export.artifact), in table order
 
     @property
     def variant(self) -> Variant:
@@ -121,10 +121,9 @@ def text_dims(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: int, refs: int = 0,
-                   tags: tuple[str, ...] = ()) -> tuple:
-    """Inputs of the exported call for `model` at latent size h x w (values do not matter); `refs`: Target.refs,
-    `tags`: Target.tags. A UNet's last input is a tuple of the attention processors' inputs (UNetCall), when it takes
-    any."""
+                   tagged: dict[str, torch.Tensor] | None = None) -> tuple:
+    """Inputs of the exported call for `model` at latent size h x w (values do not matter); `refs`: Target.refs;
+    `tagged`: the tagged kinds' inputs (`tagged_inputs`), a UNet's last input (UNetCall)."""
     dtype, device = model.dtype, model.device
     text_dim, pooled_dim = text_dims(model)
     latents = torch.randn(rows, 4, h, w, dtype=dtype, device=device)
@@ -145,8 +144,8 @@ def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: in
         args += (torch.randn(rows, refs, text_dim, dtype=dtype, device=device),
                  torch.ones(rows, 1, 1, dtype=dtype, device=device),
                  torch.zeros(rows, 1, 1, refs, dtype=dtype, device=device))
-    if tags:
-        args += (None,) * (10 - len(args)) + (tuple(tagged_inputs(model, rows, h, w, tags).values()),)
+    if tagged:
+        args += (() if refs else (None, None, None)) + (tuple(tagged.values()),)  # after the IP-Adapter's three
     return args
 
 
@@ -240,9 +239,9 @@ def export(target: Target, model: torch.nn.Module) -> torch.export.ExportedProgr
     rewrite = target.variant.rewrite
     if rewrite is not None:
         rewrite(model)
-    args = example_inputs(target.module, model, MIN_ROWS, target.height // 8, target.width // 8, target.refs,
-                          target.tags)
-    names = tuple(tagged_inputs(model, MIN_ROWS, 8, 8, target.tags)) if target.tags else ()
-    wrapper = UNetCall(model, names) if target.module == "unet" else ControlNetCall(model)
+    h, w = target.height // 8, target.width // 8
+    tagged = tagged_inputs(model, MIN_ROWS, h, w, target.tags)
+    args = example_inputs(target.module, model, MIN_ROWS, h, w, target.refs, tagged)
+    wrapper = UNetCall(model, tuple(tagged)) if target.module == "unet" else ControlNetCall(model)
     with torch.no_grad():
         return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(args), strict=False)
