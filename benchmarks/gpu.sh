@@ -102,7 +102,7 @@ leg() {  # LEG ARG NAME
   case $leg in
   tests)
     for t in $(tr , " " <<< "${arg:-$GPU_TESTS}"); do
-      step "$n-$t" 200 python -m pytest -q -m gpu "tests/test_$t.py" -p no:cacheprovider
+      step "$n-$t" 200 python -m pytest -q -rP -m gpu "tests/test_$t.py" -p no:cacheprovider
     done;;
   rng)
     step "$n" 150 env PYTHONPATH="$PWD/benchmarks/probes:$PYTHONPATH" python -m pytest -q -s -m gpu \
@@ -149,10 +149,10 @@ leg() {  # LEG ARG NAME
     awk '/^    regions:/ {skip=1; next} skip && /^      - / {next} {skip=0; print}' benchmarks/jobs/regions.yaml > "$plain"
     sed '/^  - id: four/,$d' benchmarks/jobs/regions.yaml > "$two"  # the two-region shot alone: two slots
     if [ "${arg:-off}" = on ]; then  # the two regions' UNet artifacts (4 and 2 slots) built side by side first
-      step "$n-build" 480 bash -c "python -m storyboard_cli capture benchmarks/jobs/regions.yaml --compile on & \
-        python -m storyboard_cli capture $two --compile on & wait"
+      step "$n-build" 480 bash -c "python -m storyboard_cli capture benchmarks/jobs/regions.yaml --warm \
+        --compile on --steps 2 & python -m storyboard_cli capture $two --warm --compile on --steps 2 & wait"
     fi
-    for job in benchmarks/jobs/regions.yaml "$two" "$plain"; do
+    for job in "$plain" "$two" benchmarks/jobs/regions.yaml; do  # the plain one first: each ratio needs it
       STDOUT=json step "$n-$(basename "$job" .yaml)" 540 python -m storyboard_cli capture "$job" --warm \
         --compile "${arg:-off}" --steps 10 --json
       python benchmarks/capture_table.py "$R/$n-$(basename "$job" .yaml).json" >> "$R/$n.log"

@@ -29,9 +29,9 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
             kernels: KernelsOpt = None, fp8: Fp8Opt = False, json_out: JsonOpt = False,
             draft: Annotated[bool, flag("--draft", "The job as `bcg render --draft` renders it: its draft "
                                                    "graphs too.")] = False) -> None:
-    """Compile the kernels a job needs (once per model, GPU and torch; kept under $BCG_CACHE), then
-    capture its CUDA graphs (the step kinds of its draft levers too), check them against the uncompiled step
-    and time them."""
+    """List the shapes a job needs; with --warm, compile the kernels it needs (once per model, GPU and torch;
+    kept under $BCG_CACHE), then capture its CUDA graphs (the step kinds of its draft levers too), check them
+    against the uncompiled step and time them."""
     from storyboard_cli.job.file import as_draft, load_job
     from storyboard_cli.run import capture as capturing
 
