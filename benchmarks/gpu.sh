@@ -35,6 +35,9 @@
 #                     allocator), then `--parts draft_capture`
 #   vae               probes/vae_scout.py at 1024x1024 (ARG: its --variants), then 832x1216
 #   scout[:VARIANTS]  probes/fp8_scout.py (default plain,prod,fp8,fp8_eager,fp8_eager_fast; plain,prod,cdt: tuning)
+#   step[:WHAT]       probes/step_scout.py WHAT (controlnet, the default: the ControlNet's Linears in FP8 against
+#                     its fp16 artifact; bucket16: the fp16 UNet for 16 images against 8), at 1024x1024; two legs
+#                     side by side: step:controlnet step:bucket16@0b
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -48,7 +51,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,48p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,51p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -185,6 +188,12 @@ leg() {  # LEG ARG NAME
       TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#PLAN[@]} )) python benchmarks/probes/fp8_scout.py \
       --variants "${arg:-plain,prod,fp8,fp8_eager,fp8_eager_fast}" --budget "$(( $(left) - 30 ))" \
       --out "$R/$n.json" --build-dir "/tmp/fp8-build-$n" $smoke;;
+  step)
+    local smoke=""
+    [ "$SMOKE" = 1 ] && smoke="--model tiny --side 128 --build-missing --loops 2 --replays 2"
+    step "$n" 560 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" \
+      TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#PLAN[@]} )) python benchmarks/probes/step_scout.py \
+      "${arg:-controlnet}" --budget "$(( $(left) - 30 ))" --out "$R/$n.json" --build-dir "/tmp/step-build-$n" $smoke;;
   load)
     local a b
     a=$(ls "$BCG_CACHE"/compiled/unet-1024x1024-*.pt2 | head -1); b=$(ls "$BCG_CACHE"/compiled/unet-1216x832-*.pt2 | head -1)

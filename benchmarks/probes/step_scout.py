@@ -1,0 +1,272 @@
+"""Step scout for issue 41's items 2 and 3, each before it is built into the product:
+
+  controlnet  the ControlNet's transformer Linears in FP8: the production recipe (engine/kernels/fp8.py: the `fp8`
+              row's rewrite, export and options) applied to the ControlNet, its input scales calibrated on the
+              live net (a few eager calls: prompts against the empty negative, unit-normal latents, a sparse control
+              image, the sampler's range of t), its weights quantised from the live net and bound as production
+              binds the UNet's. Timed side by side with the production fp16 ControlNet artifact and the eager net
+              in a CUDA graph, at 2 and 8 images (4 and 16 rows, CFG); the residuals' relative L2 error against the
+              eager net at t = 999, 500, 50.
+  bucket16    the production fp16 UNet recipe exported for up to 32 rows (16 images guided; production's
+              artifacts stop at 16 rows), timed against the production artifact at 8 images and at 16: ms per
+              image-step, the graphs' memory, the build's seconds.
+
+Each build is artifacts.build (the production code) into --build-dir, stopped at --budget; the JSON is rewritten
+after every stage (fp8_scout.py's Record).
+
+    python benchmarks/probes/step_scout.py controlnet --out cn.json --budget 420      # H200, sdxl-random
+    python benchmarks/probes/step_scout.py bucket16 --out b16.json --budget 420
+    python benchmarks/probes/step_scout.py controlnet --model tiny --side 128 --build-missing --out /tmp/cn.json  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fp8_scout import OutOfBudget, Record, Timed, attempt, rel_err, side_by_side, within  # noqa: E402
+
+from storyboard_cli.engine.device import DTYPES  # noqa: E402
+from storyboard_cli.engine.eager import controlnet_call  # noqa: E402
+from storyboard_cli.engine.kernels import artifacts, export as exporting, fp8  # noqa: E402
+from storyboard_cli.engine.kernels.artifacts import Target, build  # noqa: E402
+from storyboard_cli.engine.kernels.calls import CompiledKernels, load  # noqa: E402
+from storyboard_cli.engine.kernels.export import example_inputs  # noqa: E402
+from storyboard_cli.models.loader import load_sdxl  # noqa: E402
+
+ERROR_T = (999.0, 500.0, 50.0)
+
+
+def fresh(models, module: str) -> torch.nn.Module:
+    """A module of the same config without values (bound at load), as engine/kernels/builds.py's child makes it."""
+    import diffusers
+
+    live = models.unet if module == "unet" else models.controlnets[0]
+    with torch.device("meta"):
+        model = type(live).from_config(dict(live.config))
+    return model.to_empty(device=models.device).to(dtype=models.dtype).eval().requires_grad_(False)
+
+
+def built(rec: Record, name: str, target: Target, models, folder: Path, seconds: float) -> Path | None:
+    """artifacts.build of `target` into `folder`, stopped after `seconds`; None (recorded) if it failed."""
+    path = folder / f"{name}-{target.module}-{target.width}x{target.height}.pt2"
+    if path.is_file():
+        rec.put(f"build_{name}", {"reused": path.name})
+        return path
+    t0 = time.perf_counter()
+    try:
+        with within(seconds):
+            stats = build(target, fresh(models, target.module), path)
+    except (OutOfBudget, Exception) as e:  # noqa: BLE001 - a scout records any failure and goes on
+        rec.put(f"build_{name}", {"error": f"{type(e).__name__}: {str(e)[:1500]}",
+                                  "wall_s": round(time.perf_counter() - t0, 1)})
+        return None
+    rec.put(f"build_{name}", {**stats, "wall_s": round(time.perf_counter() - t0, 1)})
+    return path
+
+
+def inputs(module: str, model, rows: int, side: int, t: float, seed: int) -> tuple:
+    """The exported call's inputs at `rows` (export.example_inputs), t set, a sparse control image in [0, 1]."""
+    torch.manual_seed(seed)
+    args = list(example_inputs(module, model, rows, side // 8, side // 8))
+    args[1] = torch.tensor(t, dtype=torch.float32, device=model.device)
+    if module == "controlnet":
+        args[5] = (torch.rand_like(args[5]) > 0.9).to(args[5].dtype)  # lines on black, as an edge map
+    return tuple(args)
+
+
+def eager_controlnet(net, *args):
+    """The eager net with the step's [rows] timestep, as the eager engine calls it."""
+    args = list(args)
+    args[1] = args[1].expand(args[0].shape[0])
+    return controlnet_call(net, *args)
+
+
+@torch.no_grad()
+def calibrate(models, side: int) -> dict[str, float]:
+    """The live ControlNet's FP8 Linears' input amax over eager calls (fp8.calibrate's recipe, a control image too)."""
+    from storyboard_cli.engine.conditioning import encode_text, time_ids
+
+    net, dev, dt = models.controlnets[0], models.device, models.dtype
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(names, module, args):
+        amax = args[0].detach().abs().amax().float()
+        for name in names:
+            seen[name] = amax if name not in seen else torch.maximum(seen[name], amax)
+
+    by_input: dict[str, list[str]] = {}
+    for name, source in fp8.linears(net).items():
+        by_input.setdefault(source, []).append(name)
+    hooks = [net.get_submodule(s).register_forward_pre_hook(partial(record, n)) for s, n in by_input.items()]
+    try:
+        embeds, pooled = encode_text(models, list(fp8.CALIBRATION_PROMPTS))
+        embeds = torch.cat([torch.zeros_like(embeds), embeds]).to(dt)
+        pooled = torch.cat([torch.zeros_like(pooled), pooled]).to(dt)
+        rows = embeds.shape[0]
+        ids = time_ids(side, side, rows, dt, dev)
+        g = torch.Generator().manual_seed(0)
+        for t in fp8.CALIBRATION_T:
+            latents = torch.randn(rows, 4, side // 8, side // 8, generator=g).to(dev, dt)
+            image = (torch.rand(rows, 3, side, side, generator=g) > 0.9).to(dev, dt)
+            scale = torch.ones(rows, 1, 1, 1, dtype=dt, device=dev)
+            controlnet_call(net, latents, torch.full((rows,), t, device=dev), embeds, pooled, ids, image, scale)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: a.item() for n, a in seen.items()}
+
+
+class Scales:
+    """The FP8 ControlNet artifact's constants beyond the net's own tensors (fp8.InputScales' form)."""
+
+    def __init__(self, amax: dict[str, float], net, device):
+        self.x_scales = fp8.input_scales(amax, net, device)
+
+    def tensors(self, models, module):
+        return {**fp8.weights(models, module), **self.x_scales}
+
+
+def errors(rec: Record, key: str, call, want: dict, err_inputs: dict) -> None:
+    def measured() -> dict:
+        out = {}
+        for t, x in err_inputs.items():
+            got = call(*x)
+            got = got if isinstance(got, (tuple, list)) else (got,)
+            out[f"t{int(t)}"] = round(max(rel_err(g, w) for g, w in zip(got, want[t])), 6)
+        return out
+    got = attempt(rec, key, measured)
+    if got is not None:
+        rec.put(key, got)
+
+
+def timing(rec: Record, key: str, calls: dict, make, rows_list, loops: int, replays: int) -> None:
+    """Each call captured at each row count (static inputs from `make(rows)`), timed side by side."""
+    cuda = torch.cuda.is_available()
+    out = {}
+    for rows in rows_list:
+        args = make(rows)
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        timed = {}
+        for name, call in calls.items():
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            t = attempt(rec, f"capture_{key}_{name}_{rows}", lambda: Timed(call, args, pool))
+            if t is None:
+                continue
+            timed[name] = t
+            if cuda:
+                rec.put(f"memory_{key}_{name}_{rows}_rows_gb",
+                        round((torch.cuda.max_memory_allocated() - before) / 2**30, 2))
+        images = rows // 2
+        out[f"{images}_images"] = side_by_side(timed, images, loops, replays)
+        rec.put(key, out)
+
+
+def scout_controlnet(args, rec: Record, models) -> None:
+    side = args.side
+    net = models.controlnets[0]
+    k = CompiledKernels(models, root=args.cache)  # fuses the live modules' projections, as a render does
+    fp16_t, fp8_t = Target("controlnet", side, side), Target("controlnet", side, side, "fp8")
+    t0 = time.perf_counter()
+    amax = calibrate(models, side)
+    rec.put("calibration", {"linears": len(amax), "seconds": round(time.perf_counter() - t0, 1),
+                            "amax_min": min(amax.values()), "amax_max": max(amax.values())})
+    prod = k.path(fp16_t)
+    if not prod.is_file() and args.build_missing:
+        prod = built(rec, "prod", fp16_t, models, args.build_dir, args.budget - rec.elapsed() - 60)
+    calls = {"plain": partial(eager_controlnet, net)}
+    if prod is not None and prod.is_file() and k.add(fp16_t, prod):
+        calls["prod"] = k.calls[fp16_t]
+    else:
+        rec.put("prod", {"error": f"no production fp16 ControlNet artifact ({prod}); {k.notes}"})
+    path = built(rec, "fp8", fp8_t, models, args.build_dir, args.budget - rec.elapsed() - 60)
+    if path is not None:
+        try:
+            calls["fp8"] = load(fp8_t, models, path, Scales(amax, net, models.device))
+        except Exception as e:  # noqa: BLE001
+            rec.put("load_fp8", {"error": f"{type(e).__name__}: {str(e)[:1500]}"})
+    with torch.no_grad():
+        err_inputs = {t: inputs("controlnet", net, 16, side, t, 7) for t in ERROR_T}
+        want = {t: [w.float() for w in calls["plain"](*x)] for t, x in err_inputs.items()}
+        for name in ("prod", "fp8"):
+            if name in calls:
+                errors(rec, f"rel_err_{name}_vs_eager", calls[name], want, err_inputs)
+        timing(rec, "controlnet_timing", calls, lambda rows: inputs("controlnet", net, rows, side, 500.0, 11),
+               (4, 16), args.loops, args.replays)
+
+
+def scout_bucket16(args, rec: Record, models) -> None:
+    side = args.side
+    k = CompiledKernels(models, root=args.cache)
+    target = Target("unet", side, side)
+    calls = {}
+    prod = k.path(target)
+    if not prod.is_file() and args.build_missing:
+        prod = built(rec, "prod", target, models, args.build_dir, args.budget - rec.elapsed() - 60)
+    if prod is not None and prod.is_file() and k.add(target, prod):
+        calls["prod16rows"] = k.calls[target]
+    else:
+        rec.put("prod", {"error": f"no production fp16 UNet artifact ({prod}); {k.notes}"})
+    # the same recipe with the rows dynamic up to 32 (the artifact key's "rows" follows)
+    exporting.MAX_ROWS = artifacts.MAX_ROWS = 32
+    path = built(rec, "rows32", target, models, args.build_dir, args.budget - rec.elapsed() - 60)
+    if path is not None:
+        try:
+            calls["rows32"] = load(target, models, path)
+        except Exception as e:  # noqa: BLE001
+            rec.put("load_rows32", {"error": f"{type(e).__name__}: {str(e)[:1500]}"})
+    with torch.no_grad():
+        make = partial(lambda rows: inputs("unet", models.unet, rows, side, 500.0, 11))
+        if "prod16rows" in calls and "rows32" in calls:  # the same inputs, two artifacts
+            x = make(16)
+            rec.put("rel_err_rows32_vs_prod", round(rel_err(calls["rows32"](*x), calls["prod16rows"](*x)), 6))
+        timing(rec, "unet_timing_8_images", calls, make, (16,), args.loops, args.replays)
+        if "rows32" in calls:
+            timing(rec, "unet_timing_16_images", {"rows32": calls["rows32"]}, make, (32,), args.loops, args.replays)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("controlnet", "bucket16"))
+    p.add_argument("--out", type=Path, required=True, help="the JSON record (rewritten after each stage)")
+    p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
+    p.add_argument("--model", default="sdxl-random")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp16 on CUDA, fp32 on a CPU")
+    p.add_argument("--side", type=int, default=1024, help="image side in pixels")
+    p.add_argument("--loops", type=int, default=5)
+    p.add_argument("--replays", type=int, default=6)
+    p.add_argument("--cache", type=Path, default=None, help="the compiled artifacts' folder (default: $BCG_CACHE's)")
+    p.add_argument("--build-dir", type=Path, default=Path("/tmp/step-scout"))
+    p.add_argument("--build-missing", action="store_true", help="build the production artifact if the cache lacks it")
+    args = p.parse_args()
+    faulthandler.dump_traceback_later(args.budget + 15, exit=True)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = DTYPES[args.dtype or ("fp16" if cuda else "fp32")]
+    args.build_dir.mkdir(parents=True, exist_ok=True)
+    rec = Record(args.out, what=args.what, model=args.model, dtype=str(dtype), side=args.side,
+                 torch=torch.__version__, gpu=torch.cuda.get_device_name() if cuda else None,
+                 cores=len(os.sched_getaffinity(0)), budget_s=args.budget)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    models = load_sdxl(args.model, args.model if args.what == "controlnet" else None, device, dtype)
+    rec.put("load_s", round(time.perf_counter() - t0, 1))
+    (scout_controlnet if args.what == "controlnet" else scout_bucket16)(args, rec, models)
+    if cuda:
+        rec.put("peak_gb", round(torch.cuda.max_memory_allocated() / 2**30, 1))
+    rec.put("done", True)
+
+
+if __name__ == "__main__":
+    main()
