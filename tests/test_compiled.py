@@ -372,3 +372,57 @@ def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifact
         wrong = run(StepCalls(k.unet, k.controlnet, (k.controlnet,)))  # the first net's kernels for both guides
     assert rel_error(got, expect) < 1e-4
     assert rel_error(wrong, expect) > 1e-3  # the second net's own weights are in the comparison
+
+
+def _runner_at_two_row_counts(artifacts):
+    """A graph runner over the tiny UNet's compiled kernels (CPU replays), both shapes of one size prepared, and the
+    inputs of a batch of 4 and of 2."""
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+
+    from helpers.graphs import cpu_replays
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    k = CompiledKernels(models, None, root=artifacts)
+    k.want(k.targets([Shape(4, SIDE, SIDE, 0)]))
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k)
+    cpu_replays(runner)
+    runner.prepare([Shape(4, SIDE, SIDE, 0), Shape(2, SIDE, SIDE, 0)])
+    sched = schedule("euler", 3, models.scheduler_config)
+    four, two = ((x, sched, None, cond, conds, guidance)
+                 for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, 0) for n in (4, 2)))
+    return models, runner, four, two
+
+
+def test_a_compiled_graph_at_other_rows_is_checked_against_its_kernels_outside_the_graph(artifacts):
+    """The first compiled graph of a size is checked against the eager step; the same kernels' graph at other rows
+    against its own step run outside the graph (no host-bound eager pass), and both loops equal the eager loop's."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    with torch.no_grad():
+        got = [runner.sample(*four), runner.sample(*two)]
+        want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
+    assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
+    reasons = {s.key.batch: (s.key.variant, s.state, s.reason) for s in runner.stats.values()}
+    assert reasons[4][:2] == reasons[2][:2] == ("compiled", "graph")
+    assert "against" not in reasons[4][2], reasons
+    assert reasons[2][2].endswith("against its kernels outside the graph (against eager at 4 images)"), reasons
+
+
+def test_a_broken_capture_at_other_rows_fails_its_check_against_the_kernels(artifacts):
+    """The reference outside the graph is the step itself, not the graph: a replay that writes wrong latents at the
+    second row count fails its check and falls back, as a failed eager check does."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    runner.stepper = lambda v: (runner.step(v), v.x.mul_(1.5) if v.key.batch == 2 else None)
+    with torch.no_grad():
+        runner.sample(*four)
+        got = runner.sample(*two)
+        want = EagerEngine(models).sample(*two)
+    assert torch.equal(got, want)  # every graph of the 2 rows fell back: the eager engine ran them
+    failed = {s.key.variant: s for s in runner.stats.values() if s.key.batch == 2}
+    assert failed["compiled"].state == "plain", failed
+    assert "replay check failed" in failed["compiled"].reason and "against its kernels" in failed["compiled"].reason

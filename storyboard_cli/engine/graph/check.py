@@ -1,5 +1,7 @@
-"""A graph's first replay checked against the eager step on the same inputs: the one test that a captured graph (its
-variant's kernels, the static buffers it reads) computes the step. The limit is the variant's (engine/variants.py)."""
+"""A graph's first replay checked against a reference step on the same inputs: the one test that a captured graph (its
+variant's kernels, the static buffers it reads) computes the step. The reference is the eager step, or (`direct`) the
+graph's own step run outside the graph on the same buffers, where the runner has checked the same kernels against the
+eager step at other rows (engine/graph/runner.py `_check`). The limit is the variant's (engine/variants.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from storyboard_cli.engine.conditioning import Cond
 from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.eager import sample_step
-from storyboard_cli.engine.graph.buffers import Buffers
+from storyboard_cli.engine.graph.buffers import Buffers, Views
 from storyboard_cli.engine.graph.keys import ShapeKey
 from storyboard_cli.engine.sampling import Schedule
 from storyboard_cli.engine.variants import VARIANTS
@@ -18,29 +20,38 @@ from storyboard_cli.models.loader import SdxlModels
 
 
 def first_replay(models: SdxlModels, buf: Buffers, key: ShapeKey, replay: Callable[[], None], x: torch.Tensor,
-                 sched: Schedule, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> tuple[float, str]:
-    """(relative error, why it fails or "") of one replay of `key`'s graph against the eager step, in the next latents
-    and in the prediction (the denoised latents: at the check's first, noisiest step the UNet's output dominates them,
-    where the next latents move by a fraction of it). The caller reloads the buffers after. At guidance 1: CFG
-    multiplies the difference of two fp16 kernel orders (compiled against plain) by up to 2g - 1 where the conditional
-    and unconditional predictions are close; the check is there to catch broken kernels, and the guidance arithmetic
-    is the same code in both."""
+                 sched: Schedule, cond: Cond, conds: Conditions, guidance: torch.Tensor,
+                 direct: Callable[[Views], None] | None = None) -> tuple[float, str]:
+    """(relative error, why it fails or "") of one replay of `key`'s graph against the eager step (or `direct`: the
+    graph's step run on the buffers outside the graph), in the next latents and in the prediction (the denoised
+    latents: at the check's first, noisiest step the UNet's output dominates them, where the next latents move by a
+    fraction of it). The caller reloads the buffers after. At guidance 1: CFG multiplies the difference of two fp16
+    kernel orders (compiled against plain) by up to 2g - 1 where the conditional and unconditional predictions are
+    close; the check is there to catch broken kernels, and the guidance arithmetic is the same code in both."""
     guidance = torch.ones_like(guidance)
     v = buf.view(key)
     conds = conds.like(v.conds)  # the kinds the graph runs (a step after the ControlNet's end: not that one)
     v.load(buf, x, sched, cond, conds, guidance)
-    # DeepCache: a shallow step reads the feature in the buffer (the eager step reads the same copy);
+    # DeepCache: a shallow step reads the feature in the buffer (the reference reads the same copy);
     # a full step's written feature is checked with its output
     feature = None if v.feature is None else v.feature.clone()
     replay()
-    replayed, predicted = v.x.clone(), v.prev.clone()  # clones: the next replay overwrites the static buffers
-    row = sched.table[0].to(x.device)
-    expect, denoised = sample_step(models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, conds.at(0),
-                                   guidance, None, key.step, feature, 0)
-    pairs = [(replayed, expect), (predicted, denoised)]
+    # clones: the next replay overwrites the static buffers
+    got = [v.x.clone(), v.prev.clone(), None if feature is None else v.feature.clone()]
+    if direct is None:
+        row = sched.table[0].to(x.device)
+        want = [*sample_step(models, x, torch.zeros_like(x), torch.zeros_like(x), row, cond, conds.at(0), guidance,
+                             None, key.step, feature, 0), feature]
+    else:  # the same inputs in the same buffers (a compiled artifact reads them with the strides it was built for)
+        v.load(buf, x, sched, cond, conds, guidance)
+        if feature is not None:
+            v.feature.copy_(feature)
+        direct(v)
+        want = [v.x, v.prev, v.feature]
+    pairs = list(zip(got[:2], want[:2]))
     if key.step.cache == "write":  # the feature each wrote (a conditional step: its half) is checked too
         rows = slice(None) if key.step.guided else slice(key.batch, None)
-        pairs.append((v.feature[rows], feature[rows]))
+        pairs.append((got[2][rows], want[2][rows]))
     err = 0.0
     for got, want in pairs:
         finite = torch.isfinite(want)

@@ -14,7 +14,8 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   after a warm-up on a side stream, unless a graph already captured ran every kernel of this one at the
   same rows and size (`Warmed`: draft mode's kinds of a shape, a conditional step of B rows after a guided
   step of B / 2 images); a capture without one that fails is tried again after one. The first replay of
-  each is checked against the eager step on the same inputs; a capture failure or a mismatch sends that
+  each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
+  rows: against its own step outside the graph, `_check`); a capture failure or a mismatch sends that
   shape down the variant table (engine/variants.py: FP8 -> compiled -> plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
   guidance <= 1; DeepCache's full step writing its feature and its shallow step reading it) are more
@@ -73,12 +74,13 @@ class GraphRunner:
         offer; a variant that fails its check falls back along engine/variants.py, the last graph to "plain"."""
         self.models, self.compiled = models, compiled
         self.demoted: dict[Shape, set[str]] = {}  # the variants of a shape that failed (capture or check)
-        self.eager = EagerEngine(models)  # the fallback, and what every first replay is checked against
+        self.eager = EagerEngine(models)  # the fallback, and what a first replay is checked against (`_check`)
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.side: torch.cuda.Stream | None = None  # the warm-ups' stream, made at the first
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
+        self.against_eager: list[ShapeKey] = []  # compiled graphs whose first replay matched the eager step (`_check`)
         # DeepCache's full steps by (shape, guided): today's step of that shape and rows replays the same graph (one
         # capture less; it also writes the feature, a copy nothing reads until a full step of a caching batch
         # writes it again)
@@ -340,13 +342,32 @@ class GraphRunner:
     # ------------------------------------------------------------------ running
 
     def _check(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, *inputs) -> bool:
-        """The first replay against the eager step (graph/check.py); a failure falls back with the reason."""
-        err, problem = first_replay(self.models, self.buf, key, graph.replay, *inputs)
+        """The first replay against a reference step (graph/check.py); a failure falls back with the reason. The
+        reference is the eager step, the first time a variant's kernels run at a size, ControlNets and step kind in this
+        runner. At other rows the same kernels (a compiled artifact's rows are its one dynamic dimension) were
+        checked against it already, and the reference is the graph's own step outside the graph: it checks what the
+        capture can break (the static buffers, the pool, the launch order) at the cost of one step on those kernels,
+        where the eager step costs a host-bound pass through the modules and their per-shape setup (0.2-0.9 s per shape
+        on an H200, docs/PERFORMANCE.md)."""
+        seen = self._checked_kernels(key)
+        direct = None if seen is None else self.step
+        err, problem = first_replay(self.models, self.buf, key, graph.replay, *inputs, direct=direct)
+        against = "" if seen is None else f" against its kernels outside the graph (against eager at {seen.batch} images)"
         if problem:
-            self._fall_back(key, f"replay check failed: {problem}")
+            self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
-        self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}"
+        self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}{against}"
+        if seen is None:
+            self.against_eager.append(key)
         return True
+
+    def _checked_kernels(self, key: ShapeKey) -> ShapeKey | None:
+        """A graph of `key`'s compiled kernels (its variant, size, ControlNets and step kind) at other rows whose first
+        replay matched the eager step in this runner; None for the plain graphs (their kernels are the modules' own,
+        chosen per shape) and when there is none."""
+        if key.variant == PLAIN:
+            return None
+        return next((k for k in self.against_eager if replace(k, batch=key.batch) == key), None)
 
     def _checked_graph(self, key: ShapeKey, *inputs) -> torch.cuda.CUDAGraph | None:
         """The graph for `key`, captured and checked; None when the shape has fallen back (why: stats)."""
