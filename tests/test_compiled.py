@@ -426,3 +426,16 @@ def test_a_broken_capture_at_other_rows_fails_its_check_against_the_kernels(arti
     failed = {s.key.variant: s for s in runner.stats.values() if s.key.batch == 2}
     assert failed["compiled"].state == "plain", failed
     assert "replay check failed" in failed["compiled"].reason and "against its kernels" in failed["compiled"].reason
+
+
+def test_after_a_weight_write_a_graph_at_other_rows_is_checked_against_eager_again(artifacts):
+    """The check against the kernels outside the graph holds for the weights the eager check saw: after an in-place
+    write (a LoRA swap, SdxlModels.written) the next shape's first replay is compared with the eager step again."""
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    with torch.no_grad():
+        runner.sample(*four)
+        models.written(models.unet.conv_in.weight)
+        runner.sample(*two)
+    reasons = {s.key.batch: s.reason for s in runner.stats.values()}
+    assert reasons[2].startswith("checked: ") and "against" not in reasons[2], reasons
+

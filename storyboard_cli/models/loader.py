@@ -40,6 +40,8 @@ class SdxlModels:
     # `written` refreshes them in place (compiled kernels hold their pointers)
     derived: dict[str, tuple[Any, Callable[[Any], None]]] = field(default_factory=dict, repr=False)
     sources: dict[int, list[str]] = field(default_factory=dict, repr=False)
+    # calls of `written` so far: a graph's check against the eager step holds for the weights it saw (GraphRunner)
+    writes: int = field(default=0, repr=False)
 
     def derive(self, name: str, params: list[Any], make: Callable[[], Any], refresh: Callable[[Any], None]) -> Any:
         """The registered value `name` (made by `make` the first time), refreshed by `refresh(value)` after an in-place
@@ -59,6 +61,7 @@ class SdxlModels:
         """After in-place writes to `params` (a LoRA swap): what is derived from them follows, in place (the pointers
         compiled kernels hold do not change), each once however many of its sources were written (an FP8 copy of
         the fused q/k/v weight after writes to to_q, to_k and to_v)."""
+        self.writes += 1
         for name in dict.fromkeys(n for p in params for n in self.sources.get(id(p), ())):
             value, refresh = self.derived[name]
             refresh(value)

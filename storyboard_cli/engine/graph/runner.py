@@ -80,7 +80,8 @@ class GraphRunner:
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
-        self.against_eager: list[ShapeKey] = []  # compiled graphs whose first replay matched the eager step (`_check`)
+        # compiled graphs whose first replay matched the eager step, and the weights' writes then (`_check`)
+        self.against_eager: list[tuple[ShapeKey, int]] = []
         # DeepCache's full steps by (shape, guided): today's step of that shape and rows replays the same graph (one
         # capture less; it also writes the feature, a copy nothing reads until a full step of a caching batch
         # writes it again)
@@ -352,22 +353,25 @@ class GraphRunner:
         seen = self._checked_kernels(key)
         direct = None if seen is None else self.step
         err, problem = first_replay(self.models, self.buf, key, graph.replay, *inputs, direct=direct)
-        against = "" if seen is None else f" against its kernels outside the graph (against eager at {seen.batch} images)"
+        against = "" if seen is None else \
+            f" against its kernels outside the graph (against eager at {seen.batch} images)"
         if problem:
             self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
         self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}{against}"
         if seen is None:
-            self.against_eager.append(key)
+            self.against_eager.append((key, self.models.writes))
         return True
 
     def _checked_kernels(self, key: ShapeKey) -> ShapeKey | None:
         """A graph of `key`'s compiled kernels (its variant, size, ControlNets and step kind) at other rows whose first
-        replay matched the eager step in this runner; None for the plain graphs (their kernels are the modules' own,
-        chosen per shape) and when there is none."""
+        replay matched the eager step in this runner, on the weights as they are (no in-place write since, such as a
+        LoRA swap: SdxlModels.written); None for the plain graphs (their kernels are the modules' own, chosen per
+        shape) and when there is none."""
         if key.variant == PLAIN:
             return None
-        return next((k for k in self.against_eager if replace(k, batch=key.batch) == key), None)
+        writes = self.models.writes
+        return next((k for k, w in self.against_eager if w == writes and replace(k, batch=key.batch) == key), None)
 
     def _checked_graph(self, key: ShapeKey, *inputs) -> torch.cuda.CUDAGraph | None:
         """The graph for `key`, captured and checked; None when the shape has fallen back (why: stats)."""
