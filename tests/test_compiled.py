@@ -438,4 +438,3 @@ def test_after_a_weight_write_a_graph_at_other_rows_is_checked_against_eager_aga
         runner.sample(*two)
     reasons = {s.key.batch: s.reason for s in runner.stats.values()}
     assert reasons[2].startswith("checked: ") and "against" not in reasons[2], reasons
-

@@ -47,8 +47,6 @@ ERROR_T = (999.0, 500.0, 50.0)
 
 def fresh(models, module: str) -> torch.nn.Module:
     """A module of the same config without values (bound at load), as engine/kernels/builds.py's child makes it."""
-    import diffusers
-
     live = models.unet if module == "unet" else models.controlnets[0]
     with torch.device("meta"):
         model = type(live).from_config(dict(live.config))
@@ -91,38 +89,20 @@ def eager_controlnet(net, *args):
 
 
 @torch.no_grad()
-def calibrate(models, side: int) -> dict[str, float]:
-    """The live ControlNet's FP8 Linears' input amax over eager calls (fp8.calibrate's recipe, a control image too)."""
-    from storyboard_cli.engine.conditioning import encode_text, time_ids
-
+def calibrate(models) -> dict[str, float]:
+    """The live ControlNet's FP8 Linears' input amax over eager calls: the UNet's calibration calls
+    (fp8.calibration_steps) with a sparse control image."""
     net, dev, dt = models.controlnets[0], models.device, models.dtype
-    seen: dict[str, torch.Tensor] = {}
+    g = torch.Generator().manual_seed(1)
 
-    def record(names, module, args):
-        amax = args[0].detach().abs().amax().float()
-        for name in names:
-            seen[name] = amax if name not in seen else torch.maximum(seen[name], amax)
-
-    by_input: dict[str, list[str]] = {}
-    for name, source in fp8.linears(net).items():
-        by_input.setdefault(source, []).append(name)
-    hooks = [net.get_submodule(s).register_forward_pre_hook(partial(record, n)) for s, n in by_input.items()]
-    try:
-        embeds, pooled = encode_text(models, list(fp8.CALIBRATION_PROMPTS))
-        embeds = torch.cat([torch.zeros_like(embeds), embeds]).to(dt)
-        pooled = torch.cat([torch.zeros_like(pooled), pooled]).to(dt)
-        rows = embeds.shape[0]
-        ids = time_ids(side, side, rows, dt, dev)
-        g = torch.Generator().manual_seed(0)
-        for t in fp8.CALIBRATION_T:
-            latents = torch.randn(rows, 4, side // 8, side // 8, generator=g).to(dev, dt)
+    def run() -> None:
+        for latents, t, embeds, pooled, ids in fp8.calibration_steps(models):
+            rows, side = latents.shape[0], 8 * latents.shape[-1]
             image = (torch.rand(rows, 3, side, side, generator=g) > 0.9).to(dev, dt)
             scale = torch.ones(rows, 1, 1, 1, dtype=dt, device=dev)
-            controlnet_call(net, latents, torch.full((rows,), t, device=dev), embeds, pooled, ids, image, scale)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {n: a.item() for n, a in seen.items()}
+            controlnet_call(net, latents, t, embeds, pooled, ids, image, scale)
+
+    return fp8.input_amax(net, run)
 
 
 class Scales:
@@ -179,7 +159,7 @@ def scout_controlnet(args, rec: Record, models) -> None:
     k = CompiledKernels(models, root=args.cache)  # fuses the live modules' projections, as a render does
     fp16_t, fp8_t = Target("controlnet", side, side), Target("controlnet", side, side, "fp8")
     t0 = time.perf_counter()
-    amax = calibrate(models, side)
+    amax = calibrate(models)
     rec.put("calibration", {"linears": len(amax), "seconds": round(time.perf_counter() - t0, 1),
                             "amax_min": min(amax.values()), "amax_max": max(amax.values())})
     prod = k.path(fp16_t)

@@ -25,8 +25,9 @@ import json
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -155,47 +156,61 @@ def fingerprint(models: Any) -> str:
     return h.hexdigest()[:20]
 
 
-@torch.no_grad()
-def calibrate(models: Any) -> dict[str, float]:
-    """name -> the amax of each FP8 Linear's input over eager UNet calls on the base model: a few prompts against
-    the empty negative, unit-normal latents (the sampler's scaled input), at the model's native size and
-    CALIBRATION_T. The rendering UNet must carry no LoRA now."""
-    from functools import partial
-
-    from storyboard_cli.engine.conditioning import encode_text, time_ids
-    from storyboard_cli.engine.eager import unet_call
-
-    unet, dev, dt = models.unet, models.device, models.dtype
+def input_amax(module: torch.nn.Module, run: Callable[[], None]) -> dict[str, float]:
+    """name -> the amax of each FP8 Linear's input in `module` (a fused UNet or ControlNet, `linears`) over the calls
+    `run()` makes, read by hooks on the modules whose input is theirs in the rendering process."""
     seen: dict[str, torch.Tensor] = {}
 
-    def record(names, module, args):
+    def record(names, _module, args):
         amax = args[0].detach().abs().amax().float()
         for name in names:
             seen[name] = amax if name not in seen else torch.maximum(seen[name], amax)
 
     by_input: dict[str, list[str]] = {}
-    for name, source in linears(unet).items():
+    for name, source in linears(module).items():
         by_input.setdefault(source, []).append(name)
-    hooks = [unet.get_submodule(s).register_forward_pre_hook(partial(record, names)) for s, names in by_input.items()]
+    hooks = [module.get_submodule(s).register_forward_pre_hook(partial(record, names))
+             for s, names in by_input.items()]
     try:
-        prompts = list(CALIBRATION_PROMPTS)
-        embeds, pooled = encode_text(models, prompts)
-        embeds = torch.cat([torch.zeros_like(embeds), embeds]).to(dt)  # the empty negative's rows are zeros
-        pooled = torch.cat([torch.zeros_like(pooled), pooled]).to(dt)
-        side = 8 * unet.config.sample_size
-        rows = embeds.shape[0]
-        ids = time_ids(side, side, rows, dt, dev)
-        g = torch.Generator().manual_seed(0)
-        for t in CALIBRATION_T:
-            latents = torch.randn(rows, unet.config.in_channels, side // 8, side // 8, generator=g).to(dev, dt)
-            unet_call(unet, latents, torch.full((rows,), t, device=dev), embeds, pooled, ids, None, None)
+        run()
     finally:
         for h in hooks:
             h.remove()
-    missing = [n for n in linears(unet) if n not in seen]
+    missing = [n for n in linears(module) if n not in seen]
     if missing:
         raise RuntimeError(f"calibration never reached {len(missing)} FP8 Linears, e.g. {missing[0]}")
     return {n: a.item() for n, a in seen.items()}
+
+
+def calibration_steps(models: Any) -> Iterator[tuple[torch.Tensor, ...]]:
+    """(latents, t, embeds, pooled, time_ids) of each calibration call: a few prompts against the empty negative,
+    unit-normal latents (the sampler's scaled input) at the model's native size, at each of CALIBRATION_T."""
+    from storyboard_cli.engine.conditioning import encode_text, time_ids
+
+    unet, dev, dt = models.unet, models.device, models.dtype
+    embeds, pooled = encode_text(models, list(CALIBRATION_PROMPTS))
+    embeds = torch.cat([torch.zeros_like(embeds), embeds]).to(dt)  # the empty negative's rows are zeros
+    pooled = torch.cat([torch.zeros_like(pooled), pooled]).to(dt)
+    side = 8 * unet.config.sample_size
+    rows = embeds.shape[0]
+    ids = time_ids(side, side, rows, dt, dev)
+    g = torch.Generator().manual_seed(0)
+    for t in CALIBRATION_T:
+        latents = torch.randn(rows, unet.config.in_channels, side // 8, side // 8, generator=g).to(dev, dt)
+        yield latents, torch.full((rows,), t, device=dev), embeds, pooled, ids
+
+
+@torch.no_grad()
+def calibrate(models: Any) -> dict[str, float]:
+    """name -> the amax of each FP8 Linear's input over eager UNet calls on the base model (`calibration_steps`). The
+    rendering UNet must carry no LoRA now."""
+    from storyboard_cli.engine.eager import unet_call
+
+    def run() -> None:
+        for latents, t, embeds, pooled, ids in calibration_steps(models):
+            unet_call(models.unet, latents, t, embeds, pooled, ids, None, None)
+
+    return input_amax(models.unet, run)
 
 
 def scales(models: Any, root: Path) -> tuple[dict[str, float], Path, bool]:
