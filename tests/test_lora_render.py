@@ -2,6 +2,7 @@
 diffusers' StableDiffusionXLPipeline + load_lora_weights + set_adapters on the same latents."""
 
 import copy
+import dataclasses
 
 import torch
 
@@ -25,14 +26,16 @@ def _job(tmp_path, shots: str, name: str = "job.yaml"):
                                         f"negative: {NEGATIVE}}}\nshots:\n{shots}", name))
 
 
-def _render(lora_models, job):
+def _render(lora_models, job, ahead: bool = False):
     """Every batch of the job through one BatchRunner, in plan order -> ({output: latents}, {output: pixels},
-    runner); the runner is closed (weights restored) before it returns."""
-    runner = BatchRunner(lora_models, EagerEngine(lora_models), loras=job.loras.values())
+    runner); the runner is closed (weights restored) before it returns. `ahead`: each batch's prompts encoded beside
+    the batch before, as on a GPU."""
+    runner = BatchRunner(lora_models, EagerEngine(lora_models), loras=job.loras.values(), ahead=ahead)
     latents, pixels = {}, {}
+    batches = make_batches(work_items(job), job.buckets)
     try:
-        for batch in make_batches(work_items(job), job.buckets):
-            done = runner.run_batch(batch)
+        for i, batch in enumerate(batches):
+            done = runner.run_batch(batch, upcoming=batches[i + 1] if i + 1 < len(batches) else None)
             for item, lat in done:
                 latents[item.outputs[0]] = lat
             for d in runner.decode(done):
@@ -105,3 +108,52 @@ def test_a_text_encoder_lora_is_part_of_the_prompt_cache_key(lora_models, tmp_pa
     finally:
         runner.close()
     assert not torch.allclose(embeds["a"], embeds["b"])
+
+
+def test_prompts_are_encoded_ahead_only_under_the_text_loras_their_batch_uses(lora_models, tmp_path, monkeypatch):
+    """A batch whose text-encoder LoRAs differ from the batch before's is encoded after its own swap, on the main
+    thread; one under the same set is encoded beside the batch before. No weight is written while an encode runs
+    beside a loop, and the latents are those of one batch after the other."""
+    import threading
+    import time
+
+    import storyboard_cli.engine.conditioning as conditioning
+    from storyboard_cli.models.lora import LoraApplier
+
+    job = _job(tmp_path, "  - {id: a, prompt: x, seed: 1}\n  - {id: b, prompt: y, seed: 2}\n"
+                         "  - {id: c, prompt: z, lora: {mei: 1}, seed: 3}\n  - {id: d, prompt: w, lora: {mei: 1}, seed: 4}\n")
+    job = dataclasses.replace(job, buckets=(1,))  # a batch per shot
+    encode, apply, events = conditioning.encode_text, LoraApplier.apply, []
+
+    def slow_encode(models, prompts):
+        beside = threading.current_thread().name != "MainThread"
+        events.append(("encode", prompts[0], beside, time.perf_counter()))
+        if beside:
+            time.sleep(0.3)  # long enough that a write not waiting for it would land inside it
+        out = encode(models, prompts)
+        events.append(("encoded", prompts[0], beside, time.perf_counter()))
+        return out
+
+    def timed_apply(self, active):
+        events.append(("swap", None, False, time.perf_counter()))
+        return apply(self, active)
+
+    monkeypatch.setattr(conditioning, "encode_text", slow_encode)
+    monkeypatch.setattr(LoraApplier, "apply", timed_apply)
+    latents, _, _ = _render(lora_models, job, ahead=True)
+    monkeypatch.setattr(conditioning, "encode_text", encode)
+    monkeypatch.setattr(LoraApplier, "apply", apply)
+    want, _, _ = _render(lora_models, job)
+    assert latents.keys() == want.keys() and all(torch.equal(latents[k], want[k]) for k in want)
+    order = [p for kind, p, _, _ in events if kind == "encode" and p in set("xyzw")]
+    beside = {p: b for kind, p, b, _ in events if kind == "encode"}
+    assert sorted(order) == sorted("xyzw")  # each prompt once
+    # the plan groups a LoRA set's batches: each set's first batch is encoded after its swap, on the main thread;
+    # the other batch of the set beside the one before it
+    for a, b in (("x", "y"), ("z", "w")):
+        first, second = sorted((a, b), key=order.index)
+        assert (beside[first], beside[second]) == (False, True), (order, beside)
+    swaps = [t for kind, _, _, t in events if kind == "swap"]
+    spans = [(t0, t1) for (k0, p0, b0, t0), (k1, p1, b1, t1) in zip(events, events[1:])
+             if k0 == "encode" and k1 == "encoded" and b0]
+    assert spans and not [t for t in swaps for t0, t1 in spans if t0 < t < t1]

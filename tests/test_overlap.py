@@ -56,11 +56,11 @@ def test_overlapped_batches_write_what_sequential_ones_write_in_the_same_order(j
 def test_a_failed_batch_loses_none_of_the_batch_denoised_before_it(job, tmp_path, tiny_cpu, monkeypatch):
     real, calls = BatchRunner.run_batch, []
 
-    def second_fails(self, batch, fallback=False):
+    def second_fails(self, batch, fallback=False, upcoming=None):
         calls.append(batch.items[0].shot)
         if len(calls) == 2:  # the first batch's decode is still pending here
             raise RuntimeError("simulated failure of one batch")
-        return real(self, batch, fallback)
+        return real(self, batch, fallback, upcoming)
 
     monkeypatch.setattr(BatchRunner, "run_batch", second_fails)
     result, lines, _ = _render(job, tmp_path / "o", tiny_cpu)
@@ -71,6 +71,42 @@ def test_a_failed_batch_loses_none_of_the_batch_denoised_before_it(job, tmp_path
     first = [p for p in lines if p.startswith(f"{calls[0]}/")]
     assert first and lines[: len(first)] == first  # the first batch's images landed, before the third's
 
+
+class Ahead(RenderSession):
+    """The next batch's prompts encoded beside each batch's loop, as on a GPU (run/batch.py `encode_ahead`)."""
+
+    def batch_runner(self) -> BatchRunner:
+        runner = super().batch_runner()
+        runner.ahead = True
+        return runner
+
+
+def test_prompts_encoded_beside_the_batch_before_write_the_same_bytes_and_each_prompt_once(job, tmp_path, tiny_cpu,
+                                                                                          monkeypatch):
+    """Every batch after the first finds its prompts encoded on the inputs' thread while the batch before ran; the
+    files are the bytes of one batch after the other, and no prompt is encoded twice."""
+    import threading
+
+    import storyboard_cli.engine.conditioning as conditioning
+
+    real, where = conditioning.encode_text, []
+
+    def encode(models, prompts):
+        where.append((prompts[0], threading.current_thread().name))
+        return real(models, prompts)
+
+    monkeypatch.setattr(conditioning, "encode_text", encode)
+    result, lines, files = _render(job, tmp_path / "ahead", tiny_cpu, Ahead)
+    ahead = dict(where)
+    monkeypatch.setattr(conditioning, "encode_text", real)
+    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
+    assert result.status == seq.status == "done" and lines == seq_lines and files == seq_files
+    assert len(where) == len(ahead) == 3, where  # each prompt once
+    first = lines[0].split("/")[0]
+    prompts = {"a": "a castle on a hill", "b": "a boat at sea", "c": "a lighthouse"}
+    assert ahead.pop(prompts[first]) == "MainThread"
+    assert set(ahead.values()) == {"bcg-inputs_0"}, ahead
+    assert result.report.stages_s["encode"] > 0 and "encode" in result.report.hidden_s
 
 
 def test_a_decode_out_of_memory_is_decoded_again_and_other_decode_errors_fail_its_images(job, tmp_path, tiny_cpu,

@@ -6,7 +6,7 @@ No torch at import time: the shape label is shared with torch-free code.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -47,11 +47,13 @@ class Engine(Protocol):
     name: str  # "eager" | "graph": what the report calls it
 
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None,
+               started: Callable[[], None] | None = None) -> torch.Tensor:
         """Initial latents x [B, 4, h, w] -> final latents [B, 4, h, w] float32. `noise`: per-step noise
         [steps, B, 4, h, w] for ancestral samplers, else None; `conds`: the batch's values of its conditioning kinds
         (engine/conditions/), None for none; `guidance` [B]; `plan`: each step's kind
-        (draft renders: steps.step_plan), None for every step guided and whole."""
+        (draft renders: steps.step_plan), None for every step guided and whole. `started`: called once, just before
+        the loop's first step is queued (after any capture and check): where work beside the loop may begin."""
         ...
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,

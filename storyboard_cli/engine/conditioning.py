@@ -88,6 +88,19 @@ class PromptCache:
         """[N, 77, C] embeds and [N, P] pooled for these prompts; "" gives zeros (diffusers'
         force_zeros_for_empty_prompt: only negative prompts are ever empty). `lora_key` names the
         text-encoder LoRAs applied now (models.lora.set_key(active, text_only=True))."""
+        rows = self.fill(prompts, lora_key)
+        some = next(iter(rows.values()), None)
+        if some is None:  # every prompt empty: shapes from one encode of ""
+            e, p = encode_text(self.models, [""])
+            some = (e[0], p[0])
+        zeros = (torch.zeros_like(some[0]), torch.zeros_like(some[1]))
+        picked = [rows[p] if p else zeros for p in prompts]
+        return torch.stack([r[0] for r in picked]), torch.stack([r[1] for r in picked])
+
+
+    def fill(self, prompts: list[str], lora_key: Hashable = ()) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """prompt -> (embeds [77, C], pooled [P]) for each non-empty prompt, the ones not in the cache encoded now
+        and cached: what `get` stacks, and what a batch's prompts encoded ahead of it (run/batch.py) put in."""
         rows = {}  # held here for this call: the cache may drop some as it fills
         for p in {p for p in prompts if p}:
             found = self._cache.lookup((lora_key, p))
@@ -99,13 +112,7 @@ class PromptCache:
         for p in sorted({p for p in prompts if p and p not in rows}):
             embeds, pooled = encode_text(self.models, [p])
             rows[p] = self._cache.put((lora_key, p), (embeds[0], pooled[0]))
-        some = next(iter(rows.values()), None)
-        if some is None:  # every prompt empty: shapes from one encode of ""
-            e, p = encode_text(self.models, [""])
-            some = (e[0], p[0])
-        zeros = (torch.zeros_like(some[0]), torch.zeros_like(some[1]))
-        picked = [rows[p] if p else zeros for p in prompts]
-        return torch.stack([r[0] for r in picked]), torch.stack([r[1] for r in picked])
+        return rows
 
 
 def guided_rows(prompts: list[str], negatives: list[str], guidance: list[float]

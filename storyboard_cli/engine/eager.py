@@ -133,14 +133,17 @@ class EagerEngine:
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None,
+               started: Callable[[], None] | None = None) -> torch.Tensor:
         """x [B, 4, h, w] initial latents on the device -> final latents [B, 4, h, w] float32. `plan`: each
-        step's kind (steps.step_plan); None: every step guided, the UNet whole (FULL)."""
+        step's kind (steps.step_plan); None: every step guided, the UNet whole (FULL). `started`: engine/base.py."""
         table = sched.table.to(x.device)
         prev = torch.zeros_like(x)
         zero = torch.zeros_like(x)
         feature = new_feature(self.models, x, plan)
         conds = conds or Conditions()
+        if started is not None:
+            started()
         for i in range(sched.steps):
             x, prev = sample_step(self.models, x, prev, zero if noise is None else noise[i], table[i], cond,
                                   conds.at(i), guidance, None, plan[i] if plan else FULL, feature, i)

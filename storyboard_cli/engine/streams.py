@@ -7,7 +7,9 @@ The decode is queued from a host thread of its own (`on_decode`). The thread tha
 the last ones until the GPU is about one replay from the loop's end (the launch queue is full), so a decode queued
 after them from that thread began only when the loop had ended, and the next batch's inputs and loop waited for it
 (docs/PERFORMANCE.md, issue 41: the trace of 2026-12-02). A replay releases the GIL: the decode thread queues the
-decode while the next batch's inputs are made, checked and replayed.
+decode while the next batch's inputs are made, checked and replayed. For the same reason the next batch's prompts are
+encoded from a thread of their own (`beside`) while the loop before it replays: on the main thread they waited for the
+loop's end, and the GPU waited for them.
 
 A copy from pageable host memory waits for its whole stream: on the UNet's stream it would wait for the batch before
 to finish denoising, so the inputs have a stream of their own. A tensor made on one stream and read on another is
@@ -62,6 +64,7 @@ class Lanes:
         self._inputs = torch.cuda.Stream(device) if self.cuda else None
         self._decode = torch.cuda.Stream(device) if self.cuda else None
         self._thread: ThreadPoolExecutor | None = None  # the decode's, made at the first decode
+        self._beside: ThreadPoolExecutor | None = None  # the inputs made ahead (`beside`), made at first use
 
     def timer(self) -> Timer:
         """A point in the current stream's work."""
@@ -102,6 +105,24 @@ class Lanes:
         else:
             self._thread = self._thread or ThreadPoolExecutor(1, thread_name_prefix="bcg-decode")
             self._thread.submit(queue)
+        return done
+
+    def beside(self, work: Callable[[], T]) -> Future[T]:
+        """`work` on the inputs' stream from a host thread of its own, after what that stream has queued so far: this
+        returns at once, and the Future holds what `work` returned or raised once it is queued. Work the caller queues
+        on the inputs' stream after waiting for the Future runs after it (one stream, queued in that order). On the
+        CPU it runs on that thread too, without streams."""
+        done: Future[T] = Future()
+
+        def queue() -> None:
+            if not self.cuda:
+                _settle(done, work)
+                return
+            with torch.cuda.device(self._inputs.device), torch.cuda.stream(self._inputs):
+                _settle(done, work)
+
+        self._beside = self._beside or ThreadPoolExecutor(1, thread_name_prefix="bcg-inputs")
+        self._beside.submit(queue)
         return done
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:

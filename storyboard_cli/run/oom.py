@@ -62,9 +62,11 @@ class OutOfMemoryPolicy:
             else:
                 self.sink.submit(d.item, d.pixels, label)
 
-    def process(self, batch: Batch, buckets: tuple[int, ...], fallback: bool = False) -> None:
+    def process(self, batch: Batch, buckets: tuple[int, ...], fallback: bool = False,
+                upcoming: Batch | None = None) -> None:
         """One batch, end to end, under the out-of-memory policy; a batch whose LoRA the models reject
-        fails alone."""
+        fails alone. `upcoming`: the batch after it, where known (BatchRunner.run_batch: its prompts are encoded beside
+        this one's loop)."""
         problem = self.runner.lora_problem(batch)
         if problem:
             self.flush()
@@ -73,15 +75,15 @@ class OutOfMemoryPolicy:
         smaller = tuple(b for b in buckets if b < min(batch.size, self.oom_at))
         if batch.size >= self.oom_at and smaller:
             self._split(batch, smaller, fallback)
-        elif not self._attempt(batch, fallback):
+        elif not self._attempt(batch, fallback, upcoming):
             self._out_of_memory(batch, buckets, fallback)
 
-    def _attempt(self, batch: Batch, fallback: bool) -> bool:
+    def _attempt(self, batch: Batch, fallback: bool, upcoming: Batch | None = None) -> bool:
         """Runs the batch and queues its decode; False if it ran out of memory. The batch before is delivered
         once this one's loop is queued (its decode ran beside it). A failure of this batch alone is recorded
         against its images and the job goes on."""
         try:
-            done = self.runner.run_batch(batch, fallback)
+            done = self.runner.run_batch(batch, fallback, upcoming)
         except torch.cuda.OutOfMemoryError:
             self.flush()
             return False  # handled by the caller, outside this block: the error's frames hold memory

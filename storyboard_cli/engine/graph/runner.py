@@ -382,9 +382,11 @@ class GraphRunner:
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+               conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None,
+               started: Callable[[], None] | None = None) -> torch.Tensor:
         """Same contract as EagerEngine.sample: initial latents [B, 4, h, w] -> final latents. Every graph the
-        plan needs is captured and checked before the loop (the DeepCache full step before its shallow one)."""
+        plan needs is captured and checked before the loop (the DeepCache full step before its shallow one), and
+        before `started` is called: no capture runs beside what it starts."""
         if self.compiled is not None:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
@@ -394,10 +396,12 @@ class GraphRunner:
         self._share(shape, set(plan))
         graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, conds, guidance))
         if graphs is None:
-            return self.eager.sample(x, sched, noise, cond, conds, guidance, plan)
+            return self.eager.sample(x, sched, noise, cond, conds, guidance, plan, started)
         steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
         v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, conds, guidance)
+        if started is not None:
+            started()
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
         for i, (key, graph) in enumerate(steps):
             if segment is None or segment[0] != key:
