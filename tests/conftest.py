@@ -171,7 +171,7 @@ case " $* " in *" -shared "*) exec g++ "$@" -static-libstdc++ -O1 ;; *) exec g++
 def artifacts(tmp_path_factory):
     """The CPU kernel artifacts of the compiled and FP8 tests, built once a session into one folder the way `bcg
     capture --warm` (and `--fp8`) builds them, child processes side by side: a tiny UNet and ControlNet at 128x128,
-    the UNet's FP8 twin, the UNet with the tiny IP-Adapter's processors, the UNet with two region slots, and with both
+    the UNet's and the ControlNet's FP8 twins, the UNet with the tiny IP-Adapter's processors, the UNet with two region slots, and with both
     (regional references). The compiler links libstdc++ statically: a library with its own copy of libstdc++
     crashed at load on the GPU image (AOTInductor's loader parses the device string with std::regex, which reads
     the copy's never-initialised locale); bcg's link options must keep it loadable."""
@@ -193,14 +193,15 @@ def artifacts(tmp_path_factory):
         mp.setenv("CXX", str(cxx))  # the build children inherit it
         builds = Builds(torch.device("cpu"), events.append, notes=notes)
         fp16 = CompiledKernels(load_sdxl("tiny", "tiny", "cpu", torch.float32), builds, notes, root=root)
-        fp8 = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32), builds, notes, root=root, variant="fp8")
+        fp8 = CompiledKernels(load_sdxl("tiny", "tiny", "cpu", torch.float32), builds, notes, root=root, variant="fp8")
         ip = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32, "tiny"), builds, notes, root=root)
         regions = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32, regions=2), builds, notes, root=root)
         both = CompiledKernels(load_sdxl("tiny", None, "cpu", torch.float32, "tiny", regions=2), builds, notes,
                                root=root)
         wanted = [k.want(k.targets([Shape(4, SIDE, SIDE, control)])) for k, control in
-                  ((fp16, True), (fp8, False), (ip, False), (regions, False), (both, False))]
-        labels = [["unet 128x128", "controlnet 128x128"], ["unet 128x128 fp8"], ["unet 128x128 +refs 16"],
+                  ((fp16, True), (fp8, True), (ip, False), (regions, False), (both, False))]
+        labels = [["unet 128x128", "controlnet 128x128"], ["unet 128x128 fp8", "controlnet 128x128 fp8"],
+                  ["unet 128x128 +refs 16"],
                   ["unet 128x128 +regions2"], ["unet 128x128 +refs 16 +regions2x4x4"]]
         assert [[t.label for t in w] for w in wanted] == labels
         for k in (fp16, fp8, ip, regions, both):

@@ -41,22 +41,23 @@ def fp8_kernels(models, root, builds=None) -> CompiledKernels:
     return k
 
 
-def fp8_reference(models, x_scales: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The FP8 UNet in eager PyTorch: a copy of the rendering UNet, fused and swapped as the export's, holding the
-    FP8 weights and scales the artifact is bound to."""
-    unet = copy.deepcopy(models.unet)
-    fuse_projections(unet, processor=True)
-    F.swap_in(unet)
-    tensors = {**F.weights(models, models.unet), **x_scales}
+def fp8_reference(models, scales: F.InputScales, module: str = "unet") -> torch.nn.Module:
+    """The FP8 UNet (or first ControlNet) in eager PyTorch: a copy of the rendering module, fused and swapped as the
+    export's, holding the FP8 weights and scales the artifact is bound to."""
+    live = models.unet if module == "unet" else models.controlnets[0]
+    net = copy.deepcopy(live)
+    fuse_projections(net, processor=True)
+    F.swap_in(net)
+    tensors = scales.tensors(models, live)
     with torch.no_grad():
-        for name in F.linears(models.unet):  # (the copy's: Fp8Linear is no Linear any more)
-            m = unet.get_submodule(name)
+        for name in F.linears(live):  # (the copy's: Fp8Linear is no Linear any more)
+            m = net.get_submodule(name)
             m.weight.copy_(tensors[f"{name}.weight"])
             m.w_scale.copy_(tensors[f"{name}.w_scale"])
             m.x_scale.copy_(tensors[f"{name}.x_scale"])
             if m.bias is not None:
-                m.bias.copy_(models.unet.get_submodule(name).bias)
-    return unet
+                m.bias.copy_(live.get_submodule(name).bias)
+    return net
 
 
 def _unet_only(inputs):
@@ -85,7 +86,7 @@ def test_the_artifact_computes_the_fp8_unet(artifacts):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     k = fp8_kernels(models, artifacts)
     assert k.ready(*SHAPE) is None
-    reference = fp8_reference(models, k.constants["fp8"].x_scales)
+    reference = fp8_reference(models, k.constants["fp8"])
     for rows in (2, 8):
         inputs = _unet_only(step_inputs(models, rows, False, seed=rows))
         with torch.no_grad():
@@ -107,7 +108,8 @@ def test_scales_are_calibrated_once_per_model_and_stored(tmp_path):
     scales = k.constants["fp8"]
     stored = json.loads(scales.file.read_text())
     assert set(stored["amax"]) == set(F.linears(models.unet)) and all(a > 0 for a in stored["amax"].values())
-    assert scales.x_scales[next(iter(scales.x_scales))].dtype == torch.float32
+    assert set(scales.x_scales) == {"unet"}  # no ControlNet loaded: none calibrated
+    assert scales.x_scales["unet"][next(iter(scales.x_scales["unet"]))].dtype == torch.float32
     other = load_sdxl("tiny", None, "cpu", torch.float32)
     with torch.no_grad():
         other.unet.conv_in.weight.mul_(1.5)  # fine-tuned weights: another model
@@ -131,8 +133,8 @@ def test_a_lora_swap_requantizes_the_fp8_weights_in_place(artifacts):
         down, up = torch.randn(4, in_f, generator=g), torch.randn(out_f, 4, generator=g)
         layers.append(LoraLayer("unet", name, down, up, 4.0))
     lora = LoraWeights("x", Path("x.safetensors"), "0" * 64, layers)
-    q, s = models.derived[f"fp8:{block}.attn1.to_qkv"][0]
-    ff = models.derived[f"fp8:{block}.ff.net.2"][0][0]
+    q, s = models.derived[f"fp8:unet:{block}.attn1.to_qkv"][0]
+    ff = models.derived[f"fp8:unet:{block}.ff.net.2"][0][0]
     ptrs, q0, s0 = (q.data_ptr(), s.data_ptr(), ff.data_ptr()), q.clone(), s.clone()
     inputs = _unet_only(step_inputs(models, 4, False, seed=11))
     applier = LoraApplier(models)
@@ -140,7 +142,7 @@ def test_a_lora_swap_requantizes_the_fp8_weights_in_place(artifacts):
         before = run_calls(k, *inputs)
         applier.apply({"x": (lora, 0.8)})
         after = run_calls(k, *inputs)
-        want = unet_call(fp8_reference(models, k.constants["fp8"].x_scales), *inputs[:5], None, None)
+        want = unet_call(fp8_reference(models, k.constants["fp8"]), *inputs[:5], None, None)
         assert not torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
         applier.restore()
         restored = run_calls(k, *inputs)
@@ -157,9 +159,66 @@ def test_fp8_artifacts_have_their_own_key_and_name():
     assert artifact_key(t16, models.unet) != artifact_key(t8, models.unet)
     assert artifact_path(t8, models.unet).name.startswith("unet-fp8-1024x1024-")
     assert "max_autotune_gemm_backends" not in options(t16) and options(t8)["max_autotune_gemm_backends"] == "ATEN"
-    # the ControlNet stays fp16: one ControlNet artifact serves fp16 and FP8 renders
+    # the ControlNet's FP8 twin has its own too
+    c16, c8 = Target("controlnet", 1024, 1024), Target("controlnet", 1024, 1024, "fp8")
+    net = models.controlnets[0]
+    assert artifact_key(c16, net) != artifact_key(c8, net)
+    assert artifact_path(c8, net).name.startswith("controlnet-fp8-1024x1024-")
     labels = [t.label for t in targets([Shape(2, 1024, 1024, True)], True, "fp8")]
-    assert labels == ["unet 1024x1024 fp8", "controlnet 1024x1024"]
+    assert labels == ["unet 1024x1024 fp8", "controlnet 1024x1024 fp8"]
+
+
+CONTROL = Shape(4, SIDE, SIDE, True)
+
+
+def test_the_fp8_controlnet_artifact_computes_the_fp8_net(artifacts):
+    """The first ControlNet's FP8 artifact against the same FP8 arithmetic in eager PyTorch: equal to rounding; its
+    residuals against the float net's, and the whole step's prediction against eager: the quantisation's error, real and
+    inside the check's limit. Its input scales are calibrated on the net with a control image, stored apart from the
+    UNet's."""
+    from storyboard_cli.engine.eager import controlnet_call
+
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    k = CompiledKernels(models, None, root=artifacts, variant="fp8")
+    assert k.want(k.targets([CONTROL])) == [] and k.ready(*CONTROL) is None
+    assert k.variants(*CONTROL) == ["fp8", "compiled"]
+    scales = k.constants["fp8"]
+    assert set(scales.x_scales) == {"unet", "controlnet"} and len(scales.files) == 2
+    assert "UNet and ControlNet kernels in FP8" in scales.note
+    net = models.controlnets[0]
+    assert set(json.loads(scales.files[1].read_text())["amax"]) == set(F.linears(net))
+    reference = fp8_reference(models, scales, "controlnet")
+    k.reserve(CONTROL.batch, SIDE * SIDE)
+    for rows in (2, 8):
+        inputs = step_inputs(models, rows, True, seed=rows)
+        with torch.no_grad():
+            got = torch.cat([r.flatten() for r in k.calls_for("fp8").controlnet(*inputs)])
+            want = torch.cat([r.flatten() for r in controlnet_call(reference, *inputs)])
+            full = torch.cat([r.flatten() for r in controlnet_call(net, *inputs)])
+            step = run_calls(k.calls_for("fp8"), *inputs)
+            step_full = run_calls(StepCalls.eager(models), *inputs)
+            step_fp16 = run_calls(k.calls_for("compiled"), *inputs)
+        assert rel_error(got, want) < min(FP8_TWINS, rel_error(want, full) / 2)
+        assert 1e-3 < rel_error(got, full) < CHECK_RTOL
+        assert rel_error(step_fp16, step_full) < 1e-4 and 1e-3 < rel_error(step, step_full) < CHECK_RTOL
+
+
+def test_a_control_shape_runs_fp8_only_with_the_fp8_controlnet(tmp_path, artifacts):
+    """With --fp8 a shape with a control image runs FP8 once both FP8 artifacts of its size are loaded; with the FP8
+    UNet alone it runs on the fp16 UNet and ControlNet the cache has (never built), and a shape without control runs FP8.
+    A fresh cache wants both FP8 artifacts built."""
+    import shutil
+
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
+    assert [t.label for t in k.want(k.targets([CONTROL]))] == ["unet 128x128 fp8", "controlnet 128x128 fp8"]
+    for f in [*artifacts.glob("unet-128x128-*"), *artifacts.glob("unet-fp8-*"), *artifacts.glob("controlnet-128x128-*"),
+              *artifacts.glob("fp8-scales-*")]:
+        shutil.copy(f, tmp_path / f.name)
+    k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
+    assert [t.label for t in k.want(k.targets([CONTROL]))] == ["controlnet 128x128 fp8"]
+    assert k.variants(*CONTROL) == ["compiled"] and k.variants(4, SIDE, SIDE, False) == ["fp8", "compiled"]
+    assert k.ready(*CONTROL) == "no compiled kernels for controlnet 128x128 fp8 yet"
 
 
 @pytest.mark.parametrize("kind,compile,device,needle", [

@@ -88,23 +88,6 @@ def eager_controlnet(net, *args):
     return controlnet_call(net, *args)
 
 
-@torch.no_grad()
-def calibrate(models) -> dict[str, float]:
-    """The live ControlNet's FP8 Linears' input amax over eager calls: the UNet's calibration calls
-    (fp8.calibration_steps) with a sparse control image."""
-    net, dev, dt = models.controlnets[0], models.device, models.dtype
-    g = torch.Generator().manual_seed(1)
-
-    def run() -> None:
-        for latents, t, embeds, pooled, ids in fp8.calibration_steps(models):
-            rows, side = latents.shape[0], 8 * latents.shape[-1]
-            image = (torch.rand(rows, 3, side, side, generator=g) > 0.9).to(dev, dt)
-            scale = torch.ones(rows, 1, 1, 1, dtype=dt, device=dev)
-            controlnet_call(net, latents, t, embeds, pooled, ids, image, scale)
-
-    return fp8.input_amax(net, run)
-
-
 class Scales:
     """The FP8 ControlNet artifact's constants beyond the net's own tensors (fp8.InputScales' form)."""
 
@@ -159,7 +142,7 @@ def scout_controlnet(args, rec: Record, models) -> None:
     k = CompiledKernels(models, root=args.cache)  # fuses the live modules' projections, as a render does
     fp16_t, fp8_t = Target("controlnet", side, side), Target("controlnet", side, side, "fp8")
     t0 = time.perf_counter()
-    amax = calibrate(models)
+    amax = fp8.calibrate_controlnet(models)  # the product's calibration of the net
     rec.put("calibration", {"linears": len(amax), "seconds": round(time.perf_counter() - t0, 1),
                             "amax_min": min(amax.values()), "amax_max": max(amax.values())})
     prod = k.path(fp16_t)

@@ -3,11 +3,11 @@ engine. A shape runs the best variant its loaded kernels offer; one that fails i
 falls back along the rows (`GraphRunner`, engine/graph/runner.py), and a plain graph that fails runs eager.
 
 A row says what a variant is: its name (ShapeKey.variant, and a fallen-back graph's state), the precision of its
-UNet artifacts (None: the loaded modules themselves), the recipe its builds add to the module the export sees and
+UNet and ControlNet artifacts (None: the loaded modules themselves), the recipe its builds add to the module the export sees and
 the inductor options they add (engine/kernels/artifacts.py, export.py), how its constants are prepared beyond the
 module's own tensors (engine/kernels/calls.py binds them), its first-replay check's limit, and what it falls back
-to. Adding a variant (an FP8 ControlNet, a compiled VAE) is one row here plus its recipe module, as `fp8` is one
-row plus engine/kernels/fp8.py.
+to. Adding a variant (a compiled VAE) is one row here plus its recipe module, as `fp8` is one row plus
+engine/kernels/fp8.py.
 
 A run names its row (`--kernels NAME`, `--fp8` for `--kernels fp8`; `auto`: the best row the options and the device
 allow, never one only used when asked). A row also says what it needs and what it cannot be combined with: the CUDA
@@ -67,8 +67,10 @@ COMPILED_ONLY = ("--engine eager", "--compile off")
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # FP8 kernels: the quantisation's error, 3.4e-2 to 3.5e-2 in the noise prediction against the fp16 eager UNet on
     # sdxl-random at t = 999 / 500 / 50 (H200; the same without the compiler); broken kernels measured 1.2e-1 and
-    # more (docs/PERFORMANCE.md): the limit sits between. Not built with an IP-Adapter: its calibration and its
-    # Linears were measured without the adapter's attention.
+    # more (docs/PERFORMANCE.md): the limit sits between. The first ControlNet's artifacts are FP8 too (1.12x the fp16
+    # net's at 2 x 1024², 1.20x at 8 on the H200, benchmarks/results/step/): a shape with a control image runs this row
+    # once both of its size are loaded. Not built with an IP-Adapter: its calibration and its Linears were measured
+    # without the adapter's attention.
     Variant(FP8, COMPILED, 8e-2, "fp8", ("fp8-linears",), fp8.OPTIONS, fp8.swap_in, fp8.InputScales, asked=True,
             capability=(8, 9), hardware="FP8 tensor cores: Ada, Hopper or later", refuses=COMPILED_ONLY,
             without=("ip_adapter", "region_layout")),

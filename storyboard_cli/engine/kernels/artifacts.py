@@ -73,16 +73,16 @@ def fits(batch: int, height: int, width: int) -> str | None:
 
 def targets(shapes: Iterable[Shape], controlnet: bool, variant: str = COMPILED, refs: int = 0,
             tags: tuple[str, ...] = ()) -> list[Target]:
-    """The artifacts these shapes use: a UNet per size (in `variant`'s precision), a ControlNet per size used with a
-    control image. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size). The
+    """The artifacts these shapes use: a UNet per size, a ControlNet per size used with a control image, both in
+    `variant`'s precision. Largest sizes first, UNets before ControlNets (a UNet serves every shape of its size). The
     ControlNet artifact is the first net's (bound to its weights): a shape's further nets run their modules inside
     the graph (StepCalls.others)."""
-    need = set()
+    need, precision = set(), VARIANTS[variant].precision
     for s in shapes:
         if fits(s.batch, s.height, s.width) is None:
-            need.add(Target("unet", s.height, s.width, VARIANTS[variant].precision, refs, tags))
+            need.add(Target("unet", s.height, s.width, precision, refs, tags))
             if s.control & 1 and controlnet:
-                need.add(Target("controlnet", s.height, s.width))
+                need.add(Target("controlnet", s.height, s.width, precision))
     return sorted(need, key=lambda t: (t.module != "unet", -t.height * t.width, t.height))
 
 

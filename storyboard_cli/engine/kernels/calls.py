@@ -1,12 +1,13 @@
 """The step's module calls on compiled kernels (`CompiledKernels`, a `StepCalls`): the artifacts
 (engine/kernels/artifacts.py) loaded with their constants bound to the rendering modules' own tensors, one per module
-and size, in the variants of one run (engine/variants.py: with --fp8 the FP8 UNets, the fp16 ones beside them where
-the cache has them). They run inside GraphRunner's graphs."""
+and size, in the variants of one run (engine/variants.py: with --fp8 the FP8 UNets and ControlNets, the fp16 ones beside
+them where the cache has them). They run inside GraphRunner's graphs."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -90,28 +91,36 @@ class CompiledKernels(StepCalls):
         self.notes.extend(c.note for c in self.constants.values())
 
     def targets(self, shapes: Iterable[Shape]) -> list[Target]:
-        """What these shapes are built for: the UNet in this run's precision, the ControlNets."""
+        """What these shapes are built for: the UNet and the ControlNet in this run's precision."""
         return targets(shapes, bool(self.models.controlnets), self.variant, self.refs, self.tags)
 
     def unet_target(self, height: int, width: int, variant: str | None = None) -> Target:
         """The UNet artifact of a variant ("compiled": fp16, "fp8"; None: this run's best)."""
         return Target("unet", height, width, VARIANTS[variant or self.variant].precision, self.refs, self.tags)
 
-    def variants(self, batch: int, height: int, width: int, control: bool) -> list[str]:
-        """The ShapeKey variants this shape can run on now, best first (the run's compiled rows whose UNet kernels for
-        its size are loaded): with --fp8 its FP8 kernels, then the fp16 ones when the cache had them (while the FP8
-        ones build, or after they failed their check)."""
-        if fits(batch, height, width) is not None or (control & 1 and Target("controlnet", height, width) not in self.calls):
-            return []
-        return self._loaded(height, width)
+    def controlnet_target(self, height: int, width: int, variant: str | None = None) -> Target:
+        """The (first) ControlNet's artifact of a variant (None: this run's best)."""
+        return Target("controlnet", height, width, VARIANTS[variant or self.variant].precision)
 
-    def _loaded(self, height: int, width: int) -> list[str]:
-        """The variants whose UNet kernels for this size are loaded, best first."""
-        return [v.name for v in self.chain if self.unet_target(height, width, v.name) in self.calls]
+    def variants(self, batch: int, height: int, width: int, control: bool) -> list[str]:
+        """The ShapeKey variants this shape can run on now, best first (the run's compiled rows whose kernels for its
+        size, the UNet's and with a control image the ControlNet's, are loaded): with --fp8 its FP8 kernels, then the
+        fp16 ones when the cache had them (while the FP8 ones build, or after they failed their check)."""
+        if fits(batch, height, width) is not None:
+            return []
+        return self._loaded(height, width, bool(control & 1))
+
+    def _loaded(self, height: int, width: int, control: bool = False) -> list[str]:
+        """The variants whose UNet kernels (and with `control` the ControlNet's) for this size are loaded, best first."""
+        return [v.name for v in self.chain if self.unet_target(height, width, v.name) in self.calls
+                and (not control or self.controlnet_target(height, width, v.name) in self.calls)]
 
     def calls_for(self, variant: str) -> StepCalls:
         """The step's module calls on one variant's kernels (what a graph of that variant captures)."""
-        return StepCalls(partial(self._unet, variant=variant), self._controlnet, self.others)
+        return StepCalls(partial(self._unet, variant=variant), partial(self._controlnet, variant=variant), self.others)
+
+    def _best(self, target: Target) -> bool:
+        return target.precision == VARIANTS[self.variant].precision
 
     def path(self, target: Target) -> Path:
         return artifact_path(target, module_of(self.models, target.module), self.root)
@@ -134,17 +143,12 @@ class CompiledKernels(StepCalls):
         rows this run falls back to (with --fp8: the fp16 ones) are loaded too where the cache has them (never built):
         a size runs on them until its best kernels land."""
         targets = list(targets)
-        best = [t for t in targets if t == self.unet_target(t.height, t.width)]
-        lower = [self.unet_target(t.height, t.width, v.name) for t in best for v in self.chain[1:]]
+        lower = [replace(t, precision=v.precision) for t in targets if self._best(t) for v in self.chain[1:]]
         self._check_loads([self.path(t) for t in lower + targets if t not in self.calls and t not in self.waiting])
-        for t in targets:
-            if t != self.unet_target(t.height, t.width):
-                continue
-            for lower in self.chain[1:]:
-                fallback = self.unet_target(t.height, t.width, lower.name)
-                path = self.path(fallback)
-                if fallback not in self.calls and path.is_file():
-                    self.add(fallback, path)
+        for fallback in lower:
+            path = self.path(fallback)
+            if fallback not in self.calls and path.is_file():
+                self.add(fallback, path)
         for t in targets:
             if t in self.calls or t in self.waiting:
                 continue
@@ -209,7 +213,7 @@ class CompiledKernels(StepCalls):
         why = fits(batch, height, width)
         if why:
             return why
-        need = [self.unet_target(height, width)] + ([Target("controlnet", height, width)] if control & 1 else [])
+        need = [self.unet_target(height, width)] + ([self.controlnet_target(height, width)] if control & 1 else [])
         lacking = [t.label for t in need if t not in self.calls]
         return f"no compiled kernels for {', '.join(lacking)} yet" if lacking else None
 
@@ -234,6 +238,8 @@ class CompiledKernels(StepCalls):
         call = self.calls[self.unet_target(8 * h, 8 * w, variant or self._loaded(8 * h, 8 * w)[0])]
         return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down, *(attention or {}).values())
 
-    def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale):
-        call = self.calls[Target("controlnet", 8 * latents.shape[2], 8 * latents.shape[3])]
+    def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale, variant: str | None = None):
+        """`variant`: which ControlNet kernels ("compiled", "fp8"); None: the best loaded for the size (as `_unet`)."""
+        h, w = 8 * latents.shape[2], 8 * latents.shape[3]
+        call = self.calls[self.controlnet_target(h, w, variant or self._loaded(h, w, True)[0])]
         return call(latents, _scalar(t), embeds, pooled, time_ids, image, scale)

@@ -1,16 +1,16 @@
-"""FP8 compiled UNet kernels (`--fp8`): the Linear layers of the UNet's transformer blocks in float8_e4m3fn with
-STATIC per-tensor scales, inside the same per-size artifacts as the fp16 recipe (engine/kernels/): the recipe module of
-the `fp8` row of engine/variants.py.
+"""FP8 compiled UNet and ControlNet kernels (`--fp8`): the Linear layers of the transformer blocks in float8_e4m3fn
+with STATIC per-tensor scales, inside the same per-size artifacts as the fp16 recipe (engine/kernels/): the recipe module
+of the `fp8` row of engine/variants.py. The UNet and the job's first ControlNet (the one with an artifact) both.
 
 - Which Linears: every Linear of a transformer block that reads image tokens (the fused q/k/v of self-attention,
   the cross-attention's query, the attention outputs, the GEGLU and feed-forward output, proj_in/proj_out). The
-  cross-attention's key/value read the 77 text tokens and stay fp16, as do the embeddings and the ControlNet.
+  cross-attention's key/value read the 77 text tokens and stay fp16, as do the embeddings and the convolutions.
 - Static scales: an input's scale is a constant, so its quantisation is a pointwise op the compiler fuses into the
   kernel that produces the input (LayerNorm, GEGLU); a dynamic scale needs a reduction first (55 ms per
-  image-step measured, slower than fp16). The input scales come from calibration: a few eager UNet calls on the
-  base model (`calibrate`), once per model, stored in the cache beside the artifacts (`scales`). A weight's scale
-  is its own amax / 448.
-- The FP8 weights and their scales are tensors derived from the rendering UNet's own weights
+  image-step measured, slower than fp16). The input scales come from calibration: a few eager calls of the module on
+  the base model (`calibrate`; the ControlNet's with a sparse control image, `calibrate_controlnet`), once per
+  module's weights, stored in the cache beside the artifacts (`scales`). A weight's scale is its own amax / 448.
+- The FP8 weights and their scales are tensors derived from the rendering modules' own weights
   (SdxlModels.derive): an in-place write (a LoRA swap) re-quantises them in place, so the artifact's bound
   pointers stay valid. The input scales stay the base model's: a LoRA that makes an input larger saturates at
   448 x scale.
@@ -107,10 +107,17 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.detach().float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def module_name(models: Any, module: torch.nn.Module) -> str:
+    """The artifact module `module` is in `models` ("unet" or "controlnet"): what keeps their derived tensors and
+    stored scales apart (both have a `down_blocks.1.attentions.0...`)."""
+    return "unet" if module is models.unet else "controlnet"
+
+
 def weights(models: Any, unet: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Constant name (without the module prefix) -> tensor, for every FP8 Linear: its FP8 weight and weight scale
-    (derived from the live weight, re-quantised in place after any write to it or to a q/k/v view of it)."""
-    out = {}
+    """Constant name (without the module prefix) -> tensor, for every FP8 Linear of `unet` (the UNet or a
+    ControlNet): its FP8 weight and weight scale (derived from the live weight, re-quantised in place after any write to
+    it or to a q/k/v view of it)."""
+    out, kind = {}, module_name(models, unet)
     for name in linears(unet):
         linear = unet.get_submodule(name)
         w = linear.weight
@@ -125,7 +132,7 @@ def weights(models: Any, unet: torch.nn.Module) -> dict[str, torch.Tensor]:
             pair[0].copy_(q)
             pair[1].copy_(s)
 
-        q, s = models.derive(f"fp8:{name}", [w, *views], make, refresh)
+        q, s = models.derive(f"fp8:{kind}:{name}", [w, *views], make, refresh)
         out[f"{name}.weight"], out[f"{name}.w_scale"] = q, s
     return out
 
@@ -143,15 +150,17 @@ def input_scales(amax: dict[str, float], unet: torch.nn.Module, device: torch.de
 # ------------------------------------------------------------------ calibration
 
 
-def fingerprint(models: Any) -> str:
-    """The UNet's identity for its stored scales: its name, parameter names and shapes, and a sample of every
-    parameter's values (weights from another file, or fine-tuned ones, are another model)."""
-    unet = models.unet
+def fingerprint(models: Any, module: torch.nn.Module | None = None) -> str:
+    """A module's identity for its stored scales (the UNet's by default): its name, parameter names and shapes, and a
+    sample of every parameter's values (weights from another file, or fine-tuned ones, are another model). A
+    ControlNet's is its own, whatever UNet it runs beside (its calibration calls use the model's text encoders)."""
+    unet = models.unet if module is None else module
     named = [(n, p) for n, p in unet.named_parameters() if not n.endswith(("to_qkv.weight", "to_kv.weight",
                                                                           "to_qkv.bias", "to_kv.bias"))]
     with torch.no_grad():
         sample = torch.cat([p.detach().reshape(-1)[:: max(1, p.numel() // 16)][:16].float() for _, p in named])
-    h = hashlib.sha256(json.dumps([models.name, [(n, list(p.shape), str(p.dtype)) for n, p in named]]).encode())
+    name = models.name if unet is models.unet else [models.name, module_name(models, unet)]
+    h = hashlib.sha256(json.dumps([name, [(n, list(p.shape), str(p.dtype)) for n, p in named]]).encode())
     h.update(sample.cpu().numpy().tobytes())
     return h.hexdigest()[:20]
 
@@ -213,16 +222,38 @@ def calibrate(models: Any) -> dict[str, float]:
     return input_amax(models.unet, run)
 
 
-def scales(models: Any, root: Path) -> tuple[dict[str, float], Path, bool]:
-    """The base model's calibrated input amax: from `root` when stored for this model, else calibrated now and
-    stored (atomically). Returns (amax by name, the file, whether it was calibrated now)."""
-    path = root / f"fp8-scales-{fingerprint(models)}.json"
+@torch.no_grad()
+def calibrate_controlnet(models: Any) -> dict[str, float]:
+    """name -> the amax of each FP8 Linear's input in the first ControlNet (the one with an artifact) over eager calls:
+    the UNet's calibration calls (`calibration_steps`) with a sparse random control image (edges, lines and poses are
+    mostly black) at full scale."""
+    from storyboard_cli.engine.eager import controlnet_call
+
+    net, dev, dt = models.controlnets[0], models.device, models.dtype
+    g = torch.Generator().manual_seed(1)
+
+    def run() -> None:
+        for latents, t, embeds, pooled, ids in calibration_steps(models):
+            rows, side = latents.shape[0], 8 * latents.shape[-1]
+            image = (torch.rand(rows, 3, side, side, generator=g) > 0.9).to(dev, dt)
+            scale = torch.ones(rows, 1, 1, 1, dtype=dt, device=dev)
+            controlnet_call(net, latents, t, embeds, pooled, ids, image, scale)
+
+    return input_amax(net, run)
+
+
+def scales(models: Any, root: Path, module: str = "unet") -> tuple[dict[str, float], Path, bool]:
+    """The base model's calibrated input amax of `module` ("unet", "controlnet": the first net): from `root` when stored
+    for these weights, else calibrated now and stored (atomically). Returns (amax by name, the file, whether it was
+    calibrated now)."""
+    net = models.unet if module == "unet" else models.controlnets[0]
+    path = root / f"fp8-scales-{fingerprint(models, net)}.json"
     if path.is_file():
         try:
             return json.loads(path.read_text())["amax"], path, False
         except (ValueError, KeyError, OSError) as e:
             log.warning("stored FP8 scales %s unreadable (%s): calibrating again", path.name, e)
-    amax = calibrate(models)
+    amax = calibrate(models) if module == "unet" else calibrate_controlnet(models)
     root.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({"model": models.name, "calibration_t": CALIBRATION_T,
@@ -232,16 +263,26 @@ def scales(models: Any, root: Path) -> tuple[dict[str, float], Path, bool]:
 
 
 class InputScales:
-    """The FP8 artifacts' constants beyond the UNet's own tensors (the `fp8` row's `constants`), prepared once per run
-    before any LoRA is applied: the base model's input scales, from `root` when stored, else calibrated now; and per
-    artifact the FP8 weights and weight scales derived from the live weights (`tensors`)."""
+    """The FP8 artifacts' constants beyond the modules' own tensors (the `fp8` row's `constants`), prepared once per run
+    before any LoRA is applied: the base model's input scales of the UNet and, where the models have one, of the first
+    ControlNet, from `root` when stored, else calibrated now; and per artifact the FP8 weights and weight scales derived
+    from the live weights (`tensors`)."""
 
     def __init__(self, models: Any, root: Path):
-        t0 = time.perf_counter()
-        amax, self.file, calibrated = scales(models, root)
-        self.x_scales = input_scales(amax, models.unet, models.device)
-        how = f"calibrated now in {time.perf_counter() - t0:.1f} s" if calibrated else "stored"
-        self.note = f"UNet kernels in FP8 (--fp8): input scales {how}, {self.file}"
+        self.x_scales: dict[str, dict[str, torch.Tensor]] = {}  # "unet" / "controlnet" -> constant name -> x_scale
+        self.files: list[Path] = []
+        hows = []
+        for module in ("unet", "controlnet")[: 1 + bool(models.controlnets)]:
+            t0 = time.perf_counter()
+            amax, file, calibrated = scales(models, root, module)
+            net = models.unet if module == "unet" else models.controlnets[0]
+            self.x_scales[module] = input_scales(amax, net, models.device)
+            self.files.append(file)
+            hows.append(f"{module} calibrated now in {time.perf_counter() - t0:.1f} s" if calibrated
+                        else f"{module} stored")
+        self.file = self.files[0]
+        what = "UNet and ControlNet" if models.controlnets else "UNet"
+        self.note = f"{what} kernels in FP8 (--fp8): input scales {', '.join(hows)}, {', '.join(map(str, self.files))}"
 
-    def tensors(self, models: Any, unet: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {**weights(models, unet), **self.x_scales}
+    def tensors(self, models: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {**weights(models, module), **self.x_scales[module_name(models, module)]}
