@@ -111,49 +111,40 @@ def test_a_text_encoder_lora_is_part_of_the_prompt_cache_key(lora_models, tmp_pa
 
 
 def test_prompts_are_encoded_ahead_only_under_the_text_loras_their_batch_uses(lora_models, tmp_path, monkeypatch):
-    """A batch whose text-encoder LoRAs differ from the batch before's is encoded after its own swap, on the main
-    thread; one under the same set is encoded beside the batch before. No weight is written while an encode runs
-    beside a loop, and the latents are those of one batch after the other."""
-    import threading
-    import time
-
+    """A batch whose text-encoder LoRAs differ from the batch before's is encoded after its own swap, in its own
+    run_batch; one under the same set is encoded while the batch before denoises. The latents are those of batches
+    that each encode their own prompts."""
     import storyboard_cli.engine.conditioning as conditioning
-    from storyboard_cli.models.lora import LoraApplier
 
     job = _job(tmp_path, "  - {id: a, prompt: x, seed: 1}\n  - {id: b, prompt: y, seed: 2}\n"
                          "  - {id: c, prompt: z, lora: {mei: 1}, seed: 3}\n  - {id: d, prompt: w, lora: {mei: 1}, seed: 4}\n")
     job = dataclasses.replace(job, buckets=(1,))  # a batch per shot
-    encode, apply, events = conditioning.encode_text, LoraApplier.apply, []
+    encode, run_batch, events = conditioning.encode_text, BatchRunner.run_batch, []
 
-    def slow_encode(models, prompts):
-        beside = threading.current_thread().name != "MainThread"
-        events.append(("encode", prompts[0], beside, time.perf_counter()))
-        if beside:
-            time.sleep(0.3)  # long enough that a write not waiting for it would land inside it
-        out = encode(models, prompts)
-        events.append(("encoded", prompts[0], beside, time.perf_counter()))
-        return out
+    def recorded(models, prompts):
+        events.append(("encode", prompts[0]))
+        return encode(models, prompts)
 
-    def timed_apply(self, active):
-        events.append(("swap", None, False, time.perf_counter()))
-        return apply(self, active)
+    def running(self, batch, fallback=False, upcoming=None):
+        events.append(("batch", batch.items[0].shot))
+        return run_batch(self, batch, fallback, upcoming)
 
-    monkeypatch.setattr(conditioning, "encode_text", slow_encode)
-    monkeypatch.setattr(LoraApplier, "apply", timed_apply)
+    monkeypatch.setattr(conditioning, "encode_text", recorded)
+    monkeypatch.setattr(BatchRunner, "run_batch", running)
     latents, _, _ = _render(lora_models, job, ahead=True)
-    monkeypatch.setattr(conditioning, "encode_text", encode)
-    monkeypatch.setattr(LoraApplier, "apply", apply)
+    monkeypatch.undo()
     want, _, _ = _render(lora_models, job)
     assert latents.keys() == want.keys() and all(torch.equal(latents[k], want[k]) for k in want)
-    order = [p for kind, p, _, _ in events if kind == "encode" and p in set("xyzw")]
-    beside = {p: b for kind, p, b, _ in events if kind == "encode"}
-    assert sorted(order) == sorted("xyzw")  # each prompt once
-    # the plan groups a LoRA set's batches: each set's first batch is encoded after its swap, on the main thread;
-    # the other batch of the set beside the one before it
-    for a, b in (("x", "y"), ("z", "w")):
-        first, second = sorted((a, b), key=order.index)
-        assert (beside[first], beside[second]) == (False, True), (order, beside)
-    swaps = [t for kind, _, _, t in events if kind == "swap"]
-    spans = [(t0, t1) for (k0, p0, b0, t0), (k1, p1, b1, t1) in zip(events, events[1:])
-             if k0 == "encode" and k1 == "encoded" and b0]
-    assert spans and not [t for t in swaps for t0, t1 in spans if t0 < t < t1]
+    during, shot = {}, None
+    for kind, what in events:
+        if kind == "batch":
+            shot = what
+        elif what in set("xyzw"):
+            assert what not in during, f"{what} encoded twice"
+            during[what] = shot
+    order = [what for kind, what in events if kind == "batch"]
+    prompt = {"a": "x", "b": "y", "c": "z", "d": "w"}
+    # each LoRA set's first batch encodes its own prompt after its swap; the set's second batch, during the first
+    for first, second in (("a", "b"), ("c", "d")):
+        first, second = sorted((first, second), key=order.index)
+        assert (during[prompt[first]], during[prompt[second]]) == (first, first), (order, during)

@@ -72,41 +72,54 @@ def test_a_failed_batch_loses_none_of_the_batch_denoised_before_it(job, tmp_path
     assert first and lines[: len(first)] == first  # the first batch's images landed, before the third's
 
 
-class Ahead(RenderSession):
-    """The next batch's prompts encoded beside each batch's loop, as on a GPU (run/batch.py `encode_ahead`)."""
+def test_each_batch_s_prompts_are_encoded_between_the_steps_of_the_batch_before(job, tmp_path, tiny_cpu, monkeypatch):
+    """Every batch after the first finds its prompts encoded while the batch before denoised (between its steps, inside
+    the engine's loop), each prompt once; the files are the bytes of a render without it, in the same order."""
+    import storyboard_cli.engine.conditioning as conditioning
+    from storyboard_cli.engine.eager import EagerEngine
+
+    encode, run_batch, sample = conditioning.encode_text, BatchRunner.run_batch, EagerEngine.sample
+    where, now = [], {"shot": None, "looping": False}
+
+    def recorded(models, prompts):
+        where.append((prompts[0], now["shot"], now["looping"]))
+        return encode(models, prompts)
+
+    def running(self, batch, fallback=False, upcoming=None):
+        now["shot"] = batch.items[0].shot
+        return run_batch(self, batch, fallback, upcoming)
+
+    def looping(self, *args, **kwargs):
+        now["looping"] = True
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            now["looping"] = False
+
+    monkeypatch.setattr(conditioning, "encode_text", recorded)
+    monkeypatch.setattr(BatchRunner, "run_batch", running)
+    monkeypatch.setattr(EagerEngine, "sample", looping)
+    result, lines, files = _render(job, tmp_path / "ahead", tiny_cpu)
+    monkeypatch.undo()
+    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, NotAhead)
+    assert result.status == seq.status == "done" and lines == seq_lines and files == seq_files
+    prompts = {"a": "a castle on a hill", "b": "a boat at sea", "c": "a lighthouse"}
+    order = list(dict.fromkeys(p.split("/")[0] for p in lines))  # the shots in batch order
+    assert sorted(p for p, _, _ in where) == sorted(prompts.values())  # each prompt once
+    encoded = {p: (shot, looping) for p, shot, looping in where}
+    assert encoded[prompts[order[0]]] == (order[0], False)  # the first batch's: before its own loop
+    for before, shot in zip(order, order[1:]):
+        assert encoded[prompts[shot]] == (before, True), (shot, encoded)
+    assert result.report.stages_s["encode"] > 0 and "encode" in result.report.hidden_s
+
+
+class NotAhead(Sequential):
+    """One batch after the other, each encoding its own prompts."""
 
     def batch_runner(self) -> BatchRunner:
         runner = super().batch_runner()
-        runner.ahead = True
+        runner.ahead = False
         return runner
-
-
-def test_prompts_encoded_beside_the_batch_before_write_the_same_bytes_and_each_prompt_once(job, tmp_path, tiny_cpu,
-                                                                                          monkeypatch):
-    """Every batch after the first finds its prompts encoded on the inputs' thread while the batch before ran; the
-    files are the bytes of one batch after the other, and no prompt is encoded twice."""
-    import threading
-
-    import storyboard_cli.engine.conditioning as conditioning
-
-    real, where = conditioning.encode_text, []
-
-    def encode(models, prompts):
-        where.append((prompts[0], threading.current_thread().name))
-        return real(models, prompts)
-
-    monkeypatch.setattr(conditioning, "encode_text", encode)
-    result, lines, files = _render(job, tmp_path / "ahead", tiny_cpu, Ahead)
-    ahead = dict(where)
-    monkeypatch.setattr(conditioning, "encode_text", real)
-    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
-    assert result.status == seq.status == "done" and lines == seq_lines and files == seq_files
-    assert len(where) == len(ahead) == 3, where  # each prompt once
-    first = lines[0].split("/")[0]
-    prompts = {"a": "a castle on a hill", "b": "a boat at sea", "c": "a lighthouse"}
-    assert ahead.pop(prompts[first]) == "MainThread"
-    assert set(ahead.values()) == {"bcg-inputs_0"}, ahead
-    assert result.report.stages_s["encode"] > 0 and "encode" in result.report.hidden_s
 
 
 def test_a_decode_out_of_memory_is_decoded_again_and_other_decode_errors_fail_its_images(job, tmp_path, tiny_cpu,

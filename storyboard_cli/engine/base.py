@@ -6,7 +6,7 @@ No torch at import time: the shape label is shared with torch-free code.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -48,12 +48,13 @@ class Engine(Protocol):
 
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
                conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None,
-               started: Callable[[], None] | None = None) -> torch.Tensor:
+               between: Iterator[Callable[[], object]] | None = None) -> torch.Tensor:
         """Initial latents x [B, 4, h, w] -> final latents [B, 4, h, w] float32. `noise`: per-step noise
         [steps, B, 4, h, w] for ancestral samplers, else None; `conds`: the batch's values of its conditioning kinds
         (engine/conditions/), None for none; `guidance` [B]; `plan`: each step's kind
-        (draft renders: steps.step_plan), None for every step guided and whole. `started`: called once, just before
-        the loop's first step is queued (after any capture and check): where work beside the loop may begin."""
+        (draft renders: steps.step_plan), None for every step guided and whole. `between`: host work in small
+        pieces, run on this thread one after each step is queued (after any capture and check; what is left after the
+        last step): the GPU's time on the steps queued before a piece hides the host's time on it."""
         ...
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,
@@ -74,3 +75,15 @@ class Engine(Protocol):
     def describe(self) -> list[dict]:
         """One row per prepared shape, for the report (empty when there is nothing to say)."""
         ...
+
+
+def run_between(between: Iterator[Callable[[], object]] | None, everything: bool = False) -> Iterator | None:
+    """Runs the next piece of an engine's `between` work (every piece left: `everything`); returns the iterator, or None
+    once it is used up."""
+    if between is None:
+        return None
+    for piece in between:
+        piece()
+        if not everything:
+            return between
+    return None

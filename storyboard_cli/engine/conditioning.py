@@ -98,6 +98,10 @@ class PromptCache:
         return torch.stack([r[0] for r in picked]), torch.stack([r[1] for r in picked])
 
 
+    def missing(self, prompts: list[str], lora_key: Hashable = ()) -> list[str]:
+        """The distinct non-empty prompts not in the cache under `lora_key`, in the order `fill` encodes them."""
+        return sorted({p for p in prompts if p and (lora_key, p) not in self._cache})
+
     def fill(self, prompts: list[str], lora_key: Hashable = ()) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """prompt -> (embeds [77, C], pooled [P]) for each non-empty prompt, the ones not in the cache encoded now
         and cached: what `get` stacks, and what a batch's prompts encoded ahead of it (run/batch.py) put in."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.base import Shape, run_between
 from storyboard_cli.engine.conditioning import Cond
 from storyboard_cli.engine.conditions.kind import Conditions, Step
 from storyboard_cli.engine.deepcache import feature_shape, shallow_unet, writing_feature
@@ -134,19 +134,19 @@ class EagerEngine:
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
                conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None,
-               started: Callable[[], None] | None = None) -> torch.Tensor:
+               between: Iterator[Callable[[], object]] | None = None) -> torch.Tensor:
         """x [B, 4, h, w] initial latents on the device -> final latents [B, 4, h, w] float32. `plan`: each
-        step's kind (steps.step_plan); None: every step guided, the UNet whole (FULL). `started`: engine/base.py."""
+        step's kind (steps.step_plan); None: every step guided, the UNet whole (FULL). `between`: engine/base.py."""
         table = sched.table.to(x.device)
         prev = torch.zeros_like(x)
         zero = torch.zeros_like(x)
         feature = new_feature(self.models, x, plan)
         conds = conds or Conditions()
-        if started is not None:
-            started()
         for i in range(sched.steps):
             x, prev = sample_step(self.models, x, prev, zero if noise is None else noise[i], table[i], cond,
                                   conds.at(i), guidance, None, plan[i] if plan else FULL, feature, i)
+            between = run_between(between)
+        run_between(between, everything=True)
         return x
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,

@@ -7,9 +7,12 @@ The decode is queued from a host thread of its own (`on_decode`). The thread tha
 the last ones until the GPU is about one replay from the loop's end (the launch queue is full), so a decode queued
 after them from that thread began only when the loop had ended, and the next batch's inputs and loop waited for it
 (docs/PERFORMANCE.md, issue 41: the trace of 2026-12-02). A replay releases the GIL: the decode thread queues the
-decode while the next batch's inputs are made, checked and replayed. For the same reason the next batch's prompts are
-encoded from a thread of their own (`beside`) while the loop before it replays: on the main thread they waited for the
-loop's end, and the GPU waited for them.
+decode while the next batch's inputs are made, checked and replayed.
+
+The next batch's prompts are encoded on the inputs' stream (`aside`) between the first replays of the loop before it,
+one prompt after each replay, from the thread that queues them: the GPU runs them beside those replays, and the host's
+time for them is hidden behind the replays already queued. From a thread of their own they were not: their launches
+waited behind the full launch queue, and 1.07 of their 22.7 s stayed exposed (docs/PERFORMANCE.md, seventh session).
 
 A copy from pageable host memory waits for its whole stream: on the UNet's stream it would wait for the batch before
 to finish denoising, so the inputs have a stream of their own. A tensor made on one stream and read on another is
@@ -64,7 +67,6 @@ class Lanes:
         self._inputs = torch.cuda.Stream(device) if self.cuda else None
         self._decode = torch.cuda.Stream(device) if self.cuda else None
         self._thread: ThreadPoolExecutor | None = None  # the decode's, made at the first decode
-        self._beside: ThreadPoolExecutor | None = None  # the inputs made ahead (`beside`), made at first use
 
     def timer(self) -> Timer:
         """A point in the current stream's work."""
@@ -107,23 +109,16 @@ class Lanes:
             self._thread.submit(queue)
         return done
 
-    def beside(self, work: Callable[[], T]) -> Future[T]:
-        """`work` on the inputs' stream from a host thread of its own, after what that stream has queued so far: this
-        returns at once, and the Future holds what `work` returned or raised once it is queued. Work the caller queues
-        on the inputs' stream after waiting for the Future runs after it (one stream, queued in that order). On the
-        CPU it runs on that thread too, without streams."""
-        done: Future[T] = Future()
-
-        def queue() -> None:
-            if not self.cuda:
-                _settle(done, work)
-                return
-            with torch.cuda.device(self._inputs.device), torch.cuda.stream(self._inputs):
-                _settle(done, work)
-
-        self._beside = self._beside or ThreadPoolExecutor(1, thread_name_prefix="bcg-inputs")
-        self._beside.submit(queue)
-        return done
+    @contextmanager
+    def aside(self):
+        """Work on the inputs' stream that nothing waits for here (the next batch's prompts, encoded while this batch
+        denoises): that batch's inputs, made on the same stream after it, read what it made; the UNet's stream waits
+        for them then (`inputs`). On the CPU, the caller's."""
+        if not self.cuda:
+            yield
+            return
+        with torch.cuda.stream(self._inputs):
+            yield
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A copy in host memory; on a GPU, pinned and not waited for (wait for a Timer after it)."""

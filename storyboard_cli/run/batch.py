@@ -8,12 +8,12 @@ conditioning kind: it reads the table's rows.
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future
+from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -24,7 +24,7 @@ from storyboard_cli.engine.conditions.kind import Conditions, Unreadable
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
 from storyboard_cli.engine.streams import Lanes, Timer, hand_over
-from storyboard_cli.errors import ModelError, StoryboardError, one_line
+from storyboard_cli.errors import ModelError, StoryboardError
 from storyboard_cli.folder.report import Timings
 from storyboard_cli.job.conditions import KINDS as JOB_KINDS
 from storyboard_cli.job.file import LoraFile
@@ -33,8 +33,6 @@ from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
 from storyboard_cli.steps import StepKind
-
-log = logging.getLogger(__name__)
 
 
 def batch_shapes(batches: list[Batch]) -> list[Shape]:
@@ -138,15 +136,13 @@ class BatchRunner:
     the others render. A file not given here is read when first needed."""
 
     def __init__(self, models: SdxlModels, engine: Engine, timings: Timings | None = None,
-                 loras: Iterable[LoraFile] = (), overlap: bool = True, ahead: bool | None = None):
+                 loras: Iterable[LoraFile] = (), overlap: bool = True, ahead: bool = True):
         self.models, self.engine = models, engine
         # `overlap`: a batch's decode is waited for once the next batch denoises (the caller's `finish`), not at once
         self.overlap = overlap
         self.lanes = Lanes(models.device)
-        # `ahead`: the next batch's prompts are encoded beside this batch's loop (`encode_ahead`); by default on a GPU
-        # (on the CPU the loop's own compute holds the cores: the thread would only take them from it)
-        self.ahead = models.device.type == "cuda" if ahead is None else ahead
-        self._ahead: Future | None = None  # the prompts being encoded beside the loop: seconds they took, once done
+        # `ahead`: the next batch's prompts are encoded between this batch's first steps (`encode_ahead`)
+        self.ahead = ahead
         self._last: Denoised | None = None  # the latest batch denoised: where the next batch's inputs are measured from
         self.fallback: Engine = EagerEngine(models)  # for the out-of-memory policy's last retry
         self.prompts = PromptCache(models)
@@ -201,7 +197,6 @@ class BatchRunner:
 
     def close(self) -> None:
         """The models' own weights back (bit for bit), so whoever holds the models next sees them unchanged."""
-        self.settle_ahead()  # no encode beside a weight write
         self.lora.restore()
 
     def schedule(self, sampler: str, steps: int, start: int = 0) -> Schedule:
@@ -232,9 +227,8 @@ class BatchRunner:
         """Denoises one batch (on the fallback engine if told); returns (item, latents [4, h, w]) for its
         real rows, and the rows it could not run in `.failed`. On a GPU nothing here waits for the GPU: the inputs
         are made on their own stream while the batch before still denoises, and the loop is queued behind it.
-        `upcoming`: the batch that runs next, where the caller knows it: its prompts are encoded beside this batch's
-        loop (`encode_ahead`)."""
-        self.settle_ahead()  # the prompt cache and the text encoders are this thread's again
+        `upcoming`: the batch that runs next, where the caller knows it: its prompts are encoded between this batch's
+        first steps (`encode_ahead`)."""
         m, key = self.models, batch.key
         t0 = time.perf_counter()
         with self.lanes.inputs():  # the kinds' files read (control images decoded, references encoded: once each)
@@ -269,51 +263,38 @@ class BatchRunner:
         last = self._last.timing if self._last is not None else None
         before = last.end if last is not None and not last.counted else None  # that loop still ran, or was not read
         start = self.lanes.timer()
-        started = None
-        if upcoming is not None and self.ahead:
-            started = lambda: self.encode_ahead(upcoming, text_loras)  # noqa: E731 - once the loop's captures are done
-        latents = engine.sample(x, sched, noise, cond, conds, guidance, batch.key.plan, started)
+        between = self.encode_ahead(upcoming, text_loras) if upcoming is not None and self.ahead else None
+        latents = engine.sample(x, sched, noise, cond, conds, guidance, batch.key.plan, between)
         timing = BatchTiming(bucket_label(batch), inputs_s, ready, start, self.lanes.timer(), before)
         self._last = Denoised(zip(items, latents[: len(items)]), failed, timing)
         return self._last
 
-    def encode_ahead(self, batch: Batch, text_loras: tuple) -> None:
-        """Encodes `batch`'s prompts and negative prompts into the prompt cache from the inputs' thread (engine/streams.py
-        `beside`), while this thread queues the loop before it: its own `run_batch` then finds them there. Only where
-        `batch` uses the text-encoder LoRAs applied now (`text_loras`): another set is written into the encoders at its
-        own `run_batch`, which encodes its prompts after that. `run_batch` and `close` wait for it first: nothing else
-        uses the prompt cache or writes the weights while it runs. Its regions' prompts are encoded in their own
-        cache at its `run_batch` (engine/conditions/region.py)."""
-        if self._ahead is not None or self.lora_problem(batch):
-            return
+    def encode_ahead(self, batch: Batch, text_loras: tuple) -> Iterator[Callable[[], None]] | None:
+        """The pieces of work that encode `batch`'s prompts and negative prompts into the prompt cache, one prompt
+        each, on the inputs' stream (engine/streams.py `aside`): the engine runs them between the steps of the loop
+        before `batch`'s (Engine.sample `between`), and `batch`'s own `run_batch` finds them there. Only where `batch`
+        uses the text-encoder LoRAs applied now (`text_loras`): another set is written into the encoders at its own
+        `run_batch`, which encodes its prompts after that. Its regions' prompts are encoded in their own cache at its
+        `run_batch` (engine/conditions/region.py). The host's seconds count as encoding."""
+        if self.lora_problem(batch):
+            return None
         try:
             active = {f.name: (self.lora_weights(f), scale) for f, scale in batch.items[0].loras}
         except StoryboardError:  # its own run_batch says why
-            return
+            return None
         if set_key(active, text_only=True) != text_loras:
-            return
+            return None
         prompts = [it.prompt for it in batch.items]
         negatives, _ = guided_rows(prompts, [it.negative for it in batch.items], [it.guidance for it in batch.items])
-        wanted = [*negatives, *prompts]
 
-        def encode() -> float:
+        def encode(prompt: str) -> None:
             t0 = time.perf_counter()
-            self.prompts.fill(wanted, text_loras)
-            return time.perf_counter() - t0
+            with self.lanes.aside():
+                self.prompts.fill([prompt], text_loras)
+            self.timings.add("encode", time.perf_counter() - t0)
 
-        self._ahead = self.lanes.beside(encode)
-
-    def settle_ahead(self) -> None:
-        """Waits for the prompts `encode_ahead` queued, if any, and counts their seconds as encoding (hidden where the
-        loop beside them ran longer: the exposed share is measured on the streams, at `finish`). One that failed (out
-        of memory beside the loop) is encoded again where its batch needs it."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return
-        try:
-            self.timings.add("encode", ahead.result())
-        except Exception as e:  # noqa: BLE001 - its batch's own run_batch encodes what is missing, and raises there
-            log.info("prompts encoded ahead failed (encoded again with their batch): %s", one_line(e, 200))
+        missing = self.prompts.missing([*negatives, *prompts], text_loras)
+        return iter([partial(encode, p) for p in missing]) if missing else None
 
     def start_decode(self, done: Denoised) -> Decoding:
         """Queues the decode of `done`'s latents after their denoising, on the decode stream from the decode thread (so
@@ -383,5 +364,4 @@ class BatchRunner:
 
     def release(self) -> None:
         """After an out-of-memory: the engine gives back what it holds for speed."""
-        self.settle_ahead()
         self.engine.release()

@@ -36,11 +36,11 @@ import logging
 import time
 import warnings
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
-from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.base import Shape, run_between
 from storyboard_cli.engine.conditioning import Cond
 from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name
@@ -383,10 +383,10 @@ class GraphRunner:
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
                conds: Conditions | None, guidance: torch.Tensor, plan: StepPlan | None = None,
-               started: Callable[[], None] | None = None) -> torch.Tensor:
+               between: Iterator[Callable[[], object]] | None = None) -> torch.Tensor:
         """Same contract as EagerEngine.sample: initial latents [B, 4, h, w] -> final latents. Every graph the
-        plan needs is captured and checked before the loop (the DeepCache full step before its shallow one), and
-        before `started` is called: no capture runs beside what it starts."""
+        plan needs is captured and checked before the loop (the DeepCache full step before its shallow one), so no
+        capture runs between `between`'s pieces."""
         if self.compiled is not None:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         b, _, h, w = x.shape
@@ -396,12 +396,10 @@ class GraphRunner:
         self._share(shape, set(plan))
         graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, conds, guidance))
         if graphs is None:
-            return self.eager.sample(x, sched, noise, cond, conds, guidance, plan, started)
+            return self.eager.sample(x, sched, noise, cond, conds, guidance, plan, between)
         steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
         v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, conds, guidance)
-        if started is not None:
-            started()
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
         for i, (key, graph) in enumerate(steps):
             if segment is None or segment[0] != key:
@@ -410,6 +408,8 @@ class GraphRunner:
             if noise is not None:
                 v.noise.copy_(noise[i])
             graph.replay()
+            between = run_between(between)  # while the GPU runs the replays queued so far
+        run_between(between, everything=True)
         self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
 
