@@ -114,7 +114,10 @@ def test_a_worker_loads_again_for_more_region_slots_and_keeps_its_models_for_few
                            RenderOptions(out_dir=tmp_path / name)).out_dir  # its own models, its own slots
             served = server.root / "jobs" / job_id / "out"
             (png,) = sorted(p.relative_to(served).as_posix() for p in served.glob("*/*.png"))
-            assert np.abs(pixels(served / png) - pixels(alone / png)).max() == 0, name
+            # on models with more slots than the job uses, the masked slot's keys lengthen the attention's
+            # reductions: the same picture to rounding (1 level, seen with one thread per process, as CI runs)
+            spare = name in ("again", "none")
+            assert np.abs(pixels(served / png) - pixels(alone / png)).max() <= (1 if spare else 0), name
         assert loads == [1, 2, 2, 2]
     finally:
         stop(worker)

@@ -148,7 +148,7 @@ def test_a_cuda_error_stops_the_render_as_the_devices_and_any_other_fails_its_ba
         def lora_problem(self, batch):
             return None
 
-        def run_batch(self, batch, fallback):
+        def run_batch(self, batch, fallback, upcoming=None):
             raise RuntimeError(error)
 
         def decode(self, latents):
