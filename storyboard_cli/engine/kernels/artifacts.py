@@ -107,6 +107,8 @@ def artifact_key(target: Target, model: torch.nn.Module) -> str:
                  "capability": capability(dev)}
     else:
         where = {"cpu": platform.machine(), "compiler": platform.python_compiler()}
+        if target.precision == "fp8":  # FP8 on the CPU is the dequantised matmul (fp8.Fp8Linear), not _scaled_mm
+            where["fp8"] = "dequantised"
     facts = {
         "format": FORMAT, "target": [target.module, target.height, target.width], "class": type(model).__name__,
         "config": {k: v for k, v in dict(model.config).items() if not k.startswith("_")},
