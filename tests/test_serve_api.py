@@ -159,6 +159,50 @@ def test_the_lease_protocol_and_the_files(client):
     assert client.get(f"/v1/jobs/{job['id']}/files/../../../queue.sqlite3").status_code == 404
 
 
+def test_a_completions_report_is_kept_in_the_transaction_that_marks_its_images_done(client, monkeypatch):
+    """The moment a lease's images are done, its report is kept beside the job: a job report rebuilt then has the
+    lease's batches (kept after the commit, a rebuild in between and then a killed server left a finished job's report
+    two images short in its buckets)."""
+    from pathlib import Path
+
+    from storyboard_cli.folder.report import Report, Timings
+    from storyboard_cli.serve import folders, wire
+
+    job = post(client).json()
+    w = register(client, "w")
+    lease = client.post("/v1/leases", json={"worker": w}).json()
+    out = client.app.state.settings.root / "jobs" / job["id"] / "out"
+    (out / "a").mkdir(parents=True)
+    lines = []
+    for image in lease["images"]:
+        path = image["outputs"][0]
+        (out / path).write_bytes(b"png " + path.encode())
+        lines.append(wire.ManifestLine(path=path, sha256=hashlib.sha256(b"png " + path.encode()).hexdigest()))
+    timings = Timings(stages={"denoise": 1.0})
+    bucket = timings.bucket("2 x 64x64 2 steps euler")
+    bucket.images, bucket.batches, bucket.rows, bucket.steps, bucket.denoise_s = 2, 1, 4, 2, 1.0
+    report = Report.build(job="job.yaml", out_dir=Path("out"), device="cpu", dtype="float32", engine="eager",
+                          model="tiny", timings=timings, wall_s=2.0, rendered=2, skipped=0, failed=[],
+                          peak_mem_mb=None, graphs=[], status="done", notes=[])
+    store, at_commit = client.app.state.api.store, []
+    real = store.complete
+
+    def complete(*args, **kwargs):
+        ok = real(*args, **kwargs)  # committed: the images are done
+        at_commit.append(sorted(f.stem for f in (out.parent / folders.LEASES).glob("*.json")))
+        return ok
+
+    monkeypatch.setattr(store, "complete", complete)
+    body = wire.Completion(worker=w, done=[i["id"] for i in lease["images"]], manifest={job["id"]: lines},
+                           reports={job["id"]: wire.lease_report(report)})
+    r = client.post(f"/v1/leases/{lease['lease']}/complete", content=body.model_dump_json(exclude_unset=True),
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert at_commit == [[lease["lease"]]]  # the lease's report was there when its images became done
+    kept = json.loads((out.parent / folders.LEASES / f"{lease['lease']}.json").read_text())
+    assert kept["worker"] == w and kept["report"]["buckets"][0]["images"] == 2
+
+
 def test_metrics_parse_as_prometheus_text(client):
     post(client)
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}

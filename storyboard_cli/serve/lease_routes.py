@@ -160,16 +160,23 @@ async def complete(lease_id: Id, body: wire.Completion, state: State) -> wire.Le
         raise lost(" before this completion")
     try:
         checked = await run_in_threadpool(folders.check, held, body.manifest)
+
+        def record(done: dict[str, set[str]]) -> None:
+            """Inside the transaction that marks the images done: their manifest lines, then the lease's reports, so
+            a job's report rebuilt once its images are done always has their batches (a rebuild between the commit
+            and a later write dropped a lease's batches from a finished job's report)."""
+            folders.record(held, checked, done)
+            folders.keep_reports(held, lease_id, body.worker, body.reports)
+
         ok = await run_in_threadpool(store.complete, lease_id, body.done, body.cached,
-                                     {int(k): v for k, v in body.failed.items()}, state.clock(), work,
-                                     lambda done: folders.record(held, checked, done), body.worker)
+                                     {int(k): v for k, v in body.failed.items()}, state.clock(), work, record,
+                                     body.worker)
     except BadInput as e:
         raise Refused(422, "bad manifest", str(e)) from None
     except NotHolder as e:
         raise not_holder(e) from None
     if not ok:
         raise lost(" before this completion")
-    await run_in_threadpool(folders.keep_reports, held, lease_id, body.worker, body.reports)
     await run_in_threadpool(state.landed, held)  # the queue read off the event loop, as every call above
     return wire.LeaseAck(lease=lease_id)
 
