@@ -438,3 +438,28 @@ def test_after_a_weight_write_a_graph_at_other_rows_is_checked_against_eager_aga
         runner.sample(*two)
     reasons = {s.key.batch: s.reason for s in runner.stats.values()}
     assert reasons[2].startswith("checked: ") and "against" not in reasons[2], reasons
+
+
+def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step(artifacts):
+    """Where the check's reference is the graph's own kernels outside the graph, the check is the batch's first step:
+    one step outside the graph beside the batch's replays (no extra replay at guidance 1), and the batch keeps the
+    graph's own first step, so its latents do not depend on whether it was its shape's first batch."""
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    replays, direct = [], []
+    step = runner.step
+    runner.step = lambda v: (direct.append(v.key.batch), step(v))
+    # each replay a hair off the step outside the graph (within the check's limit): what the batch keeps is visible
+    runner.stepper = lambda v: (replays.append(v.key.batch), step(v), v.x.mul_(1 + 1e-5))
+    steps = four[1].steps
+    with torch.no_grad():
+        runner.sample(*four)
+        replays.clear()
+        direct.clear()
+        first = runner.sample(*two)
+        assert (replays, direct) == ([2] * steps, [2])  # the check: one step outside the graph, no extra replay
+        again = runner.sample(*two)
+        assert replays == [2] * 2 * steps and direct == [2]  # checked once
+    assert torch.equal(first, again)
+    stats = next(s for s in runner.stats.values() if s.key.batch == 2)
+    assert stats.replays == 2 * steps and stats.state == "graph"
+    assert stats.reason.endswith("against its kernels outside the graph (against eager at 4 images)"), stats.reason

@@ -58,6 +58,21 @@ def test_a_check_failure_falls_back_to_the_plain_graph(setup, monkeypatch):
     torch.empty(4, device=models.device).uniform_()  # CUDA random ops still work outside a capture
 
 
+def test_a_compiled_graphs_warm_up_runs_at_the_fewest_rows(setup):
+    """A size's first compiled graph warms its artifact's kernels up at the fewest rows the artifact takes (2), not at
+    its batch's; its capture and its check against the uncompiled eager step pass as before."""
+    from storyboard_cli.engine.graph.runner import GraphRunner
+
+    models, runner, eager = setup
+    fresh = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=runner.compiled)
+    args = unguided(loop_inputs(models, 4, SIDE, SIDE, False, "euler", steps=3))
+    got = fresh.sample(*args)
+    (stats,) = fresh.stats.values()  # guidance 1: the conditional rows' step, 4 rows
+    assert stats.key.variant == "compiled" and stats.state == "graph" and stats.checked, stats.reason
+    assert stats.warmup and stats.warmup_rows == 2, (stats.warmup_rows, stats.reason)
+    assert_rel_close(got, eager.sample(*args), RTOL)
+
+
 def test_a_second_process_loads_from_the_cache(setup):
     from storyboard_cli.models.tiny import cache_root
 

@@ -52,6 +52,32 @@ def first_replay(models: SdxlModels, buf: Buffers, key: ShapeKey, replay: Callab
     if key.step.cache == "write":  # the feature each wrote (a conditional step: its half) is checked too
         rows = slice(None) if key.step.guided else slice(key.batch, None)
         pairs.append((got[2][rows], want[2][rows]))
+    return _compare(key, pairs)
+
+
+def first_step(buf: Buffers, v: Views, replay: Callable[[], None], direct: Callable[[Views], None], x: torch.Tensor,
+               sched: Schedule, noise: torch.Tensor | None, cond: Cond, conds: Conditions,
+               guidance: torch.Tensor) -> tuple[float, str]:
+    """(relative error, why it fails or "") of a graph's first replay where it is the batch's first step (the batch's
+    inputs, guidance and noise loaded in `v`), against `direct`: the graph's step run outside the graph on the same
+    inputs, the kernels the runner checked against the eager step at other rows. At the batch's own guidance: both
+    sides run the same kernels, so CFG has no kernel order to amplify. Leaves the buffers as the replay left them
+    (the next latents, the prediction, the step index at 1): the loop goes on from the second step, and the check
+    costs one step, not a replay and a step beside the batch's 30."""
+    replay()
+    got = [v.x.clone(), v.prev.clone()]
+    v.load(buf, x, sched, cond, conds, guidance)
+    if noise is not None:
+        v.noise.copy_(noise)
+    direct(v)
+    result = _compare(v.key, list(zip(got, [v.x, v.prev])))
+    v.x.copy_(got[0])  # the graph's own first step, as every later batch of the shape gets it
+    v.prev.copy_(got[1])
+    return result
+
+
+def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, str]:
+    """The largest relative error of `pairs` (got, want), and why it fails `key`'s variant's limit or ""."""
     err = 0.0
     for got, want in pairs:
         finite = torch.isfinite(want)

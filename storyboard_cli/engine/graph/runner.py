@@ -11,12 +11,14 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   a device table the graph indexes, so a 30-step loop is 30 replays and nothing else (plus one
   noise copy per step for ancestral samplers). No host sync inside the loop.
 - Graphs are captured lazily (or ahead, by `prepare`), largest first, into ONE shared memory pool,
-  after a warm-up on a side stream, unless a graph already captured ran every kernel of this one at the
-  same rows and size (`Warmed`: draft mode's kinds of a shape, a conditional step of B rows after a guided
-  step of B / 2 images); a capture without one that fails is tried again after one. The first replay of
+  after a warm-up on a side stream (a compiled graph's at the fewest rows its artifact takes: any rows load its
+  kernels), unless a graph already captured ran every kernel of this one (`Warmed`: draft mode's kinds of a shape,
+  a conditional step of B rows after a guided step of B / 2 images, a compiled graph of the size at other rows); a
+  capture that fails after less than a warm-up at its rows is tried again after one. The first replay of
   each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
-  rows: against its own step outside the graph, `_check`); a capture failure or a mismatch sends that
-  shape down the variant table (engine/variants.py: FP8 -> compiled -> plain -> eager), with the reason.
+  rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`);
+  a capture failure or a mismatch sends that shape down the variant table (engine/variants.py: FP8 -> compiled ->
+  plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
   guidance <= 1; DeepCache's full step writing its feature and its shallow step reading it) are more
   graphs of the same shape, in the same pool, over the same static buffers (the feature has one more):
@@ -46,7 +48,7 @@ from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
-from storyboard_cli.engine.graph.check import first_replay
+from storyboard_cli.engine.graph.check import first_replay, first_step
 from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.export import MAX_ROWS, MIN_ROWS
@@ -181,29 +183,42 @@ class GraphRunner:
         t0 = time.perf_counter()
         ran = Warmed.of(key)
         stats.warmup = not any(w.covers(ran) for w in self.warmed)
+        small = self._fewest_rows(key) if stats.warmup else None
         try:
-            graph = self._record(v, stats.warmup)
+            graph = self._record(v, stats.warmup, small)
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - a lazy init the skipped warm-up would have done: once more with it
-            if stats.warmup:
+            if stats.warmup and small is None:
                 raise
-            log.warning("capturing %s without a warm-up failed (%s): again after one", key.label, one_line(e, 200))
-            stats.reason = f"captured after a warm-up: without one, {one_line(e, 160)}"
+            before = "after a warm-up at fewer rows" if stats.warmup else "without a warm-up"
+            log.warning("capturing %s %s failed (%s): again after a warm-up at its rows", key.label, before,
+                        one_line(e, 200))
+            stats.reason = f"captured after a warm-up at its rows: {before}, {one_line(e, 160)}"
             gc.collect()  # the failed graph: destroyed now, not by a collection during the next capture
             self._settle()
-            stats.warmup = True
+            stats.warmup, small = True, None
             graph = self._record(v, True)
         torch.cuda.synchronize()
+        stats.warmup_rows = Warmed.of(key if small is None else small.key).rows if stats.warmup else 0
         stats.warmup_s, stats.end_s = self._spent
         self.warmed.append(ran)
         stats.capture_s = time.perf_counter() - t0
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
         return graph
 
-    def _record(self, v: Views, warmup: bool) -> torch.cuda.CUDAGraph:
-        """One step captured into the shared pool; `warmup`: eager steps on a side stream first. Leaves the warm-up's
-        and the end of capture's seconds in `_spent`."""
+    def _fewest_rows(self, key: ShapeKey) -> Views | None:
+        """Where a compiled graph's warm-up runs: the same kernels at the fewest rows the artifact takes (its rows are
+        its one dynamic dimension, so any rows load every kernel of it, `Warmed.covers`), a fraction of the step at
+        the batch's rows; None for a plain graph (its kernels are chosen per shape) or a batch already that small."""
+        if key.variant == PLAIN:
+            return None
+        batch = -(-MIN_ROWS // (2 if key.step.guided else 1))
+        return self.buf.view(replace(key, batch=batch)) if batch < key.batch else None
+
+    def _record(self, v: Views, warmup: bool, small: Views | None = None) -> torch.cuda.CUDAGraph:
+        """One step captured into the shared pool; `warmup`: eager steps on a side stream first (on `small`'s rows
+        where given). Leaves the warm-up's and the end of capture's seconds in `_spent`."""
         t0 = time.perf_counter()
         if warmup:
             if self.side is None:  # one for every warm-up: a library handle's workspace is kept per stream (34 MB
@@ -213,7 +228,7 @@ class GraphRunner:
             with torch.cuda.stream(side):  # lazy inits outside the graph
                 for _ in range(WARMUP_STEPS):
                     self.buf.index.zero_()
-                    self.stepper(v)
+                    self.stepper(v if small is None else small)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
         warmed = time.perf_counter()
@@ -373,12 +388,35 @@ class GraphRunner:
         writes = self.models.writes
         return next((k for k, w in self.against_eager if w == writes and replace(k, batch=key.batch) == key), None)
 
-    def _checked_graph(self, key: ShapeKey, *inputs) -> torch.cuda.CUDAGraph | None:
-        """The graph for `key`, captured and checked; None when the shape has fallen back (why: stats)."""
+    def _checked_graph(self, key: ShapeKey, *inputs, first: bool = False) -> torch.cuda.CUDAGraph | None:
+        """The graph for `key`, captured and checked; None when the shape has fallen back (why: stats). `first`: the
+        graph runs the batch's first step, so a check against its kernels outside the graph is left to that step
+        (`_first_step`)."""
         graph = self.graph(key)
-        if graph is not None and not self.stats[key].checked and not self._check(key, graph, *inputs):
-            return None
-        return graph
+        if graph is None or self.stats[key].checked or (first and self._first_step_checks(key)):
+            return graph
+        return graph if self._check(key, graph, *inputs) else None
+
+    def _first_step_checks(self, key: ShapeKey) -> bool:
+        """Whether `key`'s graph is checked on its batch's first step: its kernels were checked against the eager step
+        at other rows, and the step writes no DeepCache feature (whose check reads the buffer's copy before it)."""
+        return not key.step.cache and self._checked_kernels(key) is not None
+
+    def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor, sched: Schedule,
+                    noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
+        """The batch's first step on `key`'s graph, checked against the graph's step outside it (graph/check.py
+        `first_step`; the buffers loaded with the batch): True and the buffers after that step, or the shape falls back
+        a row with the reason."""
+        seen = self._checked_kernels(key)
+        err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, None if noise is None else noise[0],
+                                  cond, conds, guidance)
+        against = f" against its kernels outside the graph (against eager at {seen.batch} images)"
+        if problem:
+            self._fall_back(key, f"replay check failed: {problem}{against}")
+            return False
+        stats = self.stats[key]
+        stats.checked, stats.reason, stats.replays = True, f"checked: rel. error {err:.1e}{against}", stats.replays + 1
+        return True
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
@@ -394,14 +432,19 @@ class GraphRunner:
         shape = Shape(b, 8 * h, 8 * w, conds.bits)
         plan = plan or (FULL,) * sched.steps
         self._share(shape, set(plan))
-        graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, conds, guidance))
+        graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, conds, guidance), len(set(plan)) == 1)
         if graphs is None:
             return self.eager.sample(x, sched, noise, cond, conds, guidance, plan, between)
         steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
         v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, conds, guidance)
+        start = 0
+        if not self.stats[steps[0][0]].checked:  # left to the batch's first step (`_checked_graph`)
+            if not self._first_step(*steps[0], v, x, sched, noise, cond, conds, guidance):
+                return self.sample(x, sched, noise, cond, conds, guidance, plan, between)  # a row down
+            start = 1
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
-        for i, (key, graph) in enumerate(steps):
+        for i, (key, graph) in enumerate(steps[start:], start):
             if segment is None or segment[0] != key:
                 self._time(segment, i)
                 segment = (key, self._event(), i)
@@ -413,15 +456,16 @@ class GraphRunner:
         self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
 
-    def _plan_graphs(self, shape: Shape, kinds: set[StepKind], inputs: tuple) -> dict | None:
+    def _plan_graphs(self, shape: Shape, kinds: set[StepKind], inputs: tuple, first: bool = False) -> dict | None:
         """kind -> (key, graph) for each of `kinds`, captured and checked (DeepCache's full step before its shallow
         one) on the best variant left to it; None when a plain graph failed: the shape runs eager. The one fallback
         loop: a graph that fails moves its shape one row down the variant table (`_fall_back`) and every kind is keyed
-        again, so each pass runs one row lower, and the plain row's failure ends it."""
+        again, so each pass runs one row lower, and the plain row's failure ends it. `first`: one kind, whose graph
+        runs the batch's first step (its check may be left to that step)."""
         while True:
             key_of = {kind: self.shape_key(*shape, kind) for kind in kinds}
             failed = next((key for key in sorted(set(key_of.values()), key=lambda k: (k.step.cache != "write", k.step))
-                           if self._checked_graph(key, *inputs) is None), None)
+                           if self._checked_graph(key, *inputs, first=first) is None), None)
             if failed is None:
                 return {kind: (key, self.graphs[key]) for kind, key in key_of.items()}
             if VARIANTS[failed.variant].fallback == EAGER:
@@ -445,7 +489,7 @@ class GraphRunner:
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
-                 "warmup": s.warmup, "warmup_s": round(s.warmup_s, 3), "end_s": round(s.end_s, 3),
+                 "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3), "end_s": round(s.end_s, 3),
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
                  "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
