@@ -440,11 +440,21 @@ def test_after_a_weight_write_a_graph_at_other_rows_is_checked_against_eager_aga
     assert reasons[2].startswith("checked: ") and "against" not in reasons[2], reasons
 
 
-def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step(artifacts):
-    """Where the check's reference is the graph's own kernels outside the graph, the check is the batch's first step:
-    one step outside the graph beside the batch's replays (no extra replay at guidance 1), and the batch keeps the
-    graph's own first step, so its latents do not depend on whether it was its shape's first batch."""
+@pytest.mark.parametrize("sampler", ["euler", "euler_a"])
+def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step(artifacts, sampler):
+    """Where the check's reference is the graph's own kernels outside the graph, the check is the batch's first step
+    (its noise too, with an ancestral sampler): one step outside the graph beside the batch's replays (no extra replay
+    at guidance 1), and the batch keeps the graph's own first step, so its latents do not depend on whether it was its
+    shape's first batch; both equal the eager loop's."""
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.sampling import draw_noise, schedule
+
     models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    if sampler != "euler":
+        sched = schedule(sampler, 3, models.scheduler_config)
+        x, noise = draw_noise([5, 6], 3, tuple(two[0].shape[1:]), sched)
+        two = (x, sched, noise, *two[3:])
+        assert noise is not None
     replays, direct = [], []
     step = runner.step
     runner.step = lambda v: (direct.append(v.key.batch), step(v))
@@ -460,6 +470,8 @@ def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step
         again = runner.sample(*two)
         assert replays == [2] * 2 * steps and direct == [2]  # checked once
     assert torch.equal(first, again)
+    with torch.no_grad():
+        assert rel_error(first, EagerEngine(models).sample(*two)) < 1e-3
     stats = next(s for s in runner.stats.values() if s.key.batch == 2)
     assert stats.replays == 2 * steps and stats.state == "graph"
     assert stats.reason.endswith("against its kernels outside the graph (against eager at 4 images)"), stats.reason

@@ -64,6 +64,8 @@ def first_step(buf: Buffers, v: Views, replay: Callable[[], None], direct: Calla
     sides run the same kernels, so CFG has no kernel order to amplify. Leaves the buffers as the replay left them
     (the next latents, the prediction, the step index at 1): the loop goes on from the second step, and the check
     costs one step, not a replay and a step beside the batch's 30."""
+    if noise is not None:
+        v.noise.copy_(noise)
     replay()
     got = [v.x.clone(), v.prev.clone()]
     v.load(buf, x, sched, cond, conds, guidance)
