@@ -38,6 +38,10 @@
 #   step[:WHAT]       probes/step_scout.py WHAT (controlnet, the default: the ControlNet's Linears in FP8 against
 #                     its fp16 artifact; bucket16: the fp16 UNet for 16 images against 8), at 1024x1024; two legs
 #                     side by side: step:controlnet step:bucket16@0b
+#   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
+#                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
+#   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel
+#                     at SDXL's attention shapes, with each one's error
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -51,7 +55,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,51p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,55p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -194,6 +198,11 @@ leg() {  # LEG ARG NAME
     step "$n" 560 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" \
       TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#PLAN[@]} )) python benchmarks/probes/step_scout.py \
       "${arg:-controlnet}" --budget "$(( $(left) - 30 ))" --out "$R/$n.json" --build-dir "/tmp/step-build-$n" $smoke;;
+  profile)
+    step "$n" 150 python benchmarks/probes/step_profile.py --out "$R/$n.json" ${arg:+--rows $arg} \
+      $([ "$SMOKE" = 1 ] && echo --model tiny --side 128 --batch 2);;
+  attention)
+    step "$n" 150 python benchmarks/probes/attention_scout.py --out "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke);;
   load)
     local a b
     a=$(ls "$BCG_CACHE"/compiled/unet-1024x1024-*.pt2 | head -1); b=$(ls "$BCG_CACHE"/compiled/unet-1216x832-*.pt2 | head -1)
