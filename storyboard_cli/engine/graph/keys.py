@@ -71,7 +71,7 @@ class GraphStats:
     checked: bool = False  # the first replay matched the eager step
     capture_s: float = 0.0
     warmup: bool = False  # its capture ran a warm-up step first (no graph before it had run its kernels)
-    warmup_rows: int = 0  # the rows it ran at: a compiled graph's at the fewest its artifact takes (runner `_fewest_rows`)
+    warmup_rows: int = 0  # the rows it ran at: a compiled graph's the fewest its artifact takes (`_fewest_rows`)
     warmup_s: float = 0.0  # of capture_s: the warm-up step (host time to the GPU's end)
     end_s: float = 0.0  # of capture_s: torch's end of capture (the driver ends it and instantiates the graph)
     compile_s: float = 0.0  # the background build of this size's kernels, when this run made them

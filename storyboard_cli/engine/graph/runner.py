@@ -489,7 +489,8 @@ class GraphRunner:
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
-                 "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3), "end_s": round(s.end_s, 3),
+                 "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
+                 "end_s": round(s.end_s, 3),
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
                  "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
