@@ -210,8 +210,9 @@ class GraphRunner:
     def _fewest_rows(self, key: ShapeKey) -> Views | None:
         """Where a compiled graph's warm-up runs: the same kernels at the fewest rows the artifact takes (its rows are
         its one dynamic dimension, so any rows load every kernel of it, `Warmed.covers`), a fraction of the step at
-        the batch's rows; None for a plain graph (its kernels are chosen per shape) or a batch already that small."""
-        if key.variant == PLAIN:
+        the batch's rows; None for a plain graph or one with a second ControlNet (modules whose kernels are chosen per
+        shape) or a batch already that small."""
+        if key.variant == PLAIN or key.control & ~1:  # a second ControlNet runs its module: kernels chosen per shape
             return None
         batch = -(-MIN_ROWS // (2 if key.step.guided else 1))
         return self.buf.view(replace(key, batch=batch)) if batch < key.batch else None
@@ -441,6 +442,8 @@ class GraphRunner:
         start = 0
         if not self.stats[steps[0][0]].checked:  # left to the batch's first step (`_checked_graph`)
             if not self._first_step(*steps[0], v, x, sched, noise, cond, conds, guidance):
+                del steps, graphs, v  # the failed graph: freed before the shape's next row is captured
+                self._settle()
                 return self.sample(x, sched, noise, cond, conds, guidance, plan, between)  # a row down
             start = 1
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
