@@ -123,13 +123,9 @@ def test_cancel_and_reprioritise(client):
     assert r.json()["state"] == "canceled" and {i["state"] for i in r.json()["images"]} == {"canceled"}
 
 
-def test_the_lease_protocol_and_the_files(client):
-    job = post(client).json()
-    w = register(client, "w")
-    lease = client.post("/v1/leases", json={"worker": w}).json()
-    assert lease["job"] == job["id"] and len(lease["images"]) == 2
-    assert client.post("/v1/leases", json={"worker": register(client, "w2")}).status_code == 204
-    assert client.post(f"/v1/leases/{lease['lease']}/heartbeat", json={"worker": w}).status_code == 200
+def write_outputs(client, job, lease):
+    """The lease's first outputs written into the job's folder as a worker on the server's filesystem writes them:
+    (the folder, their manifest lines as dicts)."""
     out = client.app.state.settings.root / "jobs" / job["id"] / "out"
     (out / "a").mkdir(parents=True)
     lines = []
@@ -137,6 +133,17 @@ def test_the_lease_protocol_and_the_files(client):
         path = image["outputs"][0]
         (out / path).write_bytes(b"png " + path.encode())
         lines.append({"path": path, "sha256": hashlib.sha256(b"png " + path.encode()).hexdigest()})
+    return out, lines
+
+
+def test_the_lease_protocol_and_the_files(client):
+    job = post(client).json()
+    w = register(client, "w")
+    lease = client.post("/v1/leases", json={"worker": w}).json()
+    assert lease["job"] == job["id"] and len(lease["images"]) == 2
+    assert client.post("/v1/leases", json={"worker": register(client, "w2")}).status_code == 204
+    assert client.post(f"/v1/leases/{lease['lease']}/heartbeat", json={"worker": w}).status_code == 200
+    out, lines = write_outputs(client, job, lease)
     ids = [i["id"] for i in lease["images"]]
     complete = f"/v1/leases/{lease['lease']}/complete"
     # the server is the folder's one writer: no line, a line for a file that is not there, a wrong sha256: refused
@@ -171,13 +178,8 @@ def test_a_completions_report_is_kept_in_the_transaction_that_marks_its_images_d
     job = post(client).json()
     w = register(client, "w")
     lease = client.post("/v1/leases", json={"worker": w}).json()
-    out = client.app.state.settings.root / "jobs" / job["id"] / "out"
-    (out / "a").mkdir(parents=True)
-    lines = []
-    for image in lease["images"]:
-        path = image["outputs"][0]
-        (out / path).write_bytes(b"png " + path.encode())
-        lines.append(wire.ManifestLine(path=path, sha256=hashlib.sha256(b"png " + path.encode()).hexdigest()))
+    out, lines = write_outputs(client, job, lease)
+    lines = [wire.ManifestLine(**line) for line in lines]
     timings = Timings(stages={"denoise": 1.0})
     bucket = timings.bucket("2 x 64x64 2 steps euler")
     bucket.images, bucket.batches, bucket.rows, bucket.steps, bucket.denoise_s = 2, 1, 4, 2, 1.0
