@@ -1,6 +1,7 @@
 """The server's time estimates (serve/estimates.py): each worker calibrated from its leases' batch timings against
 the images' estimated seconds, and from it a job's eta_s, a full queue's Retry-After and the stale-lease alarm."""
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -184,6 +185,7 @@ shots:
         # a fresh cache prices tiny at nothing: the eta is the images/s the first job drained, never a zero
         assert queued["state"] == "queued" and queued["eta_s"] and queued["eta_s"] > 0, queued
         server.kill_everything()  # the server alone (kill -9): its worker runs on and asks it again
+        time.sleep(4)  # down longer than --lease-s (3 s): the outage is not held against the worker
         server.start(gpus="none")
         pattern = r'bcg_worker_estimate_ratio\{[^}]*name="calib"[^}]*\} ([0-9.e+-]+)'
         again = eventually(lambda: httpx.get(server.url + "/metrics").text, lambda t: re.search(pattern, t), 30)

@@ -115,6 +115,25 @@ def test_a_sweep_alone_forgets_silent_workers_and_a_live_lease_keeps_its_worker(
     store.close()
 
 
+def test_a_restart_does_not_count_the_servers_downtime_against_its_workers_or_their_leases(tmp_path):
+    store = queue.Store(tmp_path)
+    busy, idle, gone = (store.register_worker(n, now=0, max_workers=3, ttl=5) for n in ("busy", "idle", "gone"))
+    store.submit(planned("j"), None, 100, now=0)
+    lease = store.lease(busy, now=0, ttl=5)
+    store.close()
+    store = queue.Store(tmp_path)  # the server starts again 100 s later: every registration and lease is past due
+    store.restarted(now=100, ttl=5)
+    store.sweep(now=101)
+    store.seen(idle, None, now=104)  # it asks within --lease-s of the restart: the same id (and calibration)
+    assert store.heartbeat(lease.lease, now=104, ttl=5, worker=busy)  # its lease lives on: no attempt spent
+    store.sweep(now=106)  # the one that did not outlive the outage is forgotten --lease-s after the restart
+    with pytest.raises(queue.UnknownWorker):
+        store.seen(gone, None, now=106)
+    assert {w.id for w in store.stats(now=106, worker_window_s=5)["workers"]} == {busy, idle}
+    assert store.stats(now=106, worker_window_s=5)["counters"].get(queue.EXPIRED, 0) == 0
+    store.close()
+
+
 @pytest.mark.slow  # a server (restarted once), two `bcg worker` processes rendering tiny jobs on the CPU
 def test_a_real_worker_registers_waits_for_a_slot_and_registers_again_after_a_restart(tmp_path):
     job = tmp_path / "job.yaml"

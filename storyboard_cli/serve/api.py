@@ -61,6 +61,7 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                 except OSError as e:
                     log.warning("input files not collected: %s", e)
 
+        await run_in_threadpool(store.restarted, clock(), settings.lease_s)  # its downtime is not its workers' fault
         cleared = await run_in_threadpool(app.state.blobs.clear_tmp)  # uploads cut short by the last stop
         if cleared:
             log.warning("removed %d partial upload(s) left by the server's last stop", cleared)

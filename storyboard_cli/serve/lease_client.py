@@ -36,8 +36,9 @@ class LeaseClient:
     def _post(self, path: str, body: BaseModel) -> httpx.Response:
         return self.http.post(path, content=body.model_dump_json(exclude_unset=True), headers=JSON)
 
-    def register(self, name: str) -> str:
-        """The worker id the server issues for this worker (named in its leases and heartbeats). Raises
+    def register(self, name: str) -> wire.Registered:
+        """The worker id the server issues for this worker (named in its leases and heartbeats), and the server's
+        --lease-s (a registration not seen for that long is forgotten). Raises
         QueueBusy while the server has --max-workers registered, BadInput for a name it refuses."""
         r = self.http.post("/v1/workers", content=wire.Registration.model_construct(name=name).model_dump_json(),
                            headers=JSON)  # constructed unchecked: the server names what is wrong with the name
@@ -48,7 +49,7 @@ class LeaseClient:
         if r.status_code != 201:
             raise ServerError(f"{self.server}: registering worker {name[:80]!r}: HTTP {r.status_code}: "
                               f"{problem_of(r)}")
-        return wire.Registered.model_validate_json(r.content).worker
+        return wire.Registered.model_validate_json(r.content)
 
     def lease(self, report: wire.WorkerReport) -> wire.Lease | None:
         """The next batch, or None. Raises Unregistered, Quarantined."""

@@ -439,6 +439,16 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
                 self._finished(db, job_id, now)
             return True
 
+    def restarted(self, now: float, ttl: float) -> None:
+        """The server starts again: the time it was down does not count against its workers. Each registration
+        counts as seen now and each lease as renewed now for `ttl` (--lease-s), so a worker that outlived the
+        outage keeps its id, its calibration and its lease by calling within `ttl` (a registered worker retries an
+        unreachable server at least every ttl / 3: worker.py); one that did not is forgotten, and its lease
+        expires, `ttl` from now."""
+        with self._tx() as db:
+            db.execute("UPDATE workers SET seen = MAX(seen, ?)", (now,))
+            db.execute("UPDATE leases SET expires = MAX(expires, ?)", (now + ttl,))
+
     def sweep(self, now: float) -> None:
         """Expired leases ended now (their images queued again, or failed), not at the next worker's call:
         a job's state and events stay true while no worker is asking (the server calls it periodically)."""

@@ -35,7 +35,7 @@ from storyboard_cli.serve.worker_options import WorkerOptions
 
 log = logging.getLogger(__name__)
 TWINS = "twins"  # under an uploading worker's root: twins' PNGs downloaded from the server
-MAX_BACKOFF_S = 10.0  # the longest wait between two calls to a server that cannot be reached
+MAX_BACKOFF_S = 10.0  # the longest wait between two calls to a server that cannot be reached (registered: lease_s / 3)
 
 
 def fetch_twins(lease: Lease, places: dict[str, Place], client: LeaseClient, folder: Path) -> Lease:
@@ -128,7 +128,7 @@ def run_worker(opts: WorkerOptions) -> int:
     files = InputFiles(client, opts.root.resolve(), shared=not opts.upload)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
-    rendered, backoff, unreachable = 0, opts.poll_s, False
+    rendered, backoff, unreachable, max_backoff = 0, opts.poll_s, False, MAX_BACKOFF_S
     if opts.warm is not None:  # ready (/readyz) before any job arrives, and its first job starts at once
         job = load_job(opts.warm)
         hot.for_job(job)
@@ -139,7 +139,11 @@ def run_worker(opts: WorkerOptions) -> int:
         while not stop.requested and (opts.max_leases is None or rendered < opts.max_leases):
             try:
                 if worker is None:
-                    worker = client.register(name)
+                    registered = client.register(name)
+                    worker = registered.worker
+                    # a server that starts again counts its workers as seen then, for lease_s (Store.restarted): a
+                    # worker that asks again within that keeps its id, its calibration and its lease
+                    max_backoff = max(min(MAX_BACKOFF_S, registered.lease_s / 3), opts.poll_s)
                     log.info("registered with %s as %s (%s)", opts.server, worker, name)
                 lease = client.lease(wire.WorkerReport(worker=worker, gpu=gpu_stats(hot), ready=hot.ready,
                                                        warm=sorted(hot.warm)[-wire.MAX_WARM:],
@@ -147,10 +151,10 @@ def run_worker(opts: WorkerOptions) -> int:
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while: wait for it
                 if not unreachable:  # once per outage, not once per retry
                     log.warning("cannot reach %s (%s): retrying every %.0f s at most until it answers", opts.server,
-                                first_line(e, 200) or e.__class__.__name__, MAX_BACKOFF_S)
+                                first_line(e, 200) or e.__class__.__name__, max_backoff)
                 unreachable = True
-                time.sleep(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                time.sleep(min(backoff, max_backoff))
+                backoff = min(backoff * 2, max_backoff)
                 continue
             except QueueBusy as e:  # --max-workers are registered: one must leave (or expire) first
                 log.warning("%s", e)
