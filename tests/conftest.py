@@ -191,6 +191,9 @@ def artifacts(tmp_path_factory):
     events, notes = [], []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CXX", str(cxx))  # the build children inherit it
+        # and scalar C++ kernels: the CPU artifacts stand in for the GPU's Triton ones, and a build of the tiny UNet
+        # without inductor's vectorised kernel variants takes 49.6 s of CPU against 58.1 s (warm caches, 2026-12-03)
+        mp.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
         builds = Builds(torch.device("cpu"), events.append, notes=notes)
         fp16 = CompiledKernels(load_sdxl("tiny", "tiny", "cpu", torch.float32), builds, notes, root=root)
         fp8 = CompiledKernels(load_sdxl("tiny", "tiny", "cpu", torch.float32), builds, notes, root=root, variant="fp8")

@@ -125,6 +125,58 @@ def test_a_worker_that_cannot_reach_its_server_says_so_once_and_keeps_trying(tmp
         stop(worker)
 
 
+# a batch that waits for the test's word before it renders (the worker holds its lease meanwhile)
+HELD_BATCH = """import os, time
+from storyboard_cli.run.batch import BatchRunner
+
+_run = BatchRunner.run_batch
+
+
+def _held(self, *args, **kwargs):
+    while not os.path.exists(os.environ["BCG_TEST_GO"]):
+        time.sleep(0.05)
+    return _run(self, *args, **kwargs)
+
+
+BatchRunner.run_batch = _held
+"""
+OLD_RETRIES_S = 1 + 2 + 4 + 8 + 10  # how long a worker tried to complete a lease before it gave up, until 2026-12-03
+
+
+@pytest.mark.slow  # a server killed while its CPU worker renders, started again half a minute later
+def test_a_batch_rendered_while_its_server_is_down_lands_when_the_server_is_back(tmp_path, monkeypatch):
+    """A server restarted (an upgrade, a crash) after its worker finished a batch: the worker keeps trying to
+    complete the lease until the server answers, and the server, which does not hold its downtime against the lease,
+    takes the completion. Nothing is rendered twice."""
+    fault = tmp_path / "held"
+    fault.mkdir()
+    (fault / "sitecustomize.py").write_text(HELD_BATCH)
+    go = tmp_path / "go"
+    monkeypatch.setenv("BCG_TEST_GO", str(go))
+    server = Server(tmp_path / "root", free_port()).start(gpus="none")
+    with open(tmp_path / "worker.log", "w") as err:
+        worker = start_worker(server.url, "patient", fault=fault, stderr=err)
+    try:
+        r = httpx.post(server.url + "/v1/jobs", content=JOB % 1, headers=YAML, timeout=10)
+        job = r.json()["id"]
+        server.wait(job, lambda j: j["state"] == "running")  # leased: the batch waits for the word
+        server.kill_everything()  # kill -9 of the server alone: the worker is in its own group
+        go.touch()
+        log = tmp_path / "worker.log"
+        eventually(log.read_text, lambda t: "not completed yet" in t, 60)  # rendered, the server gone
+        time.sleep(OLD_RETRIES_S + 2)  # down longer than a worker used to try
+        assert worker.poll() is None
+        server.start(gpus="none")
+        done = server.wait(job, lambda j: j["state"] in ("succeeded", "failed"))
+        images = done["images"]
+        assert done["state"] == "succeeded" and {i["attempts"] for i in images} == {1}, images
+        assert metric(server.url, "bcg_image_retries_total") == 0 and metric(server.url, "bcg_lease_expiries_total") == 0
+        assert "completed once the server answered again" in log.read_text(), log.read_text()
+    finally:
+        stop(worker)
+        server.kill_everything()
+
+
 def test_the_supervisor_stops_after_exit_2_or_quick_failures_in_a_row():
     assert Restarts().why_not(2, 1000.0) == "it cannot render here (exit 2)"
     slow = Restarts()
@@ -164,3 +216,30 @@ def test_a_cuda_error_stops_the_render_as_the_devices_and_any_other_fails_its_ba
     else:
         policy.process(batch, (1,))
         assert failed == [(["image"], f"RuntimeError: {error}")]
+
+
+def test_a_lease_call_waits_for_its_server_until_the_worker_is_asked_to_stop(monkeypatch):
+    from storyboard_cli.serve import worker as w
+
+    monkeypatch.setattr(w, "_pause", lambda seconds, stop: None)
+    stop, calls = w._Stop(), []
+
+    def unreachable():
+        calls.append(1)
+        if len(calls) == 40:  # SIGTERM while the server is still down
+            stop.requested = True
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    lease = SimpleNamespace(lease="l-1")
+    w._retried(unreachable, lease, "completed", w._Retry(1.0, stop))
+    assert len(calls) == 40  # tried until the stop (five tries, until 2026-12-03)
+    answered = iter([httpx.ConnectError("refused")] * 12 + [True])
+
+    def back():
+        item = next(answered)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    w._retried(back, lease, "completed", w._Retry(1.0, w._Stop()))  # the server answers the 13th try
+    assert next(answered, None) is None

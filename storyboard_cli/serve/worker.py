@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -180,13 +181,13 @@ def run_worker(opts: WorkerOptions) -> int:
                     uploaded = upload(client, lease, worker, outcome, places)
             except DeviceUnusable as e:  # this machine's fault, not the images': they go back with their attempts
                 hot.forget()  # models on a failed device: loaded again (or the next lease fails the same way)
-                _give_back(client, lease, worker, str(e))
+                _give_back(client, lease, worker, str(e), _Retry(max_backoff, stop))
                 continue
             t1 = time.perf_counter()
             rendered += 1
             hot.warm.update(i.mix for i in lease.images if i.mix and i.id in outcome.done)
             if uploaded:
-                _report(client, lease, worker, outcome)
+                _report(client, lease, worker, outcome, _Retry(max_backoff, stop))
             batches = sum(b.seconds for b in outcome.batches)
             log.info("lease %s: %d images in %.2f s (batches %.2f s, the rest: folder, PNGs, report, sheet), "
                      "completed in %.2f s", lease.lease, len(lease.images), t1 - t0, batches,
@@ -227,27 +228,47 @@ def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, pla
     return True
 
 
-def _report(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome) -> None:
-    _retried(lambda: client.complete(lease.lease, outcome.completion(worker)), lease, "completed")
+def _report(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, retry: _Retry) -> None:
+    _retried(lambda: client.complete(lease.lease, outcome.completion(worker)), lease, "completed", retry)
 
 
-def _give_back(client: LeaseClient, lease: Lease, worker: str, reason: str) -> None:
+def _give_back(client: LeaseClient, lease: Lease, worker: str, reason: str, retry: _Retry) -> None:
     log.warning("lease %s given back: %s", lease.lease, reason)
     failure = wire.LeaseFailure(worker=worker, reason=reason[:wire.MAX_TEXT])
-    _retried(lambda: client.give_back(lease.lease, failure), lease, "was given back")
+    _retried(lambda: client.give_back(lease.lease, failure), lease, "was given back", retry)
 
 
-def _retried(call, lease: Lease, done: str, tries: int = 5) -> None:
-    """A lease's last call, retried while the server cannot be reached; a refusal is one warning (the lease
-    then expires and its images are queued again)."""
-    for attempt in range(tries):
+@dataclass(frozen=True)
+class _Retry:
+    """How a lease's last call waits for a server it cannot reach: `backoff_s`, the longest wait between two
+    tries (a third of the server's --lease-s at most); `stop`, the worker's stop request, which ends the wait."""
+    backoff_s: float
+    stop: _Stop
+
+
+def _retried(call, lease: Lease, done: str, retry: _Retry) -> None:
+    """A lease's last call, tried again until the server answers: a server restarting, or cut off for a while,
+    keeps the lease (its downtime is not held against it: Store.restarted), so the rendered batch still lands.
+    A stop request ends the wait (the lease then expires and its images are queued again), as does a refusal:
+    one warning."""
+    attempt = 0
+    while True:
         try:
             if not call():
                 log.warning("lease %s was lost before it %s: the server ignored it", lease.lease, done)
+            elif attempt:
+                log.warning("lease %s %s once the server answered again", lease.lease, done)
             return
         except ServerError as e:
             log.warning("%s", e)
             return
         except httpx.HTTPError as e:
-            log.warning("lease %s not %s yet: %s", lease.lease, done, e)
-            time.sleep(min(2 ** attempt, MAX_BACKOFF_S))
+            if retry.stop.requested:
+                log.warning("lease %s not %s: the server cannot be reached and the worker stops (%s)", lease.lease,
+                            done, first_line(e, 200) or e.__class__.__name__)
+                return
+            if not attempt:  # once per outage, not once per try
+                log.warning("lease %s not %s yet (%s): trying again every %.0f s at most until the server answers",
+                            lease.lease, done, first_line(e, 200) or e.__class__.__name__, retry.backoff_s)
+            _pause(min(2 ** attempt * 0.5, retry.backoff_s), retry.stop)
+            attempt += 1
