@@ -145,9 +145,9 @@ OLD_RETRIES_S = 1 + 2 + 4 + 8 + 10  # how long a worker tried to complete a leas
 
 @pytest.mark.slow  # a server killed while its CPU worker renders, started again half a minute later
 def test_a_batch_rendered_while_its_server_is_down_lands_when_the_server_is_back(tmp_path, monkeypatch):
-    """A server restarted (an upgrade, a crash) after its worker finished a batch: the worker keeps trying to
-    complete the lease until the server answers, and the server, which does not hold its downtime against the lease,
-    takes the completion. Nothing is rendered twice."""
+    """A server restarted (an upgrade, a crash) after its worker finished a batch: the worker (one that uploads its
+    PNGs) keeps trying to upload them and complete the lease until the server answers, and the server, which does not
+    hold its downtime against the lease, takes them. Nothing is rendered twice."""
     fault = tmp_path / "held"
     fault.mkdir()
     (fault / "sitecustomize.py").write_text(HELD_BATCH)
@@ -155,7 +155,8 @@ def test_a_batch_rendered_while_its_server_is_down_lands_when_the_server_is_back
     monkeypatch.setenv("BCG_TEST_GO", str(go))
     server = Server(tmp_path / "root", free_port()).start(gpus="none")
     with open(tmp_path / "worker.log", "w") as err:
-        worker = start_worker(server.url, "patient", fault=fault, stderr=err)
+        worker = start_worker(server.url, "patient", "--upload", "--root", str(tmp_path / "elsewhere"),
+                              fault=fault, stderr=err)
     try:
         r = httpx.post(server.url + "/v1/jobs", content=JOB % 1, headers=YAML, timeout=10)
         job = r.json()["id"]
@@ -163,15 +164,16 @@ def test_a_batch_rendered_while_its_server_is_down_lands_when_the_server_is_back
         server.kill_everything()  # kill -9 of the server alone: the worker is in its own group
         go.touch()
         log = tmp_path / "worker.log"
-        eventually(log.read_text, lambda t: "not completed yet" in t, 60)  # rendered, the server gone
+        eventually(log.read_text, lambda t: "the server cannot be reached" in t, 60)  # rendered, the server gone
         time.sleep(OLD_RETRIES_S + 2)  # down longer than a worker used to try
         assert worker.poll() is None
         server.start(gpus="none")
         done = server.wait(job, lambda j: j["state"] in ("succeeded", "failed"))
         images = done["images"]
         assert done["state"] == "succeeded" and {i["attempts"] for i in images} == {1}, images
-        assert metric(server.url, "bcg_image_retries_total") == 0 and metric(server.url, "bcg_lease_expiries_total") == 0
-        assert "completed once the server answered again" in log.read_text(), log.read_text()
+        assert metric(server.url, "bcg_image_retries_total") == 0
+        assert metric(server.url, "bcg_lease_expiries_total") == 0
+        assert "done once the server answered again" in log.read_text(), log.read_text()
     finally:
         stop(worker)
         server.kill_everything()
@@ -218,7 +220,7 @@ def test_a_cuda_error_stops_the_render_as_the_devices_and_any_other_fails_its_ba
         assert failed == [(["image"], f"RuntimeError: {error}")]
 
 
-def test_a_lease_call_waits_for_its_server_until_the_worker_is_asked_to_stop(monkeypatch):
+def test_a_lease_call_waits_for_its_server_until_it_answers_or_the_worker_is_asked_to_stop(monkeypatch):
     from storyboard_cli.serve import worker as w
 
     monkeypatch.setattr(w, "_pause", lambda seconds, stop: None)
@@ -230,16 +232,25 @@ def test_a_lease_call_waits_for_its_server_until_the_worker_is_asked_to_stop(mon
             stop.requested = True
         raise httpx.ConnectError("[Errno 111] Connection refused")
 
-    lease = SimpleNamespace(lease="l-1")
-    w._retried(unreachable, lease, "completed", w._Retry(1.0, stop))
+    with pytest.raises(httpx.ConnectError):
+        w._answered(unreachable, w._Retry(1.0, stop), "completing lease l-1")
     assert len(calls) == 40  # tried until the stop (five tries, until 2026-12-03)
-    answered = iter([httpx.ConnectError("refused")] * 12 + [True])
+    answers = iter([httpx.ConnectError("refused")] * 12 + [True])
 
     def back():
-        item = next(answered)
-        if isinstance(item, Exception):
-            raise item
-        return item
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
-    w._retried(back, lease, "completed", w._Retry(1.0, w._Stop()))  # the server answers the 13th try
-    assert next(answered, None) is None
+    assert w._answered(back, w._Retry(1.0, w._Stop()), "completing lease l-1") is True  # the 13th try
+    refused = httpx.HTTPStatusError("507", request=httpx.Request("PUT", "http://x"), response=httpx.Response(507))
+
+    def full():
+        calls.append(1)
+        raise refused
+
+    calls.clear()
+    with pytest.raises(httpx.HTTPStatusError):  # an answer, not an outage: never tried again
+        w._answered(full, w._Retry(1.0, w._Stop()), "uploading a.png of lease l-1")
+    assert len(calls) == 1

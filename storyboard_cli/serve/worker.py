@@ -178,7 +178,7 @@ def run_worker(opts: WorkerOptions) -> int:
                 with Heartbeat(client, lease, worker, hot):
                     lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                     outcome = render_lease(lease, hot, opts, places)
-                    uploaded = upload(client, lease, worker, outcome, places)
+                    uploaded = upload(client, lease, worker, outcome, places, _Retry(max_backoff, stop))
             except DeviceUnusable as e:  # this machine's fault, not the images': they go back with their attempts
                 hot.forget()  # models on a failed device: loaded again (or the next lease fails the same way)
                 _give_back(client, lease, worker, str(e), _Retry(max_backoff, stop))
@@ -211,15 +211,18 @@ def _pause(seconds: float, stop: _Stop) -> None:
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
 
-def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, places: dict[str, Place]) -> bool:
-    """Sends the finished PNGs of each job rendered in a copy to the server; False when the lease was lost
-    meanwhile (the images are someone else's now)."""
+def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, places: dict[str, Place],
+           retry: _Retry) -> bool:
+    """Sends the finished PNGs of each job rendered in a copy to the server (each tried again until the server
+    answers: `_answered`); False when the lease was lost meanwhile (the images are someone else's now)."""
     for job_id, where in places.items():
         if not where.upload:
             continue
         for path in [r["path"] for r in outcome.records.get(job_id, ())]:
             try:
-                if not client.upload(lease.lease, worker, job_id, path, (where.out_dir / path).read_bytes()):
+                data = (where.out_dir / path).read_bytes()
+                if not _answered(lambda: client.upload(lease.lease, worker, job_id, path, data), retry,
+                                 f"uploading {path} of lease {lease.lease}"):
                     log.warning("lease %s was lost while uploading: its images went back to the queue", lease.lease)
                     return False
             except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (from the copy)
@@ -229,46 +232,52 @@ def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, pla
 
 
 def _report(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, retry: _Retry) -> None:
-    _retried(lambda: client.complete(lease.lease, outcome.completion(worker)), lease, "completed", retry)
+    _last_call(lambda: client.complete(lease.lease, outcome.completion(worker)), lease, "completing", retry)
 
 
 def _give_back(client: LeaseClient, lease: Lease, worker: str, reason: str, retry: _Retry) -> None:
     log.warning("lease %s given back: %s", lease.lease, reason)
     failure = wire.LeaseFailure(worker=worker, reason=reason[:wire.MAX_TEXT])
-    _retried(lambda: client.give_back(lease.lease, failure), lease, "was given back", retry)
+    _last_call(lambda: client.give_back(lease.lease, failure), lease, "giving back", retry)
 
 
 @dataclass(frozen=True)
 class _Retry:
-    """How a lease's last call waits for a server it cannot reach: `backoff_s`, the longest wait between two
-    tries (a third of the server's --lease-s at most); `stop`, the worker's stop request, which ends the wait."""
+    """How a lease's calls wait for a server they cannot reach: `backoff_s`, the longest wait between two tries
+    (a third of the server's --lease-s at most); `stop`, the worker's stop request, which ends the wait."""
     backoff_s: float
     stop: _Stop
 
 
-def _retried(call, lease: Lease, done: str, retry: _Retry) -> None:
-    """A lease's last call, tried again until the server answers: a server restarting, or cut off for a while,
-    keeps the lease (its downtime is not held against it: Store.restarted), so the rendered batch still lands.
-    A stop request ends the wait (the lease then expires and its images are queued again), as does a refusal:
-    one warning."""
+def _answered(call, retry: _Retry, doing: str):
+    """call()'s result, the call tried again while the server cannot be reached (a restart, a network cut: the
+    server does not hold its downtime against a lease, Store.restarted, so the rendered batch still lands). A stop
+    request ends the wait: the last error is raised (the lease then expires and its images are queued again)."""
     attempt = 0
     while True:
         try:
-            if not call():
-                log.warning("lease %s was lost before it %s: the server ignored it", lease.lease, done)
-            elif attempt:
-                log.warning("lease %s %s once the server answered again", lease.lease, done)
-            return
-        except ServerError as e:
-            log.warning("%s", e)
-            return
-        except httpx.HTTPError as e:
+            result = call()
+        except httpx.TransportError as e:
             if retry.stop.requested:
-                log.warning("lease %s not %s: the server cannot be reached and the worker stops (%s)", lease.lease,
-                            done, first_line(e, 200) or e.__class__.__name__)
-                return
+                raise
             if not attempt:  # once per outage, not once per try
-                log.warning("lease %s not %s yet (%s): trying again every %.0f s at most until the server answers",
-                            lease.lease, done, first_line(e, 200) or e.__class__.__name__, retry.backoff_s)
+                log.warning("%s: the server cannot be reached (%s): trying again every %.0f s at most until it "
+                            "answers", doing, first_line(e, 200) or e.__class__.__name__, retry.backoff_s)
             _pause(min(2 ** attempt * 0.5, retry.backoff_s), retry.stop)
             attempt += 1
+            continue
+        if attempt:
+            log.warning("%s: done once the server answered again", doing)
+        return result
+
+
+def _last_call(call, lease: Lease, doing: str, retry: _Retry) -> None:
+    """A lease's completion or give-back; a refusal, or a stop while the server cannot be reached, is one warning
+    (the lease then expires and its images are queued again)."""
+    try:
+        if not _answered(call, retry, f"{doing} lease {lease.lease}"):
+            log.warning("lease %s was lost before %s it: the server ignored it", lease.lease, doing)
+    except ServerError as e:
+        log.warning("%s", e)
+    except httpx.HTTPError as e:
+        log.warning("%s lease %s: %s", doing, lease.lease, first_line(e, 200) or e.__class__.__name__)
