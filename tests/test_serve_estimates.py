@@ -1,11 +1,14 @@
 """The server's time estimates (serve/estimates.py): each worker calibrated from its leases' batch timings against
 the images' estimated seconds, and from it a job's eta_s, a full queue's Retry-After and the stale-lease alarm."""
 
+import json
+import os
 import time
 from dataclasses import replace
 
 import pytest
 
+from storyboard_cli.folder.layout import REPORT_JSON
 from storyboard_cli.job.estimate import image_seconds
 from storyboard_cli.job.file import load_job
 from storyboard_cli.job.plan import make_batches, work_items
@@ -185,8 +188,14 @@ shots:
         # a fresh cache prices tiny at nothing: the eta is the images/s the first job drained, never a zero
         assert queued["state"] == "queued" and queued["eta_s"] and queued["eta_s"] > 0, queued
         server.kill_everything()  # the server alone (kill -9): its worker runs on and asks it again
+        # as if the kill had landed between the first job's end and its folder's last rebuild: the report on disk is
+        # one written while the job ran; the server's start rebuilds it
+        report = tmp_path / "root" / "jobs" / first / "out" / REPORT_JSON
+        report.write_text(json.dumps(json.loads(report.read_text()) | {"status": "running"}))
+        os.utime(report, (1.0, 1.0))
         time.sleep(4)  # down longer than --lease-s (3 s): the outage is not held against the worker
         server.start(gpus="none")
+        eventually(lambda: json.loads(report.read_text()), lambda r: r["status"] == "done", 30)
         pattern = r'bcg_worker_estimate_ratio\{[^}]*name="calib"[^}]*\} ([0-9.e+-]+)'
         again = eventually(lambda: httpx.get(server.url + "/metrics").text, lambda t: re.search(pattern, t), 30)
         assert float(re.search(pattern, again).group(1)) == float(ratio.group(1))  # kept: no lease landed since

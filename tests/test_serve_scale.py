@@ -78,6 +78,9 @@ def test_one_job_over_three_workers_joining_at_different_times_one_killed_equals
         done = eventually(lambda: server.job(job_id), lambda j: j["state"] in FINAL, timeout_s=DEADLINE_S)
         assert done["state"] == "succeeded", done
         spans = leases(server.url, job_id)
+        report = tmp_path / "root" / "jobs" / job_id / "out" / REPORT_JSON  # rebuilt once more after the job's end
+        eventually(lambda: json.loads(report.read_text()) if report.is_file() else {},
+                   lambda r: r.get("status") == "done", 30)
     finally:
         for w in workers:
             stop(w)

@@ -4,6 +4,7 @@ no lease. Names a client invents make no rows, no series and no readiness. The p
 then a real `bcg worker` that registers, waits while --max-workers are registered, and registers again when
 the server restarts on a fresh root."""
 
+import os
 import subprocess
 import sys
 
@@ -213,3 +214,17 @@ def test_strikes_in_a_row_quarantine_a_worker_and_a_completion_ends_them(tmp_pat
         assert series[("bcg_worker_strikes_total", None)] == 7 and series[("bcg_worker_quarantines_total", None)] == 1
         assert series[("bcg_workers_ready", None)] == 1
         assert c.get("/readyz").json() == {"ready": True, "workers": 2, "workers_ready": 1}
+
+
+def test_the_ended_jobs_whose_report_predates_their_end_are_the_ones_rebuilt(tmp_path):
+    from storyboard_cli.folder.layout import REPORT_JSON
+    from storyboard_cli.serve.folders import stale_views
+
+    folders = {name: tmp_path / name for name in ("fresh", "stale", "missing")}
+    for name in ("fresh", "stale"):
+        folders[name].mkdir()
+        (folders[name] / REPORT_JSON).write_text("{}")
+    os.utime(folders["fresh"] / REPORT_JSON, (1000.0, 1000.0))  # written after the job ended at 900
+    os.utime(folders["stale"] / REPORT_JSON, (800.0, 800.0))  # the last write was while it ran
+    assert stale_views([("f", 900.0, folders["fresh"]), ("s", 900.0, folders["stale"]),
+                        ("m", 900.0, folders["missing"])]) == ["s", "m"]

@@ -62,6 +62,8 @@ def create_app(settings: Settings, store: Store | None = None, clock: Callable[[
                     log.warning("input files not collected: %s", e)
 
         await run_in_threadpool(store.restarted, clock(), settings.lease_s)  # its downtime is not its workers' fault
+        for job_id in await run_in_threadpool(lambda: folders.stale_views(store.ended())):
+            refresher.touch(job_id, now=True)
         cleared = await run_in_threadpool(app.state.blobs.clear_tmp)  # uploads cut short by the last stop
         if cleared:
             log.warning("removed %d partial upload(s) left by the server's last stop", cleared)

@@ -31,6 +31,7 @@ from typing import Callable
 from pydantic import ValidationError
 
 from storyboard_cli.errors import BadInput, Status, one_line
+from storyboard_cli.folder.layout import REPORT_JSON
 from storyboard_cli.folder.outputs import Manifest, atomic_write
 from storyboard_cli.folder.report import Report, Timings, WorkerShare, write_report
 from storyboard_cli.folder.sink import ContactSheet
@@ -162,6 +163,23 @@ def _why(e: Exception) -> str:
 
 def _iso(t: float | None) -> str | None:
     return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+def stale_views(ended: list[tuple[str, float, Path]]) -> list[str]:
+    """Of the ended jobs (id, when it ended, its folder), those whose report was not written after their end: the
+    last server stopped (or was killed) between a job's end and its folder's last rebuild, which `Refresher` does off
+    the request path. The server's start rebuilds each."""
+    stale = []
+    for job_id, finished, out_dir in ended:
+        try:
+            if (out_dir / REPORT_JSON).stat().st_mtime < finished:
+                stale.append(job_id)
+        except OSError:  # no report (or no folder yet): written now
+            stale.append(job_id)
+    if stale:
+        log.warning("%d ended job(s) whose report and sheet were not rebuilt after their end: rebuilding them",
+                    len(stale))
+    return stale
 
 
 class Refresher:

@@ -576,6 +576,12 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
             row = self.db.execute("SELECT path FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return None if row is None else self._path(row[0])
 
+    def ended(self) -> list[tuple[str, float, Path]]:
+        """Every job that ended: its id, when, and its output folder (what the server's start checks the views of)."""
+        with self.lock:
+            rows = self.db.execute("SELECT id, finished, out_dir FROM jobs WHERE finished IS NOT NULL").fetchall()
+        return [(r["id"], r["finished"], self._path(r["out_dir"])) for r in rows]
+
     def job(self, job_id: str, now: float) -> dict | None:
         """The job with its images, its state, the images queued ahead of it and an ETA."""
         with self.lock:
