@@ -254,3 +254,28 @@ def test_a_lease_call_waits_for_its_server_until_it_answers_or_the_worker_is_ask
     with pytest.raises(httpx.HTTPStatusError):  # an answer, not an outage: never tried again
         w._answered(full, w._Retry(1.0, w._Stop()), "uploading a.png of lease l-1")
     assert len(calls) == 1
+
+
+def test_failed_heartbeats_are_one_line_per_outage(caplog):
+    from storyboard_cli.serve import worker as w
+
+    refused = httpx.ConnectError("[Errno 111] Connection refused")
+    answers = [refused] * 5 + [True, True] + [refused] * 3 + [True]
+
+    class Client:
+        calls = 0
+
+        def heartbeat(self, lease_id, beat):
+            answer = answers[min(self.calls, len(answers) - 1)]
+            self.calls += 1
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    client, lease, hot = Client(), SimpleNamespace(lease="l-1", ttl=0.03), SimpleNamespace(ready=True, models=None)
+    with caplog.at_level("WARNING", logger="storyboard_cli.serve.worker"):
+        with w.Heartbeat(client, lease, "w-1", hot) as beat:
+            eventually(lambda: client.calls, lambda n: n > len(answers), 10, poll_s=0.02)
+    lines = [r.getMessage().split(":")[0] for r in caplog.records]
+    assert lines == ["heartbeat of lease l-1 failed", "heartbeat of lease l-1 answered again"] * 2, lines
+    assert not beat.lost

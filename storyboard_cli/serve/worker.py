@@ -96,13 +96,21 @@ class Heartbeat:
         self.thread.join()
 
     def _beat(self) -> None:
+        failing = None  # the first failed heartbeat's error while they fail: one line per outage, not per beat
         while not self.done.wait(self.lease.ttl / 3):
             try:
                 beat = wire.WorkerReport(worker=self.worker, gpu=gpu_stats(self.hot), ready=self.hot.ready)
                 if not self.client.heartbeat(self.lease.lease, beat):
                     self.lost = True
             except (httpx.HTTPError, Unregistered) as e:  # Unregistered: the next lease request registers again
-                log.warning("heartbeat failed: %s", e)
+                if failing is None:
+                    log.warning("heartbeat of lease %s failed: %s (the batch renders on; said again only once it "
+                                "answers)", self.lease.lease, first_line(e, 200) or e.__class__.__name__)
+                failing = e
+                continue
+            if failing is not None:
+                log.warning("heartbeat of lease %s answered again", self.lease.lease)
+                failing = None
 
 
 class _Stop:
