@@ -162,6 +162,7 @@ def test_a_batch_rendered_while_its_server_is_down_lands_when_the_server_is_back
         job = r.json()["id"]
         server.wait(job, lambda j: j["state"] == "running")  # leased: the batch waits for the word
         server.kill_everything()  # kill -9 of the server alone: the worker is in its own group
+        time.sleep(3.5)  # three heartbeats (every second: --lease-s 3) fail while the batch waits
         go.touch()
         log = tmp_path / "worker.log"
         eventually(log.read_text, lambda t: "the server cannot be reached" in t, 60)  # rendered, the server gone
@@ -173,7 +174,10 @@ def test_a_batch_rendered_while_its_server_is_down_lands_when_the_server_is_back
         assert done["state"] == "succeeded" and {i["attempts"] for i in images} == {1}, images
         assert metric(server.url, "bcg_image_retries_total") == 0
         assert metric(server.url, "bcg_lease_expiries_total") == 0
-        assert "done once the server answered again" in log.read_text(), log.read_text()
+        text = log.read_text()
+        assert "done once the server answered again" in text, text
+        failed = [line for line in text.splitlines() if "heartbeat of lease" in line and " failed: " in line]
+        assert len(failed) == 1, text  # one line for the outage, not one per beat
     finally:
         stop(worker)
         server.kill_everything()

@@ -96,21 +96,21 @@ class Heartbeat:
         self.thread.join()
 
     def _beat(self) -> None:
-        failing = None  # the first failed heartbeat's error while they fail: one line per outage, not per beat
+        failing = False  # while heartbeats fail: one line per outage, not per beat
         while not self.done.wait(self.lease.ttl / 3):
             try:
                 beat = wire.WorkerReport(worker=self.worker, gpu=gpu_stats(self.hot), ready=self.hot.ready)
                 if not self.client.heartbeat(self.lease.lease, beat):
                     self.lost = True
             except (httpx.HTTPError, Unregistered) as e:  # Unregistered: the next lease request registers again
-                if failing is None:
+                if not failing:
                     log.warning("heartbeat of lease %s failed: %s (the batch renders on; said again only once it "
                                 "answers)", self.lease.lease, first_line(e, 200) or e.__class__.__name__)
-                failing = e
+                failing = True
                 continue
-            if failing is not None:
+            if failing:
                 log.warning("heartbeat of lease %s answered again", self.lease.lease)
-                failing = None
+                failing = False
 
 
 class _Stop:
@@ -137,7 +137,7 @@ def run_worker(opts: WorkerOptions) -> int:
     files = InputFiles(client, opts.root.resolve(), shared=not opts.upload)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
-    rendered, backoff, unreachable, max_backoff = 0, opts.poll_s, False, MAX_BACKOFF_S
+    rendered, backoff, unreachable, retry = 0, opts.poll_s, False, _Retry(MAX_BACKOFF_S, stop)
     if opts.warm is not None:  # ready (/readyz) before any job arrives, and its first job starts at once
         job = load_job(opts.warm)
         hot.for_job(job)
@@ -152,7 +152,7 @@ def run_worker(opts: WorkerOptions) -> int:
                     worker = registered.worker
                     # a server that starts again counts its workers as seen then, for lease_s (Store.restarted): a
                     # worker that asks again within that keeps its id, its calibration and its lease
-                    max_backoff = max(min(MAX_BACKOFF_S, registered.lease_s / 3), opts.poll_s)
+                    retry = _Retry(max(min(MAX_BACKOFF_S, registered.lease_s / 3), opts.poll_s), stop)
                     log.info("registered with %s as %s (%s)", opts.server, worker, name)
                 lease = client.lease(wire.WorkerReport(worker=worker, gpu=gpu_stats(hot), ready=hot.ready,
                                                        warm=sorted(hot.warm)[-wire.MAX_WARM:],
@@ -160,10 +160,10 @@ def run_worker(opts: WorkerOptions) -> int:
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while: wait for it
                 if not unreachable:  # once per outage, not once per retry
                     log.warning("cannot reach %s (%s): retrying every %.0f s at most until it answers", opts.server,
-                                first_line(e, 200) or e.__class__.__name__, max_backoff)
+                                first_line(e, 200) or e.__class__.__name__, retry.backoff_s)
                 unreachable = True
-                time.sleep(min(backoff, max_backoff))
-                backoff = min(backoff * 2, max_backoff)
+                time.sleep(min(backoff, retry.backoff_s))
+                backoff = min(backoff * 2, retry.backoff_s)
                 continue
             except QueueBusy as e:  # --max-workers are registered: one must leave (or expire) first
                 log.warning("%s", e)
@@ -186,16 +186,16 @@ def run_worker(opts: WorkerOptions) -> int:
                 with Heartbeat(client, lease, worker, hot):
                     lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                     outcome = render_lease(lease, hot, opts, places)
-                    uploaded = upload(client, lease, worker, outcome, places, _Retry(max_backoff, stop))
+                    uploaded = upload(client, lease, worker, outcome, places, retry)
             except DeviceUnusable as e:  # this machine's fault, not the images': they go back with their attempts
                 hot.forget()  # models on a failed device: loaded again (or the next lease fails the same way)
-                _give_back(client, lease, worker, str(e), _Retry(max_backoff, stop))
+                _give_back(client, lease, worker, str(e), retry)
                 continue
             t1 = time.perf_counter()
             rendered += 1
             hot.warm.update(i.mix for i in lease.images if i.mix and i.id in outcome.done)
             if uploaded:
-                _report(client, lease, worker, outcome, _Retry(max_backoff, stop))
+                _report(client, lease, worker, outcome, retry)
             batches = sum(b.seconds for b in outcome.batches)
             log.info("lease %s: %d images in %.2f s (batches %.2f s, the rest: folder, PNGs, report, sheet), "
                      "completed in %.2f s", lease.lease, len(lease.images), t1 - t0, batches,
