@@ -36,8 +36,9 @@
 #   vae               probes/vae_scout.py at 1024x1024 (ARG: its --variants), then 832x1216
 #   scout[:VARIANTS]  probes/fp8_scout.py (default plain,prod,fp8,fp8_eager,fp8_eager_fast; plain,prod,cdt: tuning)
 #   step[:WHAT]       probes/step_scout.py WHAT (controlnet, the default: the ControlNet's Linears in FP8 against
-#                     its fp16 artifact; bucket16: the fp16 UNet for 16 images against 8), at 1024x1024; two legs
-#                     side by side: step:controlnet step:bucket16@0b
+#                     its fp16 artifact; bucket16: the fp16 UNet for 16 images against 8; layout_cat, layout_nd:
+#                     the up blocks' NCHW concatenations, two fixes against the fp16 artifact), at 1024x1024; two legs
+#                     side by side: step:controlnet step:bucket16@0b, step:layout_cat step:layout_nd@0b
 #   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel

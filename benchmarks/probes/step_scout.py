@@ -10,6 +10,13 @@
   bucket16    the production fp16 UNet recipe exported for up to 32 rows (16 images guided; production's
               artifacts stop at 16 rows), timed against the production artifact at 8 images and at 16: ms per
               image-step, the graphs' memory, the build's seconds.
+  layout_cat  issue 41 item 5: the up blocks' concatenations (hidden states and skip) are made NCHW by inductor, and
+              each up-block resnet's GroupNorm + SiLU kernel then writes NHWC from NCHW in a 1D kernel (3.6 ms for
+              one at 8 x 1024², about 11 ms of a step); the production fp16 UNet recipe with each up-block resnet's
+              input made channels_last, against the production artifact at 2 and 8 images, and its error
+  layout_nd   the same question answered by inductor's option triton.prefer_nd_tiling (2D tiles for a transposing
+              pointwise kernel) instead of the recipe
+  (the layout scouts run as two lanes side by side, builds at once; their timings take turns on a file lock)
 
 Each build is artifacts.build (the production code) into --build-dir, stopped at --budget; the JSON is rewritten
 after every stage (fp8_scout.py's Record).
@@ -53,8 +60,10 @@ def fresh(models, module: str) -> torch.nn.Module:
     return model.to_empty(device=models.device).to(dtype=models.dtype).eval().requires_grad_(False)
 
 
-def built(rec: Record, name: str, target: Target, models, folder: Path, seconds: float) -> Path | None:
-    """artifacts.build of `target` into `folder`, stopped after `seconds`; None (recorded) if it failed."""
+def built(rec: Record, name: str, target: Target, models, folder: Path, seconds: float,
+          prepare=None) -> Path | None:
+    """artifacts.build of `target` into `folder`, stopped after `seconds`; None (recorded) if it failed. `prepare`:
+    called on the fresh module before the build."""
     path = folder / f"{name}-{target.module}-{target.width}x{target.height}.pt2"
     if path.is_file():
         rec.put(f"build_{name}", {"reused": path.name})
@@ -62,7 +71,10 @@ def built(rec: Record, name: str, target: Target, models, folder: Path, seconds:
     t0 = time.perf_counter()
     try:
         with within(seconds):
-            stats = build(target, fresh(models, target.module), path)
+            model = fresh(models, target.module)
+            if prepare is not None:
+                prepare(model)
+            stats = build(target, model, path)
     except (OutOfBudget, Exception) as e:  # noqa: BLE001 - a scout records any failure and goes on
         rec.put(f"build_{name}", {"error": f"{type(e).__name__}: {str(e)[:1500]}",
                                   "wall_s": round(time.perf_counter() - t0, 1)})
@@ -199,9 +211,66 @@ def scout_bucket16(args, rec: Record, models) -> None:
             timing(rec, "unet_timing_16_images", {"rows32": calls["rows32"]}, make, (32,), args.loops, args.replays)
 
 
+def nhwc_up_inputs(unet) -> None:
+    """Each up-block resnet's input (the concatenation of hidden states and skip) made channels_last."""
+    def hook(module, args):  # inductor's clone ignores memory_format: the copy is made in NHWC index order
+        return (args[0].permute(0, 2, 3, 1).clone().permute(0, 3, 1, 2), *args[1:])
+    for block in unet.up_blocks:
+        for resnet in block.resnets:
+            resnet.register_forward_pre_hook(hook)
+
+
+def keep_wrapper(artifact: Path, out: Path) -> None:
+    """The artifact's generated wrapper (its Triton kernels' sources are in it as comments), gzipped beside the
+    record: which buffers the kernels read and write in which layout."""
+    import gzip
+    import zipfile
+
+    with zipfile.ZipFile(artifact) as z:
+        name = next(n for n in z.namelist() if n.endswith(".wrapper.cpp"))
+        out.write_bytes(gzip.compress(z.read(name)))
+
+
+def scout_layout(args, rec: Record, models) -> None:
+    import fcntl
+
+    side = args.side
+    k = CompiledKernels(models, root=args.cache)
+    target = Target("unet", side, side)
+    calls = {}
+    prod = k.path(target)
+    if not prod.is_file() and args.build_missing:
+        prod = built(rec, "prod", target, models, args.build_dir, args.budget - rec.elapsed() - 60)
+    if prod is not None and prod.is_file() and k.add(target, prod):
+        calls["prod"] = k.calls[target]
+    else:
+        rec.put("prod", {"error": f"no production fp16 UNet artifact ({prod}); {k.notes}"})
+    name, prepare = args.what, None
+    if name == "layout_cat":
+        prepare = nhwc_up_inputs
+    else:
+        artifacts.INDUCTOR_OPTIONS["triton.prefer_nd_tiling"] = True
+    path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60, prepare)
+    if path is not None:
+        keep_wrapper(path, args.out.with_suffix(".wrapper.cpp.gz"))
+        try:
+            calls[name] = load(target, models, path)
+        except Exception as e:  # noqa: BLE001
+            rec.put(f"load_{name}", {"error": f"{type(e).__name__}: {str(e)[:1500]}"})
+    with open(args.build_dir.parent / "step-scout-timing.lock", "w") as lock, torch.no_grad():
+        t0 = time.perf_counter()
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other lane's timings first, if they began first
+        rec.put("lock_wait_s", round(time.perf_counter() - t0, 1))
+        make = partial(lambda rows: inputs("unet", models.unet, rows, side, 500.0, 11))
+        if "prod" in calls and name in calls:
+            x = make(16)
+            rec.put(f"rel_err_{name}_vs_prod", round(rel_err(calls[name](*x), calls["prod"](*x)), 6))
+        timing(rec, "unet_timing", calls, make, (4, 16), args.loops, args.replays)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("controlnet", "bucket16"))
+    p.add_argument("what", choices=("controlnet", "bucket16", "layout_cat", "layout_nd"))
     p.add_argument("--out", type=Path, required=True, help="the JSON record (rewritten after each stage)")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
     p.add_argument("--model", default="sdxl-random")
@@ -225,7 +294,8 @@ def main() -> None:
     t0 = time.perf_counter()
     models = load_sdxl(args.model, args.model if args.what == "controlnet" else None, device, dtype)
     rec.put("load_s", round(time.perf_counter() - t0, 1))
-    (scout_controlnet if args.what == "controlnet" else scout_bucket16)(args, rec, models)
+    scout = {"controlnet": scout_controlnet, "bucket16": scout_bucket16}.get(args.what, scout_layout)
+    scout(args, rec, models)
     if cuda:
         rec.put("peak_gb", round(torch.cuda.max_memory_allocated() / 2**30, 1))
     rec.put("done", True)
