@@ -28,10 +28,13 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
             device: DeviceOpt = None, dtype: DtypeOpt = None, compile: CompileOpt = "auto",
             kernels: KernelsOpt = None, fp8: Fp8Opt = False, json_out: JsonOpt = False,
             draft: Annotated[bool, flag("--draft", "The job as `bcg render --draft` renders it: its draft "
-                                                   "graphs too.")] = False) -> None:
+                                                   "graphs too.")] = False,
+            eager: Annotated[bool, flag("--eager", "Also time each shape's uncompiled step beside its graph "
+                                                   "(the speedup column): about doubles --warm's time.")] = False,
+            ) -> None:
     """List the shapes a job needs; with --warm, compile the kernels it needs (once per model, GPU and torch;
     kept under $BCG_CACHE), then capture its CUDA graphs (the step kinds of its draft levers too), check them
-    against the uncompiled step and time them."""
+    against the uncompiled step and time them (with --eager, beside the uncompiled step)."""
     from storyboard_cli.job.file import as_draft, load_job
     from storyboard_cli.run import capture as capturing
 
@@ -44,7 +47,7 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
         with compile_progress(quiet=json_out) as on_event:
             labels, loops, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes,
                                              device=device, dtype=dtype, warm=warm, steps=steps, compile=compile,
-                                             kernels=kernels_name(kernels, fp8), on_event=on_event)
+                                             kernels=kernels_name(kernels, fp8), eager=eager, on_event=on_event)
     if json_out:
         timings = [r.__dict__ | {"speedup": r.speedup} for r in rows]
         out.print_json(json.dumps({"shapes": labels, "loops": loops, "timings": timings}))

@@ -88,6 +88,26 @@ def test_capture_without_cuda(tmp_path):
     assert warm.exit_code == 2 and "needs a CUDA device" in warm.output
 
 
+def test_capture_times_the_eager_step_only_when_asked(monkeypatch):
+    """`bcg capture --warm` captures, checks and times the graphs; the uncompiled step's timing beside each (the
+    speedup column) is `--eager`'s: a warm-up of a copied cache does not wait for it."""
+    from storyboard_cli.run import capture as capturing
+
+    asked = []
+
+    def fake(**kw):
+        asked.append(kw["eager"])
+        row = capturing.ShapeTiming("8x1024x1024 float16 compiled", "graph", "checked", 0.5, 100.0,
+                                    282.0 if kw["eager"] else None, 200.0)
+        return ["8x1024x1024"], [], [row]
+
+    monkeypatch.setattr(capturing, "capture", fake)
+    plain, timed = (runner.invoke(app, ["capture", "--warm", *extra], terminal_width=200) for extra in ([], ["--eager"]))
+    assert asked == [False, True] and plain.exit_code == timed.exit_code == 0
+    assert "282.0" in timed.output and "1.41x" in timed.output
+    assert "282.0" not in plain.output and "1.41x" not in plain.output and "200.0" in plain.output
+
+
 def test_capture_lists_a_jobs_draft_loops():
     """`bcg capture JOB --draft` lists the draft render's loops on the job's shapes (its --warm captures, checks and
     times them); without a job it is refused."""

@@ -10,12 +10,12 @@
   bucket16    the production fp16 UNet recipe exported for up to 32 rows (16 images guided; production's
               artifacts stop at 16 rows), timed against the production artifact at 8 images and at 16: ms per
               image-step, the graphs' memory, the build's seconds.
-  layout_cat  issue 41 item 5: the up blocks' concatenations (hidden states and skip) are made NCHW by inductor, and
-              each up-block resnet's GroupNorm + SiLU kernel then writes NHWC from NCHW in a 1D kernel (3.6 ms for
-              one at 8 x 1024², about 11 ms of a step); the production fp16 UNet recipe with each up-block resnet's
-              input made channels_last, against the production artifact at 2 and 8 images, and its error
-  layout_nd   the same question answered by inductor's option triton.prefer_nd_tiling (2D tiles for a transposing
-              pointwise kernel) instead of the recipe
+  layout_force  issue 41 item 5: each up-block resnet's GroupNorm + SiLU kernel reads its input (the concatenation of
+              hidden states and skip) NCHW and writes the NHWC copy the convolutions read, in a 1D kernel (3.6 ms for
+              one at 8 x 1024², about 11 ms of a step). Inductor skips its channels_last propagation in a graph whose
+              convolutions have dynamic shapes (the rows): the production fp16 UNet recipe built with
+              force_layout_optimization, against the production artifact at 2 and 8 images, and its error
+  layout_nd   the same kernels made 2D by inductor's option triton.prefer_nd_tiling
   (the layout scouts run as two lanes side by side, builds at once; their timings take turns on a file lock)
 
 Each build is artifacts.build (the production code) into --build-dir, stopped at --budget; the JSON is rewritten
@@ -60,10 +60,8 @@ def fresh(models, module: str) -> torch.nn.Module:
     return model.to_empty(device=models.device).to(dtype=models.dtype).eval().requires_grad_(False)
 
 
-def built(rec: Record, name: str, target: Target, models, folder: Path, seconds: float,
-          prepare=None) -> Path | None:
-    """artifacts.build of `target` into `folder`, stopped after `seconds`; None (recorded) if it failed. `prepare`:
-    called on the fresh module before the build."""
+def built(rec: Record, name: str, target: Target, models, folder: Path, seconds: float) -> Path | None:
+    """artifacts.build of `target` into `folder`, stopped after `seconds`; None (recorded) if it failed."""
     path = folder / f"{name}-{target.module}-{target.width}x{target.height}.pt2"
     if path.is_file():
         rec.put(f"build_{name}", {"reused": path.name})
@@ -71,10 +69,7 @@ def built(rec: Record, name: str, target: Target, models, folder: Path, seconds:
     t0 = time.perf_counter()
     try:
         with within(seconds):
-            model = fresh(models, target.module)
-            if prepare is not None:
-                prepare(model)
-            stats = build(target, model, path)
+            stats = build(target, fresh(models, target.module), path)
     except (OutOfBudget, Exception) as e:  # noqa: BLE001 - a scout records any failure and goes on
         rec.put(f"build_{name}", {"error": f"{type(e).__name__}: {str(e)[:1500]}",
                                   "wall_s": round(time.perf_counter() - t0, 1)})
@@ -211,15 +206,6 @@ def scout_bucket16(args, rec: Record, models) -> None:
             timing(rec, "unet_timing_16_images", {"rows32": calls["rows32"]}, make, (32,), args.loops, args.replays)
 
 
-def nhwc_up_inputs(unet) -> None:
-    """Each up-block resnet's input (the concatenation of hidden states and skip) made channels_last."""
-    def hook(module, args):  # inductor's clone ignores memory_format: the copy is made in NHWC index order
-        return (args[0].permute(0, 2, 3, 1).clone().permute(0, 3, 1, 2), *args[1:])
-    for block in unet.up_blocks:
-        for resnet in block.resnets:
-            resnet.register_forward_pre_hook(hook)
-
-
 def keep_wrapper(artifact: Path, out: Path) -> None:
     """The artifact's generated wrapper (its Triton kernels' sources are in it as comments), gzipped beside the
     record: which buffers the kernels read and write in which layout."""
@@ -245,12 +231,10 @@ def scout_layout(args, rec: Record, models) -> None:
         calls["prod"] = k.calls[target]
     else:
         rec.put("prod", {"error": f"no production fp16 UNet artifact ({prod}); {k.notes}"})
-    name, prepare = args.what, None
-    if name == "layout_cat":
-        prepare = nhwc_up_inputs
-    else:
-        artifacts.INDUCTOR_OPTIONS["triton.prefer_nd_tiling"] = True
-    path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60, prepare)
+    name = args.what
+    option = {"layout_force": "force_layout_optimization", "layout_nd": "triton.prefer_nd_tiling"}[name]
+    artifacts.INDUCTOR_OPTIONS[option] = True
+    path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60)
     if path is not None:
         keep_wrapper(path, args.out.with_suffix(".wrapper.cpp.gz"))
         try:
@@ -270,7 +254,7 @@ def scout_layout(args, rec: Record, models) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("controlnet", "bucket16", "layout_cat", "layout_nd"))
+    p.add_argument("what", choices=("controlnet", "bucket16", "layout_force", "layout_nd"))
     p.add_argument("--out", type=Path, required=True, help="the JSON record (rewritten after each stage)")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
     p.add_argument("--model", default="sdxl-random")

@@ -158,12 +158,13 @@ def job_shapes(job: Job | None, controlnet: str | None, buckets: tuple[int, ...]
 
 def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: str | None = None,
             buckets: tuple[int, ...] = (1, 2, 4, 8), device: str | None = None, dtype: str | None = None,
-            warm: bool = False, steps: int = 10, compile: str = "auto", kernels: str = AUTO,
+            warm: bool = False, steps: int = 10, compile: str = "auto", kernels: str = AUTO, eager: bool = False,
             on_event: Callable[[object], None] | None = None) -> tuple[list[str], list[str], list[ShapeTiming]]:
     """The shapes a job (or the named sizes x buckets) needs and the job's draft loops on them; with `warm`,
     compiles the kernels the cache lacks (unless `compile` is "off"; progress as engine.kernels.builds.CompileEvent),
-    then captures, checks and times every shape and loop on `kernels`' row (engine/variants.py `choose`). Notes (why
-    compiled kernels are not used) arrive as strings."""
+    then captures, checks and times every shape and loop on `kernels`' row (engine/variants.py `choose`); `eager`:
+    each shape's uncompiled step timed beside it (a warm-up does not need it: its graphs are ready without). Notes
+    (why compiled kernels are not used) arrive as strings."""
     dev, dt = resolve_device(device, dtype)
     if warm and dev.type != "cuda":
         raise BadInput("bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
@@ -184,7 +185,7 @@ def capture(*, job: Job | None = None, model: str = "sdxl-random", controlnet: s
     runner = graph_runner(models, shapes, "off" if compile == "off" else "on", notes, on_event, kernels)
     for note in notes:
         say(note)
-    rows = time_shapes(models, runner, shapes, steps=steps, plans=plans, on_stage=say)
+    rows = time_shapes(models, runner, shapes, steps=steps, eager=eager, plans=plans, on_stage=say)
     record_loops(rows, shapes, plans, device_of(device_name(dev)), model, int(models.ip_adapter is not None))
     return labels, loops, rows
 
