@@ -225,3 +225,20 @@ def test_out_of_memory_splits_the_bucket(tmp_path):
     assert any("out of GPU memory" in n for n in result.notes) or any(
         "out of memory" in g["reason"].lower() for g in result.report.graphs), why
     assert all(read_fingerprint(p) for p in (tmp_path / "capped").rglob("*.png"))
+
+
+def test_capture_warm_times_the_eager_step_only_with_eager(tmp_path, monkeypatch):
+    """`bcg capture --warm`'s run: every shape captured, checked and its graph timed; the uncompiled step timed beside
+    it only with `eager` (a warm-up of a copied cache does not wait for it)."""
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.capture import capture
+
+    monkeypatch.setenv("BCG_CACHE", str(tmp_path / "cache"))  # the cost table it writes
+    path = tmp_path / "job.yaml"
+    path.write_text("version: 1\nmodel: tiny\nbuckets: [2]\nshots:\n"
+                    "  - {id: a, prompt: a hut, steps: 2, size: 256x256, candidates: 2}\n")
+    for eager in (False, True):
+        _, _, rows = capture(job=load_job(path), warm=True, steps=2, compile="off", eager=eager)
+        (row,) = rows
+        assert row.state == "graph" and row.reason.startswith("checked") and row.graph_ms > 0, row
+        assert (row.eager_ms is not None and row.eager_ms > 0) if eager else row.eager_ms is None, row
