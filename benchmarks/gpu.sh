@@ -17,8 +17,9 @@
 #   tests[:FILES]     pytest -m gpu, each file in a process of its own; FILES: names of tests/test_*.py joined by
 #                     commas (gpu,gpu_draft,...; default every GPU test file)
 #   rng               tests/test_gpu_compiled.py with probes/rng_probe.py: after which test the CUDA generator breaks
-#   build             `bcg capture jobs/bench.yaml --warm --compile on --steps 4 --eager` on the shared cache: the
+#   build[:fp8]       `bcg capture jobs/bench.yaml --warm --compile on --steps 4 --eager` on the shared cache: the
 #                     job's kernels built side by side, then every shape captured, checked and timed beside eager
+#                     (fp8: with --fp8 whatever FP8 says; `build build:fp8@0b` builds both sets at once)
 #   cold              the same on an empty cache of its own: a cold build's wall time
 #   progress[:cold]   `bcg capture jobs/bench.yaml --warm --compile on --steps 4` (FP8=1: --fp8) without --json, its
 #                     stderr through a pipe, each line timed (benchmarks/stderr_times.py); cold: on an empty cache
@@ -37,8 +38,9 @@
 #   scout[:VARIANTS]  probes/fp8_scout.py (default plain,prod,fp8,fp8_eager,fp8_eager_fast; plain,prod,cdt: tuning)
 #   step[:WHAT]       probes/step_scout.py WHAT (controlnet, the default: the ControlNet's Linears in FP8 against
 #                     its fp16 artifact; bucket16: the fp16 UNet for 16 images against 8; layout_force, layout_nd:
-#                     the up blocks' NCHW inputs, two inductor options against the fp16 artifact), at 1024x1024; two
-#                     legs side by side: step:controlnet step:bucket16@0b, step:layout_force step:layout_nd@0b
+#                     the up blocks' NCHW inputs, two inductor options against the fp16 artifact; tune_fp8: the
+#                     FP8 UNet's pointwise kernels tuned at build), at 1024x1024; legs side by side:
+#                     step:controlnet step:bucket16@0b, step:layout_force step:layout_nd@0b
 #   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel
@@ -119,7 +121,7 @@ leg() {  # LEG ARG NAME
     local cache=$BCG_CACHE
     [ "$leg" = cold ] && cache=/tmp/bcg-cold && rm -rf "$cache" && mkdir -p "$cache"
     STDOUT=json step "$n" 540 env BCG_CACHE="$cache" python -m storyboard_cli capture jobs/bench.yaml --warm \
-      --compile on --steps 4 $FP8_FLAG --eager --json
+      --compile on --steps 4 $([ "$arg" = fp8 ] && echo --fp8 || echo $FP8_FLAG) --eager --json
     [ "$leg" = cold ] && mkdir -p "$R/$n-builds" && cp "$cache"/compiled/*.{log,build.json} "$R/$n-builds/" 2>/dev/null
     python benchmarks/capture_table.py "$R/$n.json" >> "$R/$n.log";;
   progress)

@@ -16,7 +16,9 @@
               convolutions have dynamic shapes (the rows): the production fp16 UNet recipe built with
               force_layout_optimization, against the production artifact at 2 and 8 images, and its error
   layout_nd   the same kernels made 2D by inductor's option triton.prefer_nd_tiling
-  (the layout scouts run as two lanes side by side, builds at once; their timings take turns on a file lock)
+  tune_fp8    the production FP8 UNet built with max_autotune_pointwise and coordinate_descent_tuning: its
+              quantisation kernels (GEGLU's: 185 µs a call where the bandwidth allows about 90) tuned at build time
+  (these scouts run as lanes side by side, builds at once; their timings take turns on a file lock)
 
 Each build is artifacts.build (the production code) into --build-dir, stopped at --budget; the JSON is rewritten
 after every stage (fp8_scout.py's Record).
@@ -217,12 +219,22 @@ def keep_wrapper(artifact: Path, out: Path) -> None:
         out.write_bytes(gzip.compress(z.read(name)))
 
 
-def scout_layout(args, rec: Record, models) -> None:
+OPTIONS = {  # scout -> (the UNet's variant, the inductor options added to production's)
+    "layout_force": ("compiled", {"force_layout_optimization": True}),
+    "layout_nd": ("compiled", {"triton.prefer_nd_tiling": True}),
+    "tune_fp8": ("fp8", {"max_autotune_pointwise": True, "coordinate_descent_tuning": True}),
+}
+
+
+def scout_options(args, rec: Record, models) -> None:
+    """The production UNet (OPTIONS' variant) built with more inductor options, against the cache's artifact."""
     import fcntl
 
     side = args.side
-    k = CompiledKernels(models, root=args.cache)
-    target = Target("unet", side, side)
+    name = args.what
+    variant, extra = OPTIONS[name]
+    k = CompiledKernels(models, root=args.cache, variant=variant)  # its constants: FP8's scales from the cache
+    target = k.unet_target(side, side)
     calls = {}
     prod = k.path(target)
     if not prod.is_file() and args.build_missing:
@@ -230,15 +242,13 @@ def scout_layout(args, rec: Record, models) -> None:
     if prod is not None and prod.is_file() and k.add(target, prod):
         calls["prod"] = k.calls[target]
     else:
-        rec.put("prod", {"error": f"no production fp16 UNet artifact ({prod}); {k.notes}"})
-    name = args.what
-    option = {"layout_force": "force_layout_optimization", "layout_nd": "triton.prefer_nd_tiling"}[name]
-    artifacts.INDUCTOR_OPTIONS[option] = True
+        rec.put("prod", {"error": f"no production {variant} UNet artifact ({prod}); {k.notes}"})
+    artifacts.INDUCTOR_OPTIONS.update(extra)
     path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60)
     if path is not None:
         keep_wrapper(path, args.out.with_suffix(".wrapper.cpp.gz"))
         try:
-            calls[name] = load(target, models, path)
+            calls[name] = load(target, models, path, k.constants.get(variant))
         except Exception as e:  # noqa: BLE001
             rec.put(f"load_{name}", {"error": f"{type(e).__name__}: {str(e)[:1500]}"})
     with open(args.build_dir.parent / "step-scout-timing.lock", "w") as lock, torch.no_grad():
@@ -254,7 +264,7 @@ def scout_layout(args, rec: Record, models) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("controlnet", "bucket16", "layout_force", "layout_nd"))
+    p.add_argument("what", choices=("controlnet", "bucket16", *OPTIONS))
     p.add_argument("--out", type=Path, required=True, help="the JSON record (rewritten after each stage)")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
     p.add_argument("--model", default="sdxl-random")
@@ -278,7 +288,7 @@ def main() -> None:
     t0 = time.perf_counter()
     models = load_sdxl(args.model, args.model if args.what == "controlnet" else None, device, dtype)
     rec.put("load_s", round(time.perf_counter() - t0, 1))
-    scout = {"controlnet": scout_controlnet, "bucket16": scout_bucket16}.get(args.what, scout_layout)
+    scout = {"controlnet": scout_controlnet, "bucket16": scout_bucket16}.get(args.what, scout_options)
     scout(args, rec, models)
     if cuda:
         rec.put("peak_gb", round(torch.cuda.max_memory_allocated() / 2**30, 1))
