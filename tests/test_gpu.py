@@ -227,13 +227,12 @@ def test_out_of_memory_splits_the_bucket(tmp_path):
     assert all(read_fingerprint(p) for p in (tmp_path / "capped").rglob("*.png"))
 
 
-def test_capture_warm_times_the_eager_step_only_with_eager(tmp_path, monkeypatch):
+def test_capture_warm_times_the_eager_step_only_with_eager(tmp_path):
     """`bcg capture --warm`'s run: every shape captured, checked and its graph timed; the uncompiled step timed beside
     it only with `eager` (a warm-up of a copied cache does not wait for it)."""
     from storyboard_cli.job.file import load_job
     from storyboard_cli.run.capture import capture
 
-    monkeypatch.setenv("BCG_CACHE", str(tmp_path / "cache"))  # the cost table it writes
     path = tmp_path / "job.yaml"
     path.write_text("version: 1\nmodel: tiny\nbuckets: [2]\nshots:\n"
                     "  - {id: a, prompt: a hut, steps: 2, size: 256x256, candidates: 2}\n")
