@@ -102,7 +102,8 @@ def test_capture_times_the_eager_step_only_when_asked(monkeypatch):
         return ["8x1024x1024"], [], [row]
 
     monkeypatch.setattr(capturing, "capture", fake)
-    plain, timed = (runner.invoke(app, ["capture", "--warm", *extra], terminal_width=200) for extra in ([], ["--eager"]))
+    plain, timed = (runner.invoke(app, ["capture", "--warm", *extra], terminal_width=200)
+                    for extra in ([], ["--eager"]))
     assert asked == [False, True] and plain.exit_code == timed.exit_code == 0
     assert "282.0" in timed.output and "1.41x" in timed.output
     assert "282.0" not in plain.output and "1.41x" not in plain.output and "200.0" in plain.output

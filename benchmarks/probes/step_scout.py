@@ -64,7 +64,7 @@ def fresh(models, module: str) -> torch.nn.Module:
 
 def built(rec: Record, name: str, target: Target, models, folder: Path, seconds: float) -> Path | None:
     """artifacts.build of `target` into `folder`, stopped after `seconds`; None (recorded) if it failed."""
-    path = folder / f"{name}-{target.module}-{target.width}x{target.height}.pt2"
+    path = folder / f"{name}-{target.module}{f'-{target.tag}' if target.tag else ''}-{target.width}x{target.height}.pt2"
     if path.is_file():
         rec.put(f"build_{name}", {"reused": path.name})
         return path
