@@ -37,6 +37,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -78,6 +79,18 @@ def built(rec: Record, name: str, target: Target, models, folder: Path, seconds:
         return None
     rec.put(f"build_{name}", {**stats, "wall_s": round(time.perf_counter() - t0, 1)})
     return path
+
+
+def production(args, rec: Record, k: CompiledKernels, target: Target, models) -> Callable | None:
+    """The cache's production artifact for `target` loaded through `k` (built first with --build-missing); None, and
+    why in the record, without one."""
+    prod = k.path(target)
+    if not prod.is_file() and args.build_missing:
+        prod = built(rec, "prod", target, models, args.build_dir, args.budget - rec.elapsed() - 60)
+    if prod is not None and prod.is_file() and k.add(target, prod):
+        return k.calls[target]
+    rec.put("prod", {"error": f"no production {target.label} artifact ({prod}); {k.notes}"})
+    return None
 
 
 def inputs(module: str, model, rows: int, side: int, t: float, seed: int) -> tuple:
@@ -154,14 +167,9 @@ def scout_controlnet(args, rec: Record, models) -> None:
     amax = fp8.calibrate_controlnet(models)  # the product's calibration of the net
     rec.put("calibration", {"linears": len(amax), "seconds": round(time.perf_counter() - t0, 1),
                             "amax_min": min(amax.values()), "amax_max": max(amax.values())})
-    prod = k.path(fp16_t)
-    if not prod.is_file() and args.build_missing:
-        prod = built(rec, "prod", fp16_t, models, args.build_dir, args.budget - rec.elapsed() - 60)
     calls = {"plain": partial(eager_controlnet, net)}
-    if prod is not None and prod.is_file() and k.add(fp16_t, prod):
-        calls["prod"] = k.calls[fp16_t]
-    else:
-        rec.put("prod", {"error": f"no production fp16 ControlNet artifact ({prod}); {k.notes}"})
+    if (prod := production(args, rec, k, fp16_t, models)) is not None:
+        calls["prod"] = prod
     path = built(rec, "fp8", fp8_t, models, args.build_dir, args.budget - rec.elapsed() - 60)
     if path is not None:
         try:
@@ -183,13 +191,8 @@ def scout_bucket16(args, rec: Record, models) -> None:
     k = CompiledKernels(models, root=args.cache)
     target = Target("unet", side, side)
     calls = {}
-    prod = k.path(target)
-    if not prod.is_file() and args.build_missing:
-        prod = built(rec, "prod", target, models, args.build_dir, args.budget - rec.elapsed() - 60)
-    if prod is not None and prod.is_file() and k.add(target, prod):
-        calls["prod16rows"] = k.calls[target]
-    else:
-        rec.put("prod", {"error": f"no production fp16 UNet artifact ({prod}); {k.notes}"})
+    if (prod := production(args, rec, k, target, models)) is not None:
+        calls["prod16rows"] = prod
     # the same recipe with the rows dynamic up to 32 (the artifact key's "rows" follows)
     exporting.MAX_ROWS = artifacts.MAX_ROWS = 32
     path = built(rec, "rows32", target, models, args.build_dir, args.budget - rec.elapsed() - 60)
@@ -236,13 +239,8 @@ def scout_options(args, rec: Record, models) -> None:
     k = CompiledKernels(models, root=args.cache, variant=variant)  # its constants: FP8's scales from the cache
     target = k.unet_target(side, side)
     calls = {}
-    prod = k.path(target)
-    if not prod.is_file() and args.build_missing:
-        prod = built(rec, "prod", target, models, args.build_dir, args.budget - rec.elapsed() - 60)
-    if prod is not None and prod.is_file() and k.add(target, prod):
-        calls["prod"] = k.calls[target]
-    else:
-        rec.put("prod", {"error": f"no production {variant} UNet artifact ({prod}); {k.notes}"})
+    if (prod := production(args, rec, k, target, models)) is not None:
+        calls["prod"] = prod
     artifacts.INDUCTOR_OPTIONS.update(extra)
     path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60)
     if path is not None:
