@@ -9,9 +9,10 @@
 # one after another, the lanes side by side.
 # Every step stops at its own cap or at LIMIT seconds after the start, whichever comes first (a step that runs past
 # it dumps every thread's Python stack into its log). ARTZ: a tarball of compiled artifacts to start the shared cache
-# with (the art.tgz of an earlier call). FP8=1: build, cold, ready, curves and first with --fp8. CLOCKS=1: the GPUs'
-# clocks, power and throttle reasons every second (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and
-# Markdown, walls.txt, machine.txt); the shared cache's artifacts, when a leg built any: $OUT/art.tgz.
+# with (the art.tgz of an earlier call, its checks against eager included: engine/graph/ledger.py). FP8=1: build,
+# cold, ready, curves and first with --fp8. CLOCKS=1: the GPUs' clocks, power and throttle reasons every second
+# (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and Markdown, walls.txt, machine.txt); the shared
+# cache's artifacts, when a leg built any (or checked any against eager): $OUT/art.tgz.
 #
 # Legs (ARG where a leg takes one):
 #   tests[:FILES]     pytest -m gpu, each file in a process of its own; FILES: names of tests/test_*.py joined by
@@ -77,7 +78,7 @@ pack() {
   mkdir -p "$R/builds"; cp "$BCG_CACHE"/compiled/*.{log,build.json} "$R/builds/" 2>/dev/null
   tar czf "$OUT/logs.tgz" -C "$R" .
   if ! diff -q <(ls "$BCG_CACHE/compiled") "$R/cache_at_start.txt" > /dev/null; then
-    (cd "$BCG_CACHE/compiled" && tar czf "$OUT/art.tgz" $(ls *.pt2 *.ok *.build.json fp8-scales-*.json 2>/dev/null))
+    (cd "$BCG_CACHE/compiled" && tar czf "$OUT/art.tgz" $(ls *.pt2 *.ok *.build.json fp8-scales-*.json checked-*.json 2>/dev/null))
   fi
 }
 trap pack EXIT

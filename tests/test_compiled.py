@@ -475,3 +475,81 @@ def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step
     stats = next(s for s in runner.stats.values() if s.key.batch == 2)
     assert stats.replays == 2 * steps and stats.state == "graph"
     assert stats.reason.endswith("against its kernels outside the graph (against eager at 4 images)"), stats.reason
+
+
+def _runs_with_a_ledger(artifacts, root):
+    """`_runner_at_two_row_counts` with the checks of earlier runs under `root` read and written (a run: new models
+    loaded from the cache, new kernels, a new runner)."""
+    from storyboard_cli.engine.graph.ledger import CheckLedger
+
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    runner.ledger = CheckLedger(models, runner.compiled, root)
+    return models, runner, four, two
+
+
+def _first_reason(runner, batch: int) -> str:
+    return next(s.reason for s in runner.stats.values() if s.key.batch == batch and s.key.variant == "compiled")
+
+
+def test_a_later_run_on_the_same_kernels_and_weights_checks_against_its_kernels_not_eager(artifacts, tmp_path):
+    """A run's check against the eager step is kept beside the artifacts; the next run on the same artifacts, weights
+    and machine checks its graph of that size against its kernels outside the graph, on its batch's first step (no
+    eager step, no extra replay), and its loop equals the eager loop as the first run's did."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    models, first, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
+    with torch.no_grad():
+        was = first.sample(*four)
+    assert "against" not in _first_reason(first, 4)
+    (record,) = tmp_path.glob("checked-*.json")
+    assert '"batch": 4' in record.read_text()
+
+    models, later, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
+    replays, direct = [], []
+    step = later.step
+    later.step = lambda v: (direct.append(v.key.batch), step(v))
+    later.stepper = lambda v: (replays.append(v.key.batch), step(v))
+    with torch.no_grad():
+        got = later.sample(*four)
+        want = EagerEngine(models).sample(*four)
+    assert (replays, direct) == ([4] * four[1].steps, [4])
+    assert _first_reason(later, 4).endswith(
+        "against its kernels outside the graph (against eager at 4 images in an earlier run)"), _first_reason(later, 4)
+    assert torch.equal(got, was) and rel_error(got, want) < 1e-4
+
+
+def test_a_check_record_holds_only_for_its_weights_and_limit_and_a_broken_one_is_none(artifacts, tmp_path,
+                                                                                        monkeypatch):
+    """Other weights (a fine-tune, a LoRA written in place), another limit for the variant's check, or a record that
+    cannot be read: the graph is checked against the eager step again."""
+    from dataclasses import replace
+
+    from storyboard_cli.engine.variants import VARIANTS
+
+    _, first, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
+    with torch.no_grad():
+        first.sample(*four)
+
+    models, other, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
+    with torch.no_grad():
+        models.unet.conv_in.weight.mul_(1.01)
+        models.written(models.unet.conv_in.weight)
+        other.sample(*four)
+    assert "against" not in _first_reason(other, 4)
+    assert len(list(tmp_path.glob("checked-*.json"))) == 2  # the other weights' record beside the first
+
+    monkeypatch.setitem(VARIANTS, "compiled", replace(VARIANTS["compiled"], check_rtol=0.5))
+    _, looser, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
+    with torch.no_grad():
+        looser.sample(*four)
+    assert "against" not in _first_reason(looser, 4)
+    monkeypatch.undo()
+
+    for record in tmp_path.glob("checked-*.json"):
+        record.write_text("{")
+    _, broken, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
+    with torch.no_grad():
+        broken.sample(*four)
+    assert "against" not in _first_reason(broken, 4)
+    records = [r.read_text() for r in tmp_path.glob("checked-*.json")]
+    assert len(records) == 3 and sum('"batch": 4' in r for r in records) == 1  # its own written again

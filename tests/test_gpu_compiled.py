@@ -91,3 +91,27 @@ def test_compiled_module_calls_match_the_eager_modules(setup, timestep, control)
     models, runner, _ = setup
     assert_rel_close(unit_eps(models, runner.compiled, timestep, control, 0),
            unit_eps(models, StepCalls.eager(models), timestep, control, 0), EPS_RTOL)
+
+
+def test_a_later_run_checks_its_graph_against_its_kernels_on_the_first_runs_record(setup, tmp_path):
+    """The product's runner keeps its checks against the eager step beside the artifacts (engine/graph/ledger.py); a
+    later run on the same kernels, weights and GPU checks its graph against its kernels outside the graph on its
+    batch's first step, and its loop matches the eager loop as the first run's does."""
+    from storyboard_cli.engine.graph.ledger import CheckLedger
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.models.tiny import cache_root
+
+    models, runner, eager = setup
+    assert runner.ledger is not None and runner.ledger.root == cache_root() / "compiled"
+    args = unguided(loop_inputs(models, 2, SIDE, SIDE, False, "euler", steps=3))
+    reasons = []
+    for _ in range(2):  # at most the setup's 2 images (the kernels' shared zero residuals)
+        fresh = GraphRunner(models, max_batch=2, max_hw=(SIDE, SIDE), compiled=runner.compiled,
+                            ledger=CheckLedger(models, runner.compiled, tmp_path))
+        got = fresh.sample(*args)
+        (stats,) = fresh.stats.values()
+        assert stats.key.variant == "compiled" and stats.state == "graph" and stats.checked, stats.reason
+        assert_rel_close(got, eager.sample(*args), RTOL)
+        reasons.append(stats.reason)
+    assert "against" not in reasons[0] and len(list(tmp_path.glob("checked-*.json"))) == 1, reasons
+    assert reasons[1].endswith("(against eager at 2 images in an earlier run)"), reasons

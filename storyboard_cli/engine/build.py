@@ -8,6 +8,7 @@ from typing import Callable
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.device import DTYPES, device_name, dtype_flag, dtype_name, resolve_device  # noqa: F401
 from storyboard_cli.engine.eager import EagerEngine
+from storyboard_cli.engine.graph.ledger import CheckLedger
 from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.engine.kernels.builds import Builds
 from storyboard_cli.engine.kernels.calls import CompiledKernels
@@ -58,7 +59,7 @@ def graph_runner(models: SdxlModels, shapes: list[Shape], compile: str = "auto",
                  on_event: Callable | None = None, kernels: str = AUTO) -> GraphRunner:
     """A GraphRunner with static buffers that fit every shape (nothing captured yet)."""
     compiled = compiled_kernels(models, shapes, compile, [] if notes is None else notes, on_event, kernels)
-    runner = GraphRunner(models, compiled=compiled)
+    runner = GraphRunner(models, compiled=compiled, ledger=None if compiled is None else CheckLedger(models, compiled))
     runner.ensure_capacity(shapes)
     return runner
 

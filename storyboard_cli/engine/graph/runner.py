@@ -50,6 +50,7 @@ from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
 from storyboard_cli.engine.graph.check import first_replay, first_step
 from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
+from storyboard_cli.engine.graph.ledger import CheckLedger
 from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.export import MAX_ROWS, MIN_ROWS
 from storyboard_cli.engine.sampling import Schedule
@@ -70,11 +71,13 @@ class GraphRunner:
     name = "graph"
 
     def __init__(self, models: SdxlModels, max_batch: int = 1, max_hw: tuple[int, int] = (64, 64),
-                 compiled: CompiledKernels | None = None):
+                 compiled: CompiledKernels | None = None, ledger: CheckLedger | None = None):
         """`compiled`: compiled module calls (engine/kernels/calls.py) for the shapes whose kernels are ready;
         those shapes get ShapeKey.variant "fp8" (--fp8) or "compiled" (fp16), the best the kernels loaded so far
-        offer; a variant that fails its check falls back along engine/variants.py, the last graph to "plain"."""
-        self.models, self.compiled = models, compiled
+        offer; a variant that fails its check falls back along engine/variants.py, the last graph to "plain".
+        `ledger`: the checks against the eager step that earlier runs made on the same kernels, weights and machine
+        (engine/graph/ledger.py), read and written; None: every run checks against the eager step once."""
+        self.models, self.compiled, self.ledger = models, compiled, ledger
         self.demoted: dict[Shape, set[str]] = {}  # the variants of a shape that failed (capture or check)
         self.eager = EagerEngine(models)  # the fallback, and what a first replay is checked against (`_check`)
         self.pool = None  # one memory pool shared by every graph, made at the first capture
@@ -361,33 +364,39 @@ class GraphRunner:
     def _check(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, *inputs) -> bool:
         """The first replay against a reference step (graph/check.py); a failure falls back with the reason. The
         reference is the eager step, the first time a variant's kernels run at a size, ControlNets and step kind in this
-        runner. At other rows the same kernels (a compiled artifact's rows are its one dynamic dimension) were
-        checked against it already, and the reference is the graph's own step outside the graph: it checks what the
-        capture can break (the static buffers, the pool, the launch order) at the cost of one step on those kernels,
-        where the eager step costs a host-bound pass through the modules and their per-shape setup (0.2-0.9 s per shape
-        on an H200, docs/PERFORMANCE.md)."""
+        runner (or on these weights and this machine, with a ledger). At other rows the same kernels (a compiled
+        artifact's rows are its one dynamic dimension) were checked against it already, and the reference is the
+        graph's own step outside the graph: it checks what the capture can break (the static buffers, the pool, the
+        launch order) at the cost of one step on those kernels, where the eager step costs a host-bound pass through the
+        modules and their per-shape setup (0.2-0.9 s per shape on an H200, docs/PERFORMANCE.md)."""
         seen = self._checked_kernels(key)
         direct = None if seen is None else self.step
         err, problem = first_replay(self.models, self.buf, key, graph.replay, *inputs, direct=direct)
-        against = "" if seen is None else \
-            f" against its kernels outside the graph (against eager at {seen.batch} images)"
+        against = "" if seen is None else f" against its kernels outside the graph (against eager {seen})"
         if problem:
             self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
         self.stats[key].checked, self.stats[key].reason = True, f"checked: rel. error {err:.1e}{against}"
         if seen is None:
             self.against_eager.append((key, self.models.writes))
+            if self.ledger is not None:
+                self.ledger.record(key, err)
         return True
 
-    def _checked_kernels(self, key: ShapeKey) -> ShapeKey | None:
-        """A graph of `key`'s compiled kernels (its variant, size, ControlNets and step kind) at other rows whose first
-        replay matched the eager step in this runner, on the weights as they are (no in-place write since, such as a
-        LoRA swap: SdxlModels.written); None for the plain graphs (their kernels are the modules' own, chosen per
-        shape) and when there is none."""
+    def _checked_kernels(self, key: ShapeKey) -> str | None:
+        """Where a graph of `key`'s compiled kernels (its variant, size, ControlNets and step kind) had its first
+        replay match the eager step, on the weights as they are (no in-place write since, such as a LoRA swap:
+        SdxlModels.written): "at N images" in this runner, at other rows, or "at N images in an earlier run" (the
+        ledger's). None for the plain graphs (their kernels are the modules' own, chosen per shape) and when there is
+        none."""
         if key.variant == PLAIN:
             return None
         writes = self.models.writes
-        return next((k for k, w in self.against_eager if w == writes and replace(k, batch=key.batch) == key), None)
+        here = next((k for k, w in self.against_eager if w == writes and replace(k, batch=key.batch) == key), None)
+        if here is not None:
+            return f"at {here.batch} images"
+        earlier = None if self.ledger is None else self.ledger.seen(key)
+        return None if earlier is None else f"at {earlier} images in an earlier run"
 
     def _checked_graph(self, key: ShapeKey, *inputs, first: bool = False) -> torch.cuda.CUDAGraph | None:
         """The graph for `key`, captured and checked; None when the shape has fallen back (why: stats). `first`: the
@@ -411,7 +420,7 @@ class GraphRunner:
         seen = self._checked_kernels(key)
         err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, None if noise is None else noise[0],
                                   cond, conds, guidance)
-        against = f" against its kernels outside the graph (against eager at {seen.batch} images)"
+        against = f" against its kernels outside the graph (against eager {seen})"
         if problem:
             self._fall_back(key, f"replay check failed: {problem}{against}")
             return False

@@ -1,0 +1,106 @@
+"""The checks against the eager step, kept across runs. A compiled graph's first replay is compared with the eager step
+once per kernels, weights and machine (engine/graph/runner.py `_check`); the match is written beside the artifacts
+(`checked-<id>.json` in the compiled cache). A later run on the same artifacts, weights and machine checks its graphs
+against their own kernels outside the graph (one step, engine/graph/check.py `first_step`), as a run does at other
+rows after its own eager check. That leaves out a host-bound eager step per size (0.2-0.9 s each on an H200).
+
+A record's identity holds everything the eager check's outcome depends on: the graph's variant, size, ControlNets, step
+kind and dtype; every artifact loaded for that size and precision, by the digest its load marker names (a rebuilt
+artifact is another); the weights (the UNet with its attention processors and each ControlNet, by sampled values: a
+LoRA, a fine-tune or another file is other weights) and the files of the variant's constants (FP8's input scales);
+the device's name, torch's and CUDA's versions; and the variant's limit. A record that cannot be read or written is
+no record: the eager check runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from storyboard_cli.engine.graph.keys import ShapeKey
+from storyboard_cli.engine.kernels.calls import CompiledKernels
+from storyboard_cli.engine.kernels.fp8 import fingerprint
+from storyboard_cli.engine.variants import VARIANTS
+from storyboard_cli.models.tiny import cache_root
+
+
+log = logging.getLogger(__name__)
+
+
+class CheckLedger:
+    """The eager checks of `compiled`'s kernels on `models`, read and written under the compiled cache."""
+
+    def __init__(self, models, compiled: CompiledKernels, root: Path | None = None):
+        """`root`: where the records are (the compiled cache's folder by default)."""
+        self.models, self.compiled = models, compiled
+        self.root = root or compiled.root or cache_root() / "compiled"
+        self._weights: tuple[int, list[str]] | None = None  # (the models' writes then, the fingerprints)
+        self._seen: dict[tuple[ShapeKey, int], int | None] = {}  # read once per key and weights
+
+    def seen(self, key: ShapeKey) -> int | None:
+        """The images of the graph whose first replay an earlier run checked `key`'s kernels with, or None."""
+        memo = (key, self.models.writes)
+        if memo not in self._seen:
+            self._seen[memo] = self._read(self._path(key))
+        return self._seen[memo]
+
+    def record(self, key: ShapeKey, err: float) -> None:
+        """Keeps that `key`'s first replay matched the eager step with relative error `err` (atomically)."""
+        path = self._path(key)
+        if path is None:
+            return
+        try:
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"shape": key.label, "batch": key.batch, "rel_error": err,
+                                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("check record %s not written: %s", path.name, e)
+
+    @staticmethod
+    def _read(path: Path | None) -> int | None:
+        if path is None or not path.is_file():
+            return None
+        try:
+            return int(json.loads(path.read_text())["batch"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("check record %s unreadable (%s): checking against the eager step", path.name, e)
+            return None
+
+    def _path(self, key: ShapeKey) -> Path | None:
+        """The record's file for `key`, None when its kernels have no marked artifact (nothing to name them by)."""
+        variant = VARIANTS[key.variant]
+        artifacts = sorted(self._marker(t) for t in self.compiled.calls
+                           if (t.height, t.width, t.precision) == (key.height, key.width, variant.precision))
+        if not artifacts or None in artifacts:
+            return None
+        constants = self.compiled.constants.get(variant.name)
+        files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in getattr(constants, "files", ())]
+        device = self.models.device
+        machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+        identity = [key.variant, key.height, key.width, key.control, key.dtype, key.step.label, variant.check_rtol,
+                    artifacts, self._fingerprints(), files, machine, torch.__version__, torch.version.cuda]
+        digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
+        return self.root / f"checked-{digest}.json"
+
+    def _marker(self, target) -> str | None:
+        """`target`'s artifact by the digest its load marker names (engine/kernels/artifacts.py `loads_here`)."""
+        path = self.compiled.path(target)
+        try:
+            return f"{path.name} {path.with_suffix('.ok').read_text().split()[-1]}"
+        except (OSError, IndexError):
+            return None
+
+    def _fingerprints(self) -> list[str]:
+        """The weights' fingerprints, made again after an in-place write (SdxlModels.written: a LoRA swap)."""
+        writes = self.models.writes
+        if self._weights is None or self._weights[0] != writes:
+            nets = [self.models.unet, *self.models.controlnets]
+            self._weights = (writes, [fingerprint(self.models, net) for net in nets])
+        return self._weights[1]
