@@ -36,7 +36,6 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
     kept under $BCG_CACHE), then capture its CUDA graphs (the step kinds of its draft levers too), check them
     against the uncompiled step and time them (with --eager, beside the uncompiled step)."""
     from storyboard_cli.job.file import as_draft, load_job
-    from storyboard_cli.run import capture as capturing
 
     with domain_errors():
         sizes = _bucket_sizes(buckets)
@@ -44,7 +43,9 @@ def capture(job: Annotated[Optional[Path], typer.Argument(help="Job whose shapes
             raise BadInput("bcg capture --draft needs a job")
         j = load_job(job) if job else None
         j = as_draft(j) if draft and j else j
-        with compile_progress(quiet=json_out) as on_event:
+        with compile_progress(quiet=json_out, first="loading torch and the engine" if warm else None) as on_event:
+            from storyboard_cli.run import capture as capturing  # torch, diffusers: 4-10 s of a process's start
+
             labels, loops, rows = capturing.capture(job=j, model=model, controlnet=controlnet, buckets=sizes,
                                              device=device, dtype=dtype, warm=warm, steps=steps, compile=compile,
                                              kernels=kernels_name(kernels, fp8), eager=eager, on_event=on_event)

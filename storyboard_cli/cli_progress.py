@@ -111,10 +111,11 @@ class Heartbeat:
 
 
 @contextmanager
-def compile_progress(quiet: bool):
+def compile_progress(quiet: bool, first: str | None = None):
     """One bar per module being compiled (elapsed against the measured estimate) on a terminal; a line per stage of the
     cold start (weights, builds, load checks, captures, timings: the stage events), and, whenever HEARTBEAT_S passes
-    without one, a line saying what it still waits for and the time left; notes as dim lines."""
+    without one, a line saying what it still waits for and the time left; notes as dim lines. `first`: the stage said
+    at once (the imports before the first stage event: seconds of a process's start)."""
     import threading
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -152,6 +153,8 @@ def compile_progress(quiet: bool):
                 beat.compiling[event.module] = (event.elapsed_s, event.estimate_s)
 
         if not quiet:
+            if first:
+                beat.begin(first, None)
             ticker.start()
         try:
             yield on_event

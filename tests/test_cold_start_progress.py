@@ -46,3 +46,47 @@ def test_a_slow_build_and_a_slow_stage_print_a_line_at_least_every_interval(monk
                for line in text)
     times = [t0] + [t for t, _ in log.lines]
     assert max(b - a for a, b in zip(times, times[1:])) < 0.2 + 0.3  # the interval, and the ticker's own step
+
+
+def test_the_imports_before_the_first_stage_are_said_and_covered_by_the_heartbeat(monkeypatch):
+    """`first`: the stage said at once, before the seconds of imports a process's start spends, and said again while
+    they last."""
+    log = Log()
+    monkeypatch.setattr(progress, "err", Console(file=log, force_terminal=False, width=200))
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
+    with progress.compile_progress(quiet=False, first="loading torch and the engine") as on_event:
+        time.sleep(0.5)  # the imports
+        on_event(stage("loading the weights of tiny"))
+    text = [line for _, line in log.lines]
+    assert text[0] == "bcg: loading torch and the engine"
+    assert text[1].endswith("still loading torch and the engine (0 s so far)"), text
+    assert text[-1] == "bcg: loading the weights of tiny"
+
+
+def test_bcg_capture_warm_says_its_first_line_before_it_imports_the_engine(tmp_path):
+    """The real command into a pipe: its first stderr line comes before the engine's modules are imported (on the CPU
+    it then stops at its device check, exit 2, one line)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    job = Path(__file__).resolve().parent.parent / "jobs" / "episode1.yaml"
+    # the child marks each stderr line with whether torch was imported when it was written
+    code = ("import sys, runpy\n"
+            "class Err:\n"
+            "    def __init__(self, s): self.s = s\n"
+            "    def write(self, t):\n"
+            "        if t.strip(): self.s.write(f\"[torch {'torch' in sys.modules}] \")\n"
+            "        return self.s.write(t)\n"
+            "    def flush(self): self.s.flush()\n"
+            "    def __getattr__(self, n): return getattr(self.s, n)\n"
+            "sys.stderr = Err(sys.stderr)\n"
+            "sys.argv = ['bcg', 'capture', sys.argv[1], '--warm']\n"
+            "runpy.run_module('storyboard_cli', run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-c", code, str(job)], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert lines[0] == "[torch False] bcg: loading torch and the engine", lines
+    assert lines[-1].endswith("error: bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
+    assert len(lines) == 2, lines
