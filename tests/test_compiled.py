@@ -553,3 +553,16 @@ def test_a_check_record_holds_only_for_its_weights_and_limit_and_a_broken_one_is
     assert "against" not in _first_reason(broken, 4)
     records = [r.read_text() for r in tmp_path.glob("checked-*.json")]
     assert len(records) == 3 and sum('"batch": 4' in r for r in records) == 1  # its own written again
+
+
+def test_the_kernels_say_what_their_loads_and_constants_took(artifacts):
+    """The line a `--compile on` run's notes get: the artifacts loaded and the seconds they and the row's constants
+    (FP8's input scales) took, a part of the capture stage before any graph."""
+    import re
+
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    k = CompiledKernels(models, None, root=artifacts, variant="fp8")
+    k.want(k.targets([Shape(2, SIDE, SIDE, 1)]))
+    assert len(k.calls) == 4  # the FP8 UNet and ControlNet, and the fp16 ones it falls back to
+    assert re.fullmatch(r"compiled kernels: 4 artifacts loaded in \d+\.\d\d s, the fp8 constants prepared in "
+                        r"\d+\.\d\d s", k.load_note()), k.load_note()

@@ -52,6 +52,8 @@ def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, note
     compiled = CompiledKernels(models, builds, notes, variant=row.name)
     if compile == "on" and compiled.want(compiled.targets(shapes)):
         compiled.wait()
+    if compiled.load_s:
+        notes.append(compiled.load_note())
     return compiled
 
 

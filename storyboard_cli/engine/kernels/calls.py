@@ -86,8 +86,10 @@ class CompiledKernels(StepCalls):
                 fuse_projections(module_of(models, module))  # before any graph holds a pointer to to_q & co
         if builds is not None and any(v.constants is not None for v in self.chain):
             builds.on_event(stage(f"preparing the {variant} kernels' constants (scales calibrated once per model)"))
+        t0 = time.perf_counter()
         self.constants = {v.name: v.constants(models, root or cache_root() / "compiled")
                           for v in self.chain if v.constants is not None}
+        self.constants_s = time.perf_counter() - t0  # seconds the rows' constants took (FP8's scales, stored or not)
         self.notes.extend(c.note for c in self.constants.values())
 
     def targets(self, shapes: Iterable[Shape]) -> list[Target]:
@@ -216,6 +218,12 @@ class CompiledKernels(StepCalls):
         need = [self.unet_target(height, width)] + ([self.controlnet_target(height, width)] if control & 1 else [])
         lacking = [t.label for t in need if t not in self.calls]
         return f"no compiled kernels for {', '.join(lacking)} yet" if lacking else None
+
+    def load_note(self) -> str:
+        """A line for the render's notes: the artifacts loaded so far and the seconds they (and the rows' constants)
+        took, a part of the capture stage before any graph is captured."""
+        constants = f", the {self.variant} constants prepared in {self.constants_s:.2f} s" if self.constants else ""
+        return f"compiled kernels: {len(self.load_s)} artifacts loaded in {sum(self.load_s.values()):.2f} s{constants}"
 
     def compile_s(self, height: int, width: int) -> float:
         return self.built_s.get(self.unet_target(height, width), 0.0)
