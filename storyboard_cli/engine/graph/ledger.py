@@ -42,6 +42,7 @@ class CheckLedger:
         self.root = root or compiled.root or cache_root() / "compiled"
         self._weights: tuple[int, list[str]] | None = None  # (the models' writes then, the fingerprints)
         self._seen: dict[tuple[ShapeKey, int], int | None] = {}  # read once per key and weights
+        self.bound_writes = models.writes  # the weights' writes when the kernels were bound (`record`)
 
     def seen(self, key: ShapeKey) -> int | None:
         """The images of the graph whose first replay an earlier run checked `key`'s kernels with, or None."""
@@ -51,8 +52,11 @@ class CheckLedger:
         return self._seen[memo]
 
     def record(self, key: ShapeKey, err: float) -> None:
-        """Keeps that `key`'s first replay matched the eager step with relative error `err` (atomically)."""
-        path = self._path(key)
+        """Keeps that `key`'s first replay matched the eager step with relative error `err` (atomically). Only on the
+        weights the kernels were bound to (no LoRA then, engine/kernels/calls.py): after an in-place write
+        (SdxlModels.written, a LoRA swap) nothing is kept, so the records stay as many as the sizes and kinds a cache's
+        models render, however many LoRA sets a farm's jobs bring."""
+        path = None if self.models.writes != self.bound_writes else self._path(key)
         if path is None:
             return
         try:
