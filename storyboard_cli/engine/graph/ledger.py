@@ -5,8 +5,8 @@ against their own kernels outside the graph (one step, engine/graph/check.py `fi
 rows after its own eager check. That leaves out a host-bound eager step per size (0.2-0.9 s each on an H200).
 
 A record's identity holds everything the eager check's outcome depends on: the graph's variant, size, ControlNets, step
-kind and dtype; every artifact loaded for that size and precision, by the digest its load marker names (a rebuilt
-artifact is another); the weights (the UNet with its attention processors and each ControlNet, by sampled values: a
+kind and dtype; the artifacts it runs at that size and precision (the UNet's, and with a guide the ControlNet's), by
+the digest its load marker names (a rebuilt artifact is another); the weights (the UNet with its attention processors and each ControlNet, by sampled values: a
 LoRA, a fine-tune or another file is other weights) and the files of the variant's constants (FP8's input scales);
 the device's name, torch's and CUDA's versions; and the variant's limit. A record that cannot be read or written is
 no record: the eager check runs."""
@@ -78,10 +78,12 @@ class CheckLedger:
             return None
 
     def _path(self, key: ShapeKey) -> Path | None:
-        """The record's file for `key`, None when its kernels have no marked artifact (nothing to name them by)."""
+        """The record's file for `key`, None when its kernels have no marked artifact (nothing to name them by). The
+        artifacts named are the ones its graph runs: the size's UNet, and its ControlNet's where it has a guide."""
         variant = VARIANTS[key.variant]
         artifacts = sorted(self._marker(t) for t in self.compiled.calls
-                           if (t.height, t.width, t.precision) == (key.height, key.width, variant.precision))
+                           if (t.height, t.width, t.precision) == (key.height, key.width, variant.precision)
+                           and (t.module == "unet" or key.control))
         if not artifacts or None in artifacts:
             return None
         constants = self.compiled.constants.get(variant.name)
