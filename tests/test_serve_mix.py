@@ -1,7 +1,7 @@
 """Batches that mix images of different jobs (same models, shape, steps, sampler and LoRA set): two small jobs
-queued before a worker starts share one batch, and each job's PNG equals its solo render, pixel for pixel
-(each image depends only on its own settings and seed). A real server and a real `bcg worker` on the tiny
-model."""
+queued before a worker starts share one batch, and each job's PNG equals its solo render within one level of a
+pixel (each image depends only on its own settings and seed; the CPU's GEMMs round by the batch's size). A real server
+and a real `bcg worker` on the tiny model."""
 
 import json
 
@@ -67,7 +67,9 @@ def test_two_jobs_share_a_batch_and_each_png_equals_its_solo_render(tmp_path, ti
             served = server.root / "jobs" / job_id / "out"
             pngs = sorted(p.relative_to(alone).as_posix() for p in alone.glob("*/*.png"))
             assert pngs == sorted(p.relative_to(served).as_posix() for p in served.glob("*/*.png")) and len(pngs) == 1
-            assert np.abs(pixels(served / pngs[0]) - pixels(alone / pngs[0])).max() == 0, name
+            # the same seed and settings in a batch of two and alone: the CPU's GEMMs may round a value across a level
+            # (one pixel by 1 seen in a full run); another image's settings or seed would differ by tens of levels
+            assert np.abs(pixels(served / pngs[0]) - pixels(alone / pngs[0])).max() <= 1, name
             assert [json.loads(x)["path"] for x in (served / MANIFEST).read_text().splitlines()] == pngs
             assert json.loads((served / REPORT_JSON).read_text())["images_rendered"] == 1
     finally:
