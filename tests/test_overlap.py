@@ -113,6 +113,70 @@ def test_each_batch_s_prompts_are_encoded_between_the_steps_of_the_batch_before(
     assert result.report.stages_s["encode"] > 0 and "encode" in result.report.hidden_s
 
 
+SHAPES = """version: 1
+name: shapes
+model: tiny
+defaults: {steps: 2, guidance: 5.0, size: 64x64}
+buckets: [1, 2, 4]
+shots:
+  - {id: a, prompt: a castle on a hill, seed: 7}
+  - {id: b, prompt: a boat at sea, seed: 20, size: 64x80, candidates: 4}
+  - {id: c, prompt: a lighthouse, seed: 30, size: 80x64, candidates: 2}
+  - {id: d, prompt: a harbour, seed: 40, guidance: 1.0}
+"""
+
+
+def test_each_shape_is_captured_just_before_its_first_batch_but_the_first_batch_s_and_the_largest(job_dir, tmp_path,
+                                                                                              tiny_cpu):
+    """On the graph runner (CPU replays), a render captures the first batch's shape and the largest one before any
+    batch, and every other shape's graphs in `Engine.ready`, after the batch before was queued and before its own loop
+    is timed; the report counts that capture, none of it hidden on the CPU (nothing runs beside it here). The images
+    are the eager engine's."""
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.run.batch import batch_shapes
+
+    from helpers.graphs import cpu_replays
+
+    job = load_job(write_job(job_dir, SHAPES))
+    runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(64, 64))
+    cpu_replays(runner)
+    replay, ready, sample = runner.capturer, runner.ready, runner.sample
+    now = {"samples": 0, "in_ready": False}
+    captured = []
+
+    def capture(key):
+        captured.append((key.shape, now["samples"], now["in_ready"]))
+        return replay(key)
+
+    def readying(*args, **kwargs):
+        now["in_ready"] = True
+        try:
+            return ready(*args, **kwargs)
+        finally:
+            now["in_ready"] = False
+
+    def sampling(*args, **kwargs):
+        now["samples"] += 1
+        return sample(*args, **kwargs)
+
+    runner.capturer, runner.ready, runner.sample = capture, readying, sampling
+    session = RenderSession(job, RenderOptions(out_dir=tmp_path / "graph"), models=tiny_cpu, engine=runner)
+    result = session.execute()
+    eager, lines, files = _render(job, tmp_path / "eager", tiny_cpu)
+    assert result.status == eager.status == "done" and result.rendered == 8 and result.engine == "graph"
+    shapes = batch_shapes(session.batches)
+    largest = max(shapes, key=lambda s: s.batch * s.height * s.width)
+    assert len(shapes) == 4 and len(set(shapes)) == 3 and largest != shapes[0]  # the job makes the case
+    before = [(s, samples) for s, samples, in_ready in captured if not in_ready]
+    assert {s for s, _ in before} == {shapes[0], largest} and {n for _, n in before} == {0}  # none in a loop
+    later = [(s, samples) for s, samples, in_ready in captured if in_ready]
+    assert later == [(s, shapes.index(s)) for s in dict.fromkeys(shapes) if s not in (shapes[0], largest)]
+    for path in lines:
+        assert files[path] == (tmp_path / "graph" / path).read_bytes(), path
+    report = result.report
+    assert report.stages_s["capture"] > 0 and report.hidden_s["capture"] == 0.0
+
+
 class NotAhead(Sequential):
     """One batch after the other, each encoding its own prompts."""
 
