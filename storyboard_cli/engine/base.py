@@ -61,13 +61,7 @@ class Engine(Protocol):
                 later: list[Shape] = ()) -> None:
         """Get ready for these shapes ahead of the first batch (a graph engine sizes and captures); `kinds`:
         the step kinds a shape's batches run, where they are not today's full step; `later`: shapes that run after
-        them (a render's other shapes, its hires passes), sized for and their kernels wanted now, captured on first
-        use (`ready`)."""
-        ...
-
-    def ready(self, x: torch.Tensor, conds: Conditions | None, plan: StepPlan | None = None) -> float:
-        """Before a batch's loop is queued (and timed): what `sample` would otherwise make first for a batch like `x`
-        (a graph engine captures its graphs, beside the loop before on the GPU); returns the host's seconds spent."""
+        them (a render's hires passes), sized for and their kernels wanted now, captured on first use."""
         ...
 
     def release(self) -> None:

@@ -153,9 +153,6 @@ class EagerEngine:
                 later: list[Shape] = ()) -> None:
         pass
 
-    def ready(self, x: torch.Tensor, conds: Conditions | None, plan: StepPlan | None = None) -> float:
-        return 0.0
-
     def release(self) -> None:
         if self.models.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -110,7 +110,6 @@ class BatchTiming:
     start: Timer  # the loop's first step queued (on the UNet's stream), and its end
     end: Timer
     before: Timer | None  # the end of the batch before's loop, when this batch's inputs were made beside it
-    capture_s: float = 0.0  # host seconds capturing its graphs before its loop (Engine.ready), after the inputs
     counted: bool = False
 
 
@@ -263,15 +262,10 @@ class BatchRunner:
         bt.steps += key.runs
         last = self._last.timing if self._last is not None else None
         before = last.end if last is not None and not last.counted else None  # that loop still ran, or was not read
-        capture_s = engine.ready(x, conds, batch.key.plan)  # the graphs this shape lacks, beside that loop
-        if capture_s:
-            if "capture" not in self.timings.exposed:  # the capture before the first batch hid behind nothing
-                self.timings.expose("capture", self.timings.stages.get("capture", 0.0))
-            self.timings.add("capture", capture_s)
         start = self.lanes.timer()
         between = self.encode_ahead(upcoming, text_loras) if upcoming is not None and self.ahead else None
         latents = engine.sample(x, sched, noise, cond, conds, guidance, batch.key.plan, between)
-        timing = BatchTiming(bucket_label(batch), inputs_s, ready, start, self.lanes.timer(), before, capture_s)
+        timing = BatchTiming(bucket_label(batch), inputs_s, ready, start, self.lanes.timer(), before)
         self._last = Denoised(zip(items, latents[: len(items)]), failed, timing)
         return self._last
 
@@ -341,11 +335,7 @@ class BatchRunner:
             self.timings.bucket(t.bucket).denoise_s += seconds
             # the UNet's stream waited for the inputs from the end of the batch before's loop (all of the inputs'
             # time for the first batch, or one made after the batch before was read: nothing ran beside them)
-            encode = t.inputs_s if t.before is None else max(0.0, t.before.seconds_to(t.ready))
-            self.timings.expose("encode", encode)
-            if t.capture_s:  # then its graphs were captured: the UNet's stream waited for that beyond the inputs
-                idle = t.capture_s if t.before is None else max(0.0, t.before.seconds_to(t.start) - encode)
-                self.timings.expose("capture", min(t.capture_s, idle))
+            self.timings.expose("encode", t.inputs_s if t.before is None else max(0.0, t.before.seconds_to(t.ready)))
             t.counted = True
         if d.end is None:
             return list(done.failed)

@@ -219,12 +219,8 @@ class RenderSession:
         return True
 
     def capture_ahead(self, shapes: list[Shape]) -> list[Shape]:
-        """The shapes the engine captures before the first batch: the first batch's, and the largest (its graph sizes
-        the shared pool, whose blocks the smaller ones reuse). The others are captured just before their first batch
-        (Engine.ready), on the host while the batch before runs on the GPU."""
-        first = batch_shapes(self.batches[:1])
-        largest = max(shapes, key=lambda s: (s.batch * s.height * s.width, s.control), default=None)
-        return first + [largest] if largest is not None and largest not in first else first
+        """The shapes the engine captures before the first batch; the others are captured on first use."""
+        return shapes
 
     # phases
 
@@ -250,11 +246,7 @@ class RenderSession:
             runner = self.batch_runner()
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())
         with self.timings.stage("capture"):
-            # the others: sized for and their kernels wanted now, each captured just before its first batch (a
-            # session that captures none ahead, a torchrun worker's, leaves them to its batches as they come)
-            ahead = self.capture_ahead(shapes)
-            rest = [s for s in shapes if s not in ahead] if ahead else []
-            self.engine.prepare(ahead, batch_kinds(self.batches), rest + later)
+            self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches), later)
         stop.check()
         self.sink = self.open_sink(manifest)
         self.policy = OutOfMemoryPolicy(runner, self.sink)

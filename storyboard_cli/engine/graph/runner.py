@@ -10,8 +10,7 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
 - The step index is a device tensor the graph itself increments, and the sampler's coefficients are
   a device table the graph indexes, so a 30-step loop is 30 replays and nothing else (plus one
   noise copy per step for ancestral samplers). No host sync inside the loop.
-- Graphs are captured ahead (`prepare`, largest first) or just before their first batch (`ready`, while the batch
-  before still runs on the GPU: a capture waits for nothing on the device), into ONE shared memory pool,
+- Graphs are captured lazily (or ahead, by `prepare`), largest first, into ONE shared memory pool,
   after a warm-up on a side stream (a compiled graph's at the fewest rows its artifact takes: any rows load its
   kernels), unless a graph already captured ran every kernel of this one (`Warmed`: draft mode's kinds of a shape,
   a conditional step of B rows after a guided step of B / 2 images, a compiled graph of the size at other rows); a
@@ -83,7 +82,6 @@ class GraphRunner:
         self.eager = EagerEngine(models)  # the fallback, and what a first replay is checked against (`_check`)
         self.pool = None  # one memory pool shared by every graph, made at the first capture
         self.side: torch.cuda.Stream | None = None  # the warm-ups' stream, made at the first
-        self.recording: torch.cuda.Stream | None = None  # the captures' stream, made at the first
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
@@ -97,7 +95,7 @@ class GraphRunner:
         # every warm-up and capture runs on a graph's buffers (`step`; a test wraps it to break or probe a capture)
         self.capturer: Callable[[ShapeKey], object] = self._capture
         self.stepper: Callable[[Views], None] = self.step
-        self._spent = (0.0, 0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds, pool MB (`_record`)
+        self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
         self._allocate(max_batch, max_hw[0] * max_hw[1])
 
     def _allocate(self, max_batch: int, max_pixels: int) -> None:
@@ -182,6 +180,9 @@ class GraphRunner:
             self.pool = torch.cuda.graph_pool_handle()
         v = self.buf.view(key)
         stats = self.stats.setdefault(key, GraphStats(key))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # torch.cuda.graph empties the cache too: measure the pool from there
+        reserved = torch.cuda.memory_reserved()
         t0 = time.perf_counter()
         ran = Warmed.of(key)
         stats.warmup = not any(w.covers(ran) for w in self.warmed)
@@ -201,10 +202,12 @@ class GraphRunner:
             self._settle()
             stats.warmup, small = True, None
             graph = self._record(v, True)
+        torch.cuda.synchronize()
         stats.warmup_rows = Warmed.of(key if small is None else small.key).rows if stats.warmup else 0
-        stats.warmup_s, stats.end_s, stats.pool_mb = self._spent
+        stats.warmup_s, stats.end_s = self._spent
         self.warmed.append(ran)
-        stats.capture_s = time.perf_counter() - t0  # the host's seconds: nothing here waits for the device
+        stats.capture_s = time.perf_counter() - t0
+        stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
         return graph
 
     def _fewest_rows(self, key: ShapeKey) -> Views | None:
@@ -219,14 +222,7 @@ class GraphRunner:
 
     def _record(self, v: Views, warmup: bool, small: Views | None = None) -> torch.cuda.CUDAGraph:
         """One step captured into the shared pool; `warmup`: eager steps on a side stream first (on `small`'s rows
-        where given). Leaves the warm-up's and the end of capture's host seconds and the pool's growth (MB) in `_spent`.
-
-        Nothing waits for the device, unlike `torch.cuda.graph` (which synchronises and empties the caches first), so a
-        capture runs on the host while the loop queued before it runs on the GPU. The warm-up's lazy inits (kernel
-        modules, library handles) happen when its kernels are queued; its stream waits for the work queued before it
-        (the batch before writes the same buffers) and the current stream for it. The capture records on a stream of
-        its own in thread-local mode: the decode thread's CUDA calls meanwhile (its allocations, its events) are not
-        this capture's, and do not end it."""
+        where given). Leaves the warm-up's and the end of capture's seconds in `_spent`."""
         t0 = time.perf_counter()
         if warmup:
             if self.side is None:  # one for every warm-up: a library handle's workspace is kept per stream (34 MB
@@ -238,22 +234,16 @@ class GraphRunner:
                     self.buf.index.zero_()
                     self.stepper(v if small is None else small)
             torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
         warmed = time.perf_counter()
         self.buf.index.zero_()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream()
-        if self.recording is None:
-            self.recording = torch.cuda.Stream()
-        reserved = torch.cuda.memory_reserved()  # the pool's new segments: what the capture's tensors took
         try:
-            with torch.cuda.stream(self.recording):
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    self.stepper(v)
-                    body = time.perf_counter()
-                finally:
-                    graph.capture_end()
-            self._spent = (warmed - t0, time.perf_counter() - body, (torch.cuda.memory_reserved() - reserved) / 2**20)
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.stepper(v)
+                body = time.perf_counter()
+            self._spent = (warmed - t0, time.perf_counter() - body)
         except BaseException:
             graph = None  # now: the exception's traceback keeps this frame, and would keep the graph's memory
             self._after_failed_capture(stream)
@@ -297,16 +287,11 @@ class GraphRunner:
         stats.reason = reason
         log.warning("graph %s falls back to %s: %s", key.label, stats.state, reason)
 
-    def _to_capture(self, key: ShapeKey) -> bool:
-        """Whether `key`'s graph is still to be captured (not captured, and its shape has not fallen back)."""
-        return key not in self.graphs and (key not in self.stats or self.stats[key].state in ("pending", "graph",
-                                                                                             "released"))
-
     def graph(self, key: ShapeKey) -> torch.cuda.CUDAGraph | None:
         """The graph for `key`, captured on first use; None if this shape has fallen back."""
         if key in self.graphs:
             return self.graphs[key]
-        if not self._to_capture(key):
+        if self.stats.get(key) and self.stats[key].state not in ("pending", "graph", "released"):
             return None  # fell back (its state names to what)
         self.ensure_capacity([key.shape])
         try:
@@ -442,25 +427,6 @@ class GraphRunner:
         stats = self.stats[key]
         stats.checked, stats.reason, stats.replays = True, f"checked: rel. error {err:.1e}{against}", stats.replays + 1
         return True
-
-    @torch.no_grad()
-    def ready(self, x: torch.Tensor, conds: Conditions | None, plan: StepPlan | None = None) -> float:
-        """Captures the graphs a batch of `x`'s shape runs (each kind of `plan`) that are not captured yet, before its
-        loop is queued: the GPU still runs the batch before, and a capture waits for nothing on it (`_record`), so the
-        host's capture hides behind that loop. Nothing is checked here: `sample` checks each graph on its first step
-        or replay, as for a graph captured ahead. A capture that fails falls back here as in `sample`. Returns the
-        host's seconds spent capturing (0.0 when every graph was there)."""
-        if self.compiled is not None:
-            self.compiled.poll()  # the kernels `sample` would find: the same keys
-        b, _, h, w = x.shape
-        shape = Shape(b, 8 * h, 8 * w, (conds or Conditions()).bits)
-        kinds = set(plan) if plan else {FULL}
-        self._share(shape, kinds)
-        keys = [k for k in {self.shape_key(*shape, kind) for kind in kinds} if self._to_capture(k)]
-        t0 = time.perf_counter()
-        for key in sorted(keys, key=lambda k: (k.step.cache != "write", k.step)):  # DeepCache's full step first
-            self.graph(key)
-        return time.perf_counter() - t0 if keys else 0.0
 
     @torch.no_grad()
     def sample(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
