@@ -26,6 +26,8 @@
 #                     stderr through a pipe, each line timed (benchmarks/stderr_times.py); cold: on an empty cache
 #   ready             benchmarks/ready.py: a new process ready after the weights (the shared cache's kernels)
 #   job[:PARTS]       `bcg bench jobs/bench.yaml --parts PARTS` (default a_diffusers,e_bcg_compiled,f_bcg_fp8)
+#   job_eager[:PARTS] the same with CUDA_MODULE_LOADING=EAGER (every kernel module loaded when CUDA starts, none at a
+#                     kernel's first launch, which waits for the GPU's queued work: docs/PERFORMANCE.md, 2026-12-03)
 #   slice             `--parts b_slice`: (a), (b) diffusers' regional compile, (e), (f) on the 1024x1024 shots
 #   curves            `--parts curves,profile`: step curves plain against compiled, the kernel profile
 #                     (FP8=1: `--parts fp8`, FP8's step curves and per-step drift)
@@ -59,7 +61,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,55p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,61p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -134,6 +136,8 @@ leg() {  # LEG ARG NAME
     step "$n" 150 python benchmarks/ready.py jobs/bench.yaml "$R/$n.json" $FP8_FLAG;;
   job)
     bench "$n" 540 "${arg:-a_diffusers,e_bcg_compiled,f_bcg_fp8}";;
+  job_eager)
+    (export CUDA_MODULE_LOADING=EAGER; bench "$n" 540 "${arg:-a_diffusers,e_bcg_compiled,f_bcg_fp8}");;
   slice)
     bench "$n" 300 b_slice;;
   curves)
