@@ -239,9 +239,11 @@ ISSUE_TOLERANCE = 0.10  # the issue's: within 10% (-5.4%, -5.4%, -0.6% in three 
 # asserted at CI_TOLERANCE, as the other timing tests hold a CI bound: on a CI machine whose other test worker runs
 # beside it, a trial's calibration render (A) and the render it predicts (B) meet different loads (one clean-clone run:
 # trials from -6.8% to +49.3%, the medians +10.7%, while A took 1.16-2.21 s; another: -30.5% to +65.7%, the medians
-# +27.0%, while A took 1.68-3.42 s), which no estimate made before B can see. So the test holds the least disturbed
-# calibration's estimate (the trial whose A was fastest) against the least disturbed render of B (the fastest), as a
-# timing takes the least of its runs: in that second run +13.1%
+# +27.0%, while A took 1.68-3.42 s), which no estimate made before B can see. Each trial's estimate is held against its
+# own B, run right after its own A (the nearest the test gets to one load for both), and the test takes the median of
+# the seven ratios. The fastest calibration's estimate against the fastest B (the eleventh session's choice) failed a
+# full run at -32.0% when the trials ran from -42.6% to +22.4%: its A ran in a lull its B did not; the paired median
+# there was -2.6%, the medians' ratio -6.7%
 CI_TOLERANCE = 0.20
 
 
@@ -252,8 +254,8 @@ def test_a_cpu_render_is_estimated_within_10_percent_from_an_earlier_one(job_dir
     A render of about a second on this 2-core machine swings by a third from one trial to the next, idle or beside the
     other test worker (one trial's estimate against its own B ran from -31% to +32% in a CI run; from -20% to +28%
     idle, at 6 and 8 steps), so A and B run 12 and 16 steps (renders of about 1.7 s: three runs idle gave -5.4%,
-    -5.4%, -0.6%) over seven trials, and the test holds the estimate of the trial whose A ran fastest against B's
-    fastest wall: the least disturbed calibration against the least disturbed render (CI_TOLERANCE)."""
+    -5.4%, -0.6%) over seven trials, and the test holds the median of each trial's estimate against its own B, which
+    ran right after that trial's A (CI_TOLERANCE)."""
     from storyboard_cli.run.render import RenderOptions, render
 
     a = load_job(write_job(job_dir, CALIBRATE.replace("STEPS", "12"), "a.yaml"))
@@ -277,11 +279,10 @@ def test_a_cpu_render_is_estimated_within_10_percent_from_an_earlier_one(job_dir
         calibrations.append(wall_a)
         print(f"CPU estimate {est.seconds:.2f} s against {wall:.2f} s ({est.seconds / wall - 1:+.1%}), A {wall_a:.2f} s")
     median = statistics.median(estimates) / statistics.median(walls)
-    best = estimates[calibrations.index(min(calibrations))]
-    ratio = best / min(walls)
+    ratio = statistics.median(e / w for e, w in zip(estimates, walls))  # each trial against its own B
     print(f"median estimate {statistics.median(estimates):.2f} s against median wall {statistics.median(walls):.2f} s "
-          f"({median - 1:+.1%}); the fastest calibration's {best:.2f} s against the fastest wall {min(walls):.2f} s "
-          f"({ratio - 1:+.1%}; the issue asks within {ISSUE_TOLERANCE:.0%})")
+          f"({median - 1:+.1%}); each trial against its own B, the median {ratio - 1:+.1%} (the issue asks within "
+          f"{ISSUE_TOLERANCE:.0%})")
     assert abs(ratio - 1) < CI_TOLERANCE, (estimates, walls, calibrations)
 
 
