@@ -134,10 +134,9 @@ leg() {  # LEG ARG NAME
       python -m storyboard_cli capture jobs/bench.yaml --warm --compile on --steps 4 $FP8_FLAG;;
   ready)
     step "$n" 150 python benchmarks/ready.py jobs/bench.yaml "$R/$n.json" $FP8_FLAG;;
-  job)
-    bench "$n" 540 "${arg:-a_diffusers,e_bcg_compiled,f_bcg_fp8}";;
-  job_eager)
-    (export CUDA_MODULE_LOADING=EAGER; bench "$n" 540 "${arg:-a_diffusers,e_bcg_compiled,f_bcg_fp8}");;
+  job|job_eager)
+    (if [ "$leg" = job_eager ]; then export CUDA_MODULE_LOADING=EAGER; fi
+     bench "$n" 540 "${arg:-a_diffusers,e_bcg_compiled,f_bcg_fp8}");;
   slice)
     bench "$n" 300 b_slice;;
   curves)
