@@ -67,7 +67,7 @@ export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp
 LIMIT=${LIMIT:-560}
 SMOKE=${SMOKE:-0}
 FP8_FLAG=$([ "${FP8:-0}" = 1 ] && echo --fp8)
-GPU_TESTS=gpu,gpu_draft,gpu_lora,gpu_compiled,gpu_fp8,groupnorm
+GPU_TESTS=gpu_compiled,gpu_fp8,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_references,gpu_source,gpu_refine,gpu_regions,estimate,dist
 R=$(mktemp -d /tmp/gpu-call.XXXX)
 mkdir -p "$OUT" "$BCG_CACHE/compiled"
 [ -n "${ARTZ:-}" ] && tar xzf "$ARTZ" -C "$BCG_CACHE/compiled"
