@@ -48,6 +48,8 @@
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel
 #                     at SDXL's attention shapes, with each one's error
+#   capture_thread    probes/capture_thread.py: a graph captured on a second thread while the main thread replays the
+#                     batch before, against one captured after the replays (the UNet at 1024², eager modules)
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -61,7 +63,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,61p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,63p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -210,6 +212,8 @@ leg() {  # LEG ARG NAME
       $([ "$SMOKE" = 1 ] && echo --model tiny --side 128 --batch 2);;
   attention)
     step "$n" 150 python benchmarks/probes/attention_scout.py --out "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke);;
+  capture_thread)
+    step "$n" 240 python benchmarks/probes/capture_thread.py "$R/$n.json";;
   load)
     local a b
     a=$(ls "$BCG_CACHE"/compiled/unet-1024x1024-*.pt2 | head -1); b=$(ls "$BCG_CACHE"/compiled/unet-1216x832-*.pt2 | head -1)
