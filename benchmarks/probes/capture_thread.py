@@ -3,10 +3,10 @@ thread is held in a loop's replays until the GPU is about one replay from the lo
 `overlap_trace.py`), so a capture queued after the loop on that thread runs when the loop has all but ended. This
 probe captures on a second thread instead, while the first replays (`CUDAGraph.replay` lets go of the GIL).
 
-    python benchmarks/probes/capture_thread.py OUT.json [--model sdxl-random] [--side 1024] [--rows 8] [--steps 30]
+    python benchmarks/probes/capture_thread.py OUT.json [--model sdxl-random] [--side 1024] [--rows 8] [--steps 30] [--repeats 3]
 
 On the UNet at `--side` (eager modules, fp16, cuDNN; the product's allocator settings), graph A at `--rows` is
-captured first; then, each mode three times, a new graph B at half the rows (a fresh capture, warmed up beforehand
+captured first; then, each mode `--repeats` times, a new graph B at half the rows (a fresh capture, warmed up beforehand
 on an idle GPU so that only the capture is timed):
   after   `--steps` replays of A queued on the main thread, then B captured there (thread-local mode, own stream)
   thread  B captured on a second thread while the main thread queues the replays of A
@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=1024)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     allocator = cuda_allocator()
     unet = load_sdxl(a.model, None, "cuda", torch.float16).unet
@@ -103,7 +104,7 @@ def main() -> None:
     counting["on"] = False
     tc.join()
     idle_rate = round(counting["n"] / 500, 1)
-    for mode in ("alone", "after", "thread") * 3:
+    for mode in ("alone", "after", "thread") * a.repeats:
         B = inputs(max(1, a.rows // 2))
         warm(B)
         row: dict = {"mode": mode}
