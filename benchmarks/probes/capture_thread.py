@@ -3,16 +3,19 @@ thread is held in a loop's replays until the GPU is about one replay from the lo
 `overlap_trace.py`), so a capture queued after the loop on that thread runs when the loop has all but ended. This
 probe captures on a second thread instead, while the first replays (`CUDAGraph.replay` lets go of the GIL).
 
-    python benchmarks/probes/capture_thread.py OUT.json [--model sdxl-random] [--side 1024] [--rows 8] [--steps 30] [--repeats 3]
+    python benchmarks/probes/capture_thread.py OUT.json [--model sdxl-random] [--side 1024] [--rows 8] [--steps 30]
+        [--repeats 3]
 
 On the UNet at `--side` (eager modules, fp16, cuDNN; the product's allocator settings), graph A at `--rows` is
-captured first; then, each mode `--repeats` times, a new graph B at half the rows (a fresh capture, warmed up beforehand
-on an idle GPU so that only the capture is timed):
+captured first; then, each mode `--repeats` times, a new graph B at half the rows, on inputs of its own:
+  alone   the replays of A with nothing beside them (the loop's own seconds)
   after   `--steps` replays of A queued on the main thread, then B captured there (thread-local mode, own stream)
   thread  B captured on a second thread while the main thread queues the replays of A
-  alone   the replays of A with nothing beside them (the loop's own seconds)
-Each row: the capture's host seconds, whether A's loop was still running when the capture ended (`hid`), the loop's
-GPU seconds against `alone`, and a Python counter's rate on a third thread while the main thread replays (the GIL)."""
+  warm    the same, B's two warm-up steps on that thread first (on a side stream: its GPU work beside the loop's)
+B is warmed up on an idle GPU beforehand in every mode but `warm`, so that only the capture is timed. Each row: the
+capture's host seconds, whether A's loop was still running when the capture ended (`hid`), the loop's GPU seconds
+against `alone`; in `alone`, a Python counter's rate on a second thread while the main thread replays, against its
+rate beside an idle main thread (the GIL)."""
 
 from __future__ import annotations
 
@@ -104,9 +107,10 @@ def main() -> None:
     counting["on"] = False
     tc.join()
     idle_rate = round(counting["n"] / 500, 1)
-    for mode in ("alone", "after", "thread") * a.repeats:
+    for mode in ("alone", "after", "thread", "warm") * a.repeats:
         B = inputs(max(1, a.rows // 2))
-        warm(B)
+        if mode != "warm":
+            warm(B)
         row: dict = {"mode": mode}
         recording = torch.cuda.Stream()
         counting.update(on=mode == "alone", n=0)  # the GIL while the main thread replays, nothing else beside
@@ -114,8 +118,20 @@ def main() -> None:
         done: dict = {}
         t0 = time.perf_counter()
         tc.start()
-        if mode == "thread":
+        if mode in ("thread", "warm"):
             def beside() -> None:
+                try:
+                    captured_beside()
+                except Exception as e:  # noqa: BLE001 - the row says why
+                    done["error"] = f"{type(e).__name__}: {e}"[:300]
+
+            def captured_beside() -> None:
+                if mode == "warm":
+                    w0 = time.perf_counter()
+                    with torch.cuda.stream(recording), torch.no_grad():
+                        for _ in range(2):
+                            step(B)
+                    done["warmup_s"] = time.perf_counter() - w0
                 done["graph"], done["capture_s"] = capture(B, recording)
                 done["at"] = time.perf_counter() - t0
             tb = threading.Thread(target=beside)
@@ -126,9 +142,12 @@ def main() -> None:
             done["graph"], done["capture_s"] = capture(B, recording)
             done["at"] = time.perf_counter() - t0
             row["hid"] = not end.query()  # the loop still ran when the capture ended
-        if mode == "thread":
+        if mode in ("thread", "warm"):
             tb.join()
-            row["hid"] = not end.query() or done["at"] < row["replays_queued_s"]
+            if "error" in done:
+                row["error"] = done["error"]
+            else:
+                row["hid"] = not end.query() or done["at"] < row["replays_queued_s"]
         count_window = time.perf_counter() - t0
         counting["on"] = False
         tc.join()
@@ -137,8 +156,10 @@ def main() -> None:
         row["wall_s"] = round(time.perf_counter() - t0, 3)
         if mode == "alone":
             row["counter_per_ms"] = round(counting["n"] / (count_window * 1000), 1)
-        if "capture_s" in done:
+        if "at" in done:
             row["capture_s"] = round(done["capture_s"], 3)
+            if "warmup_s" in done:
+                row["warmup_s"] = round(done["warmup_s"], 3)
             row["capture_ended_at_s"] = round(done["at"], 3)
             done["graph"].replay()  # the graph B works
             torch.cuda.synchronize()
