@@ -24,6 +24,7 @@ def test_bench_quick(tmp_path):
     assert rec["ratios_vs_a"]["c_bcg_cold"] > 0
     md = (tmp_path / record.name.replace(".json", ".md")).read_text()
     assert "(a) diffusers pipeline loop" in md
+    assert 0 < rec["launch_us"] < 1e4 and f"the host: {rec['launch_us']:.1f} µs per small op" in md
     (svg,) = tmp_path.glob("*-contenders.svg")  # the contenders' images/s as a chart, linked from the Markdown
     assert f"]({svg.name})" in md
     text = svg.read_text()

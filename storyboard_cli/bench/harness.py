@@ -27,7 +27,7 @@ from storyboard_cli.bench.fp8 import fp8_ready, image_drift, step_drift
 from storyboard_cli.bench.refine import refine_part
 from storyboard_cli.bench.report import NAMES, markdown
 from storyboard_cli.bench.source import source_steps
-from storyboard_cli.bench.steps import kernel_profile, matmul_tflops, step_curve
+from storyboard_cli.bench.steps import kernel_profile, launch_us, matmul_tflops, step_curve
 from storyboard_cli.engine.device import device_name, dtype_name
 from storyboard_cli.engine.variants import FP8
 from storyboard_cli.errors import BadInput
@@ -100,6 +100,8 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
     results = Results(results_dir, f"{rec['date']}-{_slug(rec['device'])}{'-quick' if quick else ''}")
     loop = DiffusersLoop(models)
     log(f"loaded {job.model} on {rec['device']} in {rec['load_s']:.1f} s")
+    rec["launch_us"] = launch_us(device)  # the host's pace, which the plain loop's small batches follow
+    log(f"host: {rec['launch_us']:.1f} us per small op")
     if device.type == "cuda":
         rec["cuda_allocator"] = cuda_allocator()  # what load_sdxl set, or the user's PYTORCH_CUDA_ALLOC_CONF
         rec["matmul_tflops"] = matmul_tflops(device, dtype)

@@ -51,7 +51,8 @@ def markdown(rec: dict, charts: dict[str, str] | None = None) -> str:
     """The record as Markdown; `charts`: chart name -> SVG file name, linked at the top."""
     out = [f"# bcg bench: {rec['job']} on {rec['device']} ({rec['dtype']}), {rec['date']}", "",
            f"model `{rec['model']}`, {rec['images']} images, torch {rec['torch']}, diffusers {rec['diffusers']}; "
-           "model loading excluded from every wall time", ""]
+           "model loading excluded from every wall time"
+           + (f"; the host: {rec['launch_us']:.1f} µs per small op" if "launch_us" in rec else ""), ""]
     out += [f"![{name.replace('_', ' ')}]({file})" for name, file in (charts or {}).items()]
     out += [""] if charts else []
     names = NAMES

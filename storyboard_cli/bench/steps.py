@@ -4,6 +4,7 @@ size, and the top kernels of one step, plain against compiled."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Callable
 
 import torch
@@ -31,6 +32,23 @@ def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> fl
     end.record()
     torch.cuda.synchronize()
     return 2 * n**3 * 10 / (start.elapsed_time(end) / 1000) / 1e12
+
+
+def launch_us(device: torch.device, n: int = 2000) -> float:
+    """The host's microseconds per small op (an in-place add to 64 numbers; on CUDA, its launch), the median of three
+    runs of `n`. The plain loop's steps at one or two images are thousands of such launches, bound by the host: its
+    wall moves with this figure from one machine to the next, where bcg's graphs replay without them."""
+    x = torch.zeros(64, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    runs = []
+    for _ in range(3):
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            x.add_(1)
+        runs.append((time.perf_counter() - t) / n * 1e6)
+    sync()
+    return sorted(runs)[1]
 
 
 def step_flops(models: SdxlModels, batch: int, width: int, height: int, control: bool) -> float:
