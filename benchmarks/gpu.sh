@@ -243,7 +243,7 @@ leg() {  # LEG ARG NAME
   esac
 }
 
-{ nproc; free -g | head -2; nvidia-smi -L; git log --oneline -1
+{ nproc; grep -m1 "model name" /proc/cpuinfo; free -g | head -2; nvidia-smi -L; git log --oneline -1
   python -c "import torch, diffusers; print(torch.__version__, diffusers.__version__)"; } > "$R/machine.txt" 2>&1
 if [ "${CLOCKS:-0}" = 1 ]; then
   nvidia-smi --query-gpu=index,timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
