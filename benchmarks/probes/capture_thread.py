@@ -10,6 +10,7 @@ On the UNet at `--side` (eager modules, fp16, cuDNN; the product's allocator set
 captured first; then, each mode `--repeats` times, a new graph B at half the rows, on inputs of its own:
   alone   the replays of A with nothing beside them (the loop's own seconds)
   after   `--steps` replays of A queued on the main thread, then B captured there (thread-local mode, own stream)
+  between B captured on the main thread between A's second replay and its third (the engine's `between` pieces)
   thread  B captured on a second thread while the main thread queues the replays of A
   warm    the same, B's two warm-up steps on that thread first (on a side stream: its GPU work beside the loop's)
 B is warmed up on an idle GPU beforehand in every mode but `warm`, so that only the capture is timed. Each row: the
@@ -84,12 +85,16 @@ def main() -> None:
     graph_a, a_capture_s = capture(A, torch.cuda.Stream())
     torch.cuda.synchronize()
 
-    def loop() -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """The replays of A queued from the main thread; returns the loop's start and end events."""
+    def loop(between=None, mark=None) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """The replays of A queued from the main thread (`mark` recorded and `between` run after the second); returns
+        the loop's start and end events."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(a.steps):
+        for i in range(a.steps):
             graph_a.replay()
+            if i == 1 and between is not None:
+                mark.record()
+                between()
         end.record()
         return start, end
 
@@ -107,7 +112,7 @@ def main() -> None:
     counting["on"] = False
     tc.join()
     idle_rate = round(counting["n"] / 500, 1)
-    for mode in ("alone", "after", "thread", "warm") * a.repeats:
+    for mode in ("alone", "after", "between", "thread", "warm") * a.repeats:
         B = inputs(max(1, a.rows // 2))
         if mode != "warm":
             warm(B)
@@ -136,7 +141,16 @@ def main() -> None:
                 done["at"] = time.perf_counter() - t0
             tb = threading.Thread(target=beside)
             tb.start()
-        start, end = loop()
+
+        def between() -> None:
+            done["graph"], done["capture_s"] = capture(B, recording)
+            done["at"] = time.perf_counter() - t0
+            done["queued"] = not end_of_two.query()  # replays were still queued when the capture ended
+
+        end_of_two = torch.cuda.Event()
+        start, end = loop(between, end_of_two) if mode == "between" else loop()
+        if mode == "between":
+            row["hid"] = done.pop("queued")
         row["replays_queued_s"] = round(time.perf_counter() - t0, 3)
         if mode == "after":
             done["graph"], done["capture_s"] = capture(B, recording)
