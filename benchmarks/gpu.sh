@@ -49,7 +49,8 @@
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel
 #                     at SDXL's attention shapes, with each one's error
 #   capture_thread    probes/capture_thread.py: a graph captured on a second thread while the main thread replays the
-#                     batch before, against one captured after the replays (the UNet at 1024², eager modules)
+#                     batch before (its warm-up there too, or not), against one captured after the replays and one
+#                     between two of them (the UNet at 1024², eager modules)
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -63,13 +64,14 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,63p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,64p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
 SMOKE=${SMOKE:-0}
 FP8_FLAG=$([ "${FP8:-0}" = 1 ] && echo --fp8)
-GPU_TESTS=gpu_compiled,gpu_fp8,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_references,gpu_source,gpu_refine,gpu_regions,estimate,dist
+GPU_TESTS=gpu_compiled,gpu_fp8,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_references,gpu_source,gpu_refine
+GPU_TESTS+=,gpu_regions,estimate,dist  # every test file with a GPU test
 R=$(mktemp -d /tmp/gpu-call.XXXX)
 mkdir -p "$OUT" "$BCG_CACHE/compiled"
 [ -n "${ARTZ:-}" ] && tar xzf "$ARTZ" -C "$BCG_CACHE/compiled"
