@@ -71,7 +71,7 @@ LIMIT=${LIMIT:-560}
 SMOKE=${SMOKE:-0}
 FP8_FLAG=$([ "${FP8:-0}" = 1 ] && echo --fp8)
 GPU_TESTS=gpu_compiled,gpu_fp8,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_references,gpu_source,gpu_refine
-GPU_TESTS+=,gpu_regions,estimate,dist  # every test file with a GPU test
+GPU_TESTS+=,gpu_regions,estimate,dist,capture_beside  # every test file with a GPU test
 R=$(mktemp -d /tmp/gpu-call.XXXX)
 mkdir -p "$OUT" "$BCG_CACHE/compiled"
 [ -n "${ARTZ:-}" ] && tar xzf "$ARTZ" -C "$BCG_CACHE/compiled"

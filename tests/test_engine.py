@@ -14,6 +14,7 @@ from storyboard_cli.engine.sampling import schedule
 from storyboard_cli.samplers import ancestral_split, dpmpp_2m_coeffs, euler_coeffs
 from storyboard_cli.errors import BadInput
 from storyboard_cli.run.capture import synthetic_inputs
+from storyboard_cli.steps import FULL
 
 
 def test_the_variant_table_falls_back_down_its_rows_to_eager(monkeypatch):
@@ -59,7 +60,7 @@ def test_both_engines_implement_the_protocol(tiny_cpu):
     """isinstance against a runtime-checkable Protocol only looks the names up: each method's parameters are held to
     the Protocol's too, so a call written against Engine runs on either engine."""
     methods = [n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")]
-    assert methods == ["sample", "prepare", "release", "can_run", "describe"]
+    assert methods == ["sample", "prepare", "ahead", "release", "can_run", "describe"]
     assert not _fits(inspect.signature(lambda self, shapes: None), inspect.signature(Engine.prepare))
     for engine, name in ((EagerEngine(tiny_cpu), "eager"), (GraphRunner(tiny_cpu), "graph")):
         assert isinstance(engine, Engine) and engine.name == name
@@ -70,6 +71,8 @@ def test_both_engines_implement_the_protocol(tiny_cpu):
     eager.prepare([Shape(8, 64, 64, True)])
     eager.release()
     assert eager.can_run(Shape(8, 64, 64, True)) and eager.describe() == []
+    assert eager.ahead(Shape(8, 64, 64, True), {FULL}) is None  # nothing to get ready beside a loop
+    assert GraphRunner(tiny_cpu).ahead(Shape(1, 64, 64, False), {FULL}) is None  # no CUDA: no capture
 
 
 def test_auto_engine_on_cpu_is_eager_with_a_note(tiny_cpu):

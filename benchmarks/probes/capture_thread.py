@@ -13,7 +13,9 @@ captured first; then, each mode `--repeats` times, a new graph B at half the row
   between B captured on the main thread between A's second replay and its third (the engine's `between` pieces)
   thread  B captured on a second thread while the main thread queues the replays of A
   warm    the same, B's two warm-up steps on that thread first (on a side stream: its GPU work beside the loop's)
-B is warmed up on an idle GPU beforehand in every mode but `warm`, so that only the capture is timed. Each row: the
+B is warmed up on an idle GPU beforehand in every mode but `warm`, so that only the capture is timed. The second thread
+is one long-lived thread that has run the UNet once before (its cuDNN and cuBLAS handles are its own, and a handle
+made during a capture invalidates it: the first run of this probe, 2026-12-03). Each row: the
 capture's host seconds, whether A's loop was still running when the capture ended (`hid`), the loop's GPU seconds
 against `alone`; in `alone`, a Python counter's rate on a second thread while the main thread replays, against its
 rate beside an idle main thread (the GIL)."""
@@ -24,6 +26,7 @@ import argparse
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,10 +49,10 @@ def main() -> None:
     ctx, pooled = unet.config.cross_attention_dim, (unet.config.projection_class_embeddings_input_dim
                                                    - 6 * unet.config.addition_time_embed_dim)
 
-    def inputs(rows: int) -> dict:
-        return {"x": torch.randn(rows, 4, lat, lat, device="cuda", dtype=torch.float16),
-                "c": torch.randn(rows, 77, ctx, device="cuda", dtype=torch.float16),
-                "p": torch.randn(rows, pooled, device="cuda", dtype=torch.float16),
+    def inputs(rows: int) -> dict:  # drawn on the CPU: a failed capture leaves the CUDA generator unusable
+        def r(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape).to("cuda", torch.float16)
+        return {"x": r(rows, 4, lat, lat), "c": r(rows, 77, ctx), "p": r(rows, pooled),
                 "ids": torch.tensor([[a.side, a.side, 0, 0, a.side, a.side]] * rows, device="cuda",
                                     dtype=torch.float16),
                 "t": torch.tensor(500.0, device="cuda")}
@@ -98,6 +101,8 @@ def main() -> None:
         end.record()
         return start, end
 
+    beside_thread = ThreadPoolExecutor(max_workers=1)  # the second thread, its handles made outside any capture
+    beside_thread.submit(warm, inputs(1)).result()
     rows = []
     counting = {"on": False, "n": 0}
 
@@ -139,8 +144,7 @@ def main() -> None:
                     done["warmup_s"] = time.perf_counter() - w0
                 done["graph"], done["capture_s"] = capture(B, recording)
                 done["at"] = time.perf_counter() - t0
-            tb = threading.Thread(target=beside)
-            tb.start()
+            tb = beside_thread.submit(beside)
 
         def between() -> None:
             done["graph"], done["capture_s"] = capture(B, recording)
@@ -157,7 +161,7 @@ def main() -> None:
             done["at"] = time.perf_counter() - t0
             row["hid"] = not end.query()  # the loop still ran when the capture ended
         if mode in ("thread", "warm"):
-            tb.join()
+            tb.result()
             if "error" in done:
                 row["error"] = done["error"]
             else:

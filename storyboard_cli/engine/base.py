@@ -58,10 +58,16 @@ class Engine(Protocol):
         ...
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,
-                later: list[Shape] = ()) -> None:
+                later: list[Shape] = (), beside: bool = False) -> None:
         """Get ready for these shapes ahead of the first batch (a graph engine sizes and captures); `kinds`:
         the step kinds a shape's batches run, where they are not today's full step; `later`: shapes that run after
-        them (a render's hires passes), sized for and their kernels wanted now, captured on first use."""
+        them (a render's hires passes), sized for and their kernels wanted now, captured on first use; `beside`: the
+        caller hands each batch's `ahead` pieces to the loop before it, so what they can do is left to them."""
+        ...
+
+    def ahead(self, shape: Shape, kinds: set[StepKind]) -> Iterator[Callable[[], object]] | None:
+        """Pieces of `between` work for the loop before a batch of `shape` running `kinds`: they get that batch ready
+        (a graph engine captures its graphs there); None when there is nothing to do."""
         ...
 
     def release(self) -> None:

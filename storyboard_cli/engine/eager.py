@@ -150,8 +150,11 @@ class EagerEngine:
         return x
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,
-                later: list[Shape] = ()) -> None:
+                later: list[Shape] = (), beside: bool = False) -> None:
         pass
+
+    def ahead(self, shape: Shape, kinds: set[StepKind]) -> Iterator[Callable[[], object]] | None:
+        return None
 
     def release(self) -> None:
         if self.models.device.type == "cuda":

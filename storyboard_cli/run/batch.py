@@ -8,6 +8,7 @@ conditioning kind: it reads the table's rows.
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import Future
 from functools import partial
@@ -46,6 +47,12 @@ def batch_kinds(batches: list[Batch]) -> dict[Shape, set[StepKind]]:
     for shape, batch in zip(batch_shapes(batches), batches):
         kinds.setdefault(shape, set()).update(batch.key.plan)
     return kinds
+
+
+def chain_pieces(*parts: Iterator[Callable[[], object]] | None) -> Iterator[Callable[[], object]] | None:
+    """Engine.sample's `between` pieces of several sources, one after the other; None when there are none."""
+    parts = tuple(p for p in parts if p is not None)
+    return itertools.chain(*parts) if parts else None
 
 
 def finished(item: WorkItem, pixels: torch.Tensor) -> torch.Tensor:
@@ -263,11 +270,30 @@ class BatchRunner:
         last = self._last.timing if self._last is not None else None
         before = last.end if last is not None and not last.counted else None  # that loop still ran, or was not read
         start = self.lanes.timer()
-        between = self.encode_ahead(upcoming, text_loras) if upcoming is not None and self.ahead else None
+        between = None
+        if upcoming is not None and self.ahead:
+            between = chain_pieces(None if fallback else self.capture_ahead(upcoming),
+                                   self.encode_ahead(upcoming, text_loras))
         latents = engine.sample(x, sched, noise, cond, conds, guidance, batch.key.plan, between)
         timing = BatchTiming(bucket_label(batch), inputs_s, ready, start, self.lanes.timer(), before)
         self._last = Denoised(zip(items, latents[: len(items)]), failed, timing)
         return self._last
+
+    def capture_ahead(self, batch: Batch) -> Iterator[Callable[[], None]] | None:
+        """The engine's pieces of work that capture `batch`'s graphs beside the loop before it (Engine.ahead), each
+        one's host seconds counted as capture, hidden (the captures before the first batch: exposed)."""
+        pieces = self.engine.ahead(batch_shapes([batch])[0], set(batch.key.plan))
+        if pieces is None:
+            return None
+
+        def timed(piece: Callable[[], object]) -> None:
+            if "capture" not in self.timings.exposed:  # the captures so far ran before a batch, the GPU idle
+                self.timings.expose("capture", self.timings.stages.get("capture", 0.0))
+            t0 = time.perf_counter()
+            piece()
+            self.timings.add("capture", time.perf_counter() - t0)
+
+        return (partial(timed, piece) for piece in pieces)
 
     def encode_ahead(self, batch: Batch, text_loras: tuple) -> Iterator[Callable[[], None]] | None:
         """The pieces of work that encode `batch`'s prompts and negative prompts into the prompt cache, one prompt

@@ -246,7 +246,8 @@ class RenderSession:
             runner = self.batch_runner()
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())
         with self.timings.stage("capture"):
-            self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches), later)
+            # each batch's graphs that need no warm-up are captured beside the loop before it (BatchRunner.run_batch)
+            self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches), later, beside=True)
         stop.check()
         self.sink = self.open_sink(manifest)
         self.policy = OutOfMemoryPolicy(runner, self.sink)

@@ -76,6 +76,7 @@ class GraphStats:
     end_s: float = 0.0  # of capture_s: torch's end of capture (the driver ends it and instantiates the graph)
     compile_s: float = 0.0  # the background build of this size's kernels, when this run made them
     pool_mb: float = 0.0
+    beside: bool = False  # captured between the replays of the batch before its own (GraphRunner.ahead)
     replays: int = 0
     events: list = field(default_factory=list)  # (start, end, steps) CUDA events, read lazily
 

@@ -25,6 +25,11 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   the plan is fixed before the loop, so the host picks each step's graph and the loop stays replays only.
   Where a shape has DeepCache's full step, today's step of the same rows is that graph (`writers`): one capture
   less, the same result to the bit (the feature's copy is on the side).
+- Beside the loop (`ahead`): a graph that needs no warm-up (a graph before it ran its kernels) is captured between
+  the replays of the batch before its own, from the thread that queues them, while the GPU still runs the replays
+  queued so far: no sync, no memory released, the step index left alone (the loop in flight reads it), capture errors
+  kept to this thread. `prepare(beside=True)` leaves those graphs to it, except the first batch's. A capture on a
+  second thread waited for the replays' launches (the launch queue is full): benchmarks/probes/capture_thread.py.
 - Compiled kernels (engine/kernels/) are looked at between batches: a size whose kernels became
   ready since the last batch gets a compiled graph from its next batch on.
 - A shape larger than the buffers grows them (`ensure_capacity`); that drops the graphs captured so
@@ -95,6 +100,9 @@ class GraphRunner:
         # every warm-up and capture runs on a graph's buffers (`step`; a test wraps it to break or probe a capture)
         self.capturer: Callable[[ShapeKey], object] = self._capture
         self.stepper: Callable[[Views], None] = self.step
+        # a capture beside the loop before (`ahead`): Views -> captured graph, or raises; and whether one can run now
+        self.beside_recorder: Callable[[Views], object] = self._record_beside
+        self.beside_ready: Callable[[], bool] = self._beside_ready
         self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
         self._allocate(max_batch, max_hw[0] * max_hw[1])
 
@@ -316,24 +324,29 @@ class GraphRunner:
             torch.cuda.empty_cache()
 
     def prepare(self, shapes: list[Shape], kinds: dict[Shape, set[StepKind]] | None = None,
-                later: list[Shape] = ()) -> None:
+                later: list[Shape] = (), beside: bool = False) -> None:
         """Sizes the buffers, loads the compiled kernels the cache has for these shapes, then captures ahead
         of time, largest first, so smaller graphs reuse the pool's blocks; last, the kernels the cache
         lacks start compiling in the background. Out of memory stops the captures: the shapes left are
         captured on first use (and their batches split if they must be). `kinds`: the step kinds a shape's
         batches run (draft mode); a shape not in it runs today's step (FULL). `later`: shapes that run after these
         (a render's hires passes): the buffers fit them now, so that their first capture drops no graph, and their
-        kernels are wanted with the others'; they are captured on first use."""
+        kernels are wanted with the others'; they are captured on first use. `beside`: the caller hands each batch's
+        `ahead` pieces to the loop before it, so the graphs that need no warm-up, other than the first shape's, are
+        left to them (captured on first use where no piece ran)."""
         self.ensure_capacity([*shapes, *later])
         if self.compiled is not None:
             self.compiled.want(self.compiled.targets([*shapes, *later]))
         for shape in shapes:
             self._share(shape, (kinds or {}).get(shape, ()))
         keys = {self.shape_key(*s, k) for s in shapes for k in (kinds or {}).get(s, {FULL})}
+        first = {self.shape_key(*s, k) for s in shapes[:1] for k in (kinds or {}).get(s, {FULL})}
         # the most rows x pixels first (the pool's blocks are reused by what follows); at equal rows and size the
         # graphs whose kernels cover the others' first, so those skip their warm-up: a 4-image guided step before
         # an 8-image batch's conditional step, the ControlNet's before the plain one, a full step before a shallow
         for key in sorted(keys, key=self._capture_order, reverse=True):
+            if beside and key not in first and self._can_capture_beside(key):
+                continue
             try:
                 self.graph(key)
             except torch.cuda.OutOfMemoryError:
@@ -342,6 +355,77 @@ class GraphRunner:
         self._settle()  # outside the handler: the failed capture's memory is free by now
         if self.compiled is not None:
             self.compiled.start()
+
+    def ahead(self, shape: Shape, kinds: set[StepKind]) -> Iterator[Callable[[], object]] | None:
+        """Pieces of `between` work (Engine.sample) that capture `shape`'s graphs of `kinds` (a batch that runs after
+        the loop they go to), one graph each, where it can be captured beside that loop (`_can_capture_beside`); None
+        when none can. Each piece looks again when it runs; what it leaves is captured on first use."""
+        if not self.beside_ready():
+            return None
+        self._share(shape, kinds)
+        keys = sorted({self.shape_key(*shape, k) for k in kinds}, key=self._capture_order, reverse=True)
+        keys = [k for k in keys if self._can_capture_beside(k)]
+        return iter([lambda key=key: self._capture_beside(key) for key in keys]) if keys else None
+
+    def _can_capture_beside(self, key: ShapeKey) -> bool:
+        """Whether `key`'s graph can be captured while another batch's loop runs: it is not captured and has not
+        fallen back, it needs no warm-up (a graph before it ran its kernels: the warm-up would run on the static
+        buffers that loop reads) nor a bigger buffer, it writes no DeepCache feature, and a capture before it made the
+        pool and torch's capture stream (`beside_ready`)."""
+        stats = self.stats.get(key)
+        return (self.beside_ready() and key not in self.graphs and not key.step.cache
+                and (stats is None or stats.state in ("pending", "released")) and self.buf.fits(key.shape)
+                and any(w.covers(Warmed.of(key)) for w in self.warmed))
+
+    def _beside_ready(self) -> bool:
+        return (self.models.device.type == "cuda" and self.pool is not None
+                and torch.cuda.graph.default_capture_stream is not None)
+
+    def _capture_beside(self, key: ShapeKey) -> bool:
+        """Captures `key`'s graph while the replays queued before still run (`ahead`): on torch's capture stream, into
+        the shared pool, in thread-local mode (the decode thread's calls stay legal), with none of a capture's usual
+        syncs. A failure is logged and leaves the graph to its first use, where the usual capture (and its fallbacks)
+        runs. Returns whether it captured."""
+        if not self._can_capture_beside(key):
+            return False
+        stats = self.stats.setdefault(key, GraphStats(key))
+        cuda = self.models.device.type == "cuda"
+        reserved = torch.cuda.memory_reserved() if cuda else 0
+        t0 = time.perf_counter()
+        try:
+            graph = self.beside_recorder(self.buf.view(key))
+        except Exception as e:  # noqa: BLE001 - out of memory included: the loop in flight is not this graph's
+            log.warning("capturing %s beside the loop before failed (%s): captured on first use", key.label,
+                        one_line(e, 200))
+            return False
+        stats.warmup, stats.warmup_rows, stats.warmup_s, stats.beside = False, 0, 0.0, True
+        stats.end_s, stats.capture_s = self._spent[1], time.perf_counter() - t0
+        # grown by: nothing was emptied first
+        stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20 if cuda else 0.0
+        self.warmed.append(Warmed.of(key))
+        self.graphs[key] = graph
+        stats.state = "graph"
+        if key.variant != PLAIN:
+            stats.compile_s = self.compiled.compile_s(key.height, key.width)
+        return True
+
+    def _record_beside(self, v: Views) -> torch.cuda.CUDAGraph:
+        """`_capture_beside`'s capture: raises after putting the pool and the CUDA generator right again."""
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+        try:
+            with torch.cuda.stream(torch.cuda.graph.default_capture_stream):
+                graph.capture_begin(self.pool, capture_error_mode="thread_local")
+                try:
+                    self.stepper(v)
+                finally:
+                    body = time.perf_counter()
+                    graph.capture_end()
+                    self._spent = (0.0, time.perf_counter() - body)
+        except BaseException:
+            graph = None  # now: the traceback keeps this frame
+            self._after_failed_capture(stream)
+            raise
+        return graph
 
     @staticmethod
     def _capture_order(key: ShapeKey) -> tuple:
@@ -502,7 +586,7 @@ class GraphRunner:
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
                  "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
-                 "end_s": round(s.end_s, 3),
+                 "end_s": round(s.end_s, 3), "beside": s.beside,
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
                  "replay_ms": round(s.replay_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
