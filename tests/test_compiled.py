@@ -311,6 +311,7 @@ def test_a_unet_with_regions_runs_compiled_and_its_replays_equal_eager(artifacts
     runner = GraphRunner(models, max_batch=3, max_hw=(SIDE, SIDE), compiled=k)
     captured = cpu_replays(runner)
     runner.prepare([Shape(3, SIDE, SIDE, 0)])
+    assert [n for n in k.notes if n.startswith("compiled kernels: 1 artifacts loaded in ")], k.notes  # the cache's
     sched = schedule("euler", 3, models.scheduler_config)
     x, noise = draw_noise([1, 2, 3], 3, (4, SIDE // 8, SIDE // 8), sched)
     cache = PromptCache(models)

@@ -336,7 +336,10 @@ class GraphRunner:
         left to them (captured on first use where no piece ran)."""
         self.ensure_capacity([*shapes, *later])
         if self.compiled is not None:
+            loaded = len(self.compiled.load_s)
             self.compiled.want(self.compiled.targets([*shapes, *later]))
+            if len(self.compiled.load_s) > loaded:  # from the cache: the report says what the loads cost
+                self.compiled.notes.append(self.compiled.load_note())
         for shape in shapes:
             self._share(shape, (kinds or {}).get(shape, ()))
         keys = {self.shape_key(*s, k) for s in shapes for k in (kinds or {}).get(s, {FULL})}
