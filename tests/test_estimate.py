@@ -202,6 +202,13 @@ def test_a_render_joins_the_cache_table_and_later_ones_average(tmp_path, monkeyp
     table = observe(seen)
     assert table.steps[StepShape(64, 64, 4, variant="eager")] == Measured(15.0, 2, False, "a render")
     assert costs.read()[CPU, "tiny"].steps == table.steps  # what the file holds
+    # graphs captured beside the loop before their batch: their seconds are hidden, in neither the rest of the wall
+    # nor each shape's capture seconds
+    stages.update(capture=0.9)
+    seen = Observed(CPU, "tiny", "graph", rows, stages, {"save": 0.05, "capture": 0.3}, 4.1, 3, 3 * 64 * 64 / 1e6, 2)
+    table = observe(seen)
+    assert table.capture_s["graph"] == pytest.approx(0.6 / 2)
+    assert table.render_s == pytest.approx(4.1 - 2.0 - 0.6 - 0.7 - 0.2 - 0.3 - 0.05)
 
 
 def test_the_wordings():

@@ -233,13 +233,15 @@ def observe(seen: Observed, file=None) -> Costs:
                 table.hidden[name] = min(1.0, max(0.0, seen.hidden.get(name, 0.0) / s[name]))
         if seen.device == CPU:  # the inputs and the decode run in place on the CPU (BatchRunner.start_decode): the
             table.hidden.update(encode=0.0, decode=0.0)  # wall holds them whole, whatever the streams' timers said
-        inside = s.get("load", 0.0) + s.get("capture", 0.0) + s.get("denoise", 0.0) + sum(
+        # the captures the wall paid: those beside a loop before their batch are hidden (GraphRunner.ahead)
+        capture = max(0.0, s.get("capture", 0.0) - seen.hidden.get("capture", 0.0))
+        inside = s.get("load", 0.0) + capture + s.get("denoise", 0.0) + sum(
             s.get(name, 0.0) * (1 - table.hidden.get(name, 0.0)) for name in ("encode", "decode", "save"))
         table.render_s = max(0.0, seen.wall_s - inside)
         if s.get("load", 0.0) > 0.5:  # weights loaded by this render (not handed in)
             table.load_s = s["load"]
-        if seen.shapes and s.get("capture", 0.0) > 0.05:
-            table.capture_s[seen.variant] = s["capture"] / seen.shapes
+        if seen.shapes and capture > 0.05:
+            table.capture_s[seen.variant] = capture / seen.shapes
 
     return costs.update(Costs(seen.device, seen.model), merge, file)
 
