@@ -312,11 +312,15 @@ class GraphRunner:
             self._settle()
             self._fall_back(key, f"capture failed: {one_line(e, 200)}")
             return None
+        self._adopt(key)
+        return self.graphs[key]
+
+    def _adopt(self, key: ShapeKey) -> None:
+        """`key`'s graph, just captured, is the one its shape replays: its state, and its kernels' build seconds."""
         stats = self.stats.setdefault(key, GraphStats(key))
         stats.state = "graph"
         if key.variant != PLAIN:
             stats.compile_s = self.compiled.compile_s(key.height, key.width)
-        return self.graphs[key]
 
     def _settle(self) -> None:
         if self.models.device.type == "cuda":
@@ -407,9 +411,7 @@ class GraphRunner:
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20 if cuda else 0.0
         self.warmed.append(Warmed.of(key))
         self.graphs[key] = graph
-        stats.state = "graph"
-        if key.variant != PLAIN:
-            stats.compile_s = self.compiled.compile_s(key.height, key.width)
+        self._adopt(key)
         return True
 
     def _record_beside(self, v: Views) -> torch.cuda.CUDAGraph:
