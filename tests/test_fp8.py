@@ -188,6 +188,7 @@ def test_the_fp8_controlnet_artifact_computes_the_fp8_net(artifacts):
     net = models.controlnets[0]
     assert set(json.loads(scales.files[1].read_text())["amax"]) == set(F.linears(net))
     reference = fp8_reference(models, scales, "controlnet")
+    assert k.bind("compiled", SIDE, SIDE, True)  # the fp16 kernels to compare with: spare until a graph needs them
     k.reserve(CONTROL.batch, SIDE * SIDE)
     for rows in (2, 8):
         inputs = step_inputs(models, rows, True, seed=rows)
@@ -309,6 +310,53 @@ def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):
     assert k.variants(2, SIDE, SIDE, True) == []
 
 
+def test_the_kernels_to_fall_back_on_load_when_a_graph_first_needs_them(tmp_path):
+    """With --fp8 the fp16 kernels the cache has are spare: listed as the size's next row but not loaded (a render
+    whose FP8 graphs hold never pays their load). A graph that falls back to them loads them before its capture; a
+    spare artifact that does not load sends the size past its row, with the reason, and stays out of the list."""
+    from types import SimpleNamespace
+
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k)
+    fp16 = k.unet_target(SIDE, SIDE, "compiled")
+    k.calls[k.unet_target(SIDE, SIDE)] = "fp8 kernels"
+    k.spare[fp16] = tmp_path / "broken.pt2"
+    (tmp_path / "broken.pt2").write_bytes(b"not an artifact")
+    shape = (2, SIDE, SIDE, False)
+    assert k.variants(*shape) == ["fp8", "compiled"] and k.loaded(SIDE, SIDE) == ["fp8"]
+    captured = []
+
+    def capture(key):
+        captured.append(key.variant)
+        if key.variant != "plain":
+            raise RuntimeError(f"{key.variant} kernels are stand-ins")
+        return SimpleNamespace(replay=lambda: runner.stepper(runner.buf.view(key)))
+
+    runner.capturer = capture
+    x, cond, _, guidance = synthetic_inputs(models, 2, SIDE, SIDE, False)
+    runner.sample(x, schedule("euler", 2, models.scheduler_config), None, cond, None, guidance)
+    assert captured == ["fp8", "plain"]  # the fp16 row's capture never ran: its kernels did not load
+    compiled = replace(runner.shape_key(2, SIDE, SIDE, False), variant="compiled")
+    assert runner.stats[compiled].state == "plain" and "did not load" in runner.stats[compiled].reason
+    assert not k.spare and fp16 not in k.calls and k.variants(*shape) == ["fp8"]
+    assert any("broken.pt2" in n for n in k.notes)
+
+    loaded = []
+    k2 = CompiledKernels(models, None, root=tmp_path, variant="fp8")
+    k2.calls[k2.unet_target(SIDE, SIDE)] = "fp8 kernels"
+    k2.spare[fp16] = tmp_path / "fp16.pt2"
+    k2.add = lambda t, path: loaded.append((t, path.name)) or k2.calls.setdefault(t, "fp16 kernels") is not None
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k2)
+    runner.capturer, captured[:] = capture, []
+    runner.sample(x, schedule("euler", 2, models.scheduler_config), None, cond, None, guidance)
+    assert captured == ["fp8", "compiled", "plain"] and loaded == [(fp16, "fp16.pt2")] and not k2.spare
+
+
 def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, artifacts):
     """`want` with --fp8: a size's fp16 UNet is loaded where the cache has it (never built), its FP8 one is what is
     built; with both loaded the size runs FP8, and both compute what they should."""
@@ -322,6 +370,8 @@ def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, art
     k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
     assert k.want(k.targets([SHAPE])) == []
     assert k.variants(*SHAPE) == ["fp8", "compiled"]
+    assert k.loaded(SIDE, SIDE) == ["fp8"]  # the fp16 kernels are spare: loaded when a graph runs on them
+    assert k.bind("compiled", SIDE, SIDE, False) and k.loaded(SIDE, SIDE) == ["fp8", "compiled"] and not k.spare
     k.reserve(SHAPE.batch, SIDE * SIDE)
     inputs = _unet_only(step_inputs(models, 4, False, seed=4))
     with torch.no_grad():

@@ -302,6 +302,9 @@ class GraphRunner:
         if self.stats.get(key) and self.stats[key].state not in ("pending", "graph", "released"):
             return None  # fell back (its state names to what)
         self.ensure_capacity([key.shape])
+        if key.variant != PLAIN and not self.compiled.bind(key.variant, key.height, key.width, bool(key.control & 1)):
+            self._fall_back(key, "its kernels did not load (the notes say why)")
+            return None
         try:
             self.graphs[key] = self.capturer(key)
         except torch.cuda.OutOfMemoryError:
@@ -380,9 +383,13 @@ class GraphRunner:
         buffers that loop reads) nor a bigger buffer, it writes no DeepCache feature, and a capture before it made the
         pool and torch's capture stream (`beside_ready`)."""
         stats = self.stats.get(key)
-        return (self.beside_ready() and key not in self.graphs and not key.step.cache
+        return (self.beside_ready() and key not in self.graphs and not key.step.cache and self._bound(key)
                 and (stats is None or stats.state in ("pending", "released")) and self.buf.fits(key.shape)
                 and any(w.covers(Warmed.of(key)) for w in self.warmed))
+
+    def _bound(self, key: ShapeKey) -> bool:
+        """Whether `key`'s kernels are loaded (a plain graph's are the modules')."""
+        return key.variant == PLAIN or key.variant in self.compiled.loaded(key.height, key.width, bool(key.control & 1))
 
     def _beside_ready(self) -> bool:
         return (self.models.device.type == "cuda" and self.pool is not None

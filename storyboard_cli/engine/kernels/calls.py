@@ -78,6 +78,9 @@ class CompiledKernels(StepCalls):
         self.calls: dict[Target, Callable] = {}
         self.built_s: dict[Target, float] = {}  # seconds a build of this run took, per target
         self.load_s: dict[Target, float] = {}  # seconds each load and constant binding took
+        # the fallback rows' artifacts the cache has for sizes whose best ones it has too: loaded when a graph of that
+        # row is first captured (`bind`: after its best one failed), not before every render
+        self.spare: dict[Target, Path] = {}
         self.waiting: list[Target] = []  # missing, handed to the builds at `start`
         super().__init__(self._unet, self._controlnet, StepCalls.eager(models).others)
         self.zeros = torch.zeros(0, dtype=models.dtype, device=models.device)
@@ -110,12 +113,19 @@ class CompiledKernels(StepCalls):
         fp16 ones when the cache had them (while the FP8 ones build, or after they failed their check)."""
         if fits(batch, height, width) is not None:
             return []
-        return self._loaded(height, width, bool(control & 1))
+        return self._loaded(height, width, bool(control & 1), spare=True)
 
-    def _loaded(self, height: int, width: int, control: bool = False) -> list[str]:
-        """The variants whose UNet kernels (and with `control` the ControlNet's) for this size are loaded, best first."""
-        return [v.name for v in self.chain if self.unet_target(height, width, v.name) in self.calls
-                and (not control or self.controlnet_target(height, width, v.name) in self.calls)]
+    def loaded(self, height: int, width: int, control: bool = False) -> list[str]:
+        """The variants whose kernels for this size (with `control` its ControlNet's too) are loaded, best first."""
+        return self._loaded(height, width, control)
+
+    def _loaded(self, height: int, width: int, control: bool = False, spare: bool = False) -> list[str]:
+        """The variants whose UNet kernels (and with `control` the ControlNet's) for this size are loaded (`spare`: or
+        in the cache, to be loaded at `bind`), best first."""
+        def have(t: Target) -> bool:
+            return t in self.calls or (spare and t in self.spare)
+        return [v.name for v in self.chain if have(self.unet_target(height, width, v.name))
+                and (not control or have(self.controlnet_target(height, width, v.name)))]
 
     def calls_for(self, variant: str) -> StepCalls:
         """The step's module calls on one variant's kernels (what a graph of that variant captures)."""
@@ -141,16 +151,17 @@ class CompiledKernels(StepCalls):
             return False
 
     def want(self, targets: Iterable[Target]) -> list[Target]:
-        """Loads what the cache has for `targets`; returns the ones it lacks (also kept for `start`). The UNets of the
-        rows this run falls back to (with --fp8: the fp16 ones) are loaded too where the cache has them (never built):
-        a size runs on them until its best kernels land."""
+        """Loads what the cache has for `targets`; returns the ones it lacks (also kept for `start`). The kernels of the
+        rows this run falls back to (with --fp8: the fp16 ones) are never built; where the cache has them they are
+        kept `spare`, loaded when a graph first runs on them (`bind`): a size whose best kernels are missing runs on
+        them until those land, one whose best kernels fail their check falls back to them."""
         targets = list(targets)
         lower = [replace(t, precision=v.precision) for t in targets if self._best(t) for v in self.chain[1:]]
         self._check_loads([self.path(t) for t in lower + targets if t not in self.calls and t not in self.waiting])
         for fallback in lower:
             path = self.path(fallback)
             if fallback not in self.calls and path.is_file():
-                self.add(fallback, path)
+                self.spare[fallback] = path
         for t in targets:
             if t in self.calls or t in self.waiting:
                 continue
@@ -161,6 +172,18 @@ class CompiledKernels(StepCalls):
                 f.unlink(missing_ok=True)  # a broken artifact is rebuilt, not tried again (a loaded copy stays mapped)
             self.waiting.append(t)
         return list(self.waiting)
+
+    def _unspare(self, targets: Iterable[Target]) -> bool:
+        """Loads those of `targets` that are spare (`spare`); False when one of them does not load (a note says why),
+        and it is spare no more."""
+        return all(self.add(t, self.spare.pop(t)) for t in targets if t in self.spare)
+
+    def bind(self, variant: str, height: int, width: int, control: bool) -> bool:
+        """Loads the kernels a graph of `variant` at this size needs (its UNet's, and with `control` its ControlNet's)
+        where they are spare, before its capture; False when one does not load: the size falls back past `variant`."""
+        need = [self.unet_target(height, width, variant)]
+        need += [self.controlnet_target(height, width, variant)] if control else []
+        return self._unspare(need)
 
     def _check_loads(self, paths: list[Path]) -> None:
         """The load checks of the artifacts the cache has without a marker (copied in from elsewhere), side by side:
@@ -223,7 +246,9 @@ class CompiledKernels(StepCalls):
         """A line for the render's notes: the artifacts loaded so far and the seconds they (and the rows' constants)
         took, a part of the capture stage before any graph is captured."""
         constants = f", the {self.variant} constants prepared in {self.constants_s:.2f} s" if self.constants else ""
-        return f"compiled kernels: {len(self.load_s)} artifacts loaded in {sum(self.load_s.values()):.2f} s{constants}"
+        spare = f"; {len(self.spare)} to fall back on, loaded if a size needs them" if self.spare else ""
+        return (f"compiled kernels: {len(self.load_s)} artifacts loaded in {sum(self.load_s.values()):.2f} s{constants}"
+                f"{spare}")
 
     def compile_s(self, height: int, width: int) -> float:
         return self.built_s.get(self.unet_target(height, width), 0.0)
