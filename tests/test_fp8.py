@@ -268,7 +268,6 @@ def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):
     FP8 once they land; an FP8 graph that fails its capture or check falls back to the fp16 kernels, those to the
     plain graph, in one loop within the batch. (The kernels are stand-ins whose captures fail: which graph a shape
     gets is the runner's choice, made before any capture; the plain graph replays its step on the CPU.)"""
-    from types import SimpleNamespace
 
     from storyboard_cli.engine.eager import EagerEngine
     from storyboard_cli.engine.graph.runner import GraphRunner
@@ -286,15 +285,7 @@ def test_a_size_runs_fp8_then_fp16_compiled_then_plain(tmp_path):
     fp8 = runner.shape_key(*shape)
     assert fp8.variant == "fp8" and fp8.label.endswith(" fp8")
     assert k.calls_for("fp8").unet.keywords == {"variant": "fp8"}
-    captured = []
-
-    def capture(key):
-        captured.append(key.variant)
-        if key.variant != "plain":
-            raise RuntimeError(f"{key.variant} kernels are stand-ins")
-        return SimpleNamespace(replay=lambda: runner.stepper(runner.buf.view(key)))
-
-    runner.capturer = capture
+    captured = stand_in_captures(runner)
     x, cond, _, guidance = synthetic_inputs(models, 2, SIDE, SIDE, False)
     sched = schedule("euler", 3, models.scheduler_config)
     got = runner.sample(x, sched, None, cond, None, guidance)
@@ -314,8 +305,6 @@ def test_the_kernels_to_fall_back_on_load_when_a_graph_first_needs_them(tmp_path
     """With --fp8 the fp16 kernels the cache has are spare: listed as the size's next row but not loaded (a render
     whose FP8 graphs hold never pays their load). A graph that falls back to them loads them before its capture; a
     spare artifact that does not load sends the size past its row, with the reason, and stays out of the list."""
-    from types import SimpleNamespace
-
     from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.engine.sampling import schedule
     from storyboard_cli.run.capture import synthetic_inputs
@@ -329,15 +318,7 @@ def test_the_kernels_to_fall_back_on_load_when_a_graph_first_needs_them(tmp_path
     (tmp_path / "broken.pt2").write_bytes(b"not an artifact")
     shape = (2, SIDE, SIDE, False)
     assert k.variants(*shape) == ["fp8", "compiled"] and k.loaded(SIDE, SIDE) == ["fp8"]
-    captured = []
-
-    def capture(key):
-        captured.append(key.variant)
-        if key.variant != "plain":
-            raise RuntimeError(f"{key.variant} kernels are stand-ins")
-        return SimpleNamespace(replay=lambda: runner.stepper(runner.buf.view(key)))
-
-    runner.capturer = capture
+    captured = stand_in_captures(runner)
     x, cond, _, guidance = synthetic_inputs(models, 2, SIDE, SIDE, False)
     runner.sample(x, schedule("euler", 2, models.scheduler_config), None, cond, None, guidance)
     assert captured == ["fp8", "plain"]  # the fp16 row's capture never ran: its kernels did not load
@@ -352,7 +333,7 @@ def test_the_kernels_to_fall_back_on_load_when_a_graph_first_needs_them(tmp_path
     k2.spare[fp16] = tmp_path / "fp16.pt2"
     k2.add = lambda t, path: loaded.append((t, path.name)) or k2.calls.setdefault(t, "fp16 kernels") is not None
     runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k2)
-    runner.capturer, captured[:] = capture, []
+    captured = stand_in_captures(runner)
     runner.sample(x, schedule("euler", 2, models.scheduler_config), None, cond, None, guidance)
     assert captured == ["fp8", "compiled", "plain"] and loaded == [(fp16, "fp16.pt2")] and not k2.spare
 
@@ -379,3 +360,20 @@ def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, art
         fp16 = run_calls(k.calls_for("compiled"), *inputs)
         fp8 = run_calls(k.calls_for("fp8"), *inputs)
     assert rel_error(fp16, full) < 1e-4 and 1e-3 < rel_error(fp8, full) < CHECK_RTOL
+
+
+def stand_in_captures(runner):
+    """Make `runner` capture only its plain graphs: a kernel variant's capture raises, as stand-in kernels would.
+    Returns the list the variants tried are appended to, in order."""
+    from types import SimpleNamespace
+
+    captured = []
+
+    def capture(key):
+        captured.append(key.variant)
+        if key.variant != "plain":
+            raise RuntimeError(f"{key.variant} kernels are stand-ins")
+        return SimpleNamespace(replay=lambda: runner.stepper(runner.buf.view(key)))
+
+    runner.capturer = capture
+    return captured
