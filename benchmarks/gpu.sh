@@ -11,8 +11,8 @@
 # it dumps every thread's Python stack into its log). ARTZ: a tarball of compiled artifacts to start the shared cache
 # with (the art.tgz of an earlier call, its checks against eager included: engine/graph/ledger.py). FP8=1: build,
 # cold, ready, curves and first with --fp8. CLOCKS=1: the GPUs' clocks, power and throttle reasons every second
-# (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and Markdown, walls.txt, machine.txt); the shared
-# cache's artifacts, when a leg built any (or checked any against eager): $OUT/art.tgz.
+# (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and Markdown, walls.txt, machine.txt); the files a leg
+# added to the shared cache (artifacts it built, checks against eager), ARTZ's left out: $OUT/art.tgz.
 #
 # Legs (ARG where a leg takes one):
 #   tests[:FILES]     pytest -m gpu, each file in a process of its own; FILES: names of tests/test_*.py joined by
@@ -43,7 +43,8 @@
 #                     its fp16 artifact; bucket16: the fp16 UNet for 16 images against 8; layout_force, layout_nd:
 #                     the up blocks' NCHW inputs, two inductor options against the fp16 artifact; tune_fp8: the
 #                     FP8 UNet's pointwise kernels tuned at build), at 1024x1024; legs side by side:
-#                     step:controlnet step:bucket16@0b, step:layout_force step:layout_nd@0b
+#                     step:controlnet step:bucket16@0b, step:layout_force step:layout_nd@0b; skip_cat: the
+#                     cache's UNets against those of the recipe before (after `build build:fp8@0b`)
 #   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel
@@ -64,7 +65,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,64p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,65p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -83,9 +84,11 @@ pack() {
   ls -la --full-time "$BCG_CACHE/compiled" > "$R/cache_at_end.txt" 2>&1
   mkdir -p "$R/builds"; cp "$BCG_CACHE"/compiled/*.{log,build.json} "$R/builds/" 2>/dev/null
   tar czf "$OUT/logs.tgz" -C "$R" .
-  if ! diff -q <(ls "$BCG_CACHE/compiled") "$R/cache_at_start.txt" > /dev/null; then
-    (cd "$BCG_CACHE/compiled" && tar czf "$OUT/art.tgz" $(ls *.pt2 *.ok *.build.json fp8-scales-*.json checked-*.json 2>/dev/null))
-  fi
+  # what the call added to the cache (ARTZ holds the rest): a file back from a call is at most 16 MiB
+  local added
+  added=$(cd "$BCG_CACHE/compiled" && ls *.pt2 *.ok *.build.json fp8-scales-*.json checked-*.json 2>/dev/null \
+    | grep -vxFf "$R/cache_at_start.txt")
+  [ -n "$added" ] && (cd "$BCG_CACHE/compiled" && tar czf "$OUT/art.tgz" $added)
 }
 trap pack EXIT
 

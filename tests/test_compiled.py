@@ -148,6 +148,34 @@ def test_the_key_follows_what_changes_the_code(models_cn):
     assert artifact_key(square, half) != key
 
 
+def test_the_unets_skip_concatenations_are_exported_nhwc(models_cn):
+    """The up blocks' torch.cat of hidden states and skip, exported while SkipCatNhwc is on: the same values, laid out
+    NHWC (the buffer the GroupNorm and the 1x1 shortcut read); other concatenations as they were."""
+    import copy
+
+    from storyboard_cli.engine.kernels.export import SkipCatNhwc, export
+
+    a, b = torch.randn(2, 6, 4, 5), torch.randn(2, 3, 4, 5)
+    with SkipCatNhwc():
+        got = torch.cat([a, b], dim=1)
+        flat = torch.cat([a.flatten(1), b.flatten(1)], dim=1)  # not 4-d
+        rows = torch.cat([a, a], dim=0)  # not the channels
+    assert torch.equal(got, torch.cat([a, b], dim=1)) and got.is_contiguous(memory_format=torch.channels_last)
+    assert not got.is_contiguous()
+    assert flat.is_contiguous() and rows.is_contiguous() and torch.equal(rows, torch.cat([a, a]))
+
+    def cats(module: str) -> list[tuple[int, int]]:  # (dim, rank) of each aten.cat in the export
+        model = copy.deepcopy(module_of(models_cn, module))
+        graph = export(Target(module, SIDE, SIDE), model).graph_module.graph
+        nodes = [n for n in graph.nodes if n.target == torch.ops.aten.cat.default]
+        return [(n.args[1], n.args[0][0].meta["val"].dim()) for n in nodes]
+
+    unet = cats("unet")
+    skips = sum(len(block.resnets) for block in models_cn.unet.up_blocks)
+    assert sorted(c for c in unet if c[1] == 4) == [(3, 4)] * skips  # each along NHWC's channels
+    assert all(rank != 4 for _, rank in cats("controlnet"))  # its key stays: tests/test_conditions.py PINNED_KEYS
+
+
 def test_a_corrupt_artifact_is_reported_and_never_crashes(tmp_path, artifacts):
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     unet = Target("unet", SIDE, SIDE)

@@ -18,6 +18,9 @@
   layout_nd   the same kernels made 2D by inductor's option triton.prefer_nd_tiling
   tune_fp8    the production FP8 UNet built with max_autotune_pointwise and coordinate_descent_tuning: its
               quantisation kernels (GEGLU's: 185 µs a call where the bandwidth allows about 90) tuned at build time
+  skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
+              fp16 and FP8 UNets at 1024² against the artifacts of the recipe before it (the other unet-*.pt2 of
+              the size in the cache), waiting for builds that run beside it (gpu.sh build build:fp8@0b)
   (these scouts run as lanes side by side, builds at once; their timings take turns on a file lock)
 
 Each build is artifacts.build (the production code) into --build-dir, stopped at --budget; the JSON is rewritten
@@ -260,9 +263,46 @@ def scout_options(args, rec: Record, models) -> None:
         timing(rec, "unet_timing", calls, make, (4, 16), args.loops, args.replays)
 
 
+def scout_skip_cat(args, rec: Record, models) -> None:
+    """The cache's UNets (today's recipe) against the ones built before it, fp16 and FP8 at `side`, side by side."""
+    import glob
+    import re
+
+    side = args.side
+    for variant in ("compiled", "fp8"):
+        k = CompiledKernels(models, root=args.cache, variant=variant)
+        target = k.unet_target(side, side)
+        new = k.path(target)
+        deadline = time.perf_counter() + max(0.0, args.budget - rec.elapsed() - 150)
+        while not new.with_suffix(".ok").is_file() and time.perf_counter() < deadline:
+            time.sleep(5)  # a build beside this scout
+        pattern = re.compile(rf"unet-{'fp8-' if variant == 'fp8' else ''}{side}x{side}-[0-9a-f]{{20}}\.pt2$")
+        old = [Path(p) for p in glob.glob(str(new.parent / "unet-*.pt2")) if pattern.search(p) and Path(p) != new]
+        rec.put(f"{variant}_artifacts", {"new": new.name, "new_ready": new.with_suffix(".ok").is_file(),
+                                         "old": [p.name for p in old]})
+        if not old or not new.with_suffix(".ok").is_file():
+            continue
+        keep_wrapper(new, args.out.with_name(args.out.stem + f"-{variant}.wrapper.cpp.gz"))
+        calls = {}
+        for name, path in (("before", old[0]), ("skip_cat", new)):
+            try:
+                calls[name] = load(target, models, path, k.constants.get(variant))
+            except Exception as e:  # noqa: BLE001
+                rec.put(f"load_{variant}_{name}", {"error": f"{type(e).__name__}: {str(e)[:1500]}"})
+        with torch.no_grad():
+            make = partial(lambda rows: inputs("unet", models.unet, rows, side, 500.0, 11))
+            if len(calls) == 2:
+                x = make(16)
+                rec.put(f"rel_err_{variant}_skip_cat_vs_before",
+                        round(rel_err(calls["skip_cat"](*x), calls["before"](*x)), 6))
+            timing(rec, f"{variant}_unet_timing", calls, make, (4, 16), args.loops, args.replays)
+        del calls
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("controlnet", "bucket16", *OPTIONS))
+    p.add_argument("what", choices=("controlnet", "bucket16", "skip_cat", *OPTIONS))
     p.add_argument("--out", type=Path, required=True, help="the JSON record (rewritten after each stage)")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
     p.add_argument("--model", default="sdxl-random")
@@ -286,7 +326,8 @@ def main() -> None:
     t0 = time.perf_counter()
     models = load_sdxl(args.model, args.model if args.what == "controlnet" else None, device, dtype)
     rec.put("load_s", round(time.perf_counter() - t0, 1))
-    scout = {"controlnet": scout_controlnet, "bucket16": scout_bucket16}.get(args.what, scout_options)
+    scout = {"controlnet": scout_controlnet, "bucket16": scout_bucket16,
+             "skip_cat": scout_skip_cat}.get(args.what, scout_options)
     scout(args, rec, models)
     if cuda:
         rec.put("peak_gb", round(torch.cuda.max_memory_allocated() / 2**30, 1))

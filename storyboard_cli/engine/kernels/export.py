@@ -8,6 +8,12 @@ and the compiled recipe applied to the module (`export`; engine/kernels/artifact
   become views into the fused weight, and the convolutions' channels_last weights are copies that every in-place
   weight write refreshes (SdxlModels.written). A LoRA swap reaches the compiled kernels as it reaches the plain ones,
   and no pointer a graph holds changes.
+- The UNet's up blocks concatenate their hidden states with the skip along the channels, and each resnet normalises
+  that and feeds it to two convolutions. Inductor keeps the concatenation NCHW (its channels_last propagation is off
+  for convolutions with dynamic rows), so the GroupNorm + SiLU kernel after it read NCHW and wrote two NHWC copies in a
+  1D kernel whose stores are C elements apart: about 11 ms of an 8 x 1024² step in six kernels
+  (docs/PERFORMANCE.md). `SkipCatNhwc` exports each such concatenation along the last dimension of NHWC views, so
+  the buffer is NHWC, and the norm and the 1x1 shortcut read it in place.
 - The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros, so one UNet
   artifact per size serves both.
 - A UNet with an IP-Adapter's processors (models/ip_adapter.py) is exported with three more inputs, the step's
@@ -17,6 +23,7 @@ and the compiled recipe applied to the module (`export`; engine/kernels/artifact
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +38,7 @@ MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the 
 # of 16; a batch of more rows runs the plain graphs
 MAX_ROWS = 16
 RECIPE = ("fused-qkv", "channels-last-weights")  # part of the key: what `export` does to the module
+UNET_RECIPE = ("skip-cat-nhwc",)  # the UNet's own part of it (SkipCatNhwc): the ControlNet's key stays
 
 
 @dataclass(frozen=True, order=True)
@@ -225,6 +233,21 @@ def channels_last_weights(models: Any, model: torch.nn.Module) -> dict[str, torc
     return out
 
 
+class SkipCatNhwc(torch.overrides.TorchFunctionMode):
+    """While exporting the UNet: `torch.cat` of 4-d tensors along the channels (the up blocks' hidden states and skip)
+    as the concatenation of their NHWC views along the last dimension, viewed back as NCHW. The same values; the buffer
+    inductor makes for it is laid out NHWC, as the convolutions after it read."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.cat:
+            tensors = args[0] if args else kwargs["tensors"]
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if dim in (1, -3) and len(tensors) > 1 and all(t.dim() == 4 for t in tensors):
+                return torch.cat([t.permute(0, 2, 3, 1) for t in tensors], dim=3).permute(0, 3, 1, 2)
+        return func(*args, **kwargs)
+
+
 def export(target: Target, model: torch.nn.Module) -> torch.export.ExportedProgram:
     """`model` (a UNet or ControlNet: its values do not matter) with the recipe applied, its call exported for
     `target`'s image size, the rows dynamic."""
@@ -243,5 +266,5 @@ def export(target: Target, model: torch.nn.Module) -> torch.export.ExportedProgr
     tagged = tagged_inputs(model, MIN_ROWS, h, w, target.tags)
     args = example_inputs(target.module, model, MIN_ROWS, h, w, target.refs, tagged)
     wrapper = UNetCall(model, tuple(tagged)) if target.module == "unet" else ControlNetCall(model)
-    with torch.no_grad():
+    with torch.no_grad(), SkipCatNhwc() if target.module == "unet" else contextlib.nullcontext():
         return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes(args), strict=False)
