@@ -437,7 +437,8 @@ def test_a_compiled_graph_at_other_rows_is_checked_against_its_kernels_outside_t
     reasons = {s.key.batch: (s.key.variant, s.state, s.reason) for s in runner.stats.values()}
     assert reasons[4][:2] == reasons[2][:2] == ("compiled", "graph")
     assert "against" not in reasons[4][2], reasons
-    assert reasons[2][2].endswith("against its kernels outside the graph (against eager at 4 images)"), reasons
+    assert reasons[2][2].endswith(
+        "against its kernels outside the graph at 1 image (against eager at 4 images)"), reasons
 
 
 def test_a_broken_capture_at_other_rows_fails_its_check_against_the_kernels(artifacts):
@@ -455,6 +456,22 @@ def test_a_broken_capture_at_other_rows_fails_its_check_against_the_kernels(arti
     failed = {s.key.variant: s for s in runner.stats.values() if s.key.batch == 2}
     assert failed["compiled"].state == "plain", failed
     assert "replay check failed" in failed["compiled"].reason and "against its kernels" in failed["compiled"].reason
+
+
+def test_a_capture_that_breaks_only_the_other_images_rows_with_nan_fails_the_one_image_check(artifacts):
+    """The first-step check at other rows compares the first image alone: a replay that leaves another image's
+    latents NaN fails it too (every image's latents must be finite), and the shape falls back."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    runner.stepper = lambda v: (runner.step(v), v.x[1:].fill_(float("nan")) if v.key.batch == 2 else None)
+    with torch.no_grad():
+        runner.sample(*four)
+        got = runner.sample(*two)
+        want = EagerEngine(models).sample(*two)
+    assert torch.equal(got, want)
+    failed = next(s for s in runner.stats.values() if s.key.batch == 2 and s.key.variant == "compiled")
+    assert failed.state == "plain" and "NaN/inf in the latents of the batch's other images" in failed.reason
 
 
 def test_after_a_weight_write_a_graph_at_other_rows_is_checked_against_eager_again(artifacts):
@@ -485,8 +502,9 @@ def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step
         two = (x, sched, noise, *two[3:])
         assert noise is not None
     replays, direct = [], []
-    step = runner.step
-    runner.step = lambda v: (direct.append(v.key.batch), step(v))
+    step, one = runner.step, runner.one_image_step
+    runner.step = lambda v: (direct.append(v.key.batch), step(v))[1]
+    runner.one_image_step = lambda v, x, noise: (direct.append(1), one(v, x, noise))[1]
     # each replay a hair off the step outside the graph (within the check's limit): what the batch keeps is visible
     runner.stepper = lambda v: (replays.append(v.key.batch), step(v), v.x.mul_(1 + 1e-5))
     steps = four[1].steps
@@ -495,15 +513,16 @@ def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step
         replays.clear()
         direct.clear()
         first = runner.sample(*two)
-        assert (replays, direct) == ([2] * steps, [2])  # the check: one step outside the graph, no extra replay
+        assert (replays, direct) == ([2] * steps, [1])  # the check: one image's step outside the graph, no replay more
         again = runner.sample(*two)
-        assert replays == [2] * 2 * steps and direct == [2]  # checked once
+        assert replays == [2] * 2 * steps and direct == [1]  # checked once
     assert torch.equal(first, again)
     with torch.no_grad():
         assert rel_error(first, EagerEngine(models).sample(*two)) < 1e-3
     stats = next(s for s in runner.stats.values() if s.key.batch == 2)
     assert stats.replays == 2 * steps and stats.state == "graph"
-    assert stats.reason.endswith("against its kernels outside the graph (against eager at 4 images)"), stats.reason
+    assert stats.reason.endswith("against its kernels outside the graph at 1 image (against eager at 4 images)"), (
+        stats.reason)
 
 
 def _runs_with_a_ledger(artifacts, root):
@@ -535,15 +554,16 @@ def test_a_later_run_on_the_same_kernels_and_weights_checks_against_its_kernels_
 
     models, later, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
     replays, direct = [], []
-    step = later.step
-    later.step = lambda v: (direct.append(v.key.batch), step(v))
+    step, one = later.step, later.one_image_step
+    later.step = lambda v: (direct.append(v.key.batch), step(v))[1]
+    later.one_image_step = lambda v, x, noise: (direct.append(1), one(v, x, noise))[1]
     later.stepper = lambda v: (replays.append(v.key.batch), step(v))
     with torch.no_grad():
         got = later.sample(*four)
         want = EagerEngine(models).sample(*four)
-    assert (replays, direct) == ([4] * four[1].steps, [4])
-    assert _first_reason(later, 4).endswith(
-        "against its kernels outside the graph (against eager at 4 images in an earlier run)"), _first_reason(later, 4)
+    assert (replays, direct) == ([4] * four[1].steps, [1])
+    assert _first_reason(later, 4).endswith("against its kernels outside the graph at 1 image (against eager at 4 "
+                                            "images in an earlier run)"), _first_reason(later, 4)
     assert torch.equal(got, was) and rel_error(got, want) < 1e-4
 
 

@@ -181,3 +181,53 @@ def test_artifact_keys_and_the_exported_inputs_are_unchanged(adapter_models):
         ((2, 4, 16, 16), f32, (1024, 256, 16, 1)), ((), f32, ()), ((2, 77, 80), f32, (6160, 80, 1)),
         ((2, 32), f32, (32, 1)), ((2, 6), f32, (6, 1)), ((2, 3, 128, 128), f32, (49152, 16384, 128, 1)),
         ((2, 1, 1, 1), f32, (1, 1, 1, 1)))
+
+
+def test_each_kind_gives_the_rows_of_its_first_images():
+    """`first_images(n, b)`, what the one-image check runs (engine/graph/check.py first_step_of_one): of CFG-doubled
+    rows (negative rows first) the first n of each half, of per-image rows the first n; the rest as it was."""
+    from storyboard_cli.engine.conditioning import Cond
+    from storyboard_cli.engine.conditions.control import Control
+    from storyboard_cli.engine.conditions.reference import Refs
+    from storyboard_cli.engine.conditions.region import Regions
+    from storyboard_cli.engine.conditions.source import Blend
+
+    b, n = 3, 1
+    rows = torch.tensor([0, b])  # image 0's negative and conditional rows
+
+    def doubled(*shape):
+        return torch.rand(2 * b, *shape)
+
+    def is_first(got, full, dim=0):
+        return torch.equal(got, full.index_select(dim, rows)) and got.is_contiguous()
+
+    cond = Cond(doubled(77, 4), doubled(5), doubled(6))
+    one = cond.first_images(n, b)
+    assert all(is_first(getattr(one, name), getattr(cond, name)) for name in ("embeds", "pooled", "time_ids"))
+
+    keep = torch.ones(10, 2)
+    control = Control(torch.rand(2, 2 * b, 3, 8, 8), torch.rand(2, 2 * b, 1, 1, 1), (0, 1), keep)
+    got = control.first_images(n, b)
+    assert is_first(got.image, control.image, 1) and is_first(got.scale, control.scale, 1)
+    assert got.nets == (0, 1) and got.keep is keep
+
+    refs = Refs(doubled(8, 4), doubled(1, 1), doubled(1, 1, 8))
+    got = refs.first_images(n, b)
+    assert is_first(got.tokens, refs.tokens) and is_first(got.scale, refs.scale) and is_first(got.mask, refs.mask)
+
+    regions = Regions(doubled(154, 4), (doubled(1, 16, 231), doubled(1, 4, 231)), (0, 1), doubled(8, 4),
+                      (doubled(16, 2), doubled(4, 2)))
+    got = regions.first_images(n, b)
+    assert is_first(got.embeds, regions.embeds) and is_first(got.ref_tokens, regions.ref_tokens)
+    assert all(is_first(g, f) for g, f in zip(got.bias + got.weight, regions.bias + regions.weight))
+    assert got.levels == (0, 1) and len(got.bias) == len(got.weight) == 2
+
+    sigma = torch.rand(10)
+    blend = Blend(torch.rand(b, 4, 8, 8), torch.rand(b, 4, 8, 8), torch.rand(b, 1, 8, 8), sigma, torch.rand(b, 4, 8, 8),
+                  torch.tensor([True, False, True]).view(b, 1, 1, 1))
+    got = blend.first_images(n, b)
+    for name in ("source_latents", "source_noise", "source_mask", "first", "fresh"):
+        assert torch.equal(getattr(got, name), getattr(blend, name)[:n]), name
+    assert got.next_sigma is sigma
+    both = Conditions.of(control, blend).first_images(n, b)
+    assert [v.kind for v in both] == [control.kind, blend.kind]

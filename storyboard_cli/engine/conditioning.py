@@ -16,6 +16,12 @@ import torch
 from storyboard_cli.models.loader import SdxlModels
 
 
+def image_rows(t: torch.Tensor, n: int, b: int, dim: int = 0) -> torch.Tensor:
+    """The rows of a batch's first `n` images in `t`, CFG-doubled rows of `b` images (negative rows first) along
+    `dim`: a tensor of its own (compiled kernels want aligned rows)."""
+    return torch.cat([t.narrow(dim, 0, n), t.narrow(dim, b, n)], dim)
+
+
 @dataclass(frozen=True)
 class Cond:
     """The text conditioning of one batch; what else conditions it (guides, references) are the kinds' values
@@ -29,6 +35,10 @@ class Cond:
         """The conditional rows alone (clones: compiled kernels assume 16-byte aligned inputs, and half of a small
         table is not)."""
         return Cond(self.embeds[b:], self.pooled[b:].clone(), self.time_ids[b:].clone())
+
+    def first_images(self, n: int, b: int) -> Cond:
+        """The rows of the batch's first `n` of `b` images (image_rows)."""
+        return Cond(image_rows(self.embeds, n, b), image_rows(self.pooled, n, b), image_rows(self.time_ids, n, b))
 
 
 @torch.no_grad()

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from storyboard_cli.engine.base import nets_of
-from storyboard_cli.engine.conditioning import BoundedCache, control_pixels, read_control_image
+from storyboard_cli.engine.conditioning import BoundedCache, control_pixels, image_rows, read_control_image
 from storyboard_cli.engine.conditions.kind import DECODE_ERRORS, Kind, Pair, Plain, Step, Unreadable
 from storyboard_cli.samplers import MAX_STEPS
 from storyboard_cli.steps import control_steps
@@ -50,6 +50,9 @@ class Control(Plain):
 
     def half(self, b: int) -> Control:
         return Control(self.image[:, b:], self.scale[:, b:].clone(), self.nets, self.keep)
+
+    def first_images(self, n: int, b: int) -> Control:
+        return Control(image_rows(self.image, n, b, 1), image_rows(self.scale, n, b, 1), self.nets, self.keep)
 
     def residuals(self, step: Step) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Every guide's ControlNet (none after the ControlNets' end: `StepKind.control`), residuals summed in the

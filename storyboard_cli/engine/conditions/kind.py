@@ -64,6 +64,12 @@ class Condition(Protocol):
         """Its tensors at one step (`index`: an int, or the graph's step counter [1] on the device)."""
         ...
 
+    def first_images(self, n: int, b: int) -> Condition:
+        """Its tensors for the first `n` of the batch's `b` images alone (rows CFG-doubled as conditioning.py
+        `image_rows` takes them; per image: the first n): what a graph's check on one image runs (engine/graph/check.py
+        `first_step_of_one`)."""
+        ...
+
     def attention(self) -> dict[str, torch.Tensor]:
         """Keyword arguments of the UNet's attention processors (cross_attention_kwargs), in the order an exported
         UNet takes them (engine/kernels/export.py UNetCall); {} for none."""
@@ -227,6 +233,9 @@ class Conditions:
 
     def at(self, index: int | torch.Tensor) -> Conditions:
         return Conditions(tuple(v.at(index) for v in self.values))
+
+    def first_images(self, n: int, b: int) -> Conditions:
+        return Conditions(tuple(v.first_images(n, b) for v in self.values))
 
     def attention(self) -> dict[str, torch.Tensor] | None:
         """Every kind's attention keyword arguments, or None for none (the UNet's own processors then)."""

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
+from storyboard_cli.engine.conditioning import image_rows
 from storyboard_cli.engine.conditions.kind import DECODE_ERRORS, Kind, Pair, Plain, Unreadable
 
 NAME = "reference"
@@ -30,6 +31,9 @@ class Refs(Plain):
     def half(self, b: int) -> Refs:
         """The conditional rows' (a step without guidance); clones: compiled kernels and SDPA want aligned rows."""
         return Refs(self.tokens[b:], self.scale[b:].clone(), self.mask[b:].clone())
+
+    def first_images(self, n: int, b: int) -> Refs:
+        return Refs(image_rows(self.tokens, n, b), image_rows(self.scale, n, b), image_rows(self.mask, n, b))
 
     def attention(self) -> dict[str, torch.Tensor]:
         """What the adapter's attention processors read (models/ip_adapter.py), in the exported UNet's input order."""

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from storyboard_cli.engine.conditioning import PromptCache
+from storyboard_cli.engine.conditioning import PromptCache, image_rows
 from storyboard_cli.engine.conditions.kind import DECODE_ERRORS, Export, Kind, Pair, Plain, Unreadable
 from storyboard_cli.errors import ModelError
 from storyboard_cli.models.regions import LEVELS, Layout, install
@@ -45,6 +45,13 @@ class Regions(Plain):
     def half(self, b: int) -> Regions:
         return Regions(self.embeds[b:], tuple(t[b:] for t in self.bias), self.levels,
                        None if self.ref_tokens is None else self.ref_tokens[b:], tuple(t[b:] for t in self.weight))
+
+    def first_images(self, n: int, b: int) -> Regions:
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return image_rows(t, n, b)
+
+        return Regions(rows(self.embeds), tuple(rows(t) for t in self.bias), self.levels,
+                       None if self.ref_tokens is None else rows(self.ref_tokens), tuple(rows(t) for t in self.weight))
 
     def attention(self) -> dict[str, torch.Tensor]:
         out = {"region_embeds": self.embeds, **{BIAS[lv]: t for lv, t in zip(self.levels, self.bias)}}

@@ -45,6 +45,13 @@ class Blend(Plain):
     def half(self, b: int) -> Blend:
         return self  # per image already
 
+    def first_images(self, n: int, b: int) -> Blend:
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:n].clone()
+
+        return Blend(rows(self.source_latents), rows(self.source_noise), rows(self.source_mask), self.next_sigma,
+                     rows(self.first), rows(self.fresh))
+
     def at(self, index: int | torch.Tensor) -> Blend:
         sigma = self.next_sigma[index:index + 1] if isinstance(index, int) else self.next_sigma.index_select(0, index)
         return Blend(self.source_latents, self.source_noise, self.source_mask, sigma)

@@ -78,6 +78,25 @@ def first_step(buf: Buffers, v: Views, replay: Callable[[], None], direct: Calla
     return result
 
 
+def first_step_of_one(v: Views, replay: Callable[[], None], one: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                      noise: torch.Tensor | None) -> tuple[float, str]:
+    """(relative error, why it fails or "") of a graph's first replay where it is the batch's first step (the batch
+    loaded in `v`), against `one`: the graph's step for the batch's first image alone, outside the graph (the kernels
+    the runner checked against the eager step at other rows, at their fewest rows: (next latents, prediction)). The
+    replay's first image is compared, and the other images' latents must be finite: a capture that breaks the static
+    buffers, the pool or the launch order breaks the first image's rows too. It costs a step of one image where
+    `first_step` costs one of the batch (at 8 images about a seventh), and nothing is loaded again: the buffers keep
+    the replay's step. The two sides run the kernels at different rows, which may round apart by a little (the limits
+    are the variants' own, far above it)."""
+    if noise is not None:
+        v.noise.copy_(noise)
+    replay()
+    x_next, denoised = one()
+    if not torch.isfinite(v.x[1:]).all():
+        return float("nan"), "NaN/inf in the latents of the batch's other images"
+    return _compare(v.key, [(v.x[:1], x_next), (v.prev[:1], denoised)])
+
+
 def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, str]:
     """The largest relative error of `pairs` (got, want), and why it fails `key`'s variant's limit or ""."""
     err = 0.0

@@ -16,7 +16,8 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   a conditional step of B rows after a guided step of B / 2 images, a compiled graph of the size at other rows); a
   capture that fails after less than a warm-up at its rows is tried again after one. The first replay of
   each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
-  rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`);
+  rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`,
+  whose reference is the step of the batch's first image alone, `one_image_step`);
   a capture failure or a mismatch sends that shape down the variant table (engine/variants.py: FP8 -> compiled ->
   plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
@@ -53,7 +54,7 @@ from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
-from storyboard_cli.engine.graph.check import first_replay, first_step
+from storyboard_cli.engine.graph.check import first_replay, first_step, first_step_of_one
 from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.graph.ledger import CheckLedger
 from storyboard_cli.engine.kernels.calls import CompiledKernels
@@ -180,6 +181,18 @@ class GraphRunner:
         v.x.copy_(x_next)
         v.prev.copy_(denoised)
         self.buf.index.add_(1)
+
+    def one_image_step(self, v: Views, x: torch.Tensor,
+                       noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step of `v.key`'s graph for the batch's first image alone, outside the graph, on tensors of its own: `x`
+        the batch's first latents, `noise` its first step's; the text, guidance and kinds read from `v`, loaded with the
+        batch (the replay leaves them as they are). (next latents, prediction) at the first step."""
+        key, b = v.key, v.key.batch
+        calls = None if key.variant == PLAIN else self.compiled.calls_for(key.variant)
+        zero = torch.zeros_like(x[:1])
+        return sample_step(self.models, x[:1].clone(), zero, zero if noise is None else noise[:1].clone(),
+                           self.buf.table[0], v.cond.first_images(1, b), v.conds.first_images(1, b).at(0),
+                           v.guidance[:1].clone(), calls, key.step, None, 0)
 
     def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
         if self.models.device.type != "cuda":
@@ -510,13 +523,18 @@ class GraphRunner:
 
     def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor, sched: Schedule,
                     noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
-        """The batch's first step on `key`'s graph, checked against the graph's step outside it (graph/check.py
-        `first_step`; the buffers loaded with the batch): True and the buffers after that step, or the shape falls back
-        a row with the reason."""
+        """The batch's first step on `key`'s graph, checked against the graph's step outside it (the buffers loaded with
+        the batch): for the batch's first image alone where the graph has more and is guided (graph/check.py
+        `first_step_of_one`: a step of one image, not of the batch), else for the batch (`first_step`). True and the
+        buffers after that step, or the shape falls back a row with the reason."""
         seen = self._checked_kernels(key)
-        err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, None if noise is None else noise[0],
-                                  cond, conds, guidance)
-        against = f" against its kernels outside the graph (against eager {seen})"
+        first = None if noise is None else noise[0]
+        one = key.batch > 1 and key.step.guided  # the check runs the first image alone (check.py first_step_of_one)
+        if one:
+            err, problem = first_step_of_one(v, graph.replay, lambda: self.one_image_step(v, x, first), first)
+        else:
+            err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, first, cond, conds, guidance)
+        against = f" against its kernels outside the graph{' at 1 image' if one else ''} (against eager {seen})"
         if problem:
             self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
