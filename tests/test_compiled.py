@@ -403,24 +403,24 @@ def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifact
     assert rel_error(wrong, expect) > 1e-3  # the second net's own weights are in the comparison
 
 
-def _runner_at_two_row_counts(artifacts):
+def _runner_at_two_row_counts(artifacts, control: int = 0):
     """A graph runner over the tiny UNet's compiled kernels (CPU replays), both shapes of one size prepared, and the
-    inputs of a batch of 4 and of 2."""
+    inputs of a batch of 4 and of 2 (`control`: with the tiny ControlNet's guide, its kernels too)."""
     from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.engine.sampling import schedule
     from storyboard_cli.run.capture import synthetic_inputs
 
     from helpers.graphs import cpu_replays
 
-    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    models = load_sdxl("tiny", "tiny" if control else None, "cpu", torch.float32)
     k = CompiledKernels(models, None, root=artifacts)
-    k.want(k.targets([Shape(4, SIDE, SIDE, 0)]))
+    k.want(k.targets([Shape(4, SIDE, SIDE, control)]))
     runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k)
     cpu_replays(runner)
-    runner.prepare([Shape(4, SIDE, SIDE, 0), Shape(2, SIDE, SIDE, 0)])
+    runner.prepare([Shape(4, SIDE, SIDE, control), Shape(2, SIDE, SIDE, control)])
     sched = schedule("euler", 3, models.scheduler_config)
     four, two = ((x, sched, None, cond, conds, guidance)
-                 for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, 0) for n in (4, 2)))
+                 for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, control) for n in (4, 2)))
     return models, runner, four, two
 
 
@@ -439,6 +439,25 @@ def test_a_compiled_graph_at_other_rows_is_checked_against_its_kernels_outside_t
     assert "against" not in reasons[4][2], reasons
     assert reasons[2][2].endswith(
         "against its kernels outside the graph at 1 image (against eager at 4 images)"), reasons
+
+
+def test_the_one_image_check_runs_the_batchs_guide_for_its_first_image(artifacts):
+    """With a ControlNet guide, the check at other rows runs the compiled UNet and ControlNet for the batch's first
+    image alone (its guide's rows, its text's): it holds, and the loop equals the eager loop."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    models, runner, four, two = _runner_at_two_row_counts(artifacts, control=1)
+    rows = []
+    one = runner.one_image_step
+    runner.one_image_step = lambda v, x, noise: (rows.append(v.conds.first_images(1, v.key.batch)), one(v, x, noise))[1]
+    with torch.no_grad():
+        got = [runner.sample(*four), runner.sample(*two)]
+        want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
+    assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
+    (guide,) = [c for c in rows[0] if c.kind == "control"]
+    assert guide.image.shape[1] == 2 and torch.equal(guide.image, two[4].get("control").image[:, [0, 2]])
+    reasons = {s.key.batch: (s.key.variant, s.state, s.reason) for s in runner.stats.values()}
+    assert reasons[2][:2] == ("compiled", "graph") and "at 1 image (against eager at 4 images)" in reasons[2][2]
 
 
 def test_a_broken_capture_at_other_rows_fails_its_check_against_the_kernels(artifacts):
