@@ -113,13 +113,9 @@ class CompiledKernels(StepCalls):
         fp16 ones when the cache had them (while the FP8 ones build, or after they failed their check)."""
         if fits(batch, height, width) is not None:
             return []
-        return self._loaded(height, width, bool(control & 1), spare=True)
+        return self.loaded(height, width, bool(control & 1), spare=True)
 
-    def loaded(self, height: int, width: int, control: bool = False) -> list[str]:
-        """The variants whose kernels for this size (with `control` its ControlNet's too) are loaded, best first."""
-        return self._loaded(height, width, control)
-
-    def _loaded(self, height: int, width: int, control: bool = False, spare: bool = False) -> list[str]:
+    def loaded(self, height: int, width: int, control: bool = False, spare: bool = False) -> list[str]:
         """The variants whose UNet kernels (and with `control` the ControlNet's) for this size are loaded (`spare`: or
         in the cache, to be loaded at `bind`), best first."""
         def have(t: Target) -> bool:
@@ -173,17 +169,13 @@ class CompiledKernels(StepCalls):
             self.waiting.append(t)
         return list(self.waiting)
 
-    def _unspare(self, targets: Iterable[Target]) -> bool:
-        """Loads those of `targets` that are spare (`spare`); False when one of them does not load (a note says why),
-        and it is spare no more."""
-        return all(self.add(t, self.spare.pop(t)) for t in targets if t in self.spare)
-
     def bind(self, variant: str, height: int, width: int, control: bool) -> bool:
         """Loads the kernels a graph of `variant` at this size needs (its UNet's, and with `control` its ControlNet's)
-        where they are spare, before its capture; False when one does not load: the size falls back past `variant`."""
+        where they are spare, before its capture; False when one does not load (a note says why; it is spare no
+        more): the size falls back past `variant`."""
         need = [self.unet_target(height, width, variant)]
         need += [self.controlnet_target(height, width, variant)] if control else []
-        return self._unspare(need)
+        return all(self.add(t, self.spare.pop(t)) for t in need if t in self.spare)
 
     def _check_loads(self, paths: list[Path]) -> None:
         """The load checks of the artifacts the cache has without a marker (copied in from elsewhere), side by side:
@@ -268,11 +260,11 @@ class CompiledKernels(StepCalls):
         # the artifact reads its inputs with the strides it was compiled for: the compiled ControlNet's
         # residuals are channels_last already (no copy); any other layout is made so
         mid, down = nhwc(mid), tuple(nhwc(d) for d in down)
-        call = self.calls[self.unet_target(8 * h, 8 * w, variant or self._loaded(8 * h, 8 * w)[0])]
+        call = self.calls[self.unet_target(8 * h, 8 * w, variant or self.loaded(8 * h, 8 * w)[0])]
         return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down, *(attention or {}).values())
 
     def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale, variant: str | None = None):
         """`variant`: which ControlNet kernels ("compiled", "fp8"); None: the best loaded for the size (as `_unet`)."""
         h, w = 8 * latents.shape[2], 8 * latents.shape[3]
-        call = self.calls[self.controlnet_target(h, w, variant or self._loaded(h, w, True)[0])]
+        call = self.calls[self.controlnet_target(h, w, variant or self.loaded(h, w, True)[0])]
         return call(latents, _scalar(t), embeds, pooled, time_ids, image, scale)
