@@ -162,14 +162,16 @@ def _lines(out: Path) -> list[dict]:
     return [json.loads(line) for f in files if f.exists() for line in f.read_text().splitlines() if line.endswith("}")]
 
 
-def _consistent(out: Path) -> list[str]:
-    """Every PNG whole, at most one manifest line per PNG and no line without its file, no temp file."""
+def _consistent(out: Path, killed: int | None = None) -> list[str]:
+    """Every PNG whole, at most one manifest line per PNG and no line without its file, no temp file but those of
+    `killed` (a writer killed with SIGKILL cannot remove its own; the next run sweeps them)."""
     pngs = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
     assert all(read_fingerprint(out / p) for p in pngs), "a broken PNG"
     paths = [r["path"] for r in _lines(out)]
     assert len(paths) == len(set(paths))
     assert set(paths) <= set(pngs)
-    assert not list(out.rglob(".*.tmp"))
+    temps = [p.name for p in out.rglob(".*.tmp")]
+    assert all(killed is not None and t.endswith(f".{killed}.tmp") for t in temps), temps
     return pngs
 
 
@@ -192,10 +194,11 @@ def test_stopped_launcher_and_killed_worker_lose_nothing(tmp_path):
     # one worker killed with SIGKILL: torchrun takes the group down; finished images stay
     runner = _torchrun("--standalone", "--nproc-per-node", "2", *_render_args(job, out))
     _wait_for_lines(out, 3, runner)
-    os.kill(_children(runner.pid)[1], signal.SIGKILL)
+    killed = _children(runner.pid)[1]
+    os.kill(killed, signal.SIGKILL)
     code, log = _finish(runner)
     assert code != 0
-    second = _consistent(out)
+    second = _consistent(out, killed)
     assert set(first) <= set(second)
     assert list((out / SHARDS).glob("rank*/manifest.jsonl")), "the dead run's shards are left for the next run"
     left = {r["path"]: r for r in _lines(out)}
