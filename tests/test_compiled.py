@@ -460,6 +460,29 @@ def test_the_one_image_check_runs_the_batchs_guide_for_its_first_image(artifacts
     assert reasons[2][:2] == ("compiled", "graph") and "at 1 image (against eager at 4 images)" in reasons[2][2]
 
 
+def test_a_row_whose_rounding_forbids_the_one_image_check_steps_the_whole_batch(artifacts, monkeypatch):
+    """A row with `check_alone` off (FP8's: its first image alone rounds too near its limit) checks the batch's first
+    step against the whole batch's step outside the graph, never the first image alone."""
+    from dataclasses import replace
+
+    from storyboard_cli.engine import variants
+    from storyboard_cli.engine.eager import EagerEngine
+
+    assert not variants.VARIANTS["fp8"].check_alone and variants.VARIANTS["compiled"].check_alone
+    monkeypatch.setitem(variants.VARIANTS, "compiled", replace(variants.VARIANTS["compiled"], check_alone=False))
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    alone = []
+    runner.one_image_step = lambda *a: alone.append(a)
+    with torch.no_grad():
+        got = [runner.sample(*four), runner.sample(*two)]
+        want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
+    assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
+    assert not alone
+    reasons = {s.key.batch: (s.key.variant, s.state, s.reason) for s in runner.stats.values()}
+    assert reasons[2][:2] == ("compiled", "graph"), reasons
+    assert reasons[2][2].endswith("against its kernels outside the graph (against eager at 4 images)"), reasons
+
+
 def test_a_broken_capture_at_other_rows_fails_its_check_against_the_kernels(artifacts):
     """The reference outside the graph is the step itself, not the graph: a replay that writes wrong latents at the
     second row count fails its check and falls back, as a failed eager check does."""
