@@ -52,6 +52,9 @@
 #   capture_thread    probes/capture_thread.py: a graph captured on a second thread while the main thread replays the
 #                     batch before (its warm-up there too, or not), against one captured after the replays and one
 #                     between two of them (the UNet at 1024², eager modules)
+#   setup[:VARIANTS]  probes/shape_setup.py, each variant (compiled,fp8 by default) in a fresh process: the cache's
+#                     UNet at 1024x1024, its first call at new rows against its second, per library, and a capture at
+#                     new rows against one at rows already captured
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -65,7 +68,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,65p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,68p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -219,6 +222,12 @@ leg() {  # LEG ARG NAME
     step "$n" 150 python benchmarks/probes/attention_scout.py --out "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke);;
   capture_thread)
     step "$n" 240 python benchmarks/probes/capture_thread.py "$R/$n.json";;
+  setup)
+    local v
+    for v in $(tr , " " <<< "${arg:-compiled,fp8}"); do  # each in a fresh process: what a first call at new rows costs
+      step "$n-$v" 120 python benchmarks/probes/shape_setup.py "$R/$n-$v.json" --variant "$v" \
+        $([ "$SMOKE" = 1 ] && echo --model tiny --side 128)
+    done;;
   load)
     local a b
     a=$(ls "$BCG_CACHE"/compiled/unet-1024x1024-*.pt2 | head -1); b=$(ls "$BCG_CACHE"/compiled/unet-1216x832-*.pt2 | head -1)
