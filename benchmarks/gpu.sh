@@ -55,6 +55,9 @@
 #   setup[:VARIANTS]  probes/shape_setup.py, each variant (compiled,fp8 by default) in a fresh process: the cache's
 #                     UNet at 1024x1024, its first call at new rows against its second, per library, and a capture at
 #                     new rows against one at rows already captured
+#   pointwise         probes/pointwise_scout.py: the FP8 step's quantisation kernels (GEGLU's, LayerNorm's, the
+#                     attention output's) compiled alone at 8 x 1024², production's options against inductor's
+#                     tuning options, against the bound their bytes give
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -68,7 +71,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,68p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,71p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -222,6 +225,9 @@ leg() {  # LEG ARG NAME
     step "$n" 150 python benchmarks/probes/attention_scout.py --out "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke);;
   capture_thread)
     step "$n" 240 python benchmarks/probes/capture_thread.py "$R/$n.json";;
+  pointwise)
+    step "$n" 300 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" python benchmarks/probes/pointwise_scout.py \
+      "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke --reps 3);;
   setup)
     local v
     for v in $(tr , " " <<< "${arg:-compiled,fp8}"); do  # each in a fresh process: what a first call at new rows costs
