@@ -12,7 +12,8 @@ code has it (benchmarks/results/step/*.wrapper.cpp.gz), at the step's shapes:
   quant     [16384, 1280] fp16 -> float8 (the attention's output before to_out: 120 calls)
   ln        LayerNorm over 1280 channels with the residual's add, then the quantisation (132 calls at that level)
 
-each with production's options, with coordinate_descent_tuning, with max_autotune_pointwise, and geglu with GELU's tanh
+each with production's options, with coordinate_descent_tuning, with max_autotune_pointwise, ln with persistent
+reductions up to 2048 elements (inductor's limit is 1024: the 1280 channels loop twice), and geglu with GELU's tanh
 form (whether erf's arithmetic bounds it); µs per call by CUDA events over --reps calls, the build's seconds, and the
 bound its bytes give at --tbps.
 
@@ -23,11 +24,13 @@ bound its bytes give at --tbps.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
+from torch._inductor.utils import run_and_get_code
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_scout import Record  # noqa: E402
@@ -37,7 +40,30 @@ VARIANTS = {
     "production": {},
     "coordinate_descent": {"coordinate_descent_tuning": True},
     "autotune_pointwise": {"max_autotune_pointwise": True},
+    "persistent_2048": {"fx_graph_cache": False},  # ln only: PersistentTo2048's choices (not in the graph cache's key)
 }
+
+
+class PersistentTo2048:
+    """Inductor's choices with persistent (one-pass) inner reductions up to 2048 elements, not 1024: LayerNorm over
+    1280 channels then reads its input once (production's artifact loops over it twice). Made on first use."""
+
+    @staticmethod
+    def make():
+        from torch._inductor import config
+        from torch._inductor.choices import InductorChoices
+        from torch._inductor.runtime.hints import ReductionHint
+
+        class Choices(InductorChoices):
+            @staticmethod
+            def should_use_persistent_reduction(features, cooperative_reduction):
+                n = features.reduction_numel
+                if (config.triton.persistent_reductions and not cooperative_reduction
+                        and features.get_reduction_hint() == ReductionHint.INNER and getattr(n, "is_number", True)):
+                    return int(n) <= 2048
+                return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+        return Choices()
 
 
 def geglu(h: torch.Tensor, scale: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -105,13 +131,20 @@ def main() -> None:
         for name, (fn, args, nbytes) in cases(a.smoke or not cuda, device, dtype).items():
             row = {"bound_us": round(nbytes / (a.tbps * 1e12) * 1e6, 1), "mb": round(nbytes / 1e6, 1)}
             for variant, options in VARIANTS.items():
-                if name == "geglu_tanh" and variant != "production":
+                if (name == "geglu_tanh" and variant != "production") or (variant == "persistent_2048"
+                                                                        and name != "ln"):
                     continue
                 torch._dynamo.reset()
                 compiled = torch.compile(fn, options=dict(options), dynamic=False)
                 t0 = time.perf_counter()
                 try:
-                    compiled(*args)
+                    if variant == "persistent_2048":
+                        from torch._inductor.virtualized import V
+
+                        with V.set_choices_handler(PersistentTo2048.make()):
+                            _, code = run_and_get_code(compiled, *args)
+                    else:
+                        _, code = run_and_get_code(compiled, *args)
                     if cuda:
                         torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001 - a scout records the failure and goes on
@@ -119,7 +152,9 @@ def main() -> None:
                     continue
                 build = time.perf_counter() - t0
                 per_call_us(compiled, args, 3)
-                row[variant] = {"us": round(per_call_us(compiled, args, a.reps), 1), "build_s": round(build, 1)}
+                kernels = sorted(set(re.findall(r"\b((?:triton|cpp)_\w+) = async_compile", "\n".join(code))))
+                row[variant] = {"us": round(per_call_us(compiled, args, a.reps), 1), "build_s": round(build, 1),
+                                "kernels": kernels}
                 results[name] = row
                 rec.put("kernels", results)
     rec.put("done", True)
