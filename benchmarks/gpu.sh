@@ -28,6 +28,9 @@
 #   job[:PARTS]       `bcg bench jobs/bench.yaml --parts PARTS` (default a_diffusers,e_bcg_compiled,f_bcg_fp8)
 #   job_eager[:PARTS] the same with CUDA_MODULE_LOADING=EAGER (every kernel module loaded when CUDA starts, none at a
 #                     kernel's first launch, which waits for the GPU's queued work: docs/PERFORMANCE.md, 2026-12-03)
+#   job_alt[:PARTS]   the same from .alt/ (git-ignored: carry it), another commit's tree (`git archive REV |
+#                     tar -x -C .alt`), its code first on the path (default e_bcg_compiled,f_bcg_fp8): an A/B of two
+#                     commits in one call, `job job_alt`
 #   slice             `--parts b_slice`: (a), (b) diffusers' regional compile, (e), (f) on the 1024x1024 shots
 #   curves            `--parts curves,profile`: step curves plain against compiled, the kernel profile
 #                     (FP8=1: `--parts fp8`, FP8's step curves and per-step drift)
@@ -71,7 +74,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,71p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,74p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -150,6 +153,9 @@ leg() {  # LEG ARG NAME
   job|job_eager)
     (if [ "$leg" = job_eager ]; then export CUDA_MODULE_LOADING=EAGER; fi
      bench "$n" 540 "${arg:-a_diffusers,e_bcg_compiled,f_bcg_fp8}");;
+  job_alt)
+    if [ ! -d .alt/storyboard_cli ]; then echo "$n: not run, no .alt/ tree" >> "$R/walls.txt"; return 1; fi
+    (cd .alt && PYTHONPATH=$PWD:$PYTHONPATH bench "$n" 540 "${arg:-e_bcg_compiled,f_bcg_fp8}");;
   slice)
     bench "$n" 300 b_slice;;
   curves)
