@@ -40,30 +40,27 @@ VARIANTS = {
     "production": {},
     "coordinate_descent": {"coordinate_descent_tuning": True},
     "autotune_pointwise": {"max_autotune_pointwise": True},
-    "persistent_2048": {"fx_graph_cache": False},  # ln only: PersistentTo2048's choices (not in the graph cache's key)
+    "persistent_2048": {"fx_graph_cache": False},  # ln only: persistent_to_2048's choices (not in the graph cache's key)
 }
 
 
-class PersistentTo2048:
+def persistent_to_2048():
     """Inductor's choices with persistent (one-pass) inner reductions up to 2048 elements, not 1024: LayerNorm over
-    1280 channels then reads its input once (production's artifact loops over it twice). Made on first use."""
+    1280 channels then reads its input once (production's artifact loops over it twice)."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
 
-    @staticmethod
-    def make():
-        from torch._inductor import config
-        from torch._inductor.choices import InductorChoices
-        from torch._inductor.runtime.hints import ReductionHint
+    class Choices(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction):
+            n = features.reduction_numel
+            if (config.triton.persistent_reductions and not cooperative_reduction
+                    and features.get_reduction_hint() == ReductionHint.INNER and getattr(n, "is_number", True)):
+                return int(n) <= 2048
+            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
 
-        class Choices(InductorChoices):
-            @staticmethod
-            def should_use_persistent_reduction(features, cooperative_reduction):
-                n = features.reduction_numel
-                if (config.triton.persistent_reductions and not cooperative_reduction
-                        and features.get_reduction_hint() == ReductionHint.INNER and getattr(n, "is_number", True)):
-                    return int(n) <= 2048
-                return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
-
-        return Choices()
+    return Choices()
 
 
 def geglu(h: torch.Tensor, scale: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -141,7 +138,7 @@ def main() -> None:
                     if variant == "persistent_2048":
                         from torch._inductor.virtualized import V
 
-                        with V.set_choices_handler(PersistentTo2048.make()):
+                        with V.set_choices_handler(persistent_to_2048()):
                             _, code = run_and_get_code(compiled, *args)
                     else:
                         _, code = run_and_get_code(compiled, *args)
