@@ -657,3 +657,45 @@ def test_the_kernels_say_what_their_loads_and_constants_took(artifacts):
     assert len(k.calls) == 2 and len(k.spare) == 2  # the FP8 UNet and ControlNet; the fp16 ones to fall back on
     assert re.fullmatch(r"compiled kernels: 2 artifacts loaded in \d+\.\d\d s, the fp8 constants prepared in "
                         r"\d+\.\d\d s; 2 to fall back on, loaded if a size needs them", k.load_note()), k.load_note()
+
+
+def test_a_unets_build_makes_inner_reductions_persistent_up_to_2048_elements(tmp_path, monkeypatch):
+    """The UNet's LayerNorms over 1280 channels: one pass over their input (artifacts.persistent_choices), where
+    inductor's own choice loops twice past 1024; the ControlNet's build keeps inductor's choices (its key is unchanged)."""
+    import sympy
+    import torch._inductor
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    from storyboard_cli.engine.kernels import artifacts
+
+    class Features:  # what the choice reads of a kernel's features
+        def __init__(self, n, hint=ReductionHint.INNER):
+            self.reduction_numel, self.hint = sympy.Integer(n), hint
+
+        def get_reduction_hint(self):
+            return self.hint
+
+    seen = {}
+
+    class Graph:  # inductor's own choice reads the graph's sizes
+        class sizevars:
+            statically_known_leq = staticmethod(lambda a, b: bool(a <= b))
+
+    def persistent(n):
+        with V.set_graph_handler(Graph):
+            return V.choices.should_use_persistent_reduction(Features(n), False)
+
+    def compile_and_package(exported, package_path, inductor_configs):
+        seen[exported] = [persistent(n) for n in (1024, 1280, 2048, 4096)]
+        raise RuntimeError("only the choices were wanted")
+
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_and_package)
+    monkeypatch.setattr(artifacts, "export", lambda target, model: target.module)
+    for module in ("unet", "controlnet"):
+        target = Target(module, SIDE, SIDE)
+        with pytest.raises(RuntimeError, match="only the choices"):
+            artifacts.build(target, module_of(models, module), artifact_path(target, models.unet, tmp_path))
+    assert seen == {"unet": [True, True, True, False], "controlnet": [True, False, False, False]}
+    assert (persistent(1024), persistent(1280)) == (True, False)  # the build's choices end with it

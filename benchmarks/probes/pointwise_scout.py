@@ -14,7 +14,7 @@ code has it (benchmarks/results/step/*.wrapper.cpp.gz), at the step's shapes:
 
 each with production's options, with coordinate_descent_tuning, with max_autotune_pointwise, ln with persistent
 reductions up to 2048 elements (inductor's limit is 1024: the 1280 channels loop twice), and geglu with GELU's tanh
-form (whether erf's arithmetic bounds it); µs per call by CUDA events over --reps calls, the build's seconds, and the
+form (whether erf's arithmetic bounds it); µs per call by CUDA events over a CUDA graph of --reps calls, the build's seconds, and the
 bound its bytes give at --tbps.
 
     python benchmarks/probes/pointwise_scout.py OUT.json [--reps 200] [--tbps 4.8]
@@ -40,6 +40,7 @@ VARIANTS = {
     "production": {},
     "coordinate_descent": {"coordinate_descent_tuning": True},
     "autotune_pointwise": {"max_autotune_pointwise": True},
+    "nd_tiling": {"triton.prefer_nd_tiling": True},
     "persistent_2048": {"fx_graph_cache": False},  # ln only: persistent_to_2048's choices (not in the graph cache's key)
 }
 
@@ -98,18 +99,37 @@ def cases(smoke: bool, device: str, dtype: torch.dtype) -> dict:
 
 
 def per_call_us(fn, args, reps: int) -> float:
+    """µs per call of `fn` in a CUDA graph of `reps` calls, as the step's kernels run: a Python loop of compiled calls
+    would time their launches (tens of µs), not a kernel of 13."""
     if not torch.cuda.is_available():
         t0 = time.perf_counter()
         for _ in range(reps):
             fn(*args)
         return (time.perf_counter() - t0) * 1e6 / reps
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn(*args)
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn(*args)
+    graph.replay()
     end.record()
     end.synchronize()
+    del graph
     return start.elapsed_time(end) * 1000 / reps
+
+
+def triton_source(code: list[str]) -> str:
+    """The generated Triton kernels' source (what the record keeps of production's code)."""
+    text = "\n".join(code)
+    at = text.find("@triton.jit")
+    return text[at:at + 4000] if at >= 0 else ""
 
 
 def main() -> None:
@@ -152,6 +172,8 @@ def main() -> None:
                 kernels = sorted(set(re.findall(r"\b((?:triton|cpp)_\w+) = async_compile", "\n".join(code))))
                 row[variant] = {"us": round(per_call_us(compiled, args, a.reps), 1), "build_s": round(build, 1),
                                 "kernels": kernels}
+                if variant == "production":
+                    row[variant]["source"] = triton_source(code)
                 results[name] = row
                 rec.put("kernels", results)
     rec.put("done", True)

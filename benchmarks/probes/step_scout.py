@@ -21,6 +21,8 @@
   skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
               fp16 and FP8 UNets at 1024² against the artifacts of the recipe before it (the other unet-*.pt2 of
               the size in the cache), waiting for builds that run beside it (gpu.sh build build:fp8@0b)
+  persistent  the same A/B for the UNet's inner reductions persistent up to 2048 elements (artifacts.persistent_choices,
+              UNET_RECIPE): the cache's UNets against those of the recipe before, carried in ARTZ
   (these scouts run as lanes side by side, builds at once; their timings take turns on a file lock)
 
 Each build is artifacts.build (the production code) into --build-dir, stopped at --budget; the JSON is rewritten
@@ -263,8 +265,9 @@ def scout_options(args, rec: Record, models) -> None:
         timing(rec, "unet_timing", calls, make, (4, 16), args.loops, args.replays)
 
 
-def scout_skip_cat(args, rec: Record, models) -> None:
-    """The cache's UNets (today's recipe) against the ones built before it, fp16 and FP8 at `side`, side by side."""
+def scout_recipe(args, rec: Record, models) -> None:
+    """The cache's UNets (today's recipe, named args.what) against the ones built before it, fp16 and FP8 at `side`,
+    side by side."""
     import glob
     import re
 
@@ -284,7 +287,8 @@ def scout_skip_cat(args, rec: Record, models) -> None:
             continue
         keep_wrapper(new, args.out.with_name(args.out.stem + f"-{variant}.wrapper.cpp.gz"))
         calls = {}
-        for name, path in (("before", old[0]), ("skip_cat", new)):
+        after = args.what
+        for name, path in (("before", old[0]), (after, new)):
             try:
                 calls[name] = load(target, models, path, k.constants.get(variant))
             except Exception as e:  # noqa: BLE001
@@ -293,8 +297,8 @@ def scout_skip_cat(args, rec: Record, models) -> None:
             make = partial(lambda rows: inputs("unet", models.unet, rows, side, 500.0, 11))
             if len(calls) == 2:
                 x = make(16)
-                rec.put(f"rel_err_{variant}_skip_cat_vs_before",
-                        round(rel_err(calls["skip_cat"](*x), calls["before"](*x)), 6))
+                rec.put(f"rel_err_{variant}_{after}_vs_before",
+                        round(rel_err(calls[after](*x), calls["before"](*x)), 6))
             timing(rec, f"{variant}_unet_timing", calls, make, (4, 16), args.loops, args.replays)
         del calls
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -302,7 +306,7 @@ def scout_skip_cat(args, rec: Record, models) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("controlnet", "bucket16", "skip_cat", *OPTIONS))
+    p.add_argument("what", choices=("controlnet", "bucket16", "skip_cat", "persistent", *OPTIONS))
     p.add_argument("--out", type=Path, required=True, help="the JSON record (rewritten after each stage)")
     p.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
     p.add_argument("--model", default="sdxl-random")
@@ -327,7 +331,7 @@ def main() -> None:
     models = load_sdxl(args.model, args.model if args.what == "controlnet" else None, device, dtype)
     rec.put("load_s", round(time.perf_counter() - t0, 1))
     scout = {"controlnet": scout_controlnet, "bucket16": scout_bucket16,
-             "skip_cat": scout_skip_cat}.get(args.what, scout_options)
+             "skip_cat": scout_recipe, "persistent": scout_recipe}.get(args.what, scout_options)
     scout(args, rec, models)
     if cuda:
         rec.put("peak_gb", round(torch.cuda.max_memory_allocated() / 2**30, 1))

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,7 +36,7 @@ import torch
 
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.device import capability
-from storyboard_cli.engine.kernels.export import MAX_ROWS, RECIPE, UNET_RECIPE, Target, export
+from storyboard_cli.engine.kernels.export import MAX_ROWS, PERSISTENT_INNER, RECIPE, UNET_RECIPE, Target, export
 from storyboard_cli.engine.variants import COMPILED, VARIANTS
 from storyboard_cli.models.tiny import cache_root
 
@@ -132,6 +133,47 @@ def artifact_path(target: Target, model: torch.nn.Module, root: Path | None = No
     return (root or cache_root() / "compiled") / name
 
 
+def persistent_choices():
+    """Inductor's choices with the GPU's inner reductions persistent (one pass) up to PERSISTENT_INNER elements, not
+    inductor's 1024: the UNet's LayerNorms over 1280 channels then read their input once, not twice (with the FP8
+    quantisation fused, 50 µs a call against 87 at 8 x 1024²: docs/PERFORMANCE.md, eighteenth session)."""
+    from torch._inductor import config
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+
+    class Choices(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction):
+            n = features.reduction_numel
+            if (config.triton.persistent_reductions and not cooperative_reduction and getattr(n, "is_number", True)
+                    and features.get_reduction_hint() == ReductionHint.INNER):
+                return int(n) <= PERSISTENT_INNER
+            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
+
+        def uuid(self) -> str:  # the graph cache's key (where torch has config.inductor_choices_class)
+            return f"bcg-persistent-inner-{PERSISTENT_INNER}"
+
+    return Choices()
+
+
+@contextmanager
+def build_choices(target: Target):
+    """The recipe's inductor choices around a build (a UNet's: UNET_RECIPE). The graph cache must not hand a build
+    the code of a graph compiled under other choices: where torch's config names the choices, its key covers them;
+    otherwise the build skips that cache."""
+    if target.module != "unet":
+        yield
+        return
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    # the handler first: it saves the thread's choices before the config names others, and restores them
+    patch = ({"inductor_choices_class": persistent_choices} if hasattr(config, "inductor_choices_class")
+             else {"fx_graph_cache": False})
+    with V.set_choices_handler(persistent_choices()), config.patch(**patch):
+        yield
+
+
 def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
     """Exports and compiles `model` (a UNet or ControlNet: its values do not matter) for `target` to
     `path`, then loads it once in this process; returns seconds per stage. Minutes of work: a child
@@ -146,7 +188,8 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
     tmp = path.parent / f".build-{os.getpid()}" / path.name
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
-        aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=options(target))
+        with build_choices(target):
+            aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=options(target))
         t2 = time.perf_counter()
         open_package(tmp).get_constant_fqns()
         t3 = time.perf_counter()

@@ -38,7 +38,10 @@ MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the 
 # of 16; a batch of more rows runs the plain graphs
 MAX_ROWS = 16
 RECIPE = ("fused-qkv", "channels-last-weights")  # part of the key: what `export` does to the module
-UNET_RECIPE = ("skip-cat-nhwc",)  # the UNet's own part of it (SkipCatNhwc): the ControlNet's key stays
+# the UNet's own part of it: SkipCatNhwc; its inner reductions persistent up to PERSISTENT_INNER elements
+# (artifacts.Choices). The ControlNet's key stays
+UNET_RECIPE = ("skip-cat-nhwc", "persistent-inner-2048")
+PERSISTENT_INNER = 2048
 
 
 @dataclass(frozen=True, order=True)
