@@ -699,3 +699,55 @@ def test_a_unets_build_makes_inner_reductions_persistent_up_to_2048_elements(tmp
             artifacts.build(target, module_of(models, module), artifact_path(target, models.unet, tmp_path))
     assert seen == {"unet": [True, True, True, False], "controlnet": [True, False, False, False]}
     assert (persistent(1024), persistent(1280)) == (True, False)  # the build's choices end with it
+
+
+def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(artifacts):
+    """The ControlNet batch's compiled graph runs kernels no graph before ran (the ControlNet's): its warm-up runs
+    between the replays of the batch before, on scratch buffers at its artifact's fewest rows, and its capture in the
+    next piece. Both loops equal the eager loop's: the loop in flight reads the static buffers and their step counter,
+    which the warm-up leaves alone."""
+    from dataclasses import replace
+
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.graph.keys import Warmed
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+    from storyboard_cli.steps import FULL
+
+    from helpers.graphs import cpu_replays
+
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    shapes = [Shape(4, SIDE, SIDE, 0), Shape(2, SIDE, SIDE, 1)]
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=CompiledKernels(models, None, root=artifacts))
+    captured = cpu_replays(runner)
+    replay, warmed = runner.capturer, []
+
+    def capture(key):  # the bookkeeping of a real capture (GraphRunner._capture): what it ran
+        graph = replay(key)
+        runner.warmed.append(Warmed.of(key))
+        return graph
+
+    def warm(small):
+        warmed.append(small)
+        GraphRunner._warm_on_scratch(runner, small)
+
+    runner.capturer, runner.beside_warmer = capture, warm
+    runner.beside_ready = lambda: True
+    runner.beside_recorder = lambda v: replay(v.key)
+    runner.prepare(shapes, beside=True)
+    control = runner.shape_key(*shapes[1], FULL)
+    assert captured == [runner.shape_key(*shapes[0], FULL)]  # the ControlNet batch's graph is left to the loop
+    sched = schedule("euler", 3, models.scheduler_config)
+    four, two = ((x, sched, None, cond, conds, guidance)
+                 for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, s.control)
+                                                  for n, s in zip((4, 2), shapes)))
+    with torch.no_grad():
+        got = [runner.sample(*four, None, runner.ahead(shapes[1], {FULL})), runner.sample(*two)]
+        want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
+    assert warmed == [replace(control, batch=1)]  # one guided image: the artifact's fewest rows
+    assert captured[1:] == [control]
+    stats = runner.stats[control]
+    assert (stats.state, stats.beside, stats.warmup, stats.warmup_rows) == ("graph", True, True, 2), runner.describe()
+    assert stats.checked and "against" not in stats.reason  # the ControlNet's kernels: checked against eager
+    assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))

@@ -68,7 +68,7 @@ class Views:
     """The static buffers sliced and shaped for one ShapeKey."""
 
     def __init__(self, r: Buffers, key: ShapeKey):
-        self.key = key
+        self.key, self.buf = key, r  # buf: whose step counter and sampler table the step reads
         b, h, w = key.batch, key.height // 8, key.width // 8
         n = b * 4 * h * w
         self.x = r.x[:n].view(b, 4, h, w)

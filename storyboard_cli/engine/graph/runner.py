@@ -29,7 +29,9 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
 - Beside the loop (`ahead`): a graph that needs no warm-up (a graph before it ran its kernels) is captured between
   the replays of the batch before its own, from the thread that queues them, while the GPU still runs the replays
   queued so far: no sync, no memory released, the step index left alone (the loop in flight reads it), capture errors
-  kept to this thread. `prepare(beside=True)` leaves those graphs to it, except the first batch's. A capture on a
+  kept to this thread. A compiled graph that needs one gets its warm-up there first (`_warm_beside`), at its
+  artifact's fewest rows on scratch buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs
+  beside the replays too. `prepare(beside=True)` leaves those graphs to it, except the first batch's. A capture on a
   second thread waited for the replays' launches (the launch queue is full): benchmarks/probes/capture_thread.py.
 - Compiled kernels (engine/kernels/) are looked at between batches: a size whose kernels became
   ready since the last batch gets a compiled graph from its next batch on.
@@ -43,6 +45,7 @@ import gc
 import logging
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -104,6 +107,8 @@ class GraphRunner:
         # a capture beside the loop before (`ahead`): Views -> captured graph, or raises; and whether one can run now
         self.beside_recorder: Callable[[Views], object] = self._record_beside
         self.beside_ready: Callable[[], bool] = self._beside_ready
+        self.beside_warmer: Callable[[ShapeKey], None] = self._warm_on_scratch  # a warm-up there (`_warm_beside`)
+        self._warmed_beside: set[ShapeKey] = set()  # warmed up beside a loop, their capture still to come
         self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
         self._allocate(max_batch, max_hw[0] * max_hw[1])
 
@@ -173,14 +178,15 @@ class GraphRunner:
 
     def step(self, v: Views) -> None:
         """One step on the static buffers of `v.key`'s graph: what its warm-up runs and its capture records."""
-        row = self.buf.table.index_select(0, self.buf.index).squeeze(0)  # [6]: sigma, t, a, b, c, s
+        index = v.buf.index  # the static buffers' (a warm-up beside the loop: its scratch buffers')
+        row = v.buf.table.index_select(0, index).squeeze(0)  # [6]: sigma, t, a, b, c, s
         calls = None if v.key.variant == PLAIN else self.compiled.calls_for(v.key.variant)
-        conds = v.conds.at(self.buf.index)  # the kinds' tensors at this step (a ControlNet's scale times its keep)
+        conds = v.conds.at(index)  # the kinds' tensors at this step (a ControlNet's scale times its keep)
         x_next, denoised = sample_step(self.models, v.x, v.prev, v.noise, row, v.cond, conds, v.guidance,
-                                       calls, v.key.step, v.feature, self.buf.index)
+                                       calls, v.key.step, v.feature, index)
         v.x.copy_(x_next)
         v.prev.copy_(denoised)
-        self.buf.index.add_(1)
+        index.add_(1)
 
     def one_image_step(self, v: Views, x: torch.Tensor,
                        noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,8 +244,13 @@ class GraphRunner:
         shape) or a batch already that small."""
         if key.variant == PLAIN or key.control & ~1:  # a second ControlNet runs its module: kernels chosen per shape
             return None
-        batch = -(-MIN_ROWS // (2 if key.step.guided else 1))
-        return self.buf.view(replace(key, batch=batch)) if batch < key.batch else None
+        small = self._warm_key(key)
+        return self.buf.view(small) if small.batch < key.batch else None
+
+    @staticmethod
+    def _warm_key(key: ShapeKey) -> ShapeKey:
+        """A compiled graph's warm-up key: its artifact's fewest rows (`_fewest_rows`), or its own where it has fewer."""
+        return replace(key, batch=min(key.batch, -(-MIN_ROWS // (2 if key.step.guided else 1))))
 
     def _record(self, v: Views, warmup: bool, small: Views | None = None) -> torch.cuda.CUDAGraph:
         """One step captured into the shared pool; `warmup`: eager steps on a side stream first (on `small`'s rows
@@ -368,7 +379,7 @@ class GraphRunner:
         # graphs whose kernels cover the others' first, so those skip their warm-up: a 4-image guided step before
         # an 8-image batch's conditional step, the ControlNet's before the plain one, a full step before a shallow
         for key in sorted(keys, key=self._capture_order, reverse=True):
-            if beside and key not in first and self._can_capture_beside(key):
+            if beside and key not in first and (self._can_capture_beside(key) or self._can_warm_beside(key)):
                 continue
             try:
                 self.graph(key)
@@ -381,24 +392,44 @@ class GraphRunner:
 
     def ahead(self, shape: Shape, kinds: set[StepKind]) -> Iterator[Callable[[], object]] | None:
         """Pieces of `between` work (Engine.sample) that capture `shape`'s graphs of `kinds` (a batch that runs after
-        the loop they go to), one graph each, where it can be captured beside that loop (`_can_capture_beside`); None
-        when none can. Each piece looks again when it runs; what it leaves is captured on first use."""
+        the loop they go to), one graph each, where it can be captured beside that loop (`_can_capture_beside`), each
+        after a piece that warms it up there where it needs that and can (`_can_warm_beside`); None when none can. Each
+        piece looks again when it runs; what it leaves is captured on first use."""
         if not self.beside_ready():
             return None
         self._share(shape, kinds)
         keys = sorted({self.shape_key(*shape, k) for k in kinds}, key=self._capture_order, reverse=True)
-        keys = [k for k in keys if self._can_capture_beside(k)]
-        return iter([lambda key=key: self._capture_beside(key) for key in keys]) if keys else None
+        pieces = []
+        for key in keys:
+            if self._can_warm_beside(key):  # then captured in the next piece (the warm-up may cover the keys after)
+                pieces.append(lambda key=key: self._warm_beside(key))
+            if pieces or self._can_capture_beside(key):
+                pieces.append(lambda key=key: self._capture_beside(key))
+        return iter(pieces) if pieces else None
 
-    def _can_capture_beside(self, key: ShapeKey) -> bool:
-        """Whether `key`'s graph can be captured while another batch's loop runs: it is not captured and has not
-        fallen back, it needs no warm-up (a graph before it ran its kernels: the warm-up would run on the static
-        buffers that loop reads) nor a bigger buffer, it writes no DeepCache feature, and a capture before it made the
-        pool and torch's capture stream (`beside_ready`)."""
+    def _left_to_beside(self, key: ShapeKey) -> bool:
+        """What a graph's capture beside another batch's loop needs, warmed up or not: it is not captured and has not
+        fallen back, it needs no bigger buffer, it writes no DeepCache feature, its kernels are loaded, and a capture
+        before it made the pool and torch's capture stream (`beside_ready`)."""
         stats = self.stats.get(key)
         return (self.beside_ready() and key not in self.graphs and not key.step.cache and self._bound(key)
-                and (stats is None or stats.state in ("pending", "released")) and self.buf.fits(key.shape)
-                and any(w.covers(Warmed.of(key)) for w in self.warmed))
+                and (stats is None or stats.state in ("pending", "released")) and self.buf.fits(key.shape))
+
+    def _covered(self, key: ShapeKey) -> bool:
+        """Whether a warm-up or capture before ran every kernel of `key`'s graph (it needs no warm-up)."""
+        return any(w.covers(Warmed.of(key)) for w in self.warmed)
+
+    def _can_capture_beside(self, key: ShapeKey) -> bool:
+        """Whether `key`'s graph can be captured while another batch's loop runs: `_left_to_beside`, and it needs no
+        warm-up (a warm-up on the static buffers would break the loop that reads them: `_warm_beside` runs elsewhere)."""
+        return self._left_to_beside(key) and self._covered(key)
+
+    def _can_warm_beside(self, key: ShapeKey) -> bool:
+        """Whether `key`'s graph needs a warm-up that can run while another batch's loop runs (`_warm_beside`): a
+        compiled graph with one ControlNet at most, whose artifact's fewest rows run every kernel of it
+        (`Warmed.covers`), and `_left_to_beside`. A plain graph's kernels are chosen per shape: its warm-up would be a
+        step at its batch's rows."""
+        return key.variant != PLAIN and not key.control & ~1 and self._left_to_beside(key) and not self._covered(key)
 
     def _bound(self, key: ShapeKey) -> bool:
         """Whether `key`'s kernels are loaded (a plain graph's are the modules')."""
@@ -407,6 +438,39 @@ class GraphRunner:
     def _beside_ready(self) -> bool:
         return (self.models.device.type == "cuda" and self.pool is not None
                 and torch.cuda.graph.default_capture_stream is not None)
+
+    def _warm_beside(self, key: ShapeKey) -> bool:
+        """`key`'s warm-up while the replays queued before still run (`ahead`): a step at its artifact's fewest rows on
+        scratch buffers of its own (`beside_warmer`), with no sync; the loop in flight reads the static buffers and
+        their step counter, which it leaves alone. What it costs is mostly the host's setup of new shapes (cuDNN's
+        plans: a first call at new rows 0.4-0.95 s against 0.06-0.21 s for the next, docs/PERFORMANCE.md, eighteenth
+        session), there beside the replays. A failure is logged and leaves the graph to its first use. Returns whether
+        it warmed up."""
+        if not self._can_warm_beside(key):
+            return False
+        small = self._warm_key(key)
+        t0 = time.perf_counter()
+        try:
+            self.beside_warmer(small)
+        except Exception as e:  # noqa: BLE001 - out of memory included: the loop in flight is not this graph's
+            log.warning("warming %s up beside the loop before failed (%s): captured on first use", key.label,
+                        one_line(e, 200))
+            return False
+        stats = self.stats.setdefault(key, GraphStats(key))
+        stats.warmup, stats.warmup_rows, stats.warmup_s = True, Warmed.of(small).rows, time.perf_counter() - t0
+        self.warmed.append(Warmed.of(small))
+        self._warmed_beside.add(key)
+        return True
+
+    def _warm_on_scratch(self, small: ShapeKey) -> None:
+        """`_warm_beside`'s step: on buffers made for it, on the warm-ups' stream (their blocks stay that stream's in
+        the allocator, so freeing them with the step queued is safe), never the static buffers or their counter."""
+        cuda = self.models.device.type == "cuda"
+        if cuda and self.side is None:
+            self.side = torch.cuda.Stream()
+        with torch.cuda.stream(self.side) if cuda else nullcontext():
+            scratch = Buffers(self.models, small.batch, small.height * small.width)
+            self.stepper(scratch.view(small))
 
     def _capture_beside(self, key: ShapeKey) -> bool:
         """Captures `key`'s graph while the replays queued before still run (`ahead`): on torch's capture stream, into
@@ -425,8 +489,11 @@ class GraphRunner:
             log.warning("capturing %s beside the loop before failed (%s): captured on first use", key.label,
                         one_line(e, 200))
             return False
-        stats.warmup, stats.warmup_rows, stats.warmup_s, stats.beside = False, 0, 0.0, True
-        stats.end_s, stats.capture_s = self._spent[1], time.perf_counter() - t0
+        if key not in self._warmed_beside:  # else its warm-up beside counts in (`_warm_beside`)
+            stats.warmup, stats.warmup_rows, stats.warmup_s = False, 0, 0.0
+        self._warmed_beside.discard(key)
+        stats.beside, stats.end_s = True, self._spent[1]
+        stats.capture_s = stats.warmup_s + time.perf_counter() - t0
         # grown by: nothing was emptied first
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20 if cuda else 0.0
         self.warmed.append(Warmed.of(key))
@@ -463,6 +530,7 @@ class GraphRunner:
             stats = self.stats[key]
             stats.state, stats.reason, stats.checked = "released", reason, False
         self.graphs.clear()
+        self._warmed_beside.clear()
         self.pool = None
         self.buf.feature = None  # DeepCache's: no graph points at it any more
         gc.collect()
