@@ -13,8 +13,9 @@ code has it (benchmarks/results/step/*.wrapper.cpp.gz), at the step's shapes:
   ln        LayerNorm over 1280 channels with the residual's add, then the quantisation (132 calls at that level)
 
 each with production's options, with coordinate_descent_tuning, with max_autotune_pointwise, ln with persistent
-reductions up to 2048 elements (inductor's limit is 1024: the 1280 channels loop twice), and geglu with GELU's tanh
-form (whether erf's arithmetic bounds it); µs per call by CUDA events over a CUDA graph of --reps calls, the build's seconds, and the
+reductions up to 2048 elements (inductor's limit is 1024: the 1280 channels loop twice; the UNet's builds since the
+eighteenth session, artifacts.persistent_choices), geglu with GELU's tanh form (whether erf's arithmetic bounds it),
+and geglu, quant and ln multiplying by the scale's inverse instead of dividing by the scale; µs per call by CUDA events over a CUDA graph of --reps calls, the build's seconds, and the
 bound its bytes give at --tbps.
 
     python benchmarks/probes/pointwise_scout.py OUT.json [--reps 200] [--tbps 4.8]
@@ -27,6 +28,7 @@ import argparse
 import re
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,49 +37,41 @@ from torch._inductor.utils import run_and_get_code
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_scout import Record  # noqa: E402
 
+from storyboard_cli.engine.kernels.artifacts import persistent_choices  # noqa: E402
+
 FP8_MAX = 448.0
 VARIANTS = {
     "production": {},
     "coordinate_descent": {"coordinate_descent_tuning": True},
     "autotune_pointwise": {"max_autotune_pointwise": True},
     "nd_tiling": {"triton.prefer_nd_tiling": True},
-    "persistent_2048": {"fx_graph_cache": False},  # ln only: persistent_to_2048's choices (not in the graph cache's key)
+    "persistent_2048": {"fx_graph_cache": False},  # ln only: the UNet build's choices (not in the graph cache's key)
 }
+ONLY = {"geglu_tanh": ("production",), "geglu_inv": ("production",), "quant_inv": ("production",),
+        "ln_inv": ("production", "persistent_2048")}  # the variants a case runs (the others: every one)
 
 
-def persistent_to_2048():
-    """Inductor's choices with persistent (one-pass) inner reductions up to 2048 elements, not 1024: LayerNorm over
-    1280 channels then reads its input once (production's artifact loops over it twice)."""
-    from torch._inductor import config
-    from torch._inductor.choices import InductorChoices
-    from torch._inductor.runtime.hints import ReductionHint
-
-    class Choices(InductorChoices):
-        @staticmethod
-        def should_use_persistent_reduction(features, cooperative_reduction):
-            n = features.reduction_numel
-            if (config.triton.persistent_reductions and not cooperative_reduction
-                    and features.get_reduction_hint() == ReductionHint.INNER and getattr(n, "is_number", True)):
-                return int(n) <= 2048
-            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction)
-
-    return Choices()
-
-
-def geglu(h: torch.Tensor, scale: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def geglu(h: torch.Tensor, scale: torch.Tensor, approximate: str = "none", inverse: bool = False) -> torch.Tensor:
     hidden, gate = h.chunk(2, dim=-1)
     x = hidden * torch.nn.functional.gelu(gate, approximate=approximate)
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return to_fp8(x, scale, inverse)
 
 
-def quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """fp8.Fp8Linear's quantisation (`x / scale`); `inverse`: `scale` holds 1 / scale and multiplies, one
+    multiplication an element where the division is a dozen instructions (GEGLU's kernel is bound by its arithmetic)."""
+    return (x * scale if inverse else x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def ln(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, b: torch.Tensor, scale: torch.Tensor):
+def quant(x: torch.Tensor, scale: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    return to_fp8(x, scale, inverse)
+
+
+def ln(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+       inverse: bool = False):
     h = x + residual
     y = torch.nn.functional.layer_norm(h, (h.shape[-1],), w, b)
-    return h, (y / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return h, to_fp8(y, scale, inverse)
 
 
 def cases(smoke: bool, device: str, dtype: torch.dtype) -> dict:
@@ -95,6 +89,11 @@ def cases(smoke: bool, device: str, dtype: torch.dtype) -> dict:
         "geglu640": (geglu, (r(m640, 5120), s), m640 * 5120 * 2 + m640 * 2560),
         "quant": (quant, (r(m, 1280), s), m * 1280 * 3),
         "ln": (ln, (r(m, 1280), r(m, 1280), r(1280), r(1280), s), m * 1280 * (2 + 2 + 2 + 1)),
+        # the same with the scale's inverse multiplied (production's options, and ln's persistent choices)
+        "geglu_inv": (partial(geglu, inverse=True), (r(m, 10240), 1 / s), m * 10240 * 2 + m * 5120),
+        "quant_inv": (partial(quant, inverse=True), (r(m, 1280), 1 / s), m * 1280 * 3),
+        "ln_inv": (partial(ln, inverse=True), (r(m, 1280), r(m, 1280), r(1280), r(1280), 1 / s),
+                   m * 1280 * (2 + 2 + 2 + 1)),
     }
 
 
@@ -148,8 +147,9 @@ def main() -> None:
         for name, (fn, args, nbytes) in cases(a.smoke or not cuda, device, dtype).items():
             row = {"bound_us": round(nbytes / (a.tbps * 1e12) * 1e6, 1), "mb": round(nbytes / 1e6, 1)}
             for variant, options in VARIANTS.items():
-                if (name == "geglu_tanh" and variant != "production") or (variant == "persistent_2048"
-                                                                        and name != "ln"):
+                only = ONLY.get(name)
+                if (only is not None and variant not in only) or (variant == "persistent_2048"
+                                                                  and not name.startswith("ln")):
                     continue
                 torch._dynamo.reset()
                 compiled = torch.compile(fn, options=dict(options), dynamic=False)
@@ -158,7 +158,7 @@ def main() -> None:
                     if variant == "persistent_2048":
                         from torch._inductor.virtualized import V
 
-                        with V.set_choices_handler(persistent_to_2048()):
+                        with V.set_choices_handler(persistent_choices()):
                             _, code = run_and_get_code(compiled, *args)
                     else:
                         _, code = run_and_get_code(compiled, *args)
