@@ -124,11 +124,15 @@ def main() -> None:
             return
         captures = {}
         pool = torch.cuda.graph_pool_handle()
+        # every graph kept: a pool dies with its last graph, and a capture into a dead pool's handle trips the
+        # allocator's assert (use_count > 0, CUDACachingAllocator.cpp; what this probe hit on 2026-12-04)
+        graphs = []
         for rows in map(int, a.capture_rows.split(",")):
             x = inputs(rows)
             got = {}
             for name in ("first", "second"):
                 graph = torch.cuda.CUDAGraph()
+                graphs.append(graph)
                 s, _ = synced(lambda: _capture(graph, pool, call, x))
                 got[f"{name}_s"] = round(s, 3)
                 replay, _ = synced(graph.replay)
