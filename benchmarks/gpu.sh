@@ -47,7 +47,9 @@
 #                     the up blocks' NCHW inputs, two inductor options against the fp16 artifact; tune_fp8: the
 #                     FP8 UNet's pointwise kernels tuned at build), at 1024x1024; legs side by side:
 #                     step:controlnet step:bucket16@0b, step:layout_force step:layout_nd@0b; skip_cat: the
-#                     cache's UNets against those of the recipe before (after `build build:fp8@0b`)
+#                     cache's UNets against those of the recipe before (after `build build:fp8@0b`); persistent:
+#                     the same for the persistent reductions (the recipe before carried in ARTZ); fp8_inverse: the
+#                     FP8 UNet quantising by a bound inverse scale against the cache's artifact
 #   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel
@@ -74,7 +76,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,74p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,76p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}

@@ -15,8 +15,7 @@ code has it (benchmarks/results/step/*.wrapper.cpp.gz), at the step's shapes:
 each with production's options, with coordinate_descent_tuning, with max_autotune_pointwise, ln with persistent
 reductions up to 2048 elements (inductor's limit is 1024: the 1280 channels loop twice; the UNet's builds since the
 eighteenth session, artifacts.persistent_choices), geglu with GELU's tanh form (whether erf's arithmetic bounds it),
-and geglu, quant and ln multiplying by the scale's inverse instead of dividing by the scale (geglu also with the
-reciprocal taken in the kernel); µs per call by CUDA events over a CUDA graph of --reps calls, the build's seconds, and the
+and geglu, quant and ln multiplying by the scale's inverse instead of dividing by the scale; µs per call by CUDA events over a CUDA graph of --reps calls, the build's seconds, and the
 bound its bytes give at --tbps.
 
     python benchmarks/probes/pointwise_scout.py OUT.json [--reps 200] [--tbps 4.8]
@@ -48,26 +47,20 @@ VARIANTS = {
     "nd_tiling": {"triton.prefer_nd_tiling": True},
     "persistent_2048": {"fx_graph_cache": False},  # ln only: the UNet build's choices (not in the graph cache's key)
 }
-ONLY = {"geglu_tanh": ("production",), "geglu_inv": ("production",), "geglu_recip": ("production",), "quant_inv": ("production",),
+ONLY = {"geglu_tanh": ("production",), "geglu_inv": ("production",), "quant_inv": ("production",),
         "ln_inv": ("production", "persistent_2048")}  # the variants a case runs (the others: every one)
 
 
-def geglu(h: torch.Tensor, scale: torch.Tensor, approximate: str = "none", inverse: bool | str = False) -> torch.Tensor:
+def geglu(h: torch.Tensor, scale: torch.Tensor, approximate: str = "none", inverse: bool = False) -> torch.Tensor:
     hidden, gate = h.chunk(2, dim=-1)
     x = hidden * torch.nn.functional.gelu(gate, approximate=approximate)
     return to_fp8(x, scale, inverse)
 
 
-def to_fp8(x: torch.Tensor, scale: torch.Tensor, inverse: bool | str = False) -> torch.Tensor:
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """fp8.Fp8Linear's quantisation (`x / scale`); `inverse`: `scale` holds 1 / scale and multiplies, one
-    multiplication an element where the division is a dozen instructions (GEGLU's kernel is bound by its arithmetic);
-    "reciprocal": the scale as production binds it, its reciprocal taken in the kernel (one division a thread, if the
-    compiler shares it between a thread's elements, and no new constant to bind)."""
-    if inverse == "reciprocal":
-        y = x * scale.reciprocal()
-    else:
-        y = x * scale if inverse else x / scale
-    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    multiplication an element where the division is a dozen instructions (GEGLU's kernel is bound by its arithmetic)."""
+    return (x * scale if inverse else x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def quant(x: torch.Tensor, scale: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -98,7 +91,6 @@ def cases(smoke: bool, device: str, dtype: torch.dtype) -> dict:
         "ln": (ln, (r(m, 1280), r(m, 1280), r(1280), r(1280), s), m * 1280 * (2 + 2 + 2 + 1)),
         # the same with the scale's inverse multiplied (production's options, and ln's persistent choices)
         "geglu_inv": (partial(geglu, inverse=True), (r(m, 10240), 1 / s), m * 10240 * 2 + m * 5120),
-        "geglu_recip": (partial(geglu, inverse="reciprocal"), (r(m, 10240), s), m * 10240 * 2 + m * 5120),
         "quant_inv": (partial(quant, inverse=True), (r(m, 1280), 1 / s), m * 1280 * 3),
         "ln_inv": (partial(ln, inverse=True), (r(m, 1280), r(m, 1280), r(1280), r(1280), 1 / s),
                    m * 1280 * (2 + 2 + 2 + 1)),

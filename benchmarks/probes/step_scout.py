@@ -18,6 +18,9 @@
   layout_nd   the same kernels made 2D by inductor's option triton.prefer_nd_tiling
   tune_fp8    the production FP8 UNet built with max_autotune_pointwise and coordinate_descent_tuning: its
               quantisation kernels (GEGLU's: 185 µs a call where the bandwidth allows about 90) tuned at build time
+  fp8_inverse the production FP8 UNet with its inputs quantised by multiplying with a bound inverse scale, not by
+              dividing by the scale (Fp8Linear.quantise; built with RECIPES' change), against the cache's artifact at
+              2 and 8 images
   skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
               fp16 and FP8 UNets at 1024² against the artifacts of the recipe before it (the other unet-*.pt2 of
               the size in the cache), waiting for builds that run beside it (gpu.sh build build:fp8@0b)
@@ -40,7 +43,9 @@ import faulthandler
 import os
 import sys
 import time
+from contextlib import ExitStack
 from functools import partial
+from unittest import mock
 from pathlib import Path
 from typing import Callable
 
@@ -231,7 +236,41 @@ OPTIONS = {  # scout -> (the UNet's variant, the inductor options added to produ
     "layout_force": ("compiled", {"force_layout_optimization": True}),
     "layout_nd": ("compiled", {"triton.prefer_nd_tiling": True}),
     "tune_fp8": ("fp8", {"max_autotune_pointwise": True, "coordinate_descent_tuning": True}),
+    "fp8_inverse": ("fp8", {}),  # with RECIPES' change
 }
+
+
+class InverseScale:
+    """The FP8 Linears' inputs quantised by multiplying with a bound inverse scale (`x_inv`, a constant of its own),
+    not by dividing by the scale: GEGLU's fused kernel is bound by its arithmetic, a full fp32 division an element
+    among it (benchmarks/probes/pointwise_scout.py). The reciprocal cannot be taken inside the artifact: inductor folds
+    an op on constants alone at build time, with the build's placeholder values (0.49 error, seen on the CPU)."""
+
+    def __init__(self, constants):
+        self.base = constants
+        self.note = constants.note
+
+    def tensors(self, models, model) -> dict:
+        out = dict(self.base.tensors(models, model))
+        out.update({n[: -len("x_scale")] + "x_inv": t.reciprocal() for n, t in out.items() if n.endswith(".x_scale")})
+        return out
+
+    @staticmethod
+    def patches():
+        init = fp8.Fp8Linear.__init__
+
+        def with_inverse(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.register_buffer("x_inv", torch.ones_like(self.x_scale))
+
+        def quantise(self, x):
+            return (x * self.x_inv).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+
+        return [mock.patch.object(fp8.Fp8Linear, "__init__", with_inverse),
+                mock.patch.object(fp8.Fp8Linear, "quantise", quantise)]
+
+
+RECIPES = {"fp8_inverse": InverseScale}  # scout -> its recipe change: the build's patches, the constants it binds
 
 
 def scout_options(args, rec: Record, models) -> None:
@@ -247,11 +286,16 @@ def scout_options(args, rec: Record, models) -> None:
     if (prod := production(args, rec, k, target, models)) is not None:
         calls["prod"] = prod
     artifacts.INDUCTOR_OPTIONS.update(extra)
-    path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60)
+    recipe = RECIPES.get(name)
+    with ExitStack() as patched:
+        for patch in recipe.patches() if recipe else ():
+            patched.enter_context(patch)
+        path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60)
     if path is not None:
         keep_wrapper(path, args.out.with_suffix(".wrapper.cpp.gz"))
         try:
-            calls[name] = load(target, models, path, k.constants.get(variant))
+            constants = k.constants.get(variant)
+            calls[name] = load(target, models, path, recipe(constants) if recipe else constants)
         except Exception as e:  # noqa: BLE001
             rec.put(f"load_{name}", {"error": f"{type(e).__name__}: {str(e)[:1500]}"})
     with open(args.build_dir.parent / "step-scout-timing.lock", "w") as lock, torch.no_grad():

@@ -59,9 +59,14 @@ class Fp8Linear(torch.nn.Module):
         self.register_buffer("bias", None if linear.bias is None else torch.empty_like(linear.bias))
         self.out_dtype = w.dtype
 
+    def quantise(self, x: torch.Tensor) -> torch.Tensor:
+        """The input in float8_e4m3fn at its static scale, saturating at +-448: pointwise, so the compiler fuses it into
+        the kernel that makes the input (a LayerNorm, GEGLU)."""
+        return (x / self.x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         lead, k = x.shape[:-1], x.shape[-1]
-        xq = (x / self.x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        xq = self.quantise(x)
         if x.device.type == "cpu":
             # the same arithmetic (FP8 values, float32 products and sums) as a float matmul of the dequantised values:
             # FP8 kernels run on FP8 GPUs only, and on the CPU (the tests') torch's _scaled_mm is a reference loop,
