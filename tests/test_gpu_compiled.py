@@ -96,6 +96,11 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(se
     assert stats.checked and "against" not in stats.reason, stats.reason  # the ControlNet's kernels, against eager
     assert_rel_close(got[0], eager.sample(*first), RTOL)
     assert_rel_close(got[1], eager.sample(*second), RTOL)
+    # each batch's lead, from `sample`'s entry to its loop's first replay, is timed on the graph of its first step
+    torch.cuda.synchronize()
+    rows = {r["shape"]: r for r in fresh.describe()}
+    for key in (fresh.shape_key(*shapes[0], FULL), control):
+        assert rows[key.label]["batches"] == 1 and rows[key.label]["lead_ms"] > 0, rows[key.label]
 
 
 def test_a_second_process_loads_from_the_cache(setup):

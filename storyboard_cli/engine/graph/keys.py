@@ -79,9 +79,17 @@ class GraphStats:
     beside: bool = False  # captured between the replays of the batch before its own (GraphRunner.ahead)
     replays: int = 0
     events: list = field(default_factory=list)  # (start, end, steps) CUDA events, read lazily
+    # (entry, loop) CUDA events of each batch that began on this graph: from `sample`'s entry to its loop's first
+    # replay, what ran before the loop (the inputs' copies, the first step and its check, the host's work between)
+    leads: list = field(default_factory=list)
 
     @property
     def replay_ms(self) -> float:
         done = [(s.elapsed_time(e), n) for s, e, n in self.events if e.query()]
         steps = sum(n for _, n in done)
         return sum(ms for ms, _ in done) / steps if steps else 0.0
+
+    @property
+    def lead_ms(self) -> float:
+        """Milliseconds from its batches' entries to their loops, summed (`leads`)."""
+        return sum(s.elapsed_time(e) for s, e in self.leads if e.query())

@@ -620,6 +620,7 @@ class GraphRunner:
         capture runs between `between`'s pieces."""
         if self.compiled is not None:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
+        entry = self._event()  # what runs before the loop counts from here (GraphStats.leads)
         b, _, h, w = x.shape
         conds = conds or Conditions()
         shape = Shape(b, 8 * h, 8 * w, conds.bits)
@@ -641,8 +642,11 @@ class GraphRunner:
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
         for i, (key, graph) in enumerate(steps[start:], start):
             if segment is None or segment[0] != key:
+                first = segment is None
                 self._time(segment, i)
                 segment = (key, self._event(), i)
+                if first and entry is not None:  # the batch's lead: its entry to its loop's first replay
+                    self.stats[steps[0][0]].leads.append((entry, segment[1]))
             if noise is not None:
                 v.noise.copy_(noise[i])
             graph.replay()
@@ -687,5 +691,5 @@ class GraphRunner:
                  "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
                  "end_s": round(s.end_s, 3), "beside": s.beside,
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
-                 "replay_ms": round(s.replay_ms, 3)}
+                 "replay_ms": round(s.replay_ms, 3), "batches": len(s.leads), "lead_ms": round(s.lead_ms, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
