@@ -661,7 +661,8 @@ def test_the_kernels_say_what_their_loads_and_constants_took(artifacts):
 
 def test_a_unets_build_makes_inner_reductions_persistent_up_to_2048_elements(tmp_path, monkeypatch):
     """The UNet's LayerNorms over 1280 channels: one pass over their input (artifacts.persistent_choices), where
-    inductor's own choice loops twice past 1024; the ControlNet's build keeps inductor's choices (its key is unchanged)."""
+    inductor's own choice loops twice past 1024; the ControlNet's build keeps inductor's choices (its key is
+    unchanged)."""
     import sympy
     import torch._inductor
     from torch._inductor.runtime.hints import ReductionHint
@@ -719,7 +720,8 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
 
     models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
     shapes = [Shape(4, SIDE, SIDE, 0), Shape(2, SIDE, SIDE, 1)]
-    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=CompiledKernels(models, None, root=artifacts))
+    kernels = CompiledKernels(models, None, root=artifacts)
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=kernels)
     captured = cpu_replays(runner)
     replay, warmed = runner.capturer, []
 

@@ -15,8 +15,8 @@ code has it (benchmarks/results/step/*.wrapper.cpp.gz), at the step's shapes:
 each with production's options, with coordinate_descent_tuning, with max_autotune_pointwise, ln with persistent
 reductions up to 2048 elements (inductor's limit is 1024: the 1280 channels loop twice; the UNet's builds since the
 eighteenth session, artifacts.persistent_choices), geglu with GELU's tanh form (whether erf's arithmetic bounds it),
-and geglu, quant and ln multiplying by the scale's inverse instead of dividing by the scale; µs per call by CUDA events over a CUDA graph of --reps calls, the build's seconds, and the
-bound its bytes give at --tbps.
+and geglu, quant and ln multiplying by the scale's inverse instead of dividing by the scale; µs per call by CUDA
+events over a CUDA graph of --reps calls, the build's seconds, and the bound its bytes give at --tbps.
 
     python benchmarks/probes/pointwise_scout.py OUT.json [--reps 200] [--tbps 4.8]
     python benchmarks/probes/pointwise_scout.py /tmp/p.json --smoke      # CPU: small shapes, the code path only
@@ -28,6 +28,7 @@ import argparse
 import re
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from torch._inductor.utils import run_and_get_code
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_scout import Record  # noqa: E402
 
-from storyboard_cli.engine.kernels.artifacts import persistent_choices  # noqa: E402
+from storyboard_cli.engine.kernels.artifacts import unet_choices  # noqa: E402
 
 FP8_MAX = 448.0
 VARIANTS = {
@@ -45,7 +46,7 @@ VARIANTS = {
     "coordinate_descent": {"coordinate_descent_tuning": True},
     "autotune_pointwise": {"max_autotune_pointwise": True},
     "nd_tiling": {"triton.prefer_nd_tiling": True},
-    "persistent_2048": {"fx_graph_cache": False},  # ln only: the UNet build's choices (not in the graph cache's key)
+    "persistent_2048": {},  # ln only: built under the UNet build's choices (artifacts.unet_choices)
 }
 ONLY = {"geglu_tanh": ("production",), "geglu_inv": ("production",), "quant_inv": ("production",),
         "ln_inv": ("production", "persistent_2048")}  # the variants a case runs (the others: every one)
@@ -155,12 +156,7 @@ def main() -> None:
                 compiled = torch.compile(fn, options=dict(options), dynamic=False)
                 t0 = time.perf_counter()
                 try:
-                    if variant == "persistent_2048":
-                        from torch._inductor.virtualized import V
-
-                        with V.set_choices_handler(persistent_choices()):
-                            _, code = run_and_get_code(compiled, *args)
-                    else:
+                    with unet_choices() if variant == "persistent_2048" else nullcontext():
                         _, code = run_and_get_code(compiled, *args)
                     if cuda:
                         torch.cuda.synchronize()

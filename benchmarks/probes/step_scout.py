@@ -45,9 +45,9 @@ import sys
 import time
 from contextlib import ExitStack
 from functools import partial
-from unittest import mock
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import torch
 

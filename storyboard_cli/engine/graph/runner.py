@@ -249,7 +249,8 @@ class GraphRunner:
 
     @staticmethod
     def _warm_key(key: ShapeKey) -> ShapeKey:
-        """A compiled graph's warm-up key: its artifact's fewest rows (`_fewest_rows`), or its own where it has fewer."""
+        """A compiled graph's warm-up key: its artifact's fewest rows (`_fewest_rows`), or its own where it has
+        fewer."""
         return replace(key, batch=min(key.batch, -(-MIN_ROWS // (2 if key.step.guided else 1))))
 
     def _record(self, v: Views, warmup: bool, small: Views | None = None) -> torch.cuda.CUDAGraph:
@@ -403,7 +404,7 @@ class GraphRunner:
         for key in keys:
             if self._can_warm_beside(key):  # then captured in the next piece (the warm-up may cover the keys after)
                 pieces.append(lambda key=key: self._warm_beside(key))
-            if pieces or self._can_capture_beside(key):
+            if pieces or self._can_capture_beside(key):  # after a warm-up piece: its capture looks when it runs
                 pieces.append(lambda key=key: self._capture_beside(key))
         return iter(pieces) if pieces else None
 
@@ -421,7 +422,8 @@ class GraphRunner:
 
     def _can_capture_beside(self, key: ShapeKey) -> bool:
         """Whether `key`'s graph can be captured while another batch's loop runs: `_left_to_beside`, and it needs no
-        warm-up (a warm-up on the static buffers would break the loop that reads them: `_warm_beside` runs elsewhere)."""
+        warm-up (a warm-up on the static buffers would break the loop that reads them: `_warm_beside` runs
+        elsewhere)."""
         return self._left_to_beside(key) and self._covered(key)
 
     def _can_warm_beside(self, key: ShapeKey) -> bool:

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -157,13 +157,10 @@ def persistent_choices():
 
 
 @contextmanager
-def build_choices(target: Target):
-    """The recipe's inductor choices around a build (a UNet's: UNET_RECIPE). The graph cache must not hand a build
-    the code of a graph compiled under other choices: where torch's config names the choices, its key covers them;
-    otherwise the build skips that cache."""
-    if target.module != "unet":
-        yield
-        return
+def unet_choices():
+    """The UNet's inductor choices (UNET_RECIPE) around its build. The graph cache must not hand a build the code of a
+    graph compiled under other choices: where torch's config names the choices, its key covers them; otherwise the
+    build skips that cache."""
     from torch._inductor import config
     from torch._inductor.virtualized import V
 
@@ -188,7 +185,7 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
     tmp = path.parent / f".build-{os.getpid()}" / path.name
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with build_choices(target):
+        with unet_choices() if target.module == "unet" else nullcontext():
             aoti_compile_and_package(exported, package_path=str(tmp), inductor_configs=options(target))
         t2 = time.perf_counter()
         open_package(tmp).get_constant_fqns()

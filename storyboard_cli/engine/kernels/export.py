@@ -38,10 +38,10 @@ MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the 
 # of 16; a batch of more rows runs the plain graphs
 MAX_ROWS = 16
 RECIPE = ("fused-qkv", "channels-last-weights")  # part of the key: what `export` does to the module
-# the UNet's own part of it: SkipCatNhwc; its inner reductions persistent up to PERSISTENT_INNER elements
-# (artifacts.Choices). The ControlNet's key stays
-UNET_RECIPE = ("skip-cat-nhwc", "persistent-inner-2048")
-PERSISTENT_INNER = 2048
+PERSISTENT_INNER = 2048  # the most elements of an inner reduction the UNet's kernels make in one pass
+# the UNet's own part of it: SkipCatNhwc, and its builds' inductor choices (artifacts.unet_choices). The ControlNet's
+# key stays
+UNET_RECIPE = ("skip-cat-nhwc", f"persistent-inner-{PERSISTENT_INNER}")
 
 
 @dataclass(frozen=True, order=True)
