@@ -238,7 +238,7 @@ def test_a_worker_killed_under_gpus_is_a_failure_and_the_launcher_merges_the_sha
     assert sorted(Manifest(out).records) == pngs and len(pngs) >= 3
     assert not any(n.endswith(dist.SHARDS_LEFT) for n in report["notes"])
     # the count is every worker's, the dead one's merged lines included, not rank 0's alone
-    assert report["images_rendered"] == len(pngs), (report["images_rendered"], len(pngs))
+    assert report["images_rendered"] == len(pngs), (report["images_rendered"], len(pngs), report["notes"], log)
     assert f"died from SIGKILL; the {len(pngs)} images this run rendered are kept, the next run renders the rest" in log
     assert "interrupted:" not in log and "sent no figures" not in log, log  # rank 0's partial view is not printed
 
@@ -431,6 +431,31 @@ def test_the_launcher_records_an_image_a_killed_worker_wrote_but_did_not_record(
     assert dist._settle_report(out, "", 1, None).images_rendered == 3  # two lines of the run's, one recovered
     assert json.loads((out / "report.json").read_text())["images_rendered"] == 3
     assert dist._merge_after(out, job, time.time() + 60) == 0  # nothing left to recover, and none of a later run's
+
+
+def test_after_a_death_or_rank_0_failing_the_count_is_what_the_manifest_holds_of_the_run(tmp_path, tiny_cpu):
+    """Rank 0's figures count the workers whose reports came in. A CI run saw a worker killed while rank 0 published
+    a report without the note that others sent none: 3 images in the manifest, 0 counted. Once a worker died, or
+    rank 0 failed (it then publishes at once, without the note), the launcher counts what the manifest holds."""
+    from storyboard_cli.errors import Status
+    from storyboard_cli.folder.layout import read_report
+    from storyboard_cli.folder.report import write_report
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.render import RenderOptions, render
+
+    job = load_job(write_job(tmp_path, "version: 1\nmodel: tiny\ndefaults: {steps: 2, size: 64x64}\nshots:\n"
+                                       "  - {id: a, prompt: x, seed: 3, candidates: 3}\n"))
+    out = render(job, RenderOptions(out_dir=tmp_path / "out"), models=tiny_cpu).out_dir
+    rank0 = Report.from_json(read_report(out)).recounted(0)  # rank 1 rendered all three; its figures never came
+    for status, death, want in [(Status.INTERRUPTED, "worker rank 1 (pid 7) died from SIGKILL", 3),
+                                (Status.ERROR, None, 3), (Status.INTERRUPTED, None, 0)]:
+        write_report(out, replace(rank0, status=status, notes=[]))
+        settled = dist._settle_report(out, "", 0, death)
+        assert settled.images_rendered == want, (status, death)
+        assert json.loads((out / "report.json").read_text())["images_rendered"] == want
+        assert settled.status == (Status.ERROR if death else status)
+    write_report(out, replace(rank0, status=Status.ERROR, notes=[]))
+    assert dist._settle_report(out, "", None, "died").images_rendered == 0  # the folder not settled: nothing to count
 
 
 def test_rank_0_done_with_its_batches_shows_the_others_progress_to_the_total(monkeypatch):

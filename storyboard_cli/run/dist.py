@@ -372,13 +372,15 @@ def _settle_report(out_dir: Path, started: str, recovered: int | None, death: st
     """This run's report (rank 0's) made true once its folder is whole (`recovered`: _merge_after's count, None
     where it could not): with the shards merged, its count of images is what the manifest holds of the run (rank 0
     counted only the workers whose figures came in), plus the images a killed worker wrote but did not record, and
-    the note that the next run merges them goes; a dead worker makes its status an error naming it. None where rank
-    0 wrote no report this run."""
+    the note that the next run merges them goes; a dead worker makes its status an error naming it. Rank 0's own count
+    stands only where every worker's figures came in: not after a worker died, nor after rank 0 failed (it then
+    publishes without waiting for them, and without the note). None where rank 0 wrote no report this run."""
     data = read_report(out_dir)
     if not data or data.get("run", {}).get("started", "") < started:
         return None  # rank 0 wrote none this run
     report = Report.from_json(data)  # this run's: written by this version, every key there
-    if recovered is not None and (recovered or any(n.endswith(SHARDS_LEFT) for n in report.notes)):
+    partial = death or report.status == Status.ERROR or any(n.endswith(SHARDS_LEFT) for n in report.notes)
+    if recovered is not None and (recovered or partial):
         run = report.run.get("id")
         landed = sum(r.get("run") == run for r in Manifest(out_dir).records.values()) + recovered
         report = replace(report.recounted(landed), notes=[n for n in report.notes if not n.endswith(SHARDS_LEFT)])
