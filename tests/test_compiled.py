@@ -657,6 +657,17 @@ def test_the_kernels_say_what_their_loads_and_constants_took(artifacts):
     assert len(k.calls) == 2 and len(k.spare) == 2  # the FP8 UNet and ControlNet; the fp16 ones to fall back on
     assert re.fullmatch(r"compiled kernels: 2 artifacts loaded in \d+\.\d\d s, the fp8 constants prepared in "
                         r"\d+\.\d\d s; 2 to fall back on, loaded if a size needs them", k.load_note()), k.load_note()
+    # a render's: each deferred to its graph's first capture (GraphRunner._bind), its load checks already run
+    k = CompiledKernels(models, None, root=artifacts, variant="fp8")
+    assert k.want(k.targets([Shape(2, SIDE, SIDE, 1)]), defer=True) == []
+    assert not k.calls and [t.module for t in k.deferred()] == ["unet", "controlnet"] and len(k.spare) == 4
+    assert k.variants(2, SIDE, SIDE, 1) == ["fp8", "compiled"]
+    assert re.fullmatch(r"compiled kernels: 2 in the cache, each loaded before its graph's first capture, the fp8 "
+                        r"constants prepared in \d+\.\d\d s; 2 to fall back on, loaded if a size needs them",
+                        k.load_note()), k.load_note()
+    assert k.bind("fp8", SIDE, SIDE, False) and [t.module for t in k.calls] == ["unet"]
+    assert re.fullmatch(r"compiled kernels: 1 artifacts loaded in \d+\.\d\d s, 1 more in the cache, each loaded "
+                        r"before its graph's first capture, .*", k.load_note()), k.load_note()
 
 
 def test_a_unets_build_makes_inner_reductions_persistent_up_to_2048_elements(tmp_path, monkeypatch):
@@ -706,7 +717,8 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
     """The ControlNet batch's compiled graph runs kernels no graph before ran (the ControlNet's): its warm-up runs
     between the replays of the batch before, on scratch buffers at its artifact's fewest rows, and its capture in the
     next piece. Both loops equal the eager loop's: the loop in flight reads the static buffers and their step counter,
-    which the warm-up leaves alone."""
+    which the warm-up leaves alone. Its kernels are loaded there too, in a piece before the warm-up: `prepare` loads
+    only the first batch's (the ControlNet's artifact is deferred to its graph's capture)."""
     from dataclasses import replace
 
     from storyboard_cli.engine.eager import EagerEngine
@@ -740,6 +752,7 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
     runner.prepare(shapes, beside=True)
     control = runner.shape_key(*shapes[1], FULL)
     assert captured == [runner.shape_key(*shapes[0], FULL)]  # the ControlNet batch's graph is left to the loop
+    assert [t.module for t in kernels.calls] == ["unet"] and [t.module for t in kernels.deferred()] == ["controlnet"]
     sched = schedule("euler", 3, models.scheduler_config)
     four, two = ((x, sched, None, cond, conds, guidance)
                  for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, s.control)
@@ -751,5 +764,6 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
     assert captured[1:] == [control]
     stats = runner.stats[control]
     assert (stats.state, stats.beside, stats.warmup, stats.warmup_rows) == ("graph", True, True, 2), runner.describe()
+    assert stats.load_s > 0 and not kernels.deferred()  # the ControlNet's artifact, loaded by the piece before
     assert stats.checked and "against" not in stats.reason  # the ControlNet's kernels: checked against eager
     assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))

@@ -483,3 +483,31 @@ def test_rank_0_done_with_its_batches_shows_the_others_progress_to_the_total(mon
     session.delivered, session.polled, session.pending = 30, 0.0, SimpleNamespace(outputs=40)
     assert session._gather(stopped=False) == [0, 1]
     assert [(e.kind, e.done, e.total) for e in shown] == [("progress", 35, 40), ("progress", 40, 40)]
+
+
+def test_a_worker_that_captures_on_first_use_wants_the_kernels_of_every_shape_it_may_claim(tmp_path, tiny_cpu):
+    """A multi-GPU worker captures nothing ahead (it captures the shapes it claims, on first use), yet its engine is
+    told of every shape: their compiled kernels are wanted (loaded before each graph's first capture, built where the
+    cache lacks them), not only the hires passes'. Before, such a worker ran plain graphs under `--compile auto`."""
+    from storyboard_cli.engine.base import Shape
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.render import RenderOptions, RenderSession
+
+    class Told(EagerEngine):
+        def prepare(self, shapes, kinds=None, later=(), beside=False):
+            self.told = (list(shapes), list(later), beside)
+
+    class FirstUse(RenderSession):
+        def capture_ahead(self, shapes):
+            return []
+
+    job = load_job(write_job(tmp_path, "version: 1\nmodel: tiny\nbuckets: [2]\ndefaults: {steps: 2}\nshots:\n"
+                                       "  - {id: a, prompt: x, seed: 3, size: 64x64, candidates: 2}\n"
+                                       "  - {id: b, prompt: y, seed: 4, size: 64x96, candidates: 2}\n"))
+    engine = Told(tiny_cpu)
+    session = FirstUse(job, RenderOptions(out_dir=tmp_path / "out"), models=tiny_cpu, engine=engine)
+    session.prepare()
+    shapes, later, beside = engine.told
+    assert shapes == [] and beside
+    assert sorted(later) == sorted([Shape(2, 64, 64, False), Shape(2, 96, 64, False)]), later

@@ -338,6 +338,37 @@ def test_the_kernels_to_fall_back_on_load_when_a_graph_first_needs_them(tmp_path
     assert captured == ["fp8", "compiled", "plain"] and loaded == [(fp16, "fp16.pt2")] and not k2.spare
 
 
+def test_a_deferred_artifact_that_does_not_load_at_its_capture_falls_back_and_is_built_again(tmp_path):
+    """A render defers its best kernels to each graph's first capture (`want(defer=True)`). One that does not load
+    then is what a broken one was at `want`: the size goes past its row (to plain here: no fp16 kernels), with the
+    reason, and the artifact and its marker are removed and wanted again, for the background build."""
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.kernels.artifacts import _digest
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    k = CompiledKernels(models, None, root=tmp_path, variant="fp8")
+    best = k.unet_target(SIDE, SIDE)
+    path = k.path(best)
+    path.write_bytes(b"not an artifact")
+    path.with_suffix(".ok").write_text(f"loaded {_digest(path)}\n")  # it passed its load check
+    assert k.want(k.targets([Shape(2, SIDE, SIDE, False)]), defer=True) == []
+    assert k.deferred() == [best] and not k.calls and k.variants(2, SIDE, SIDE, False) == ["fp8"]
+    assert "1 in the cache, each loaded before its graph's first capture" in k.load_note(), k.load_note()
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k)
+    captured = stand_in_captures(runner)
+    x, cond, _, guidance = synthetic_inputs(models, 2, SIDE, SIDE, False)
+    runner.sample(x, schedule("euler", 2, models.scheduler_config), None, cond, None, guidance)
+    assert captured == ["plain"]  # the FP8 capture never ran: its kernels did not load
+    fp8 = replace(runner.shape_key(2, SIDE, SIDE, False), variant="fp8")
+    assert runner.stats[fp8].state == "plain" and "did not load" in runner.stats[fp8].reason
+    assert runner.stats[fp8].load_s > 0
+    assert k.waiting == [best] and not path.exists() and not path.with_suffix(".ok").exists()
+    assert not k.deferred() and k.variants(2, SIDE, SIDE, False) == []
+    assert any(path.name in n and "not used" in n for n in k.notes), k.notes
+
+
 def test_fp8_loads_the_fp16_unet_the_cache_has_and_builds_only_fp8(tmp_path, artifacts):
     """`want` with --fp8: a size's fp16 UNet is loaded where the cache has it (never built), its FP8 one is what is
     built; with both loaded the size runs FP8, and both compute what they should."""

@@ -84,15 +84,17 @@ STALL_S = 30.0
 
 @pytest.mark.slow
 def test_kill_9_of_everything_mid_job_then_a_restart_completes_the_job(server, tmp_path, tiny_cpu):
-    slow = JOB.replace("buckets: [1, 2]", "buckets: [1]").replace("steps: 2", "steps: 10").replace("candidates: 3",
-                                                                                                  "candidates: 2")
+    # 5 images of 6 steps, one a batch: killed as the first lands, with the worker's id read before, so that nothing
+    # but a poll stands between them (a CI run whose cores were busy once saw the job end before the kill)
+    slow = JOB.replace("buckets: [1, 2]", "buckets: [1]").replace("steps: 2", "steps: 6")
     path = write_job(tmp_path, slow)
     server.start(lease_s=2)
+    killed = eventually(lambda: {w["id"] for w in httpx.get(server.url + "/v1/workers", timeout=10).json()["workers"]},
+                        bool, poll_s=0.05)  # its worker, registered before any job
     r = httpx.post(server.url + "/v1/jobs", content=path.read_bytes(), headers={"Content-Type": "application/yaml"})
     assert r.status_code == 202
     job_id = r.json()["id"]
-    server.wait(job_id, lambda j: j["images_by_state"].get("done", 0) >= 1)
-    killed = {w["id"] for w in httpx.get(server.url + "/v1/workers", timeout=10).json()["workers"]}
+    eventually(lambda: server.job(job_id), lambda j: j["images_by_state"].get("done", 0) >= 1, poll_s=0.05)
     server.kill_everything()  # the server and its worker, mid-job (kill -9 of the process group)
 
     restarted = time.time()

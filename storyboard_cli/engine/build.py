@@ -50,9 +50,9 @@ def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, note
         return None
     builds = Builds(models.device, on_event, retry_failed=compile == "on", notes=notes)
     compiled = CompiledKernels(models, builds, notes, variant=row.name)
-    if compile == "on" and compiled.want(compiled.targets(shapes)):
+    if compile == "on" and compiled.want(compiled.targets(shapes), defer=True):  # each loaded before its capture
         compiled.wait()
-    if compiled.load_s:
+    if compiled.load_s or compiled.deferred():
         notes.append(compiled.load_note())
     return compiled
 

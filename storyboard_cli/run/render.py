@@ -246,8 +246,11 @@ class RenderSession:
             runner = self.batch_runner()
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())
         with self.timings.stage("capture"):
-            # each batch's graphs that need no warm-up are captured beside the loop before it (BatchRunner.run_batch)
-            self.engine.prepare(self.capture_ahead(shapes), batch_kinds(self.batches), later, beside=True)
+            # each batch's graphs that need no warm-up are captured beside the loop before it (BatchRunner.run_batch);
+            # the shapes not captured ahead are the engine's too (their kernels wanted, its buffers fit them)
+            ahead = self.capture_ahead(shapes)
+            self.engine.prepare(ahead, batch_kinds(self.batches), [s for s in shapes if s not in ahead] + later,
+                                beside=True)
         stop.check()
         self.sink = self.open_sink(manifest)
         self.policy = OutOfMemoryPolicy(runner, self.sink)

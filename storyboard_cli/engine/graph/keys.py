@@ -75,6 +75,7 @@ class GraphStats:
     warmup_s: float = 0.0  # of capture_s: the warm-up step (host time to the GPU's end)
     end_s: float = 0.0  # of capture_s: torch's end of capture (the driver ends it and instantiates the graph)
     compile_s: float = 0.0  # the background build of this size's kernels, when this run made them
+    load_s: float = 0.0  # loading its kernels from the cache before its capture (deferred: GraphRunner._bind)
     pool_mb: float = 0.0
     beside: bool = False  # captured between the replays of the batch before its own (GraphRunner.ahead)
     replays: int = 0

@@ -327,8 +327,7 @@ class GraphRunner:
         if self.stats.get(key) and self.stats[key].state not in ("pending", "graph", "released"):
             return None  # fell back (its state names to what)
         self.ensure_capacity([key.shape])
-        if key.variant != PLAIN and not self.compiled.bind(key.variant, key.height, key.width, bool(key.control & 1)):
-            self._fall_back(key, "its kernels did not load (the notes say why)")
+        if not self._bind(key):
             return None
         try:
             self.graphs[key] = self.capturer(key)
@@ -342,6 +341,18 @@ class GraphRunner:
             return None
         self._adopt(key)
         return self.graphs[key]
+
+    def _bind(self, key: ShapeKey) -> bool:
+        """Loads `key`'s kernels where they are not loaded yet (CompiledKernels.bind: deferred or spare), the seconds
+        in its stats; False when one does not load: the graph has fallen back (`_fall_back`)."""
+        if self._bound(key):
+            return True
+        t0 = time.perf_counter()
+        ok = self.compiled.bind(key.variant, key.height, key.width, bool(key.control & 1))
+        self.stats.setdefault(key, GraphStats(key)).load_s += time.perf_counter() - t0
+        if not ok:
+            self._fall_back(key, "its kernels did not load (the notes say why)")
+        return ok
 
     def _adopt(self, key: ShapeKey) -> None:
         """`key`'s graph, just captured, is the one its shape replays: its state, and its kernels' build seconds."""
@@ -368,9 +379,10 @@ class GraphRunner:
         left to them (captured on first use where no piece ran)."""
         self.ensure_capacity([*shapes, *later])
         if self.compiled is not None:
-            loaded = len(self.compiled.load_s)
-            self.compiled.want(self.compiled.targets([*shapes, *later]))
-            if len(self.compiled.load_s) > loaded:  # from the cache: the report says what the loads cost
+            before = (len(self.compiled.load_s), len(self.compiled.deferred()))
+            # `beside`: each graph's kernels are loaded before its capture, the later ones' beside a loop (`ahead`)
+            self.compiled.want(self.compiled.targets([*shapes, *later]), defer=beside)
+            if (len(self.compiled.load_s), len(self.compiled.deferred())) != before:  # the report says what they cost
                 self.compiled.notes.append(self.compiled.load_note())
         for shape in shapes:
             self._share(shape, (kinds or {}).get(shape, ()))
@@ -402,6 +414,8 @@ class GraphRunner:
         keys = sorted({self.shape_key(*shape, k) for k in kinds}, key=self._capture_order, reverse=True)
         pieces = []
         for key in keys:
+            if self._left_to_beside(key) and not self._bound(key):  # its kernels loaded first, in a piece of their own
+                pieces.append(lambda key=key: self._bind_beside(key))
             if self._can_warm_beside(key):  # then captured in the next piece (the warm-up may cover the keys after)
                 pieces.append(lambda key=key: self._warm_beside(key))
             if pieces or self._can_capture_beside(key):  # after a warm-up piece: its capture looks when it runs
@@ -413,7 +427,7 @@ class GraphRunner:
         fallen back, it needs no bigger buffer, it writes no DeepCache feature, its kernels are loaded, and a capture
         before it made the pool and torch's capture stream (`beside_ready`)."""
         stats = self.stats.get(key)
-        return (self.beside_ready() and key not in self.graphs and not key.step.cache and self._bound(key)
+        return (self.beside_ready() and key not in self.graphs and not key.step.cache and self._bound(key, spare=True)
                 and (stats is None or stats.state in ("pending", "released")) and self.buf.fits(key.shape))
 
     def _covered(self, key: ShapeKey) -> bool:
@@ -433,9 +447,19 @@ class GraphRunner:
         step at its batch's rows."""
         return key.variant != PLAIN and not key.control & ~1 and self._left_to_beside(key) and not self._covered(key)
 
-    def _bound(self, key: ShapeKey) -> bool:
-        """Whether `key`'s kernels are loaded (a plain graph's are the modules')."""
-        return key.variant == PLAIN or key.variant in self.compiled.loaded(key.height, key.width, bool(key.control & 1))
+    def _bound(self, key: ShapeKey, spare: bool = False) -> bool:
+        """Whether `key`'s kernels are loaded (a plain graph's are the modules'); `spare`: or in the cache, to be loaded
+        before its capture (`_bind`)."""
+        return key.variant == PLAIN or key.variant in self.compiled.loaded(key.height, key.width, bool(key.control & 1),
+                                                                           spare)
+
+    def _bind_beside(self, key: ShapeKey) -> bool:
+        """`key`'s kernels loaded while the replays queued before still run (`ahead`), before its warm-up and capture
+        there: the host's work of opening the artifacts and binding the model's tensors (no copy), hidden behind the
+        loop. Returns whether it loaded them; one that does not load sends the graph past its row (`_bind`)."""
+        if not self._left_to_beside(key) or self._bound(key):
+            return False
+        return self._bind(key)
 
     def _beside_ready(self) -> bool:
         return (self.models.device.type == "cuda" and self.pool is not None
@@ -466,10 +490,14 @@ class GraphRunner:
 
     def _warm_on_scratch(self, small: ShapeKey) -> None:
         """`_warm_beside`'s step: on buffers made for it, on the warm-ups' stream (their blocks stay that stream's in
-        the allocator, so freeing them with the step queued is safe), never the static buffers or their counter."""
+        the allocator, so freeing them with the step queued is safe), never the static buffers or their counter. That
+        stream waits for the work queued so far (no host wait): the weights its kernels read may have been made by the
+        piece before (`_bind_beside`: a first load's channels_last and FP8 copies, queued behind the loop)."""
         cuda = self.models.device.type == "cuda"
         if cuda and self.side is None:
             self.side = torch.cuda.Stream()
+        if cuda:
+            self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side) if cuda else nullcontext():
             scratch = Buffers(self.models, small.batch, small.height * small.width)
             self.stepper(scratch.view(small))
@@ -693,5 +721,6 @@ class GraphRunner:
                  "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
                  "end_s": round(s.end_s, 3), "beside": s.beside,
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
-                 "replay_ms": round(s.replay_ms, 3), "batches": len(s.leads), "lead_ms": round(s.lead_ms, 3)}
+                 "replay_ms": round(s.replay_ms, 3), "batches": len(s.leads), "lead_ms": round(s.lead_ms, 3),
+                 "load_s": round(s.load_s, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
