@@ -77,22 +77,28 @@ def test_a_compiled_graphs_warm_up_runs_at_the_fewest_rows(setup):
 def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(setup):
     """The ControlNet batch's compiled graph (kernels no graph before ran) is warmed up between the replays of the
     batch before, on scratch buffers on the warm-ups' stream with no sync, and captured in the next piece on torch's
-    capture stream: both loops stay close to the uncompiled eager loops, and its first replay checks against eager."""
+    capture stream: both loops stay close to the uncompiled eager loops, and its first replay checks against eager.
+    Its ControlNet's artifact is loaded there too, in the piece before the warm-up (a render defers each graph's
+    kernels to its first capture): kernels of their own here, so that the load is this test's."""
     from storyboard_cli.engine.base import Shape
     from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.kernels.calls import CompiledKernels
     from storyboard_cli.steps import FULL
 
     models, runner, eager = setup
-    fresh = GraphRunner(models, max_batch=2, max_hw=(SIDE, SIDE), compiled=runner.compiled)
+    kernels = CompiledKernels(models, None, root=runner.compiled.root)
+    fresh = GraphRunner(models, max_batch=2, max_hw=(SIDE, SIDE), compiled=kernels)
     shapes = [Shape(2, SIDE, SIDE, 0), Shape(1, SIDE, SIDE, 1)]
     fresh.prepare(shapes, beside=True)
     control = fresh.shape_key(*shapes[1], FULL)
     assert control.variant == "compiled" and control not in fresh.graphs  # left to the loop before
+    assert [t.module for t in kernels.deferred()] == ["controlnet"], kernels.load_note()
     first, second = (unguided(loop_inputs(models, s.batch, SIDE, SIDE, bool(s.control), "euler", steps=4))
                      for s in shapes)
     got = [fresh.sample(*first, None, fresh.ahead(shapes[1], {FULL})), fresh.sample(*second)]
     stats = fresh.stats[control]
     assert (stats.state, stats.beside, stats.warmup, stats.warmup_rows) == ("graph", True, True, 2), fresh.describe()
+    assert stats.load_s > 0 and not kernels.deferred(), fresh.describe()  # loaded beside, by the piece before
     assert stats.checked and "against" not in stats.reason, stats.reason  # the ControlNet's kernels, against eager
     assert_rel_close(got[0], eager.sample(*first), RTOL)
     assert_rel_close(got[1], eager.sample(*second), RTOL)
