@@ -335,7 +335,7 @@ def _worker_report(rank, rendered, denoise, wall, failed, peak, busy, arrived, s
     t = Timings(stages={"load": 1.23456, "capture": 0.5 + rank / 3, "encode": 0.1, "denoise": denoise, "decode": 0.2,
                         "save": 0.3})
     b = t.bucket("1024x1024 30 steps euler")
-    b.images, b.batches, b.rows, b.steps, b.denoise_s = rendered, 2, 16, 60, denoise * 0.9
+    b.images, b.batches, b.rows, b.steps, b.denoise_s, b.waited_s = rendered, 2, 16, 60, denoise * 0.9, 0.25 + rank / 10
     c = t.bucket("832x1216 30 steps euler +control")
     c.images, c.batches, c.rows, c.steps, c.denoise_s = 1, 1, 2, 30 + rank, denoise * 0.1
     report = Report.build(job="jobs/x.yaml", out_dir=Path("out/x"), device=f"cuda:{rank}", dtype="float16",

@@ -111,6 +111,11 @@ def test_each_batch_s_prompts_are_encoded_between_the_steps_of_the_batch_before(
     for before, shot in zip(order, order[1:]):
         assert encoded[prompts[shot]] == (before, True), (shot, encoded)
     assert result.report.stages_s["encode"] > 0 and "encode" in result.report.hidden_s
+    # what the loops waited for, per bucket: together the encode stage's exposed part, at most the stage (on the CPU
+    # the first batch's inputs at least: nothing ran beside them)
+    waited = sum(b["waited_s"] for b in result.report.buckets)
+    stage = result.report.stages_s["encode"]
+    assert waited > 0 and abs(min(waited, stage) - (stage - result.report.hidden_s["encode"])) < 1e-3, (waited, stage)
 
 
 class NotAhead(Sequential):

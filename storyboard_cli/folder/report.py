@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from typing_extensions import TypedDict  # typing's, before Python 3.12, is not one pydantic validates (serve/wire.py)
+from typing_extensions import NotRequired, TypedDict  # typing's, before Python 3.12, is not one pydantic validates (serve/wire.py)
 
 from storyboard_cli.errors import Status, StoryboardError
 from storyboard_cli.folder.layout import REPORT_JSON, REPORT_MD, read_report
@@ -40,6 +40,7 @@ class BucketRow(TypedDict):
     steps: int
     denoise_s: float
     ms_per_step: float
+    waited_s: NotRequired[float]  # the loops waited this long for their inputs (a report before it: absent, 0)
 
 
 @dataclass
@@ -50,6 +51,9 @@ class BucketTiming:
     rows: int = 0  # UNet rows including CFG and padding
     steps: int = 0  # denoising steps run (per batch, summed)
     denoise_s: float = 0.0
+    # of the encode stage: how long its batches' loops waited for their inputs (`Timings.exposed`'s share of it; the
+    # first batch's inputs whole, nothing ran beside them)
+    waited_s: float = 0.0
 
     @property
     def ms_per_step(self) -> float:
@@ -59,15 +63,18 @@ class BucketTiming:
         self.images, self.batches, self.rows = self.images + other.images, self.batches + other.batches, \
             self.rows + other.rows
         self.steps, self.denoise_s = self.steps + other.steps, self.denoise_s + other.denoise_s
+        self.waited_s += other.waited_s
 
     def row(self) -> BucketRow:
         """The report's row for this bucket."""
         return {"bucket": self.label, "images": self.images, "batches": self.batches, "rows": self.rows,
-                "steps": self.steps, "denoise_s": round(self.denoise_s, 4), "ms_per_step": round(self.ms_per_step, 2)}
+                "steps": self.steps, "denoise_s": round(self.denoise_s, 4), "ms_per_step": round(self.ms_per_step, 2),
+                "waited_s": round(self.waited_s, 4)}
 
     @classmethod
     def from_row(cls, row: BucketRow) -> BucketTiming:
-        return cls(row["bucket"], row["images"], row["batches"], row["rows"], row["steps"], row["denoise_s"])
+        return cls(row["bucket"], row["images"], row["batches"], row["rows"], row["steps"], row["denoise_s"],
+                   row.get("waited_s", 0.0))
 
 
 @dataclass

@@ -361,7 +361,9 @@ class BatchRunner:
             self.timings.bucket(t.bucket).denoise_s += seconds
             # the UNet's stream waited for the inputs from the end of the batch before's loop (all of the inputs'
             # time for the first batch, or one made after the batch before was read: nothing ran beside them)
-            self.timings.expose("encode", t.inputs_s if t.before is None else max(0.0, t.before.seconds_to(t.ready)))
+            waited = t.inputs_s if t.before is None else max(0.0, t.before.seconds_to(t.ready))
+            self.timings.expose("encode", waited)
+            self.timings.bucket(t.bucket).waited_s += waited
             t.counted = True
         if d.end is None:
             return list(done.failed)
