@@ -161,3 +161,43 @@ def test_graph_runner_buffers_fit_every_batch_of_a_job(tiny_cpu, job_dir):
     assert (runner.max_batch, runner.max_pixels) == (4, 192 * 64)  # the largest batch, the largest image
     assert all(runner.buf.fits(s) for s in shapes)
     assert not runner.buf.fits(Shape(8, 64, 64, False)) and not runner.buf.fits(Shape(1, 256, 64, False))
+
+
+def test_a_loops_pieces_of_work_start_once_replays_are_queued_ahead_of_them(tiny_cpu):
+    """The pieces a loop runs between its replays (the next batch's captures and prompts) start once AHEAD_REPLAYS
+    replays are queued, then one after each replay, the rest after the last one: the GPU has steps to run while the host
+    does each piece. On the CPU the graphs replay their captured step (helpers/graphs.py)."""
+    from storyboard_cli.engine.base import Shape
+    from storyboard_cli.engine.graph import runner as graph_runner
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+
+    from helpers.graphs import cpu_replays
+
+    runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(64, 64))
+    cpu_replays(runner)
+    replays, seen = [], []
+    capturer = runner.capturer
+
+    def counted(key):
+        graph = capturer(key)
+        replay = graph.replay
+        graph.replay = lambda: (replays.append(key), replay())
+        return graph
+
+    runner.capturer = counted
+    runner.prepare([Shape(2, 64, 64, 0)])
+    x, cond, conds, guidance = synthetic_inputs(tiny_cpu, 2, 64, 64, 0)
+    sched = schedule("euler", 6, tiny_cpu.scheduler_config)
+    with torch.no_grad():
+        runner.sample(x, sched, None, cond, conds, guidance)  # its graph's check on the first batch's first step
+        replays.clear()  # the next batch's loop: every step a replay
+        pieces = iter([lambda n=n: seen.append((n, len(replays))) for n in range(7)])
+        runner.sample(x, sched, None, cond, conds, guidance, None, pieces)
+    steps = len(replays)
+    assert graph_runner.AHEAD_REPLAYS == 2 and steps == 6
+    first = seen[0][1]
+    assert first >= graph_runner.AHEAD_REPLAYS, seen  # not before two replays were queued
+    assert [r for _, r in seen[: steps - first + 1]] == list(range(first, steps + 1)), seen  # then one a replay
+    assert [n for n, _ in seen] == list(range(7)) and all(r == steps for _, r in seen[steps - first + 1:]), seen

@@ -74,6 +74,10 @@ log = logging.getLogger(__name__)
 # compiled artifact's kernels) for the shapes it runs; a second cost a whole step per graph (a draft render captures
 # 35) and changed nothing the GPU tests see (every kind captured and checked against eager)
 WARMUP_STEPS = 1
+# replays queued in a batch's loop before its first piece of `between` work runs, then a piece after each replay: a piece
+# that takes longer than a step (a warm-up beside the loop takes 0.06-0.5 s of host time, a 1-image step 37 ms) eats into
+# that margin before the GPU idles; the pieces left at the loop's end run after its last replay
+AHEAD_REPLAYS = 2
 
 
 class GraphRunner:
@@ -680,7 +684,8 @@ class GraphRunner:
             if noise is not None:
                 v.noise.copy_(noise[i])
             graph.replay()
-            between = run_between(between)  # while the GPU runs the replays queued so far
+            if i - start + 1 >= AHEAD_REPLAYS:
+                between = run_between(between)  # while the GPU runs the replays queued so far
         run_between(between, everything=True)
         self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
