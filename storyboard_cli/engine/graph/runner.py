@@ -476,7 +476,7 @@ class GraphRunner:
         plans: a first call at new rows 0.4-0.95 s against 0.06-0.21 s for the next, docs/PERFORMANCE.md, eighteenth
         session), there beside the replays. A failure is logged and leaves the graph to its first use. Returns whether
         it warmed up."""
-        if not self._can_warm_beside(key):
+        if not self._can_warm_beside(key) or not self._bound(key):  # its kernels: loaded by the piece before
             return False
         small = self._warm_key(key)
         t0 = time.perf_counter()
@@ -511,7 +511,7 @@ class GraphRunner:
         the shared pool, in thread-local mode (the decode thread's calls stay legal), with none of a capture's usual
         syncs. A failure is logged and leaves the graph to its first use, where the usual capture (and its fallbacks)
         runs. Returns whether it captured."""
-        if not self._can_capture_beside(key):
+        if not self._can_capture_beside(key) or not self._bound(key):  # its kernels: loaded by a piece before
             return False
         stats = self.stats.setdefault(key, GraphStats(key))
         cuda = self.models.device.type == "cuda"
