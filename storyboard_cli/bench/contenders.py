@@ -142,7 +142,7 @@ def bcg_render(job: Job, models: SdxlModels, out_dir: Path, engine=None, compile
             "peak_mb": _peak_mb(models.device), "engine": result.engine, "stages_s": r.stages_s,
             "hidden_s": r.hidden_s, "outside_denoise_s": round(result.wall_s - r.stages_s["denoise"], 4),
             "ms_per_step": {b["bucket"]: b["ms_per_step"] for b in r.buckets},
-            "waited_s": {b["bucket"]: b.get("waited_s", 0.0) for b in r.buckets}, "graphs": r.graphs,
+            "waited_s": {b["bucket"]: b["waited_s"] for b in r.buckets}, "graphs": r.graphs,
             "lora": r.lora, "notes": r.notes}
 
 

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from typing_extensions import NotRequired, TypedDict  # typing's, before Python 3.12, is not one pydantic validates (serve/wire.py)
+# typing's TypedDict, before Python 3.12, is not one pydantic validates (serve/wire.py)
+from typing_extensions import NotRequired, TypedDict
 
 from storyboard_cli.errors import Status, StoryboardError
 from storyboard_cli.folder.layout import REPORT_JSON, REPORT_MD, read_report

@@ -74,9 +74,9 @@ log = logging.getLogger(__name__)
 # compiled artifact's kernels) for the shapes it runs; a second cost a whole step per graph (a draft render captures
 # 35) and changed nothing the GPU tests see (every kind captured and checked against eager)
 WARMUP_STEPS = 1
-# replays queued in a batch's loop before its first piece of `between` work runs, then a piece after each replay: a piece
-# that takes longer than a step (a warm-up beside the loop takes 0.06-0.5 s of host time, a 1-image step 37 ms) eats into
-# that margin before the GPU idles; the pieces left at the loop's end run after its last replay
+# replays queued in a batch's loop before its first piece of `between` work runs, then a piece after each replay: a
+# piece that takes longer than a step (a warm-up beside the loop takes 0.06-0.5 s of host time, a 1-image step 37 ms)
+# eats into that margin before the GPU idles; the pieces left at the loop's end run after its last replay
 AHEAD_REPLAYS = 2
 
 
@@ -461,9 +461,7 @@ class GraphRunner:
         """`key`'s kernels loaded while the replays queued before still run (`ahead`), before its warm-up and capture
         there: the host's work of opening the artifacts and binding the model's tensors (no copy), hidden behind the
         loop. Returns whether it loaded them; one that does not load sends the graph past its row (`_bind`)."""
-        if not self._left_to_beside(key) or self._bound(key):
-            return False
-        return self._bind(key)
+        return self._left_to_beside(key) and not self._bound(key) and self._bind(key)
 
     def _beside_ready(self) -> bool:
         return (self.models.device.type == "cuda" and self.pool is not None

@@ -151,9 +151,10 @@ class CompiledKernels(StepCalls):
         rows this run falls back to (with --fp8: the fp16 ones) are never built; where the cache has them they are
         kept `spare`, loaded when a graph first runs on them (`bind`): a size whose best kernels are missing runs on
         them until those land, one whose best kernels fail their check falls back to them. `defer`: the best ones the
-        cache has are kept spare too (their load checks run now, side by side), each loaded before its graph's first
-        capture: a render loads the first batch's before it, the others' between the replays of the batch before
-        theirs (GraphRunner.ahead), where the GPU is busy; 0.39-0.43 s for the bench job's six in one process."""
+        cache has are kept spare too (the checks of copied ones run now, side by side; `add` reads their markers), each
+        loaded before its graph's first capture: a render loads the first batch's before it, the others' between the
+        replays of the batch before theirs (GraphRunner.ahead), where the GPU is busy; 0.39-0.43 s for the bench job's
+        six in one process. One that does not load then is built again (`bind`)."""
         targets = list(targets)
         lower = [replace(t, precision=v.precision) for t in targets if self._best(t) for v in self.chain[1:]]
         self._check_loads([self.path(t) for t in lower + targets if t not in self.calls and t not in self.waiting])
@@ -165,7 +166,7 @@ class CompiledKernels(StepCalls):
             if t in self.calls or t in self.waiting:
                 continue
             path = self.path(t)
-            if path.is_file() and defer and loads_here(path):
+            if path.is_file() and defer:
                 self.spare[t] = path
                 continue
             self.spare.pop(t, None)  # deferred by an earlier call: loaded now
