@@ -34,8 +34,8 @@ def step_drift(models: SdxlModels, log: Callable[[str], None], batch: int = 2, s
     cache, built first where it lacks them."""
     shape = Shape(batch, side, side, False)
     notes: list[str] = []
-    k16 = compiled_kernels(models, [shape], "on", notes)
-    k8 = compiled_kernels(models, [shape], "on", notes, kernels=FP8)
+    k16 = compiled_kernels(models, [shape], "on", notes, defer=False)
+    k8 = compiled_kernels(models, [shape], "on", notes, kernels=FP8, defer=False)
     for k in (k16, k8):
         k.reserve(batch, side * side)
         if k.ready(*shape) is not None:

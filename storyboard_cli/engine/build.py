@@ -39,18 +39,20 @@ def check_engine(kind: str, compile: str, device, kernels: str = AUTO) -> str:
 
 
 def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, notes: list[str],
-                     on_event: Callable | None = None, kernels: str = AUTO) -> CompiledKernels | None:
+                     on_event: Callable | None = None, kernels: str = AUTO, defer: bool = True) -> CompiledKernels | None:
     """The one place that chooses compiled kernels for the graphs (engine/kernels/): `kernels`' row (`auto`: the
     best the device allows, engine/variants.py `choose`), or the row it falls back to where its kernels are not built
     for a part of the models (`fit`, with a note); none for a row without compiled kernels (`plain`, or `auto` with
     "off" or on the CPU). "auto" loads what the cache has for these shapes and compiles the rest in the background
-    while the plain graphs render; "on" compiles what is missing first, side by side, with progress events."""
+    while the plain graphs render; "on" compiles what is missing first, side by side, with progress events. `defer`:
+    the cache's best artifacts are loaded before their graphs' first captures (GraphRunner binds them); False for a
+    caller that calls the kernels outside a GraphRunner, which needs them loaded here."""
     row = VARIANTS[fit(choose(kernels, "graph", compile, models.device), models, notes)]
     if not row.compiled:
         return None
     builds = Builds(models.device, on_event, retry_failed=compile == "on", notes=notes)
     compiled = CompiledKernels(models, builds, notes, variant=row.name)
-    if compile == "on" and compiled.want(compiled.targets(shapes), defer=True):  # each loaded before its capture
+    if compile == "on" and compiled.want(compiled.targets(shapes), defer=defer):
         compiled.wait()
     if compiled.load_s or compiled.deferred():
         notes.append(compiled.load_note())
