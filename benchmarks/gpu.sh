@@ -83,7 +83,7 @@ LIMIT=${LIMIT:-560}
 SMOKE=${SMOKE:-0}
 FP8_FLAG=$([ "${FP8:-0}" = 1 ] && echo --fp8)
 GPU_TESTS=gpu_compiled,gpu_fp8,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_references,gpu_source,gpu_refine
-GPU_TESTS+=,gpu_regions,estimate,dist,capture_beside  # every test file with a GPU test
+GPU_TESTS+=,gpu_regions,estimate,dist,capture_beside,vae_attention  # every test file with a GPU test
 R=$(mktemp -d /tmp/gpu-call.XXXX)
 mkdir -p "$OUT" "$BCG_CACHE/compiled"
 [ -n "${ARTZ:-}" ] && tar xzf "$ARTZ" -C "$BCG_CACHE/compiled"
@@ -212,7 +212,7 @@ leg() {  # LEG ARG NAME
     step "$n" 240 python benchmarks/probes/vae_scout.py --out "$R/$n.json" --budget 200 ${arg:+--variants $arg} \
       --no-overlap $([ "$SMOKE" = 1 ] && echo --model tiny)
     step "$n-832x1216" 120 python benchmarks/probes/vae_scout.py --out "$R/$n-832x1216.json" --size 832x1216 \
-      --budget 100 --variants fp32,wide,product --no-overlap $([ "$SMOKE" = 1 ] && echo --model tiny);;
+      --budget 100 --variants fp32,wide,fast,product --no-overlap $([ "$SMOKE" = 1 ] && echo --model tiny);;
   scout)
     local smoke=""
     [ "$SMOKE" = 1 ] && smoke="--model tiny --side 256 --min-tokens 64 --build-missing --loops 2 --replays 2"

@@ -3,8 +3,9 @@
 The render decodes one image at a time through SDXL's VAE in fp32 (its config asks for the upcast). This times, per
 image at one size, in one process, variants interleaved loop by loop (median of the loops):
   fp32        the VAE's decode with torch's own GroupNorm: fp32, NCHW, cuDNN's heuristics (the reference)
-  wide        the same with the decoder's GroupNorms wide (models/groupnorm.py), as bcg loads it on a GPU
-  product     run/batch.py decode itself (wide, with the pixels' copy to the CPU)
+  wide        the same with the decoder's GroupNorms wide (models/groupnorm.py)
+  fast        wide, and the attention block on the matrix units (models/vae_attention.py): as bcg loads it on a GPU
+  product     run/batch.py decode itself (fast, with the pixels' copy to the CPU)
   fp32_bench  the same with torch.backends.cudnn.benchmark on
   fp32_cl     fp32, weights and input channels_last
   fp32_graph  fp32, the decoder call captured in a CUDA graph
@@ -31,9 +32,10 @@ import torch
 
 from storyboard_cli.models.groupnorm import narrow
 from storyboard_cli.models.loader import load_sdxl
+from storyboard_cli.models.vae_attention import unattend
 from storyboard_cli.run.batch import decode
 
-VARIANTS = ("fp32", "wide", "product", "fp32_bench", "fp32_cl", "fp32_graph", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16")
+VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fp32_graph", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16")
 
 
 def timed(fn, n: int) -> float:
@@ -83,9 +85,11 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
 
     models = load_sdxl(args.model, None, dev, torch.float16 if cuda else torch.float32)
-    wide = models.vae
-    assert wide.dtype == torch.float32, wide.dtype
-    vae = copy.deepcopy(wide)  # torch's GroupNorm: the reference every variant but wide and product starts from
+    fast = models.vae
+    assert fast.dtype == torch.float32, fast.dtype
+    wide = copy.deepcopy(fast)  # diffusers' attention
+    unattend(wide)
+    vae = copy.deepcopy(wide)  # and torch's GroupNorm: the reference every variant but wide, fast and product start from
     narrow(vae)
     g = torch.Generator(dev).manual_seed(0)
     latents = torch.randn(1, 4, h // 8, w // 8, device=dev, generator=g)
@@ -110,6 +114,8 @@ def main() -> None:
             fns[v] = lambda: vae.decode(z, return_dict=False)[0]
         elif v == "wide":
             fns[v] = lambda: wide.decode(z, return_dict=False)[0]
+        elif v == "fast":
+            fns[v] = lambda: fast.decode(z, return_dict=False)[0]
         elif v == "product":
             fns[v] = lambda: decode(models, latents)[0] * 2 - 1
         elif v == "fp32_bench":
@@ -186,7 +192,7 @@ def main() -> None:
             print(json.dumps(result, indent=1))
             return
         from torch.profiler import ProfilerActivity, profile
-        for v in ("fp32", "wide"):
+        for v in ("fp32", "wide", "fast"):
             if v not in fns:
                 continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

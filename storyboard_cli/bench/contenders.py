@@ -24,6 +24,7 @@ from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import make_batches, work_items
 from storyboard_cli.models.groupnorm import narrow
 from storyboard_cli.models.loader import SdxlModels
+from storyboard_cli.models.vae_attention import unattend
 from storyboard_cli.run.batch import BatchRunner, batch_shapes, decode
 from storyboard_cli.run.capture import time_shapes
 from storyboard_cli.samplers import SAMPLERS
@@ -56,9 +57,10 @@ class DiffusersLoop:
         self.models, self.diffusers = models, diffusers
         m = models
         # users load SDXL's VAE in the pipeline's dtype (the pipeline upcasts it around each decode), with torch's
-        # GroupNorm (bcg's decoder runs its own on a GPU: models/groupnorm.py)
+        # GroupNorm and attention (bcg's decoder runs its own on a GPU: models/groupnorm.py, models/vae_attention.py)
         vae = copy.deepcopy(m.vae).to(m.dtype)
         narrow(vae)
+        unattend(vae)
         # the very modules bcg runs: neither side changes a weight or a memory layout
         parts = dict(vae=vae, text_encoder=m.text_encoders[0], text_encoder_2=m.text_encoders[1],
                      tokenizer=m.tokenizers[0], tokenizer_2=m.tokenizers[1], unet=m.unet,

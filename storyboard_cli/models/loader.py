@@ -16,6 +16,7 @@ import torch
 
 from storyboard_cli.errors import ModelError, one_line
 from storyboard_cli.models.groupnorm import widen
+from storyboard_cli.models.vae_attention import attend
 from storyboard_cli.models.tiny import cache_root, tiny_folder
 
 log = logging.getLogger(__name__)
@@ -286,6 +287,7 @@ def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str |
         if not 0 < regions <= REGION_SLOTS:
             raise ValueError(f"regions={regions}: the region slots are 1 to {REGION_SLOTS}")
         models.region_layout = install(models.unet, int(regions), REGION_REFERENCES)
-    if device.type == "cuda":  # one image at a time, torch's GroupNorm kernel uses a quarter of the GPU
-        widen(models.vae.decoder)
+    if device.type == "cuda":  # one image at a time, torch's GroupNorm kernel uses a quarter of the GPU; its float32
+        widen(models.vae.decoder)  # attention runs on the plain float units (models/vae_attention.py)
+        attend(models.vae.decoder)
     return models
