@@ -8,6 +8,7 @@ image at one size, in one process, variants interleaved loop by loop (median of 
   product     run/batch.py decode itself (fast, with the pixels' copy to the CPU)
   fp32_bench  the same with torch.backends.cudnn.benchmark on
   fp32_cl     fp32, weights and input channels_last
+  fast_cl     fast, weights and input channels_last, its wide GroupNorm reading channels_last (`group_norm_cl`)
   fp32_graph  fp32, the decoder call captured in a CUDA graph
   bf16 / bf16_cl / fp16   a copy of the VAE in that dtype (NCHW / channels_last)
   compiled    torch.compile(decoder) in fp32 (its compile time is reported)
@@ -35,7 +36,7 @@ from storyboard_cli.models.loader import load_sdxl
 from storyboard_cli.models.vae_attention import unattend
 from storyboard_cli.run.batch import decode
 
-VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fp32_graph", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16")
+VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fp32_graph", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16")
 
 
 def timed(fn, n: int) -> float:
@@ -51,6 +52,18 @@ def timed(fn, n: int) -> float:
     end.record()
     sync()
     return start.elapsed_time(end) / n
+
+
+def group_norm_cl(x: torch.Tensor, groups: int, weight, bias, eps: float) -> torch.Tensor:
+    """models/groupnorm.py group_norm for a channels_last [N, C, H, W] x (the statistics over each group's channels of
+    every position), its output channels_last."""
+    n, c, h, w = x.shape
+    var, mean = torch.var_mean(x.permute(0, 2, 3, 1).reshape(n, h * w, groups, c // groups), dim=(1, 3), correction=0)
+    a = torch.rsqrt(var + eps).view(n, groups, 1).expand(n, groups, c // groups).reshape(n, c)
+    a = a * weight if weight is not None else a
+    b = -mean.view(n, groups, 1).expand(n, groups, c // groups).reshape(n, c) * a
+    b = b + bias if bias is not None else b
+    return torch.addcmul(b.view(n, c, 1, 1), x, a.view(n, c, 1, 1))
 
 
 def sync() -> None:
@@ -116,6 +129,16 @@ def main() -> None:
             fns[v] = lambda: wide.decode(z, return_dict=False)[0]
         elif v == "fast":
             fns[v] = lambda: fast.decode(z, return_dict=False)[0]
+        elif v == "fast_cl":
+            from storyboard_cli.models.groupnorm import WideGroupNorm
+            cl = copy.deepcopy(fast).to(memory_format=torch.channels_last)
+            for m in cl.modules():
+                if isinstance(m, WideGroupNorm):
+                    m.forward = (lambda x, m=m: group_norm_cl(x, m.num_groups, m.weight, m.bias, m.eps)
+                                 if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+                                 else WideGroupNorm.forward(m, x))
+            zc = z.contiguous(memory_format=torch.channels_last)
+            fns[v] = lambda: cl.decode(zc, return_dict=False)[0]
         elif v == "product":
             fns[v] = lambda: decode(models, latents)[0] * 2 - 1
         elif v == "fp32_bench":
