@@ -89,3 +89,10 @@ def test_on_a_gpu_the_decode_is_faster_with_the_same_pixels():
         diff = (ours.int() - theirs.int()).abs()
         assert diff.max().item() <= 1 and diff.float().mean().item() < 0.05, (diff.max(), diff.float().mean())
         assert t_ours < 0.95 * t_plain, (h, w, t_ours, t_plain)
+
+
+def test_attend_leaves_a_decoder_whose_device_fails_the_check_as_it_was(tiny_cpu, monkeypatch):
+    vae = copy.deepcopy(tiny_cpu.vae)
+    monkeypatch.setattr(vae_attention, "works_on", lambda device: False)
+    assert attend(vae.decoder) == 0
+    assert not any(isinstance(b.processor, DecoderAttention) for b in decoder_attention_blocks(vae))

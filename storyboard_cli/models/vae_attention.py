@@ -8,17 +8,19 @@ channels is its memory-efficient kernel on the plain float units: 13.4 ms of a 7
 `DecoderAttention` computes the same function with TF32's precision: query, key and value rounded to fp16 after
 each is scaled by its own largest magnitude (so nothing overflows, whatever the weights), both products accumulated
 and written in float32 (`torch.bmm`'s `out_dtype`), the softmax in float32 and its probabilities rounded to fp16 (as
-flash attention rounds them). The query rows go through in chunks, so the logits take at most 256 MB. Only on a CUDA
-device, in float32, without a mask, cross-attention or spatial norm (SDXL's decoder has none of these), and where
-this torch has `bmm`'s `out_dtype` on the device (`attend` tries it); anything else takes diffusers' own processor.
+flash attention rounds them). The query rows go through in chunks, so the logits take at most 128 MB. Only on a CUDA
+device, in float32, without a mask, cross-attention or spatial norm (SDXL's decoder has none of these), and where it
+gives diffusers' answer on this device and torch (`attend` checks it once, on a small input: `bmm`'s `out_dtype` came
+with torch 2.8); anything else takes diffusers' own processor.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-CHUNK = 4096  # query rows at a time: 4096 x 16384 float32 logits = 256 MB
+CHUNK = 2048  # query rows at a time: 2048 x 16384 float32 logits = 128 MB
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, chunk: int = CHUNK) -> torch.Tensor:
@@ -44,7 +46,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, chu
 
 
 def takes(hidden_states: torch.Tensor) -> bool:
-    """Whether this input takes `attention`: float32 on a CUDA device (elsewhere diffusers' processor is as fast)."""
+    """Whether this input takes `attention`: float32 on a CUDA device (on the CPU, `bmm` has no `out_dtype`, and
+    diffusers' processor is already float32 throughout)."""
     return hidden_states.is_cuda and hidden_states.dtype == torch.float32
 
 
@@ -86,7 +89,7 @@ def attend(decoder: nn.Module) -> int:
     """Every attention block under `decoder` computes through DecoderAttention from now on (same parameters).
     Returns how many."""
     blocks = _blocks(decoder, lambda p: not isinstance(p, DecoderAttention))
-    if blocks and not _has_out_dtype(next(decoder.parameters()).device):
+    if blocks and not works_on(next(decoder.parameters()).device):
         return 0
     for a in blocks:
         a.set_processor(DecoderAttention())
@@ -102,14 +105,18 @@ def unattend(decoder: nn.Module) -> int:
     return len(blocks)
 
 
-def _has_out_dtype(device: torch.device) -> bool:
-    """Whether `torch.bmm` takes `out_dtype` for fp16 on `device` (torch 2.8 and later, CUDA)."""
+def works_on(device: torch.device) -> bool:
+    """Whether `attention` runs on `device` with this torch and gives the float32 attention's answer, on a small input
+    (one sync, at load); on the CPU it is float32 throughout (`_mm`)."""
     if device.type != "cuda":
-        return True  # the CPU's path is float32 (`_mm`)
+        return True
     try:
-        one = torch.ones(1, 1, 1, dtype=torch.float16, device=device)
-        return torch.bmm(one, one, out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
+        g = torch.Generator(device).manual_seed(0)
+        q, k, v = (torch.randn(1, 300, 64, device=device, generator=g) for _ in range(3))
+        ours = attention(q, k, v, 1, chunk=128)
+        theirs = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
+        return bool(((ours - theirs).norm() / theirs.norm()) < 1e-2)
+    except (RuntimeError, TypeError, NotImplementedError):  # no out_dtype for bmm here
         return False
 
 
