@@ -36,7 +36,8 @@ from storyboard_cli.models.loader import load_sdxl
 from storyboard_cli.models.vae_attention import unattend
 from storyboard_cli.run.batch import decode
 
-VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fp32_graph", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16")
+VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fp32_graph", "bf16", "bf16_cl",
+            "fp16", "compiled", "compiled_bf16")
 
 
 def timed(fn, n: int) -> float:
@@ -102,7 +103,7 @@ def main() -> None:
     assert fast.dtype == torch.float32, fast.dtype
     wide = copy.deepcopy(fast)  # diffusers' attention
     unattend(wide)
-    vae = copy.deepcopy(wide)  # and torch's GroupNorm: the reference every variant but wide, fast and product start from
+    vae = copy.deepcopy(wide)  # and torch's GroupNorm: the reference of every variant but wide, fast and product
     narrow(vae)
     g = torch.Generator(dev).manual_seed(0)
     latents = torch.randn(1, 4, h // 8, w // 8, device=dev, generator=g)

@@ -39,7 +39,8 @@ def check_engine(kind: str, compile: str, device, kernels: str = AUTO) -> str:
 
 
 def compiled_kernels(models: SdxlModels, shapes: list[Shape], compile: str, notes: list[str],
-                     on_event: Callable | None = None, kernels: str = AUTO, defer: bool = True) -> CompiledKernels | None:
+                     on_event: Callable | None = None, kernels: str = AUTO,
+                     defer: bool = True) -> CompiledKernels | None:
     """The one place that chooses compiled kernels for the graphs (engine/kernels/): `kernels`' row (`auto`: the
     best the device allows, engine/variants.py `choose`), or the row it falls back to where its kernels are not built
     for a part of the models (`fit`, with a note); none for a row without compiled kernels (`plain`, or `auto` with

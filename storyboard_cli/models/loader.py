@@ -16,8 +16,8 @@ import torch
 
 from storyboard_cli.errors import ModelError, one_line
 from storyboard_cli.models.groupnorm import widen
-from storyboard_cli.models.vae_attention import attend
 from storyboard_cli.models.tiny import cache_root, tiny_folder
+from storyboard_cli.models.vae_attention import attend
 
 log = logging.getLogger(__name__)
 SDXL_CONFIGS = Path(__file__).parent / "configs" / "sdxl-base"

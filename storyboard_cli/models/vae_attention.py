@@ -70,7 +70,8 @@ class DecoderAttention:
     def __call__(self, attn, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, temb: torch.Tensor | None = None, *args, **kwargs):
         if not (takes(hidden_states) and hidden_states.dim() == 4 and encoder_hidden_states is None
-                and attention_mask is None and attn.spatial_norm is None and attn.norm_q is None and attn.norm_k is None):
+                and attention_mask is None and attn.spatial_norm is None
+                and attn.norm_q is None and attn.norm_k is None):
             return self.plain(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         residual = hidden_states
         b, c, h, w = hidden_states.shape
