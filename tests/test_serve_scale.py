@@ -35,6 +35,21 @@ defaults: {steps: 2, size: 64x64, candidates: 2}
 shots:
 """ + "".join(f"  - {{id: p{n}, prompt: page {n}, seed: {n}}}\n" for n in range(4))
 FINAL = ("succeeded", "failed", "canceled")
+# the doomed worker's sitecustomize.py: its first batch waits until the -9, so it dies holding one lease and leaves the
+# rest of the job to the others (rendering 0.04 s batches, it had drained the queue before the test could kill it)
+HOLDS_ITS_LEASE = """import time
+from storyboard_cli.run.batch import BatchRunner
+
+_run = BatchRunner.run_batch
+
+
+def _holds(self, *args, **kwargs):
+    time.sleep(600)
+    return _run(self, *args, **kwargs)
+
+
+BatchRunner.run_batch = _holds
+"""
 DEADLINE_S = 240  # three workers loading the model at once on a loaded 2-core machine
 
 
@@ -58,22 +73,26 @@ def leases(url, job_id):
 
 
 @pytest.mark.slow
-def test_one_job_over_three_workers_joining_at_different_times_one_killed_equals_bcg_render(tmp_path, tiny_cpu):
+def test_one_job_over_three_workers_joining_at_different_times_one_killed_equals_bcg_render(tmp_path, tiny_cpu,
+                                                                                           monkeypatch):
     server = Server(tmp_path / "root", free_port()).start(lease_s=3, gpus="none")
+    monkeypatch.setenv("BCG_LOG", "info")  # the workers' logs: what a failure to take a lease shows
     workers = []
     try:
         job_id = post(server.url, JOB)
-        workers.append(start_worker(server.url, "first"))
+        workers.append(_start_logged(server.url, "first", tmp_path))
         server.wait(job_id, lambda j: j["images_by_state"].get("done", 0) >= 1)  # the first batch is in
         # each late worker joins while the first is paused (SIGSTOP: its lease expires and goes back to the queue),
         # so the job still has batches for it however long its start takes on a loaded machine
         os.killpg(workers[0].pid, signal.SIGSTOP)
-        doomed = start_worker(server.url, "doomed")
+        (tmp_path / "doomed").mkdir()
+        (tmp_path / "doomed" / "sitecustomize.py").write_text(HOLDS_ITS_LEASE)
+        doomed = _start_logged(server.url, "doomed", tmp_path, fault=tmp_path / "doomed")
         workers.append(doomed)
-        _takes_a_lease(server.url, job_id, "doomed")
+        _takes_a_lease(server.url, job_id, "doomed", tmp_path)
         os.killpg(doomed.pid, signal.SIGKILL)  # mid-job, holding a lease: it expires and goes back to the queue
-        workers.append(start_worker(server.url, "second"))
-        _takes_a_lease(server.url, job_id, "second")
+        workers.append(_start_logged(server.url, "second", tmp_path))
+        _takes_a_lease(server.url, job_id, "second", tmp_path)
         os.killpg(workers[0].pid, signal.SIGCONT)  # the first and the second render the rest side by side
         done = eventually(lambda: server.job(job_id), lambda j: j["state"] in FINAL, timeout_s=DEADLINE_S)
         assert done["state"] == "succeeded", done
@@ -112,9 +131,24 @@ def test_one_job_over_three_workers_joining_at_different_times_one_killed_equals
     assert (out / "index.html").is_file()
 
 
-def _takes_a_lease(url, job_id, name):
+def _start_logged(url, name, folder, fault=None):
+    """start_worker with its stderr in `folder`/`name`.log (see `_takes_a_lease`)."""
+    with open(folder / f"{name}.log", "wb") as log:
+        return start_worker(url, name, fault=fault, stderr=log)
+
+
+def _takes_a_lease(url, job_id, name, folder):
+    """Waits until the worker called `name` has leased a batch of the job; on a timeout, says what the server and
+    the worker's log (`folder`/`name`.log, `_start_logged`) show."""
     worker = eventually(lambda: worker_ids(url, name), bool, timeout_s=120).pop()
-    eventually(lambda: _leased_by(url, job_id), lambda seen: worker in seen, timeout_s=120)
+    try:
+        eventually(lambda: _leased_by(url, job_id), lambda seen: worker in seen, timeout_s=120)
+    except AssertionError as e:
+        job = httpx.get(f"{url}/v1/jobs/{job_id}", timeout=10).json()
+        log = folder / f"{name}.log"
+        tail = log.read_text(errors="replace")[-3000:] if log.is_file() else "(no log)"
+        raise AssertionError(f"{name} ({worker}; registered now: {sorted(worker_ids(url, name))}) took no lease: {e}; "
+                             f"the job's images: {job.get('images_by_state')}; its log:\n{tail}") from None
 
 
 def _leased_by(url, job_id):

@@ -13,6 +13,7 @@ image at one size, in one process, variants interleaved loop by loop (median of 
   bf16 / bf16_cl / fp16   a copy of the VAE in that dtype (NCHW / channels_last)
   compiled    torch.compile(decoder) in fp32 (its compile time is reported)
   compiled_bf16   the same on the bf16 copy
+  compiled_fast   torch.compile of the fast decoder (what a compiled decoder per size would add to bcg's)
 and the pixels of each against fp32's (uint8 max and mean absolute difference, PSNR), a torch.profiler table of the
 fp32 decode's top kernels, and what decoding beside the UNet costs: 30 replays of a plain 8 x size UNet graph followed
 by 8 decodes, against the decodes run on a second stream while the replays run.
@@ -37,7 +38,7 @@ from storyboard_cli.models.vae_attention import unattend
 from storyboard_cli.run.batch import decode
 
 VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fp32_graph", "bf16", "bf16_cl",
-            "fp16", "compiled", "compiled_bf16")
+            "fp16", "compiled", "compiled_bf16", "compiled_fast")
 
 
 def timed(fn, n: int) -> float:
@@ -173,9 +174,9 @@ def main() -> None:
                 graph.replay()
                 return static_out
             fns[v] = f
-        elif v in ("compiled", "compiled_bf16"):
+        elif v in ("compiled", "compiled_bf16", "compiled_fast"):
             dtype = torch.bfloat16 if v == "compiled_bf16" else torch.float32
-            dec = torch.compile(vae_in(dtype, False).decode)
+            dec = torch.compile(fast.decode if v == "compiled_fast" else vae_in(dtype, False).decode)
             zz = z.to(dtype)
             c0 = time.perf_counter()
             with torch.no_grad():
