@@ -23,9 +23,8 @@ from storyboard_cli.serve import client
 from storyboard_cli.serve.store import DB
 
 from conftest import write_job
-from helpers.serve import (Server, eventually, free_port, manifest_paths, metric, pixels, register, start_worker, stop,
-
-                          worker_ids)
+from helpers.serve import (Server, eventually, free_port, holds_a_lease, manifest_paths, metric, pixels, register,
+                           start_worker, stop, worker_ids)
 
 JOB = """version: 1
 model: tiny
@@ -231,7 +230,8 @@ def test_a_worker_killed_mid_batch_loses_its_lease_and_another_finishes_its_imag
     workers = []
     try:
         job_id = post(server.url, text).json()["id"]
-        workers.append(start_worker(server.url, "doomed"))
+        # its second batch waits until the kill, so the job cannot end before it (on loaded cores it did)
+        workers.append(start_worker(server.url, "doomed", fault=holds_a_lease(tmp_path / "doomed", after=1)))
         while True:  # the worker is frozen, then killed, while it holds a lease (not between two batches)
             seen = server.wait(job_id, lambda j: j["images_by_state"].get("done", 0) >= 1   # its next batch is
                                and j["images_by_state"].get("leased", 0) >= 1 or j["state"] == "succeeded")  # rendering

@@ -19,7 +19,7 @@ from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve import client
 
 from conftest import write_job
-from helpers.serve import Server, eventually, free_port, start_worker, stop, worker_ids
+from helpers.serve import Server, eventually, free_port, holds_a_lease, start_worker, stop, worker_ids
 
 JOB = """version: 1
 model: tiny
@@ -35,21 +35,6 @@ defaults: {steps: 2, size: 64x64, candidates: 2}
 shots:
 """ + "".join(f"  - {{id: p{n}, prompt: page {n}, seed: {n}}}\n" for n in range(4))
 FINAL = ("succeeded", "failed", "canceled")
-# the doomed worker's sitecustomize.py: its first batch waits until the -9, so it dies holding one lease and leaves the
-# rest of the job to the others (rendering 0.04 s batches, it had drained the queue before the test could kill it)
-HOLDS_ITS_LEASE = """import time
-from storyboard_cli.run.batch import BatchRunner
-
-_run = BatchRunner.run_batch
-
-
-def _holds(self, *args, **kwargs):
-    time.sleep(600)
-    return _run(self, *args, **kwargs)
-
-
-BatchRunner.run_batch = _holds
-"""
 DEADLINE_S = 240  # three workers loading the model at once on a loaded 2-core machine
 
 
@@ -85,9 +70,9 @@ def test_one_job_over_three_workers_joining_at_different_times_one_killed_equals
         # each late worker joins while the first is paused (SIGSTOP: its lease expires and goes back to the queue),
         # so the job still has batches for it however long its start takes on a loaded machine
         os.killpg(workers[0].pid, signal.SIGSTOP)
-        (tmp_path / "doomed").mkdir()
-        (tmp_path / "doomed" / "sitecustomize.py").write_text(HOLDS_ITS_LEASE)
-        doomed = _start_logged(server.url, "doomed", tmp_path, fault=tmp_path / "doomed")
+        # its first batch waits for its -9: rendering 0.04 s batches, it had drained the job before the test could kill
+        # it, and the late worker found nothing to lease
+        doomed = _start_logged(server.url, "doomed", tmp_path, fault=holds_a_lease(tmp_path / "doomed"))
         workers.append(doomed)
         _takes_a_lease(server.url, job_id, "doomed", tmp_path)
         os.killpg(doomed.pid, signal.SIGKILL)  # mid-job, holding a lease: it expires and goes back to the queue

@@ -101,6 +101,33 @@ BatchRunner.run_batch = _fails
 """
 
 
+# a worker that renders `after` batches, then holds its next lease without rendering it: it waits in that batch until it
+# is stopped or killed (a test that kills a worker mid-batch cannot lose the race against 0.04 s batches)
+HOLDS_A_LEASE = """import time
+from storyboard_cli.run.batch import BatchRunner
+
+_run, _calls = BatchRunner.run_batch, []
+
+
+def _holds(self, *args, **kwargs):
+    _calls.append(1)
+    if len(_calls) > {after}:
+        time.sleep(600)
+    return _run(self, *args, **kwargs)
+
+
+BatchRunner.run_batch = _holds
+"""
+
+
+def holds_a_lease(folder, after=0):
+    """A folder whose sitecustomize.py makes a worker started with it (start_worker(fault=...)) render `after`
+    batches, then wait in the next one, holding its lease."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(HOLDS_A_LEASE.replace("{after}", str(int(after))))
+    return folder
+
+
 def device_fault(folder):
     """A folder whose sitecustomize.py makes every batch of a worker started with it (start_worker(fault=...))
     raise the CUDA error a failed GPU raises."""
