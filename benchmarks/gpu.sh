@@ -63,6 +63,9 @@
 #   pointwise         probes/pointwise_scout.py: the FP8 step's quantisation kernels (GEGLU's, LayerNorm's, the
 #                     attention output's) compiled alone at 8 x 1024², production's options against inductor's
 #                     tuning options, against the bound their bytes give
+#   check[:VARIANTS]  probes/check_scout.py: a healthy graph's first step against the whole batch's step and against
+#                     its first image alone, at guidance 1.5 to 30 (VARIANTS: fp8,compiled by default), 8 x 1024² and
+#                     2 x 1024² with a ControlNet, and each reference step's ms
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -76,7 +79,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,76p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,79p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -242,6 +245,9 @@ leg() {  # LEG ARG NAME
       step "$n-$v" 120 python benchmarks/probes/shape_setup.py "$R/$n-$v.json" --variant "$v" \
         $([ "$SMOKE" = 1 ] && echo --model tiny --side 128)
     done;;
+  check)
+    step "$n" 200 python benchmarks/probes/check_scout.py "$R/$n.json" ${arg:+--variants $arg} \
+      $([ "$SMOKE" = 1 ] && echo --model tiny --side 128 --variants plain --shapes 2x0,2x1 --guidance 1.5,6 --seeds 0);;
   load)
     local a b
     a=$(ls "$BCG_CACHE"/compiled/unet-1024x1024-*.pt2 | head -1); b=$(ls "$BCG_CACHE"/compiled/unet-1216x832-*.pt2 | head -1)
