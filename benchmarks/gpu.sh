@@ -66,6 +66,8 @@
 #   check[:VARIANTS]  probes/check_scout.py: a healthy graph's first step against the whole batch's step and against
 #                     its first image alone, at guidance 1.5 to 30 (VARIANTS: fp8,compiled by default), 8 x 1024² and
 #                     2 x 1024² with a ControlNet, and each reference step's ms
+#   conv              probes/conv_scout.py: the UNet's convolutions at 16 and 4 rows of 1024², cuDNN's fp16 against an
+#                     implicit-GEMM Triton kernel in fp16 and in FP8, each one's ms, TFLOPS and error, ms per step
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -79,7 +81,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,79p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,81p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -248,6 +250,9 @@ leg() {  # LEG ARG NAME
   check)
     step "$n" 200 python benchmarks/probes/check_scout.py "$R/$n.json" ${arg:+--variants $arg} \
       $([ "$SMOKE" = 1 ] && echo --model tiny --side 128 --variants plain --shapes 2x0,2x1 --guidance 1.5,6 --seeds 0);;
+  conv)
+    step "$n" 260 python benchmarks/probes/conv_scout.py --out "$R/$n.json" --budget 220 \
+      $([ "$SMOKE" = 1 ] && echo --smoke);;
   load)
     local a b
     a=$(ls "$BCG_CACHE"/compiled/unet-1024x1024-*.pt2 | head -1); b=$(ls "$BCG_CACHE"/compiled/unet-1216x832-*.pt2 | head -1)

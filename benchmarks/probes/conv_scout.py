@@ -1,0 +1,331 @@
+"""Conv scout: would FP8 convolutions (an implicit-GEMM Triton kernel) beat cuDNN's fp16 ones in the SDXL UNet? (issue 41)
+
+The FP8 step at 8 x 1024² spends 34.6 ms of its 199.4 in cuDNN's fp16 convolutions (benchmarks/results/step/
+2026-12-03-7140af6-profile.json): with the Linears in FP8, the convolutions are the largest piece still in fp16 after
+attention. Torch has no FP8 convolution, so an FP8 one would be a kernel of ours: an implicit GEMM (im2col fused into
+the matmul) over NHWC activations, M = images x output positions, N = output channels, K = kernel taps x input
+channels, the input quantised with a static per-tensor scale (in the product: fused into the GroupNorm + SiLU before
+it, as the Linears' quantisation is fused into the LayerNorm and GEGLU), the weights per output channel, the scales
+and the bias applied to the fp32 accumulator, fp16 out.
+
+The convolutions are the UNet's own: forward hooks on every Conv2d record each call's shape during one step at 1 row
+(--side); each shape is then timed at --rows (16 and 4: 8 and 2 images, guided), as:
+  cudnn_fp16   F.conv2d on channels_last fp16 tensors (what the compiled step runs)
+  triton_fp16  the kernel below on fp16 operands (how good the kernel is at cuDNN's precision)
+  triton_fp8   the kernel on float8_e4m3fn operands, the input quantised beforehand (as the fused norm would write it)
+  quantise     the input's quantisation alone, in torch (the cost if it were not fused: an upper bound)
+each in ms (CUDA events, median of --repeats loops of --iters calls), TFLOPS, and its relative L2 error against the
+fp32 convolution of the same fp16 operands (on --error-rows rows). ms per step = the sum over the UNet's calls. The
+kernel is tuned per shape over a few tile configs. The shapes a tile cannot take (input channels not a multiple of
+16, the 4-channel conv_in and conv_out) stay cuDNN's and are counted in its column only.
+
+    python benchmarks/probes/conv_scout.py --out conv.json                    # CUDA (H200): about 2 minutes
+    python benchmarks/probes/conv_scout.py --out /tmp/c.json --smoke          # CPU: tiny, Triton's interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+if "--smoke" in sys.argv and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported and the kernels are decorated
+try:
+    import triton
+    import triton.language as tl
+    TRITON_MISSING = None
+except ImportError as exc:
+    triton = tl = None
+    TRITON_MISSING = f"triton not importable: {exc}"
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+CONFIGS = [  # BLOCK_M, BLOCK_N, num_warps, num_stages
+    (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4), (64, 128, 4, 4),
+]
+SMOKE_CONFIGS = [(32, 32, 4, 1)]
+
+if triton is not None:
+    @triton.jit
+    def conv_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, bias_ptr, x_scale,
+                    M, H, W, C, P, Q, N,
+                    R: tl.constexpr, S: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """out[m, n] = x_scale * scale[n] * sum_{r, s, c} x[img, p*STRIDE - PAD + r, q*STRIDE - PAD + s, c] w[n, r, s, c]
+        (+ bias[n]); x NHWC [imgs, H, W, C], w [N, R, S, C], out NHWC [imgs, P, Q, N]; m = (img, p, q). C a multiple
+        of BLOCK_K."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        img = rm // (P * Q)
+        pq = rm % (P * Q)
+        p = pq // Q
+        q = pq % Q
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for rs in range(R * S):
+            r = rs // S
+            s = rs % S
+            h = p * STRIDE - PAD + r
+            w = q * STRIDE - PAD + s
+            ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+            x_row = ((img * H + h) * W + w).to(tl.int64) * C
+            w_row = (rn.to(tl.int64) * (R * S) + rs) * C
+            for c0 in range(0, C, BLOCK_K):
+                a = tl.load(x_ptr + x_row[:, None] + (c0 + rk)[None, :], mask=ok[:, None], other=0.0)
+                b = tl.load(w_ptr + w_row[:, None] + (c0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+                acc = tl.dot(a, tl.trans(b), acc)
+        scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * x_scale
+        acc = acc * scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(out, acc.to(tl.float16), mask=m_ok[:, None] & n_ok[None, :])
+
+
+class ConvShape:
+    """One of the UNet's Conv2d calls: its input and weight shapes, stride and padding (at 1 row)."""
+
+    def __init__(self, c: int, h: int, w: int, n: int, r: int, s: int, stride: int, pad: int, bias: bool):
+        self.c, self.h, self.w, self.n, self.r, self.s, self.stride, self.pad, self.bias = \
+            c, h, w, n, r, s, stride, pad, bias
+        self.p = (h + 2 * pad - r) // stride + 1
+        self.q = (w + 2 * pad - s) // stride + 1
+
+    @property
+    def key(self) -> tuple:
+        return (self.c, self.h, self.w, self.n, self.r, self.s, self.stride, self.pad, self.bias)
+
+    @property
+    def label(self) -> str:
+        return f"{self.c}->{self.n} {self.r}x{self.s}/{self.stride} at {self.h}x{self.w}"
+
+    def flops(self, rows: int) -> float:
+        return 2.0 * rows * self.p * self.q * self.n * self.r * self.s * self.c
+
+    def tiles(self) -> bool:
+        return self.c % 16 == 0 and self.n % 16 == 0
+
+
+def unet_convs(model: str, side: int, device: str, dtype: torch.dtype) -> Counter:
+    """ConvShape key -> calls in one UNet step at 1 row (hooks on every Conv2d during a forward)."""
+    from storyboard_cli.engine.kernels.export import example_inputs
+    from storyboard_cli.models.loader import load_sdxl
+
+    models = load_sdxl(model, None, device, dtype)
+    unet = models.unet
+    seen: Counter = Counter()
+
+    def hook(module, args, _out):
+        x = args[0]
+        seen[ConvShape(x.shape[1], x.shape[2], x.shape[3], module.out_channels, *module.kernel_size,
+                       module.stride[0], module.padding[0], module.bias is not None).key] += 1
+
+    handles = [m.register_forward_hook(hook) for m in unet.modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        unet_args = example_inputs("unet", unet, 1, side // 8, side // 8)
+        unet(*unet_args[:2], encoder_hidden_states=unet_args[2],
+             added_cond_kwargs={"text_embeds": unet_args[3], "time_ids": unet_args[4]})
+    for h in handles:
+        h.remove()
+    del models
+    return seen
+
+
+def block_k(c: int) -> int:
+    return next(k for k in (128, 64, 32, 16) if c % k == 0)
+
+
+def triton_conv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, x_scale: float,
+                shape: ConvShape, config: tuple) -> Callable[[], torch.Tensor]:
+    """A call of the kernel: x NHWC [rows, H, W, C], w [N, R, S, C] (fp16 or fp8), out NHWC fp16."""
+    rows = x.shape[0]
+    m = rows * shape.p * shape.q
+    out = torch.empty(rows, shape.p, shape.q, shape.n, device=x.device, dtype=torch.float16)
+    bm, bn, warps, stages = config
+    grid = (triton.cdiv(m, bm), triton.cdiv(shape.n, bn))
+    bk = min(block_k(shape.c), 64 if x.dtype == torch.float16 else 128)
+
+    def call():
+        conv_kernel[grid](x, w, out, scale, bias if bias is not None else scale, x_scale,
+                          m, shape.h, shape.w, shape.c, shape.p, shape.q, shape.n,
+                          R=shape.r, S=shape.s, STRIDE=shape.stride, PAD=shape.pad, BLOCK_M=bm, BLOCK_N=bn,
+                          BLOCK_K=bk, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+        return out
+    return call
+
+
+def time_ms(fn: Callable, iters: int, repeats: int, warmup: int = 3) -> float:
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def patch_interpreter_index() -> None:
+    """Smoke only: Triton's interpreter turns a loop bound into an int with `int(array)`, which NumPy 2 refuses for a
+    1-element array that is not 0-dimensional (the runtime argument C); the bound is read with `.item()` instead."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor):
+        original(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+    interpreter._patch_lang_tensor = patched
+
+
+def last_line(exc: BaseException) -> str:
+    return traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
+
+
+def measure(shape: ConvShape, rows: int, device: str, configs: list, iters: int, repeats: int,
+            error_rows: int) -> dict:
+    """Each variant's ms, TFLOPS and error for one shape at `rows`."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    # an activation after GroupNorm + SiLU, and a weight at the init's scale
+    x = F.silu(torch.randn(rows, shape.c, shape.h, shape.w, generator=g)).to(device, torch.float16)
+    w = (torch.randn(shape.n, shape.c, shape.r, shape.s, generator=g) / (shape.c * shape.r * shape.s) ** 0.5)
+    w = w.to(device, torch.float16)
+    bias = torch.randn(shape.n, generator=g).to(device, torch.float32) * 0.1 if shape.bias else None
+    x_cl, w_cl = x.contiguous(memory_format=torch.channels_last), w.contiguous(memory_format=torch.channels_last)
+    bias16 = None if bias is None else bias.half()
+    res: dict = {"shape": shape.label, "rows": rows, "gflop": round(shape.flops(rows) / 1e9, 2)}
+    e = min(rows, error_rows)
+    want = F.conv2d(x[:e].float(), w.float(), None if bias is None else bias, shape.stride, shape.pad)
+    want = want.permute(0, 2, 3, 1)  # NHWC, as the kernel writes
+    cudnn = lambda: F.conv2d(x_cl, w_cl, bias16, shape.stride, shape.pad)  # noqa: E731
+    res["cudnn_fp16_ms"] = time_ms(cudnn, iters, repeats)
+    res["cudnn_fp16_err"] = rel(F.conv2d(x_cl[:e], w_cl, bias16, shape.stride, shape.pad).permute(0, 2, 3, 1), want)
+    if triton is None or not shape.tiles():
+        res["triton"] = TRITON_MISSING or "not tiled: channels not a multiple of 16"
+        return res
+    x_nhwc = x.permute(0, 2, 3, 1).contiguous()
+    w_nrsc = w.permute(0, 2, 3, 1).contiguous()
+    ones = torch.ones(shape.n, device=device, dtype=torch.float32)
+    x_amax = x.abs().amax().float().item()
+    x_s = max(x_amax, 1e-12) / FP8_MAX
+    w_s = w.abs().amax(dim=(1, 2, 3)).float().clamp_min(1e-12) / FP8_MAX  # per output channel
+    quant = lambda: (x_nhwc.float() / x_s).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # noqa: E731
+    x8 = quant()
+    w8 = (w_nrsc.float() / w_s[:, None, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    res["quantise_ms"] = time_ms(quant, iters, repeats)
+    for name, xs, ws, sc, xsc in (("triton_fp16", x_nhwc, w_nrsc, ones, 1.0), ("triton_fp8", x8, w8, w_s, x_s)):
+        best = None
+        for config in configs:
+            try:
+                call = triton_conv(xs, ws, sc, bias, xsc, shape, config)
+                ms = time_ms(call, iters, repeats)
+            except Exception as exc:  # noqa: BLE001 - a config the shape cannot take (shared memory): the next
+                res.setdefault(f"{name}_failed", {})[str(config)] = last_line(exc)
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, config)
+        if best is None:
+            continue
+        res[f"{name}_ms"], res[f"{name}_config"] = best
+        out = triton_conv(xs[:e].contiguous(), ws, sc, bias, xsc, shape, best[1])()
+        res[f"{name}_err"] = rel(out, want)
+    for k in [k for k in res if k.endswith("_ms")]:
+        res[k.replace("_ms", "_tflops")] = round(shape.flops(rows) / res[k] / 1e9, 1) if res[k] else None
+        res[k] = round(res[k], 4)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="sdxl-random")
+    ap.add_argument("--side", type=int, default=1024)
+    ap.add_argument("--rows", default="16,4")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--error-rows", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds: shapes not measured by then are left out")
+    ap.add_argument("--smoke", action="store_true", help="tiny, 64 px, 2 rows; without CUDA, Triton's interpreter")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    if a.smoke:
+        a.model, a.side, a.rows, a.iters, a.repeats = "tiny", 64, "2", 1, 1
+    configs = SMOKE_CONFIGS if a.smoke and not cuda else CONFIGS
+    if os.environ.get("TRITON_INTERPRET") == "1" and triton is not None:
+        patch_interpreter_index()
+    record = {"model": a.model, "side": a.side, "torch": torch.__version__,
+              "triton": getattr(triton, "__version__", TRITON_MISSING), "gpu": torch.cuda.get_device_name() if cuda
+              else None, "interpret": os.environ.get("TRITON_INTERPRET"), "configs": configs, "shapes": []}
+
+    def save():
+        record["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        tmp = a.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, a.out)
+
+    calls = unet_convs(a.model, a.side, device, torch.float16 if cuda else torch.float32)
+    record["calls_per_step"] = sum(calls.values())
+    save()
+    with torch.no_grad():
+        for key, count in sorted(calls.items(), key=lambda kv: -ConvShape(*kv[0]).flops(1) * kv[1]):
+            shape = ConvShape(*key)
+            for rows in map(int, a.rows.split(",")):
+                if time.perf_counter() - t0 > a.budget:
+                    record.setdefault("left_out", []).append(f"{shape.label} at {rows} rows")
+                    continue
+                try:
+                    res = measure(shape, rows, device, configs, a.iters, a.repeats, a.error_rows)
+                except Exception as exc:  # noqa: BLE001 - one shape's failure never stops the rest
+                    res = {"shape": shape.label, "rows": rows, "error": last_line(exc)}
+                res["calls"] = count
+                record["shapes"].append(res)
+                print(json.dumps(res)[:300], flush=True)
+                save()
+    summary = {}
+    for rows in map(int, a.rows.split(",")):
+        got = [s for s in record["shapes"] if s["rows"] == rows and "cudnn_fp16_ms" in s]
+        col = lambda k, fallback="cudnn_fp16_ms": round(sum(s["calls"] * s.get(k, s[fallback]) for s in got), 3)  # noqa: E731
+        summary[f"{rows}_rows"] = {
+            "cudnn_fp16_ms_per_step": col("cudnn_fp16_ms"),
+            "triton_fp16_ms_per_step": col("triton_fp16_ms"),
+            "triton_fp8_ms_per_step": col("triton_fp8_ms"),  # cuDNN's time where the kernel cannot tile
+            "triton_fp8_plus_quantise_ms_per_step": round(col("triton_fp8_ms") + sum(
+                s["calls"] * s.get("quantise_ms", 0.0) for s in got), 3),
+            "shapes": len(got)}
+    record["summary"] = summary
+    save()
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
