@@ -16,7 +16,9 @@ The convolutions are the UNet's own: forward hooks on every Conv2d record each c
   quantise     the input's quantisation alone, in torch (the cost if it were not fused: an upper bound)
 each in ms (CUDA events, median of --repeats loops of --iters calls), TFLOPS, and its relative L2 error against the
 fp32 convolution of the same fp16 operands (on --error-rows rows). ms per step = the sum over the UNet's calls. The
-kernel is tuned per shape over a few tile configs. The shapes a tile cannot take (input channels not a multiple of
+kernel is tuned per shape over a few tile configs. And what FP8 convolutions would do to the UNet's noise prediction:
+the eager UNet with every tiled convolution's input and weight rounded through FP8, against it in fp16, at t = 999,
+500 and 50 (`unet_error_fp8_convs`; the product's FP8 Linears measured 3.4e-2 to 3.5e-2 so). The shapes a tile cannot take (input channels not a multiple of
 16, the 4-channel conv_in and conv_out) stay cuDNN's and are counted in its column only.
 
     python benchmarks/probes/conv_scout.py --out conv.json                    # CUDA (H200): about 2 minutes
@@ -121,13 +123,19 @@ class ConvShape:
         return self.c % 16 == 0 and self.n % 16 == 0
 
 
-def unet_convs(model: str, side: int, device: str, dtype: torch.dtype) -> Counter:
-    """ConvShape key -> calls in one UNet step at 1 row (hooks on every Conv2d during a forward)."""
+def unet_call(unet, rows: int, side: int, timestep: float, seed: int = 0) -> Callable[[], torch.Tensor]:
+    """One eager UNet call on unit-scale inputs at `timestep` (the step's float32 timestep)."""
     from storyboard_cli.engine.kernels.export import example_inputs
-    from storyboard_cli.models.loader import load_sdxl
 
-    models = load_sdxl(model, None, device, dtype)
-    unet = models.unet
+    torch.manual_seed(seed)
+    args = example_inputs("unet", unet, rows, side // 8, side // 8)
+    t = torch.full((rows,), timestep, device=unet.device)
+    return lambda: unet(args[0], t, encoder_hidden_states=args[2],
+                        added_cond_kwargs={"text_embeds": args[3], "time_ids": args[4]}, return_dict=False)[0]
+
+
+def unet_convs(unet, side: int) -> Counter:
+    """ConvShape key -> calls in one UNet step at 1 row (hooks on every Conv2d during a forward)."""
     seen: Counter = Counter()
 
     def hook(module, args, _out):
@@ -137,13 +145,43 @@ def unet_convs(model: str, side: int, device: str, dtype: torch.dtype) -> Counte
 
     handles = [m.register_forward_hook(hook) for m in unet.modules() if isinstance(m, torch.nn.Conv2d)]
     with torch.no_grad():
-        unet_args = example_inputs("unet", unet, 1, side // 8, side // 8)
-        unet(*unet_args[:2], encoder_hidden_states=unet_args[2],
-             added_cond_kwargs={"text_embeds": unet_args[3], "time_ids": unet_args[4]})
+        unet_call(unet, 1, side, 500.0)()
     for h in handles:
         h.remove()
-    del models
     return seen
+
+
+def fake_fp8(x: torch.Tensor, dims: tuple[int, ...] | None) -> torch.Tensor:
+    """x rounded through float8_e4m3fn at its own scale (per tensor, or per slice over `dims`'s complement)."""
+    amax = x.abs().amax() if dims is None else x.abs().amax(dim=dims, keepdim=True)
+    scale = amax.float().clamp_min(1e-12) / FP8_MAX
+    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
+
+
+def unet_error(unet, side: int, rows: int, timesteps: tuple[float, ...]) -> dict:
+    """The eager UNet's noise prediction with every tiled convolution's input (per tensor) and weight (per output
+    channel) rounded through FP8, against the same UNet in its dtype: relative L2 error at each timestep. The product's
+    FP8 Linears measured 3.4e-2 to 3.5e-2 this way (docs/PERFORMANCE.md, engine/variants.py)."""
+    convs = [m for m in unet.modules() if isinstance(m, torch.nn.Conv2d)
+             and m.in_channels % 16 == 0 and m.out_channels % 16 == 0]
+    out = {}
+    with torch.no_grad():
+        for t in timesteps:
+            call = unet_call(unet, rows, side, t, seed=int(t))
+            want = call().float()
+            weights = [m.weight.data for m in convs]
+            hooks = [m.register_forward_pre_hook(lambda _m, args: (fake_fp8(args[0], None),)) for m in convs]
+            try:
+                for m in convs:
+                    m.weight.data = fake_fp8(m.weight.data, (1, 2, 3))
+                got = call().float()
+            finally:
+                for m, w in zip(convs, weights):
+                    m.weight.data = w
+                for h in hooks:
+                    h.remove()
+            out[f"t{t:g}"] = rel(got, want)
+    return out
 
 
 def block_k(c: int) -> int:
@@ -293,8 +331,14 @@ def main() -> None:
         tmp.write_text(json.dumps(record, indent=1) + "\n")
         os.replace(tmp, a.out)
 
-    calls = unet_convs(a.model, a.side, device, torch.float16 if cuda else torch.float32)
+    from storyboard_cli.models.loader import load_sdxl
+
+    unet = load_sdxl(a.model, None, device, torch.float16 if cuda else torch.float32).unet
+    calls = unet_convs(unet, a.side)
     record["calls_per_step"] = sum(calls.values())
+    record["unet_error_fp8_convs"] = unet_error(unet, a.side, 2, (999.0, 500.0, 50.0))
+    print("unet error, FP8 convolutions:", record["unet_error_fp8_convs"], flush=True)
+    del unet
     save()
     with torch.no_grad():
         for key, count in sorted(calls.items(), key=lambda kv: -ConvShape(*kv[0]).flops(1) * kv[1]):
