@@ -14,6 +14,8 @@ The convolutions are the UNet's own: forward hooks on every Conv2d record each c
   triton_fp16  the kernel below on fp16 operands (how good the kernel is at cuDNN's precision)
   triton_fp8   the kernel on float8_e4m3fn operands, the input quantised beforehand (as the fused norm would write it)
   quantise     the input's quantisation alone, in torch (the cost if it were not fused: an upper bound)
+  im2col_fp8   no kernel of ours: the FP8 columns written out (a strided view of the padded input, copied), then
+               cuBLAS's FP8 GEMM (torch._scaled_mm, per-tensor scales), the quantisation inside the call
 each in ms (CUDA events, median of --repeats loops of --iters calls), TFLOPS, and its relative L2 error against the
 fp32 convolution of the same fp16 operands (on --error-rows rows). ms per step = the sum over the UNet's calls. The
 kernel is tuned per shape over a few tile configs. And what FP8 convolutions would do to the UNet's noise prediction:
@@ -266,9 +268,9 @@ def measure(shape: ConvShape, rows: int, device: str, configs: list, iters: int,
     cudnn = lambda: F.conv2d(x_cl, w_cl, bias16, shape.stride, shape.pad)  # noqa: E731
     res["cudnn_fp16_ms"] = time_ms(cudnn, iters, repeats)
     res["cudnn_fp16_err"] = rel(F.conv2d(x_cl[:e], w_cl, bias16, shape.stride, shape.pad).permute(0, 2, 3, 1), want)
-    if triton is None or not shape.tiles():
-        res["triton"] = TRITON_MISSING or "not tiled: channels not a multiple of 16"
-        return res
+    if not shape.tiles():
+        res["triton"] = "not tiled: channels not a multiple of 16"
+        return _rounded(res, shape, rows)
     x_nhwc = x.permute(0, 2, 3, 1).contiguous()
     w_nrsc = w.permute(0, 2, 3, 1).contiguous()
     ones = torch.ones(shape.n, device=device, dtype=torch.float32)
@@ -279,6 +281,17 @@ def measure(shape: ConvShape, rows: int, device: str, configs: list, iters: int,
     x8 = quant()
     w8 = (w_nrsc.float() / w_s[:, None, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     res["quantise_ms"] = time_ms(quant, iters, repeats)
+    try:  # the FP8 convolution with no kernel of ours: the columns written out, then cuBLAS's FP8 GEMM
+        call = im2col_fp8(x_nhwc, w_nrsc, x_s, shape)
+        res["im2col_fp8_ms"] = time_ms(call, iters, repeats)
+        out = im2col_fp8(x_nhwc[:e].contiguous(), w_nrsc, x_s, shape)()
+        res["im2col_fp8_err"] = rel(out.view(e, shape.p, shape.q, shape.n) + (0 if bias is None else bias.half()),
+                                    want)
+    except Exception as exc:  # noqa: BLE001 - no FP8 GEMM on this device
+        res["im2col_fp8_failed"] = last_line(exc)
+    if triton is None:
+        res["triton"] = TRITON_MISSING
+        return _rounded(res, shape, rows)
     for name, xs, ws, sc, xsc in (("triton_fp16", x_nhwc, w_nrsc, ones, 1.0), ("triton_fp8", x8, w8, w_s, x_s)):
         best = None
         for config in configs:
@@ -295,10 +308,37 @@ def measure(shape: ConvShape, rows: int, device: str, configs: list, iters: int,
         res[f"{name}_ms"], res[f"{name}_config"] = best
         out = triton_conv(xs[:e].contiguous(), ws, sc, bias, xsc, shape, best[1])()
         res[f"{name}_err"] = rel(out, want)
+    return _rounded(res, shape, rows)
+
+
+def _rounded(res: dict, shape: ConvShape, rows: int) -> dict:
     for k in [k for k in res if k.endswith("_ms")]:
-        res[k.replace("_ms", "_tflops")] = round(shape.flops(rows) / res[k] / 1e9, 1) if res[k] else None
+        if k != "quantise_ms":  # a convolution's time: its FLOPs' rate
+            res[k.replace("_ms", "_tflops")] = round(shape.flops(rows) / res[k] / 1e9, 1) if res[k] else None
         res[k] = round(res[k], 4)
     return res
+
+
+def im2col_fp8(x_nhwc: torch.Tensor, w_nrsc: torch.Tensor, x_s: float, shape: ConvShape) -> Callable[[], torch.Tensor]:
+    """The convolution as columns [M, R*S*C] in FP8 (the padded input read through a strided view, then copied) times
+    the weights [R*S*C, N] in cuBLAS's FP8 GEMM (`torch._scaled_mm`, per-tensor scales both: its per-column weight
+    scales need per-row input scales), fp16 out [M, N], no bias. The input is quantised inside the call."""
+    rows = x_nhwc.shape[0]
+    w_s = w_nrsc.abs().amax().float().clamp_min(1e-12) / FP8_MAX
+    w8 = (w_nrsc.float() / w_s).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(shape.n, -1)
+    scale_a = torch.tensor(x_s, device=x_nhwc.device)
+    hp, wp = shape.h + 2 * shape.pad, shape.w + 2 * shape.pad
+    padded = torch.zeros(rows, hp, wp, shape.c, device=x_nhwc.device, dtype=torch.uint8)
+    st = shape.stride
+
+    def call():
+        x8 = (x_nhwc.float() / x_s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        padded[:, shape.pad:shape.pad + shape.h, shape.pad:shape.pad + shape.w].copy_(x8.view(torch.uint8))
+        cols = padded.as_strided((rows, shape.p, shape.q, shape.r, shape.s, shape.c),
+                                 (hp * wp * shape.c, st * wp * shape.c, st * shape.c, wp * shape.c, shape.c, 1))
+        cols = cols.reshape(rows * shape.p * shape.q, -1).view(FP8)
+        return torch._scaled_mm(cols, w8.t(), scale_a=scale_a, scale_b=w_s, out_dtype=torch.float16)
+    return call
 
 
 def main() -> None:
@@ -363,6 +403,7 @@ def main() -> None:
             "cudnn_fp16_ms_per_step": col("cudnn_fp16_ms"),
             "triton_fp16_ms_per_step": col("triton_fp16_ms"),
             "triton_fp8_ms_per_step": col("triton_fp8_ms"),  # cuDNN's time where the kernel cannot tile
+            "im2col_fp8_ms_per_step": col("im2col_fp8_ms"),
             "triton_fp8_plus_quantise_ms_per_step": round(col("triton_fp8_ms") + sum(
                 s["calls"] * s.get("quantise_ms", 0.0) for s in got), 3),
             "shapes": len(got)}
