@@ -263,7 +263,11 @@ def measure(shape: ConvShape, rows: int, device: str, configs: list, iters: int,
     bias16 = None if bias is None else bias.half()
     res: dict = {"shape": shape.label, "rows": rows, "gflop": round(shape.flops(rows) / 1e9, 2)}
     e = min(rows, error_rows)
-    want = F.conv2d(x[:e].float(), w.float(), None if bias is None else bias, shape.stride, shape.pad)
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False  # a float32 reference, not TF32
+    try:
+        want = F.conv2d(x[:e].float(), w.float(), None if bias is None else bias, shape.stride, shape.pad)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     want = want.permute(0, 2, 3, 1)  # NHWC, as the kernel writes
     cudnn = lambda: F.conv2d(x_cl, w_cl, bias16, shape.stride, shape.pad)  # noqa: E731
     res["cudnn_fp16_ms"] = time_ms(cudnn, iters, repeats)
