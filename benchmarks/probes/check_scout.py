@@ -13,7 +13,8 @@ Classifier-free guidance multiplies the two rows' rounding, so the one-image err
 shot may ask for 0 to 30). Before FP8 may check one image, its healthy error must sit well under a limit at every
 guidance a job allows, and that limit must stay far under what a broken capture gives (NaN, or the error of a step
 that read the wrong buffers: of order 1). This probe measures the healthy side: for each variant and shape, at each
-guidance and seed, both references' errors, and each reference step's time.
+guidance and seed, both references' errors, and each reference step's time; and, as a scale for the other side, the
+one-image error of a replay whose first image's latents were read off by 1%, 10% and 100% (at guidance 6).
 
     python benchmarks/probes/check_scout.py OUT.json [--variants fp8,compiled] [--shapes 8x0,2x1]
         [--guidance 1.5,3,6,9,12,20,30] [--seeds 0,1] [--side 1024] [--model sdxl-random]
@@ -86,8 +87,19 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
             rows.append({"variant": key.variant, "asked": variant, "batch": batch, "control": control,
                          "guidance": g, "seed": seed, "one": one, "batch_err": whole,
                          "fails_one": why_one, "fails_batch": why_whole})
+    # what the check sees of a replay that read its first image's latents off by a relative `size` (a stand-in for
+    # a capture that reads a buffer it should not): the one-image error at each size, at guidance 6
     v = runner.buf.view(key)
-    v.load(runner.buf, x, sched, cond, conds, torch.full((batch,), 6.0, device=models.device))
+    six = torch.full((batch,), 6.0, device=models.device)
+    replay = runner.graphs[key].replay if cuda else (lambda: runner.step(v))
+    for size in (1e-2, 1e-1, 1.0):
+        v.load(runner.buf, x, sched, cond, conds, six)
+        off = torch.randn(v.x[:1].shape, generator=torch.Generator().manual_seed(7)).to(v.x)
+        v.x[:1] += off * (size * v.x[:1].float().norm() / off.float().norm()).to(v.x.dtype)
+        one, why = first_step_of_one(v, replay, lambda: runner.one_image_step(v, x, first), first)
+        rows.append({"variant": key.variant, "asked": variant, "batch": batch, "control": control, "guidance": 6.0,
+                     "seed": seeds[-1], "fault": f"first latents off by {size:g}", "one": one, "fails_one": why})
+    v.load(runner.buf, x, sched, cond, conds, six)
     ms_one = timed(lambda: runner.one_image_step(v, x, first))
     ms_batch = timed(lambda: (v.buf.index.zero_(), runner.step(v)))
     for r in rows:
@@ -130,6 +142,9 @@ def main() -> None:
             torch.cuda.empty_cache()
     summary = {}
     for r in every:
+        if "fault" in r:
+            summary[f"{r['variant']} {r['batch']}x{int(r['control'])} {r['fault']}"] = {"one": r["one"]}
+            continue
         s = summary.setdefault(f"{r['variant']} {r['batch']}x{int(r['control'])} g{r['guidance']:g}",
                                {"one_max": 0.0, "batch_max": 0.0, "one_ms": r["one_ms"], "batch_ms": r["batch_ms"]})
         s["one_max"] = max(s["one_max"], r["one"])
