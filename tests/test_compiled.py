@@ -461,15 +461,15 @@ def test_the_one_image_check_runs_the_batchs_guide_for_its_first_image(artifacts
 
 
 def test_a_row_whose_rounding_forbids_the_one_image_check_steps_the_whole_batch(artifacts, monkeypatch):
-    """A row with `check_alone` off (FP8's: its first image alone rounds too near its limit) checks the batch's first
+    """A row without `alone_rtol` (FP8's: its first image alone rounds too near its limit) checks the batch's first
     step against the whole batch's step outside the graph, never the first image alone."""
     from dataclasses import replace
 
     from storyboard_cli.engine import variants
     from storyboard_cli.engine.eager import EagerEngine
 
-    assert not variants.VARIANTS["fp8"].check_alone and variants.VARIANTS["compiled"].check_alone
-    monkeypatch.setitem(variants.VARIANTS, "compiled", replace(variants.VARIANTS["compiled"], check_alone=False))
+    assert variants.VARIANTS["fp8"].alone_rtol is None and variants.VARIANTS["compiled"].alone_rtol is not None
+    monkeypatch.setitem(variants.VARIANTS, "compiled", replace(variants.VARIANTS["compiled"], alone_rtol=None))
     models, runner, four, two = _runner_at_two_row_counts(artifacts)
     alone = []
     runner.one_image_step = lambda *a: alone.append(a)
@@ -481,6 +481,26 @@ def test_a_row_whose_rounding_forbids_the_one_image_check_steps_the_whole_batch(
     reasons = {s.key.batch: (s.key.variant, s.state, s.reason) for s in runner.stats.values()}
     assert reasons[2][:2] == ("compiled", "graph"), reasons
     assert reasons[2][2].endswith("against its kernels outside the graph (against eager at 4 images)"), reasons
+
+
+def test_the_one_image_check_holds_the_replay_to_its_rows_alone_rtol(artifacts, monkeypatch):
+    """The one-image comparison's limit is the row's `alone_rtol`, not its `check_rtol`: under a limit no rounding
+    meets, the graph at 2 images fails its one-image check and falls back with that limit in its reason, while the
+    graph at 4 images, checked against eager at `check_rtol`, holds."""
+    from dataclasses import replace
+
+    from storyboard_cli.engine import variants
+
+    monkeypatch.setitem(variants.VARIANTS, "compiled", replace(variants.VARIANTS["compiled"], alone_rtol=-1.0))
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    with torch.no_grad():
+        runner.sample(*four)
+        runner.sample(*two)
+    stats = {s.key.batch: s for s in runner.stats.values() if s.key.variant == "compiled"}
+    assert stats[4].state == "graph", stats[4].reason
+    assert stats[2].state == "plain", stats[2].reason
+    assert "replay check failed: relative error" in stats[2].reason and "> -1e+00" in stats[2].reason, stats[2].reason
+    assert "outside the graph at 1 image" in stats[2].reason, stats[2].reason
 
 
 def test_a_broken_capture_at_other_rows_fails_its_check_against_the_kernels(artifacts):

@@ -7,7 +7,7 @@ against the same kernels outside the graph (engine/graph/check.py). Two referenc
           it costs one step of the batch (192.7 ms at 8 x 1024², FP8, on the H200)
   one     the batch's first image alone (`first_step_of_one`): a step of one image, but its GEMMs run at other rows and
           round apart; FP8 measured 5.0e-2 to 5.2e-2 (limit 8e-2) at the bench job's guidance 6 and its row does not
-          use it (`Variant.check_alone`); fp16 compiled 2.2e-3 (limit 2e-2)
+          use it (`Variant.alone_rtol` None); fp16 compiled 2.2e-3 (limit 2e-2)
 
 Classifier-free guidance multiplies the two rows' rounding, so the one-image error should grow with the guidance (a
 shot may ask for 0 to 30). Before FP8 may check one image, its healthy error must sit well under a limit at every

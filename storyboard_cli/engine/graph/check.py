@@ -86,19 +86,21 @@ def first_step_of_one(v: Views, replay: Callable[[], None], one: Callable[[], tu
     replay's first image is compared, and the other images' latents must be finite: a capture that breaks the static
     buffers, the pool or the launch order breaks the first image's rows too. It costs a step of one image where
     `first_step` costs one of the batch (at 8 images about a seventh), and nothing is loaded again: the buffers keep
-    the replay's step. The two sides run the kernels at different rows, which may round apart by a little (the limits
-    are the variants' own, far above it)."""
+    the replay's step. The two sides run the kernels at different rows, which may round apart by a little: the limit is
+    the variant's `alone_rtol`, far above it."""
     if noise is not None:
         v.noise.copy_(noise)
     replay()
     x_next, denoised = one()
     if not torch.isfinite(v.x[1:]).all():
         return float("nan"), "NaN/inf in the latents of the batch's other images"
-    return _compare(v.key, [(v.x[:1], x_next), (v.prev[:1], denoised)])
+    return _compare(v.key, [(v.x[:1], x_next), (v.prev[:1], denoised)], VARIANTS[v.key.variant].alone_rtol)
 
 
-def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, str]:
-    """The largest relative error of `pairs` (got, want), and why it fails `key`'s variant's limit or ""."""
+def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+             limit: float | None = None) -> tuple[float, str]:
+    """The largest relative error of `pairs` (got, want), and why it fails `limit` (`key`'s variant's check_rtol where
+    None) or ""."""
     err = 0.0
     for got, want in pairs:
         finite = torch.isfinite(want)
@@ -107,5 +109,5 @@ def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> t
         diff = torch.linalg.vector_norm((got - want)[finite], dtype=torch.float32)
         scale = torch.linalg.vector_norm(want[finite], dtype=torch.float32).clamp_min(1e-6)
         err = max(err, (diff / scale).item())
-    limit = VARIANTS[key.variant].check_rtol
+    limit = VARIANTS[key.variant].check_rtol if limit is None else limit
     return err, f"relative error {err:.2e} > {limit:.0e}" if err > limit else ""

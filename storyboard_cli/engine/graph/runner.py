@@ -630,7 +630,7 @@ class GraphRunner:
         seen = self._checked_kernels(key)
         first = None if noise is None else noise[0]
         # the check runs the first image alone (check.py first_step_of_one) where the row's rounding allows
-        one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].check_alone
+        one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
         if one:
             err, problem = first_step_of_one(v, graph.replay, lambda: self.one_image_step(v, x, first), first)
         else:
