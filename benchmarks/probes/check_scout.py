@@ -20,6 +20,8 @@ one-image error of a replay whose first image's latents were read off by 1%, 10%
         [--guidance 1.5,3,6,9,12,20,30] [--seeds 0,1] [--side 1024] [--model sdxl-random]
     python benchmarks/probes/check_scout.py /tmp/c.json --model tiny --side 128 --variants plain   # CPU: the plumbing
         (no graph: the "replay" is the step itself, so both errors are 0)
+    python benchmarks/probes/check_scout.py /tmp/c.json --model tiny --side 128 --compile on --shapes 4x0
+        # CPU: the tiny model's CPU artifacts (built first), the batch's step at its rows against the first image's
 """
 
 from __future__ import annotations
@@ -107,6 +109,22 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
     return rows
 
 
+def cpu_runner(models, shapes: list, variant: str, notes: list):
+    """On the CPU: a runner over `variant`'s CPU artifacts (built first, loaded now: no capture will load them), as the
+    CPU tests make one. `compiled_kernels` would refuse FP8 here (its row needs an FP8 GPU)."""
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.kernels.builds import Builds
+    from storyboard_cli.engine.kernels.calls import CompiledKernels
+
+    compiled = CompiledKernels(models, Builds(models.device, None, retry_failed=True, notes=notes), notes,
+                               variant=variant)
+    if compiled.want(compiled.targets(shapes), defer=False):
+        compiled.wait()
+    runner = GraphRunner(models, compiled=compiled)
+    runner.ensure_capacity(shapes)
+    return runner
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -116,6 +134,8 @@ def main() -> None:
     ap.add_argument("--guidance", default="1.5,3,6,9,12,20,30")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--side", type=int, default=1024)
+    ap.add_argument("--compile", default=None, help="on or off (default: on with CUDA; on the CPU the artifacts are "
+                    "the CPU's, with no graphs: the replay is the step at the batch's rows)")
     a = ap.parse_args()
     allocator = cuda_allocator()  # the product's settings, before CUDA starts
     cuda = torch.cuda.is_available()
@@ -130,8 +150,12 @@ def main() -> None:
     every = []
     for variant in a.variants.split(","):
         notes: list[str] = []
-        runner = graph_runner(models, [Shape(b, a.side, a.side, c) for b, c in shapes],
-                              compile="on" if cuda else "off", notes=notes, kernels=variant)
+        wanted = [Shape(b, a.side, a.side, c) for b, c in shapes]
+        if not cuda and a.compile == "on":
+            runner = cpu_runner(models, wanted, variant, notes)
+        else:
+            runner = graph_runner(models, wanted, compile=a.compile or ("on" if cuda else "off"), notes=notes,
+                                  kernels=variant)
         with torch.no_grad():
             for batch, control in shapes:
                 every += shape_rows(models, runner, variant, batch, control, a.side, guidance, seeds)
