@@ -32,10 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Callable
@@ -52,6 +50,10 @@ try:
 except ImportError as exc:
     triton = tl = None
     TRITON_MISSING = f"triton not importable: {exc}"
+
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_scout import last_line  # noqa: E402
+from attention_scout import time_ms as cuda_ms  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -209,24 +211,13 @@ def triton_conv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     return call
 
 
-def time_ms(fn: Callable, iters: int, repeats: int, warmup: int = 3) -> float:
+def time_ms(fn: Callable, iters: int, repeats: int) -> float:
+    """attention_scout's CUDA-event timing (3 warm-up calls); on the CPU (the smoke run) one call's wall."""
     if not torch.cuda.is_available():
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1000
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
+    return cuda_ms(fn, iters, repeats, warmup=3)
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -244,10 +235,6 @@ def patch_interpreter_index() -> None:
         original(tensor)
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
     interpreter._patch_lang_tensor = patched
-
-
-def last_line(exc: BaseException) -> str:
-    return traceback.format_exception_only(type(exc), exc)[-1].strip()[:300]
 
 
 def measure(shape: ConvShape, rows: int, device: str, configs: list, iters: int, repeats: int,
