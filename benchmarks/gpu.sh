@@ -68,6 +68,9 @@
 #                     2 x 1024² with a ControlNet, and each reference step's ms
 #   conv              probes/conv_scout.py: the UNet's convolutions at 16 and 4 rows of 1024², cuDNN's fp16 against an
 #                     implicit-GEMM Triton kernel in fp16 and in FP8, each one's ms, TFLOPS and error, ms per step
+#   geglu             probes/geglu_scout.py: the feed-forward's first Linear and GEGLU at 16 and 4 rows of 1024², fp8 and
+#                     fp16: cuBLAS's GEMM and the compiler's GEGLU kernel (today's) against a Triton GEMM with GEGLU in
+#                     its epilogue, each one's ms, TFLOPS and error, ms per UNet and ControlNet step
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -252,6 +255,9 @@ leg() {  # LEG ARG NAME
       $([ "$SMOKE" = 1 ] && echo --model tiny --side 128 --variants plain --shapes 2x0,2x1 --guidance 1.5,6 --seeds 0);;
   conv)
     step "$n" 260 python benchmarks/probes/conv_scout.py --out "$R/$n.json" --budget 220 \
+      $([ "$SMOKE" = 1 ] && echo --smoke);;
+  geglu)
+    step "$n" 260 python benchmarks/probes/geglu_scout.py --out "$R/$n.json" --budget 220 \
       $([ "$SMOKE" = 1 ] && echo --smoke);;
   load)
     local a b
