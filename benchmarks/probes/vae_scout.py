@@ -9,6 +9,8 @@ image at one size, in one process, variants interleaved loop by loop (median of 
   fp32_bench  the same with torch.backends.cudnn.benchmark on
   fp32_cl     fp32, weights and input channels_last
   fast_cl     fast, weights and input channels_last, its wide GroupNorm reading channels_last (`group_norm_cl`)
+  fused       fast, each GroupNorm and the SiLU after it one pass of Triton (probes/group_norm_silu.py)
+  fused_cl    fused, channels_last: the statistics and the pass over NHWC, cuDNN's convolutions without conversions
   fp32_graph  fp32, the decoder call captured in a CUDA graph
   bf16 / bf16_cl / fp16   a copy of the VAE in that dtype (NCHW / channels_last)
   compiled    torch.compile(decoder) in fp32 (its compile time is reported)
@@ -27,6 +29,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -37,8 +40,11 @@ from storyboard_cli.models.loader import load_sdxl
 from storyboard_cli.models.vae_attention import unattend
 from storyboard_cli.run.batch import decode
 
-VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fp32_graph", "bf16", "bf16_cl",
-            "fp16", "compiled", "compiled_bf16", "compiled_fast")
+sys.path.insert(0, str(Path(__file__).parent))
+from group_norm_silu import fuse  # noqa: E402
+
+VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fused", "fused_cl", "fp32_graph",
+            "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16", "compiled_fast")
 
 
 def timed(fn, n: int) -> float:
@@ -141,6 +147,13 @@ def main() -> None:
                                  else WideGroupNorm.forward(m, x))
             zc = z.contiguous(memory_format=torch.channels_last)
             fns[v] = lambda: cl.decode(zc, return_dict=False)[0]
+        elif v in ("fused", "fused_cl"):
+            m = copy.deepcopy(fast)
+            result.setdefault("silus_fused", {})[v] = fuse(m.decoder)
+            zz = z
+            if v == "fused_cl":
+                m, zz = m.to(memory_format=torch.channels_last), z.contiguous(memory_format=torch.channels_last)
+            fns[v] = (lambda m=m, zz=zz: m.decode(zz, return_dict=False)[0])
         elif v == "product":
             fns[v] = lambda: decode(models, latents)[0] * 2 - 1
         elif v == "fp32_bench":
@@ -217,7 +230,7 @@ def main() -> None:
             print(json.dumps(result, indent=1))
             return
         from torch.profiler import ProfilerActivity, profile
-        for v in ("fp32", "wide", "fast"):
+        for v in ("fp32", "wide", "fast", "fused", "fused_cl"):
             if v not in fns:
                 continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
