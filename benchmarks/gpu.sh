@@ -71,6 +71,9 @@
 #   geglu             probes/geglu_scout.py: the feed-forward's first Linear and GEGLU at 16 and 4 rows of 1024², fp8 and
 #                     fp16: cuBLAS's GEMM and the compiler's GEGLU kernel (today's) against a Triton GEMM with GEGLU in
 #                     its epilogue, each one's ms, TFLOPS and error, ms per UNet and ControlNet step
+#   cn_embed          probes/cn_embed_scout.py: the ControlNet's conditioning embedding at 1024² and 832x1216, 2 to 16
+#                     rows, eager, channels_last and compiled, and the whole net with it and with it passed in: what
+#                     precomputing it once per batch would take off every +control step
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
@@ -258,6 +261,9 @@ leg() {  # LEG ARG NAME
       $([ "$SMOKE" = 1 ] && echo --smoke);;
   geglu)
     step "$n" 260 python benchmarks/probes/geglu_scout.py --out "$R/$n.json" --budget 220 \
+      $([ "$SMOKE" = 1 ] && echo --smoke);;
+  cn_embed)
+    step "$n" 200 python benchmarks/probes/cn_embed_scout.py --out "$R/$n.json" --budget 160 \
       $([ "$SMOKE" = 1 ] && echo --smoke);;
   load)
     local a b
