@@ -55,7 +55,10 @@ def test_the_processor_computes_the_block_as_diffusers_does(tiny_cpu, monkeypatc
         assert torch.equal(block(x), theirs)  # on the CPU: diffusers' processor, untouched
         monkeypatch.setattr(vae_attention, "takes", lambda h: True)
         ours = block(x)
+        # a channels_last decoder's input (models/groupnorm.py fuse): the same function, its output channels_last
+        ours_cl = block(x.contiguous(memory_format=torch.channels_last))
     assert ours.shape == theirs.shape and rel(ours, theirs) < 2e-3, rel(ours, theirs)
+    assert ours_cl.is_contiguous(memory_format=torch.channels_last) and rel(ours_cl, theirs) < 2e-3
     assert attend(vae.decoder) == 0  # once
     assert unattend(vae.decoder) == len(blocks) and not isinstance(block.processor, DecoderAttention)
 

@@ -3,14 +3,15 @@
 The render decodes one image at a time through SDXL's VAE in fp32 (its config asks for the upcast). This times, per
 image at one size, in one process, variants interleaved loop by loop (median of the loops):
   fp32        the VAE's decode with torch's own GroupNorm: fp32, NCHW, cuDNN's heuristics (the reference)
-  wide        the same with the decoder's GroupNorms wide (models/groupnorm.py)
-  fast        wide, and the attention block on the matrix units (models/vae_attention.py): as bcg loads it on a GPU
-  product     run/batch.py decode itself (fast, with the pixels' copy to the CPU)
+  wide        the same with the decoder's GroupNorms wide (models/groupnorm.py widen)
+  fast        wide, and the attention block on the matrix units (models/vae_attention.py): bcg's decoder before fuse
+  product     run/batch.py decode itself (the decoder as bcg loads it on a GPU, with the pixels' copy to the CPU)
   fp32_bench  the same with torch.backends.cudnn.benchmark on
   fp32_cl     fp32, weights and input channels_last
   fast_cl     fast, weights and input channels_last, its wide GroupNorm reading channels_last (`group_norm_cl`)
-  fused       fast, each GroupNorm and the SiLU after it one pass of Triton (probes/group_norm_silu.py)
+  fused       fast, each GroupNorm and the SiLU after it one pass of Triton (models/groupnorm.py fuse), NCHW
   fused_cl    fused, channels_last: the statistics and the pass over NHWC, cuDNN's convolutions without conversions
+              (as bcg loads the decoder on a GPU since the twenty-second session)
   fp32_graph  fp32, the decoder call captured in a CUDA graph
   bf16 / bf16_cl / fp16   a copy of the VAE in that dtype (NCHW / channels_last)
   compiled    torch.compile(decoder) in fp32 (its compile time is reported)
@@ -29,19 +30,15 @@ import argparse
 import copy
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from storyboard_cli.models.groupnorm import narrow
+from storyboard_cli.models.groupnorm import channels_last, fuse, narrow, widen
 from storyboard_cli.models.loader import load_sdxl
-from storyboard_cli.models.vae_attention import unattend
+from storyboard_cli.models.vae_attention import attend, unattend
 from storyboard_cli.run.batch import decode
-
-sys.path.insert(0, str(Path(__file__).parent))
-from group_norm_silu import fuse  # noqa: E402
 
 VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fused", "fused_cl", "fp32_graph",
             "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16", "compiled_fast")
@@ -106,12 +103,14 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
 
     models = load_sdxl(args.model, None, dev, torch.float16 if cuda else torch.float32)
-    fast = models.vae
-    assert fast.dtype == torch.float32, fast.dtype
-    wide = copy.deepcopy(fast)  # diffusers' attention
-    unattend(wide)
-    vae = copy.deepcopy(wide)  # and torch's GroupNorm: the reference of every variant but wide, fast and product
+    assert models.vae.dtype == torch.float32, models.vae.dtype
+    vae = copy.deepcopy(models.vae)  # torch's GroupNorm and diffusers' attention: the reference
     narrow(vae)
+    unattend(vae)
+    wide = copy.deepcopy(vae)  # the wide GroupNorm, NCHW
+    widen(wide.decoder)
+    fast = copy.deepcopy(wide)  # and the attention on the matrix units: bcg's decoder before `fuse`
+    attend(fast.decoder)
     g = torch.Generator(dev).manual_seed(0)
     latents = torch.randn(1, 4, h // 8, w // 8, device=dev, generator=g)
     z = latents / vae.config.scaling_factor
@@ -149,10 +148,10 @@ def main() -> None:
             fns[v] = lambda: cl.decode(zc, return_dict=False)[0]
         elif v in ("fused", "fused_cl"):
             m = copy.deepcopy(fast)
-            result.setdefault("silus_fused", {})[v] = fuse(m.decoder)
-            zz = z
-            if v == "fused_cl":
-                m, zz = m.to(memory_format=torch.channels_last), z.contiguous(memory_format=torch.channels_last)
+            result.setdefault("silus_fused", {})[v] = fuse(m.decoder)  # 0 where the kernels do not run
+            if v == "fused":
+                m.decoder.to(memory_format=torch.contiguous_format)
+            zz = z.contiguous(memory_format=torch.channels_last) if channels_last(m.decoder) else z
             fns[v] = (lambda m=m, zz=zz: m.decode(zz, return_dict=False)[0])
         elif v == "product":
             fns[v] = lambda: decode(models, latents)[0] * 2 - 1

@@ -1,4 +1,4 @@
-"""The VAE decoder's GroupNorm, computed with the whole GPU.
+"""The VAE decoder's GroupNorm, computed with the whole GPU, the SiLU after it in the same pass, channels_last.
 
 bcg decodes one image at a time (run/batch.py decode), and torch's GroupNorm kernel reduces each (image, group) pair
 in one thread block: 32 blocks for SDXL's 32 groups, each reading 4-16 million elements at the decoder's largest
@@ -7,22 +7,118 @@ decode (docs/PERFORMANCE.md, "The VAE decode"). `WideGroupNorm` computes the sam
 `torch.var_mean` over the same rows (torch's reductions spread a long row over many blocks), and the normalisation and
 affine one `addcmul` per element. Only in float32, SDXL's decode dtype: in fp16 or bf16 the affine would round twice
 where torch's kernel rounds once (2x its error against float32 in bf16), so those keep torch's kernel.
+
+On a GPU with Triton (`fuse`, after the check in `works_on`), two more passes go:
+- the SiLU that a resnet block, or the decoder's output, applies right after a GroupNorm moves into the norm's
+  normalising kernel (`norm_nchw_kernel`, `norm_nhwc_kernel`): one pass over the activations where there were two
+  (3.4 ms of the 75 ms decode in SiLU kernels);
+- the decoder runs channels_last, so that cuDNN's convolutions, whose kernels read and write NHWC, need no conversion
+  before and after each (9.9 ms of the decode). A channels_last input's statistics come from `stats_nhwc_kernel`: each
+  program reads a run of positions, all channels, and keeps each group's mean and centred sum of squares, combined
+  chunk by chunk as Chan et al. combine partial moments, and the programs' partials are combined in float64.
+The same function in float32 as torch's GroupNorm and SiLU. `narrow` undoes all of it for a copy that is to run as
+users run diffusers (the bench's diffusers loop).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # torch's CPU builds have no Triton: the torch paths
+    triton = tl = None
+
+STATS_PROGRAMS = 264  # programs per image for a channels_last input's statistics: 2 per H200 multiprocessor
+BLOCK = 4096  # elements a program of the normalising kernels writes, and a chunk of the statistics kernel reads
+
+if triton is not None:
+    @triton.jit
+    def norm_nchw_kernel(x_ptr, a_ptr, b_ptr, y_ptr, HW, SILU: tl.constexpr, BLOCK: tl.constexpr):
+        """y[nc, p] = f(x[nc, p] a[nc] + b[nc]), f the SiLU or the identity; x, y [N C, HW] contiguous."""
+        nc = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < HW
+        base = nc.to(tl.int64) * HW
+        y = tl.load(x_ptr + base + offs, mask=ok, other=0.0) * tl.load(a_ptr + nc) + tl.load(b_ptr + nc)
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        tl.store(y_ptr + base + offs, y, mask=ok)
+
+    @triton.jit
+    def norm_nhwc_kernel(x_ptr, a_ptr, b_ptr, y_ptr, P, C: tl.constexpr, SILU: tl.constexpr,
+                         BLOCK_P: tl.constexpr):
+        """y[n, p, c] = f(x[n, p, c] a[n, c] + b[n, c]); x, y [N, P, C] contiguous (a channels_last NCHW tensor)."""
+        n = tl.program_id(0)
+        rp = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        rc = tl.arange(0, C)
+        ok = rp[:, None] < P
+        off = (n * P + rp).to(tl.int64)[:, None] * C + rc[None, :]
+        a = tl.load(a_ptr + n * C + rc)
+        b = tl.load(b_ptr + n * C + rc)
+        y = tl.load(x_ptr + off, mask=ok, other=0.0) * a[None, :] + b[None, :]
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))
+        tl.store(y_ptr + off, y, mask=ok)
+
+    @triton.jit
+    def stats_nhwc_kernel(x_ptr, mean_ptr, m2_ptr, P, PER_PROG, C: tl.constexpr, G: tl.constexpr,
+                          BLOCK_P: tl.constexpr):
+        """For image n and program j: over positions [j PER_PROG, (j + 1) PER_PROG) of x [N, P, C] (contiguous), each
+        group's mean and centred sum of squares in float32, written to mean, m2 [N, programs, G]; chunks of BLOCK_P
+        positions combined as Chan et al. combine partial moments. PER_PROG a multiple of BLOCK_P."""
+        n = tl.program_id(0)
+        j = tl.program_id(1)
+        rc = tl.arange(0, C)
+        count = tl.zeros((G,), dtype=tl.float32)
+        mean = tl.zeros((G,), dtype=tl.float32)
+        m2 = tl.zeros((G,), dtype=tl.float32)
+        for start in range(j * PER_PROG, (j + 1) * PER_PROG, BLOCK_P):
+            rp = start + tl.arange(0, BLOCK_P)
+            ok = rp < P
+            x = tl.load(x_ptr + (n * P + rp).to(tl.int64)[:, None] * C + rc[None, :], mask=ok[:, None], other=0.0)
+            valid = tl.sum(ok.to(tl.float32), axis=0) * (C // G)  # each group's elements in this chunk
+            if valid > 0:
+                x3 = tl.reshape(x, (BLOCK_P, G, C // G))
+                okf = tl.reshape(tl.broadcast_to(ok[:, None], (BLOCK_P, C)).to(tl.float32), (BLOCK_P, G, C // G))
+                c_mean = tl.sum(tl.sum(x3, axis=2), axis=0) / valid
+                d = (x3 - c_mean[None, :, None]) * okf
+                c_m2 = tl.sum(tl.sum(d * d, axis=2), axis=0)
+                total = count + valid
+                delta = c_mean - mean
+                mean = mean + delta * (valid / total)
+                m2 = m2 + c_m2 + delta * delta * (count * valid / total)
+                count = total
+        out = (n * tl.num_programs(1) + j) * G + tl.arange(0, G)
+        tl.store(mean_ptr + out, mean)
+        tl.store(m2_ptr + out, m2)
 
 
 class WideGroupNorm(nn.GroupNorm):
-    """nn.GroupNorm with the same parameters and state dict; a contiguous float32 input of 3 or more dimensions takes
-    the wide path, anything else torch's own."""
+    """nn.GroupNorm with the same parameters and state dict, and the SiLU after it where `silu` is set. Once `fuse` has
+    checked the kernels on its device (`kernels`), a float32 4D input there (NCHW or channels_last) takes them; another
+    contiguous float32 input of 3 or more dimensions the wide path; anything else torch's own."""
+
+    silu = False
+    kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels and kernels_take(x, self.num_channels, self.num_groups):
+            return group_norm_kernels(x, self.num_groups, self.weight, self.bias, self.eps, self.silu)
         if x.dim() < 3 or not x.is_contiguous() or x.dtype != torch.float32:
-            return super().forward(x)
-        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+            y = super().forward(x)
+        else:
+            y = group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        return F.silu(y) if self.silu else y
+
+
+class SiluInNorm(nn.Identity):
+    """Where a block's SiLU was, once `fuse` moved it into the GroupNorm before it (`narrow` puts an nn.SiLU back)."""
 
 
 def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -30,16 +126,73 @@ def group_norm(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: 
     """F.group_norm(x, groups, weight, bias, eps) for a contiguous float32 [N, C, ...] x."""
     n, c = x.shape[:2]
     var, mean = torch.var_mean(x.view(n * groups, -1), dim=1, correction=0)
-    rstd = torch.rsqrt(var + eps).view(n, groups, 1)
-    # per channel: y = x * a + b, a = rstd * weight, b = bias - mean * rstd * weight
-    a = rstd.expand(n, groups, c // groups).reshape(n, c)
+    a, b = _affine(mean.view(n, groups), var.view(n, groups), c, weight, bias, eps)
+    shape = (n, c) + (1,) * (x.dim() - 2)
+    return torch.addcmul(b.view(shape), x, a.view(shape))
+
+
+def _affine(mean: torch.Tensor, var: torch.Tensor, c: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, y = x * a + b: a = rstd * weight, b = bias - mean * rstd * weight; [N, C] each, from the groups'
+    [N, G] mean and variance."""
+    n, groups = mean.shape
+    a = torch.rsqrt(var + eps).view(n, groups, 1).expand(n, groups, c // groups).reshape(n, c)
     if weight is not None:
         a = a * weight
     b = -mean.view(n, groups, 1).expand(n, groups, c // groups).reshape(n, c) * a
     if bias is not None:
         b = b + bias
-    shape = (n, c) + (1,) * (x.dim() - 2)
-    return torch.addcmul(b.view(shape), x, a.view(shape))
+    return a, b
+
+
+def kernels_take(x: torch.Tensor, channels: int, groups: int) -> bool:
+    """Whether `x` takes the Triton kernels: float32, 4 dimensions, NCHW-contiguous or channels_last, a power-of-two
+    channel count, on a CUDA device (or the CPU under Triton's interpreter, TRITON_INTERPRET=1: the kernels' own
+    tests)."""
+    if triton is None or x.dim() != 4 or x.dtype != torch.float32 or channels & (channels - 1) or channels % groups:
+        return False
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    return x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
+
+
+def moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, biased variance) [N, groups] float32 of a `kernels_take` x's groups."""
+    n, c, h, w = x.shape
+    if x.is_contiguous():
+        var, mean = torch.var_mean(x.view(n, groups, -1), dim=2, correction=0)
+        return mean, var
+    p, block_p = h * w, max(1, BLOCK // c)  # a chunk: block_p positions, all their channels
+    per = triton.cdiv(triton.cdiv(p, min(STATS_PROGRAMS, triton.cdiv(p, block_p))), block_p) * block_p
+    progs = triton.cdiv(p, per)
+    mean = torch.empty(n, progs, groups, device=x.device, dtype=torch.float32)
+    m2 = torch.empty_like(mean)
+    stats_nhwc_kernel[(n, progs)](x, mean, m2, p, per, C=c, G=groups, BLOCK_P=block_p, num_warps=8)
+    # the programs' partial moments combined in float64: each program's element count, mean, centred sum of squares
+    # (made on the device: a copy from the host would wait for the decode's queued work)
+    counts = ((p - per * torch.arange(progs, device=x.device, dtype=torch.float64)).clamp(max=per)
+              * (c // groups)).view(1, progs, 1)
+    mean64 = mean.double()
+    total = counts.sum()
+    gmean = (counts * mean64).sum(dim=1) / total
+    gm2 = (m2.double() + counts * (mean64 - gmean[:, None, :]) ** 2).sum(dim=1)
+    return gmean.float(), (gm2 / total).float()
+
+
+def group_norm_kernels(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       eps: float, silu: bool) -> torch.Tensor:
+    """F.group_norm (then F.silu where `silu`) of a `kernels_take` x, in x's memory format."""
+    n, c, h, w = x.shape
+    mean, var = moments(x, groups)
+    a, b = (t.contiguous() for t in _affine(mean, var, c, weight, bias, eps))
+    y = torch.empty_like(x)
+    if x.is_contiguous():
+        norm_nchw_kernel[(n * c, triton.cdiv(h * w, BLOCK))](x, a, b, y, h * w, SILU=silu, BLOCK=BLOCK, num_warps=8)
+    else:
+        block_p = max(1, BLOCK // c)
+        norm_nhwc_kernel[(n, triton.cdiv(h * w, block_p))](x, a, b, y, h * w, C=c, SILU=silu, BLOCK_P=block_p,
+                                                          num_warps=8)
+    return y
 
 
 def widen(module: nn.Module) -> int:
@@ -48,9 +201,78 @@ def widen(module: nn.Module) -> int:
     return _swap(module, nn.GroupNorm, WideGroupNorm)
 
 
+def fuse(decoder: nn.Module) -> int:
+    """A widened VAE decoder's SiLUs move into the GroupNorms before them, and the decoder goes channels_last, where
+    the kernels give torch's answer on its device (`works_on`). The SiLUs that move: a resnet block's (no time
+    embedding projection, so its SiLU follows each of its norms straight away; the decoder's never shift and scale
+    by a time embedding) and the decoder's output's. Returns how many norms took a SiLU (0: nothing changed)."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    norms = [m for m in decoder.modules() if type(m) is WideGroupNorm]
+    shapes = sorted({(m.num_channels, m.num_groups) for m in norms})
+    if not norms or not works_on(norms[0].weight.device, shapes):
+        return 0
+    for m in norms:
+        m.kernels = True
+    took = 0
+    for m in decoder.modules():
+        if (isinstance(m, ResnetBlock2D) and type(m.nonlinearity) is nn.SiLU and m.time_emb_proj is None
+                and m.time_embedding_norm != "scale_shift" and type(m.norm1) is type(m.norm2) is WideGroupNorm):
+            m.norm1.silu = m.norm2.silu = True
+            m.nonlinearity = SiluInNorm()
+            took += 2
+    if type(getattr(decoder, "conv_act", None)) is nn.SiLU and type(decoder.conv_norm_out) is WideGroupNorm:
+        decoder.conv_norm_out.silu = True
+        decoder.conv_act = SiluInNorm()
+        took += 1
+    decoder.to(memory_format=torch.channels_last)
+    return took
+
+
 def narrow(module: nn.Module) -> int:
-    """The inverse of `widen`: torch's GroupNorm again (for a copy of the VAE that is to run as users run it)."""
+    """The inverse of `widen` and `fuse`: torch's GroupNorm, the SiLUs back in their blocks, the weights NCHW again
+    (for a copy of the VAE that is to run as users run it). Returns how many norms."""
+    for parent in module.modules():
+        for name, child in list(parent.named_children()):
+            if type(child) is SiluInNorm:
+                setattr(parent, name, nn.SiLU())
+    found = [m for m in module.modules() if type(m) is WideGroupNorm]
+    for m in found:
+        m.__dict__.pop("silu", None)
+        m.__dict__.pop("kernels", None)
+    module.to(memory_format=torch.contiguous_format)
     return _swap(module, WideGroupNorm, nn.GroupNorm)
+
+
+def channels_last(module: nn.Module) -> bool:
+    """Whether `module`'s (a decoder's) convolution weights are channels_last: its input should be too."""
+    conv = next((m for m in module.modules() if isinstance(m, nn.Conv2d) and m.kernel_size != (1, 1)), None)
+    return conv is not None and not conv.weight.is_contiguous() and conv.weight.is_contiguous(
+        memory_format=torch.channels_last)
+
+
+def works_on(device: torch.device, shapes: list[tuple[int, int]] = ((64, 32),)) -> bool:
+    """Whether the kernels run on `device` and give torch's GroupNorm (and SiLU) there at each (channels, groups) of
+    `shapes`, NCHW and channels_last, with and without the SiLU, on small inputs (at load: every kernel a decoder of
+    these norms runs is compiled here, once per machine in Triton's cache, and checked). False where a channel count
+    is not a power of two, Triton is missing, or the device is not a GPU (nor the CPU under Triton's interpreter)."""
+    try:
+        g = torch.Generator(device).manual_seed(0)
+        for c, groups in shapes:
+            x = torch.randn(1, c, 9, 7, device=device, generator=g) * 3 + 2  # 63 positions: a partial chunk
+            if not kernels_take(x, c, groups):
+                return False
+            w, b = torch.randn(c, device=device, generator=g), torch.randn(c, device=device, generator=g)
+            norm = F.group_norm(x, groups, w, b, 1e-6)
+            for silu in (False, True):
+                want = F.silu(norm) if silu else norm
+                for layout in (torch.contiguous_format, torch.channels_last):
+                    got = group_norm_kernels(x.contiguous(memory_format=layout), groups, w, b, 1e-6, silu)
+                    if not ((got - want).abs().max() < 1e-4):
+                        return False
+        return True
+    except Exception:  # noqa: BLE001 - any compiler or driver failure: the torch paths
+        return False
 
 
 def _swap(module: nn.Module, old: type, new: type) -> int:

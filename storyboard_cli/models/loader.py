@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from storyboard_cli.errors import ModelError, one_line
-from storyboard_cli.models.groupnorm import widen
+from storyboard_cli.models.groupnorm import fuse, widen
 from storyboard_cli.models.tiny import cache_root, tiny_folder
 from storyboard_cli.models.vae_attention import attend
 
@@ -289,5 +289,6 @@ def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str |
         models.region_layout = install(models.unet, int(regions), REGION_REFERENCES)
     if device.type == "cuda":  # one image at a time, torch's GroupNorm kernel uses a quarter of the GPU; its float32
         widen(models.vae.decoder)  # attention runs on the plain float units (models/vae_attention.py)
+        fuse(models.vae.decoder)  # the SiLUs inside the norms, channels_last: no layout conversions around cuDNN
         attend(models.vae.decoder)
     return models

@@ -75,9 +75,10 @@ class DecoderAttention:
             return self.plain(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         residual = hidden_states
         b, c, h, w = hidden_states.shape
-        x = hidden_states.view(b, c, h * w).transpose(1, 2)
-        if attn.group_norm is not None:
-            x = attn.group_norm(x.transpose(1, 2)).transpose(1, 2)
+        # the norm over [B, C, H, W] is diffusers' over [B, C, H * W]; 4D, a channels_last decoder's (models/
+        # groupnorm.py) takes its kernels, and the tokens [B, H * W, C] come out contiguous
+        normed = hidden_states if attn.group_norm is None else attn.group_norm(hidden_states)
+        x = normed.view(b, c, h * w).transpose(1, 2)
         out = attention(attn.to_q(x), attn.to_k(x), attn.to_v(x), attn.heads)
         out = attn.to_out[1](attn.to_out[0](out))
         out = out.transpose(-1, -2).reshape(b, c, h, w)

@@ -31,6 +31,7 @@ from storyboard_cli.job.conditions import KINDS as JOB_KINDS
 from storyboard_cli.job.file import LoraFile
 from storyboard_cli.job.lora_files import LoraFileError
 from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
+from storyboard_cli.models.groupnorm import channels_last
 from storyboard_cli.models.loader import SdxlModels
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
 from storyboard_cli.steps import StepKind
@@ -73,12 +74,14 @@ def decode_on_device(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.T
     """[B, 4, h, w] latents -> (float pixels [B, 3, H, W] in [0, 1], uint8 [B, H, W, 3]), both on the device, as
     diffusers' VAE decode + postprocess."""
     z = (latents / models.vae.config.scaling_factor).to(models.vae_dtype)
+    if channels_last(models.vae.decoder):  # a GPU's decoder (models/groupnorm.py fuse): its input in its layout
+        z = z.contiguous(memory_format=torch.channels_last)
     images = []
     # one image at a time: batched, the VAE's kernels (and their rounding: 1 level in 255 on a CPU) depend on
     # the batch's size and its other images, and an image's pixels must not (a served batch mixes jobs)
     for one in z.split(1):
         images.append(models.vae.decode(one, return_dict=False)[0].float())
-    image = (torch.cat(images) / 2 + 0.5).clamp(0, 1)
+    image = (torch.cat(images) / 2 + 0.5).clamp(0, 1).contiguous()
     return image, (image * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
 
 
