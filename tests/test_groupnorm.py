@@ -164,9 +164,9 @@ KERNEL_CHECK = textwrap.dedent("""
     assert g.works_on(torch.device("cpu"))
     torch.manual_seed(0)
     # 63 and 1600 positions: partial chunks of the statistics kernel; an offset mean: a one-pass variance loses digits
-    for n, c, h, w, groups in ((1, 64, 9, 7, 32), (2, 128, 40, 40, 32), (1, 32, 5, 13, 8)):
+    for n, c, h, w, groups, affine in ((1, 64, 9, 7, 32, True), (2, 128, 40, 40, 32, True), (1, 32, 5, 13, 8, False)):
         x = torch.randn(n, c, h, w) * 3 + 5
-        wt, b = torch.randn(c), torch.randn(c)
+        wt, b = (torch.randn(c), torch.randn(c)) if affine else (None, None)
         for silu in (False, True):
             want = F.group_norm(x, groups, wt, b, 1e-6)
             want = F.silu(want) if silu else want

@@ -15,7 +15,8 @@ On a GPU with Triton (`fuse`, after the check in `works_on`), two more passes go
 - the decoder runs channels_last, so that cuDNN's convolutions, whose kernels read and write NHWC, need no conversion
   before and after each (9.9 ms of the decode). A channels_last input's statistics come from `stats_nhwc_kernel`: each
   program reads a run of positions, all channels, and keeps each group's mean and centred sum of squares, combined
-  chunk by chunk as Chan et al. combine partial moments, and the programs' partials are combined in float64.
+  chunk by chunk as Chan et al. combine partial moments; `affine_nhwc_kernel` combines the programs' partials in
+  float64 and writes each channel's scale and shift. Three launches a norm, and nothing waits for the device.
 The same function in float32 as torch's GroupNorm and SiLU. `narrow` undoes all of it for a copy that is to run as
 users run diffusers (the bench's diffusers loop).
 """
@@ -98,6 +99,38 @@ if triton is not None:
         tl.store(mean_ptr + out, mean)
         tl.store(m2_ptr + out, m2)
 
+    @triton.jit
+    def affine_nhwc_kernel(mean_ptr, m2_ptr, w_ptr, b_ptr, a_ptr, c_ptr, P, PER_PROG, PROGS, eps,
+                           C: tl.constexpr, G: tl.constexpr, BLOCK_J: tl.constexpr, HAS_W: tl.constexpr,
+                           HAS_B: tl.constexpr):
+        """For image n: the PROGS programs' partial moments of `stats_nhwc_kernel` combined in float64 (each
+        program's element count, mean and centred sum of squares), then per channel y = x a + c with a = rstd w and
+        c = b - mean a, written to a, c [N, C]. One program per image, BLOCK_J >= PROGS."""
+        n = tl.program_id(0)
+        rj = tl.arange(0, BLOCK_J)
+        okj = rj < PROGS
+        off = (n * PROGS + rj)[:, None] * G + tl.arange(0, G)[None, :]
+        mean = tl.load(mean_ptr + off, mask=okj[:, None], other=0.0).to(tl.float64)
+        m2 = tl.load(m2_ptr + off, mask=okj[:, None], other=0.0).to(tl.float64)
+        count = tl.where(okj, tl.minimum(P - rj * PER_PROG, PER_PROG), 0).to(tl.float64) * (C // G)
+        total = tl.sum(count, axis=0)
+        gmean = tl.sum(count[:, None] * mean, axis=0) / total
+        d = mean - gmean[None, :]
+        var = tl.sum(m2 + count[:, None] * d * d, axis=0) / total
+        rstd = 1.0 / tl.sqrt(var.to(tl.float32) + eps)
+        # per channel: a group's value repeated over its C // G channels, in channel order
+        rstd_c = tl.reshape(tl.broadcast_to(rstd[:, None], (G, C // G)), (C,))
+        mean_c = tl.reshape(tl.broadcast_to(gmean.to(tl.float32)[:, None], (G, C // G)), (C,))
+        rc = tl.arange(0, C)
+        a = rstd_c
+        if HAS_W:
+            a = a * tl.load(w_ptr + rc)
+        c = -mean_c * a
+        if HAS_B:
+            c += tl.load(b_ptr + rc)
+        tl.store(a_ptr + n * C + rc, a)
+        tl.store(c_ptr + n * C + rc, c)
+
 
 class WideGroupNorm(nn.GroupNorm):
     """nn.GroupNorm with the same parameters and state dict, and the SiLU after it where `silu` is set. Once `fuse` has
@@ -156,42 +189,31 @@ def kernels_take(x: torch.Tensor, channels: int, groups: int) -> bool:
     return x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
 
 
-def moments(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, biased variance) [N, groups] float32 of a `kernels_take` x's groups."""
+def group_norm_kernels(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       eps: float, silu: bool) -> torch.Tensor:
+    """F.group_norm (then F.silu where `silu`) of a `kernels_take` x, in x's memory format. NCHW: the statistics are
+    torch's `var_mean` (as the wide path's); channels_last: `stats_nhwc_kernel`, combined by `affine_nhwc_kernel`.
+    Then one normalising pass. Nothing waits for the device."""
     n, c, h, w = x.shape
+    p = h * w
+    y = torch.empty_like(x)
     if x.is_contiguous():
         var, mean = torch.var_mean(x.view(n, groups, -1), dim=2, correction=0)
-        return mean, var
-    p, block_p = h * w, max(1, BLOCK // c)  # a chunk: block_p positions, all their channels
+        a, b = (t.contiguous() for t in _affine(mean, var, c, weight, bias, eps))
+        norm_nchw_kernel[(n * c, triton.cdiv(p, BLOCK))](x, a, b, y, p, SILU=silu, BLOCK=BLOCK, num_warps=8)
+        return y
+    block_p = max(1, BLOCK // c)  # a chunk, and a normalising program: block_p positions, all their channels
     per = triton.cdiv(triton.cdiv(p, min(STATS_PROGRAMS, triton.cdiv(p, block_p))), block_p) * block_p
     progs = triton.cdiv(p, per)
     mean = torch.empty(n, progs, groups, device=x.device, dtype=torch.float32)
     m2 = torch.empty_like(mean)
     stats_nhwc_kernel[(n, progs)](x, mean, m2, p, per, C=c, G=groups, BLOCK_P=block_p, num_warps=8)
-    # the programs' partial moments combined in float64: each program's element count, mean, centred sum of squares
-    # (made on the device: a copy from the host would wait for the decode's queued work)
-    counts = ((p - per * torch.arange(progs, device=x.device, dtype=torch.float64)).clamp(max=per)
-              * (c // groups)).view(1, progs, 1)
-    mean64 = mean.double()
-    total = counts.sum()
-    gmean = (counts * mean64).sum(dim=1) / total
-    gm2 = (m2.double() + counts * (mean64 - gmean[:, None, :]) ** 2).sum(dim=1)
-    return gmean.float(), (gm2 / total).float()
-
-
-def group_norm_kernels(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                       eps: float, silu: bool) -> torch.Tensor:
-    """F.group_norm (then F.silu where `silu`) of a `kernels_take` x, in x's memory format."""
-    n, c, h, w = x.shape
-    mean, var = moments(x, groups)
-    a, b = (t.contiguous() for t in _affine(mean, var, c, weight, bias, eps))
-    y = torch.empty_like(x)
-    if x.is_contiguous():
-        norm_nchw_kernel[(n * c, triton.cdiv(h * w, BLOCK))](x, a, b, y, h * w, SILU=silu, BLOCK=BLOCK, num_warps=8)
-    else:
-        block_p = max(1, BLOCK // c)
-        norm_nhwc_kernel[(n, triton.cdiv(h * w, block_p))](x, a, b, y, h * w, C=c, SILU=silu, BLOCK_P=block_p,
-                                                          num_warps=8)
+    a = torch.empty(n, c, device=x.device, dtype=torch.float32)
+    b = torch.empty_like(a)
+    affine_nhwc_kernel[(n,)](mean, m2, weight if weight is not None else a, bias if bias is not None else a, a, b, p,
+                             per, progs, eps, C=c, G=groups, BLOCK_J=triton.next_power_of_2(progs),
+                             HAS_W=weight is not None, HAS_B=bias is not None, num_warps=4)
+    norm_nhwc_kernel[(n, triton.cdiv(p, block_p))](x, a, b, y, p, C=c, SILU=silu, BLOCK_P=block_p, num_warps=8)
     return y
 
 
