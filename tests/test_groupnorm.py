@@ -163,8 +163,10 @@ KERNEL_CHECK = textwrap.dedent("""
 
     assert g.works_on(torch.device("cpu"))
     torch.manual_seed(0)
-    # 63 and 1600 positions: partial chunks of the statistics kernel; an offset mean: a one-pass variance loses digits
-    for n, c, h, w, groups, affine in ((1, 64, 9, 7, 32, True), (2, 128, 40, 40, 32, True), (1, 32, 5, 13, 8, False)):
+    # 63 positions: a partial chunk; 20 x 449 at 128 channels: 141 programs of two 32-position chunks, the last
+    # program's second chunk past the end; an offset mean: a one-pass variance would lose digits
+    for n, c, h, w, groups, affine in ((1, 64, 9, 7, 32, True), (2, 128, 40, 40, 32, True), (1, 32, 5, 13, 8, False),
+                                       (1, 128, 20, 449, 32, True)):
         x = torch.randn(n, c, h, w) * 3 + 5
         wt, b = (torch.randn(c), torch.randn(c)) if affine else (None, None)
         for silu in (False, True):

@@ -83,18 +83,19 @@ if triton is not None:
             rp = start + tl.arange(0, BLOCK_P)
             ok = rp < P
             x = tl.load(x_ptr + (n * P + rp).to(tl.int64)[:, None] * C + rc[None, :], mask=ok[:, None], other=0.0)
-            valid = tl.sum(ok.to(tl.float32), axis=0) * (C // G)  # each group's elements in this chunk
-            if valid > 0:
-                x3 = tl.reshape(x, (BLOCK_P, G, C // G))
-                okf = tl.reshape(tl.broadcast_to(ok[:, None], (BLOCK_P, C)).to(tl.float32), (BLOCK_P, G, C // G))
-                c_mean = tl.sum(tl.sum(x3, axis=2), axis=0) / valid
-                d = (x3 - c_mean[None, :, None]) * okf
-                c_m2 = tl.sum(tl.sum(d * d, axis=2), axis=0)
-                total = count + valid
-                delta = c_mean - mean
-                mean = mean + delta * (valid / total)
-                m2 = m2 + c_m2 + delta * delta * (count * valid / total)
-                count = total
+            # each group's elements in this chunk; a chunk past the end (the last program's) has none and changes
+            # nothing, and a program's first chunk always has some (no branch: the loop's loads stay pipelined)
+            valid = tl.sum(ok.to(tl.float32), axis=0) * (C // G)
+            x3 = tl.reshape(x, (BLOCK_P, G, C // G))
+            okf = tl.reshape(tl.broadcast_to(ok[:, None], (BLOCK_P, C)).to(tl.float32), (BLOCK_P, G, C // G))
+            c_mean = tl.sum(tl.sum(x3, axis=2), axis=0) / tl.maximum(valid, 1.0)
+            d = (x3 - c_mean[None, :, None]) * okf
+            c_m2 = tl.sum(tl.sum(d * d, axis=2), axis=0)
+            total = count + valid
+            delta = c_mean - mean
+            mean = mean + delta * (valid / total)
+            m2 = m2 + c_m2 + delta * delta * (count * valid / total)
+            count = total
         out = (n * tl.num_programs(1) + j) * G + tl.arange(0, G)
         tl.store(mean_ptr + out, mean)
         tl.store(m2_ptr + out, m2)
