@@ -22,8 +22,11 @@ ms (a CUDA graph of 10 calls, median of --repeats replays) and TFLOPS:
   geglu_tiled   a 2D-tiled GEGLU kernel of ours (contiguous columns, no index division) alone;  cublas+geglu_tiled
   triton_gemm   a plain Triton GEMM of the whole [M, 2 x inner] (fp16 out): how near cuBLAS a Triton GEMM gets here
   fused         the GEMM with GEGLU in its epilogue, tuned per shape over a few tile configs
+  triton_gemm_tma, fused_tma   the same two with their tiles moved by the TMA (tensor descriptors): no pointer
+                tensors in registers (compiled for sm_90a, the pointer kernels use all 255 registers and spill, as
+                Triton's own tutorial GEMM does at 128 x 256)
 and each one's relative L2 error against the fp32 arithmetic of the same (quantised) operands. Summed per step:
-ms per UNet step and per ControlNet step for production, cublas+geglu_tiled and fused.
+ms per UNet step and per ControlNet step for production, cublas+geglu_tiled, fused and fused_tma.
 
     python benchmarks/probes/geglu_scout.py --out geglu.json                 # CUDA (H200): about 2 minutes
     python benchmarks/probes/geglu_scout.py --out /tmp/g.json --smoke        # CPU: tiny, Triton's interpreter
@@ -80,6 +83,10 @@ SMOKE_GEMM = {"fp16": [(32, 64, 32, 4, 1, 2)], "fp8": [(32, 64, 32, 4, 1, 2)]}
 SMOKE_GEGLU = [(8, 32, 4)]
 
 if triton is not None:
+    # the kernels' constants: Triton lets a kernel read a global only where it is a constexpr
+    K_SQRT_HALF = tl.constexpr(SQRT_HALF)
+    K_FP8_MAX = tl.constexpr(FP8_MAX)
+
     @triton.jit
     def geglu_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
                           QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -115,10 +122,10 @@ if triton is not None:
         if HAS_BIAS:
             h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
             g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
-        y = h * (0.5 * g * (1.0 + tl.math.erf(g * SQRT_HALF)))
+        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
         out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
         if QUANT:
-            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -FP8_MAX), FP8_MAX)
+            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
 
     @triton.jit
@@ -147,6 +154,55 @@ if triton is not None:
         tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], acc.to(tl.float16), mask=m_ok[:, None])
 
     @triton.jit
+    def geglu_gemm_tma_kernel(x_desc, w_desc, b_ptr, out_desc, xs_ptr, ws_ptr, os_ptr, M, N, K,
+                              QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """geglu_gemm_kernel with its tiles moved by the Hopper's TMA (host tensor descriptors: x [M, K] in
+        [BLOCK_M, BLOCK_K] blocks, W [2N, K] in [BLOCK_N, BLOCK_K], out [M, N] in [BLOCK_M, BLOCK_N]): no pointer
+        tensors in registers, the rows past M read as zeros and not written."""
+        pid, n_tiles = tl.program_id(0), N // BLOCK_N
+        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
+        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * n_tiles)) % size_m
+        pid_n = (pid % (GROUP_M * n_tiles)) // size_m
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = x_desc.load([off_m, k])
+            acc_h = tl.dot(a, w_desc.load([off_n, k]).T, acc_h)
+            acc_g = tl.dot(a, w_desc.load([N + off_n, k]).T, acc_g)
+        s = tl.load(xs_ptr) * tl.load(ws_ptr)
+        h = acc_h * s
+        g = acc_g * s
+        if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
+            h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+            g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
+        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
+        if QUANT:
+            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
+        out_desc.store([off_m, off_n], y.to(out_desc.dtype))
+
+    @triton.jit
+    def gemm_tma_kernel(x_desc, w_desc, b_ptr, out_desc, xs_ptr, ws_ptr, M, N, K, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """gemm_kernel with TMA tiles (geglu_gemm_tma_kernel's descriptors; out [M, N] fp16)."""
+        pid, n_tiles = tl.program_id(0), N // BLOCK_N
+        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
+        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * n_tiles)) % size_m
+        pid_n = (pid % (GROUP_M * n_tiles)) // size_m
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            acc = tl.dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc)
+        acc = acc * (tl.load(xs_ptr) * tl.load(ws_ptr))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + off_n + tl.arange(0, BLOCK_N)).to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], acc.to(tl.float16))
+
+    @triton.jit
     def geglu_kernel(y_ptr, out_ptr, os_ptr, M, N, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr):
         """out[m, n] = y[m, n] * gelu(y[m, N + n]) (QUANT: / out_scale, saturated, FP8); y [M, 2N] fp16, N a multiple of
@@ -157,9 +213,9 @@ if triton is not None:
         row = y_ptr + rm.to(tl.int64)[:, None] * (2 * N) + rn[None, :]
         h = tl.load(row, mask=m_ok, other=0.0).to(tl.float32)
         g = tl.load(row + N, mask=m_ok, other=0.0).to(tl.float32)
-        y = h * (0.5 * g * (1.0 + tl.math.erf(g * SQRT_HALF)))
+        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
         if QUANT:
-            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -FP8_MAX), FP8_MAX)
+            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
         tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=m_ok)
 
 
@@ -311,6 +367,44 @@ def gemm_call(ops: Operands, config: tuple) -> Callable[[], torch.Tensor]:
     return call
 
 
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
+def fused_tma_call(ops: Operands, config: tuple) -> Callable[[], torch.Tensor]:
+    bm, bn, bk, warps, stages, group = config
+    bk = pick_k(ops.x.shape[1], bk)
+    out = ops.out()
+    x_d, w_d, o_d = _descriptor(ops.x, [bm, bk]), _descriptor(ops.w, [bn, bk]), _descriptor(out, [bm, bn])
+    grid = (triton.cdiv(ops.m, bm) * (ops.n // bn),)
+
+    def call():
+        geglu_gemm_tma_kernel[grid](x_d, w_d, ops.bias if ops.bias is not None else ops.xs, o_d, ops.xs, ops.ws, ops.os,
+                                    ops.m, ops.n, ops.x.shape[1], QUANT=ops.quant, HAS_BIAS=ops.bias is not None,
+                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps,
+                                    num_stages=stages)
+        return out
+    return call
+
+
+def gemm_tma_call(ops: Operands, config: tuple) -> Callable[[], torch.Tensor]:
+    bm, bn, bk, warps, stages, group = config
+    bk = pick_k(ops.x.shape[1], bk)
+    n2 = 2 * ops.n
+    out = torch.empty(ops.m, n2, device=ops.x.device, dtype=torch.float16)
+    x_d, w_d, o_d = _descriptor(ops.x, [bm, bk]), _descriptor(ops.w, [bn, bk]), _descriptor(out, [bm, bn])
+    grid = (triton.cdiv(ops.m, bm) * (n2 // bn),)
+
+    def call():
+        gemm_tma_kernel[grid](x_d, w_d, ops.bias if ops.bias is not None else ops.xs, o_d, ops.xs, ops.ws, ops.m, n2,
+                              ops.x.shape[1], HAS_BIAS=ops.bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                              GROUP_M=group, num_warps=warps, num_stages=stages)
+        return out
+    return call
+
+
 def geglu_call(ops: Operands, y: torch.Tensor, config: tuple) -> Callable[[], torch.Tensor]:
     bm, bn, warps = config
     out = ops.out()
@@ -377,18 +471,25 @@ def measure(shape: FfShape, rows: int, precision: str, device: str, smoke: bool,
     if plain is not None:
         res["triton_gemm_err"] = rel(plain().float(), (ops.x.float() * ops.xs) @ (ops.w.float() * ops.ws).t()
                                      + (0 if ops.bias is None else ops.bias.float()))
-    fused = best(res, "fused", lambda c: fused_call(ops, c), cfg[0][precision], iters, repeats,
-                 lambda c: ops.n % c[1] == 0)
-    if fused is not None:
-        got = ops.value(fused())
-        res["fused_err"] = rel(got, ops.want)
-        res["fused_vs_production"] = rel(got, ops.value(production()))
+    plain_tma = best(res, "triton_gemm_tma", lambda c: gemm_tma_call(ops, c), cfg[1][precision], iters, repeats,
+                     lambda c: (2 * ops.n) % c[1] == 0)
+    if plain_tma is not None:
+        res["triton_gemm_tma_err"] = rel(plain_tma().float(), (ops.x.float() * ops.xs) @ (ops.w.float() * ops.ws).t()
+                                         + (0 if ops.bias is None else ops.bias.float()))
+    for name, make in (("fused", fused_call), ("fused_tma", fused_tma_call)):
+        fused = best(res, name, lambda c, make=make: make(ops, c), cfg[0][precision], iters, repeats,
+                     lambda c: ops.n % c[1] == 0)
+        if fused is not None:
+            got = ops.value(fused())
+            res[f"{name}_err"] = rel(got, ops.want)
+            res[f"{name}_vs_production"] = rel(got, ops.value(production()))
     return rounded(res, shape.flops(rows))
 
 
 def rounded(res: dict, flops: float | None = None) -> dict:
     for k in [k for k in res if k.endswith("_ms")]:
-        if flops and k in ("cublas_ms", "production_ms", "triton_gemm_ms", "fused_ms", "cublas+geglu_tiled_ms"):
+        if flops and k in ("cublas_ms", "production_ms", "triton_gemm_ms", "triton_gemm_tma_ms", "fused_ms",
+                           "fused_tma_ms", "cublas+geglu_tiled_ms"):
             res[k.replace("_ms", "_tflops")] = round(flops / res[k] / 1e9, 1) if res[k] else None
         res[k] = round(res[k], 4)
     for k in [k for k in res if k.endswith(("_err", "_vs_production"))]:
@@ -397,8 +498,8 @@ def rounded(res: dict, flops: float | None = None) -> dict:
 
 
 def per_step(record: dict, calls: dict[str, Counter]) -> dict:
-    """ms a step, for each net, precision and rows: production, cublas+geglu_tiled and fused (each shape's production
-    time where a variant has none)."""
+    """ms a step, for each net, precision and rows: production, cublas+geglu_tiled, fused and fused_tma (each shape's
+    production time where a variant has none)."""
     out = {}
     for kind, seen in calls.items():
         for s in record["shapes"]:
@@ -406,7 +507,7 @@ def per_step(record: dict, calls: dict[str, Counter]) -> dict:
                 continue
             part = out.setdefault(f"{kind} {s['precision']} {s['rows']} rows", Counter())
             count = seen.get(tuple(s["key"]), 0)
-            for v in ("production", "cublas+geglu_tiled", "fused"):
+            for v in ("production", "cublas+geglu_tiled", "fused", "fused_tma"):
                 part[f"{v}_ms"] += count * s.get(f"{v}_ms", s["production_ms"])
             part["calls"] += count
     return {k: {n: round(v, 3) for n, v in part.items()} for k, part in out.items()}

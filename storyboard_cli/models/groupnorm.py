@@ -105,20 +105,31 @@ if triton is not None:
                            C: tl.constexpr, G: tl.constexpr, BLOCK_J: tl.constexpr, HAS_W: tl.constexpr,
                            HAS_B: tl.constexpr):
         """For image n: the PROGS programs' partial moments of `stats_nhwc_kernel` combined in float64 (each
-        program's element count, mean and centred sum of squares), then per channel y = x a + c with a = rstd w and
-        c = b - mean a, written to a, c [N, C]. One program per image, BLOCK_J >= PROGS."""
+        program's element count, mean and centred sum of squares; BLOCK_J programs at a time, in two passes: the
+        mean, then the sum of squares about it), then per channel y = x a + c with a = rstd w and c = b - mean a,
+        written to a, c [N, C]. One program per image."""
         n = tl.program_id(0)
-        rj = tl.arange(0, BLOCK_J)
-        okj = rj < PROGS
-        off = (n * PROGS + rj)[:, None] * G + tl.arange(0, G)[None, :]
-        mean = tl.load(mean_ptr + off, mask=okj[:, None], other=0.0).to(tl.float64)
-        m2 = tl.load(m2_ptr + off, mask=okj[:, None], other=0.0).to(tl.float64)
-        count = tl.where(okj, tl.minimum(P - rj * PER_PROG, PER_PROG), 0).to(tl.float64) * (C // G)
-        total = tl.sum(count, axis=0)
-        gmean = tl.sum(count[:, None] * mean, axis=0) / total
-        d = mean - gmean[None, :]
-        var = tl.sum(m2 + count[:, None] * d * d, axis=0) / total
-        rstd = 1.0 / tl.sqrt(var.to(tl.float32) + eps)
+        rg = tl.arange(0, G)
+        total = tl.zeros((G,), dtype=tl.float64)
+        weighted = tl.zeros((G,), dtype=tl.float64)
+        for j0 in range(0, PROGS, BLOCK_J):
+            rj = j0 + tl.arange(0, BLOCK_J)
+            okj = rj < PROGS
+            count = tl.where(okj, tl.minimum(P - rj * PER_PROG, PER_PROG), 0).to(tl.float64) * (C // G)
+            mean = tl.load(mean_ptr + (n * PROGS + rj)[:, None] * G + rg[None, :], mask=okj[:, None], other=0.0)
+            total += tl.sum(count, axis=0)
+            weighted += tl.sum(count[:, None] * mean.to(tl.float64), axis=0)
+        gmean = weighted / total
+        m2sum = tl.zeros((G,), dtype=tl.float64)
+        for j0 in range(0, PROGS, BLOCK_J):
+            rj = j0 + tl.arange(0, BLOCK_J)
+            okj = rj < PROGS
+            count = tl.where(okj, tl.minimum(P - rj * PER_PROG, PER_PROG), 0).to(tl.float64) * (C // G)
+            off = (n * PROGS + rj)[:, None] * G + rg[None, :]
+            d = tl.load(mean_ptr + off, mask=okj[:, None], other=0.0).to(tl.float64) - gmean[None, :]
+            m2 = tl.load(m2_ptr + off, mask=okj[:, None], other=0.0).to(tl.float64)
+            m2sum += tl.sum(m2 + count[:, None] * d * d, axis=0)
+        rstd = 1.0 / tl.sqrt((m2sum / total).to(tl.float32) + eps)
         # per channel: a group's value repeated over its C // G channels, in channel order
         rstd_c = tl.reshape(tl.broadcast_to(rstd[:, None], (G, C // G)), (C,))
         mean_c = tl.reshape(tl.broadcast_to(gmean.to(tl.float32)[:, None], (G, C // G)), (C,))
@@ -212,7 +223,7 @@ def group_norm_kernels(x: torch.Tensor, groups: int, weight: torch.Tensor | None
     a = torch.empty(n, c, device=x.device, dtype=torch.float32)
     b = torch.empty_like(a)
     affine_nhwc_kernel[(n,)](mean, m2, weight if weight is not None else a, bias if bias is not None else a, a, b, p,
-                             per, progs, eps, C=c, G=groups, BLOCK_J=triton.next_power_of_2(progs),
+                             per, progs, eps, C=c, G=groups, BLOCK_J=32,
                              HAS_W=weight is not None, HAS_B=bias is not None, num_warps=4)
     norm_nhwc_kernel[(n, triton.cdiv(p, block_p))](x, a, b, y, p, C=c, SILU=silu, BLOCK_P=block_p, num_warps=8)
     return y
