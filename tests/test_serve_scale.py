@@ -19,7 +19,8 @@ from storyboard_cli.run.render import RenderOptions, render
 from storyboard_cli.serve import client
 
 from conftest import write_job
-from helpers.serve import Server, eventually, free_port, holds_a_lease, start_worker, stop, worker_ids
+from helpers.serve import (Server, eventually, free_port, holds_a_lease, slow_batches, start_worker, stop,
+                           worker_ids)
 
 JOB = """version: 1
 model: tiny
@@ -76,7 +77,9 @@ def test_one_job_over_three_workers_joining_at_different_times_one_killed_equals
         workers.append(doomed)
         _takes_a_lease(server.url, job_id, "doomed", tmp_path)
         os.killpg(doomed.pid, signal.SIGKILL)  # mid-job, holding a lease: it expires and goes back to the queue
-        workers.append(_start_logged(server.url, "second", tmp_path))
+        # the second's batches take a second longer: it cannot drain the job's 0.04 s batches before the first,
+        # resumed, leases again (on a loaded machine that took it 5 s, and the two never rendered at once)
+        workers.append(_start_logged(server.url, "second", tmp_path, fault=slow_batches(tmp_path / "second", 1.0)))
         _takes_a_lease(server.url, job_id, "second", tmp_path)
         os.killpg(workers[0].pid, signal.SIGCONT)  # the first and the second render the rest side by side
         done = eventually(lambda: server.job(job_id), lambda j: j["state"] in FINAL, timeout_s=DEADLINE_S)

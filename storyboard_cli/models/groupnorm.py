@@ -144,6 +144,10 @@ if triton is not None:
         tl.store(c_ptr + n * C + rc, c)
 
 
+else:  # the names exist without Triton (kernels_take is then False everywhere)
+    norm_nchw_kernel = norm_nhwc_kernel = stats_nhwc_kernel = affine_nhwc_kernel = None
+
+
 class WideGroupNorm(nn.GroupNorm):
     """nn.GroupNorm with the same parameters and state dict, and the SiLU after it where `silu` is set. Once `fuse` has
     checked the kernels on its device (`kernels`), a float32 4D input there (NCHW or channels_last) takes them; another

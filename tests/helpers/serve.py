@@ -120,6 +120,31 @@ BatchRunner.run_batch = _holds
 """
 
 
+# a worker whose every batch takes `seconds` longer (a slower GPU): while it holds one lease, a worker that leases
+# next cannot find the job drained, however long that one takes to come back on a loaded machine
+SLOW_BATCHES = """import time
+from storyboard_cli.run.batch import BatchRunner
+
+_run = BatchRunner.run_batch
+
+
+def _slow(self, *args, **kwargs):
+    time.sleep({seconds})
+    return _run(self, *args, **kwargs)
+
+
+BatchRunner.run_batch = _slow
+"""
+
+
+def slow_batches(folder, seconds):
+    """A folder whose sitecustomize.py makes each batch of a worker started with it (start_worker(fault=...)) take
+    `seconds` longer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SLOW_BATCHES.replace("{seconds}", repr(float(seconds))))
+    return folder
+
+
 def holds_a_lease(folder, after=0):
     """A folder whose sitecustomize.py makes a worker started with it (start_worker(fault=...)) render `after`
     batches, then wait in the next one, holding its lease."""
