@@ -13,6 +13,9 @@ The convolutions are the UNet's own: forward hooks on every Conv2d record each c
   cudnn_fp16   F.conv2d on channels_last fp16 tensors (what the compiled step runs)
   triton_fp16  the kernel below on fp16 operands (how good the kernel is at cuDNN's precision)
   triton_fp8   the kernel on float8_e4m3fn operands, the input quantised beforehand (as the fused norm would write it)
+  tma_fp16, tma_fp8   the same arithmetic for stride 1 with the tiles moved by the TMA (`conv_tma_kernel`: 4D
+               boxes of the NHWC input, the padding read as zeros): compiled for sm_90a, the pointer kernel uses all
+               255 registers and spills at every config (benchmarks/probes/sm90_compile.py), this one does not
   quantise     the input's quantisation alone, in torch (the cost if it were not fused: an upper bound)
   im2col_fp8   no kernel of ours: the FP8 columns written out (a strided view of the padded input, copied), then
                cuBLAS's FP8 GEMM (torch._scaled_mm, per-tensor scales), the quantisation inside the call
@@ -101,6 +104,37 @@ if triton is not None:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0)[None, :]
         out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(out, acc.to(tl.float16), mask=m_ok[:, None] & n_ok[None, :])
+
+
+if triton is not None:
+    @triton.jit
+    def conv_tma_kernel(x_desc, w_desc, out_desc, scale_ptr, bias_ptr, x_scale, H, W, C, N,
+                        R: tl.constexpr, S: tl.constexpr, PAD: tl.constexpr, TILE_H: tl.constexpr,
+                        TILE_W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """conv_kernel for stride 1 with its tiles moved by the TMA: a program's TILE_H x TILE_W output positions of
+        one image (its M tile) read, for each tap (r, s), the input box shifted by (r - PAD, s - PAD) from a 4D
+        descriptor over x NHWC [imgs, H, W, C] (the positions outside the image read as zeros: the padding), the
+        weights from a 2D one over w [N, R S C], and the tile written through a 4D one over out [imgs, H, W, N] (the
+        positions past the image's edge not written). No pointer tensors in registers."""
+        pid_m = tl.program_id(0)
+        tiles_w = (W + TILE_W - 1) // TILE_W
+        tiles = ((H + TILE_H - 1) // TILE_H) * tiles_w
+        img = pid_m // tiles
+        p0 = (pid_m % tiles) // tiles_w * TILE_H
+        q0 = (pid_m % tiles) % tiles_w * TILE_W
+        n0 = tl.program_id(1) * BLOCK_N
+        acc = tl.zeros((TILE_H * TILE_W, BLOCK_N), dtype=tl.float32)
+        for rs in range(R * S):
+            r = rs // S
+            s = rs % S
+            for c0 in range(0, C, BLOCK_K):
+                a = tl.reshape(x_desc.load([img, p0 + r - PAD, q0 + s - PAD, c0]), (TILE_H * TILE_W, BLOCK_K))
+                acc = tl.dot(a, w_desc.load([n0, rs * C + c0]).T, acc)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        acc = acc * (tl.load(scale_ptr + rn) * x_scale)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn)[None, :]
+        out_desc.store([img, p0, q0, n0], tl.reshape(acc.to(tl.float16), (1, TILE_H, TILE_W, BLOCK_N)))
 
 
 class ConvShape:
@@ -211,6 +245,40 @@ def triton_conv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     return call
 
 
+TMA_CONFIGS = [  # TILE_H, TILE_W, BLOCK_N, num_warps, num_stages
+    (8, 16, 128, 8, 3), (8, 16, 256, 8, 3), (16, 16, 128, 8, 3), (8, 8, 128, 4, 4), (16, 8, 128, 8, 4),
+]
+SMOKE_TMA_CONFIGS = [(4, 4, 16, 4, 1)]
+
+
+def tma_takes(shape: ConvShape) -> bool:
+    """The TMA kernel's shapes: stride 1, channels a multiple of 16 (the descriptors' 16-byte rows)."""
+    return shape.stride == 1 and shape.tiles() and shape.p == shape.h and shape.q == shape.w
+
+
+def triton_conv_tma(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, x_scale: float,
+                    shape: ConvShape, config: tuple) -> Callable[[], torch.Tensor]:
+    """A call of conv_tma_kernel: x NHWC [rows, H, W, C], w [N, R, S, C] (fp16 or fp8), out NHWC fp16."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = x.shape[0]
+    th, tw, bn, warps, stages = config
+    bn = min(bn, shape.n)
+    bk = min(block_k(shape.c), 64 if x.dtype == torch.float16 else 128)
+    out = torch.empty(rows, shape.p, shape.q, shape.n, device=x.device, dtype=torch.float16)
+    x_d = TensorDescriptor.from_tensor(x, [1, th, tw, bk])
+    w_d = TensorDescriptor.from_tensor(w.reshape(shape.n, -1), [bn, bk])
+    o_d = TensorDescriptor.from_tensor(out, [1, th, tw, bn])
+    grid = (rows * triton.cdiv(shape.p, th) * triton.cdiv(shape.q, tw), triton.cdiv(shape.n, bn))
+
+    def call():
+        conv_tma_kernel[grid](x_d, w_d, o_d, scale, bias if bias is not None else scale, x_scale, shape.h, shape.w,
+                              shape.c, shape.n, R=shape.r, S=shape.s, PAD=shape.pad, TILE_H=th, TILE_W=tw,
+                              BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)
+        return out
+    return call
+
+
 def time_ms(fn: Callable, iters: int, repeats: int) -> float:
     """attention_scout's CUDA-event timing (3 warm-up calls); on the CPU (the smoke run) one call's wall."""
     if not torch.cuda.is_available():
@@ -298,6 +366,25 @@ def measure(shape: ConvShape, rows: int, device: str, configs: list, iters: int,
             continue
         res[f"{name}_ms"], res[f"{name}_config"] = best
         out = triton_conv(xs[:e].contiguous(), ws, sc, bias, xsc, shape, best[1])()
+        res[f"{name}_err"] = rel(out, want)
+    if not tma_takes(shape):
+        return _rounded(res, shape, rows)
+    tma_configs = SMOKE_TMA_CONFIGS if configs is SMOKE_CONFIGS else TMA_CONFIGS
+    for name, xs, ws, sc, xsc in (("tma_fp16", x_nhwc, w_nrsc, ones, 1.0), ("tma_fp8", x8, w8, w_s, x_s)):
+        best = None
+        for config in tma_configs:
+            try:
+                call = triton_conv_tma(xs, ws, sc, bias, xsc, shape, config)
+                ms = time_ms(call, iters, repeats)
+            except Exception as exc:  # noqa: BLE001 - a config the shape cannot take: the next
+                res.setdefault(f"{name}_failed", {})[str(config)] = last_line(exc)
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, config)
+        if best is None:
+            continue
+        res[f"{name}_ms"], res[f"{name}_config"] = best
+        out = triton_conv_tma(xs[:e].contiguous(), ws, sc, bias, xsc, shape, best[1])()
         res[f"{name}_err"] = rel(out, want)
     return _rounded(res, shape, rows)
 
@@ -394,6 +481,8 @@ def main() -> None:
             "cudnn_fp16_ms_per_step": col("cudnn_fp16_ms"),
             "triton_fp16_ms_per_step": col("triton_fp16_ms"),
             "triton_fp8_ms_per_step": col("triton_fp8_ms"),  # cuDNN's time where the kernel cannot tile
+            "tma_fp16_ms_per_step": col("tma_fp16_ms"),  # and where the TMA kernel cannot (stride 2)
+            "tma_fp8_ms_per_step": col("tma_fp8_ms"),
             "im2col_fp8_ms_per_step": col("im2col_fp8_ms"),
             "triton_fp8_plus_quantise_ms_per_step": round(col("triton_fp8_ms") + sum(
                 s["calls"] * s.get("quantise_ms", 0.0) for s in got), 3),

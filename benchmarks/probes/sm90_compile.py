@@ -106,7 +106,8 @@ def geglu() -> list[dict]:
 
 
 def conv() -> list[dict]:
-    """conv_scout.py's implicit-GEMM kernel at its configurations, a 3x3 stride-1 convolution, fp8 and fp16."""
+    """conv_scout.py's implicit-GEMM kernels (pointers; TMA) at their configurations, a 3x3 stride-1 convolution,
+    fp8 and fp16."""
     import conv_scout as s
 
     rows = []
@@ -116,6 +117,14 @@ def conv() -> list[dict]:
                                                     "scale_ptr": "*fp32", "bias_ptr": "*fp32", "x_scale": "fp32",
                                                     **{k: "i32" for k in ("M", "H", "W", "C", "P", "Q", "N")}},
                                     {"R": 3, "S": 3, "STRIDE": 1, "PAD": 1, "BLOCK_M": bm, "BLOCK_N": bn,
+                                     "BLOCK_K": bk, "HAS_BIAS": True}, num_warps=warps, num_stages=stages))
+        for th, tw, bn, warps, stages in s.TMA_CONFIGS:  # a 320-channel 3x3 convolution (SDXL's first level)
+            rows.append(compile_one(s.conv_tma_kernel, {"x_desc": f"tensordesc<{dt}[1, {th}, {tw}, {bk}]>",
+                                                        "w_desc": f"tensordesc<{dt}[{bn}, {bk}]>",
+                                                        "out_desc": f"tensordesc<fp16[1, {th}, {tw}, {bn}]>",
+                                                        "scale_ptr": "*fp32", "bias_ptr": "*fp32", "x_scale": "fp32",
+                                                        **{k: "i32" for k in ("H", "W", "C", "N")}},
+                                    {"R": 3, "S": 3, "PAD": 1, "TILE_H": th, "TILE_W": tw, "BLOCK_N": bn,
                                      "BLOCK_K": bk, "HAS_BIAS": True}, num_warps=warps, num_stages=stages))
     return rows
 
