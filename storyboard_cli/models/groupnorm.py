@@ -54,9 +54,11 @@ if triton is not None:
     @triton.jit
     def norm_nhwc_kernel(x_ptr, a_ptr, b_ptr, y_ptr, P, C: tl.constexpr, SILU: tl.constexpr,
                          BLOCK_P: tl.constexpr):
-        """y[n, p, c] = f(x[n, p, c] a[n, c] + b[n, c]); x, y [N, P, C] contiguous (a channels_last NCHW tensor)."""
-        n = tl.program_id(0)
-        rp = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+        """y[n, p, c] = f(x[n, p, c] a[n, c] + b[n, c]); x, y [N, P, C] contiguous (a channels_last NCHW tensor). The
+        position blocks on the grid's first axis: a 2048 x 2048 decode has 131072 of them, past the other axes'
+        65535."""
+        rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+        n = tl.program_id(1)
         rc = tl.arange(0, C)
         ok = rp[:, None] < P
         off = (n * P + rp).to(tl.int64)[:, None] * C + rc[None, :]
@@ -229,7 +231,7 @@ def group_norm_kernels(x: torch.Tensor, groups: int, weight: torch.Tensor | None
     affine_nhwc_kernel[(n,)](mean, m2, weight if weight is not None else a, bias if bias is not None else a, a, b, p,
                              per, progs, eps, C=c, G=groups, BLOCK_J=32,
                              HAS_W=weight is not None, HAS_B=bias is not None, num_warps=4)
-    norm_nhwc_kernel[(n, triton.cdiv(p, block_p))](x, a, b, y, p, C=c, SILU=silu, BLOCK_P=block_p, num_warps=8)
+    norm_nhwc_kernel[(triton.cdiv(p, block_p), n)](x, a, b, y, p, C=c, SILU=silu, BLOCK_P=block_p, num_warps=8)
     return y
 
 
