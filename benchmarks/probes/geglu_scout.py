@@ -88,18 +88,22 @@ if triton is not None:
     K_FP8_MAX = tl.constexpr(FP8_MAX)
 
     @triton.jit
+    def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """A program's (row tile, column tile): GROUP_M row tiles at a time down each column tile (the weight's
+        tiles stay in L2 across the group)."""
+        n_tiles = N // BLOCK_N
+        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
+        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
+        return first_m + (pid % (GROUP_M * n_tiles)) % size_m, (pid % (GROUP_M * n_tiles)) // size_m
+
+    @triton.jit
     def geglu_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
                           QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """out[m, n] = h * gelu(g), h = s (x W[n]^T) + b[n], g = s (x W[N + n]^T) + b[N + n], s = x_scale w_scale;
         x [M, K], W [2N, K] row-major (the Linear's weight), out [M, N] (QUANT: / out_scale, saturated, FP8).
         K a multiple of BLOCK_K, N of BLOCK_N."""
-        # the program's tiles, GROUP_M row tiles at a time down each column tile (the weight's tiles stay in L2)
-        pid, n_tiles = tl.program_id(0), N // BLOCK_N
-        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
-        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * n_tiles)) % size_m
-        pid_n = (pid % (GROUP_M * n_tiles)) // size_m
+        pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -132,11 +136,7 @@ if triton is not None:
     def gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """out = s (x W^T) + b in fp16: x [M, K], W [N, K] row-major, out [M, N]."""
-        pid, n_tiles = tl.program_id(0), N // BLOCK_N  # the tiles in geglu_gemm_kernel's order
-        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
-        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * n_tiles)) % size_m
-        pid_n = (pid % (GROUP_M * n_tiles)) // size_m
+        pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -160,11 +160,7 @@ if triton is not None:
         """geglu_gemm_kernel with its tiles moved by the Hopper's TMA (host tensor descriptors: x [M, K] in
         [BLOCK_M, BLOCK_K] blocks, W [2N, K] in [BLOCK_N, BLOCK_K], out [M, N] in [BLOCK_M, BLOCK_N]): no pointer
         tensors in registers, the rows past M read as zeros and not written."""
-        pid, n_tiles = tl.program_id(0), N // BLOCK_N
-        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
-        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * n_tiles)) % size_m
-        pid_n = (pid % (GROUP_M * n_tiles)) // size_m
+        pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -188,11 +184,7 @@ if triton is not None:
     def gemm_tma_kernel(x_desc, w_desc, b_ptr, out_desc, xs_ptr, ws_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """gemm_kernel with TMA tiles (geglu_gemm_tma_kernel's descriptors; out [M, N] fp16)."""
-        pid, n_tiles = tl.program_id(0), N // BLOCK_N
-        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
-        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
-        pid_m = first_m + (pid % (GROUP_M * n_tiles)) % size_m
-        pid_n = (pid % (GROUP_M * n_tiles)) // size_m
+        pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
