@@ -39,7 +39,9 @@ STATS_PROGRAMS = 264  # programs per image for a channels_last input's statistic
 BLOCK = 4096  # elements a program of the normalising kernels writes, and a chunk of the statistics kernel reads
 
 if triton is not None:
-    @triton.jit
+    # the sizes are not specialised on (Triton would compile a kernel again for each divisibility of a size): the
+    # kernels `works_on` compiles at load are the ones every decode runs, at any size
+    @triton.jit(do_not_specialize=["HW"])
     def norm_nchw_kernel(x_ptr, a_ptr, b_ptr, y_ptr, HW, SILU: tl.constexpr, BLOCK: tl.constexpr):
         """y[nc, p] = f(x[nc, p] a[nc] + b[nc]), f the SiLU or the identity; x, y [N C, HW] contiguous."""
         nc = tl.program_id(0)
@@ -51,7 +53,7 @@ if triton is not None:
             y = y / (1.0 + tl.exp(-y))
         tl.store(y_ptr + base + offs, y, mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])
     def norm_nhwc_kernel(x_ptr, a_ptr, b_ptr, y_ptr, P, C: tl.constexpr, SILU: tl.constexpr,
                          BLOCK_P: tl.constexpr):
         """y[n, p, c] = f(x[n, p, c] a[n, c] + b[n, c]); x, y [N, P, C] contiguous (a channels_last NCHW tensor). The
@@ -69,7 +71,7 @@ if triton is not None:
             y = y / (1.0 + tl.exp(-y))
         tl.store(y_ptr + off, y, mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "PER_PROG"])
     def stats_nhwc_kernel(x_ptr, mean_ptr, m2_ptr, P, PER_PROG, C: tl.constexpr, G: tl.constexpr,
                           BLOCK_P: tl.constexpr):
         """For image n and program j: over positions [j PER_PROG, (j + 1) PER_PROG) of x [N, P, C] (contiguous), each
@@ -102,7 +104,7 @@ if triton is not None:
         tl.store(mean_ptr + out, mean)
         tl.store(m2_ptr + out, m2)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "PER_PROG", "PROGS"])
     def affine_nhwc_kernel(mean_ptr, m2_ptr, w_ptr, b_ptr, a_ptr, c_ptr, P, PER_PROG, PROGS, eps,
                            C: tl.constexpr, G: tl.constexpr, BLOCK_J: tl.constexpr, HAS_W: tl.constexpr,
                            HAS_B: tl.constexpr):
