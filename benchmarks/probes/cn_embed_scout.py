@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -94,6 +95,9 @@ def main() -> None:
 
     from storyboard_cli.models.loader import load_sdxl
 
+    for limit in ("recompile_limit", "cache_size_limit"):  # one compile per size and rows: never eager
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
     models = load_sdxl(a.model, a.model, device, dtype)
     net = models.controlnets[0].eval()
     embedding = net.controlnet_cond_embedding
