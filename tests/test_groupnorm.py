@@ -225,3 +225,24 @@ def test_on_a_gpu_the_fused_channels_last_decoder_beats_the_wide_one_with_the_sa
     latents = torch.randn(1, 4, 256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     diff = (decode(models, latents)[1].int() - decode(wide, latents)[1].int()).abs()
     assert diff.max().item() <= 1 and diff.float().mean().item() < 0.05, (diff.max(), diff.float().mean())
+
+
+def test_fuse_moves_no_silu_that_also_acts_on_a_time_embedding(monkeypatch):
+    """A resnet block with a time embedding applies its SiLU to the embedding too: its SiLU and norms stay as they
+    are; the block without one takes its SiLU into both norms, and both compute as before."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    timed_block = ResnetBlock2D(in_channels=64, out_channels=64, temb_channels=32, groups=32)
+    plain_block = ResnetBlock2D(in_channels=64, out_channels=64, temb_channels=None, groups=32)
+    net = nn.ModuleDict({"timed": timed_block, "plain": plain_block}).eval()
+    x, temb = torch.randn(1, 64, 8, 8), torch.randn(1, 32)
+    with torch.no_grad():
+        want = timed_block(x, temb), plain_block(x, None)
+    widen(net)
+    monkeypatch.setattr(groupnorm, "works_on", lambda device, shapes: True)
+    assert fuse(net) == 2
+    assert type(timed_block.nonlinearity) is nn.SiLU and not timed_block.norm1.silu and not timed_block.norm2.silu
+    assert type(plain_block.nonlinearity) is SiluInNorm and plain_block.norm1.silu and plain_block.norm2.silu
+    with torch.no_grad():
+        got = timed_block(x, temb), plain_block(x.contiguous(memory_format=torch.channels_last), None)
+    assert all((g - w).abs().max().item() < 5e-5 for g, w in zip(got, want))
