@@ -7,13 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.gpu import timed_decode
 from storyboard_cli.models import groupnorm
 from storyboard_cli.models.groupnorm import SiluInNorm, WideGroupNorm, channels_last, fuse, group_norm, narrow, widen
 
@@ -60,7 +60,6 @@ def test_the_cpu_loader_keeps_torch_groupnorm(tiny_cpu):
 @pytest.mark.gpu
 def test_on_a_gpu_the_decode_is_faster_with_the_same_pixels():
     from storyboard_cli.models.loader import load_sdxl
-    from storyboard_cli.run.batch import decode
 
     models = load_sdxl("sdxl-random", None, "cuda", torch.float16)
     wide = [m for m in models.vae.decoder.modules() if isinstance(m, nn.GroupNorm)]
@@ -71,15 +70,8 @@ def test_on_a_gpu_the_decode_is_faster_with_the_same_pixels():
     torch_models = copy.copy(models)
     torch_models.vae = native
 
-    def timed(m):
-        decode(m, latents)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        pixels = [decode(m, latents)[1] for _ in range(3)][-1]
-        return (time.perf_counter() - start) / 3, pixels
-
-    t_wide, ours = timed(models)
-    t_torch, theirs = timed(torch_models)
+    t_wide, ours = timed_decode(models, latents)
+    t_torch, theirs = timed_decode(torch_models, latents)
     diff = (ours.int() - theirs.int()).abs()
     assert diff.max().item() <= 1 and diff.float().mean().item() < 0.1, (diff.max(), diff.float().mean())
     assert t_wide < 0.85 * t_torch, (t_wide, t_torch)
@@ -208,17 +200,10 @@ def test_on_a_gpu_the_fused_channels_last_decoder_beats_the_wide_one_with_the_sa
     narrow(wide.vae.decoder)
     widen(wide.vae.decoder)  # the decoder as it was loaded before: wide norms, the SiLUs apart, NCHW
 
-    def timed(m, latents):
-        decode(m, latents)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        pixels = [decode(m, latents)[1] for _ in range(3)][-1]
-        return (time.perf_counter() - start) / 3, pixels
-
     for h, w in ((128, 128), (152, 104)):  # 1024x1024, 832x1216
         latents = torch.randn(1, 4, h, w, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-        t_fused, ours = timed(models, latents)
-        t_wide, theirs = timed(wide, latents)
+        t_fused, ours = timed_decode(models, latents)
+        t_wide, theirs = timed_decode(wide, latents)
         diff = (ours.int() - theirs.int()).abs()
         assert diff.max().item() <= 1 and diff.float().mean().item() < 0.05, (diff.max(), diff.float().mean())
         assert t_fused < 0.95 * t_wide, (h, w, t_fused, t_wide)

@@ -2,12 +2,12 @@
 attention, within TF32's rounding, at any magnitude; on a GPU the same pixels, faster."""
 
 import copy
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.gpu import timed_decode
 from storyboard_cli.models import vae_attention
 from storyboard_cli.models.vae_attention import DecoderAttention, attend, attention, unattend
 
@@ -70,7 +70,6 @@ def test_the_cpu_loader_keeps_diffusers_attention(tiny_cpu):
 @pytest.mark.gpu
 def test_on_a_gpu_the_decode_is_faster_with_the_same_pixels():
     from storyboard_cli.models.loader import load_sdxl
-    from storyboard_cli.run.batch import decode
 
     models = load_sdxl("sdxl-random", None, "cuda", torch.float16)
     assert all(isinstance(b.processor, DecoderAttention) for b in decoder_attention_blocks(models.vae))
@@ -78,17 +77,10 @@ def test_on_a_gpu_the_decode_is_faster_with_the_same_pixels():
     plain.vae = copy.deepcopy(models.vae)
     assert unattend(plain.vae) == 1
 
-    def timed(m, latents):
-        decode(m, latents)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        pixels = [decode(m, latents)[1] for _ in range(3)][-1]
-        return (time.perf_counter() - start) / 3, pixels
-
     for h, w in ((128, 128), (152, 104)):  # 1024x1024, 832x1216
         latents = torch.randn(1, 4, h, w, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-        t_ours, ours = timed(models, latents)
-        t_plain, theirs = timed(plain, latents)
+        t_ours, ours = timed_decode(models, latents)
+        t_plain, theirs = timed_decode(plain, latents)
         diff = (ours.int() - theirs.int()).abs()
         assert diff.max().item() <= 1 and diff.float().mean().item() < 0.05, (diff.max(), diff.float().mean())
         assert t_ours < 0.95 * t_plain, (h, w, t_ours, t_plain)

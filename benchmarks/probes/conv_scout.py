@@ -44,18 +44,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-if "--smoke" in sys.argv and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported and the kernels are decorated
-try:
-    import triton
-    import triton.language as tl
-    TRITON_MISSING = None
-except ImportError as exc:
-    triton = tl = None
-    TRITON_MISSING = f"triton not importable: {exc}"
-
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_scout import last_line  # noqa: E402
+# triton as attention_scout imports it (under --smoke without CUDA: its interpreter)
+from attention_scout import TRITON_MISSING, last_line, tl, triton  # noqa: E402
 from attention_scout import time_ms as cuda_ms  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -351,41 +342,26 @@ def measure(shape: ConvShape, rows: int, device: str, configs: list, iters: int,
     if triton is None:
         res["triton"] = TRITON_MISSING
         return _rounded(res, shape, rows)
-    for name, xs, ws, sc, xsc in (("triton_fp16", x_nhwc, w_nrsc, ones, 1.0), ("triton_fp8", x8, w8, w_s, x_s)):
-        best = None
-        for config in configs:
-            try:
-                call = triton_conv(xs, ws, sc, bias, xsc, shape, config)
-                ms = time_ms(call, iters, repeats)
-            except Exception as exc:  # noqa: BLE001 - a config the shape cannot take (shared memory): the next
-                res.setdefault(f"{name}_failed", {})[str(config)] = last_line(exc)
+    families = [(triton_conv, configs, "triton")]
+    if tma_takes(shape):
+        families.append((triton_conv_tma, SMOKE_TMA_CONFIGS if configs is SMOKE_CONFIGS else TMA_CONFIGS, "tma"))
+    for kernel, kernel_configs, family in families:
+        for precision, xs, ws, sc, xsc in (("fp16", x_nhwc, w_nrsc, ones, 1.0), ("fp8", x8, w8, w_s, x_s)):
+            name, best = f"{family}_{precision}", None
+            for config in kernel_configs:
+                try:
+                    call = kernel(xs, ws, sc, bias, xsc, shape, config)
+                    ms = time_ms(call, iters, repeats)
+                except Exception as exc:  # noqa: BLE001 - a config the shape cannot take (shared memory): the next
+                    res.setdefault(f"{name}_failed", {})[str(config)] = last_line(exc)
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, config)
+            if best is None:
                 continue
-            if best is None or ms < best[0]:
-                best = (ms, config)
-        if best is None:
-            continue
-        res[f"{name}_ms"], res[f"{name}_config"] = best
-        out = triton_conv(xs[:e].contiguous(), ws, sc, bias, xsc, shape, best[1])()
-        res[f"{name}_err"] = rel(out, want)
-    if not tma_takes(shape):
-        return _rounded(res, shape, rows)
-    tma_configs = SMOKE_TMA_CONFIGS if configs is SMOKE_CONFIGS else TMA_CONFIGS
-    for name, xs, ws, sc, xsc in (("tma_fp16", x_nhwc, w_nrsc, ones, 1.0), ("tma_fp8", x8, w8, w_s, x_s)):
-        best = None
-        for config in tma_configs:
-            try:
-                call = triton_conv_tma(xs, ws, sc, bias, xsc, shape, config)
-                ms = time_ms(call, iters, repeats)
-            except Exception as exc:  # noqa: BLE001 - a config the shape cannot take: the next
-                res.setdefault(f"{name}_failed", {})[str(config)] = last_line(exc)
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, config)
-        if best is None:
-            continue
-        res[f"{name}_ms"], res[f"{name}_config"] = best
-        out = triton_conv_tma(xs[:e].contiguous(), ws, sc, bias, xsc, shape, best[1])()
-        res[f"{name}_err"] = rel(out, want)
+            res[f"{name}_ms"], res[f"{name}_config"] = best
+            out = kernel(xs[:e].contiguous(), ws, sc, bias, xsc, shape, best[1])()
+            res[f"{name}_err"] = rel(out, want)
     return _rounded(res, shape, rows)
 
 

@@ -47,19 +47,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-if "--smoke" in sys.argv and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when triton is imported and the kernels are decorated
-try:
-    import triton
-    import triton.language as tl
-    TRITON_MISSING = None
-except ImportError as exc:
-    triton = tl = None
-    TRITON_MISSING = f"triton not importable: {exc}"
-import torch._dynamo  # noqa: E402 - after triton: it imports triton, which reads TRITON_INTERPRET once
-
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_scout import last_line, patch_interpreter_fp8_cast  # noqa: E402
+# triton as attention_scout imports it (under --smoke without CUDA: its interpreter), before torch._dynamo does
+from attention_scout import TRITON_MISSING, last_line, patch_interpreter_fp8_cast, tl, triton  # noqa: E402
+import torch._dynamo  # noqa: E402
 from attention_scout import time_graph_ms  # noqa: E402
 from conv_scout import patch_interpreter_index  # noqa: E402
 
@@ -330,69 +321,45 @@ class Operands:
         return (out / self.os).clamp(-FP8_MAX, FP8_MAX).to(FP8) if self.quant else out
 
 
-def fused_call(ops: Operands, config: tuple) -> Callable[[], torch.Tensor]:
-    bm, bn, bk, warps, stages, group = config
-    bk = pick_k(ops.x.shape[1], bk)
-    out = ops.out()
-    grid = (triton.cdiv(ops.m, bm) * (ops.n // bn),)
-
-    def call():
-        geglu_gemm_kernel[grid](ops.x, ops.w, ops.bias if ops.bias is not None else ops.xs, out, ops.xs, ops.ws, ops.os,
-                                ops.m, ops.n, ops.x.shape[1], QUANT=ops.quant, HAS_BIAS=ops.bias is not None,
-                                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages)
-        return out
-    return call
-
-
-def gemm_call(ops: Operands, config: tuple) -> Callable[[], torch.Tensor]:
-    bm, bn, bk, warps, stages, group = config
-    bk = pick_k(ops.x.shape[1], bk)
-    n2 = 2 * ops.n
-    out = torch.empty(ops.m, n2, device=ops.x.device, dtype=torch.float16)
-    grid = (triton.cdiv(ops.m, bm) * (n2 // bn),)
-
-    def call():
-        gemm_kernel[grid](ops.x, ops.w, ops.bias if ops.bias is not None else ops.xs, out, ops.xs, ops.ws,
-                          ops.m, n2, ops.x.shape[1], HAS_BIAS=ops.bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-                          BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages)
-        return out
-    return call
-
-
 def _descriptor(t: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(t, block)
 
 
-def fused_tma_call(ops: Operands, config: tuple) -> Callable[[], torch.Tensor]:
+def fused_call(ops: Operands, config: tuple, tma: bool = False) -> Callable[[], torch.Tensor]:
+    """A call of geglu_gemm_kernel (tma: geglu_gemm_tma_kernel, the operands as tensor descriptors)."""
     bm, bn, bk, warps, stages, group = config
     bk = pick_k(ops.x.shape[1], bk)
     out = ops.out()
-    x_d, w_d, o_d = _descriptor(ops.x, [bm, bk]), _descriptor(ops.w, [bn, bk]), _descriptor(out, [bm, bn])
+    x, w, o = (_descriptor(ops.x, [bm, bk]), _descriptor(ops.w, [bn, bk]), _descriptor(out, [bm, bn])) if tma \
+        else (ops.x, ops.w, out)
+    kernel = geglu_gemm_tma_kernel if tma else geglu_gemm_kernel
     grid = (triton.cdiv(ops.m, bm) * (ops.n // bn),)
 
     def call():
-        geglu_gemm_tma_kernel[grid](x_d, w_d, ops.bias if ops.bias is not None else ops.xs, o_d, ops.xs, ops.ws, ops.os,
-                                    ops.m, ops.n, ops.x.shape[1], QUANT=ops.quant, HAS_BIAS=ops.bias is not None,
-                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps,
-                                    num_stages=stages)
+        kernel[grid](x, w, ops.bias if ops.bias is not None else ops.xs, o, ops.xs, ops.ws, ops.os, ops.m, ops.n,
+                     ops.x.shape[1], QUANT=ops.quant, HAS_BIAS=ops.bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+                     BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages)
         return out
     return call
 
 
-def gemm_tma_call(ops: Operands, config: tuple) -> Callable[[], torch.Tensor]:
+def gemm_call(ops: Operands, config: tuple, tma: bool = False) -> Callable[[], torch.Tensor]:
+    """A call of gemm_kernel over the whole [M, 2 x inner] (tma: gemm_tma_kernel)."""
     bm, bn, bk, warps, stages, group = config
     bk = pick_k(ops.x.shape[1], bk)
     n2 = 2 * ops.n
     out = torch.empty(ops.m, n2, device=ops.x.device, dtype=torch.float16)
-    x_d, w_d, o_d = _descriptor(ops.x, [bm, bk]), _descriptor(ops.w, [bn, bk]), _descriptor(out, [bm, bn])
+    x, w, o = (_descriptor(ops.x, [bm, bk]), _descriptor(ops.w, [bn, bk]), _descriptor(out, [bm, bn])) if tma \
+        else (ops.x, ops.w, out)
+    kernel = gemm_tma_kernel if tma else gemm_kernel
     grid = (triton.cdiv(ops.m, bm) * (n2 // bn),)
 
     def call():
-        gemm_tma_kernel[grid](x_d, w_d, ops.bias if ops.bias is not None else ops.xs, o_d, ops.xs, ops.ws, ops.m, n2,
-                              ops.x.shape[1], HAS_BIAS=ops.bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                              GROUP_M=group, num_warps=warps, num_stages=stages)
+        kernel[grid](x, w, ops.bias if ops.bias is not None else ops.xs, o, ops.xs, ops.ws, ops.m, n2, ops.x.shape[1],
+                     HAS_BIAS=ops.bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+                     num_warps=warps, num_stages=stages)
         return out
     return call
 
@@ -458,18 +425,14 @@ def measure(shape: FfShape, rows: int, precision: str, device: str, smoke: bool,
         res["geglu_tiled_err"] = rel(ops.value(tiled()), ops.want)
         config = tuple(res["geglu_tiled_config"])
         res["cublas+geglu_tiled_ms"] = timed(lambda: geglu_call(ops, gemm(), config)(), iters, repeats)
-    plain = best(res, "triton_gemm", lambda c: gemm_call(ops, c), cfg[1][precision], iters, repeats,
-                 lambda c: (2 * ops.n) % c[1] == 0)
-    if plain is not None:
-        res["triton_gemm_err"] = rel(plain().float(), (ops.x.float() * ops.xs) @ (ops.w.float() * ops.ws).t()
-                                     + (0 if ops.bias is None else ops.bias.float()))
-    plain_tma = best(res, "triton_gemm_tma", lambda c: gemm_tma_call(ops, c), cfg[1][precision], iters, repeats,
+    exact = (ops.x.float() * ops.xs) @ (ops.w.float() * ops.ws).t() + (0 if ops.bias is None else ops.bias.float())
+    for name, tma in (("triton_gemm", False), ("triton_gemm_tma", True)):
+        plain = best(res, name, lambda c, tma=tma: gemm_call(ops, c, tma), cfg[1][precision], iters, repeats,
                      lambda c: (2 * ops.n) % c[1] == 0)
-    if plain_tma is not None:
-        res["triton_gemm_tma_err"] = rel(plain_tma().float(), (ops.x.float() * ops.xs) @ (ops.w.float() * ops.ws).t()
-                                         + (0 if ops.bias is None else ops.bias.float()))
-    for name, make in (("fused", fused_call), ("fused_tma", fused_tma_call)):
-        fused = best(res, name, lambda c, make=make: make(ops, c), cfg[0][precision], iters, repeats,
+        if plain is not None:
+            res[f"{name}_err"] = rel(plain().float(), exact)
+    for name, tma in (("fused", False), ("fused_tma", True)):
+        fused = best(res, name, lambda c, tma=tma: fused_call(ops, c, tma), cfg[0][precision], iters, repeats,
                      lambda c: ops.n % c[1] == 0)
         if fused is not None:
             got = ops.value(fused())

@@ -133,3 +133,17 @@ def lora_swap_reaches_the_graph(setup, tmp_path, rtol: float, variant: str = "co
     assert [p.data_ptr() for p in models.unet.parameters()] + derived_pointers(models) == pointers
     assert_rel_close(runner.sample(*args), before, 1e-3)
 
+
+
+def timed_decode(models, latents, reps=3):
+    """(seconds per `run/batch.py decode` of `latents`, after one warm-up, the last decode's uint8 pixels on the CPU):
+    the decoder GPU tests' timing (the copy to the CPU ends each decode, so no sync is needed but the first)."""
+    import time
+
+    from storyboard_cli.run.batch import decode
+
+    decode(models, latents)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    pixels = [decode(models, latents)[1] for _ in range(reps)][-1]
+    return (time.perf_counter() - start) / reps, pixels
