@@ -7,8 +7,9 @@ from typer.testing import CliRunner
 from conftest import write_job
 from storyboard_cli.cli import app
 from storyboard_cli.errors import ModelError
+from storyboard_cli.models import tiny
 from storyboard_cli.models.loader import load_sdxl
-from storyboard_cli.models.tiny import tiny_folder
+from storyboard_cli.models.tiny import TINY_VERSION, tiny_folder
 
 
 def test_tiny_preset_is_a_diffusers_folder_loaded_by_from_pretrained(tiny_cpu):
@@ -29,6 +30,27 @@ def test_tiny_build_is_deterministic(tmp_path, monkeypatch, tiny_cpu):
     again = load_sdxl("tiny", None, "cpu", torch.float32)
     for a, b in zip(again.unet.parameters(), tiny_cpu.unet.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_tiny_preset_appears_in_the_cache_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Processes share the cache (torchrun's workers, xdist's): the preset is written beside its folder and renamed
+    into place, so no reader sees it half-written, and a builder that loses the race leaves nothing behind."""
+    monkeypatch.setenv("BCG_CACHE", str(tmp_path))
+    folder = tmp_path / TINY_VERSION
+
+    def build(into, by: str) -> None:
+        (into / "model_index.json").write_text(by)
+        assert not folder.exists()  # half-written: not at its path
+        (into / "controlnet").mkdir()
+
+    def loser(into) -> None:  # another process builds and renames while this one writes
+        build(into, "loser")
+        monkeypatch.setattr(tiny, "_build", lambda theirs: build(theirs, "winner"))
+        assert tiny_folder() == folder and (folder / "model_index.json").read_text() == "winner"
+
+    monkeypatch.setattr(tiny, "_build", loser)
+    assert tiny_folder() == folder and (folder / "model_index.json").read_text() == "winner"
+    assert [p.name for p in tmp_path.iterdir()] == [TINY_VERSION]
 
 
 @pytest.mark.parametrize("model,message", [

@@ -21,7 +21,7 @@ from storyboard_cli.engine.build import build_engine, check_engine, device_name,
 from storyboard_cli.engine.device import probe
 from storyboard_cli.engine.variants import AUTO, VARIANTS
 from storyboard_cli.costs import EAGER, device_of
-from storyboard_cli.errors import JobError, Status, StoryboardError, folder_error
+from storyboard_cli.errors import JobError, Status, StoryboardError, folder_error, one_line
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
 from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending, pending_items, previous_failures, remove_stale_temps, select_shots
@@ -171,13 +171,16 @@ class RenderSession:
             try:
                 self.prepare(stop)
                 status = self.run(stop)
-            except (Stopped, KeyboardInterrupt) as e:
+            except BaseException as raised:
+                e = stop.cause(raised)
+                if not isinstance(e, (Stopped, KeyboardInterrupt)):
+                    error = str(e) if isinstance(e, StoryboardError) else f"{e.__class__.__name__}: {e}"
+                    self._close_writer(cancel=True, after_error=True)
+                    raise
+                if e is not raised:
+                    log.debug("the stop came up as %s", one_line(raised))
                 status = Status.INTERRUPTED  # decoded images are written out; a second Ctrl-C drops the queued ones
                 self._close_writer(cancel=isinstance(e, KeyboardInterrupt))
-            except BaseException as e:
-                error = str(e) if isinstance(e, StoryboardError) else f"{e.__class__.__name__}: {e}"
-                self._close_writer(cancel=True, after_error=True)
-                raise
             finally:
                 stop.finishing = True
                 result = self.finish(status, stop.signum if status == Status.INTERRUPTED else None, error)

@@ -10,6 +10,10 @@
 
 Either way the render then writes what is finished, the manifest and a partial report, and releases
 the folder's lock. Once stopping, further signals only mark the stop (a second Ctrl-C still forces).
+
+A handler runs between two bytecodes of whatever Python runs, a library's own called from C or Rust included, and
+some of those swallow what it raises and raise an error of their own: the render ends on the stop all the same
+(`StopFlag.cause`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class StopFlag:
         self.hard = False  # stopping at once (an exception is on its way up)
         self.announcing = False  # the first Ctrl-C's message is being written (Python handlers nest)
         self.deferred: int | None = None  # a signal that came meanwhile
+        self.raised: BaseException | None = None  # what the handler raised into the running code (once at most)
 
     @property
     def requested(self) -> bool:
@@ -63,9 +68,17 @@ class StopFlag:
             return
         self.hard = True
         if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        raise Stopped(signum)
+            self.raised = KeyboardInterrupt()
+        else:
+            self.signum, self.raised = signum, Stopped(signum)
+        raise self.raised
+
+    def cause(self, e: BaseException) -> BaseException:
+        """What a render that raised `e` ends on: the stop the handler raised, where the code it landed in turned it
+        into an error of its own (a SIGTERM in safetensors' read of a file came up as "ValueError: could not
+        determine the shape of object type 'torch.storage.UntypedStorage'", which diffusers made an OSError and the
+        loader a ModelError); else `e`."""
+        return self.raised if self.raised is not None and not isinstance(e, (Stopped, KeyboardInterrupt)) else e
 
     def check(self) -> None:
         """At a boundary (a batch, the end of loading or capture): stops if asked to."""
