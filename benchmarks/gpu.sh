@@ -71,6 +71,8 @@
 #   geglu             probes/geglu_scout.py: the feed-forward's first Linear and GEGLU at 16 and 4 rows of 1024², fp8 and
 #                     fp16: cuBLAS's GEMM and the compiler's GEGLU kernel (today's) against a Triton GEMM with GEGLU in
 #                     its epilogue, each one's ms, TFLOPS and error, ms per UNet and ControlNet step
+#   export_triton     probes/export_triton_probe.py: that fused kernel as a triton_op through bcg's artifact path
+#                     (export, AOTInductor, load), pointer and TMA tiles, against the production arithmetic's package
 #   cn_embed          probes/cn_embed_scout.py: the ControlNet's conditioning embedding at 1024² and 832x1216, 2 to 16
 #                     rows, eager, channels_last and compiled, and the whole net with it and with it passed in: what
 #                     precomputing it once per batch would take off every +control step
@@ -262,6 +264,8 @@ leg() {  # LEG ARG NAME
   geglu)
     step "$n" 260 python benchmarks/probes/geglu_scout.py --out "$R/$n.json" --budget 220 \
       $([ "$SMOKE" = 1 ] && echo --smoke);;
+  export_triton)
+    step "$n" 200 python benchmarks/probes/export_triton_probe.py "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --trace);;
   cn_embed)
     step "$n" 200 python benchmarks/probes/cn_embed_scout.py --out "$R/$n.json" --budget 160 \
       $([ "$SMOKE" = 1 ] && echo --smoke);;
