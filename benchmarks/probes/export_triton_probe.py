@@ -9,7 +9,8 @@ package beside inductor's. Host descriptors built inside a triton_op are the new
 is built on it, this probe exports, for each form, a module whose forward is the fused op and the pointwise kernel the
 compiler puts after it, compiles it as bcg's artifacts are (their inductor options, the rows dimension dynamic), loads
 the package as bcg does, and records:
-  export, compile, load   ok or the one-line error, and the seconds each took
+  export, compile, load   ok or the one-line error, and the seconds each took; whether the package also loads in
+                          a fresh process, without the op registered (bcg's load check, artifacts.loads_here)
   err                     relative L2 error of the loaded package's output against the same op called eagerly
   ms                      the loaded package per call (a CUDA graph of 10 calls, median of replays), beside
   production_ms           the same module with the production arithmetic (torch._scaled_mm, GEGLU, quantisation)
@@ -38,7 +39,7 @@ from geglu_scout import FP8, FP8_MAX, pick_k  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from storyboard_cli.engine.kernels.artifacts import INDUCTOR_OPTIONS, open_package  # noqa: E402
+from storyboard_cli.engine.kernels.artifacts import INDUCTOR_OPTIONS, loads_here, open_package  # noqa: E402
 
 CONFIG = (128, 128, 128, 8, 3, 8)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M: the scout's best at both shapes
 SHAPES = [("1280->2x5120 over 1024 tokens", 1280, 5120, 1024), ("640->2x2560 over 4096 tokens", 640, 2560, 4096)]
@@ -143,6 +144,9 @@ def probe(form: str, x, consts, trace: bool, folder: Path) -> dict:
         t0 = time.perf_counter()
         call = open_package(path)
         res["load_s"] = round(time.perf_counter() - t0, 2)
+        # bcg checks a package in a child process before its first load (artifacts.loads_here): one without
+        # this probe's ops registered, as a render that never imports it
+        res["loads_in_a_fresh_process"] = loads_here(path)
         stage = "run"
         if hasattr(call, "load_constants"):  # weights outside the package: bind the module's own
             call.load_constants({k: v for k, v in module.state_dict().items()}, check_full_update=True,
