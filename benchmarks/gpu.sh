@@ -49,7 +49,8 @@
 #                     step:controlnet step:bucket16@0b, step:layout_force step:layout_nd@0b; skip_cat: the
 #                     cache's UNets against those of the recipe before (after `build build:fp8@0b`); persistent:
 #                     the same for the persistent reductions (the recipe before carried in ARTZ); fp8_inverse: the
-#                     FP8 UNet quantising by a bound inverse scale against the cache's artifact
+#                     FP8 UNet quantising by a bound inverse scale against the cache's artifact; fp8_geglu: the
+#                     FP8 UNet with the feed-forward's GEMM, GEGLU and quantisation in one Triton kernel (TMA), the same
 #   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel

@@ -48,8 +48,13 @@ ROWS = 16
 
 
 def register():
-    """The fused op in both forms, as `torch.ops.bcg_probe.geglu_pointer` and `...geglu_tma`."""
+    """The fused op in both forms, as `torch.ops.bcg_probe.geglu_pointer` and `...geglu_tma` (once a process)."""
     from torch.library import triton_op, wrap_triton
+
+    if TRITON_MISSING:
+        raise RuntimeError(TRITON_MISSING)
+    if hasattr(torch.ops.bcg_probe, "geglu_tma"):
+        return
 
     from geglu_scout import geglu_gemm_kernel, geglu_gemm_tma_kernel
 
