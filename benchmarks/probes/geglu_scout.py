@@ -22,11 +22,12 @@ ms (a CUDA graph of 10 calls, median of --repeats replays) and TFLOPS:
   geglu_tiled   a 2D-tiled GEGLU kernel of ours (contiguous columns, no index division) alone;  cublas+geglu_tiled
   triton_gemm   a plain Triton GEMM of the whole [M, 2 x inner] (fp16 out): how near cuBLAS a Triton GEMM gets here
   fused         the GEMM with GEGLU in its epilogue, tuned per shape over a few tile configs
+  fused_block   the fused kernel with block pointers (no pointer tensors, only plain pointers across the call)
   triton_gemm_tma, fused_tma   the same two with their tiles moved by the TMA (tensor descriptors): no pointer
                 tensors in registers (compiled for sm_90a, the pointer kernels use all 255 registers and spill, as
                 Triton's own tutorial GEMM does at 128 x 256)
 and each one's relative L2 error against the fp32 arithmetic of the same (quantised) operands. Summed per step:
-ms per UNet step and per ControlNet step for production, cublas+geglu_tiled, fused and fused_tma.
+ms per UNet step and per ControlNet step for production, cublas+geglu_tiled, fused, fused_tma and fused_block.
 
     python benchmarks/probes/geglu_scout.py --out geglu.json                 # CUDA (H200): about 2 minutes
     python benchmarks/probes/geglu_scout.py --out /tmp/g.json --smoke        # CPU: tiny, Triton's interpreter
@@ -170,6 +171,45 @@ if triton is not None:
         if QUANT:
             y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
         out_desc.store([off_m, off_n], y.to(out_desc.dtype))
+
+    @triton.jit
+    def geglu_gemm_block_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
+                                QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """geglu_gemm_kernel with block pointers: a tile's address is a base and two offsets, not a tensor of
+        pointers (the pointer form spills at these tiles), and only plain pointers cross the call, which an
+        exported graph carries where a host tensor descriptor made inside a custom op is still a constant to
+        AOTInductor (export_triton_probe.py). W [2N, K] row-major read as [K, 2N], column-major."""
+        pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        a_blk = tl.make_block_ptr(x_ptr, shape=(M, K), strides=(K, 1), offsets=(off_m, 0),
+                                  block_shape=(BLOCK_M, BLOCK_K), order=(1, 0))
+        h_blk = tl.make_block_ptr(w_ptr, shape=(K, 2 * N), strides=(1, K), offsets=(0, off_n),
+                                  block_shape=(BLOCK_K, BLOCK_N), order=(0, 1))
+        g_blk = tl.make_block_ptr(w_ptr, shape=(K, 2 * N), strides=(1, K), offsets=(0, N + off_n),
+                                  block_shape=(BLOCK_K, BLOCK_N), order=(0, 1))
+        acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            a = tl.load(a_blk, boundary_check=(0,), padding_option="zero")
+            acc_h = tl.dot(a, tl.load(h_blk), acc_h)
+            acc_g = tl.dot(a, tl.load(g_blk), acc_g)
+            a_blk = tl.advance(a_blk, (0, BLOCK_K))
+            h_blk = tl.advance(h_blk, (BLOCK_K, 0))
+            g_blk = tl.advance(g_blk, (BLOCK_K, 0))
+        s = tl.load(xs_ptr) * tl.load(ws_ptr)
+        h = acc_h * s
+        g = acc_g * s
+        if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
+            h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+            g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
+        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
+        if QUANT:
+            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
+        o_blk = tl.make_block_ptr(out_ptr, shape=(M, N), strides=(N, 1), offsets=(off_m, off_n),
+                                  block_shape=(BLOCK_M, BLOCK_N), order=(1, 0))
+        tl.store(o_blk, y.to(out_ptr.dtype.element_ty), boundary_check=(0,))
 
     @triton.jit
     def gemm_tma_kernel(x_desc, w_desc, b_ptr, out_desc, xs_ptr, ws_ptr, M, N, K, HAS_BIAS: tl.constexpr,
@@ -327,14 +367,16 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block)
 
 
-def fused_call(ops: Operands, config: tuple, tma: bool = False) -> Callable[[], torch.Tensor]:
-    """A call of geglu_gemm_kernel (tma: geglu_gemm_tma_kernel, the operands as tensor descriptors)."""
+def fused_call(ops: Operands, config: tuple, form: str = "pointer") -> Callable[[], torch.Tensor]:
+    """A call of the fused kernel of `form`: pointer (geglu_gemm_kernel), tma (geglu_gemm_tma_kernel, the operands
+    as tensor descriptors) or block (geglu_gemm_block_kernel)."""
     bm, bn, bk, warps, stages, group = config
     bk = pick_k(ops.x.shape[1], bk)
     out = ops.out()
+    tma = form == "tma"
     x, w, o = (_descriptor(ops.x, [bm, bk]), _descriptor(ops.w, [bn, bk]), _descriptor(out, [bm, bn])) if tma \
         else (ops.x, ops.w, out)
-    kernel = geglu_gemm_tma_kernel if tma else geglu_gemm_kernel
+    kernel = {"pointer": geglu_gemm_kernel, "tma": geglu_gemm_tma_kernel, "block": geglu_gemm_block_kernel}[form]
     grid = (triton.cdiv(ops.m, bm) * (ops.n // bn),)
 
     def call():
@@ -431,8 +473,8 @@ def measure(shape: FfShape, rows: int, precision: str, device: str, smoke: bool,
                      lambda c: (2 * ops.n) % c[1] == 0)
         if plain is not None:
             res[f"{name}_err"] = rel(plain().float(), exact)
-    for name, tma in (("fused", False), ("fused_tma", True)):
-        fused = best(res, name, lambda c, tma=tma: fused_call(ops, c, tma), cfg[0][precision], iters, repeats,
+    for name, form in (("fused", "pointer"), ("fused_tma", "tma"), ("fused_block", "block")):
+        fused = best(res, name, lambda c, form=form: fused_call(ops, c, form), cfg[0][precision], iters, repeats,
                      lambda c: ops.n % c[1] == 0)
         if fused is not None:
             got = ops.value(fused())
@@ -444,7 +486,7 @@ def measure(shape: FfShape, rows: int, precision: str, device: str, smoke: bool,
 def rounded(res: dict, flops: float | None = None) -> dict:
     for k in [k for k in res if k.endswith("_ms")]:
         if flops and k in ("cublas_ms", "production_ms", "triton_gemm_ms", "triton_gemm_tma_ms", "fused_ms",
-                           "fused_tma_ms", "cublas+geglu_tiled_ms"):
+                           "fused_tma_ms", "fused_block_ms", "cublas+geglu_tiled_ms"):
             res[k.replace("_ms", "_tflops")] = round(flops / res[k] / 1e9, 1) if res[k] else None
         res[k] = round(res[k], 4)
     for k in [k for k in res if k.endswith(("_err", "_vs_production"))]:
@@ -453,7 +495,7 @@ def rounded(res: dict, flops: float | None = None) -> dict:
 
 
 def per_step(record: dict, calls: dict[str, Counter]) -> dict:
-    """ms a step, for each net, precision and rows: production, cublas+geglu_tiled, fused and fused_tma (each shape's
+    """ms a step, for each net, precision and rows: production, cublas+geglu_tiled and the fused forms (each shape's
     production time where a variant has none)."""
     out = {}
     for kind, seen in calls.items():
@@ -462,7 +504,7 @@ def per_step(record: dict, calls: dict[str, Counter]) -> dict:
                 continue
             part = out.setdefault(f"{kind} {s['precision']} {s['rows']} rows", Counter())
             count = seen.get(tuple(s["key"]), 0)
-            for v in ("production", "cublas+geglu_tiled", "fused", "fused_tma"):
+            for v in ("production", "cublas+geglu_tiled", "fused", "fused_tma", "fused_block"):
                 part[f"{v}_ms"] += count * s.get(f"{v}_ms", s["production_ms"])
             part["calls"] += count
     return {k: {n: round(v, 3) for n, v in part.items()} for k, part in out.items()}
