@@ -278,8 +278,9 @@ class FusedGeglu:
     """Each feed-forward's first Linear, GEGLU and the second Linear's input quantisation in one Triton kernel: the
     GEMM with GEGLU and the quantisation in its epilogue, its tiles moved by the TMA (benchmarks/probes/geglu_scout.py,
     34.3 ms of the FP8 8 x 1024² step where production spends 40.1), as a `torch.library.triton_op` in the export
-    (export_triton_probe.py: bcg_probe::geglu_tma). It writes the second Linear's FP8 input at that Linear's static
-    scale, which then takes an FP8 input as it is. The same constants as production's, bound by the same names."""
+    (export_triton_probe.py: bcg_probe::geglu_tma_hop, its descriptors handed to the trace as tensors and block
+    shapes). It writes the second Linear's FP8 input at that Linear's static scale, which then takes an FP8 input as
+    it is. The same constants as production's, bound by the same names."""
 
     def __init__(self, constants):
         self.base = constants
@@ -304,8 +305,8 @@ class FusedGeglu:
                     and isinstance(last, fp8.Fp8Linear) and first.proj.bias is not None):
                 return plain_ff(self, hidden_states, *args, **kwargs)
             p, lead, k = first.proj, hidden_states.shape[:-1], hidden_states.shape[-1]
-            q = torch.ops.bcg_probe.geglu_tma(p.quantise(hidden_states).reshape(-1, k), p.weight, p.bias, p.x_scale,
-                                              p.w_scale, last.x_scale)
+            q = torch.ops.bcg_probe.geglu_tma_hop(p.quantise(hidden_states).reshape(-1, k), p.weight, p.bias,
+                                                  p.x_scale, p.w_scale, last.x_scale)
             q = q.reshape(*lead, q.shape[-1])
             for module in self.net[1:]:  # the dropout (none in eval), the second Linear
                 q = module(q)
