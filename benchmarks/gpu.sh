@@ -50,7 +50,7 @@
 #                     cache's UNets against those of the recipe before (after `build build:fp8@0b`); persistent:
 #                     the same for the persistent reductions (the recipe before carried in ARTZ); fp8_inverse: the
 #                     FP8 UNet quantising by a bound inverse scale against the cache's artifact; fp8_geglu: the
-#                     FP8 UNet with the feed-forward's GEMM, GEGLU and quantisation in one Triton kernel (TMA), the same
+#                     FP8 UNet with the feed-forward's GEMM, GEGLU and quantisation in one Triton kernel, the same
 #   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel

@@ -22,7 +22,7 @@
               dividing by the scale (Fp8Linear.quantise; built with RECIPES' change), against the cache's artifact at
               2 and 8 images
   fp8_geglu   the production FP8 UNet with each feed-forward's first Linear, GEGLU and the next Linear's quantisation
-              in one Triton kernel of ours (TMA tiles, a triton_op in the export; RECIPES' change), against the
+              in one Triton kernel of ours (pointer tiles, a triton_op in the export; RECIPES' change), against the
               cache's artifact at 2 and 8 images
   skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
               fp16 and FP8 UNets at 1024² against the artifacts of the recipe before it (the other unet-*.pt2 of
@@ -276,11 +276,12 @@ class InverseScale:
 
 class FusedGeglu:
     """Each feed-forward's first Linear, GEGLU and the second Linear's input quantisation in one Triton kernel: the
-    GEMM with GEGLU and the quantisation in its epilogue, its tiles moved by the TMA (benchmarks/probes/geglu_scout.py,
-    34.3 ms of the FP8 8 x 1024² step where production spends 40.1), as a `torch.library.triton_op` in the export
-    (export_triton_probe.py: bcg_probe::geglu_tma_hop, its descriptors handed to the trace as tensors and block
-    shapes). It writes the second Linear's FP8 input at that Linear's static scale, which then takes an FP8 input as
-    it is. The same constants as production's, bound by the same names."""
+    GEMM with GEGLU and the quantisation in its epilogue (benchmarks/probes/geglu_scout.py: 35.5 ms of the FP8
+    8 x 1024² step with pointer tiles, 34.3 with TMA tiles, where production spends 40.1), as a
+    `torch.library.triton_op` in the export. The pointer form (export_triton_probe.py: bcg_probe::geglu_pointer): on
+    torch 2.11 neither TMA form compiles into a package (benchmarks/results/step/2026-12-05-10e3eb1-export-triton.json).
+    It writes the second Linear's FP8 input at that Linear's static scale, which then takes an FP8 input as it is. The
+    same constants as production's, bound by the same names."""
 
     def __init__(self, constants):
         self.base = constants
@@ -305,7 +306,7 @@ class FusedGeglu:
                     and isinstance(last, fp8.Fp8Linear) and first.proj.bias is not None):
                 return plain_ff(self, hidden_states, *args, **kwargs)
             p, lead, k = first.proj, hidden_states.shape[:-1], hidden_states.shape[-1]
-            q = torch.ops.bcg_probe.geglu_tma_hop(p.quantise(hidden_states).reshape(-1, k), p.weight, p.bias,
+            q = torch.ops.bcg_probe.geglu_pointer(p.quantise(hidden_states).reshape(-1, k), p.weight, p.bias,
                                                   p.x_scale, p.w_scale, last.x_scale)
             q = q.reshape(*lead, q.shape[-1])
             for module in self.net[1:]:  # the dropout (none in eval), the second Linear
