@@ -12,9 +12,10 @@ the package as bcg does, and records:
   export, compile, load   ok or the one-line error, and the seconds each took; whether the package also loads in
                           a fresh process, without the op registered (bcg's load check, artifacts.loads_here)
   err                     relative L2 error of the loaded package's output against the same op called eagerly
-  ms                      the loaded package per call (a CUDA graph of 10 calls, median of replays), beside
-  production_ms           the same module with the production arithmetic (torch._scaled_mm, GEGLU, quantisation)
-                          compiled into a package the same way
+  ms                      the loaded package per call (a CUDA graph of 10 calls, median of replays); the row
+                          `production` is the same module with the production arithmetic (torch._scaled_mm, GEGLU,
+                          quantisation) compiled into a package the same way
+  eager_op_ms             the module called eagerly, the same way
 at the UNet's main feed-forward shape (60 of a step's 70 calls), 16 rows (8 images, guided).
 
     python benchmarks/probes/export_triton_probe.py OUT.json          # CUDA (H200): about a minute
@@ -113,7 +114,7 @@ def register():
 
 class Ff(torch.nn.Module):
     """x [rows, tokens, K] in FP8 -> the feed-forward's GEGLU output [rows, tokens, inner] in fp16: the fused op (form
-    `pointer` or `tma`) or the production arithmetic (`production`), then a pointwise kernel of the compiler's (the
+    `pointer`, `tma` or `tma_hop`) or the production arithmetic (`production`), then a pointwise kernel of the compiler's (the
     dequantisation), as the next Linear's prologue would be."""
 
     def __init__(self, form: str, w, b, xs, ws, os):
