@@ -14,8 +14,9 @@ The convolutions are the UNet's own: forward hooks on every Conv2d record each c
   triton_fp16  the kernel below on fp16 operands (how good the kernel is at cuDNN's precision)
   triton_fp8   the kernel on float8_e4m3fn operands, the input quantised beforehand (as the fused norm would write it)
   tma_fp16, tma_fp8   the same arithmetic for stride 1 with the tiles moved by the TMA (`conv_tma_kernel`: 4D
-               boxes of the NHWC input, the padding read as zeros): compiled for sm_90a, the pointer kernel uses all
-               255 registers and spills at every config (benchmarks/probes/sm90_compile.py), this one does not
+               boxes of the NHWC input, the padding read as zeros): no pointer tensors in registers (compiled for
+               sm_90a with a launch's hints, one pointer config of twelve spills 156 B, no TMA one does:
+               benchmarks/results/step/2026-12-05-131c71a-sm90-compile.json)
   quantise     the input's quantisation alone, in torch (the cost if it were not fused: an upper bound)
   im2col_fp8   no kernel of ours: the FP8 columns written out (a strided view of the padded input, copied), then
                cuBLAS's FP8 GEMM (torch._scaled_mm, per-tensor scales), the quantisation inside the call

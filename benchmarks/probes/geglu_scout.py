@@ -24,8 +24,8 @@ ms (a CUDA graph of 10 calls, median of --repeats replays) and TFLOPS:
   fused         the GEMM with GEGLU in its epilogue, tuned per shape over a few tile configs
   fused_block   the fused kernel with block pointers (no pointer tensors, only plain pointers across the call)
   triton_gemm_tma, fused_tma   the same two with their tiles moved by the TMA (tensor descriptors): no pointer
-                tensors in registers (compiled for sm_90a, the pointer kernels use all 255 registers and spill, as
-                Triton's own tutorial GEMM does at 128 x 256)
+                tensors in registers (compiled for sm_90a with a launch's hints, none of the three forms spills:
+                benchmarks/results/step/2026-12-05-131c71a-sm90-compile.json)
 and each one's relative L2 error against the fp32 arithmetic of the same (quantised) operands. Summed per step:
 ms per UNet step and per ControlNet step for production, cublas+geglu_tiled, fused, fused_tma and fused_block.
 
@@ -177,7 +177,7 @@ if triton is not None:
                                 QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """geglu_gemm_kernel with block pointers: a tile's address is a base and two offsets, not a tensor of
-        pointers (the pointer form spills at these tiles), and only plain pointers cross the call, which an
+        pointers (fewer registers for addresses), and only plain pointers cross the call, which an
         exported graph carries where a host tensor descriptor made inside a custom op is still a constant to
         AOTInductor (export_triton_probe.py). W [2N, K] row-major read as [K, 2N], column-major."""
         pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
