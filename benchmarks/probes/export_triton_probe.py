@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_scout import TRITON_MISSING, last_line, time_graph_ms, triton  # noqa: E402
-from geglu_scout import FP8, FP8_MAX, pick_k  # noqa: E402
+from geglu_scout import FP8, FP8_MAX, FfShape, Operands, pick_k  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -137,18 +137,10 @@ class Ff(torch.nn.Module):
 
 
 def operands(k: int, inner: int, tokens: int, rows: int, device: str):
-    g = torch.Generator(device="cpu").manual_seed(k + inner)
-    x = torch.randn(rows, tokens, k, generator=g)
-    w = torch.randn(2 * inner, k, generator=g) / k ** 0.5
-    b = torch.randn(2 * inner, generator=g) * 0.02
-    xs, ws = x.abs().amax() / FP8_MAX, w.abs().amax() / FP8_MAX
-    y = x.reshape(-1, k) @ w.t() + b
-    h, gate = y.chunk(2, dim=-1)
-    os = (h * torch.nn.functional.gelu(gate)).abs().amax() / FP8_MAX
-    q = lambda t, s: (t / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).to(device)  # noqa: E731
-    dt = torch.float16 if device == "cuda" else torch.float32
-    f32 = lambda s: s.float().reshape(()).to(device)  # noqa: E731
-    return q(x, xs), (q(w, ws), b.to(device, dt), f32(xs), f32(ws), f32(os))
+    """The GEGLU scout's FP8 operands of the shape (its Operands): x as [rows, tokens, K], and the module's
+    constants (W, bias, x's, W's and the output's scales)."""
+    ops = Operands(FfShape(k, inner, tokens, True), rows, "fp8", device)
+    return ops.x.reshape(rows, tokens, k), (ops.w, ops.bias, ops.xs, ops.ws, ops.os)
 
 
 def probe(form: str, x, consts, trace: bool, folder: Path) -> dict:

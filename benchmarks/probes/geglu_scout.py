@@ -89,6 +89,24 @@ if triton is not None:
         return first_m + (pid % (GROUP_M * n_tiles)) % size_m, (pid % (GROUP_M * n_tiles)) // size_m
 
     @triton.jit
+    def geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, off_n, N, QUANT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A fused program's output tile from its h and g accumulators: the operands' scales, the bias of its h
+        columns (from off_n) and of the g columns N further, h * gelu(g) (erf form), and with QUANT the output's
+        scale, saturated at the FP8 range."""
+        s = tl.load(xs_ptr) * tl.load(ws_ptr)
+        h = acc_h * s
+        g = acc_g * s
+        if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
+            h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+            g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
+        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
+        if QUANT:
+            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
+        return y
+
+    @triton.jit
     def geglu_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
                           QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -112,16 +130,8 @@ if triton is not None:
             a_ptrs += BLOCK_K
             h_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
-        s = tl.load(xs_ptr) * tl.load(ws_ptr)
-        h = acc_h * s
-        g = acc_g * s
-        if HAS_BIAS:
-            h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-            g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
-        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
+        y = geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, pid_n * BLOCK_N, N, QUANT, HAS_BIAS, BLOCK_N)
         out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        if QUANT:
-            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
 
     @triton.jit
@@ -160,16 +170,7 @@ if triton is not None:
             a = x_desc.load([off_m, k])
             acc_h = tl.dot(a, w_desc.load([off_n, k]).T, acc_h)
             acc_g = tl.dot(a, w_desc.load([N + off_n, k]).T, acc_g)
-        s = tl.load(xs_ptr) * tl.load(ws_ptr)
-        h = acc_h * s
-        g = acc_g * s
-        if HAS_BIAS:
-            rn = off_n + tl.arange(0, BLOCK_N)
-            h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-            g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
-        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
-        if QUANT:
-            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
+        y = geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, off_n, N, QUANT, HAS_BIAS, BLOCK_N)
         out_desc.store([off_m, off_n], y.to(out_desc.dtype))
 
     @triton.jit
@@ -197,16 +198,7 @@ if triton is not None:
             a_blk = tl.advance(a_blk, (0, BLOCK_K))
             h_blk = tl.advance(h_blk, (BLOCK_K, 0))
             g_blk = tl.advance(g_blk, (BLOCK_K, 0))
-        s = tl.load(xs_ptr) * tl.load(ws_ptr)
-        h = acc_h * s
-        g = acc_g * s
-        if HAS_BIAS:
-            rn = off_n + tl.arange(0, BLOCK_N)
-            h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-            g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
-        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
-        if QUANT:
-            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
+        y = geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, off_n, N, QUANT, HAS_BIAS, BLOCK_N)
         o_blk = tl.make_block_ptr(out_ptr, shape=(M, N), strides=(N, 1), offsets=(off_m, off_n),
                                   block_shape=(BLOCK_M, BLOCK_N), order=(1, 0))
         tl.store(o_blk, y.to(out_ptr.dtype.element_ty), boundary_check=(0,))
