@@ -114,8 +114,8 @@ def register():
 
 class Ff(torch.nn.Module):
     """x [rows, tokens, K] in FP8 -> the feed-forward's GEGLU output [rows, tokens, inner] in fp16: the fused op (form
-    `pointer`, `tma` or `tma_hop`) or the production arithmetic (`production`), then a pointwise kernel of the compiler's (the
-    dequantisation), as the next Linear's prologue would be."""
+    `pointer`, `tma` or `tma_hop`) or the production arithmetic (`production`), then a pointwise kernel of the
+    compiler's (the dequantisation), as the next Linear's prologue would be."""
 
     def __init__(self, form: str, w, b, xs, ws, os):
         super().__init__()
