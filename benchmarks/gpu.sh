@@ -71,7 +71,8 @@
 #                     implicit-GEMM Triton kernel in fp16 and in FP8, each one's ms, TFLOPS and error, ms per step
 #   geglu             probes/geglu_scout.py: the feed-forward's first Linear and GEGLU at 16 and 4 rows of 1024², fp8 and
 #                     fp16: cuBLAS's GEMM and the compiler's GEGLU kernel (today's) against a Triton GEMM with GEGLU in
-#                     its epilogue, each one's ms, TFLOPS and error, ms per UNet and ControlNet step
+#                     its epilogue (pointer, block-pointer, TMA and persistent forms), each one's ms, TFLOPS and error,
+#                     ms per UNet and ControlNet step
 #   export_triton     probes/export_triton_probe.py: that fused kernel as a triton_op through bcg's artifact path
 #                     (export, AOTInductor, load), pointer and TMA tiles, against the production arithmetic's package
 #   cn_embed          probes/cn_embed_scout.py: the ControlNet's conditioning embedding at 1024² and 832x1216, 2 to 16
@@ -237,7 +238,9 @@ leg() {  # LEG ARG NAME
   step)
     local smoke=""
     [ "$SMOKE" = 1 ] && smoke="--model tiny --side 128 --build-missing --loops 2 --replays 2"
-    step "$n" 560 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" \
+    local pick=""  # fp8_geglu: the forms and tiles of a GEGLU scout run earlier in this call
+    [ -f "$R/geglu.json" ] && pick="$R/geglu.json"
+    step "$n" 560 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" GEGLU_PICK="$pick" \
       TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#PLAN[@]} )) python benchmarks/probes/step_scout.py \
       "${arg:-controlnet}" --budget "$(( $(left) - 30 ))" --out "$R/$n.json" --build-dir "/tmp/step-build-$n" $smoke;;
   profile)

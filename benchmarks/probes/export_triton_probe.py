@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -43,14 +44,45 @@ sys.path.insert(0, str(ROOT))
 from storyboard_cli.engine.kernels.artifacts import INDUCTOR_OPTIONS, loads_here, open_package  # noqa: E402
 
 CONFIG = (128, 128, 128, 8, 3, 8)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M: the scout's best at both shapes
+PICK_ENV = "GEGLU_PICK"  # a GEGLU scout record: geglu_pointer launches, per shape, its fastest form with pointer arguments
+POINTER_FORMS = {"fused": "pointer", "fused_block": "block", "fused_persistent": "persistent"}
 SHAPES = [("1280->2x5120 over 1024 tokens", 1280, 5120, 1024)]  # 60 of the UNet step's 70 calls
 SMOKE_SHAPES = [("64->2x128 over 64 tokens", 64, 128, 64)]
 ROWS = 16
 
 
+def picks(record: Path | None) -> dict[tuple[int, int], tuple[str, tuple]]:
+    """Per (K, inner): the form and tile config whose FP8 call at the most rows was fastest in a GEGLU scout record,
+    among those whose arguments are plain pointers (pointer tiles, block pointers, the persistent grid); {} without
+    a record."""
+    if record is None or not record.is_file():
+        return {}
+    shapes = [s for s in json.loads(record.read_text())["shapes"] if s.get("precision") == "fp8" and "key" in s]
+    most = max((s["rows"] for s in shapes), default=0)
+    out = {}
+    for s in (s for s in shapes if s["rows"] == most):
+        timed = [(s[f"{name}_ms"], form, tuple(s[f"{name}_config"])) for name, form in POINTER_FORMS.items()
+                 if s.get(f"{name}_ms") is not None and s.get(f"{name}_config") is not None]
+        if timed:
+            _, form, config = min(timed)
+            out[(s["key"][0], s["key"][1])] = (form, config)
+    return out
+
+
+PICKED: dict[tuple[int, int], tuple[str, tuple]] = {}  # what register() read from $GEGLU_PICK
+
+
+def picked() -> dict:
+    """PICKED for a JSON record: {"K->inner": [form, config]}, with the record it came from."""
+    return {"record": os.environ.get(PICK_ENV), **{f"{k}->{n}": [form, list(config)]
+                                                   for (k, n), (form, config) in PICKED.items()}}
+
+
 def register():
     """The fused op in three forms, as `torch.ops.bcg_probe.geglu_pointer`, `...geglu_tma` and `...geglu_tma_hop` (the
-    TMA kernel, its descriptors handed to the trace as tensors and block shapes; once a process)."""
+    TMA kernel, its descriptors handed to the trace as tensors and block shapes; once a process). With $GEGLU_PICK (a
+    GEGLU scout record), geglu_pointer launches at each shape the record's fastest form with pointer arguments and its
+    config (`picks`); at other shapes, and without it, the pointer tiles at CONFIG."""
     from torch.library import triton_op, wrap_triton
 
     if TRITON_MISSING:
@@ -58,16 +90,24 @@ def register():
     if hasattr(torch.ops.bcg_probe, "geglu_tma_hop"):
         return
 
-    from geglu_scout import geglu_gemm_kernel, geglu_gemm_tma_kernel
+    from geglu_scout import (geglu_gemm_block_kernel, geglu_gemm_kernel, geglu_gemm_persistent_kernel,
+                             geglu_gemm_tma_kernel, programs_at_once)
 
-    def launch(x, w, b, xs, ws, os, tma: bool, bm=CONFIG[0], bn=CONFIG[1], bk=CONFIG[2], hop: bool = False):
+    kernels = {"pointer": geglu_gemm_kernel, "block": geglu_gemm_block_kernel, "persistent": geglu_gemm_persistent_kernel}
+    PICKED.update(picks(Path(os.environ[PICK_ENV]) if os.environ.get(PICK_ENV) else None))
+
+    def launch(x, w, b, xs, ws, os, tma: bool, hop: bool = False):
         m, k = x.shape
         n = w.shape[0] // 2
+        form, config = ("tma", CONFIG) if tma else PICKED.get((k, n), ("pointer", CONFIG))
+        bm, bn, bk, warps, stages, group = config
         bk = pick_k(k, bk)
         out = torch.empty(m, n, device=x.device, dtype=FP8)
         grid = (triton.cdiv(m, bm) * (n // bn),)
-        meta = dict(QUANT=True, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=CONFIG[5],
-                    num_warps=CONFIG[3], num_stages=CONFIG[4])
+        if form == "persistent":
+            grid = (min(grid[0], programs_at_once(x.device)),)
+        meta = dict(QUANT=True, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+                    num_warps=warps, num_stages=stages)
         from torch._library.triton import is_wrap_triton_enabled
 
         if hop and is_wrap_triton_enabled():
@@ -92,7 +132,7 @@ def register():
                     TensorDescriptor.from_tensor(out, [bm, bn]))
         else:
             args = (x, w, b, out)
-        kernel = geglu_gemm_tma_kernel if tma else geglu_gemm_kernel
+        kernel = geglu_gemm_tma_kernel if tma else kernels[form]
         wrap_triton(kernel)[grid](*args, xs, ws, os, m, n, k, **meta)
         return out
 
@@ -200,6 +240,7 @@ def main() -> None:
     if device == "cuda":
         record["gpu"] = torch.cuda.get_device_name()
     register()
+    record["picked"] = picked()
     record["shapes"] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, k, inner, tokens in SMOKE_SHAPES if a.trace else SHAPES:

@@ -23,11 +23,12 @@ ms (a CUDA graph of 10 calls, median of --repeats replays) and TFLOPS:
   triton_gemm   a plain Triton GEMM of the whole [M, 2 x inner] (fp16 out): how near cuBLAS a Triton GEMM gets here
   fused         the GEMM with GEGLU in its epilogue, tuned per shape over a few tile configs
   fused_block   the fused kernel with block pointers (no pointer tensors, only plain pointers across the call)
+  fused_persistent   the pointer form on a persistent grid (one program an SM, looping over the tiles)
   triton_gemm_tma, fused_tma   the same two with their tiles moved by the TMA (tensor descriptors): no pointer
                 tensors in registers (compiled for sm_90a with a launch's hints, none of the three forms spills:
                 benchmarks/results/step/2026-12-05-131c71a-sm90-compile.json)
 and each one's relative L2 error against the fp32 arithmetic of the same (quantised) operands. Summed per step:
-ms per UNet step and per ControlNet step for production, cublas+geglu_tiled, fused, fused_tma and fused_block.
+ms per UNet step and per ControlNet step for production, cublas+geglu_tiled and each fused form.
 
     python benchmarks/probes/geglu_scout.py --out geglu.json                 # CUDA (H200): about 2 minutes
     python benchmarks/probes/geglu_scout.py --out /tmp/g.json --smoke        # CPU: tiny, Triton's interpreter
@@ -61,9 +62,9 @@ SQRT_HALF = 0.7071067811865476
 # BLOCK_M, BLOCK_N (of inner: the program's h and g tiles are each this wide), BLOCK_K, num_warps, num_stages, GROUP_M
 FUSED_CONFIGS = {
     "fp16": [(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 64, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8),
-             (256, 64, 64, 8, 3, 8), (128, 128, 32, 8, 5, 8)],
+             (256, 64, 64, 8, 3, 8), (128, 128, 32, 8, 5, 8), (128, 64, 64, 8, 4, 8), (128, 64, 64, 8, 5, 8)],
     "fp8": [(128, 128, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8), (128, 64, 128, 4, 4, 8), (64, 128, 128, 4, 4, 8),
-            (256, 64, 128, 8, 3, 8), (128, 128, 64, 8, 5, 8)],
+            (256, 64, 128, 8, 3, 8), (128, 128, 64, 8, 5, 8), (128, 64, 128, 8, 4, 8), (128, 64, 128, 8, 5, 8)],
 }
 GEMM_CONFIGS = {  # the plain GEMM: one accumulator BLOCK_M x BLOCK_N over the whole output
     "fp16": [(128, 256, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8), (256, 128, 64, 8, 3, 8)],
@@ -107,13 +108,9 @@ if triton is not None:
         return y
 
     @triton.jit
-    def geglu_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
-                          QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """out[m, n] = h * gelu(g), h = s (x W[n]^T) + b[n], g = s (x W[N + n]^T) + b[N + n], s = x_scale w_scale;
-        x [M, K], W [2N, K] row-major (the Linear's weight), out [M, N] (QUANT: / out_scale, saturated, FP8).
-        K a multiple of BLOCK_K, N of BLOCK_N."""
-        pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    def geglu_tile(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K, pid_m, pid_n, QUANT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One output tile (pid_m, pid_n) of geglu_gemm_kernel, with pointer tiles."""
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -133,6 +130,30 @@ if triton is not None:
         y = geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, pid_n * BLOCK_N, N, QUANT, HAS_BIAS, BLOCK_N)
         out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+    @triton.jit
+    def geglu_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
+                          QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """out[m, n] = h * gelu(g), h = s (x W[n]^T) + b[n], g = s (x W[N + n]^T) + b[N + n], s = x_scale w_scale;
+        x [M, K], W [2N, K] row-major (the Linear's weight), out [M, N] (QUANT: / out_scale, saturated, FP8).
+        K a multiple of BLOCK_K, N of BLOCK_N. One program a tile."""
+        pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        geglu_tile(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K, pid_m, pid_n, QUANT, HAS_BIAS,
+                   BLOCK_M, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def geglu_gemm_persistent_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
+                                     QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """geglu_gemm_kernel on a persistent grid: as many programs as the GPU has SMs (or fewer tiles), each taking
+        every num_programs-th tile in the grouped order, so no wave of programs ends part-full and a program's next
+        tile's loads start while its last tile's epilogue is stored."""
+        tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
+        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            pid_m, pid_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            geglu_tile(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K, pid_m, pid_n, QUANT, HAS_BIAS,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, M, N, K, HAS_BIAS: tl.constexpr,
@@ -359,17 +380,26 @@ def _descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block)
 
 
+def programs_at_once(device: torch.device) -> int:
+    """How many programs a persistent grid has: the GPU's SMs (4 in Triton's interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def fused_call(ops: Operands, config: tuple, form: str = "pointer") -> Callable[[], torch.Tensor]:
     """A call of the fused kernel of `form`: pointer (geglu_gemm_kernel), tma (geglu_gemm_tma_kernel, the operands
-    as tensor descriptors) or block (geglu_gemm_block_kernel)."""
+    as tensor descriptors), block (geglu_gemm_block_kernel) or persistent (geglu_gemm_persistent_kernel, one
+    program an SM)."""
     bm, bn, bk, warps, stages, group = config
     bk = pick_k(ops.x.shape[1], bk)
     out = ops.out()
     tma = form == "tma"
     x, w, o = (_descriptor(ops.x, [bm, bk]), _descriptor(ops.w, [bn, bk]), _descriptor(out, [bm, bn])) if tma \
         else (ops.x, ops.w, out)
-    kernel = {"pointer": geglu_gemm_kernel, "tma": geglu_gemm_tma_kernel, "block": geglu_gemm_block_kernel}[form]
+    kernel = {"pointer": geglu_gemm_kernel, "tma": geglu_gemm_tma_kernel, "block": geglu_gemm_block_kernel,
+              "persistent": geglu_gemm_persistent_kernel}[form]
     grid = (triton.cdiv(ops.m, bm) * (ops.n // bn),)
+    if form == "persistent":
+        grid = (min(grid[0], programs_at_once(ops.x.device)),)
 
     def call():
         kernel[grid](x, w, ops.bias if ops.bias is not None else ops.xs, o, ops.xs, ops.ws, ops.os, ops.m, ops.n,
@@ -465,7 +495,8 @@ def measure(shape: FfShape, rows: int, precision: str, device: str, smoke: bool,
                      lambda c: (2 * ops.n) % c[1] == 0)
         if plain is not None:
             res[f"{name}_err"] = rel(plain().float(), exact)
-    for name, form in (("fused", "pointer"), ("fused_tma", "tma"), ("fused_block", "block")):
+    for name, form in (("fused", "pointer"), ("fused_tma", "tma"), ("fused_block", "block"),
+                       ("fused_persistent", "persistent")):
         fused = best(res, name, lambda c, form=form: fused_call(ops, c, form), cfg[0][precision], iters, repeats,
                      lambda c: ops.n % c[1] == 0)
         if fused is not None:
@@ -478,7 +509,7 @@ def measure(shape: FfShape, rows: int, precision: str, device: str, smoke: bool,
 def rounded(res: dict, flops: float | None = None) -> dict:
     for k in [k for k in res if k.endswith("_ms")]:
         if flops and k in ("cublas_ms", "production_ms", "triton_gemm_ms", "triton_gemm_tma_ms", "fused_ms",
-                           "fused_tma_ms", "fused_block_ms", "cublas+geglu_tiled_ms"):
+                           "fused_tma_ms", "fused_block_ms", "fused_persistent_ms", "cublas+geglu_tiled_ms"):
             res[k.replace("_ms", "_tflops")] = round(flops / res[k] / 1e9, 1) if res[k] else None
         res[k] = round(res[k], 4)
     for k in [k for k in res if k.endswith(("_err", "_vs_production"))]:
@@ -496,7 +527,7 @@ def per_step(record: dict, calls: dict[str, Counter]) -> dict:
                 continue
             part = out.setdefault(f"{kind} {s['precision']} {s['rows']} rows", Counter())
             count = seen.get(tuple(s["key"]), 0)
-            for v in ("production", "cublas+geglu_tiled", "fused", "fused_tma", "fused_block"):
+            for v in ("production", "cublas+geglu_tiled", "fused", "fused_tma", "fused_block", "fused_persistent"):
                 part[f"{v}_ms"] += count * s.get(f"{v}_ms", s["production_ms"])
             part["calls"] += count
     return {k: {n: round(v, 3) for n, v in part.items()} for k, part in out.items()}

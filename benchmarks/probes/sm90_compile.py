@@ -95,6 +95,9 @@ def geglu() -> list[dict]:
             rows.append(compile_one(s.geglu_gemm_block_kernel, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}",
                                                                 "b_ptr": "*fp16", "out_ptr": f"*{dt}", **common},
                                     tiles, mnk, num_warps=warps, num_stages=stages))
+            rows.append(compile_one(s.geglu_gemm_persistent_kernel, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}",
+                                                                     "b_ptr": "*fp16", "out_ptr": f"*{dt}", **common},
+                                    tiles, mnk, num_warps=warps, num_stages=stages))
             rows.append(compile_one(s.geglu_gemm_tma_kernel, {"x_desc": f"tensordesc<{dt}[{bm}, {bk}]>",
                                                               "w_desc": f"tensordesc<{dt}[{bn}, {bk}]>",
                                                               "b_ptr": "*fp16",

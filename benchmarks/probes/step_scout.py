@@ -23,7 +23,8 @@
               2 and 8 images
   fp8_geglu   the production FP8 UNet with each feed-forward's first Linear, GEGLU and the next Linear's quantisation
               in one Triton kernel of ours (pointer tiles, a triton_op in the export; RECIPES' change), against the
-              cache's artifact at 2 and 8 images
+              cache's artifact at 2 and 8 images; with $GEGLU_PICK (a geglu_scout.py record), each shape's fastest
+              form with pointer arguments there (pointer, block-pointer or persistent) and its tiles
   skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
               fp16 and FP8 UNets at 1024² against the artifacts of the recipe before it (the other unet-*.pt2 of
               the size in the cache), waiting for builds that run beside it (gpu.sh build build:fp8@0b)
@@ -281,7 +282,8 @@ class FusedGeglu:
     `torch.library.triton_op` in the export. The pointer form (export_triton_probe.py: bcg_probe::geglu_pointer): on
     torch 2.11 neither TMA form compiles into a package (benchmarks/results/step/2026-12-05-10e3eb1-export-triton.json).
     It writes the second Linear's FP8 input at that Linear's static scale, which then takes an FP8 input as it is. The
-    same constants as production's, bound by the same names."""
+    same constants as production's, bound by the same names. $GEGLU_PICK picks each shape's form and tiles
+    (export_triton_probe.picks); the record says which (`geglu_picked`)."""
 
     def __init__(self, constants):
         self.base = constants
@@ -342,6 +344,10 @@ def scout_options(args, rec: Record, models) -> None:
         for patch in recipe.patches() if recipe else ():
             patched.enter_context(patch)
         path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60)
+    if recipe is FusedGeglu:
+        from export_triton_probe import picked
+
+        rec.put("geglu_picked", picked())
     if path is not None:
         keep_wrapper(path, args.out.with_suffix(".wrapper.cpp.gz"))
         try:
