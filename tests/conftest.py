@@ -197,6 +197,10 @@ def artifacts(tmp_path_factory):
         # and scalar C++ kernels: the CPU artifacts stand in for the GPU's Triton ones, and a build of the tiny UNet
         # without inductor's vectorised kernel variants takes 49.6 s of CPU against 58.1 s (warm caches, 2026-12-03)
         mp.setenv("TORCHINDUCTOR_VEC_ISA_OK", "0")
+        # and one compile worker each: on two cores the builds run one at a time (`slots`), where a second compile
+        # worker costs more CPU than it saves: the seven builds took 151, 158 and 165 CPU-seconds with one against
+        # 159, 160 and 171 with two (alternating runs, 2026-12-05)
+        mp.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
         builds = Builds(torch.device("cpu"), events.append, notes=notes)
         fp16 = CompiledKernels(load_sdxl("tiny", "tiny", "cpu", torch.float32), builds, notes, root=root)
         fp8 = CompiledKernels(load_sdxl("tiny", "tiny", "cpu", torch.float32), builds, notes, root=root, variant="fp8")

@@ -8,7 +8,9 @@ on two cores; the tests that ask for them are `slow`); the GPU side (compiled ke
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,6 +255,29 @@ def test_a_killed_build_child_fails_with_its_signal(tmp_path, monkeypatch):
     while builds.active and time.time() < deadline:
         builds.poll()
     assert "killed by signal 9" in notes[0] and path.with_suffix(".failed").is_file() and not path.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads the child's environment through /proc")
+@pytest.mark.parametrize("threads", [None, "1"])
+def test_a_build_child_gets_every_core_for_its_compile_workers_unless_the_environment_says(tmp_path, monkeypatch,
+                                                                                           threads):
+    if threads is None:
+        monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", threads)
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    target = Target("unet", SIDE, SIDE)
+    builds = Builds(models.device)
+    builds.want([(target, artifact_path(target, models.unet, tmp_path), models.unet)])
+    proc = builds.builds[target].proc
+    try:
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        proc.kill()
+        proc.wait()
+    want = threads or str(len(os.sched_getaffinity(0)))
+    assert f"TORCHINDUCTOR_COMPILE_THREADS={want}".encode() in environ
 
 
 def test_a_size_switches_to_its_compiled_kernels_when_its_build_lands(artifacts, tmp_path):

@@ -174,8 +174,10 @@ class Builds:
                str(config), dtype_flag(b.model.dtype), str(device), str(b.target.height), str(b.target.width), str(b.path),
                b.target.precision, str(b.target.refs), ",".join(b.target.tags)]
         # every child gets every core for its compile workers: one build's serial stretches (tracing,
-        # lowering, the C++ wrapper) leave them to the others' parallel ones
-        env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": str(len(os.sched_getaffinity(0)))}
+        # lowering, the C++ wrapper) leave them to the others' parallel ones. A TORCHINDUCTOR_COMPILE_THREADS the
+        # environment sets (a shared machine's limit; a machine whose builds run one at a time, where a second
+        # compile worker costs more CPU than it saves) is kept
+        env = {"TORCHINDUCTOR_COMPILE_THREADS": str(len(os.sched_getaffinity(0)))} | os.environ
         with open(b.log, "w") as log:  # a file, not a pipe: the child may outlive this process
             b.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
