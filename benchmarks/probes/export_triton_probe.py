@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from attention_scout import TRITON_MISSING, last_line, time_graph_ms, triton  # noqa: E402
-from geglu_scout import FP8, FP8_MAX, FfShape, Operands, pick_k  # noqa: E402
+from geglu_scout import FP8, FP8_MAX, FfShape, Operands, pick_k, picks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -45,28 +45,9 @@ from storyboard_cli.engine.kernels.artifacts import INDUCTOR_OPTIONS, loads_here
 
 CONFIG = (128, 128, 128, 8, 3, 8)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M: the scout's best at both shapes
 PICK_ENV = "GEGLU_PICK"  # a GEGLU scout record: geglu_pointer launches, per shape, its fastest form with pointer arguments
-POINTER_FORMS = {"fused": "pointer", "fused_block": "block", "fused_persistent": "persistent"}
 SHAPES = [("1280->2x5120 over 1024 tokens", 1280, 5120, 1024)]  # 60 of the UNet step's 70 calls
 SMOKE_SHAPES = [("64->2x128 over 64 tokens", 64, 128, 64)]
 ROWS = 16
-
-
-def picks(record: Path | None) -> dict[tuple[int, int], tuple[str, tuple]]:
-    """Per (K, inner): the form and tile config whose FP8 call at the most rows was fastest in a GEGLU scout record,
-    among those whose arguments are plain pointers (pointer tiles, block pointers, the persistent grid); {} without
-    a record."""
-    if record is None or not record.is_file():
-        return {}
-    shapes = [s for s in json.loads(record.read_text())["shapes"] if s.get("precision") == "fp8" and "key" in s]
-    most = max((s["rows"] for s in shapes), default=0)
-    out = {}
-    for s in (s for s in shapes if s["rows"] == most):
-        timed = [(s[f"{name}_ms"], form, tuple(s[f"{name}_config"])) for name, form in POINTER_FORMS.items()
-                 if s.get(f"{name}_ms") is not None and s.get(f"{name}_config") is not None]
-        if timed:
-            _, form, config = min(timed)
-            out[(s["key"][0], s["key"][1])] = (form, config)
-    return out
 
 
 PICKED: dict[tuple[int, int], tuple[str, tuple]] = {}  # what register() read from $GEGLU_PICK
@@ -82,7 +63,7 @@ def register():
     """The fused op in three forms, as `torch.ops.bcg_probe.geglu_pointer`, `...geglu_tma` and `...geglu_tma_hop` (the
     TMA kernel, its descriptors handed to the trace as tensors and block shapes; once a process). With $GEGLU_PICK (a
     GEGLU scout record), geglu_pointer launches at each shape the record's fastest form with pointer arguments and its
-    config (`picks`); at other shapes, and without it, the pointer tiles at CONFIG."""
+    config (geglu_scout.picks); at other shapes, and without it, the pointer tiles at CONFIG."""
     from torch.library import triton_op, wrap_triton
 
     if TRITON_MISSING:

@@ -533,9 +533,51 @@ def per_step(record: dict, calls: dict[str, Counter]) -> dict:
     return {k: {n: round(v, 3) for n, v in part.items()} for k, part in out.items()}
 
 
+POINTER_FORMS = {"fused": "pointer", "fused_block": "block", "fused_persistent": "persistent"}  # plain pointer args
+
+
+def picks(record: Path | None) -> dict[tuple[int, int], tuple[str, tuple]]:
+    """Per (K, inner): the form and tile config whose FP8 call at the most rows was fastest in a record of this scout,
+    among those whose arguments are plain pointers (the forms an artifact can hold on torch 2.11:
+    export_triton_probe.py); {} without a record."""
+    if record is None or not record.is_file():
+        return {}
+    shapes = [s for s in json.loads(record.read_text())["shapes"] if s.get("precision") == "fp8" and "key" in s]
+    most = max((s["rows"] for s in shapes), default=0)
+    out = {}
+    for s in (s for s in shapes if s["rows"] == most):
+        timed = [(s[f"{name}_ms"], form, tuple(s[f"{name}_config"])) for name, form in POINTER_FORMS.items()
+                 if s.get(f"{name}_ms") is not None and s.get(f"{name}_config") is not None]
+        if timed:
+            _, form, config = min(timed)
+            out[(s["key"][0], s["key"][1])] = (form, config)
+    return out
+
+
+def gate(record: Path, step_ms: float, share: float) -> tuple[bool, str]:
+    """Whether the picks (each shape's fastest pointer-argument form) take at least `share` of an FP8 UNet step of
+    `step_ms` at the record's most rows, summed over the step's calls: (worth building, the line that says why)."""
+    rec = json.loads(record.read_text())
+    calls = {tuple(k): n for k, n in rec["calls_per_step"]["unet"]}
+    shapes = [s for s in rec["shapes"] if s.get("precision") == "fp8" and "key" in s and "production_ms" in s]
+    most = max((s["rows"] for s in shapes), default=0)
+    chosen = picks(record)
+    production = fused = 0.0
+    for s in (s for s in shapes if s["rows"] == most):
+        n = calls.get(tuple(s["key"]), 0)
+        form = chosen.get((s["key"][0], s["key"][1]))
+        name = next((k for k, v in POINTER_FORMS.items() if form and v == form[0]), None)
+        production += n * s["production_ms"]
+        fused += n * (s[f"{name}_ms"] if name else s["production_ms"])
+    saved = production - fused
+    line = (f"the fused GEGLU with pointer arguments saves {saved:.2f} ms of the {production:.2f} ms production spends "
+            f"per FP8 UNet step at {most} rows: {saved / step_ms:.1%} of a {step_ms} ms step (needs {share:.0%})")
+    return saved >= share * step_ms, line
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None, help="the JSON record (needed but with --gate)")
     ap.add_argument("--model", default="sdxl-random")
     ap.add_argument("--side", type=int, default=1024)
     ap.add_argument("--rows", default="16,4")
@@ -544,7 +586,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--budget", type=float, default=200.0, help="seconds: what is not measured by then is left out")
     ap.add_argument("--smoke", action="store_true", help="tiny, 64 px, 2 rows; without CUDA, Triton's interpreter")
+    ap.add_argument("--gate", type=Path, default=None, help="no run: whether this record's fused forms with pointer "
+                    "arguments reach --share of a --step-ms FP8 UNet step (exit 0) or not (exit 1)")
+    ap.add_argument("--step-ms", type=float, default=None)
+    ap.add_argument("--share", type=float, default=0.03)
     a = ap.parse_args()
+    if a.gate is not None:
+        worth, line = gate(a.gate, a.step_ms, a.share)
+        print(line)
+        sys.exit(0 if worth else 1)
+    if a.out is None:
+        ap.error("--out is needed")
     t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
