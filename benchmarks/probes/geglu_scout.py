@@ -557,8 +557,11 @@ def picks(record: Path | None) -> dict[tuple[int, int], tuple[str, tuple]]:
 def gate(record: Path, step_ms: float, share: float) -> tuple[bool, str]:
     """Whether the picks (each shape's fastest pointer-argument form) take at least `share` of an FP8 UNet step of
     `step_ms` at the record's most rows, summed over the step's calls: (worth building, the line that says why)."""
-    rec = json.loads(record.read_text())
-    calls = {tuple(k): n for k, n in rec["calls_per_step"]["unet"]}
+    try:
+        rec = json.loads(record.read_text())
+        calls = {tuple(k): n for k, n in rec["calls_per_step"]["unet"]}
+    except (OSError, ValueError, KeyError) as e:  # a scout that died before its record had its calls
+        return False, f"no GEGLU record to judge by ({type(e).__name__}: {e})"
     shapes = [s for s in rec["shapes"] if s.get("precision") == "fp8" and "key" in s and "production_ms" in s]
     most = max((s["rows"] for s in shapes), default=0)
     chosen = picks(record)
