@@ -146,9 +146,10 @@ if triton is not None:
     def geglu_gemm_persistent_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
                                      QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """geglu_gemm_kernel on a persistent grid: as many programs as the GPU has SMs (or fewer tiles), each taking
-        every num_programs-th tile in the grouped order, so no wave of programs ends part-full and a program's next
-        tile's loads start while its last tile's epilogue is stored."""
+        """geglu_gemm_kernel on a persistent grid: as many programs as the GPU has SMs, each taking every
+        num_programs-th tile in the grouped order (none where there are fewer tiles), so no wave of programs ends
+        part-full and a program's next tile's loads start while its last tile's epilogue is stored. The grid does not
+        depend on M: an exported graph with the rows dynamic launches it as it is."""
         tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
             pid_m, pid_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -399,7 +400,7 @@ def fused_call(ops: Operands, config: tuple, form: str = "pointer") -> Callable[
               "persistent": geglu_gemm_persistent_kernel}[form]
     grid = (triton.cdiv(ops.m, bm) * (ops.n // bn),)
     if form == "persistent":
-        grid = (min(grid[0], programs_at_once(ops.x.device)),)
+        grid = (programs_at_once(ops.x.device),)
 
     def call():
         kernel[grid](x, w, ops.bias if ops.bias is not None else ops.xs, o, ops.xs, ops.ws, ops.os, ops.m, ops.n,
