@@ -56,6 +56,9 @@
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel
 #                     at SDXL's attention shapes, with each one's error
+#   trace[:PARTS]     probes/overlap_trace.py job: `bcg bench jobs/bench.yaml --parts PARTS` (default f_bcg_fp8) with
+#                     the batch path traced on one clock: what stays exposed at a render's start, between its batches
+#                     and at its end (text encoders, kernel loads, captures, the PNGs' tail)
 #   capture_thread    probes/capture_thread.py: a graph captured on a second thread while the main thread replays the
 #                     batch before (its warm-up there too, or not), against one captured after the replays and one
 #                     between two of them (the UNet at 1024², eager modules)
@@ -259,6 +262,8 @@ leg() {  # LEG ARG NAME
     step "$n" 150 python benchmarks/probes/attention_scout.py --out "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke);;
   capture_thread)
     step "$n" 240 python benchmarks/probes/capture_thread.py "$R/$n.json";;
+  trace)
+    step "$n" 300 python benchmarks/probes/overlap_trace.py job "$R/$n.json" --parts "${arg:-f_bcg_fp8}";;
   pointwise)
     step "$n" 300 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" python benchmarks/probes/pointwise_scout.py \
       "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke --reps 3);;
