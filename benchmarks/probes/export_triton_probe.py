@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from storyboard_cli.engine.kernels.artifacts import INDUCTOR_OPTIONS, loads_here, open_package  # noqa: E402
 
 CONFIG = (128, 128, 128, 8, 3, 8)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M: the scout's best at both shapes
-PICK_ENV = "GEGLU_PICK"  # a GEGLU scout record: geglu_pointer launches, per shape, its fastest form with pointer arguments
+PICK_ENV = "GEGLU_PICK"  # a GEGLU scout record: geglu_pointer launches each shape's fastest pointer-argument form
 SHAPES = [("1280->2x5120 over 1024 tokens", 1280, 5120, 1024)]  # 60 of the UNet step's 70 calls
 SMOKE_SHAPES = [("64->2x128 over 64 tokens", 64, 128, 64)]
 ROWS = 16
@@ -74,7 +74,8 @@ def register():
     from geglu_scout import (geglu_gemm_block_kernel, geglu_gemm_kernel, geglu_gemm_persistent_kernel,
                              geglu_gemm_tma_kernel, programs_at_once)
 
-    kernels = {"pointer": geglu_gemm_kernel, "block": geglu_gemm_block_kernel, "persistent": geglu_gemm_persistent_kernel}
+    kernels = {"pointer": geglu_gemm_kernel, "block": geglu_gemm_block_kernel,
+               "persistent": geglu_gemm_persistent_kernel}
     PICKED.update(picks(Path(os.environ[PICK_ENV]) if os.environ.get(PICK_ENV) else None))
 
     def launch(x, w, b, xs, ws, os, tma: bool, hop: bool = False):

@@ -8,9 +8,10 @@ batch before (docs/PERFORMANCE.md, issue 41, "The inputs are not hidden").
         `bcg bench jobs/bench.yaml --parts PARTS` with the batch path traced: each call's host seconds (run_batch,
         the prompts' encoding, sample, the first-replay check, start_decode, flush; the text encoders, the graphs'
         prepare, kernel loads, captures before and beside the loop, each PNG's encode and write, the contact
-        sheet's updates, the files' drain and close) and the GPU's (each batch's inputs ready, its check, its first replay, its loop's end; the text
-        encoders', prepare's and each capture's span), on one clock. `--warmups rows`: a compiled
-        graph skips its warm-up where an earlier one ran the same variant, size and ControlNets at other rows.
+        sheet's updates, the files' drain and close) and the GPU's (each batch's inputs ready, its check, its
+        first replay, its loop's end; the text encoders', prepare's and each capture's span), on one clock.
+        `--warmups rows`: a compiled graph skips its warm-up where an earlier one ran the same variant, size and
+        ControlNets at other rows.
 """
 
 from __future__ import annotations
