@@ -537,42 +537,43 @@ def per_step(record: dict, calls: dict[str, Counter]) -> dict:
 POINTER_FORMS = {"fused": "pointer", "fused_block": "block", "fused_persistent": "persistent"}  # plain pointer args
 
 
-def picks(record: Path | None) -> dict[tuple[int, int], tuple[str, tuple]]:
-    """Per (K, inner): the form and tile config whose FP8 call at the most rows was fastest in a record of this scout,
-    among those whose arguments are plain pointers (the forms an artifact can hold on torch 2.11:
-    export_triton_probe.py); {} without a record."""
-    if record is None or not record.is_file():
-        return {}
-    shapes = [s for s in json.loads(record.read_text())["shapes"] if s.get("precision") == "fp8" and "key" in s]
+def fastest(record: dict) -> tuple[int, list[tuple[dict, float | None, str | None, tuple | None]]]:
+    """A record's FP8 shapes at its most rows, each with its fastest call among the forms whose arguments are plain
+    pointers (the forms an artifact can hold on torch 2.11: export_triton_probe.py): (rows, [(shape, ms, form,
+    config)], None where no such form ran)."""
+    shapes = [s for s in record["shapes"] if s.get("precision") == "fp8" and "key" in s]
     most = max((s["rows"] for s in shapes), default=0)
-    out = {}
+    out = []
     for s in (s for s in shapes if s["rows"] == most):
         timed = [(s[f"{name}_ms"], form, tuple(s[f"{name}_config"])) for name, form in POINTER_FORMS.items()
                  if s.get(f"{name}_ms") is not None and s.get(f"{name}_config") is not None]
-        if timed:
-            _, form, config = min(timed)
-            out[(s["key"][0], s["key"][1])] = (form, config)
-    return out
+        out.append((s, *min(timed)) if timed else (s, None, None, None))
+    return most, out
+
+
+def picks(record: Path | None) -> dict[tuple[int, int], tuple[str, tuple]]:
+    """Per (K, inner): the form and tile config of `fastest` in a record of this scout; {} without a record."""
+    if record is None or not record.is_file():
+        return {}
+    _, shapes = fastest(json.loads(record.read_text()))
+    return {(s["key"][0], s["key"][1]): (form, config) for s, _, form, config in shapes if form is not None}
 
 
 def gate(record: Path, step_ms: float, share: float) -> tuple[bool, str]:
-    """Whether the picks (each shape's fastest pointer-argument form) take at least `share` of an FP8 UNet step of
-    `step_ms` at the record's most rows, summed over the step's calls: (worth building, the line that says why)."""
+    """Whether the picks (each shape's `fastest`) take at least `share` of an FP8 UNet step of `step_ms` at the
+    record's most rows, summed over the step's calls: (worth building, the line that says why)."""
     try:
         rec = json.loads(record.read_text())
         calls = {tuple(k): n for k, n in rec["calls_per_step"]["unet"]}
     except (OSError, ValueError, KeyError) as e:  # a scout that died before its record had its calls
         return False, f"no GEGLU record to judge by ({type(e).__name__}: {e})"
-    shapes = [s for s in rec["shapes"] if s.get("precision") == "fp8" and "key" in s and "production_ms" in s]
-    most = max((s["rows"] for s in shapes), default=0)
-    chosen = picks(record)
+    most, shapes = fastest(rec)
     production = fused = 0.0
-    for s in (s for s in shapes if s["rows"] == most):
-        n = calls.get(tuple(s["key"]), 0)
-        form = chosen.get((s["key"][0], s["key"][1]))
-        name = next((k for k, v in POINTER_FORMS.items() if form and v == form[0]), None)
-        production += n * s["production_ms"]
-        fused += n * (s[f"{name}_ms"] if name else s["production_ms"])
+    for s, ms, _, _ in shapes:
+        if "production_ms" in s:
+            n = calls.get(tuple(s["key"]), 0)
+            production += n * s["production_ms"]
+            fused += n * (s["production_ms"] if ms is None else ms)
     saved = production - fused
     line = (f"the fused GEGLU with pointer arguments saves {saved:.2f} ms of the {production:.2f} ms production spends "
             f"per FP8 UNet step at {most} rows: {saved / step_ms:.1%} of a {step_ms} ms step (needs {share:.0%})")
