@@ -272,6 +272,11 @@ def test_a_build_child_gets_every_core_for_its_compile_workers_unless_the_enviro
     builds.want([(target, artifact_path(target, models.unet, tmp_path), models.unet)])
     proc = builds.builds[target].proc
     try:
+        # until the child has exec'd the build module, /proc shows the forked parent's image (or nothing)
+        deadline = time.time() + 30
+        while b"storyboard_cli.engine.kernels.builds" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes():
+            assert time.time() < deadline and proc.poll() is None, "the build child never started"
+            time.sleep(0.01)
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
     finally:
         proc.kill()
