@@ -511,3 +511,24 @@ def test_a_worker_that_captures_on_first_use_wants_the_kernels_of_every_shape_it
     shapes, later, beside = engine.told
     assert shapes == [] and beside
     assert sorted(later) == sorted([Shape(2, 64, 64, False), Shape(2, 96, 64, False)]), later
+
+
+def test_a_worker_other_than_rank_0_makes_its_images_thumbnails_and_no_page(tmp_path):
+    """Rank 0 alone writes index.html; each worker makes the thumbnails of the images it writes, as they land, so
+    rank 0's updates of the sheet find them made."""
+    from storyboard_cli.folder.sheet import make_thumb
+    from storyboard_cli.job.file import load_job
+
+    job = load_job(write_job(tmp_path, "version: 1\nmodel: tiny\nshots:\n  - {id: a, prompt: x, seed: 1}\n"))
+    out = tmp_path / "out"
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    png = out / "a" / "a_c0_s1.png"
+    png.parent.mkdir(parents=True)
+    Image.fromarray(pixels).save(png)
+    sheet = dist._NoSheet(out, job, [])
+    sheet.thumb("a", "a/a_c0_s1.png", pixels)
+    sheet.update([], running=True)
+    thumb = out / "a" / "thumbs" / "a_c0_s1.jpg"
+    assert thumb.is_file() and not (out / "index.html").exists()
+    assert make_thumb(png, tmp_path / "same.jpg", 0) == (96, 64)
+    assert thumb.read_bytes() == (tmp_path / "same.jpg").read_bytes()

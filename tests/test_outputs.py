@@ -138,6 +138,33 @@ def test_render_writes_the_contact_sheet_and_a_sheet_failure_fails_nothing(job_d
         "contact sheet not updated: [Errno 28] No space left on device"]
 
 
+def test_two_threads_writing_one_file_at_once_each_land_a_whole_file(tmp_path):
+    """A thumbnail may be written by the encoder that wrote its PNG and by the sheet's update at once: each writer's
+    temp file is its own, so neither fails and the file is always one writer's whole bytes."""
+    import threading
+
+    from storyboard_cli.folder.outputs import atomic_write
+
+    path = tmp_path / "thumbs" / "a.jpg"
+    payloads = [bytes([i]) * 65536 for i in (1, 2)]
+    errors, start = [], threading.Barrier(2)
+
+    def write(data):
+        start.wait()
+        try:
+            for _ in range(200):
+                atomic_write(path, data, durable=False)
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(d,)) for d in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and path.read_bytes() in payloads and not list(path.parent.glob(".*.tmp"))
+
+
 def _item(**kw) -> WorkItem:
     base = dict(shot="a", k=0, seed=7, prompt="a castle", negative="", width=64, height=64, steps=2,
                 guidance=5.0, sampler="euler", outputs=("a/a_c0_s7.png",))

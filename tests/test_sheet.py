@@ -183,6 +183,51 @@ def test_thumbnails_are_made_once_and_again_only_when_stale(job, out):
     assert changed == ["a_c1_s8.jpg"]
 
 
+def test_a_renders_thumbnails_are_made_beside_it_from_the_pixels_as_the_sheet_makes_them(job, tmp_path, tiny_cpu,
+                                                                                            monkeypatch):
+    """Each candidate's thumbnail is made by the encoder that wrote its PNG, from the same pixels, so no sheet update
+    reads a PNG back to make one (after the last batch that would run with the GPU done); the bytes are those the
+    sheet makes from the PNG."""
+    made = []  # (thumbnail, thread) where the sheet made one
+    real = sheet.make_thumb
+
+    def spy(src, dst, src_mtime_ns):
+        if not dst.exists() or dst.stat().st_mtime_ns < src_mtime_ns:
+            made.append(dst.name)
+        return real(src, dst, src_mtime_ns)
+
+    monkeypatch.setattr(sheet, "make_thumb", spy)
+    shutil.copytree(ROOT / "jobs" / "control", tmp_path / "control")
+    job = load_job(write_job(tmp_path, JOB))
+    result = render(job, RenderOptions(out_dir=tmp_path / "out"), models=tiny_cpu)
+    assert result.status == "done" and result.rendered == 5 and result.sheet is not None
+    pngs = sorted((tmp_path / "out").glob("*/*.png"))
+    assert len(pngs) == 5
+    assert not [m for m in made if m in {p.with_suffix(".jpg").name for p in pngs}], made  # only the guides'
+    for png in pngs:
+        thumb = png.parent / "thumbs" / png.with_suffix(".jpg").name
+        again = tmp_path / "again.jpg"
+        again.unlink(missing_ok=True)
+        real(png, again, 0)
+        assert thumb.read_bytes() == again.read_bytes(), png.name
+
+
+def test_a_thumbnail_in_the_way_of_a_render_is_left_and_the_images_land(tmp_path, tiny_cpu):
+    """A file bcg did not write where a candidate's thumbnail goes: the render's encoders leave it, every image lands,
+    and the sheet's note says why it was not updated, as before the thumbnails were made beside the render."""
+    shutil.copytree(ROOT / "jobs" / "control", tmp_path / "control")
+    job = load_job(write_job(tmp_path, JOB))
+    theirs = tmp_path / "out" / "a" / "thumbs" / "a_c0_s7.jpg"
+    theirs.parent.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(theirs, format="JPEG")
+    data = theirs.read_bytes()
+    result = render(job, RenderOptions(out_dir=tmp_path / "out"), models=tiny_cpu)
+    assert result.status == "done" and result.rendered == 5
+    assert theirs.read_bytes() == data
+    assert [n for n in result.notes if "a_c0_s7.jpg: exists and was not written by bcg" in n], result.notes
+    assert (tmp_path / "out" / "c" / "thumbs" / "c_c1_s21.jpg").is_file()  # the others' thumbnails are there
+
+
 def test_a_file_bcg_did_not_write_is_never_replaced(job, out):
     (out / "index.html").write_text("<html>my own page</html>")
     with pytest.raises(BadInput, match="index.html: exists and was not written by bcg"):

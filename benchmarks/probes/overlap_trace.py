@@ -7,9 +7,10 @@ batch before (docs/PERFORMANCE.md, issue 41, "The inputs are not hidden").
     python benchmarks/probes/overlap_trace.py job OUT.json [--parts e_bcg_compiled,f_bcg_fp8] [--warmups rows]
         `bcg bench jobs/bench.yaml --parts PARTS` with the batch path traced: each call's host seconds (run_batch,
         the prompts' encoding, sample, the first-replay check, start_decode, flush; the text encoders, the graphs'
-        prepare, kernel loads, captures before and beside the loop, each PNG's encode and write, the contact
-        sheet's updates, the files' drain and close) and the GPU's (each batch's inputs ready, its check, its
-        first replay, its loop's end; the text encoders', prepare's and each capture's span), on one clock.
+        prepare, kernel loads, captures before and beside the loop, each PNG's encode and write and its
+        thumbnail, the contact sheet's updates, the files' drain and close) and the GPU's (each batch's inputs
+        ready, its check, its first replay, its loop's end; the text encoders', prepare's and each capture's span),
+        on one clock.
         `--warmups rows`: a compiled graph skips its warm-up where an earlier one ran the same variant, size and
         ControlNets at other rows.
 """
@@ -176,7 +177,8 @@ def install(warmups: str) -> None:
     traced(runner_mod.GraphRunner, "_capture", "capture", with_events=True)
     traced(runner_mod.GraphRunner, "_warm_beside", "warm-up beside")
     traced(runner_mod.GraphRunner, "_capture_beside", "capture beside")
-    traced(sink.OutputSink, "_land", "PNG encode+write")
+    traced(sink.OutputSink, "_land", "PNG encode+write")  # its thumbnail's too (`thumbnail`, within it)
+    traced(sink.ContactSheet, "thumb", "thumbnail")
     traced(sink.OutputSink, "drain", "drain the files")
     traced(sink.OutputSink, "close", "close: the files' tail")  # the render's exposed `save`
     traced(sink.ContactSheet, "update", "contact sheet")

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +49,9 @@ def atomic_write(path: Path, data: bytes, durable: bool = True) -> None:
     out the fsyncs (a file whose durable record is written elsewhere, after it: the served job's, whose queue row
     commits with synchronous=FULL); a full disk still fails the write, and the file is still all or nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # the thread in the name too: two threads may write one file at once (a thumbnail, by the encoder that wrote its
+    # PNG and by the sheet's update); each renames its own whole temp file, and neither fails
+    tmp = path.with_name(f".{path.name}.{threading.get_ident()}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -276,7 +279,7 @@ class Manifest:
 
 
 def remove_stale_temps(folder: Path) -> int:
-    """Deletes temp files left by a killed writer (`.<name>.<pid>.tmp` whose pid is gone)."""
+    """Deletes temp files left by a killed writer (`.<name>.<thread>.<pid>.tmp` whose pid is gone)."""
     removed = 0
     for tmp in folder.glob("**/.*.tmp"):
         try:

@@ -74,6 +74,18 @@ def thumb_size(width: int, height: int, box: int = THUMB_PX) -> tuple[int, int]:
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
+def _thumb_jpeg(im) -> bytes:
+    """A thumbnail's JPEG, fitting THUMB_PX, of an RGB PIL image."""
+    import io
+
+    from PIL import Image
+
+    small = im.resize(thumb_size(*im.size), Image.Resampling.LANCZOS)
+    buf = io.BytesIO()
+    small.save(buf, format="JPEG", quality=82, optimize=True, comment=SHEET_GENERATOR)
+    return buf.getvalue()
+
+
 def make_thumb(src: Path, dst: Path, src_mtime_ns: int) -> tuple[int, int]:
     """A JPEG of `src` fitting THUMB_PX, written only when missing or older than `src`. Returns its size.
     Raises BadInput if `dst` exists and is not a thumbnail bcg wrote."""
@@ -89,14 +101,20 @@ def make_thumb(src: Path, dst: Path, src_mtime_ns: int) -> tuple[int, int]:
     refuse_foreign(dst, "so the contact sheet can write its thumbnail there")
     with Image.open(src) as im:
         im = im.convert("RGB")
-        size = thumb_size(*im.size)
-        small = im.resize(size, Image.Resampling.LANCZOS)
-    import io
+        data = _thumb_jpeg(im)
+    atomic_write(dst, data)
+    return thumb_size(*im.size)
 
-    buf = io.BytesIO()
-    small.save(buf, format="JPEG", quality=82, optimize=True, comment=SHEET_GENERATOR)
-    atomic_write(dst, buf.getvalue())
-    return size
+
+def write_thumb(pixels, dst: Path) -> None:
+    """The thumbnail of an image a render is writing, from the pixels of its PNG (uint8 [H, W, 3], numpy or torch on
+    the CPU): the bytes make_thumb makes from that PNG. Called once the PNG has landed, so the sheet finds it fresh
+    and does not make it again. Raises BadInput where `dst` is a file bcg did not write."""
+    from PIL import Image
+
+    refuse_foreign(dst, "so the contact sheet can write its thumbnail there")
+    array = pixels.numpy() if hasattr(pixels, "numpy") else pixels
+    atomic_write(dst, _thumb_jpeg(Image.fromarray(array, "RGB")))
 
 
 def _settings_of_shot(shot) -> dict:

@@ -2,8 +2,8 @@
 edited files --force sets aside, and the contact sheet after each shot completes. No torch, no policy.
 
 The PNGs are encoded and written (fsync included) on a small pool of threads (zlib releases the GIL: a 1024x1024
-PNG takes about 0.1 s of one core); their manifest lines are recorded and announced in order on the writer
-thread, each once its file has landed."""
+PNG takes about 0.1 s of one core), each followed by its contact-sheet thumbnail from the same pixels; their
+manifest lines are recorded and announced in order on the writer thread, each once its file has landed."""
 
 from __future__ import annotations
 
@@ -57,6 +57,21 @@ class ContactSheet:
             self.notes.append(f"contact sheet not updated: {e}")
             self.broken = True
 
+    def thumb(self, shot: str, path: str, pixels) -> None:
+        """An encoder thread, once output `path` of `shot` has landed: its thumbnail from its pixels, beside the
+        render, where the sheet's next update would have read the PNG back and made it on the writer thread (after
+        the last batch, with the GPU done). Never fails the render: whatever goes wrong here, the sheet's update
+        meets again and says."""
+        if self.broken:
+            return
+        from storyboard_cli.folder.layout import thumb_name
+        from storyboard_cli.folder.sheet import write_thumb
+
+        try:
+            write_thumb(pixels, self.out_dir / thumb_name(shot, path))
+        except Exception:  # noqa: BLE001 - the page is a view of the folder; the images are what matters
+            log.debug("thumbnail of %s not written", path, exc_info=True)
+
 
 class OutputSink:
     def __init__(self, job: Job, out_dir: Path, manifest: Manifest, pending: Pending, run_id: str,
@@ -107,6 +122,8 @@ class OutputSink:
             atomic_write(target, data)
         except OSError as e:
             raise write_error(target, e) from e
+        if not isinstance(pixels, _Twin):  # a twin's thumbnail: the sheet's, from its PNG
+            self.sheet.thumb(owner(item, path).shot, path, pixels)
         return hashlib.sha256(data).hexdigest()
 
     def _save(self, item: WorkItem, landing: list[Future], bucket: str) -> None:

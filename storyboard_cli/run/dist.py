@@ -37,6 +37,7 @@ from storyboard_cli.folder.lock import OutputLock
 from storyboard_cli.folder.outputs import Manifest, Pending
 from storyboard_cli.folder.report import Report, WorkerShare, write_report
 from storyboard_cli.folder.shards import merge_shards, shard_manifest
+from storyboard_cli.folder.sink import ContactSheet
 from storyboard_cli.job.file import Job
 from storyboard_cli.job.plan import Batch
 from storyboard_cli.run import render as rendering
@@ -176,10 +177,9 @@ def _wakeable():
 
 # --- the worker's session ------------------------------------------------------------------------
 
-class _NoSheet:
-    """The contact sheet of a worker other than rank 0: rank 0 alone writes index.html."""
-
-    path = None
+class _NoSheet(ContactSheet):
+    """The contact sheet of a worker other than rank 0: rank 0 alone writes index.html. The thumbnails of this
+    worker's own images it makes, as they land (`ContactSheet.thumb`), so rank 0's updates find them made."""
 
     def update(self, failures: list[dict], running: bool = False, final: bool = True) -> None:
         pass
@@ -196,7 +196,7 @@ class DistSession(rendering.RenderSession):
         super().__init__(job, opts, self._job_progress)
         self.t_run = self.t_pending = None
         if not w.leader:
-            self.sheet = _NoSheet()
+            self.sheet = _NoSheet(self.out_dir, job, self.notes)
 
     def lock(self):
         return super().lock() if self.w.leader else nullcontext()

@@ -124,6 +124,9 @@ class NoSheet:
     def update(self, failures, running: bool = False, final: bool = True) -> None:
         pass
 
+    def thumb(self, shot: str, path: str, pixels) -> None:
+        """No thumbnails either: they are the sheet's, made on the server."""
+
 
 class LeaseSession(RenderSession):
     """One job's part of a lease: a RenderSession whose pending images are the leased ones. It writes their
