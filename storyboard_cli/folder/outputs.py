@@ -447,9 +447,8 @@ class Writer:
         while self.futures:
             self.futures.pop(0).result()
 
-    def close(self, cancel: bool = False) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=cancel)
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
         for f in self.futures:
-            if not f.cancelled():
-                f.result()
+            f.result()
         self.futures = []

@@ -132,6 +132,8 @@ class OutputSink:
         model = self.job.model
         fingerprint, settings = item.fingerprint(model), item.settings(model)
         for path, landed in zip(item.outputs, landing):
+            if landed.cancelled():  # a stop now dropped it before its encode began: no file, so no line
+                continue
             sha256 = landed.result()
             try:
                 self.manifest.append(manifest_record(item, path, fingerprint, sha256, self.run_id, settings))
@@ -156,10 +158,19 @@ class OutputSink:
         self.writer.drain()
 
     def close(self, cancel: bool = False) -> None:
+        """Every file handed over on disk with its manifest line. `cancel` (a stop now): the encodes not yet begun are
+        dropped first, the ones running land, and then the writer records a line for each file that landed: none is
+        left on disk without one (a line dropped with its file already landed would be)."""
+        if cancel:
+            try:
+                self.encoder.shutdown(wait=True, cancel_futures=True)
+            finally:
+                self.writer.close()
+            return
         try:
-            self.writer.close(cancel=cancel)
+            self.writer.close()
         finally:
-            self.encoder.shutdown(wait=True, cancel_futures=cancel)
+            self.encoder.shutdown(wait=True)
 
 
 class _Twin:

@@ -2,7 +2,8 @@
 
 - First Ctrl-C: says at once what will happen (an event; the CLI prints it), then the render stops at
   the next batch boundary, or right after loading or capture when it comes during those.
-- Second Ctrl-C: stops now (KeyboardInterrupt); the images already handed to the writer are dropped.
+- Second Ctrl-C: stops now (KeyboardInterrupt); of the images handed to the writer, those whose PNG is being
+  written land with their manifest line, the others are dropped.
 - SIGTERM / SIGHUP (docker stop, an eviction, a preemption, `timeout`, a closed ssh session): stop now,
   without waiting for the batch: `Stopped` is raised from the handler, between two Python bytecodes
   of the denoising loop (so after the running kernel, well within a second); the batch in flight is
