@@ -244,7 +244,8 @@ leg() {  # LEG ARG NAME
     [ "$SMOKE" = 1 ] && smoke="--model tiny --side 128 --build-missing --loops 2 --replays 2"
     local pick=""  # fp8_geglu: the forms and tiles of a GEGLU scout run earlier in this call, built only where they
     # take 3% of the FP8 8 x 1024² step (its replay: 182.6 ms, benchmarks/results/decode/2026-12-05-92ef8a0-job.json)
-    [ "$arg" = fp8_geglu ] && pick=$(ls -t "$R"/*-geglu-gpu*.json 2>/dev/null | head -n 1)
+    # (GEGLU_REC: a GEGLU record of an earlier call, carried, in place of this call's)
+    [ "$arg" = fp8_geglu ] && pick=${GEGLU_REC:-$(ls -t "$R"/*-geglu-gpu*.json 2>/dev/null | head -n 1)}
     if [ -n "$pick" ]; then
       local why
       if ! why=$(python benchmarks/probes/geglu_scout.py --gate "$pick" --step-ms 182.6 --share 0.03); then
