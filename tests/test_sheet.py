@@ -183,12 +183,12 @@ def test_thumbnails_are_made_once_and_again_only_when_stale(job, out):
     assert changed == ["a_c1_s8.jpg"]
 
 
-def test_a_renders_thumbnails_are_made_beside_it_from_the_pixels_as_the_sheet_makes_them(job, tmp_path, tiny_cpu,
+def test_a_renders_thumbnails_are_made_beside_it_from_the_pixels_as_the_sheet_makes_them(tmp_path, tiny_cpu,
                                                                                             monkeypatch):
     """Each candidate's thumbnail is made by the encoder that wrote its PNG, from the same pixels, so no sheet update
     reads a PNG back to make one (after the last batch that would run with the GPU done); the bytes are those the
     sheet makes from the PNG."""
-    made = []  # (thumbnail, thread) where the sheet made one
+    made = []  # the thumbnails the sheet made itself
     real = sheet.make_thumb
 
     def spy(src, dst, src_mtime_ns):

@@ -1,4 +1,4 @@
-"""The output sink on its own threads: what a stop now (a second Ctrl-C, SIGTERM) leaves on disk."""
+"""The output sink on its own threads: what a stop now (a second Ctrl-C, or an error) leaves on disk."""
 
 import json
 import threading

@@ -158,9 +158,9 @@ class OutputSink:
         self.writer.drain()
 
     def close(self, cancel: bool = False) -> None:
-        """Every file handed over on disk with its manifest line. `cancel` (a stop now): the encodes not yet begun are
-        dropped first, the ones running land, and then the writer records a line for each file that landed: none is
-        left on disk without one (a line dropped with its file already landed would be)."""
+        """Every file handed over on disk with its manifest line. `cancel` (a stop now: a second Ctrl-C, an error): the
+        encodes not yet begun are dropped first, the ones running land, and then the writer records a line for each
+        file that landed: none is left on disk without one (a line dropped with its file already landed would be)."""
         if cancel:
             try:
                 self.encoder.shutdown(wait=True, cancel_futures=True)
