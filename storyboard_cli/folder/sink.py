@@ -114,7 +114,8 @@ class OutputSink:
     def _land(self, pixels, item: WorkItem, path: str, aside: bool) -> str:
         """An encoder thread: one output file (its own shot and candidate in the metadata) as an atomic PNG write,
         after setting aside the edited file it replaces; returns the bytes' sha256."""
-        data = _encoded(pixels, owner(item, path), self.job.model)
+        own = owner(item, path)
+        data = _encoded(pixels, own, self.job.model)
         target = self.out_dir / path
         try:
             if aside:
@@ -123,7 +124,7 @@ class OutputSink:
         except OSError as e:
             raise write_error(target, e) from e
         if not isinstance(pixels, _Twin):  # a twin's thumbnail: the sheet's, from its PNG
-            self.sheet.thumb(owner(item, path).shot, path, pixels)
+            self.sheet.thumb(own.shot, path, pixels)
         return hashlib.sha256(data).hexdigest()
 
     def _save(self, item: WorkItem, landing: list[Future], bucket: str) -> None:
