@@ -68,9 +68,9 @@
 #   pointwise         probes/pointwise_scout.py: the FP8 step's quantisation kernels (GEGLU's, LayerNorm's, the
 #                     attention output's) compiled alone at 8 x 1024², production's options against inductor's
 #                     tuning options, against the bound their bytes give
-#   check[:VARIANTS]  probes/check_scout.py: a healthy graph's first step against the whole batch's step and against
-#                     its first image alone, at guidance 1.5 to 30 (VARIANTS: fp8,compiled by default), 8 x 1024² and
-#                     2 x 1024² with a ControlNet, and each reference step's ms
+#   check[:VARIANTS]  probes/check_scout.py: a healthy graph's first step against the whole batch's step, its first
+#                     image alone and its first 2 and 4 alone, at guidance 1.5 to 30 (VARIANTS: fp8,compiled by
+#                     default), 8 x 1024² and 2 x 1024² with a ControlNet, and each reference step's ms
 #   conv              probes/conv_scout.py: the UNet's convolutions at 16 and 4 rows of 1024², cuDNN's fp16 against an
 #                     implicit-GEMM Triton kernel in fp16 and in FP8, each one's ms, TFLOPS and error, ms per step
 #   geglu             probes/geglu_scout.py: the feed-forward's first Linear and GEGLU at 16 and 4 rows of 1024², fp8 and
@@ -275,7 +275,7 @@ leg() {  # LEG ARG NAME
         $([ "$SMOKE" = 1 ] && echo --model tiny --side 128)
     done;;
   check)
-    step "$n" 200 python benchmarks/probes/check_scout.py "$R/$n.json" ${arg:+--variants $arg} \
+    step "$n" 200 python benchmarks/probes/check_scout.py "$R/$n.json" ${arg:+--variants $arg} --parts 2,4 \
       $([ "$SMOKE" = 1 ] && echo --model tiny --side 128 --variants plain --shapes 2x0,2x1 --guidance 1.5,6 --seeds 0);;
   conv)
     step "$n" 260 python benchmarks/probes/conv_scout.py --out "$R/$n.json" --budget 220 \

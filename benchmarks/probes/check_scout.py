@@ -8,6 +8,9 @@ against the same kernels outside the graph (engine/graph/check.py). Two referenc
   one     the batch's first image alone (`first_step_of_one`): a step of one image, but its GEMMs run at other rows and
           round apart; FP8 measured 5.0e-2 to 5.2e-2 (limit 8e-2) at the bench job's guidance 6 and its row does not
           use it (`Variant.alone_rtol` None); fp16 compiled 2.2e-3 (limit 2e-2)
+  part    the batch's first N images alone (--parts N,...; `part_N` in the rows): a step of N images, its GEMMs at
+          N / batch of the rows. Where the kernels pick the same algorithm at those rows as at the batch's, each
+          image's rows come out as in the batch's step, bit for bit, at a fraction of its cost
 
 Classifier-free guidance multiplies the two rows' rounding, so the one-image error should grow with the guidance (a
 shot may ask for 0 to 30). Before FP8 may check one image, its healthy error must sit well under a limit at every
@@ -17,7 +20,7 @@ guidance and seed, both references' errors, and each reference step's time; and,
 one-image error of a replay whose first image's latents were read off by 1%, 10% and 100% (at guidance 6).
 
     python benchmarks/probes/check_scout.py OUT.json [--variants fp8,compiled] [--shapes 8x0,2x1]
-        [--guidance 1.5,3,6,9,12,20,30] [--seeds 0,1] [--side 1024] [--model sdxl-random]
+        [--guidance 1.5,3,6,9,12,20,30] [--seeds 0,1] [--side 1024] [--model sdxl-random] [--parts 2,4]
     python benchmarks/probes/check_scout.py /tmp/c.json --model tiny --side 128 --variants plain   # CPU: the plumbing
         (no graph: the "replay" is the step itself, so both errors are 0)
     python benchmarks/probes/check_scout.py /tmp/c.json --model tiny --side 128 --compile on --shapes 4x0
@@ -39,7 +42,8 @@ from fp8_scout import Record  # noqa: E402
 
 from storyboard_cli.engine.base import Shape  # noqa: E402
 from storyboard_cli.engine.build import graph_runner  # noqa: E402
-from storyboard_cli.engine.graph.check import first_step, first_step_of_one  # noqa: E402
+from storyboard_cli.engine.eager import sample_step  # noqa: E402
+from storyboard_cli.engine.graph.check import _compare, first_step, first_step_of_one  # noqa: E402
 from storyboard_cli.engine.sampling import draw_noise, schedule  # noqa: E402
 from storyboard_cli.engine.variants import VARIANTS  # noqa: E402
 from storyboard_cli.models.loader import cuda_allocator, load_sdxl  # noqa: E402
@@ -63,9 +67,31 @@ def timed(fn, reps: int = 5) -> float:
     return round(statistics.median(out), 2)
 
 
+def part_step(runner, v, x: torch.Tensor, noise: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step of `v.key`'s graph for the batch's first `n` images alone, outside the graph: `one_image_step` at `n`
+    images (noise: the first step's, [B, 4, h, w])."""
+    key, b = v.key, v.key.batch
+    calls = None if key.variant == "plain" else runner.compiled.calls_for(key.variant)
+    zero = torch.zeros_like(x[:n])
+    return sample_step(runner.models, x[:n].clone(), zero, zero if noise is None else noise[:n].clone(),
+                       runner.buf.table[0], v.cond.first_images(n, b), v.conds.first_images(n, b).at(0),
+                       v.guidance[:n].clone(), calls, key.step, None, 0)
+
+
+def first_step_of_part(v, replay, part, noise, n: int) -> float:
+    """The replay's first `n` images against `part` (their step outside the graph): the largest relative error."""
+    if noise is not None:
+        v.noise.copy_(noise)
+    replay()
+    x_next, denoised = part()
+    err, _ = _compare(v.key, [(v.x[:n], x_next), (v.prev[:n], denoised)], 1.0)
+    return err
+
+
 def shape_rows(models, runner, variant: str, batch: int, control: bool, side: int, guidance: list[float],
-               seeds: list[int]) -> list[dict]:
-    """Both references' errors for one shape at each guidance and seed, and their steps' ms."""
+               seeds: list[int], parts: list[int] = ()) -> list[dict]:
+    """Both references' errors for one shape at each guidance and seed (and each of `parts`' first N images'), and
+    their steps' ms."""
     sched = schedule("euler_a", STEPS, models.scheduler_config)
     _, cond, conds, _ = synthetic_inputs(models, batch, side, side, int(control))
     cuda = models.device.type == "cuda"
@@ -86,9 +112,13 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
             one, why_one = first_step_of_one(v, replay, lambda: runner.one_image_step(v, x, first), first)
             v.load(runner.buf, x, sched, cond, conds, scale)
             whole, why_whole = first_step(runner.buf, v, replay, runner.step, x, sched, first, cond, conds, scale)
-            rows.append({"variant": key.variant, "asked": variant, "batch": batch, "control": control,
-                         "guidance": g, "seed": seed, "one": one, "batch_err": whole,
-                         "fails_one": why_one, "fails_batch": why_whole})
+            row = {"variant": key.variant, "asked": variant, "batch": batch, "control": control, "guidance": g,
+                   "seed": seed, "one": one, "batch_err": whole, "fails_one": why_one, "fails_batch": why_whole}
+            for n in (n for n in parts if 1 < n < batch):
+                v.load(runner.buf, x, sched, cond, conds, scale)
+                noises = None if noise is None else noise[0]
+                row[f"part_{n}"] = first_step_of_part(v, replay, lambda: part_step(runner, v, x, noises, n), noises, n)
+            rows.append(row)
     # what the check sees of a replay that read its first image's latents off by a relative `size` (a stand-in for
     # a capture that reads a buffer it should not): the one-image error at each size, at guidance 6
     v = runner.buf.view(key)
@@ -104,8 +134,10 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
     v.load(runner.buf, x, sched, cond, conds, six)
     ms_one = timed(lambda: runner.one_image_step(v, x, first))
     ms_batch = timed(lambda: (v.buf.index.zero_(), runner.step(v)))
+    ms_parts = {f"part_{n}_ms": timed(lambda: part_step(runner, v, x, first, n)) for n in parts if 1 < n < batch}
     for r in rows:
         r["one_ms"], r["batch_ms"] = ms_one, ms_batch
+        r.update(ms_parts)
     return rows
 
 
@@ -134,6 +166,7 @@ def main() -> None:
     ap.add_argument("--guidance", default="1.5,3,6,9,12,20,30")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--side", type=int, default=1024)
+    ap.add_argument("--parts", default="", help="N,...: also each batch's first N images stepped alone")
     ap.add_argument("--compile", default=None, help="on or off (default: on with CUDA; on the CPU the artifacts are "
                     "the CPU's, with no graphs: the replay is the step at the batch's rows)")
     a = ap.parse_args()
@@ -158,7 +191,8 @@ def main() -> None:
                                   kernels=variant)
         with torch.no_grad():
             for batch, control in shapes:
-                every += shape_rows(models, runner, variant, batch, control, a.side, guidance, seeds)
+                every += shape_rows(models, runner, variant, batch, control, a.side, guidance, seeds,
+                                    [int(n) for n in a.parts.split(",") if n])
                 rec.put("rows", every)
         rec.put(f"notes_{variant}", notes)
         del runner
@@ -173,6 +207,9 @@ def main() -> None:
                                {"one_max": 0.0, "batch_max": 0.0, "one_ms": r["one_ms"], "batch_ms": r["batch_ms"]})
         s["one_max"] = max(s["one_max"], r["one"])
         s["batch_max"] = max(s["batch_max"], r["batch_err"])
+        for k in (k for k in r if k.startswith("part_") and not k.endswith("_ms")):
+            s[f"{k}_max"] = max(s.get(f"{k}_max", 0.0), r[k])
+            s[f"{k}_ms"] = r[f"{k}_ms"]
     rec.put("summary", summary)
     rec.put("done", True)
 
