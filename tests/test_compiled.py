@@ -478,8 +478,8 @@ def test_the_one_image_check_runs_the_batchs_guide_for_its_first_image(artifacts
 
     models, runner, four, two = _runner_at_two_row_counts(artifacts, control=1)
     rows = []
-    one = runner.one_image_step
-    runner.one_image_step = lambda v, x, noise: (rows.append(v.conds.first_images(1, v.key.batch)), one(v, x, noise))[1]
+    part = runner.part_step
+    runner.part_step = lambda v, x, noise, n: (rows.append(v.conds.first_images(n, v.key.batch)), part(v, x, noise, n))[1]
     with torch.no_grad():
         got = [runner.sample(*four), runner.sample(*two)]
         want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
@@ -502,7 +502,7 @@ def test_a_row_whose_rounding_forbids_the_one_image_check_steps_the_whole_batch(
     monkeypatch.setitem(variants.VARIANTS, "compiled", replace(variants.VARIANTS["compiled"], alone_rtol=None))
     models, runner, four, two = _runner_at_two_row_counts(artifacts)
     alone = []
-    runner.one_image_step = lambda *a: alone.append(a)
+    runner.part_step = lambda *a: alone.append(a)
     with torch.no_grad():
         got = [runner.sample(*four), runner.sample(*two)]
         want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
@@ -594,9 +594,9 @@ def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step
         two = (x, sched, noise, *two[3:])
         assert noise is not None
     replays, direct = [], []
-    step, one = runner.step, runner.one_image_step
+    step, part = runner.step, runner.part_step
     runner.step = lambda v: (direct.append(v.key.batch), step(v))[1]
-    runner.one_image_step = lambda v, x, noise: (direct.append(1), one(v, x, noise))[1]
+    runner.part_step = lambda v, x, noise, n: (direct.append(n), part(v, x, noise, n))[1]
     # each replay a hair off the step outside the graph (within the check's limit): what the batch keeps is visible
     runner.stepper = lambda v: (replays.append(v.key.batch), step(v), v.x.mul_(1 + 1e-5))
     steps = four[1].steps
@@ -646,9 +646,9 @@ def test_a_later_run_on_the_same_kernels_and_weights_checks_against_its_kernels_
 
     models, later, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
     replays, direct = [], []
-    step, one = later.step, later.one_image_step
+    step, part = later.step, later.part_step
     later.step = lambda v: (direct.append(v.key.batch), step(v))[1]
-    later.one_image_step = lambda v, x, noise: (direct.append(1), one(v, x, noise))[1]
+    later.part_step = lambda v, x, noise, n: (direct.append(n), part(v, x, noise, n))[1]
     later.stepper = lambda v: (replays.append(v.key.batch), step(v))
     with torch.no_grad():
         got = later.sample(*four)

@@ -5,7 +5,7 @@ against the same kernels outside the graph (engine/graph/check.py). Two referenc
 
   batch   the whole batch's step (`first_step`): the same kernels at the same rows, 0.0 apart when nothing is broken;
           it costs one step of the batch (192.7 ms at 8 x 1024², FP8, on the H200)
-  one     the batch's first image alone (`first_step_of_one`): a step of one image, but its GEMMs run at other rows and
+  one     the batch's first image alone (`first_step_of_part` at 1 image): a step of one image, but its GEMMs run at other rows and
           round apart; FP8 measured 5.0e-2 to 5.2e-2 (limit 8e-2) at the bench job's guidance 6 and its row does not
           use it (`Variant.alone_rtol` None); fp16 compiled 2.2e-3 (limit 2e-2)
   part    the batch's first N images alone (--parts N,...; `part_N` in the rows): a step of N images, its GEMMs at
@@ -42,8 +42,7 @@ from fp8_scout import Record  # noqa: E402
 
 from storyboard_cli.engine.base import Shape  # noqa: E402
 from storyboard_cli.engine.build import graph_runner  # noqa: E402
-from storyboard_cli.engine.eager import sample_step  # noqa: E402
-from storyboard_cli.engine.graph.check import _compare, first_step, first_step_of_one  # noqa: E402
+from storyboard_cli.engine.graph.check import first_step, first_step_of_part  # noqa: E402
 from storyboard_cli.engine.sampling import draw_noise, schedule  # noqa: E402
 from storyboard_cli.engine.variants import VARIANTS  # noqa: E402
 from storyboard_cli.models.loader import cuda_allocator, load_sdxl  # noqa: E402
@@ -67,27 +66,6 @@ def timed(fn, reps: int = 5) -> float:
     return round(statistics.median(out), 2)
 
 
-def part_step(runner, v, x: torch.Tensor, noise: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step of `v.key`'s graph for the batch's first `n` images alone, outside the graph: `one_image_step` at `n`
-    images (noise: the first step's, [B, 4, h, w])."""
-    key, b = v.key, v.key.batch
-    calls = None if key.variant == "plain" else runner.compiled.calls_for(key.variant)
-    zero = torch.zeros_like(x[:n])
-    return sample_step(runner.models, x[:n].clone(), zero, zero if noise is None else noise[:n].clone(),
-                       runner.buf.table[0], v.cond.first_images(n, b), v.conds.first_images(n, b).at(0),
-                       v.guidance[:n].clone(), calls, key.step, None, 0)
-
-
-def first_step_of_part(v, replay, part, noise, n: int) -> float:
-    """The replay's first `n` images against `part` (their step outside the graph): the largest relative error."""
-    if noise is not None:
-        v.noise.copy_(noise)
-    replay()
-    x_next, denoised = part()
-    err, _ = _compare(v.key, [(v.x[:n], x_next), (v.prev[:n], denoised)], 1.0)
-    return err
-
-
 def shape_rows(models, runner, variant: str, batch: int, control: bool, side: int, guidance: list[float],
                seeds: list[int], parts: list[int] = ()) -> list[dict]:
     """Both references' errors for one shape at each guidance and seed (and each of `parts`' first N images'), and
@@ -109,7 +87,7 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
             v = runner.buf.view(key)
             replay = runner.graphs[key].replay if cuda else (lambda: runner.step(v))
             v.load(runner.buf, x, sched, cond, conds, scale)
-            one, why_one = first_step_of_one(v, replay, lambda: runner.one_image_step(v, x, first), first)
+            one, why_one = first_step_of_part(v, replay, lambda: runner.part_step(v, x, first, 1), first, 1)
             v.load(runner.buf, x, sched, cond, conds, scale)
             whole, why_whole = first_step(runner.buf, v, replay, runner.step, x, sched, first, cond, conds, scale)
             row = {"variant": key.variant, "asked": variant, "batch": batch, "control": control, "guidance": g,
@@ -117,7 +95,7 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
             for n in (n for n in parts if 1 < n < batch):
                 v.load(runner.buf, x, sched, cond, conds, scale)
                 noises = None if noise is None else noise[0]
-                row[f"part_{n}"] = first_step_of_part(v, replay, lambda: part_step(runner, v, x, noises, n), noises, n)
+                row[f"part_{n}"], _ = first_step_of_part(v, replay, lambda: runner.part_step(v, x, noises, n), noises, n)
             rows.append(row)
     # what the check sees of a replay that read its first image's latents off by a relative `size` (a stand-in for
     # a capture that reads a buffer it should not): the one-image error at each size, at guidance 6
@@ -128,13 +106,13 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
         v.load(runner.buf, x, sched, cond, conds, six)
         off = torch.randn(v.x[:1].shape, generator=torch.Generator().manual_seed(7)).to(v.x)
         v.x[:1] += off * (size * v.x[:1].float().norm() / off.float().norm()).to(v.x.dtype)
-        one, why = first_step_of_one(v, replay, lambda: runner.one_image_step(v, x, first), first)
+        one, why = first_step_of_part(v, replay, lambda: runner.part_step(v, x, first, 1), first, 1)
         rows.append({"variant": key.variant, "asked": variant, "batch": batch, "control": control, "guidance": 6.0,
                      "seed": seeds[-1], "fault": f"first latents off by {size:g}", "one": one, "fails_one": why})
     v.load(runner.buf, x, sched, cond, conds, six)
-    ms_one = timed(lambda: runner.one_image_step(v, x, first))
+    ms_one = timed(lambda: runner.part_step(v, x, first, 1))
     ms_batch = timed(lambda: (v.buf.index.zero_(), runner.step(v)))
-    ms_parts = {f"part_{n}_ms": timed(lambda: part_step(runner, v, x, first, n)) for n in parts if 1 < n < batch}
+    ms_parts = {f"part_{n}_ms": timed(lambda: runner.part_step(v, x, first, n)) for n in parts if 1 < n < batch}
     for r in rows:
         r["one_ms"], r["batch_ms"] = ms_one, ms_batch
         r.update(ms_parts)

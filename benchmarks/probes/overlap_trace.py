@@ -173,7 +173,7 @@ def install(warmups: str) -> None:
     # twenty-fifth session): the graphs planned, the check on its first step and the step outside the graph in it
     traced(runner_mod.GraphRunner, "_plan_graphs", "plan graphs", with_events=True)
     traced(runner_mod, "first_step", "first-step check", with_events=True)
-    traced(runner_mod, "first_step_of_one", "first-step check, 1 image", with_events=True)
+    traced(runner_mod, "first_step_of_part", "first-step check, first images", with_events=True)
     traced(runner_mod.GraphRunner, "step", "step outside graph", with_events=True)
     traced(runner_mod.GraphRunner, "sample", "sample", with_events=True)
     # what can stay exposed at a render's start and end (the (f) job's 1.55 s outside denoising, twenty-third session)

@@ -1,7 +1,8 @@
 """A graph's first replay checked against a reference step on the same inputs: the one test that a captured graph (its
 variant's kernels, the static buffers it reads) computes the step. The reference is the eager step, or (`direct`) the
 graph's own step run outside the graph on the same buffers, where the runner has checked the same kernels against the
-eager step at other rows (engine/graph/runner.py `_check`). The limit is the variant's (engine/variants.py)."""
+eager step at other rows (engine/graph/runner.py `_check`), or that step for the batch's first images alone
+(`first_step_of_part`). The limit is the variant's (engine/variants.py)."""
 
 from __future__ import annotations
 
@@ -78,23 +79,23 @@ def first_step(buf: Buffers, v: Views, replay: Callable[[], None], direct: Calla
     return result
 
 
-def first_step_of_one(v: Views, replay: Callable[[], None], one: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                      noise: torch.Tensor | None) -> tuple[float, str]:
+def first_step_of_part(v: Views, replay: Callable[[], None], part: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                       noise: torch.Tensor | None, n: int) -> tuple[float, str]:
     """(relative error, why it fails or "") of a graph's first replay where it is the batch's first step (the batch
-    loaded in `v`), against `one`: the graph's step for the batch's first image alone, outside the graph (the kernels
-    the runner checked against the eager step at other rows, at their fewest rows: (next latents, prediction)). The
-    replay's first image is compared, and the other images' latents must be finite: a capture that breaks the static
-    buffers, the pool or the launch order breaks the first image's rows too. It costs a step of one image where
-    `first_step` costs one of the batch (at 8 images about a seventh), and nothing is loaded again: the buffers keep
-    the replay's step. The two sides run the kernels at different rows, which may round apart by a little: the limit is
-    the variant's `alone_rtol`, far above it."""
+    loaded in `v`), against `part`: the graph's step for the batch's first `n` images alone, outside the graph (the
+    kernels the runner checked against the eager step at other rows, at fewer rows: (next latents, prediction)). The
+    replay's first `n` images are compared, and the other images' latents must be finite: a capture that breaks the
+    static buffers, the pool or the launch order breaks the first images' rows too. It costs a step of `n` images where
+    `first_step` costs one of the batch, and nothing is loaded again: the buffers keep the replay's step. The two sides
+    run the kernels at different rows, which may round apart: the limit is the variant's `alone_rtol`, far above
+    that."""
     if noise is not None:
         v.noise.copy_(noise)
     replay()
-    x_next, denoised = one()
-    if not torch.isfinite(v.x[1:]).all():
+    x_next, denoised = part()
+    if not torch.isfinite(v.x[n:]).all():
         return float("nan"), "NaN/inf in the latents of the batch's other images"
-    return _compare(v.key, [(v.x[:1], x_next), (v.prev[:1], denoised)], VARIANTS[v.key.variant].alone_rtol)
+    return _compare(v.key, [(v.x[:n], x_next), (v.prev[:n], denoised)], VARIANTS[v.key.variant].alone_rtol)
 
 
 def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]],

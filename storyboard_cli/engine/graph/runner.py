@@ -17,7 +17,7 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   capture that fails after less than a warm-up at its rows is tried again after one. The first replay of
   each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
   rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`,
-  whose reference is the step of the batch's first image alone, `one_image_step`);
+  whose reference is the step of the batch's first images alone, `part_step`, as many as its row's `alone_images`);
   a capture failure or a mismatch sends that shape down the variant table (engine/variants.py: FP8 -> compiled ->
   plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
@@ -57,7 +57,7 @@ from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
-from storyboard_cli.engine.graph.check import first_replay, first_step, first_step_of_one
+from storyboard_cli.engine.graph.check import first_replay, first_step, first_step_of_part
 from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.graph.ledger import CheckLedger
 from storyboard_cli.engine.kernels.calls import CompiledKernels
@@ -192,17 +192,17 @@ class GraphRunner:
         v.prev.copy_(denoised)
         index.add_(1)
 
-    def one_image_step(self, v: Views, x: torch.Tensor,
-                       noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step of `v.key`'s graph for the batch's first image alone, outside the graph, on tensors of its own: `x`
-        the batch's first latents, `noise` its first step's; the text, guidance and kinds read from `v`, loaded with the
-        batch (the replay leaves them as they are). (next latents, prediction) at the first step."""
+    def part_step(self, v: Views, x: torch.Tensor, noise: torch.Tensor | None,
+                  n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step of `v.key`'s graph for the batch's first `n` images alone, outside the graph, on tensors of their
+        own: `x` the batch's latents, `noise` its first step's; the text, guidance and kinds read from `v`, loaded with
+        the batch (the replay leaves them as they are). (next latents, prediction) at the first step."""
         key, b = v.key, v.key.batch
         calls = None if key.variant == PLAIN else self.compiled.calls_for(key.variant)
-        zero = torch.zeros_like(x[:1])
-        return sample_step(self.models, x[:1].clone(), zero, zero if noise is None else noise[:1].clone(),
-                           self.buf.table[0], v.cond.first_images(1, b), v.conds.first_images(1, b).at(0),
-                           v.guidance[:1].clone(), calls, key.step, None, 0)
+        zero = torch.zeros_like(x[:n])
+        return sample_step(self.models, x[:n].clone(), zero, zero if noise is None else noise[:n].clone(),
+                           self.buf.table[0], v.cond.first_images(n, b), v.conds.first_images(n, b).at(0),
+                           v.guidance[:n].clone(), calls, key.step, None, 0)
 
     def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
         if self.models.device.type != "cuda":
@@ -624,18 +624,20 @@ class GraphRunner:
     def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor, sched: Schedule,
                     noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
         """The batch's first step on `key`'s graph, checked against the graph's step outside it (the buffers loaded with
-        the batch): for the batch's first image alone where the graph has more and is guided (graph/check.py
-        `first_step_of_one`: a step of one image, not of the batch), else for the batch (`first_step`). True and the
-        buffers after that step, or the shape falls back a row with the reason."""
+        the batch): for the batch's first images alone where the graph has more than its row's `alone_images` and is
+        guided (graph/check.py `first_step_of_part`: a step of those images, not of the batch), else for the batch
+        (`first_step`). True and the buffers after that step, or the shape falls back a row with the reason."""
         seen = self._checked_kernels(key)
         first = None if noise is None else noise[0]
-        # the check runs the first image alone (check.py first_step_of_one) where the row's rounding allows
-        one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
-        if one:
-            err, problem = first_step_of_one(v, graph.replay, lambda: self.one_image_step(v, x, first), first)
+        row = VARIANTS[key.variant]
+        # the check runs the first images alone (check.py first_step_of_part) where the row's rounding allows
+        part = row.alone_images if key.step.guided and row.alone_rtol is not None else key.batch
+        if part < key.batch:
+            err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x, first, part), first, part)
         else:
             err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, first, cond, conds, guidance)
-        against = f" against its kernels outside the graph{' at 1 image' if one else ''} (against eager {seen})"
+        at = f" at {part} image{'s' * (part > 1)}" if part < key.batch else ""
+        against = f" against its kernels outside the graph{at} (against eager {seen})"
         if problem:
             self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
