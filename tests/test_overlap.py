@@ -118,6 +118,49 @@ def test_each_batch_s_prompts_are_encoded_between_the_steps_of_the_batch_before(
     assert waited > 0 and abs(min(waited, stage) - (stage - result.report.hidden_s["encode"])) < 1e-3, (waited, stage)
 
 
+def test_each_batch_s_noise_is_drawn_between_the_steps_of_the_batch_before(job_dir, tmp_path, tiny_cpu, monkeypatch):
+    """An ancestral sampler's per-step noise (about 0.2 s of the host's time for 8 images at 1024x1024) is drawn for
+    every batch after the first while the batch before denoises (between its steps), each image once; the files are
+    the bytes of a render that draws each batch's noise in its own run_batch."""
+    import storyboard_cli.engine.sampling as sampling
+    import storyboard_cli.run.batch as batch_mod
+    from storyboard_cli.engine.eager import EagerEngine
+
+    job = load_job(write_job(job_dir, JOB.replace("guidance: 5.0,", "guidance: 5.0, sampler: euler_a,")))
+    draw, run_batch, sample = sampling.draw_image_noise, BatchRunner.run_batch, EagerEngine.sample
+    where, now = [], {"shot": None, "looping": False}
+
+    def recorded(seed, steps, shape, sched):
+        where.append((seed, now["shot"], now["looping"]))
+        return draw(seed, steps, shape, sched)
+
+    def running(self, batch, fallback=False, upcoming=None):
+        now["shot"] = batch.items[0].shot
+        return run_batch(self, batch, fallback, upcoming)
+
+    def looping(self, *args, **kwargs):
+        now["looping"] = True
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            now["looping"] = False
+
+    monkeypatch.setattr(batch_mod, "draw_image_noise", recorded)
+    monkeypatch.setattr(BatchRunner, "run_batch", running)
+    monkeypatch.setattr(EagerEngine, "sample", looping)
+    result, lines, files = _render(job, tmp_path / "ahead", tiny_cpu)
+    monkeypatch.undo()
+    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, NotAhead)
+    assert result.status == seq.status == "done" and lines == seq_lines and files == seq_files
+    seeds = {"a": {7, 8}, "b": {20}, "c": {30, 31}}
+    order = list(dict.fromkeys(p.split("/")[0] for p in lines))  # the shots in batch order
+    assert sorted(seed for seed, _, _ in where) == sorted(s for v in seeds.values() for s in v)  # each image once
+    drawn = {seed: (shot, looping) for seed, shot, looping in where}
+    assert all(drawn[seed] == (order[0], False) for seed in seeds[order[0]])  # the first batch's: in its own run
+    for before, shot in zip(order, order[1:]):
+        assert all(drawn[seed] == (before, True) for seed in seeds[shot]), (shot, drawn)
+
+
 class NotAhead(Sequential):
     """One batch after the other, each encoding its own prompts."""
 

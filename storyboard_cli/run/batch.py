@@ -23,7 +23,7 @@ from storyboard_cli.engine.conditioning import PromptCache, conditioning, guided
 from storyboard_cli.engine.conditions import KINDS
 from storyboard_cli.engine.conditions.kind import Conditions, Unreadable
 from storyboard_cli.engine.eager import EagerEngine
-from storyboard_cli.engine.sampling import Schedule, draw_noise, schedule
+from storyboard_cli.engine.sampling import Schedule, draw_image_noise, noise_key, schedule, stack_noise
 from storyboard_cli.engine.streams import Lanes, Timer, hand_over
 from storyboard_cli.errors import ModelError, StoryboardError
 from storyboard_cli.folder.report import Timings
@@ -157,6 +157,8 @@ class BatchRunner:
         self.fallback: Engine = EagerEngine(models)  # for the out-of-memory policy's last retry
         self.prompts = PromptCache(models)
         self.schedules: dict[tuple[str, int, int], Schedule] = {}
+        # the next batch's images' noise, drawn beside the loop before it (`noise_ahead`): noise_key -> its parts
+        self.drawn: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
         # each kind's reader, where the models run the kind (its caches: decoded images, encoded references)
         self.readers = [r for row in KINDS.values() if (r := row.reader(models)) is not None]
         self.lora = LoraApplier(models)
@@ -257,7 +259,7 @@ class BatchRunner:
             negatives, guidance = guided_rows(prompts, [r.negative for r in rows], [r.guidance for r in rows])
             cond = conditioning(self.prompts, prompts, negatives, key.width, key.height, text_loras)
             conds = self.conditions(rows, key)
-            x, noise = draw_noise([r.seed for r in rows], sched.steps, (4, key.height // 8, key.width // 8), sched)
+            x, noise = self.noise([r.seed for r in rows], sched, (4, key.height // 8, key.width // 8))
             x = conds.begin(x.to(m.device))  # a source's rows start from it, noised
             noise = None if noise is None else noise.to(m.device)
             guidance = torch.tensor(guidance, device=m.device, dtype=torch.float32)
@@ -276,7 +278,7 @@ class BatchRunner:
         between = None
         if upcoming is not None and self.ahead:
             between = chain_pieces(None if fallback else self.capture_ahead(upcoming),
-                                   self.encode_ahead(upcoming, text_loras))
+                                   self.encode_ahead(upcoming, text_loras), self.noise_ahead(upcoming))
         latents = engine.sample(x, sched, noise, cond, conds, guidance, batch.key.plan, between)
         timing = BatchTiming(bucket_label(batch), inputs_s, ready, start, self.lanes.timer(), before)
         self._last = Denoised(zip(items, latents[: len(items)]), failed, timing)
@@ -324,6 +326,36 @@ class BatchRunner:
 
         missing = self.prompts.missing([*negatives, *prompts], text_loras)
         return iter([partial(encode, p) for p in missing]) if missing else None
+
+    def noise(self, seeds: list[int], sched: Schedule, shape: tuple[int, int, int]
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batch's `draw_noise`: each image's parts as `noise_ahead` drew them, the others drawn now. What was
+        drawn ahead for another batch (a batch that failed before its loop) is dropped."""
+        drawn, self.drawn = self.drawn, {}
+        parts = []
+        for seed in seeds:
+            k = noise_key(seed, sched.steps, shape, sched)
+            parts.append(drawn[k] if k in drawn else drawn.setdefault(k, draw_image_noise(seed, sched.steps, shape,
+                                                                                          sched)))
+        return stack_noise(parts)
+
+    def noise_ahead(self, batch: Batch) -> Iterator[Callable[[], None]] | None:
+        """The pieces of work that draw `batch`'s images' noise, one image each, into `drawn`: the engine runs them
+        between the steps of the loop before `batch`'s (Engine.sample `between`), where the GPU runs the replays queued
+        so far; `batch`'s own `run_batch` takes them from there. An ancestral sampler's noise for 8 images at 1024x1024
+        and 30 steps is about 0.2 s of the host's time, more than the last replay the host is ahead by when a loop's
+        queueing returns (engine/streams.py). The host's seconds count as encoding."""
+        key = batch.key
+        sched = self.schedule(key.sampler, key.steps, key.first)
+        shape = (4, key.height // 8, key.width // 8)
+
+        def draw(seed: int, k: tuple) -> None:
+            t0 = time.perf_counter()
+            self.drawn[k] = draw_image_noise(seed, sched.steps, shape, sched)
+            self.timings.add("encode", time.perf_counter() - t0)
+
+        keys = {noise_key(it.seed, sched.steps, shape, sched): it.seed for it in batch.items}
+        return iter([partial(draw, seed, k) for k, seed in keys.items()]) if keys else None
 
     def start_decode(self, done: Denoised) -> Decoding:
         """Queues the decode of `done`'s latents after their denoising, on the decode stream from the decode thread (so
