@@ -232,3 +232,38 @@ def test_each_kind_gives_the_rows_of_its_first_images():
     assert got.next_sigma is sigma
     both = Conditions.of(control, blend).first_images(n, b)
     assert [v.kind for v in both] == [control.kind, blend.kind]
+
+
+def test_a_batchs_guides_go_to_the_device_as_uint8_and_become_the_hosts_pixels_bit_for_bit(tmp_path, monkeypatch):
+    """The control reader hands its guides over as the decoded uint8 (a quarter of float32's bytes, no float
+    conversion on the host between two loops), and the pixels made of them on the device are those the host made
+    before (`control_pixels`, cast to the models' dtype), for every uint8 value and dtype."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    import storyboard_cli.engine.conditions.control as control_mod
+    from storyboard_cli.engine.conditioning import control_pixels, device_pixels, read_control_image
+
+    every = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        got = device_pixels(every, torch.device("cpu"), dtype)
+        assert got.dtype == dtype and torch.equal(got, control_pixels(every).to(dtype))
+    pixels = torch.rand(1, 3, 4, 4)  # pixels already: taken as they are
+    assert torch.equal(device_pixels(pixels, torch.device("cpu"), torch.float16), pixels.half())
+
+    paths = []
+    for i in range(2):
+        path = tmp_path / f"guide{i}.png"
+        Image.fromarray(torch.randint(0, 256, (40, 56, 3), dtype=torch.uint8).numpy()).save(path)
+        paths.append(path)
+    items = [SimpleNamespace(width=W, height=H, controls=[SimpleNamespace(image=p, scale=0.5, file=p.name)])
+             for p in paths]
+    handed = []
+    real = control_mod.control
+    monkeypatch.setattr(control_mod, "control", lambda images, *a, **k: (handed.extend(images), real(images, *a, **k))[1])
+    models = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float16)
+    got = control_mod.Reader(models).batch(items, SimpleNamespace(nets=(0,), control_ends=()))
+    assert [t.dtype for t in handed] == [torch.uint8]
+    want = torch.stack([control_pixels(read_control_image(p, W, H)) for p in paths]).half()
+    assert torch.equal(got.image[0], torch.cat([want, want]))  # negative rows first: the same guide on both halves

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from storyboard_cli.engine.base import nets_of
-from storyboard_cli.engine.conditioning import BoundedCache, control_pixels, image_rows, read_control_image
+from storyboard_cli.engine.conditioning import BoundedCache, device_pixels, image_rows, read_control_image
 from storyboard_cli.engine.conditions.kind import DECODE_ERRORS, Kind, Pair, Plain, Step, Unreadable
 from storyboard_cli.samplers import MAX_STEPS
 from storyboard_cli.steps import control_steps
@@ -74,9 +74,9 @@ class Control(Plain):
 
 def control(images: list[torch.Tensor], scales: list[list[float]], device: torch.device, dtype: torch.dtype,
             nets: tuple[int, ...] = (0,), keep: torch.Tensor | None = None) -> Control:
-    """images: per net [B, 3, H, W]; scales: per net one per image -> the CFG-doubled Control (the same image on both
-    halves)."""
-    image = torch.stack([i.to(device, dtype).repeat(2, 1, 1, 1) for i in images])  # [N, 2B, 3, H, W]
+    """images: per net [B, 3, H, W], uint8 or pixels in [0, 1]; scales: per net one per image -> the CFG-doubled
+    Control (the same image on both halves)."""
+    image = torch.stack([device_pixels(i, device, dtype).repeat(2, 1, 1, 1) for i in images])  # [N, 2B, 3, H, W]
     scale = torch.tensor([list(s) * 2 for s in scales], device=device, dtype=dtype)
     return Control(image, scale.view(len(images), -1, 1, 1, 1), tuple(nets), None if keep is None else keep.to(device))
 
@@ -114,8 +114,8 @@ class Reader:
         if not nets:
             return None
         rows = [guides(it) for it in items]  # per row: (image, scale, file) per net
-        images = [control_pixels(torch.stack([self.image(row[j][0], it.width, it.height)
-                                              for it, row in zip(items, rows)])) for j in range(len(nets))]
+        images = [torch.stack([self.image(row[j][0], it.width, it.height) for it, row in zip(items, rows)])
+                  for j in range(len(nets))]  # uint8: made pixels on the device (`control`)
         scales = [[row[j][1] for row in rows] for j in range(len(nets))]
         keep = None
         if key.control_ends:  # 1 while each net runs, as diffusers' controlnet_keep (over the steps that run)
