@@ -161,6 +161,44 @@ def test_each_batch_s_noise_is_drawn_between_the_steps_of_the_batch_before(job_d
         assert all(drawn[seed] == (before, True) for seed in seeds[shot]), (shot, drawn)
 
 
+def test_each_batch_s_inputs_are_made_between_the_steps_of_the_batch_before(job, tmp_path, tiny_cpu, monkeypatch):
+    """Every batch after the first finds its inputs (text conditioning, kinds' values, noise, guidance) made while the
+    batch before denoised (between its steps), once, and its run_batch makes none; the files are the bytes of a
+    render whose batches each make their own."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    make, run_batch, sample = BatchRunner.make_inputs, BatchRunner.run_batch, EagerEngine.sample
+    made, now = [], {"shot": None, "looping": False}
+
+    def recorded(self, batch, text_loras=None):
+        made.append((batch.items[0].shot, now["shot"], now["looping"]))
+        return make(self, batch, text_loras)
+
+    def running(self, batch, fallback=False, upcoming=None):
+        now["shot"] = batch.items[0].shot
+        return run_batch(self, batch, fallback, upcoming)
+
+    def looping(self, *args, **kwargs):
+        now["looping"] = True
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            now["looping"] = False
+
+    monkeypatch.setattr(BatchRunner, "make_inputs", recorded)
+    monkeypatch.setattr(BatchRunner, "run_batch", running)
+    monkeypatch.setattr(EagerEngine, "sample", looping)
+    result, lines, files = _render(job, tmp_path / "ahead", tiny_cpu)
+    monkeypatch.undo()
+    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, NotAhead)
+    assert result.status == seq.status == "done" and lines == seq_lines and files == seq_files
+    order = list(dict.fromkeys(p.split("/")[0] for p in lines))  # the shots in batch order
+    assert [shot for shot, _, _ in made] == order  # each batch's inputs made once
+    assert made[0] == (order[0], order[0], False)  # the first batch's: in its own run_batch
+    for (shot, during, looping), before in zip(made[1:], order):
+        assert (during, looping) == (before, True), made
+
+
 class NotAhead(Sequential):
     """One batch after the other, each encoding its own prompts."""
 

@@ -165,6 +165,7 @@ def install(warmups: str) -> None:
     render_mod.render = render
     traced(batch.BatchRunner, "run_batch", "run_batch")
     traced(batch, "conditioning", "encode prompts")
+    traced(batch.BatchRunner, "make_inputs", "make inputs")  # in its run_batch, or beside the loop before (ahead)
     traced(batch.BatchRunner, "start_decode", "start_decode")
     traced(Lanes, "to_host", "to_host")
     traced(oom.OutOfMemoryPolicy, "flush", "flush")

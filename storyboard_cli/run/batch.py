@@ -124,6 +124,24 @@ class BatchTiming:
 
 
 @dataclass
+class Inputs:
+    """What a batch's loop reads, made on the inputs' stream (`BatchRunner.make_inputs`): the readable items (the
+    others in `failed`), and for those the schedule, text conditioning, kinds' values, first latents, noise and
+    guidance; `ready` once they are made there, `seconds` of the host's time."""
+
+    items: list[WorkItem]
+    failed: list[Decoded]
+    sched: Schedule | None = None
+    cond: object = None
+    conds: Conditions | None = None
+    x: torch.Tensor | None = None
+    noise: torch.Tensor | None = None
+    guidance: torch.Tensor | None = None
+    ready: Timer | None = None
+    seconds: float = 0.0
+
+
+@dataclass
 class Decoding:
     """A batch's decode in flight on the decode stream (`BatchRunner.start_decode`); `finish` waits for it."""
 
@@ -159,6 +177,7 @@ class BatchRunner:
         self.schedules: dict[tuple[str, int, int], Schedule] = {}
         # the next batch's images' noise, drawn beside the loop before it (`noise_ahead`): noise_key -> its parts
         self.drawn: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.made: tuple[Batch, Inputs] | None = None  # the next batch's inputs, made beside the loop before it
         # each kind's reader, where the models run the kind (its caches: decoded images, encoded references)
         self.readers = [r for row in KINDS.values() if (r := row.reader(models)) is not None]
         self.lora = LoraApplier(models)
@@ -170,6 +189,7 @@ class BatchRunner:
         """The runner kept for another render on the same models (a render service's worker: its prompt, schedule,
         conditioning kinds' and LoRA caches and the LoRA set applied stay): that render's timings, its LoRA files."""
         self.timings, self.unusable = timings, {}
+        self.drawn, self.made = {}, None  # what an earlier render drew or made ahead for a batch it did not run
         for f in loras:
             try:
                 self.lora_weights(f)
@@ -238,35 +258,21 @@ class BatchRunner:
     def run_batch(self, batch: Batch, fallback: bool = False, upcoming: Batch | None = None) -> Denoised:
         """Denoises one batch (on the fallback engine if told); returns (item, latents [4, h, w]) for its
         real rows, and the rows it could not run in `.failed`. On a GPU nothing here waits for the GPU: the inputs
-        are made on their own stream while the batch before still denoises, and the loop is queued behind it.
-        `upcoming`: the batch that runs next, where the caller knows it: its prompts are encoded between this batch's
-        first steps (`encode_ahead`)."""
-        m, key = self.models, batch.key
-        t0 = time.perf_counter()
-        with self.lanes.inputs():  # the kinds' files read (control images decoded, references encoded: once each)
-            items, failed = self.readable(batch.items)
-        readable_s = time.perf_counter() - t0
-        if not items:
-            self.timings.add("encode", readable_s)
-            return Denoised((), failed)
-        rows = items + [items[-1]] * (batch.size - len(items))  # a padded row copies a real row
-        sched = self.schedule(key.sampler, key.steps, key.first)  # its tail, where the kinds skip steps
-        swaps = len(self.lora.swaps)
-        text_loras = self.apply_loras(items[0])  # one set per batch: it is in the bucket key (on the UNet's stream)
-        t1 = time.perf_counter()
-        with self.lanes.inputs(after_unet=len(self.lora.swaps) != swaps):
-            prompts = [r.prompt for r in rows]
-            negatives, guidance = guided_rows(prompts, [r.negative for r in rows], [r.guidance for r in rows])
-            cond = conditioning(self.prompts, prompts, negatives, key.width, key.height, text_loras)
-            conds = self.conditions(rows, key)
-            x, noise = self.noise([r.seed for r in rows], sched, (4, key.height // 8, key.width // 8))
-            x = conds.begin(x.to(m.device))  # a source's rows start from it, noised
-            noise = None if noise is None else noise.to(m.device)
-            guidance = torch.tensor(guidance, device=m.device, dtype=torch.float32)
-            ready = self.lanes.timer()
-        hand_over((cond, conds, x, noise, guidance))  # read on the UNet's stream from here on
-        inputs_s = readable_s + time.perf_counter() - t1
-        self.timings.add("encode", inputs_s)
+        are made on their own stream while the batch before still denoises (`inputs_ahead`, or here), and the loop is
+        queued behind it. `upcoming`: the batch that runs next, where the caller knows it: its prompts are encoded,
+        its noise drawn and its inputs made between this batch's steps (`encode_ahead`, `noise_ahead`,
+        `inputs_ahead`)."""
+        key = batch.key
+        made, self.made = self.made, None
+        if made is not None and made[0] is batch:  # made beside the loop before, under the text encoders' LoRAs now
+            inputs = made[1]
+            with self.lanes.inputs():  # the UNet's stream waits for them, before a LoRA swap writes the weights
+                pass
+            text_loras = self.apply_loras(inputs.items[0]) if inputs.items else ()
+        else:
+            inputs, text_loras = self.make_inputs(batch)
+        if not inputs.items:
+            return Denoised((), inputs.failed)
         engine = self.fallback if fallback else self.engine
         bt = self.timings.bucket(bucket_label(batch))
         bt.batches += 1
@@ -278,11 +284,71 @@ class BatchRunner:
         between = None
         if upcoming is not None and self.ahead:
             between = chain_pieces(None if fallback else self.capture_ahead(upcoming),
-                                   self.encode_ahead(upcoming, text_loras), self.noise_ahead(upcoming))
-        latents = engine.sample(x, sched, noise, cond, conds, guidance, batch.key.plan, between)
-        timing = BatchTiming(bucket_label(batch), inputs_s, ready, start, self.lanes.timer(), before)
-        self._last = Denoised(zip(items, latents[: len(items)]), failed, timing)
+                                   self.encode_ahead(upcoming, text_loras), self.noise_ahead(upcoming),
+                                   self.inputs_ahead(upcoming, text_loras))
+        latents = engine.sample(inputs.x, inputs.sched, inputs.noise, inputs.cond, inputs.conds, inputs.guidance,
+                                key.plan, between)
+        timing = BatchTiming(bucket_label(batch), inputs.seconds, inputs.ready, start, self.lanes.timer(), before)
+        self._last = Denoised(zip(inputs.items, latents[: len(inputs.items)]), inputs.failed, timing)
         return self._last
+
+    def make_inputs(self, batch: Batch, text_loras: tuple | None = None) -> tuple[Inputs, tuple]:
+        """`batch`'s inputs, made on the inputs' stream, and the text encoders' LoRA set they were made under. With
+        `text_loras` None, its LoRA set is applied first (its run_batch: the inputs' stream waits for a swap's
+        writes); else made under the set applied now, which is `text_loras` (`inputs_ahead`: nothing waits for them
+        here, the batch's run_batch makes the UNet's stream wait)."""
+        m, key = self.models, batch.key
+        ahead = text_loras is not None
+        t0 = time.perf_counter()
+        with self.lanes.aside() if ahead else self.lanes.inputs():  # every kind's files read: decoded once each
+            items, failed = self.readable(batch.items)
+        readable_s = time.perf_counter() - t0
+        if not items:
+            self.timings.add("encode", readable_s)
+            return Inputs(items, failed, seconds=readable_s), ()
+        rows = items + [items[-1]] * (batch.size - len(items))  # a padded row copies a real row
+        sched = self.schedule(key.sampler, key.steps, key.first)  # its tail, where the kinds skip steps
+        swaps = len(self.lora.swaps)
+        if not ahead:
+            text_loras = self.apply_loras(items[0])  # one set per batch: it is in the bucket key (on the UNet's stream)
+        t1 = time.perf_counter()
+        with self.lanes.aside() if ahead else self.lanes.inputs(after_unet=len(self.lora.swaps) != swaps):
+            prompts = [r.prompt for r in rows]
+            negatives, guidance = guided_rows(prompts, [r.negative for r in rows], [r.guidance for r in rows])
+            cond = conditioning(self.prompts, prompts, negatives, key.width, key.height, text_loras)
+            conds = self.conditions(rows, key)
+            x, noise = self.noise([r.seed for r in rows], sched, (4, key.height // 8, key.width // 8))
+            x = conds.begin(x.to(m.device))  # a source's rows start from it, noised
+            noise = None if noise is None else noise.to(m.device)
+            guidance = torch.tensor(guidance, device=m.device, dtype=torch.float32)
+            ready = self.lanes.timer()
+        hand_over((cond, conds, x, noise, guidance))  # read on the UNet's stream from here on
+        seconds = readable_s + time.perf_counter() - t1
+        self.timings.add("encode", seconds)
+        return Inputs(items, failed, sched, cond, conds, x, noise, guidance, ready, seconds), text_loras
+
+    def inputs_ahead(self, batch: Batch, text_loras: tuple) -> Iterator[Callable[[], None]] | None:
+        """A piece of work that makes `batch`'s inputs (`make_inputs`: its files read, its text conditioning put
+        together from the prompt cache, its kinds' tensors, its noise and guidance on the device) into `made`, run by
+        the engine between the steps of the loop before `batch`'s, after the pieces that encode its prompts and draw
+        its noise; `batch`'s run_batch takes them. The host's work between two loops is then the loop's own: a loop
+        whose queueing returns with about one replay left on the GPU (engine/streams.py) no longer waits for the next
+        batch's inputs to be made. Only under the text encoders' LoRA set applied now (`encode_ahead`'s rule)."""
+        if self.lora_problem(batch) or not self._same_text_loras(batch, text_loras):
+            return None
+
+        def make() -> None:
+            self.made = (batch, self.make_inputs(batch, text_loras)[0])
+
+        return iter([make])
+
+    def _same_text_loras(self, batch: Batch, text_loras: tuple) -> bool:
+        """Whether `batch`'s text-encoder LoRA set is `text_loras` (the set applied now)."""
+        try:
+            active = {f.name: (self.lora_weights(f), scale) for f, scale in batch.items[0].loras}
+        except StoryboardError:  # its own run_batch says why
+            return False
+        return set_key(active, text_only=True) == text_loras
 
     def capture_ahead(self, batch: Batch) -> Iterator[Callable[[], None]] | None:
         """The engine's pieces of work that capture `batch`'s graphs beside the loop before it (Engine.ahead), each
@@ -307,13 +373,7 @@ class BatchRunner:
         uses the text-encoder LoRAs applied now (`text_loras`): another set is written into the encoders at its own
         `run_batch`, which encodes its prompts after that. Its regions' prompts are encoded in their own cache at its
         `run_batch` (engine/conditions/region.py). The host's seconds count as encoding."""
-        if self.lora_problem(batch):
-            return None
-        try:
-            active = {f.name: (self.lora_weights(f), scale) for f, scale in batch.items[0].loras}
-        except StoryboardError:  # its own run_batch says why
-            return None
-        if set_key(active, text_only=True) != text_loras:
+        if self.lora_problem(batch) or not self._same_text_loras(batch, text_loras):
             return None
         prompts = [it.prompt for it in batch.items]
         negatives, _ = guided_rows(prompts, [it.negative for it in batch.items], [it.guidance for it in batch.items])
