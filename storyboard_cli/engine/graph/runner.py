@@ -17,7 +17,7 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   capture that fails after less than a warm-up at its rows is tried again after one. The first replay of
   each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
   rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`,
-  whose reference is the step of the batch's first images alone, `part_step`, as many as its row's `alone_images`);
+  whose reference is the step of the batch's first image alone, `part_step`);
   a capture failure or a mismatch sends that shape down the variant table (engine/variants.py: FP8 -> compiled ->
   plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
@@ -624,20 +624,18 @@ class GraphRunner:
     def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor, sched: Schedule,
                     noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
         """The batch's first step on `key`'s graph, checked against the graph's step outside it (the buffers loaded with
-        the batch): for the batch's first images alone where the graph has more than its row's `alone_images` and is
-        guided (graph/check.py `first_step_of_part`: a step of those images, not of the batch), else for the batch
-        (`first_step`). True and the buffers after that step, or the shape falls back a row with the reason."""
+        the batch): for the batch's first image alone where the graph has more and is guided (graph/check.py
+        `first_step_of_part` at 1 image: a step of one image, not of the batch), else for the batch (`first_step`).
+        True and the buffers after that step, or the shape falls back a row with the reason."""
         seen = self._checked_kernels(key)
         first = None if noise is None else noise[0]
-        row = VARIANTS[key.variant]
-        # the check runs the first images alone (check.py first_step_of_part) where the row's rounding allows
-        part = row.alone_images if key.step.guided and row.alone_rtol is not None else key.batch
-        if part < key.batch:
-            err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x, first, part), first, part)
+        # the check runs the first image alone (check.py first_step_of_part) where the row's rounding allows
+        one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
+        if one:
+            err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x, first, 1), first, 1)
         else:
             err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, first, cond, conds, guidance)
-        at = f" at {part} image{'s' * (part > 1)}" if part < key.batch else ""
-        against = f" against its kernels outside the graph{at} (against eager {seen})"
+        against = f" against its kernels outside the graph{' at 1 image' if one else ''} (against eager {seen})"
         if problem:
             self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
