@@ -12,7 +12,8 @@
 # with (the art.tgz of an earlier call, its checks against eager included: engine/graph/ledger.py). FP8=1: build,
 # cold, ready, curves and first with --fp8. CLOCKS=1: the GPUs' clocks, power and throttle reasons every second
 # (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and Markdown, walls.txt, machine.txt); the files a leg
-# added to the shared cache (artifacts it built, checks against eager), ARTZ's left out: $OUT/art.tgz.
+# added to the shared cache (artifacts it built, checks against eager), ARTZ's left out: $OUT/art.tgz (over 15 MiB: in
+# parts, art.tgz.part-00 and on, which `cat` puts together).
 #
 # Legs (ARG where a leg takes one):
 #   tests[:FILES]     pytest -m gpu, each file in a process of its own; FILES: names of tests/test_*.py joined by
@@ -95,7 +96,7 @@
 # serve and gpus take both GPUs: give them a call, or a GPU's turn, of their own.
 set -uo pipefail
 : "${OUT:?OUT=/some/dir: where logs.tgz and art.tgz go}"
-[ $# -gt 0 ] || { sed -n '2,81p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^# serve and gpus take/p' "$0"; exit 2; }
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 BCG_LOG=info
 export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp/inductor
 LIMIT=${LIMIT:-560}
@@ -119,6 +120,10 @@ pack() {
   added=$(cd "$BCG_CACHE/compiled" && ls *.pt2 *.ok *.build.json fp8-scales-*.json checked-*.json 2>/dev/null \
     | grep -vxFf "$R/cache_at_start.txt")
   [ -n "$added" ] && (cd "$BCG_CACHE/compiled" && tar czf "$OUT/art.tgz" $added)
+  # a whole build (18 MB) is over that: in parts, `cat art.tgz.part-* > art.tgz` puts it together again
+  if [ -f "$OUT/art.tgz" ] && [ "$(stat -c %s "$OUT/art.tgz")" -gt $((15 << 20)) ]; then
+    split -b 15M -d "$OUT/art.tgz" "$OUT/art.tgz.part-" && rm "$OUT/art.tgz"
+  fi
 }
 trap pack EXIT
 

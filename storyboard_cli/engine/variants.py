@@ -80,7 +80,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # the guidance, 1.1e-2 at 1.5 to 1.22e-1 at 30, as far off as a first image whose latents were read 10% off
     # (1.3e-1; benchmarks/results/fp8/2026-12-05-92ef8a0-check.json): no one-image limit tells those apart. The first 2
     # or 4 of 8 images alone round as far apart as one (1.1e-2 to 1.24e-1 by guidance, H100:
-    # benchmarks/results/fp8/2026-12-05-5b19140-check-parts-h100.json): no part of the batch checks it cheaper.
+    # benchmarks/results/fp8/2026-12-05-a923270-check-parts-h100.json): no part of the batch checks it cheaper.
     Variant(FP8, COMPILED, 8e-2, "fp8", ("fp8-linears",), fp8.OPTIONS, fp8.swap_in, fp8.InputScales, asked=True,
             capability=(8, 9), hardware="FP8 tensor cores: Ada, Hopper or later", refuses=COMPILED_ONLY,
             without=("ip_adapter", "region_layout")),
