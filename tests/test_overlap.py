@@ -72,18 +72,13 @@ def test_a_failed_batch_loses_none_of_the_batch_denoised_before_it(job, tmp_path
     assert first and lines[: len(first)] == first  # the first batch's images landed, before the third's
 
 
-def test_each_batch_s_prompts_are_encoded_between_the_steps_of_the_batch_before(job, tmp_path, tiny_cpu, monkeypatch):
-    """Every batch after the first finds its prompts encoded while the batch before denoised (between its steps, inside
-    the engine's loop), each prompt once; the files are the bytes of a render without it, in the same order."""
-    import storyboard_cli.engine.conditioning as conditioning
+def _watch_batches(monkeypatch) -> dict:
+    """Which batch's run_batch is running (`shot`: its first item's) and whether the engine's loop is (`looping`), as
+    a dict that the patched BatchRunner.run_batch and EagerEngine.sample keep current."""
     from storyboard_cli.engine.eager import EagerEngine
 
-    encode, run_batch, sample = conditioning.encode_text, BatchRunner.run_batch, EagerEngine.sample
-    where, now = [], {"shot": None, "looping": False}
-
-    def recorded(models, prompts):
-        where.append((prompts[0], now["shot"], now["looping"]))
-        return encode(models, prompts)
+    run_batch, sample = BatchRunner.run_batch, EagerEngine.sample
+    now = {"shot": None, "looping": False}
 
     def running(self, batch, fallback=False, upcoming=None):
         now["shot"] = batch.items[0].shot
@@ -96,9 +91,23 @@ def test_each_batch_s_prompts_are_encoded_between_the_steps_of_the_batch_before(
         finally:
             now["looping"] = False
 
-    monkeypatch.setattr(conditioning, "encode_text", recorded)
     monkeypatch.setattr(BatchRunner, "run_batch", running)
     monkeypatch.setattr(EagerEngine, "sample", looping)
+    return now
+
+
+def test_each_batch_s_prompts_are_encoded_between_the_steps_of_the_batch_before(job, tmp_path, tiny_cpu, monkeypatch):
+    """Every batch after the first finds its prompts encoded while the batch before denoised (between its steps, inside
+    the engine's loop), each prompt once; the files are the bytes of a render without it, in the same order."""
+    import storyboard_cli.engine.conditioning as conditioning
+
+    encode, where, now = conditioning.encode_text, [], _watch_batches(monkeypatch)
+
+    def recorded(models, prompts):
+        where.append((prompts[0], now["shot"], now["looping"]))
+        return encode(models, prompts)
+
+    monkeypatch.setattr(conditioning, "encode_text", recorded)
     result, lines, files = _render(job, tmp_path / "ahead", tiny_cpu)
     monkeypatch.undo()
     seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, NotAhead)
@@ -124,30 +133,15 @@ def test_each_batch_s_noise_is_drawn_between_the_steps_of_the_batch_before(job_d
     the bytes of a render that draws each batch's noise in its own run_batch."""
     import storyboard_cli.engine.sampling as sampling
     import storyboard_cli.run.batch as batch_mod
-    from storyboard_cli.engine.eager import EagerEngine
 
     job = load_job(write_job(job_dir, JOB.replace("guidance: 5.0,", "guidance: 5.0, sampler: euler_a,")))
-    draw, run_batch, sample = sampling.draw_image_noise, BatchRunner.run_batch, EagerEngine.sample
-    where, now = [], {"shot": None, "looping": False}
+    draw, where, now = sampling.draw_image_noise, [], _watch_batches(monkeypatch)
 
     def recorded(seed, steps, shape, sched):
         where.append((seed, now["shot"], now["looping"]))
         return draw(seed, steps, shape, sched)
 
-    def running(self, batch, fallback=False, upcoming=None):
-        now["shot"] = batch.items[0].shot
-        return run_batch(self, batch, fallback, upcoming)
-
-    def looping(self, *args, **kwargs):
-        now["looping"] = True
-        try:
-            return sample(self, *args, **kwargs)
-        finally:
-            now["looping"] = False
-
     monkeypatch.setattr(batch_mod, "draw_image_noise", recorded)
-    monkeypatch.setattr(BatchRunner, "run_batch", running)
-    monkeypatch.setattr(EagerEngine, "sample", looping)
     result, lines, files = _render(job, tmp_path / "ahead", tiny_cpu)
     monkeypatch.undo()
     seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, NotAhead)
@@ -165,29 +159,13 @@ def test_each_batch_s_inputs_are_made_between_the_steps_of_the_batch_before(job,
     """Every batch after the first finds its inputs (text conditioning, kinds' values, noise, guidance) made while the
     batch before denoised (between its steps), once, and its run_batch makes none; the files are the bytes of a
     render whose batches each make their own."""
-    from storyboard_cli.engine.eager import EagerEngine
-
-    make, run_batch, sample = BatchRunner.make_inputs, BatchRunner.run_batch, EagerEngine.sample
-    made, now = [], {"shot": None, "looping": False}
+    make, made, now = BatchRunner.make_inputs, [], _watch_batches(monkeypatch)
 
     def recorded(self, batch, text_loras=None):
         made.append((batch.items[0].shot, now["shot"], now["looping"]))
         return make(self, batch, text_loras)
 
-    def running(self, batch, fallback=False, upcoming=None):
-        now["shot"] = batch.items[0].shot
-        return run_batch(self, batch, fallback, upcoming)
-
-    def looping(self, *args, **kwargs):
-        now["looping"] = True
-        try:
-            return sample(self, *args, **kwargs)
-        finally:
-            now["looping"] = False
-
     monkeypatch.setattr(BatchRunner, "make_inputs", recorded)
-    monkeypatch.setattr(BatchRunner, "run_batch", running)
-    monkeypatch.setattr(EagerEngine, "sample", looping)
     result, lines, files = _render(job, tmp_path / "ahead", tiny_cpu)
     monkeypatch.undo()
     seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, NotAhead)

@@ -174,7 +174,7 @@ def control_pixels(image: torch.Tensor) -> torch.Tensor:
 def device_pixels(image: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """`control_pixels(image)` in `dtype` on `device`, bit for bit: a uint8 image is copied as it is (a quarter of
     float32's bytes) and its values looked up in a table of `control_pixels`' 256, made on the host as it makes them;
-    the host's float conversion of a batch's guides (4 x 832x1216: about 50 ms of a core's time, more on a busy host)
+    the host's float conversion of a batch's guides (4 x 832x1216: 92 ms on a two-core host, docs/PERFORMANCE.md)
     leaves the gap between two loops. Another dtype is taken as pixels already."""
     if image.dtype != torch.uint8:
         return image.to(device, dtype)

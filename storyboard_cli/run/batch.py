@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from storyboard_cli.engine.base import Engine, Shape
-from storyboard_cli.engine.conditioning import PromptCache, conditioning, guided_rows
+from storyboard_cli.engine.conditioning import Cond, PromptCache, conditioning, guided_rows
 from storyboard_cli.engine.conditions import KINDS
 from storyboard_cli.engine.conditions.kind import Conditions, Unreadable
 from storyboard_cli.engine.eager import EagerEngine
@@ -132,7 +132,7 @@ class Inputs:
     items: list[WorkItem]
     failed: list[Decoded]
     sched: Schedule | None = None
-    cond: object = None
+    cond: Cond | None = None
     conds: Conditions | None = None
     x: torch.Tensor | None = None
     noise: torch.Tensor | None = None
