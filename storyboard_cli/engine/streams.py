@@ -13,6 +13,9 @@ The next batch's prompts are encoded on the inputs' stream (`aside`) between the
 one prompt after each replay, from the thread that queues them: the GPU runs them beside those replays, and the host's
 time for them is hidden behind the replays already queued. From a thread of their own they were not: their launches
 waited behind the full launch queue, and 1.07 of their 22.7 s stayed exposed (docs/PERFORMANCE.md, seventh session).
+The rest of that batch's inputs (its kinds' tensors, noise, first latents and guidance) are made the same way, after
+its prompts (run/batch.py `inputs_ahead`), and its own run_batch makes the UNet's stream wait for them: the loops no
+longer wait for inputs made after the loop before was queued (docs/PERFORMANCE.md, twenty-sixth session).
 
 A copy from pageable host memory waits for its whole stream: on the UNet's stream it would wait for the batch before
 to finish denoising, so the inputs have a stream of their own. A tensor made on one stream and read on another is
