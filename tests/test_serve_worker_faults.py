@@ -133,6 +133,7 @@ _run = BatchRunner.run_batch
 
 
 def _held(self, *args, **kwargs):
+    open(os.environ["BCG_TEST_GO"] + ".held", "w").close()  # the worker has its lease: it renders
     while not os.path.exists(os.environ["BCG_TEST_GO"]):
         time.sleep(0.05)
     return _run(self, *args, **kwargs)
@@ -161,6 +162,9 @@ def test_a_batch_rendered_while_its_server_is_down_lands_when_the_server_is_back
         r = httpx.post(server.url + "/v1/jobs", content=JOB % 1, headers=YAML, timeout=10)
         job = r.json()["id"]
         server.wait(job, lambda j: j["state"] == "running")  # leased: the batch waits for the word
+        # and the worker has the lease: the server marks the job running before its answer reaches the worker, and a
+        # kill between the two left the worker asking for a lease, with none to render (one CI run in three)
+        eventually(lambda: (tmp_path / "go.held").exists(), bool, 60)
         server.kill_everything()  # kill -9 of the server alone: the worker is in its own group
         time.sleep(3.5)  # three heartbeats (every second: --lease-s 3) fail while the batch waits
         go.touch()
