@@ -479,7 +479,8 @@ def test_the_one_image_check_runs_the_batchs_guide_for_its_first_image(artifacts
     models, runner, four, two = _runner_at_two_row_counts(artifacts, control=1)
     rows = []
     part = runner.part_step
-    runner.part_step = lambda v, x, noise, n: (rows.append(v.conds.first_images(n, v.key.batch)), part(v, x, noise, n))[1]
+    runner.part_step = lambda v, x, noise, n: (rows.append(v.conds.first_images(n, v.key.batch)),
+                                               part(v, x, noise, n))[1]
     with torch.no_grad():
         got = [runner.sample(*four), runner.sample(*two)]
         want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]

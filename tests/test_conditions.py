@@ -261,7 +261,8 @@ def test_a_batchs_guides_go_to_the_device_as_uint8_and_become_the_hosts_pixels_b
              for p in paths]
     handed = []
     real = control_mod.control
-    monkeypatch.setattr(control_mod, "control", lambda images, *a, **k: (handed.extend(images), real(images, *a, **k))[1])
+    monkeypatch.setattr(control_mod, "control",
+                        lambda images, *a, **k: (handed.extend(images), real(images, *a, **k))[1])
     models = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float16)
     got = control_mod.Reader(models).batch(items, SimpleNamespace(nets=(0,), control_ends=()))
     assert [t.dtype for t in handed] == [torch.uint8]

@@ -5,12 +5,12 @@ against the same kernels outside the graph (engine/graph/check.py). Two referenc
 
   batch   the whole batch's step (`first_step`): the same kernels at the same rows, 0.0 apart when nothing is broken;
           it costs one step of the batch (192.7 ms at 8 x 1024², FP8, on the H200)
-  one     the batch's first image alone (`first_step_of_part` at 1 image): a step of one image, but its GEMMs run at other rows and
-          round apart; FP8 measured 5.0e-2 to 5.2e-2 (limit 8e-2) at the bench job's guidance 6 and its row does not
-          use it (`Variant.alone_rtol` None); fp16 compiled 2.2e-3 (limit 2e-2)
+  one     the batch's first image alone (`first_step_of_part` at 1 image): a step of one image, but its GEMMs run at
+          other rows and round apart; FP8 measured 5.0e-2 to 5.2e-2 (limit 8e-2) at the bench job's guidance 6 and
+          its row does not use it (`Variant.alone_rtol` None); fp16 compiled 2.2e-3 (limit 2e-2)
   part    the batch's first N images alone (--parts N,...; `part_N` in the rows): a step of N images, its GEMMs at
-          N / batch of the rows. Where the kernels pick the same algorithm at those rows as at the batch's, each
-          image's rows come out as in the batch's step, bit for bit, at a fraction of its cost
+          N / batch of the rows, in case the kernels rounded each image's rows as in the batch's step nearer its rows.
+          FP8 on the H100: the first 2 and 4 of 8 images come as far off as one (2026-12-05, docs/PERFORMANCE.md)
 
 Classifier-free guidance multiplies the two rows' rounding, so the one-image error should grow with the guidance (a
 shot may ask for 0 to 30). Before FP8 may check one image, its healthy error must sit well under a limit at every
@@ -94,8 +94,7 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
                    "seed": seed, "one": one, "batch_err": whole, "fails_one": why_one, "fails_batch": why_whole}
             for n in (n for n in parts if 1 < n < batch):
                 v.load(runner.buf, x, sched, cond, conds, scale)
-                noises = None if noise is None else noise[0]
-                row[f"part_{n}"], _ = first_step_of_part(v, replay, lambda: runner.part_step(v, x, noises, n), noises, n)
+                row[f"part_{n}"], _ = first_step_of_part(v, replay, lambda: runner.part_step(v, x, first, n), first, n)
             rows.append(row)
     # what the check sees of a replay that read its first image's latents off by a relative `size` (a stand-in for
     # a capture that reads a buffer it should not): the one-image error at each size, at guidance 6
