@@ -405,7 +405,7 @@ def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifact
     beside it, and the summed residuals feed the compiled UNet: what the modules give."""
     import copy
 
-    from storyboard_cli.engine.conditions.control import Control
+    from storyboard_cli.engine.conditions.control import Control, embed_guide
     from storyboard_cli.engine.conditions.kind import Step
     from storyboard_cli.steps import FULL
 
@@ -419,8 +419,9 @@ def test_two_nets_run_the_first_nets_kernels_and_the_second_nets_module(artifact
     k.want(k.targets([Shape(2, SIDE, SIDE, 0b11)]))
     assert k.waiting == [] and k.variants(2, SIDE, SIDE, 0b11) == ["compiled"]
     k.reserve(2, SIDE * SIDE)
-    latents, t, embeds, pooled, time_ids, image, scale = step_inputs(models, 4, True)
-    ctl = Control(torch.stack([image, image.flip(-1)]), torch.stack([scale, 0.5 * scale]), (0, 1))
+    latents, t, embeds, pooled, time_ids, guide, scale = step_inputs(models, 4, True)
+    image = torch.rand(4, 3, SIDE, SIDE, generator=torch.Generator().manual_seed(5))
+    ctl = Control(torch.stack([guide, embed_guide(other, image)]), torch.stack([scale, 0.5 * scale]), (0, 1))
 
     def run(calls):
         mid, down = ctl.residuals(Step(calls, FULL, latents, t, embeds, pooled, time_ids))
@@ -486,7 +487,7 @@ def test_the_one_image_check_runs_the_batchs_guide_for_its_first_image(artifacts
         want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
     assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
     (guide,) = [c for c in rows[0] if c.kind == "control"]
-    assert guide.image.shape[1] == 2 and torch.equal(guide.image, two[4].get("control").image[:, [0, 2]])
+    assert guide.guide.shape[1] == 2 and torch.equal(guide.guide, two[4].get("control").guide[:, [0, 2]])
     reasons = {s.key.batch: (s.key.variant, s.state, s.reason) for s in runner.stats.values()}
     assert reasons[2][:2] == ("compiled", "graph") and "at 1 image (against eager at 4 images)" in reasons[2][2]
 

@@ -56,7 +56,7 @@ def test_padding_rows_do_not_change_real_rows(tiny_cuda):
     rows4 = lambda t: t.repeat_interleave(4, dim=0)  # noqa: E731
     padded = runner.sample(x.repeat(4, 1, 1, 1), sched, noise.repeat(1, 4, 1, 1, 1),
                            Cond(rows4(cond.embeds), rows4(cond.pooled), rows4(cond.time_ids)),
-                           Conditions.of(Control(ctl.image.repeat_interleave(4, dim=1),
+                           Conditions.of(Control(ctl.guide.repeat_interleave(4, dim=1),
                                                  ctl.scale.repeat_interleave(4, dim=1))),
                            guidance.repeat(4))
     # batch-size-dependent kernel choices (cuDNN convolutions use TF32 by default) move fp32 by ~1e-3
@@ -116,7 +116,7 @@ def test_in_place_weight_update_after_capture_is_seen_by_the_next_replay(tiny_cu
     key = runner.shape_key(2, 256, 256, True)
     assert runner.stats[key].state == "graph" and runner.stats[key].checked
     weight = models.unet.conv_in.weight  # every step reads it; same storage before and after
-    control_weight = models.controlnets[0].controlnet_cond_embedding.conv_in.weight
+    control_weight = models.controlnets[0].conv_in.weight  # the embedding's are read once per batch, not per step
     saved, saved_control = weight.detach().clone(), control_weight.detach().clone()
     pointers = weight.data_ptr(), control_weight.data_ptr()
     try:

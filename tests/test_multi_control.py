@@ -63,7 +63,7 @@ def _control(models, paths, rows=1, scales=SCALES, ends=ENDS):
     images = [control_pixels(read_control_image(p, W, H))[None].repeat(rows, 1, 1, 1) for p in paths]
     runs = torch.tensor([control_steps(STEPS, e) for e in ends])
     keep = (torch.arange(STEPS)[:, None] < runs[None, :]).float()
-    return control(images, [[s] * rows for s in scales], models.device, models.dtype, (0, 1), keep)
+    return control(models, images, [[s] * rows for s in scales], (0, 1), keep)
 
 
 def _plan():
@@ -106,3 +106,43 @@ def test_graph_replays_equal_eager_with_two_nets(two_nets, guides):
     want = EagerEngine(two_nets).sample(x, sched, noise, cond, ends, guidance, _plan())
     torch.testing.assert_close(runner.sample(x, sched, noise, cond, ends, guidance, _plan()), want, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_each_guide_is_embedded_once_per_batch_and_never_in_a_step(two_nets, guides):
+    """A batch's guides are embedded once, by their own nets, when its inputs are made (`control`): the steps, eager
+    and replayed, run no embedding. The nets apart from their embeddings (`embedding_apart`) on those guides give each
+    whole net's residuals on the images, bit for bit, a "bgr" net's too (diffusers flips its image first)."""
+    from storyboard_cli.engine.conditions.control import embed_guide, embedding_apart
+    from storyboard_cli.engine.eager import controlnet_call
+    from storyboard_cli.engine.kernels.export import example_inputs
+
+    calls = []
+    hooks = [net.controlnet_cond_embedding.register_forward_hook(lambda m, a, o, i=i: calls.append((i, a[0].shape[0])))
+             for i, net in enumerate(two_nets.controlnets)]
+    try:
+        sched, x, noise, cond, guidance = _inputs(two_nets, [1, 2])
+        ctl = _control(two_nets, guides, rows=2)
+        assert calls == [(0, 2), (1, 2)]  # each net once, on the batch's 2 images (not the 4 guided rows)
+        EagerEngine(two_nets).sample(x, sched, noise, cond, Conditions.of(ctl), guidance, _plan())
+        runner = GraphRunner(two_nets, max_batch=2, max_hw=(H, W))
+        cpu_replays(runner)
+        runner.sample(x, sched, noise, cond, Conditions.of(ctl), guidance, _plan())
+        assert calls == [(0, 2), (1, 2)]
+    finally:
+        for h in hooks:
+            h.remove()
+
+    bgr = copy.deepcopy(two_nets.controlnets[1])
+    bgr.register_to_config(controlnet_conditioning_channel_order="bgr")
+    latents, t, embeds, pooled, time_ids, _, scale = example_inputs("controlnet", bgr, 4, H // 8, W // 8)
+    t = t.expand(4)
+    image = torch.rand(4, 3, H, W, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for net in (two_nets.controlnets[0], bgr):
+            whole = controlnet_call(net, latents, t, embeds, pooled, time_ids, image, scale)
+            apart = controlnet_call(embedding_apart(net), latents, t, embeds, pooled, time_ids,
+                                    embed_guide(net, image), scale)
+            assert all(torch.equal(a, w) for a, w in zip(apart, whole))
+        flipped = controlnet_call(embedding_apart(bgr), latents, t, embeds, pooled, time_ids,
+                                  embed_guide(two_nets.controlnets[1], image), scale)  # the guide not flipped
+        assert not torch.equal(flipped[0], whole[0])

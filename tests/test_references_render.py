@@ -212,8 +212,8 @@ def test_references_and_two_nets_together_match_diffusers(tiny_cpu, ref_models, 
     tokens = [m.ip_adapter.encode(r, hashlib.sha256(r.read_bytes()).hexdigest()) for r in refs]
     runs = torch.tensor([control_steps(steps, e) for e in ends])
     keep = (torch.arange(steps)[:, None] < runs[None, :]).float()
-    ctl = control([control_pixels(read_control_image(p, w, h))[None] for p in guides], [[s] for s in scales],
-                  m.device, m.dtype, (0, 1), keep)
+    ctl = control(m, [control_pixels(read_control_image(p, w, h))[None] for p in guides], [[s] for s in scales], (0, 1),
+                  keep)
     plan = step_plan(steps, steps, control=max(runs).item())
     conds = Conditions.of(ctl, references([tokens], m.ip_adapter.negative, [0.6], 4))
     got = EagerEngine(m).sample(x, sched, noise, cond, conds, torch.tensor(g), plan)

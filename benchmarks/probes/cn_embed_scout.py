@@ -150,7 +150,8 @@ def net_pair(net: nn.Module, rows: int, h: int, w: int, iters: int, repeats: int
     from storyboard_cli.engine.kernels.export import example_inputs
 
     cl = copy.deepcopy(net).to(memory_format=torch.channels_last)
-    latents, t, embeds, pooled, time_ids, image, scale = example_inputs("controlnet", cl, rows, h // 8, w // 8)
+    latents, t, embeds, pooled, time_ids, _, scale = example_inputs("controlnet", cl, rows, h // 8, w // 8)
+    image = torch.rand(rows, 3, h, w, dtype=latents.dtype, device=latents.device)
     latents, image = (x.contiguous(memory_format=torch.channels_last) for x in (latents, image))
     whole = lambda: controlnet_call(cl, latents, t, embeds, pooled, time_ids, image, scale)  # noqa: E731
     feature = cl.controlnet_cond_embedding(image)

@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fp8_scout import OutOfBudget, Record, Timed, attempt, rel_err, side_by_side, within  # noqa: E402
 
 from storyboard_cli.engine.device import DTYPES  # noqa: E402
+from storyboard_cli.engine.conditions.control import embed_guide, embedding_apart  # noqa: E402
 from storyboard_cli.engine.eager import controlnet_call  # noqa: E402
 from storyboard_cli.engine.kernels import artifacts, export as exporting, fp8  # noqa: E402
 from storyboard_cli.engine.kernels.artifacts import Target, build  # noqa: E402
@@ -108,12 +109,14 @@ def production(args, rec: Record, k: CompiledKernels, target: Target, models) ->
 
 
 def inputs(module: str, model, rows: int, side: int, t: float, seed: int) -> tuple:
-    """The exported call's inputs at `rows` (export.example_inputs), t set, a sparse control image in [0, 1]."""
+    """The exported call's inputs at `rows` (export.example_inputs), t set, a sparse control image in [0, 1] embedded
+    by the net (the guide the step hands its ControlNet)."""
     torch.manual_seed(seed)
     args = list(example_inputs(module, model, rows, side // 8, side // 8))
     args[1] = torch.tensor(t, dtype=torch.float32, device=model.device)
     if module == "controlnet":
-        args[5] = (torch.rand_like(args[5]) > 0.9).to(args[5].dtype)  # lines on black, as an edge map
+        image = torch.rand(rows, 3, side, side, device=model.device) > 0.9  # lines on black, as an edge map
+        args[5] = embed_guide(model, image.to(args[5].dtype))
     return tuple(args)
 
 
@@ -121,7 +124,7 @@ def eager_controlnet(net, *args):
     """The eager net with the step's [rows] timestep, as the eager engine calls it."""
     args = list(args)
     args[1] = args[1].expand(args[0].shape[0])
-    return controlnet_call(net, *args)
+    return controlnet_call(embedding_apart(net), *args)
 
 
 class Scales:

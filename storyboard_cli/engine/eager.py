@@ -16,6 +16,7 @@ import torch
 
 from storyboard_cli.engine.base import Shape, run_between
 from storyboard_cli.engine.conditioning import Cond
+from storyboard_cli.engine.conditions.control import embedding_apart
 from storyboard_cli.engine.conditions.kind import Conditions, Step
 from storyboard_cli.engine.deepcache import feature_shape, shallow_unet, writing_feature
 from storyboard_cli.engine.sampling import SIGMA, TIMESTEP, Schedule, update
@@ -36,7 +37,8 @@ def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down, attention: 
 
 
 def controlnet_call(controlnet, latents, t, embeds, pooled, time_ids, image, scale) -> tuple[torch.Tensor, ...]:
-    """The ControlNet as a function of tensors: image [2B, 3, H, W], scale [2B, 1, 1, 1] -> (mid, *down)."""
+    """The ControlNet as a function of tensors: image [2B, 3, H, W], scale [2B, 1, 1, 1] -> (mid, *down). The step
+    passes a net apart from its embedding (engine/conditions/control.py `embedding_apart`) and the guide it embedded (`embed_guide`) for `image`."""
     down, mid = controlnet(latents, t, encoder_hidden_states=embeds, controlnet_cond=image, conditioning_scale=scale,
                            added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}, return_dict=False)
     return (mid, *down)
@@ -47,9 +49,10 @@ class StepCalls:
     """The module calls inside the step: the one seam where compiled kernels replace the modules.
 
     unet(latents, t, embeds, pooled, time_ids, mid, down[, attention]) -> eps;
-    controlnet(latents, t, embeds, pooled, time_ids, image, scale) -> (mid, *down): the first ControlNet's,
-    `others` the further nets' (a job's `controlnets:`).
-    The default (`eager`) is `unet_call` / `controlnet_call` on the loaded modules."""
+    controlnet(latents, t, embeds, pooled, time_ids, guide, scale) -> (mid, *down): the first ControlNet's,
+    `others` the further nets' (a job's `controlnets:`), each taking its guide embedded (`embed_guide`).
+    The default (`eager`) is `unet_call` / `controlnet_call` on the loaded modules (the nets apart from their
+    embeddings)."""
 
     unet: Callable
     controlnet: Callable | None
@@ -57,7 +60,7 @@ class StepCalls:
 
     @classmethod
     def eager(cls, models: SdxlModels) -> StepCalls:
-        nets = [partial(controlnet_call, net) for net in models.controlnets]
+        nets = [partial(controlnet_call, embedding_apart(net)) for net in models.controlnets]
         return cls(partial(unet_call, models.unet), nets[0] if nets else None, tuple(nets[1:]))
 
     def net(self, i: int) -> Callable:

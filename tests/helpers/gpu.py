@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from storyboard_cli.engine.base import Shape
+from storyboard_cli.engine.conditions.control import embed_guide
 from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.kernels.export import text_dims
@@ -93,12 +94,13 @@ def unit_eps(models, calls, timestep: float, control: bool, seed: int) -> torch.
     latents, embeds, pooled = new(rows, 4, h, h), new(rows, 77, text_dim), new(rows, pooled_dim)
     time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], device=models.device, dtype=models.dtype).expand(rows, 6)
     image = torch.rand(rows, 3, SIDE, SIDE, generator=g).to(models.device, models.dtype) if control else None
+    guide = None if image is None else embed_guide(models.controlnets[0], image)  # as the step hands it over
     scale = torch.full((rows, 1, 1, 1), 0.8, device=models.device, dtype=models.dtype)
     t = torch.full((rows,), timestep, device=models.device)  # float32, as the step passes it
     mid = down = None
     with torch.no_grad():
-        if image is not None:
-            mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids.clone(), image, scale)
+        if guide is not None:
+            mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids.clone(), guide, scale)
         return calls.unet(latents, t, embeds, pooled, time_ids.clone(), mid, down).float()
 
 

@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+from storyboard_cli.engine.conditions.control import embed_guide
 from storyboard_cli.engine.eager import StepCalls
 from storyboard_cli.engine.kernels.export import text_dims
 
@@ -21,18 +22,18 @@ def step_inputs(models, rows, control, seed=0):
     t = torch.full((rows,), 500.0)  # as the step passes it
     embeds, pooled = torch.randn(rows, 77, text_dim, generator=g), torch.randn(rows, pooled_dim, generator=g)
     time_ids = torch.tensor([SIDE, SIDE, 0, 0, SIDE, SIDE], dtype=torch.float32).expand(rows, 6).clone()
-    image = scale = None
-    if control:
-        image = torch.rand(rows, 3, SIDE, SIDE, generator=g)
+    guide = scale = None
+    if control:  # the first net's embedded guide, as the step hands it over (engine/conditions/control.py)
+        guide = embed_guide(models.controlnets[0], torch.rand(rows, 3, SIDE, SIDE, generator=g))
         scale = torch.full((rows, 1, 1, 1), 0.7)
-    return latents, t, embeds, pooled, time_ids, image, scale
+    return latents, t, embeds, pooled, time_ids, guide, scale
 
 
 
-def run_calls(calls: StepCalls, latents, t, embeds, pooled, time_ids, image, scale):
+def run_calls(calls: StepCalls, latents, t, embeds, pooled, time_ids, guide, scale):
     mid = down = None
-    if image is not None:
-        mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids, image, scale)
+    if guide is not None:
+        mid, *down = calls.controlnet(latents, t, embeds, pooled, time_ids, guide, scale)
     return calls.unet(latents, t, embeds, pooled, time_ids, mid, down)
 
 

@@ -4,6 +4,7 @@ keep. The job half is job/conditions/ (the same name)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,12 +23,39 @@ FIELDS = ("controls", "control_ends")
 CACHE_BYTES = 256 << 20  # decoded control images kept (uint8: a 1024x1024 one is 3 MB)
 
 
+def embedding_apart(controlnet: torch.nn.Module) -> torch.nn.Module:
+    """`controlnet` without its conditioning embedding: the same modules and parameters (a shallow copy: what is
+    written to or swapped inside the net later is the copy's too), its `controlnet_cond_embedding` an identity, so
+    its `controlnet_cond` is the guide `embed_guide` made. The embedding (SDXL's: eight convolutions from the pixels
+    to the latent's size) is the same at every step of a batch and on both halves of the guidance: made once per
+    batch, not at every step for every row."""
+    apart = copy.copy(controlnet)
+    apart._modules = {**controlnet._modules, "controlnet_cond_embedding": torch.nn.Identity()}
+    return apart
+
+
+def guide_channels(controlnet: torch.nn.Module) -> int:
+    """The channels of a net's embedded guide (its first block's: 320 in SDXL's)."""
+    return controlnet.config.block_out_channels[0]
+
+
+@torch.no_grad()
+def embed_guide(controlnet: torch.nn.Module, image: torch.Tensor) -> torch.Tensor:
+    """image [B, 3, H, W] pixels in [0, 1] -> the guide `embedding_apart(controlnet)` takes [B, C, H/8, W/8],
+    channels_last (as the compiled ControlNet's convolutions read it): the net's own embedding of it, bit for bit what
+    the whole net adds at every step. A "bgr" net flips its `controlnet_cond` before the embedding; the apart net
+    flips the guide instead, so it gets the embedding of the flipped image flipped once more."""
+    bgr = controlnet.config.controlnet_conditioning_channel_order == "bgr"
+    guide = controlnet.controlnet_cond_embedding(image.flip(1) if bgr else image)
+    return (guide.flip(1) if bgr else guide).contiguous(memory_format=torch.channels_last)
+
+
 @dataclass(frozen=True)
 class Control(Plain):
     """ControlNet inputs for one batch, CFG-doubled like the embeds (build with `control`): one guide per ControlNet
-    the batch runs, in the job's order of nets."""
+    the batch runs, in the job's order of nets, embedded by its net (`embed_guide`)."""
 
-    image: torch.Tensor  # [N, 2B, 3, H, W] in [0, 1], negative rows first
+    guide: torch.Tensor  # [N, 2B, C, h, w] at the latent's size, negative rows first, each net's channels_last
     scale: torch.Tensor  # [N, 2B, 1, 1, 1]
     nets: tuple[int, ...] = (0,)  # which of the models' ControlNets, one per guide
     # [steps, N]: 1 while a net runs, 0 after its own `end` (several nets ending apart; the step plan stops them all
@@ -46,13 +74,13 @@ class Control(Plain):
         if self.keep is None:
             return self
         keep = self.keep[index] if isinstance(index, int) else self.keep.index_select(0, index)
-        return Control(self.image, self.scale * keep.view(-1, 1, 1, 1, 1).to(self.scale.dtype), self.nets)
+        return Control(self.guide, self.scale * keep.view(-1, 1, 1, 1, 1).to(self.scale.dtype), self.nets)
 
     def half(self, b: int) -> Control:
-        return Control(self.image[:, b:], self.scale[:, b:].clone(), self.nets, self.keep)
+        return Control(self.guide[:, b:], self.scale[:, b:].clone(), self.nets, self.keep)
 
     def first_images(self, n: int, b: int) -> Control:
-        return Control(image_rows(self.image, n, b, 1), image_rows(self.scale, n, b, 1), self.nets, self.keep)
+        return Control(image_rows(self.guide, n, b, 1), image_rows(self.scale, n, b, 1), self.nets, self.keep)
 
     def residuals(self, step: Step) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Every guide's ControlNet (none after the ControlNets' end: `StepKind.control`), residuals summed in the
@@ -61,7 +89,7 @@ class Control(Plain):
             return None
         mid = down = None
         for i, net in enumerate(self.nets):
-            m, *d = step.calls.net(net)(step.latents, step.t, step.embeds, step.pooled, step.time_ids, self.image[i],
+            m, *d = step.calls.net(net)(step.latents, step.t, step.embeds, step.pooled, step.time_ids, self.guide[i],
                                         self.scale[i])
             mid, down = (m, d) if mid is None else (mid + m, [a + b for a, b in zip(down, d)])
         return mid, down
@@ -69,16 +97,22 @@ class Control(Plain):
     def pairs(self, value: Control) -> list[Pair]:
         # a value without keep runs every net every step: the buffer's whole keep is 1
         keep = value.keep if value.keep is not None else torch.ones_like(self.keep)
-        return [(self.image, value.image), (self.scale, value.scale), (self.keep[: keep.shape[0]], keep)]
+        return [(self.guide, value.guide), (self.scale, value.scale), (self.keep[: keep.shape[0]], keep)]
 
 
-def control(images: list[torch.Tensor], scales: list[list[float]], device: torch.device, dtype: torch.dtype,
-            nets: tuple[int, ...] = (0,), keep: torch.Tensor | None = None) -> Control:
+def control(models: Any, images: list[torch.Tensor], scales: list[list[float]], nets: tuple[int, ...] = (0,),
+            keep: torch.Tensor | None = None) -> Control:
     """images: per net [B, 3, H, W], uint8 or pixels in [0, 1]; scales: per net one per image -> the CFG-doubled
-    Control (the same image on both halves)."""
-    image = torch.stack([device_pixels(i, device, dtype).repeat(2, 1, 1, 1) for i in images])  # [N, 2B, 3, H, W]
+    Control: each image embedded once by its net (`embed_guide`), the same guide on both halves."""
+    device, dtype = models.device, models.dtype
+    guides = [embed_guide(models.controlnets[n], device_pixels(i, device, dtype)) for n, i in zip(nets, images)]
+    b, ch, h, w = guides[0].shape
+    guide = torch.empty(len(guides), 2 * b, h, w, ch, device=device, dtype=dtype)  # each net's rows channels_last
+    for g, out in zip(guides, guide):
+        out.view(2, b, h, w, ch).copy_(g.permute(0, 2, 3, 1).unsqueeze(0).expand(2, -1, -1, -1, -1))
     scale = torch.tensor([list(s) * 2 for s in scales], device=device, dtype=dtype)
-    return Control(image, scale.view(len(images), -1, 1, 1, 1), tuple(nets), None if keep is None else keep.to(device))
+    return Control(guide.permute(0, 1, 4, 2, 3), scale.view(len(images), -1, 1, 1, 1), tuple(nets),
+                   None if keep is None else keep.to(device))
 
 
 def guides(item: Any) -> list[tuple[Path, float, str]]:
@@ -121,15 +155,17 @@ class Reader:
         if key.control_ends:  # 1 while each net runs, as diffusers' controlnet_keep (over the steps that run)
             runs = torch.tensor([control_steps(key.runs, end) for end in key.control_ends])
             keep = (torch.arange(key.runs)[:, None] < runs[None, :]).float()  # [steps, N]
-        return control(images, scales, self.models.device, self.models.dtype, nets, keep)
+        return control(self.models, images, scales, nets, keep)
 
 
 class Buffers:
-    """One guide and scale per ControlNet of the models, and each net's per-step keep, at the largest shape."""
+    """One embedded guide and scale per ControlNet of the models, and each net's per-step keep, at the largest
+    shape."""
 
     def __init__(self, models: Any, max_batch: int, max_pixels: int):
         nets, rows, dev, dtype = len(models.controlnets), 2 * max_batch, models.device, models.dtype
-        self.image = torch.zeros(nets * rows * 3 * max_pixels, device=dev, dtype=dtype)
+        self.channels = max(guide_channels(n) for n in models.controlnets)
+        self.guide = torch.zeros(nets * rows * self.channels * (max_pixels // 64), device=dev, dtype=dtype)
         self.scale = torch.zeros(nets, rows, 1, 1, 1, device=dev, dtype=dtype)
         self.keep = torch.ones(MAX_STEPS, nets, device=dev)  # each net's keep per step (Control.keep)
 
@@ -139,9 +175,9 @@ class Buffers:
         if not key.control:
             return None
         nets = nets_of(key.control)
-        n, rows = len(nets), 2 * key.batch
-        image = self.image[: n * rows * 3 * key.height * key.width].view(n, rows, 3, key.height, key.width)
-        return Control(image, self.scale[:n, :rows], nets, self.keep[:, :n])
+        n, rows, h, w, ch = len(nets), 2 * key.batch, key.height // 8, key.width // 8, self.channels
+        guide = self.guide[: n * rows * h * w * ch].view(n, rows, h, w, ch).permute(0, 1, 4, 2, 3)  # channels_last
+        return Control(guide, self.scale[:n, :rows], nets, self.keep[:, :n])
 
 
 def buffers(models: Any, max_batch: int, max_pixels: int) -> Buffers | None:
@@ -154,7 +190,7 @@ def synthetic(models: Any, batch: int, width: int, height: int, bits: int) -> Co
         return None
     nets = nets_of(bits)
     images = torch.rand((batch, 3, height, width), generator=torch.Generator("cpu").manual_seed(0))
-    return control([images] * len(nets), [[1.0] * batch] * len(nets), models.device, models.dtype, nets)
+    return control(models, [images] * len(nets), [[1.0] * batch] * len(nets), nets)
 
 
 KIND = Kind(NAME, FIELDS, Reader, buffers, synthetic)

@@ -36,7 +36,8 @@ import torch
 
 from storyboard_cli.engine.base import Shape
 from storyboard_cli.engine.device import capability
-from storyboard_cli.engine.kernels.export import MAX_ROWS, PERSISTENT_INNER, RECIPE, UNET_RECIPE, Target, export
+from storyboard_cli.engine.kernels.export import (CONTROLNET_RECIPE, MAX_ROWS, PERSISTENT_INNER, RECIPE, UNET_RECIPE,
+                                                  Target, export)
 from storyboard_cli.engine.variants import COMPILED, VARIANTS
 from storyboard_cli.models.tiny import cache_root
 
@@ -117,7 +118,8 @@ def artifact_key(target: Target, model: torch.nn.Module) -> str:
                    if not n.endswith(("to_qkv.weight", "to_kv.weight"))],  # made by fuse_projections
         # the fp16 row adds nothing to the recipe: its key stays what it was before FP8 existed, and caches keep it
         "torch": torch.__version__, "rows": MAX_ROWS, "options": options(target),
-        "recipe": RECIPE + (UNET_RECIPE if target.module == "unet" else ()) + target.variant.recipe, **where,
+        "recipe": RECIPE + (UNET_RECIPE if target.module == "unet" else CONTROLNET_RECIPE) + target.variant.recipe,
+        **where,
     }
     if target.refs:  # only where there are: a UNet without an adapter keeps the key it had
         facts["refs"] = target.refs

@@ -294,8 +294,10 @@ class CompiledKernels(StepCalls):
         call = self.calls[self.unet_target(8 * h, 8 * w, variant or self.loaded(8 * h, 8 * w)[0])]
         return call(latents, _scalar(t), embeds, pooled, time_ids, mid, down, *(attention or {}).values())
 
-    def _controlnet(self, latents, t, embeds, pooled, time_ids, image, scale, variant: str | None = None):
-        """`variant`: which ControlNet kernels ("compiled", "fp8"); None: the best loaded for the size (as `_unet`)."""
+    def _controlnet(self, latents, t, embeds, pooled, time_ids, guide, scale, variant: str | None = None):
+        """`variant`: which ControlNet kernels ("compiled", "fp8"); None: the best loaded for the size (as `_unet`).
+        `guide`: embedded (engine/conditions/control.py `embed_guide`), made channels_last where it is not (a graph's
+        buffer is: no copy)."""
         h, w = 8 * latents.shape[2], 8 * latents.shape[3]
         call = self.calls[self.controlnet_target(h, w, variant or self.loaded(h, w, True)[0])]
-        return call(latents, _scalar(t), embeds, pooled, time_ids, image, scale)
+        return call(latents, _scalar(t), embeds, pooled, time_ids, nhwc(guide), scale)

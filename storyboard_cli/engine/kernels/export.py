@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from storyboard_cli.engine.conditions.control import embedding_apart, guide_channels
 from storyboard_cli.engine.eager import controlnet_call, unet_call
 from storyboard_cli.engine.variants import COMPILED, PRECISIONS, VARIANTS, Variant
 from storyboard_cli.models.tokenizers import CLIP_TOKENS
@@ -39,9 +40,9 @@ MIN_ROWS = 2  # rows = 2 x images (CFG) or, for the conditional rows alone, the 
 MAX_ROWS = 16
 RECIPE = ("fused-qkv", "channels-last-weights")  # part of the key: what `export` does to the module
 PERSISTENT_INNER = 2048  # the most elements of an inner reduction the UNet's kernels make in one pass
-# the UNet's own part of it: SkipCatNhwc, and its builds' inductor choices (artifacts.unet_choices). The ControlNet's
-# key stays
+# the UNet's own part of it: SkipCatNhwc, and its builds' inductor choices (artifacts.unet_choices)
 UNET_RECIPE = ("skip-cat-nhwc", f"persistent-inner-{PERSISTENT_INNER}")
+CONTROLNET_RECIPE = ("guide-embedded-apart",)  # the ControlNet's: its embedding outside the artifact (ControlNetCall)
 
 
 @dataclass(frozen=True, order=True)
@@ -90,14 +91,16 @@ class UNetCall(torch.nn.Module):
 
 
 class ControlNetCall(torch.nn.Module):
-    """The step's ControlNet call (engine/eager.py controlnet_call) as a module to export."""
+    """The step's ControlNet call (engine/eager.py controlnet_call) as a module to export: the net apart from its
+    conditioning embedding (engine/conditions/control.py `embedding_apart`), which takes the guide embedded once per
+    batch."""
 
     def __init__(self, controlnet: torch.nn.Module):
         super().__init__()
-        self.controlnet = controlnet
+        self.controlnet = embedding_apart(controlnet)
 
-    def forward(self, latents, t, embeds, pooled, time_ids, image, scale):
-        return controlnet_call(self.controlnet, latents, t, embeds, pooled, time_ids, image, scale)
+    def forward(self, latents, t, embeds, pooled, time_ids, guide, scale):
+        return controlnet_call(self.controlnet, latents, t, embeds, pooled, time_ids, guide, scale)
 
 
 @dataclass(frozen=True)
@@ -144,9 +147,9 @@ def example_inputs(module: str, model: torch.nn.Module, rows: int, h: int, w: in
     embeds = torch.randn(rows, CLIP_TOKENS, text_dim, dtype=dtype, device=device)
     pooled = torch.randn(rows, pooled_dim, dtype=dtype, device=device)
     time_ids = torch.tensor([8 * h, 8 * w, 0, 0, 8 * h, 8 * w], dtype=dtype, device=device).expand(rows, 6).clone()
-    if module == "controlnet":
-        image = torch.rand(rows, 3, 8 * h, 8 * w, dtype=dtype, device=device)
-        return latents, t, embeds, pooled, time_ids, image, torch.ones(rows, 1, 1, 1, dtype=dtype, device=device)
+    if module == "controlnet":  # the embedded guide, channels_last as `embed_guide` makes it
+        guide = nhwc(torch.randn(rows, guide_channels(model), h, w, dtype=dtype, device=device))
+        return latents, t, embeds, pooled, time_ids, guide, torch.ones(rows, 1, 1, 1, dtype=dtype, device=device)
     mid, down = Residuals.of(model).zeros(rows, h, w, dtype, device)
     # channels_last, as the compiled ControlNet (channels_last convolutions) hands them over
     mid, down = nhwc(mid), tuple(nhwc(d) for d in down)
