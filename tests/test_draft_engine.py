@@ -94,7 +94,7 @@ def test_control_end_equals_diffusers_control_guidance_end(tiny_cpu, end):
 
     from conftest import ROOT
     from storyboard_cli.engine.conditioning import load_control_image
-    from storyboard_cli.engine.conditions.control import Control
+    from storyboard_cli.engine.conditions.control import control as make_control
     from storyboard_cli.engine.conditions.kind import Conditions
     from storyboard_cli.steps import control_steps
 
@@ -105,8 +105,7 @@ def test_control_end_equals_diffusers_control_guidance_end(tiny_cpu, end):
         image=Image.open(path).convert("RGB").resize((W, H), Image.LANCZOS), controlnet_conditioning_scale=0.9,
         control_guidance_end=end).images
     sched, x, noise, cond, guidance = _inputs(models, [seed], [GUIDANCE])
-    ctl = Conditions.of(Control(load_control_image(path, W, H)[None, None].repeat(1, 2, 1, 1, 1),
-                                torch.full((1, 2, 1, 1, 1), 0.9)))
+    ctl = Conditions.of(make_control(models, [load_control_image(path, W, H)[None]], [[0.9]]))
     plan = step_plan(STEPS, STEPS, control=control_steps(STEPS, end))
     got = EagerEngine(models).sample(x, sched, noise, cond, ctl, guidance, plan)
     assert rel_error(got, want) < RTOL

@@ -6,7 +6,7 @@ from PIL import Image
 
 from conftest import ROOT
 from storyboard_cli.engine.conditioning import PromptCache, conditioning, load_control_image
-from storyboard_cli.engine.conditions.control import Control
+from storyboard_cli.engine.conditions.control import control as make_control
 from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.eager import EagerEngine
 from storyboard_cli.engine.sampling import draw_noise, schedule
@@ -37,8 +37,7 @@ def test_same_latents_as_diffusers(tiny_cpu, sampler, control, negative):
     cond = conditioning(PromptCache(models), [PROMPT], [negative], W, H)
     ctl = None
     if control:
-        image = load_control_image(control_path, W, H)[None].repeat(2, 1, 1, 1)
-        ctl = Control(image[None], torch.full((1, 2, 1, 1, 1), 0.7))
+        ctl = make_control(models, [load_control_image(control_path, W, H)[None]], [[0.7]])
     got = EagerEngine(models).sample(x, sched, noise, cond, Conditions.of(ctl), torch.tensor([GUIDANCE]))
 
     err = rel_error(got, want)

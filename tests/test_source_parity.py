@@ -12,7 +12,7 @@ from PIL import Image
 
 from conftest import ROOT
 from storyboard_cli.engine.conditioning import PromptCache, conditioning, load_control_image
-from storyboard_cli.engine.conditions.control import Control
+from storyboard_cli.engine.conditions.control import control as make_control
 from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.conditions.source import Reader
 from storyboard_cli.engine.eager import EagerEngine
@@ -122,8 +122,7 @@ def test_controlnet_inpainting_equals_diffusers_with_control_guidance_end(tiny_c
                   mask_image=row.mask.pil((W, H)), strength=strength,
                   control_image=Image.open(path).convert("RGB").resize((W, H), Image.LANCZOS),
                   controlnet_conditioning_scale=0.9, control_guidance_end=end)
-    control = Control(load_control_image(path, W, H)[None, None].repeat(1, 2, 1, 1, 1), torch.full((1, 2, 1, 1, 1),
-                                                                                                    0.9))
+    control = make_control(models, [load_control_image(path, W, H)[None]], [[0.9]])
     got = ours(models, "euler", [row], x0, control, end)
     assert rel_error(got, want) < RTOL, end
 
