@@ -4,8 +4,9 @@ A ControlNet first turns its control image into a latent-sized feature (`control
 convolutions with SiLUs, from 3 channels at the image's full size to 320 at the latent's, most of them at 16 to 96
 channels over 256² to 1024² positions, where the matrix units are poorly fed). That feature is the same at every step
 of a batch, and for every candidate of a shot and both halves of the guidance (one control image). The step's
-ControlNet (its compiled artifact) computes it again at every step, for every row. Precomputing it once per batch would
-take it off every step; this measures what that would save, before the artifact's inputs are changed for it.
+ControlNet (its compiled artifact) computed it again at every step, for every row. This measured what precomputing it
+once per batch would save before the artifact's inputs were changed for it; the product now does so (engine/conditions/
+control.py `embed_guide`, export.CONTROLNET_RECIPE), and the scout still times the embedding alone.
 
 Per size (1024x1024, 832x1216) and rows (2, 4, 8, 16: 1 to 8 images, guided), fp16, each in ms (a CUDA graph of 10
 calls, median of --repeats replays):

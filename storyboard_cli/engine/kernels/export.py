@@ -14,6 +14,10 @@ and the compiled recipe applied to the module (`export`; engine/kernels/artifact
   1D kernel whose stores are C elements apart: about 11 ms of an 8 x 1024² step in six kernels
   (docs/PERFORMANCE.md). `SkipCatNhwc` exports each such concatenation along the last dimension of NHWC views, so
   the buffer is NHWC, and the norm and the 1x1 shortcut read it in place.
+- The ControlNet is exported apart from its conditioning embedding (`CONTROLNET_RECIPE`): it takes the guide as the
+  embedding made it once per batch (engine/conditions/control.py `embed_guide`), channels_last, where it ran the
+  embedding's eight convolutions at every step for every row: 1.6 ms of a 2 x 1024² +control step, 3.0 at 4 images,
+  5.3 at 8 (compiled, H100; benchmarks/results/step/2026-12-06-feac414-cn-embed-h100.json).
 - The UNet is exported WITH ControlNet residual inputs; a shape without ControlNet feeds it zeros, so one UNet
   artifact per size serves both.
 - A UNet with an IP-Adapter's processors (models/ip_adapter.py) is exported with three more inputs, the step's
