@@ -38,7 +38,8 @@ def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down, attention: 
 
 def controlnet_call(controlnet, latents, t, embeds, pooled, time_ids, image, scale) -> tuple[torch.Tensor, ...]:
     """The ControlNet as a function of tensors: image [2B, 3, H, W], scale [2B, 1, 1, 1] -> (mid, *down). The step
-    passes a net apart from its embedding (engine/conditions/control.py `embedding_apart`) and the guide it embedded (`embed_guide`) for `image`."""
+    passes a net apart from its embedding (engine/conditions/control.py `embedding_apart`) and, for `image`, the
+    guide that embedding made (`embed_guide`)."""
     down, mid = controlnet(latents, t, encoder_hidden_states=embeds, controlnet_cond=image, conditioning_scale=scale,
                            added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}, return_dict=False)
     return (mid, *down)

@@ -42,9 +42,10 @@ def guide_channels(controlnet: torch.nn.Module) -> int:
 @torch.no_grad()
 def embed_guide(controlnet: torch.nn.Module, image: torch.Tensor) -> torch.Tensor:
     """image [B, 3, H, W] pixels in [0, 1] -> the guide `embedding_apart(controlnet)` takes [B, C, H/8, W/8],
-    channels_last (as the compiled ControlNet's convolutions read it): the net's own embedding of it, bit for bit what
-    the whole net adds at every step. A "bgr" net flips its `controlnet_cond` before the embedding; the apart net
-    flips the guide instead, so it gets the embedding of the flipped image flipped once more."""
+    channels_last (as the compiled ControlNet's convolutions read it): the net's own embedding of it, what the whole
+    net computed at every step (bit for bit on the CPU: tests/test_multi_control.py). A "bgr" net flips its
+    `controlnet_cond` before the embedding; the apart net flips the guide instead, so it gets the embedding of the
+    flipped image flipped once more."""
     bgr = controlnet.config.controlnet_conditioning_channel_order == "bgr"
     guide = controlnet.controlnet_cond_embedding(image.flip(1) if bgr else image)
     return (guide.flip(1) if bgr else guide).contiguous(memory_format=torch.channels_last)
@@ -164,7 +165,7 @@ class Buffers:
 
     def __init__(self, models: Any, max_batch: int, max_pixels: int):
         nets, rows, dev, dtype = len(models.controlnets), 2 * max_batch, models.device, models.dtype
-        self.channels = max(guide_channels(n) for n in models.controlnets)
+        self.channels = guide_channels(models.controlnets[0])  # every net's: their residuals feed one UNet
         self.guide = torch.zeros(nets * rows * self.channels * (max_pixels // 64), device=dev, dtype=dtype)
         self.scale = torch.zeros(nets, rows, 1, 1, 1, device=dev, dtype=dtype)
         self.keep = torch.ones(MAX_STEPS, nets, device=dev)  # each net's keep per step (Control.keep)
