@@ -1,7 +1,7 @@
-"""The streams a render's batches overlap on (run/batch.py): a batch's inputs (its prompts encoded, control images and
-noise copied in) are made on `inputs` while the UNet's stream still denoises the batch before, and a batch's VAE
-decode and its copy to the host run on `decode` while the next batch denoises. The UNet's stream (the current one)
-runs the denoising loops alone, one after the other.
+"""The streams a render's batches overlap on (run/batch.py): a batch's inputs (its prompts encoded, its control images
+embedded, its noise copied in) are made on `inputs` while the UNet's stream still denoises the batch before, and a
+batch's VAE decode and its copy to the host run on `decode` while the next batch denoises. The UNet's stream (the
+current one) runs the denoising loops alone, one after the other.
 
 The decode is queued from a host thread of its own (`on_decode`). The thread that queues a loop's replays is held in
 the last ones until the GPU is about one replay from the loop's end (the launch queue is full), so a decode queued
