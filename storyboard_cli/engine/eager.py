@@ -146,9 +146,10 @@ class EagerEngine:
         zero = torch.zeros_like(x)
         feature = new_feature(self.models, x, plan)
         conds = conds or Conditions()
+        calls = StepCalls.eager(self.models)  # once per loop, not per step (the nets apart from their embeddings)
         for i in range(sched.steps):
             x, prev = sample_step(self.models, x, prev, zero if noise is None else noise[i], table[i], cond,
-                                  conds.at(i), guidance, None, plan[i] if plan else FULL, feature, i)
+                                  conds.at(i), guidance, calls, plan[i] if plan else FULL, feature, i)
             between = run_between(between)
         run_between(between, everything=True)
         return x
