@@ -215,6 +215,44 @@ def test_a_decode_out_of_memory_is_decoded_again_and_other_decode_errors_fail_it
     assert result.status == "failed" and len(result.failed) == calls[0] and result.rendered == 5 - calls[0]
     assert all("simulated decode failure" in f["reason"] for f in result.failed)
 
+def test_a_decode_out_of_memory_twice_frees_the_graphs_and_is_decoded_once_more(job, tmp_path, tiny_cpu, monkeypatch):
+    """A decode out of memory again on its own retry: the engine gives back its graphs and their pool (what it holds
+    for speed) and the batch is decoded a third time, to the same bytes, with a note in the report; out of memory a
+    third time fails that batch's images alone, and the other batches land."""
+    import torch
+
+    import storyboard_cli.run.batch as batch
+
+    real, calls, released = batch.decode_on_device, [], []
+    release = BatchRunner.release
+
+    def fails(times):
+        def decode(models, latents):
+            calls.append((latents.shape[0], len(released)))
+            if len(calls) <= times:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real(models, latents)
+        return decode
+
+    def recorded(self):
+        released.append(len(calls))
+        release(self)
+
+    monkeypatch.setattr(BatchRunner, "release", recorded)
+    monkeypatch.setattr(batch, "decode_on_device", fails(2))
+    result, lines, files = _render(job, tmp_path / "oom", tiny_cpu)
+    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
+    assert result.status == "done" and result.rendered == 5 and lines == seq_lines and files == seq_files
+    assert calls[0][0] == calls[1][0] == calls[2][0] and released == [2]  # freed between the 2nd and 3rd decode
+    assert [c[1] for c in calls[:3]] == [0, 0, 1]
+    assert any("out of GPU memory decoding" in n and "graphs were freed" in n for n in result.notes), result.notes
+    calls.clear(), released.clear()
+    monkeypatch.setattr(batch, "decode_on_device", fails(3))
+    result, _, _ = _render(job, tmp_path / "oom3", tiny_cpu)
+    assert result.status == "failed" and len(result.failed) == calls[0][0] and result.rendered == 5 - calls[0][0]
+    assert released == [2] and all("out of memory" in f["reason"] for f in result.failed)
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_decode_beside_the_next_batch_writes_the_same_bytes(job, tmp_path):
     """The decode and the inputs on streams of their own, the graphs replaying on the UNet's: the same PNG bytes as

@@ -35,7 +35,9 @@ def now() -> float:
 
 
 def event() -> torch.cuda.Event | None:
-    if not torch.cuda.is_available():
+    """A timing event recorded on the current stream; None on the CPU, and inside a graph's capture (the runner's
+    `step` is what a capture records: an event recorded there is the graph's, and querying it is an error)."""
+    if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
         return None
     e = torch.cuda.Event(enable_timing=True)
     e.record()

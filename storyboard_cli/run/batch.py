@@ -444,8 +444,11 @@ class BatchRunner:
         done = d.done
         failure = d.queued.exception() if d.queued is not None else None  # waits for the decode to be queued
         if isinstance(failure, torch.cuda.OutOfMemoryError):  # the batch after took its memory: once more, alone
+            failure.with_traceback(None)  # its frames hold the failed decode's tensors (the future keeps it)
             torch.cuda.empty_cache()
             failure = self.lanes.on_decode(lambda: self._decode(d), here=True).exception()
+            if isinstance(failure, torch.cuda.OutOfMemoryError):
+                failure.with_traceback(None)
         if failure is not None:
             raise failure
         t = done.timing

@@ -106,14 +106,32 @@ class OutOfMemoryPolicy:
             return
         decoding, label = self.pending
         self.pending = None
+        self.deliver(self._finish(decoding, label), label)
+
+    def _finish(self, decoding: Decoding, label: str) -> list[Decoded]:
+        """The decode's images (`BatchRunner.finish`). A decode still out of memory after its own retry is tried once
+        more after the engine gives back what it holds for speed (its graphs and their pool: captured again on use),
+        so that denoised images are not lost to it; a failure after that fails the batch's images."""
         try:
-            decoded = self.runner.finish(decoding)
+            return self.runner.finish(decoding)
+        except torch.cuda.OutOfMemoryError:
+            pass  # handled below, outside this block: the error's frames hold memory
         except BATCH_ERRORS as e:
-            _raise_if_device(e)
-            log.exception("decoding %s failed", label)
-            self.sink.fail([item for item, _ in decoding.done], one_line(e, 200))
-            decoded = decoding.done.failed
-        self.deliver(decoded, label)
+            return self._failed(decoding, label, e)
+        self.out_of_memory += 1
+        self.runner.release()
+        self.notes.append(f"out of GPU memory decoding {label}: decoded again after the graphs were freed")
+        try:
+            return self.runner.finish(decoding)
+        except BATCH_ERRORS as e:
+            return self._failed(decoding, label, e)
+
+    def _failed(self, decoding: Decoding, label: str, e: BaseException) -> list[Decoded]:
+        """The decode's images failed with `e` (a device's error stops the render instead)."""
+        _raise_if_device(e)
+        log.exception("decoding %s failed", label)
+        self.sink.fail([item for item, _ in decoding.done], one_line(e, 200))
+        return decoding.done.failed
 
     def _out_of_memory(self, batch: Batch, buckets: tuple[int, ...], fallback: bool) -> None:
         self.oom_at = min(self.oom_at, batch.size)
