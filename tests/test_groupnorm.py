@@ -123,7 +123,7 @@ def test_fuse_leaves_a_decoder_whose_device_fails_the_check_as_it_was(tiny_cpu):
 
 
 def test_decode_hands_a_channels_last_decoder_its_layout_and_the_pixels_stay(tiny_cpu, monkeypatch):
-    from storyboard_cli.run.batch import decode_on_device
+    from storyboard_cli.run.batch import decode_on_device, decode_pixels
 
     latents = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(1))
     want_f, want = decode_on_device(tiny_cpu, latents)
@@ -139,6 +139,8 @@ def test_decode_hands_a_channels_last_decoder_its_layout_and_the_pixels_stay(tin
     assert seen == [True, True]  # one image at a time, each in the decoder's layout
     assert got_f.is_contiguous() and got.shape == want.shape == (2, 16 * 8, 16 * 8, 3)
     assert (got.int() - want.int()).abs().max().item() <= 1 and (got_f - want_f).abs().max().item() < 5e-5
+    finite, pixels = decode_pixels(models, latents)  # a render's decode: the same bytes, image by image
+    assert torch.equal(pixels, got) and finite.tolist() == [True, True]
 
 
 KERNEL_CHECK = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""A batch's decode and writes overlap the next batch's denoising (run/oom.py `flush`): the same pixels and manifest
+"""A batch's decode and writes overlap the next batch's denoising (run/oom.py `deliver_ready`, `flush`): the same pixels and manifest
 order as one batch after the other, nothing already denoised lost when a later batch fails, and the report's hidden
 seconds. CPU, tiny preset (the GPU's streams: tests/test_gpu.py)."""
 
@@ -186,6 +186,57 @@ class NotAhead(Sequential):
         return runner
 
 
+def test_a_render_s_decode_gives_the_batch_decode_s_bytes_and_flags_each_image_with_nan(tiny_cpu):
+    """`decode_pixels` (a render's decode: each image made uint8 before the next is decoded) gives the bytes of
+    `decode_on_device` (the whole batch's float pixels first), and marks the image whose latents hold a NaN alone."""
+    import torch
+
+    from storyboard_cli.run.batch import decode_on_device, decode_pixels
+
+    latents = torch.randn(3, 4, 8, 10, generator=torch.Generator().manual_seed(3))
+    latents[1, 2, 3, 4] = float("nan")
+    finite, pixels = decode_pixels(tiny_cpu, latents)
+    want_f, want = decode_on_device(tiny_cpu, latents)
+    assert pixels.shape == (3, 64, 80, 3) and torch.equal(pixels[0::2], want[0::2])
+    assert finite.tolist() == torch.isfinite(want_f).flatten(1).all(1).tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("running", [False, True], ids=["done", "running"])
+def test_a_decode_still_running_never_holds_the_next_batch_and_batches_land_in_order(job, tmp_path, tiny_cpu,
+                                                                                    monkeypatch, running):
+    """A batch is delivered once the next batch's loop is queued if its decode is done by then (`done`). A decode
+    still running then (`running`: as on a GPU where it outlasts the next loop) is not waited for: the batch after is
+    run first, and the oldest batch is delivered once two decodes would be in flight, the rest at the end. Either
+    way, the files and the manifest's order are a sequential render's."""
+    from storyboard_cli.run.oom import OutOfMemoryPolicy
+
+    events, run_batch, deliver = [], BatchRunner.run_batch, OutOfMemoryPolicy.deliver
+
+    def ran(self, batch, fallback=False, upcoming=None):
+        out = run_batch(self, batch, fallback, upcoming)
+        events.append(("ran", batch.items[0].shot))
+        return out
+
+    def delivered(self, decoded, label):
+        events.append(("delivered", decoded[0].item.shot))
+        return deliver(self, decoded, label)
+
+    monkeypatch.setattr(BatchRunner, "run_batch", ran)
+    monkeypatch.setattr(OutOfMemoryPolicy, "deliver", delivered)
+    monkeypatch.setattr(BatchRunner, "decoded", lambda self, d: not running)
+    result, lines, files = _render(job, tmp_path / "overlap", tiny_cpu)
+    monkeypatch.undo()
+    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
+    assert result.status == seq.status == "done" and result.rendered == 5
+    assert lines == seq_lines and files == seq_files
+    a, b, c = [shot for what, shot in events if what == "ran"]
+    if running:
+        want = [("ran", a), ("ran", b), ("ran", c), ("delivered", a), ("delivered", b), ("delivered", c)]
+    else:
+        want = [("ran", a), ("ran", b), ("delivered", a), ("ran", c), ("delivered", b), ("delivered", c)]
+    assert events == want
+
+
 def test_a_decode_out_of_memory_is_decoded_again_and_other_decode_errors_fail_its_images(job, tmp_path, tiny_cpu,
                                                                                        monkeypatch):
     """A decode runs on its own thread on a GPU (what it raises arrives where the batch is delivered): out of memory
@@ -194,7 +245,7 @@ def test_a_decode_out_of_memory_is_decoded_again_and_other_decode_errors_fail_it
 
     import storyboard_cli.run.batch as batch
 
-    real, calls = batch.decode_on_device, []
+    real, calls = batch.decode_pixels, []
 
     def fails(error):
         def decode(models, latents):
@@ -204,13 +255,13 @@ def test_a_decode_out_of_memory_is_decoded_again_and_other_decode_errors_fail_it
             return real(models, latents)
         return decode
 
-    monkeypatch.setattr(batch, "decode_on_device", fails(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")))
+    monkeypatch.setattr(batch, "decode_pixels", fails(torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")))
     result, lines, files = _render(job, tmp_path / "oom", tiny_cpu)
     seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
     assert result.status == "done" and result.rendered == 5 and calls[0] == calls[1]
     assert lines == seq_lines and files == seq_files
     calls.clear()
-    monkeypatch.setattr(batch, "decode_on_device", fails(ValueError("simulated decode failure")))
+    monkeypatch.setattr(batch, "decode_pixels", fails(ValueError("simulated decode failure")))
     result, lines, _ = _render(job, tmp_path / "error", tiny_cpu)
     assert result.status == "failed" and len(result.failed) == calls[0] and result.rendered == 5 - calls[0]
     assert all("simulated decode failure" in f["reason"] for f in result.failed)
@@ -223,7 +274,7 @@ def test_a_decode_out_of_memory_twice_frees_the_graphs_and_is_decoded_once_more(
 
     import storyboard_cli.run.batch as batch
 
-    real, calls, released = batch.decode_on_device, [], []
+    real, calls, released = batch.decode_pixels, [], []
     release = BatchRunner.release
 
     def fails(times):
@@ -239,7 +290,7 @@ def test_a_decode_out_of_memory_twice_frees_the_graphs_and_is_decoded_once_more(
         release(self)
 
     monkeypatch.setattr(BatchRunner, "release", recorded)
-    monkeypatch.setattr(batch, "decode_on_device", fails(2))
+    monkeypatch.setattr(batch, "decode_pixels", fails(2))
     result, lines, files = _render(job, tmp_path / "oom", tiny_cpu)
     seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
     assert result.status == "done" and result.rendered == 5 and lines == seq_lines and files == seq_files
@@ -247,7 +298,7 @@ def test_a_decode_out_of_memory_twice_frees_the_graphs_and_is_decoded_once_more(
     assert [c[1] for c in calls[:3]] == [0, 0, 1]
     assert any("out of GPU memory decoding" in n and "graphs were freed" in n for n in result.notes), result.notes
     calls.clear(), released.clear()
-    monkeypatch.setattr(batch, "decode_on_device", fails(3))
+    monkeypatch.setattr(batch, "decode_pixels", fails(3))
     result, _, _ = _render(job, tmp_path / "oom3", tiny_cpu)
     assert result.status == "failed" and len(result.failed) == calls[0][0] and result.rendered == 5 - calls[0][0]
     assert released == [2] and all("out of memory" in f["reason"] for f in result.failed)

@@ -69,20 +69,44 @@ def bucket_label(batch: Batch) -> str:
     return f"{batch.size} x {batch.key.label}"
 
 
+def _vae_input(models: SdxlModels, latents: torch.Tensor) -> torch.Tensor:
+    z = (latents / models.vae.config.scaling_factor).to(models.vae_dtype)
+    if channels_last(models.vae.decoder):  # a GPU's decoder (models/groupnorm.py fuse): its input in its layout
+        z = z.contiguous(memory_format=torch.channels_last)
+    return z
+
+
+def _decoded(models: SdxlModels, z: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Each image's float pixels [1, 3, H, W] in [0, 1], one image at a time: batched, the VAE's kernels (and their
+    rounding: 1 level in 255 on a CPU) depend on the batch's size and its other images, and an image's pixels must not
+    (a served batch mixes jobs)."""
+    for one in z.split(1):
+        yield (models.vae.decode(one, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+
+
+def _uint8(image: torch.Tensor) -> torch.Tensor:
+    return (image * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+
 @torch.no_grad()
 def decode_on_device(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, 4, h, w] latents -> (float pixels [B, 3, H, W] in [0, 1], uint8 [B, H, W, 3]), both on the device, as
     diffusers' VAE decode + postprocess."""
-    z = (latents / models.vae.config.scaling_factor).to(models.vae_dtype)
-    if channels_last(models.vae.decoder):  # a GPU's decoder (models/groupnorm.py fuse): its input in its layout
-        z = z.contiguous(memory_format=torch.channels_last)
-    images = []
-    # one image at a time: batched, the VAE's kernels (and their rounding: 1 level in 255 on a CPU) depend on
-    # the batch's size and its other images, and an image's pixels must not (a served batch mixes jobs)
-    for one in z.split(1):
-        images.append(models.vae.decode(one, return_dict=False)[0].float())
-    image = (torch.cat(images) / 2 + 0.5).clamp(0, 1).contiguous()
-    return image, (image * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    image = torch.cat(list(_decoded(models, _vae_input(models, latents)))).contiguous()
+    return image, _uint8(image)
+
+
+@torch.no_grad()
+def decode_pixels(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 4, h, w] latents -> (bool [B]: each image's float pixels free of NaN, uint8 [B, H, W, 3]), on the device:
+    `decode_on_device`'s pixels, each image's made uint8 before the next is decoded. A render's decode runs beside the
+    next batch's loop, and so holds one image's float pixels, not the batch's several copies of them (8 x 1024²:
+    100 MB a copy)."""
+    finite, pixels = [], []
+    for image in _decoded(models, _vae_input(models, latents)):
+        finite.append(torch.isfinite(image).flatten(1).all(1))
+        pixels.append(_uint8(image))
+    return torch.cat(finite), torch.cat(pixels)
 
 
 def decode(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -432,10 +456,19 @@ class BatchRunner:
         out.start = self.lanes.timer()
         latents = torch.stack([lat for _, lat in out.done])
         hand_over([lat for _, lat in out.done])
-        pixels_f, pixels = decode_on_device(self.models, latents)
-        finite = torch.stack([torch.isfinite(latents).flatten(1).all(1), torch.isfinite(pixels_f).flatten(1).all(1)])
+        finite_pixels, pixels = decode_pixels(self.models, latents)
+        finite = torch.stack([torch.isfinite(latents).flatten(1).all(1), finite_pixels])
         out.pixels, out.finite = self.lanes.to_host(pixels), self.lanes.to_host(finite)
         out.end = self.lanes.timer()
+
+    def decoded(self, d: Decoding) -> bool:
+        """Whether `finish` returns `d`'s images without waiting for the GPU: its decode queued and ended (or it
+        failed, or it had nothing to decode)."""
+        if d.queued is None:
+            return True
+        if not d.queued.done():
+            return False
+        return d.queued.exception() is not None or d.end is None or d.end.reached()
 
     def finish(self, d: Decoding) -> list[Decoded]:
         """Waits for a decode `start_decode` queued: PNG-ready pixels; an image with NaN/inf in its latents or pixels
