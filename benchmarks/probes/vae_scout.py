@@ -77,7 +77,11 @@ def sync() -> None:
 
 
 def to_uint8(image: torch.Tensor) -> torch.Tensor:
-    return ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    """A decoder's output [B, 3, H, W] in [-1, 1] (or the product's uint8 [B, H, W, 3]) -> uint8 [B, 3, H, W] on the
+    CPU."""
+    if image.dtype == torch.uint8:
+        return image.permute(0, 3, 1, 2).cpu()
+    return ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).cpu()
 
 
 def main() -> None:
@@ -154,7 +158,7 @@ def main() -> None:
             zz = z.contiguous(memory_format=torch.channels_last) if channels_last(m.decoder) else z
             fns[v] = (lambda m=m, zz=zz: m.decode(zz, return_dict=False)[0])
         elif v == "product":
-            fns[v] = lambda: decode(models, latents)[0] * 2 - 1
+            fns[v] = lambda: decode(models, latents)  # uint8 [B, H, W, 3] on the CPU
         elif v == "fp32_bench":
             def f():
                 torch.backends.cudnn.benchmark = True

@@ -37,9 +37,9 @@ def unet_call(unet, latents, t, embeds, pooled, time_ids, mid, down, attention: 
 
 
 def controlnet_call(controlnet, latents, t, embeds, pooled, time_ids, image, scale) -> tuple[torch.Tensor, ...]:
-    """The ControlNet as a function of tensors: image [2B, 3, H, W], scale [2B, 1, 1, 1] -> (mid, *down). The step
-    passes a net apart from its embedding (engine/conditions/control.py `embedding_apart`) and, for `image`, the
-    guide that embedding made (`embed_guide`)."""
+    """The ControlNet as a function of tensors: image (its `controlnet_cond`), scale [2B, 1, 1, 1] -> (mid, *down).
+    The step passes a net apart from its embedding (engine/conditions/control.py `embedding_apart`) and, for `image`,
+    the guide [2B, C, H/8, W/8] its embedding made (`embed_guide`); a whole net takes the pixels [2B, 3, H, W]."""
     down, mid = controlnet(latents, t, encoder_hidden_states=embeds, controlnet_cond=image, conditioning_scale=scale,
                            added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}, return_dict=False)
     return (mid, *down)

@@ -91,7 +91,8 @@ def _uint8(image: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def decode_on_device(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, 4, h, w] latents -> (float pixels [B, 3, H, W] in [0, 1], uint8 [B, H, W, 3]), both on the device, as
-    diffusers' VAE decode + postprocess."""
+    diffusers' VAE decode + postprocess: the float pixels too, for comparing decoders by them (a render runs
+    `decode_pixels`)."""
     image = torch.cat(list(_decoded(models, _vae_input(models, latents)))).contiguous()
     return image, _uint8(image)
 
@@ -109,10 +110,9 @@ def decode_pixels(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tens
     return torch.cat(finite), torch.cat(pixels)
 
 
-def decode(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode_on_device`, the uint8 pixels on the CPU."""
-    image, pixels = decode_on_device(models, latents)
-    return image, pixels.cpu()
+def decode(models: SdxlModels, latents: torch.Tensor) -> torch.Tensor:
+    """A render's decode (`decode_pixels`): the uint8 pixels [B, H, W, 3] on the CPU."""
+    return decode_pixels(models, latents)[1].cpu()
 
 
 @dataclass

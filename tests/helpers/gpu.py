@@ -147,5 +147,5 @@ def timed_decode(models, latents, reps=3):
     decode(models, latents)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    pixels = [decode(models, latents)[1] for _ in range(reps)][-1]
+    pixels = [decode(models, latents) for _ in range(reps)][-1]
     return (time.perf_counter() - start) / reps, pixels
