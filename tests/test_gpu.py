@@ -177,11 +177,12 @@ def test_render_graph_equals_eager(tmp_path):
 
 
 def test_out_of_memory_splits_the_bucket(tmp_path, monkeypatch):
-    """With the process capped between the memory a bucket of one image and a bucket of eight need to denoise (each
+    """With the process capped between the memory a bucket of one image and a bucket of sixteen need to denoise (each
     measured as the capped render runs: graph engine, first-replay check, no compiled kernels), and above what one
     image needs end to end (its decode included: a render decodes image by image, so a decode's peak does not grow
-    with the bucket), a bucket of 8 at 1024x1024 runs out of memory and is retried in smaller buckets; every image
-    still lands."""
+    with the bucket; on an H100 the tiny model's one-image render peaks at 618 MB, 432 of them its decode, and
+    denoising 8 images at 726 MB, so 16 leave room for a cap between), a bucket of 16 at 1024x1024 runs out of memory
+    and is retried in smaller buckets; every image still lands."""
     import gc
 
     from storyboard_cli.folder.outputs import read_fingerprint
@@ -226,23 +227,23 @@ def test_out_of_memory_splits_the_bucket(tmp_path, monkeypatch):
         return base, loop - base, torch.cuda.max_memory_reserved() - base
 
     base, one, one_whole = peak(1)
-    _, eight, eight_whole = peak(8)
+    _, sixteen, sixteen_whole = peak(16)
     monkeypatch.setattr(BatchRunner, "run_batch", run_batch)
-    mb = {"base": base >> 20, "one": one >> 20, "one_whole": one_whole >> 20, "eight": eight >> 20,
-          "eight_whole": eight_whole >> 20}
-    cap = max((one + eight) // 2, one_whole + 128 * 2**20)
-    assert eight > cap + 128 * 2**20, mb  # room for a cap between them
+    mb = {"base": base >> 20, "one": one >> 20, "one_whole": one_whole >> 20, "sixteen": sixteen >> 20,
+          "sixteen_whole": sixteen_whole >> 20}
+    cap = max((one + sixteen) // 2, one_whole + 128 * 2**20)
+    assert sixteen > cap + 128 * 2**20, mb  # room for a cap between them
     settle()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((base + cap) / total)
     try:
-        result = render(job(8, [1, 2, 4, 8]), RenderOptions(out_dir=tmp_path / "capped", compile="off"), models=models)
+        result = render(job(16, [1, 2, 4, 8, 16]), RenderOptions(out_dir=tmp_path / "capped", compile="off"), models=models)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     why = {**mb, "cap_mb": cap >> 20, "notes": result.notes, "reasons": sorted({f["reason"] for f in result.failed}),
            "graphs": [(g["shape"], g["state"], g["reason"]) for g in result.report.graphs]}
-    assert result.status == "done" and result.rendered == 8, why
-    assert any("out of GPU memory at 8" in n for n in result.notes) or any(
+    assert result.status == "done" and result.rendered == 16, why
+    assert any("out of GPU memory at 16" in n for n in result.notes) or any(
         "out of memory" in g["reason"].lower() for g in result.report.graphs), why
     assert all(read_fingerprint(p) for p in (tmp_path / "capped").rglob("*.png"))
 
