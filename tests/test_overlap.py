@@ -297,11 +297,71 @@ def test_a_decode_out_of_memory_twice_frees_the_graphs_and_is_decoded_once_more(
     assert calls[0][0] == calls[1][0] == calls[2][0] and released == [2]  # freed between the 2nd and 3rd decode
     assert [c[1] for c in calls[:3]] == [0, 0, 1]
     assert any("out of GPU memory decoding" in n and "graphs were freed" in n for n in result.notes), result.notes
+    assert not any("on the CPU" in n for n in result.notes), result.notes
     calls.clear(), released.clear()
     monkeypatch.setattr(batch, "decode_pixels", fails(3))
-    result, _, _ = _render(job, tmp_path / "oom3", tiny_cpu)
+    result, lines, files = _render(job, tmp_path / "oom3", tiny_cpu)
+    assert result.status == "done" and result.rendered == 5 and lines == seq_lines and files == seq_files
+    assert released == [2] and calls[3][0] == calls[0][0]  # a fourth decode, on the host copy of the VAE
+    assert any("decoded on the CPU" in n for n in result.notes), result.notes
+    calls.clear(), released.clear()
+    monkeypatch.setattr(batch, "decode_pixels", fails(4))
+    result, _, _ = _render(job, tmp_path / "oom4", tiny_cpu)
     assert result.status == "failed" and len(result.failed) == calls[0][0] and result.rendered == 5 - calls[0][0]
     assert released == [2] and all("out of memory" in f["reason"] for f in result.failed)
+
+
+def test_the_cpu_s_copy_of_the_vae_decodes_as_the_vae_does_and_holds_nothing_of_the_device(tiny_cpu):
+    """The last resort of a decode out of GPU memory (`BatchRunner.decode_on_host`): a float32 copy of the VAE in host
+    memory, of the same weights, that decodes the same pixels (the tiny preset on the CPU: the same modules)."""
+    import torch
+
+    from storyboard_cli.models.loader import host_decoder
+    from storyboard_cli.run.batch import decode_pixels
+
+    host = host_decoder(tiny_cpu)
+    assert host.vae is not tiny_cpu.vae and host.unet is tiny_cpu.unet and host.device == torch.device("cpu")
+    ours, theirs = host.vae.state_dict(), tiny_cpu.vae.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].float()) for k in ours)
+    assert all(v.dtype == torch.float32 and v.device.type == "cpu" for v in ours.values())
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(host.vae.parameters(), tiny_cpu.vae.parameters()))
+    latents = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    finite, pixels = decode_pixels(host, latents)
+    want_finite, want = decode_pixels(tiny_cpu, latents)
+    assert finite.all() and torch.equal(finite, want_finite) and torch.equal(pixels, want)
+
+
+def test_a_batch_out_of_memory_frees_what_it_held_before_the_batch_before_is_decoded(job, tmp_path, tiny_cpu,
+                                                                                    monkeypatch):
+    """A batch whose run_batch runs out of memory while the batch before is still decoding: that decode is finished
+    (and retried, on a GPU, if it too ran out of memory) outside the handler of the error, whose frames hold the
+    failed batch's memory; the split batch's images and the batch before all land, in a sequential render's order."""
+    import sys
+
+    import torch
+
+    real_run, real_finish, handling = BatchRunner.run_batch, BatchRunner.finish, []
+
+    def second_out_of_memory(self, batch, fallback=False, upcoming=None):
+        if batch.size > 1 and not handling:  # the first batch of two: its decode is pending when the next one fails
+            handling.append(None)
+        elif batch.size > 1 and len(handling) == 1:
+            handling.append(None)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_run(self, batch, fallback, upcoming)
+
+    def finish(self, d):
+        handling.append(sys.exc_info()[0])
+        return real_finish(self, d)
+
+    monkeypatch.setattr(BatchRunner, "run_batch", second_out_of_memory)
+    monkeypatch.setattr(BatchRunner, "finish", finish)
+    result, lines, files = _render(job, tmp_path / "oom", tiny_cpu)
+    monkeypatch.undo()
+    seq, seq_lines, seq_files = _render(job, tmp_path / "sequential", tiny_cpu, Sequential)
+    assert len(handling) > 2 and handling[2:] == [None] * (len(handling) - 2), handling
+    assert result.status == "done" and result.rendered == 5 and lines == seq_lines and files == seq_files
+    assert any("out of GPU memory at 2" in n for n in result.notes), result.notes
 
 
 @pytest.mark.gpu

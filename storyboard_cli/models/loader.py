@@ -8,7 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -292,3 +292,13 @@ def load_sdxl(spec: str, controlnet: str | tuple[str, ...] | None, device: str |
         fuse(models.vae.decoder)  # the SiLUs inside the norms, channels_last: no layout conversions around cuDNN
         attend(models.vae.decoder)
     return models
+
+
+def host_decoder(models: SdxlModels) -> SdxlModels:
+    """`models` with a float32 copy of its VAE in host memory, the plain diffusers modules (no GPU kernels) and the
+    same weights, for a decode on the CPU: the last resort of a decode the GPU has no memory for (run/oom.py). Copied
+    weight by weight to the host: nothing of it is allocated on the GPU."""
+    vae = models.vae
+    host = type(vae).from_config(vae.config)
+    host.load_state_dict({k: v.detach().to("cpu", torch.float32) for k, v in vae.state_dict().items()})
+    return replace(models, vae=host.eval().requires_grad_(False), device=torch.device("cpu"), dtype=torch.float32)

@@ -32,7 +32,7 @@ from storyboard_cli.job.file import LoraFile
 from storyboard_cli.job.lora_files import LoraFileError
 from storyboard_cli.job.plan import Batch, BucketKey, WorkItem
 from storyboard_cli.models.groupnorm import channels_last
-from storyboard_cli.models.loader import SdxlModels
+from storyboard_cli.models.loader import SdxlModels, host_decoder
 from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora, set_key
 from storyboard_cli.steps import StepKind
 
@@ -175,6 +175,7 @@ class Decoding:
     start: Timer | None = None
     end: Timer | None = None
     queued: Future | None = None  # done once the decode thread has queued it (engine/streams.py `Lanes.on_decode`)
+    host: bool = False  # decoded on the CPU (`BatchRunner.decode_on_host`): its timers are the host's
 
     @property
     def items(self) -> list[WorkItem]:
@@ -197,6 +198,7 @@ class BatchRunner:
         self.ahead = ahead
         self._last: Denoised | None = None  # the latest batch denoised: where the next batch's inputs are measured from
         self.fallback: Engine = EagerEngine(models)  # for the out-of-memory policy's last retry
+        self._host: SdxlModels | None = None  # a host copy of the VAE, for `decode_on_host`
         self.prompts = PromptCache(models)
         self.schedules: dict[tuple[str, int, int], Schedule] = {}
         # the next batch's images' noise, drawn beside the loop before it (`noise_ahead`): noise_key -> its parts
@@ -461,6 +463,21 @@ class BatchRunner:
         out.pixels, out.finite = self.lanes.to_host(pixels), self.lanes.to_host(finite)
         out.end = self.lanes.timer()
 
+    @torch.no_grad()
+    def decode_on_host(self, d: Decoding) -> None:
+        """`d` decoded again, on the CPU, by a float32 copy of the VAE in host memory (models/loader.py
+        `host_decoder`, made at the first such decode): the last resort of a decode still out of GPU memory after the
+        engine freed its graphs (run/oom.py), so that images already denoised are not lost. The same decode, one image
+        at a time, in float32 (seconds an image at 1024², with the host waiting for it); `finish` then delivers it."""
+        if self._host is None:
+            self._host = host_decoder(self.models)
+        d.queued, d.host, d.start = Future(), True, Timer(False)
+        latents = torch.stack([lat.cpu() for _, lat in d.done])
+        finite_pixels, pixels = decode_pixels(self._host, latents)
+        d.finite = torch.stack([torch.isfinite(latents).flatten(1).all(1), finite_pixels])
+        d.pixels, d.end = pixels, Timer(False)
+        d.queued.set_result(None)
+
     def decoded(self, d: Decoding) -> bool:
         """Whether `finish` returns `d`'s images without waiting for the GPU: its decode queued and ended (or it
         failed, or it had nothing to decode)."""
@@ -503,7 +520,9 @@ class BatchRunner:
         # the decode ran beside the next batch's loop where that was queued: exposed for as long as it ran on after
         # that loop's end (none while that loop still runs); else for as long as it ran after its own batch's loop
         later = self._last.timing if self._last is not None and self._last is not done else None
-        if later is None:
+        if d.host:  # the host waited for all of it
+            self.timings.expose("decode", d.start.seconds_to(d.end))
+        elif later is None:
             self.timings.expose("decode", max(0.0, t.end.seconds_to(d.end)))
         elif later.end.reached():
             self.timings.expose("decode", max(0.0, later.end.seconds_to(d.end)))

@@ -87,16 +87,24 @@ class OutOfMemoryPolicy:
         """Runs the batch and queues its decode; False if it ran out of memory. The batch before is delivered
         once this one's loop is queued (its decode ran beside it). A failure of this batch alone is recorded
         against its images and the job goes on."""
+        oom, failure = False, None
         try:
             done = self.runner.run_batch(batch, fallback, upcoming)
         except torch.cuda.OutOfMemoryError:
-            self.flush()
-            return False  # handled by the caller, outside this block: the error's frames hold memory
+            oom = True  # handled outside this block: the error's frames hold the batch's memory
         except BATCH_ERRORS as e:
             _raise_if_device(e)
-            self.flush()
             log.exception("batch %s failed", batch.key.label)
-            self.sink.fail(batch.items, one_line(e, 200))
+            failure = one_line(e, 200)
+        if oom or failure is not None:
+            # the batches before are delivered first (the sink sees them in order), and their decodes, retried if
+            # they ran out of memory beside this batch, get what this batch's failure held (on an H100, decodes run
+            # inside this block failed for memory its capture's frames still held: docs/PERFORMANCE.md, twenty-ninth
+            # session)
+            self.flush()
+            if oom:
+                return False
+            self.sink.fail(batch.items, failure)
             return True
         self.deliver_ready()
         # what the decode raises (out of memory after the retries, a decode error) comes on delivery: the images fail
@@ -125,7 +133,9 @@ class OutOfMemoryPolicy:
     def _finish(self, decoding: Decoding, label: str) -> list[Decoded]:
         """The decode's images (`BatchRunner.finish`). A decode still out of memory after its own retry is tried once
         more after the engine gives back what it holds for speed (its graphs and their pool: captured again on use),
-        so that denoised images are not lost to it; a failure after that fails the batch's images."""
+        and, still out of memory (another process on the GPU, memory too fragmented for the decoder's largest
+        tensors), on the CPU (`BatchRunner.decode_on_host`): denoised images are not lost to their decode. Any other
+        failure fails the batch's images."""
         try:
             return self.runner.finish(decoding)
         except torch.cuda.OutOfMemoryError:
@@ -134,11 +144,21 @@ class OutOfMemoryPolicy:
             return self._failed(decoding, label, e)
         self.out_of_memory += 1
         self.runner.release()
-        self.notes.append(f"out of GPU memory decoding {label}: decoded again after the graphs were freed")
         try:
-            return self.runner.finish(decoding)
+            out = self.runner.finish(decoding)
+            self.notes.append(f"out of GPU memory decoding {label}: decoded again after the graphs were freed")
+            return out
+        except torch.cuda.OutOfMemoryError:
+            pass
         except BATCH_ERRORS as e:
             return self._failed(decoding, label, e)
+        try:
+            self.runner.decode_on_host(decoding)
+            out = self.runner.finish(decoding)
+        except BATCH_ERRORS as e:
+            return self._failed(decoding, label, e)
+        self.notes.append(f"out of GPU memory decoding {label}, with the graphs freed too: decoded on the CPU")
+        return out
 
     def _failed(self, decoding: Decoding, label: str, e: BaseException) -> list[Decoded]:
         """The decode's images failed with `e` (a device's error stops the render instead)."""
