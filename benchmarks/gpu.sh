@@ -8,8 +8,9 @@
 # Each leg runs on GPU 0 unless @GPU names another (@1b: a second lane on GPU 1, beside @1); the legs of a lane run
 # one after another, the lanes side by side.
 # Every step stops at its own cap or at LIMIT seconds after the start, whichever comes first (a step that runs past
-# it dumps every thread's Python stack into its log). ARTZ: a tarball of compiled artifacts to start the shared cache
-# with (the art.tgz of an earlier call, its checks against eager included: engine/graph/ledger.py). FP8=1: build,
+# it dumps every thread's Python stack into its log). ARTZ: tarballs of compiled artifacts, commas between, to start
+# the shared cache with (the art.tgz of an earlier call, its checks against eager included: engine/graph/ledger.py;
+# name each GPU's: a call for one kind may run on another, and an artifact's key names its GPU). FP8=1: build,
 # cold, ready, curves and first with --fp8. CLOCKS=1: the GPUs' clocks, power and throttle reasons every second
 # (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and Markdown, walls.txt, machine.txt); the files a leg
 # added to the shared cache (artifacts it built, checks against eager), ARTZ's left out: $OUT/art.tgz (over 15 MiB: in
@@ -106,7 +107,7 @@ GPU_TESTS=gpu_compiled,gpu_fp8,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_refe
 GPU_TESTS+=,gpu_regions,estimate,dist,capture_beside,vae_attention  # every test file with a GPU test
 R=$(mktemp -d /tmp/gpu-call.XXXX)
 mkdir -p "$OUT" "$BCG_CACHE/compiled"
-[ -n "${ARTZ:-}" ] && tar xzf "$ARTZ" -C "$BCG_CACHE/compiled"
+for a in ${ARTZ//,/ }; do tar xzf "$a" -C "$BCG_CACHE/compiled"; done
 ls "$BCG_CACHE/compiled" > "$R/cache_at_start.txt"
 
 pack() {
