@@ -255,6 +255,25 @@ def test_out_of_memory_splits_the_bucket(tmp_path, monkeypatch):
     assert all(read_fingerprint(p) for p in (tmp_path / "capped").rglob("*.png"))
 
 
+def test_the_decode_s_last_resort_on_the_cpu_gives_the_gpu_s_pixels_and_allocates_nothing_there():
+    """`BatchRunner.decode_on_host`'s copy of the VAE (models/loader.py `host_decoder`), made from the GPU's decoder
+    (its norms widened and fused, channels_last, its attention ours): nothing of it allocated on the GPU, and its
+    pixels within 2 levels of the GPU's decode (float32 both; the GPU's convolutions in TF32)."""
+    from storyboard_cli.models.loader import host_decoder, load_sdxl
+    from storyboard_cli.run.batch import decode_pixels
+
+    models = load_sdxl("tiny", None, "cuda", torch.float32)
+    latents = torch.randn(2, 4, 64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    host = host_decoder(models)
+    assert torch.cuda.memory_allocated() == before and next(host.vae.parameters()).device.type == "cpu"
+    finite, pixels = decode_pixels(host, latents.cpu())
+    want_finite, want = decode_pixels(models, latents)
+    diff = (pixels.int() - want.cpu().int()).abs()
+    assert finite.all() and want_finite.all() and diff.max() <= 2, (diff.max(), diff.float().mean())
+
+
 def test_capture_warm_times_the_eager_step_only_with_eager(tmp_path):
     """`bcg capture --warm`'s run: every shape captured, checked and its graph timed; the uncompiled step timed beside
     it only with `eager` (a warm-up of a copied cache does not wait for it)."""
