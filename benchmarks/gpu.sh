@@ -107,6 +107,7 @@ GPU_TESTS=gpu_compiled,gpu_fp8,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_refe
 GPU_TESTS+=,gpu_regions,estimate,dist,capture_beside,vae_attention  # every test file with a GPU test
 R=$(mktemp -d /tmp/gpu-call.XXXX)
 mkdir -p "$OUT" "$BCG_CACHE/compiled"
+ARTZ=${ARTZ:-}
 for a in ${ARTZ//,/ }; do tar xzf "$a" -C "$BCG_CACHE/compiled"; done
 ls "$BCG_CACHE/compiled" > "$R/cache_at_start.txt"
 

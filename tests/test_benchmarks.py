@@ -100,6 +100,21 @@ def test_gpu_sh_runs_the_legs_it_lists():
     assert listed == cases and len(cases) > 10
 
 
+def test_gpu_sh_runs_a_leg_with_no_artz_and_packs_its_logs(tmp_path):
+    """A call without prebuilt kernels (`ARTZ` unset, under `set -u`) runs its legs and packs its logs: a leg whose
+    step fails at once (a test file that does not exist) still leaves its line in walls.txt."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "ARTZ"}
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(GPU_SH), "tests:no_such_file"], cwd=ROOT, capture_output=True, text=True,
+                         env={**env, "SMOKE": "1", "OUT": str(out), "LIMIT": "120"}, timeout=150)
+    assert "unbound variable" not in run.stderr, run.stderr
+    with tarfile.open(out / "logs.tgz") as logs:
+        walls = logs.extractfile("./walls.txt").read().decode()
+    assert re.search(r"^1-tests-gpu0-no_such_file rc=\d+ ", walls, re.M), walls
+
+
 def test_the_readme_names_only_legs_gpu_sh_has():
     _, legs = _legs()
     text = README.read_text(encoding="utf-8")
