@@ -176,6 +176,24 @@ def test_render_graph_equals_eager(tmp_path):
         assert np.abs(a - b).max() <= 2, png.name
 
 
+def _largest_live_blocks(n: int = 8) -> list:
+    """The n largest CUDA blocks allocated now: (MB, whether in a graph's pool, the innermost frame of ours that
+    allocated it), from torch's memory snapshot (its history must be recording for the frames)."""
+    try:
+        snap = torch.cuda.memory._snapshot()
+        blocks = [(b["size"], tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0), b.get("frames", []))
+                  for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"]
+        out = []
+        for size, pooled, frames in sorted(blocks, key=lambda b: -b[0])[:n]:
+            ours = [f for f in frames if "storyboard_cli" in f["filename"]]
+            where = f"{ours[0]['filename'].split('storyboard_cli/')[-1]}:{ours[0]['line']} {ours[0]['name']}" if ours \
+                else (f"{frames[0]['filename']}:{frames[0]['line']}" if frames else "?")
+            out.append((size >> 20, "pool" if pooled else "", where))
+        return out
+    except Exception as e:  # noqa: BLE001 - a diagnosis for the failure message, never the test's failure
+        return [f"no snapshot: {e!r}"]
+
+
 def test_out_of_memory_splits_the_bucket(tmp_path, monkeypatch):
     """With the process capped between the memory a bucket of one image and a bucket of sixteen need to denoise (each
     measured as the capped render runs: graph engine, first-replay check, no compiled kernels), and 384 MB above what
@@ -235,17 +253,27 @@ def test_out_of_memory_splits_the_bucket(tmp_path, monkeypatch):
           "sixteen_whole": sixteen_whole >> 20}
     cap = max((one + sixteen) // 2, one_whole + 384 * 2**20)
     assert sixteen > cap + 128 * 2**20, mb  # room for a cap between them
+    held = []  # at each decode that fell to the CPU: the largest blocks allocated then, and where
+    decode_on_host = BatchRunner.decode_on_host
+
+    def noted(self, d):
+        held.append(_largest_live_blocks())
+        return decode_on_host(self, d)
+
+    monkeypatch.setattr(BatchRunner, "decode_on_host", noted)
     settle()
     total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.memory._record_memory_history(max_entries=200_000)  # each block's stack, for `held`
     torch.cuda.set_per_process_memory_fraction((base + cap) / total)
     try:
         result = render(job(16, [1, 2, 4, 8, 16]), RenderOptions(out_dir=tmp_path / "capped", compile="off"),
                         models=models)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.memory._record_memory_history(enabled=None)
     stats = torch.cuda.memory_stats()  # after the render: what it left allocated, reserved, split and unused
     left = {k: stats[f"{k}_bytes.all.current"] >> 20 for k in ("allocated", "reserved", "inactive_split")}
-    why = {**mb, "cap_mb": cap >> 20, "left_mb": left, "notes": result.notes,
+    why = {**mb, "cap_mb": cap >> 20, "left_mb": left, "held_at_cpu_decodes": held, "notes": result.notes,
            "reasons": sorted({f["reason"] for f in result.failed}),
            "graphs": [(g["shape"], g["state"], g["reason"]) for g in result.report.graphs]}
     assert result.status == "done" and result.rendered == 16, why
