@@ -110,6 +110,13 @@ def decode_pixels(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tens
     return torch.cat(finite), torch.cat(pixels)
 
 
+def _checked_decode(models: SdxlModels, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A render's decode of a batch's latents: (bool [2, B]: each image's latents, then its pixels, free of NaN/inf;
+    uint8 pixels [B, H, W, 3]), where `models` are (the GPU's, or `BatchRunner.decode_on_host`'s host copy)."""
+    finite_pixels, pixels = decode_pixels(models, latents)
+    return torch.stack([torch.isfinite(latents).flatten(1).all(1), finite_pixels]), pixels
+
+
 def decode(models: SdxlModels, latents: torch.Tensor) -> torch.Tensor:
     """A render's decode (`decode_pixels`): the uint8 pixels [B, H, W, 3] on the CPU."""
     return decode_pixels(models, latents)[1].cpu()
@@ -456,10 +463,8 @@ class BatchRunner:
     def _decode(self, out: Decoding) -> None:
         """`out`'s decode on the current (decode) stream: its pixels and what is finite, copied to host memory."""
         out.start = self.lanes.timer()
-        latents = torch.stack([lat for _, lat in out.done])
         hand_over([lat for _, lat in out.done])
-        finite_pixels, pixels = decode_pixels(self.models, latents)
-        finite = torch.stack([torch.isfinite(latents).flatten(1).all(1), finite_pixels])
+        finite, pixels = _checked_decode(self.models, torch.stack([lat for _, lat in out.done]))
         out.pixels, out.finite = self.lanes.to_host(pixels), self.lanes.to_host(finite)
         out.end = self.lanes.timer()
 
@@ -472,10 +477,8 @@ class BatchRunner:
         if self._host is None:
             self._host = host_decoder(self.models)
         d.queued, d.host, d.start = Future(), True, Timer(False)
-        latents = torch.stack([lat.cpu() for _, lat in d.done])
-        finite_pixels, pixels = decode_pixels(self._host, latents)
-        d.finite = torch.stack([torch.isfinite(latents).flatten(1).all(1), finite_pixels])
-        d.pixels, d.end = pixels, Timer(False)
+        d.finite, d.pixels = _checked_decode(self._host, torch.stack([lat.cpu() for _, lat in d.done]))
+        d.end = Timer(False)
         d.queued.set_result(None)
 
     def decoded(self, d: Decoding) -> bool:
