@@ -18,7 +18,7 @@
 #
 # Legs (ARG where a leg takes one):
 #   tests[:FILES]     pytest -m gpu, each file in a process of its own; FILES: names of tests/test_*.py joined by
-#                     commas (gpu,gpu_draft,...; default every GPU test file)
+#                     commas (gpu,gpu_draft,...; default every GPU test file); each file stops at TESTS_CAP seconds (200)
 #   rng               tests/test_gpu_compiled.py with probes/rng_probe.py: after which test the CUDA generator breaks
 #   build[:fp8]       `bcg capture jobs/bench.yaml --warm --compile on --steps 4 --eager` on the shared cache: the
 #                     job's kernels built side by side, then every shape captured, checked and timed beside eager
@@ -75,6 +75,8 @@
 #                     default), 8 x 1024² and 2 x 1024² with a ControlNet, and each reference step's ms
 #   conv              probes/conv_scout.py: the UNet's convolutions at 16 and 4 rows of 1024², cuDNN's fp16 against an
 #                     implicit-GEMM Triton kernel in fp16 and in FP8, each one's ms, TFLOPS and error, ms per step
+#   conv_psnr         probes/conv_psnr.py: the bench job's pictures through the diffusers loop with the FP8 Linears, and
+#                     with FP8 convolutions too, emulated (rounded through FP8), each variant's PSNR against fp16
 #   geglu             probes/geglu_scout.py: the feed-forward's first Linear and GEGLU at 16 and 4 rows of 1024², fp8 and
 #                     fp16: cuBLAS's GEMM and the compiler's GEGLU kernel (today's) against a Triton GEMM with GEGLU in
 #                     its epilogue (pointer, block-pointer, TMA and persistent forms), each one's ms, TFLOPS and error,
@@ -159,7 +161,7 @@ leg() {  # LEG ARG NAME
   case $leg in
   tests)
     for t in $(tr , " " <<< "${arg:-$GPU_TESTS}"); do
-      step "$n-$t" 200 python -m pytest -q -rP -m gpu "tests/test_$t.py" -p no:cacheprovider
+      step "$n-$t" "${TESTS_CAP:-200}" python -m pytest -q -rP -m gpu "tests/test_$t.py" -p no:cacheprovider
     done;;
   rng)
     step "$n" 150 env PYTHONPATH="$PWD/benchmarks/probes:$PYTHONPATH" python -m pytest -q -s -m gpu \
@@ -287,6 +289,8 @@ leg() {  # LEG ARG NAME
   conv)
     step "$n" 260 python benchmarks/probes/conv_scout.py --out "$R/$n.json" --budget 220 \
       $([ "$SMOKE" = 1 ] && echo --smoke);;
+  conv_psnr)
+    step "$n" 300 python benchmarks/probes/conv_psnr.py --out "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke);;
   geglu)
     step "$n" 260 python benchmarks/probes/geglu_scout.py --out "$R/$n.json" --budget 220 \
       $([ "$SMOKE" = 1 ] && echo --smoke);;
