@@ -75,7 +75,7 @@
 #                     default), 8 x 1024² and 2 x 1024² with a ControlNet, and each reference step's ms
 #   conv              probes/conv_scout.py: the UNet's convolutions at 16 and 4 rows of 1024², cuDNN's fp16 against an
 #                     implicit-GEMM Triton kernel in fp16 and in FP8, each one's ms, TFLOPS and error, ms per step
-#   conv_psnr         probes/conv_psnr.py: the bench job's pictures through the diffusers loop with the FP8 Linears, and
+#   conv_psnr[:VARIANTS]  probes/conv_psnr.py: the bench job's pictures through the diffusers loop with the FP8 Linears, and
 #                     with FP8 convolutions too, emulated (rounded through FP8), each variant's PSNR against fp16
 #   geglu             probes/geglu_scout.py: the feed-forward's first Linear and GEGLU at 16 and 4 rows of 1024², fp8 and
 #                     fp16: cuBLAS's GEMM and the compiler's GEGLU kernel (today's) against a Triton GEMM with GEGLU in
@@ -254,10 +254,11 @@ leg() {  # LEG ARG NAME
     local pick=""  # fp8_geglu: the forms and tiles of a GEGLU scout run earlier in this call, built only where they
     # take 3% of the FP8 8 x 1024² step (its replay: 182.6 ms, benchmarks/results/decode/2026-12-05-92ef8a0-job.json)
     # (GEGLU_REC: a GEGLU record of an earlier call, carried, in place of this call's)
+    # (STEP_MS: the FP8 step of the GPU the call runs on, in place of the H200 figure)
     [ "$arg" = fp8_geglu ] && pick=${GEGLU_REC:-$(ls -t "$R"/*-geglu-gpu*.json 2>/dev/null | head -n 1)}
     if [ -n "$pick" ]; then
       local why
-      if ! why=$(python benchmarks/probes/geglu_scout.py --gate "$pick" --step-ms 182.6 --share 0.03); then
+      if ! why=$(python benchmarks/probes/geglu_scout.py --gate "$pick" --step-ms "${STEP_MS:-182.6}" --share 0.03); then
         echo "$n: not run, $why" >> "$R/walls.txt"; return 0
       fi
       echo "$n: $why" >> "$R/walls.txt"
@@ -290,7 +291,8 @@ leg() {  # LEG ARG NAME
     step "$n" 260 python benchmarks/probes/conv_scout.py --out "$R/$n.json" --budget 220 \
       $([ "$SMOKE" = 1 ] && echo --smoke);;
   conv_psnr)
-    step "$n" 300 python benchmarks/probes/conv_psnr.py --out "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke);;
+    step "$n" 300 python benchmarks/probes/conv_psnr.py --out "$R/$n.json" ${arg:+--variants $arg} \
+      $([ "$SMOKE" = 1 ] && echo --smoke);;
   geglu)
     step "$n" 260 python benchmarks/probes/geglu_scout.py --out "$R/$n.json" --budget 220 \
       $([ "$SMOKE" = 1 ] && echo --smoke);;

@@ -16,6 +16,9 @@ and compares each variant's pictures with fp16's:
              (what `conv_scout.py`'s FP8 kernel computes)
   lin_conv3  lin, and only the 3x3 convolutions (the 1x1 shortcuts read a block's input, whose quantisation could not
              be fused into a norm)
+  lin_conv64, lin_conv32  lin, and the convolutions lin_conv takes whose input is at most 64 (32) latent pixels high
+             at the model's native size: the UNet's two (one) inner levels, where the channels are many and the
+             spatial error is spread over fewer, coarser pixels
 
 Every rounding is exact emulation (values rounded to FP8 and back, products in fp16 with fp32 accumulation), not
 the FP8 kernels: the kernels' own accumulation differs by far less than the rounding. The pictures are the bench
@@ -45,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from storyboard_cli.engine.kernels.fp8 import FP8, FP8_MAX, calibration_steps  # noqa: E402
 
-VARIANTS = ("lin", "lin_conv", "lin_conv3")
+VARIANTS = ("lin", "lin_conv", "lin_conv3", "lin_conv64", "lin_conv32")
 
 
 def fp8_linears(unet: torch.nn.Module) -> list[str]:
@@ -76,13 +79,15 @@ def rounded(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
 
 
-def calibrate(models, names: list[str]) -> dict[str, float]:
-    """name -> the amax of the module's input over the product's calibration calls."""
+def calibrate(models, names: list[str]) -> tuple[dict[str, float], dict[str, int]]:
+    """name -> the amax of the module's input over the product's calibration calls; name -> its input's height."""
     from storyboard_cli.engine.eager import unet_call
 
     seen: dict[str, torch.Tensor] = {}
+    height: dict[str, int] = {}
 
     def record(name, _m, args):
+        height[name] = args[0].shape[-2] if args[0].dim() == 4 else 0
         a = args[0].detach().abs().amax().float()
         seen[name] = a if name not in seen else torch.maximum(seen[name], a)
 
@@ -95,7 +100,7 @@ def calibrate(models, names: list[str]) -> dict[str, float]:
     finally:
         for h in hooks:
             h.remove()
-    return {n: a.item() for n, a in seen.items()}
+    return {n: a.item() for n, a in seen.items()}, height
 
 
 class Rounding:
@@ -160,10 +165,13 @@ def main() -> None:
         n += shot.candidates
     unet = models.unet
     linears = fp8_linears(unet)
-    variants = {"lin": (linears, []), "lin_conv": (linears, fp8_convs(unet, False)),
-                "lin_conv3": (linears, fp8_convs(unet, True))}
+    convs = fp8_convs(unet, False)
+    amax, height = calibrate(models, linears + convs)
+    side = unet.config.sample_size  # latent pixels at the native size, the calibration's
+    variants = {"lin": (linears, []), "lin_conv": (linears, convs), "lin_conv3": (linears, fp8_convs(unet, True)),
+                "lin_conv64": (linears, [c for c in convs if height[c] <= side // 2]),
+                "lin_conv32": (linears, [c for c in convs if height[c] <= side // 4])}
     wanted = [v for v in a.variants.split(",") if v]
-    amax = calibrate(models, sorted({n for v in wanted for n in variants[v][0] + variants[v][1]}))
     record: dict = {"model": models.name, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                     "torch": torch.__version__, "images": n, "shots": [s.id for s in shots],
                     "linears": len(linears), "convs": {v: len(variants[v][1]) for v in wanted}, "variants": {}}
