@@ -42,12 +42,13 @@ def fp8_kernels(models, root, builds=None) -> CompiledKernels:
 
 
 def fp8_reference(models, scales: F.InputScales, module: str = "unet") -> torch.nn.Module:
-    """The FP8 UNet (or first ControlNet) in eager PyTorch: a copy of the rendering module, fused and swapped as the
-    export's, holding the FP8 weights and scales the artifact is bound to."""
+    """The FP8 UNet (or first ControlNet) in eager PyTorch: a copy of the rendering module, fused and rewritten as the
+    export's (its feed-forwards one call: engine/kernels/geglu.py), holding the FP8 weights and scales the artifact is
+    bound to."""
     live = models.unet if module == "unet" else models.controlnets[0]
     net = copy.deepcopy(live)
     fuse_projections(net, processor=True)
-    F.swap_in(net)
+    F.rewrite(net)
     tensors = scales.tensors(models, live)
     with torch.no_grad():
         for name in F.linears(live):  # (the copy's: Fp8Linear is no Linear any more)

@@ -61,7 +61,10 @@ class Fp8Linear(torch.nn.Module):
 
     def quantise(self, x: torch.Tensor) -> torch.Tensor:
         """The input in float8_e4m3fn at its static scale, saturating at +-448: pointwise, so the compiler fuses it into
-        the kernel that makes the input (a LayerNorm, GEGLU)."""
+        the kernel that makes the input (a LayerNorm). An input already in FP8 was quantised at this scale by the
+        kernel that made it (engine/kernels/geglu.py) and is taken as it is."""
+        if x.dtype == FP8:
+            return x
         return (x / self.x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
@@ -108,6 +111,17 @@ def swap_in(unet: torch.nn.Module) -> int:
         owner = unet.get_submodule(parent)
         setattr(owner, child, Fp8Linear(getattr(owner, child)))
     return len(names)
+
+
+def rewrite(unet: torch.nn.Module) -> int:
+    """The `fp8` row's change to the module the export sees (a fused UNet or ControlNet): its FP8 Linears swapped in,
+    then each feed-forward's first Linear, GEGLU and the last Linear's quantisation made one kernel
+    (engine/kernels/geglu.py); returns how many Linears are FP8."""
+    from storyboard_cli.engine.kernels import geglu
+
+    count = swap_in(unet)
+    geglu.fuse(unet)
+    return count
 
 
 # ------------------------------------------------------------------ the rendering process's tensors
