@@ -51,9 +51,8 @@
 #                     step:controlnet step:bucket16@0b, step:layout_force step:layout_nd@0b; skip_cat: the
 #                     cache's UNets against those of the recipe before (after `build build:fp8@0b`); persistent:
 #                     the same for the persistent reductions (the recipe before carried in ARTZ); fp8_inverse: the
-#                     FP8 UNet quantising by a bound inverse scale against the cache's artifact; fp8_geglu: the
-#                     FP8 UNet with the feed-forward's GEMM, GEGLU and quantisation in one Triton kernel, the same
-#                     (after a `geglu` leg of the same call: its fastest forms, and only if they take 3% of the step)
+#                     FP8 UNet quantising by a bound inverse scale against the cache's artifact; fp8_unfused: the
+#                     FP8 UNet with its feed-forwards unfused (the recipe before engine/kernels/geglu.py), the same
 #   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel
@@ -251,19 +250,7 @@ leg() {  # LEG ARG NAME
   step)
     local smoke=""
     [ "$SMOKE" = 1 ] && smoke="--model tiny --side 128 --build-missing --loops 2 --replays 2"
-    local pick=""  # fp8_geglu: the forms and tiles of a GEGLU scout run earlier in this call, built only where they
-    # take 3% of the FP8 8 x 1024² step (its replay: 182.6 ms, benchmarks/results/decode/2026-12-05-92ef8a0-job.json)
-    # (GEGLU_REC: a GEGLU record of an earlier call, carried, in place of this call's)
-    # (STEP_MS: the FP8 step of the GPU the call runs on, in place of the H200 figure)
-    [ "$arg" = fp8_geglu ] && pick=${GEGLU_REC:-$(ls -t "$R"/*-geglu-gpu*.json 2>/dev/null | head -n 1)}
-    if [ -n "$pick" ]; then
-      local why
-      if ! why=$(python benchmarks/probes/geglu_scout.py --gate "$pick" --step-ms "${STEP_MS:-182.6}" --share 0.03); then
-        echo "$n: not run, $why" >> "$R/walls.txt"; return 0
-      fi
-      echo "$n: $why" >> "$R/walls.txt"
-    fi
-    step "$n" 560 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" GEGLU_PICK="$pick" \
+    step "$n" 560 env TORCHINDUCTOR_CACHE_DIR="/tmp/inductor-$n" \
       TORCHINDUCTOR_COMPILE_THREADS=$(( $(nproc) / ${#PLAN[@]} )) python benchmarks/probes/step_scout.py \
       "${arg:-controlnet}" --budget "$(( $(left) - 30 ))" --out "$R/$n.json" --build-dir "/tmp/step-build-$n" $smoke;;
   profile)

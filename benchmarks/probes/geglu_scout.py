@@ -80,56 +80,12 @@ if triton is not None:
     K_SQRT_HALF = tl.constexpr(SQRT_HALF)
     K_FP8_MAX = tl.constexpr(FP8_MAX)
 
-    @triton.jit
-    def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """A program's (row tile, column tile): GROUP_M row tiles at a time down each column tile (the weight's
-        tiles stay in L2 across the group)."""
-        n_tiles = N // BLOCK_N
-        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
-        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
-        return first_m + (pid % (GROUP_M * n_tiles)) % size_m, (pid % (GROUP_M * n_tiles)) // size_m
+    # the product's kernels (engine/kernels/geglu.py: the persistent form is the FP8 artifacts'), and their parts
+    from storyboard_cli.engine.kernels.geglu import kernels as production_kernels
 
-    @triton.jit
-    def geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, off_n, N, QUANT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """A fused program's output tile from its h and g accumulators: the operands' scales, the bias of its h
-        columns (from off_n) and of the g columns N further, h * gelu(g) (erf form), and with QUANT the output's
-        scale, saturated at the FP8 range."""
-        s = tl.load(xs_ptr) * tl.load(ws_ptr)
-        h = acc_h * s
-        g = acc_g * s
-        if HAS_BIAS:
-            rn = off_n + tl.arange(0, BLOCK_N)
-            h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-            g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
-        y = h * (0.5 * g * (1.0 + tl.math.erf(g * K_SQRT_HALF)))
-        if QUANT:
-            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -K_FP8_MAX), K_FP8_MAX)
-        return y
-
-    @triton.jit
-    def geglu_tile(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K, pid_m, pid_n, QUANT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One output tile (pid_m, pid_n) of geglu_gemm_kernel, with pointer tiles."""
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
-        h_ptrs = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N], K-major
-        g_ptrs = h_ptrs + N * K
-        acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            acc_h = tl.dot(a, tl.load(h_ptrs), acc_h)
-            acc_g = tl.dot(a, tl.load(g_ptrs), acc_g)
-            a_ptrs += BLOCK_K
-            h_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-        y = geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, pid_n * BLOCK_N, N, QUANT, HAS_BIAS, BLOCK_N)
-        out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    _PRODUCTION = production_kernels()
+    tile_of, geglu_epilogue, geglu_tile = _PRODUCTION.tile_of, _PRODUCTION.geglu_epilogue, _PRODUCTION.geglu_tile
+    geglu_gemm_persistent_kernel = _PRODUCTION.geglu_gemm_persistent_kernel
 
     @triton.jit
     def geglu_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
@@ -141,20 +97,6 @@ if triton is not None:
         pid_m, pid_n = tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         geglu_tile(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K, pid_m, pid_n, QUANT, HAS_BIAS,
                    BLOCK_M, BLOCK_N, BLOCK_K)
-
-    @triton.jit
-    def geglu_gemm_persistent_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
-                                     QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """geglu_gemm_kernel on a persistent grid: as many programs as the GPU has SMs, each taking every
-        num_programs-th tile in the grouped order (none where there are fewer tiles), so no wave of programs ends
-        part-full and a program's next tile's loads start while its last tile's epilogue is stored. The grid does not
-        depend on M: an exported graph with the rows dynamic launches it as it is."""
-        tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
-        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            pid_m, pid_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            geglu_tile(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K, pid_m, pid_n, QUANT, HAS_BIAS,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, M, N, K, HAS_BIAS: tl.constexpr,

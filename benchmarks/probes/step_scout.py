@@ -21,10 +21,9 @@
   fp8_inverse the production FP8 UNet with its inputs quantised by multiplying with a bound inverse scale, not by
               dividing by the scale (Fp8Linear.quantise; built with RECIPES' change), against the cache's artifact at
               2 and 8 images
-  fp8_geglu   the production FP8 UNet with each feed-forward's first Linear, GEGLU and the next Linear's quantisation
-              in one Triton kernel of ours (pointer tiles, a triton_op in the export; RECIPES' change), against the
-              cache's artifact at 2 and 8 images; with $GEGLU_PICK (a geglu_scout.py record), each shape's fastest
-              form with pointer arguments there (pointer, block-pointer or persistent) and its tiles
+  fp8_unfused the production FP8 UNet with its feed-forwards unfused (cuBLASLt's FP8 GEMM, then the compiler's GEGLU and
+              quantisation: the recipe before engine/kernels/geglu.py; RECIPES' change), against the cache's
+              artifact at 2 and 8 images: what the fused kernel gives on the GPU it runs on
   skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
               fp16 and FP8 UNets at 1024² against the artifacts of the recipe before it (the other unet-*.pt2 of
               the size in the cache), waiting for builds that run beside it (gpu.sh build build:fp8@0b)
@@ -244,7 +243,7 @@ OPTIONS = {  # scout -> (the UNet's variant, the inductor options added to produ
     "layout_nd": ("compiled", {"triton.prefer_nd_tiling": True}),
     "tune_fp8": ("fp8", {"max_autotune_pointwise": True, "coordinate_descent_tuning": True}),
     "fp8_inverse": ("fp8", {}),  # with RECIPES' change
-    "fp8_geglu": ("fp8", {}),
+    "fp8_unfused": ("fp8", {}),
 }
 
 
@@ -278,15 +277,9 @@ class InverseScale:
                 mock.patch.object(fp8.Fp8Linear, "quantise", quantise)]
 
 
-class FusedGeglu:
-    """Each feed-forward's first Linear, GEGLU and the second Linear's input quantisation in one Triton kernel: the
-    GEMM with GEGLU and the quantisation in its epilogue (benchmarks/probes/geglu_scout.py: 35.5 ms of the FP8
-    8 x 1024² step with pointer tiles, 34.3 with TMA tiles, where production spends 40.1), as a
-    `torch.library.triton_op` in the export. The pointer form (export_triton_probe.py: bcg_probe::geglu_pointer): on
-    torch 2.11 neither TMA form compiles into a package (benchmarks/results/step/2026-12-05-10e3eb1-export-triton.json).
-    It writes the second Linear's FP8 input at that Linear's static scale, which then takes an FP8 input as it is. The
-    same constants as production's, bound by the same names. $GEGLU_PICK picks each shape's form and tiles
-    (export_triton_probe.picks); the record says which (`geglu_picked`)."""
+class Unfused:
+    """The FP8 recipe before its feed-forwards were fused (engine/kernels/geglu.py `fuse` does nothing): the GEMM on
+    cuBLASLt and the compiler's GEGLU and quantisation kernel, as the FP8 artifacts were built until 2026-12-06."""
 
     def __init__(self, constants):
         self.base = constants
@@ -297,35 +290,12 @@ class FusedGeglu:
 
     @staticmethod
     def patches():
-        from diffusers.models.activations import GEGLU
-        from diffusers.models.attention import FeedForward
+        from storyboard_cli.engine.kernels import geglu
 
-        from export_triton_probe import register
-
-        register()
-        plain_ff, plain_quantise = FeedForward.forward, fp8.Fp8Linear.quantise
-
-        def forward(self, hidden_states, *args, **kwargs):
-            first, last = self.net[0], self.net[-1]
-            if not (isinstance(first, GEGLU) and isinstance(first.proj, fp8.Fp8Linear)
-                    and isinstance(last, fp8.Fp8Linear) and first.proj.bias is not None):
-                return plain_ff(self, hidden_states, *args, **kwargs)
-            p, lead, k = first.proj, hidden_states.shape[:-1], hidden_states.shape[-1]
-            q = torch.ops.bcg_probe.geglu_pointer(p.quantise(hidden_states).reshape(-1, k), p.weight, p.bias,
-                                                  p.x_scale, p.w_scale, last.x_scale)
-            q = q.reshape(*lead, q.shape[-1])
-            for module in self.net[1:]:  # the dropout (none in eval), the second Linear
-                q = module(q)
-            return q
-
-        def quantise(self, x):  # an input the fused kernel already quantised at this Linear's scale
-            return x if x.dtype == fp8.FP8 else plain_quantise(self, x)
-
-        return [mock.patch.object(FeedForward, "forward", forward),
-                mock.patch.object(fp8.Fp8Linear, "quantise", quantise)]
+        return [mock.patch.object(geglu, "fuse", lambda model: 0)]
 
 
-RECIPES = {"fp8_inverse": InverseScale, "fp8_geglu": FusedGeglu}  # scout -> its recipe change: the build's patches,
+RECIPES = {"fp8_inverse": InverseScale, "fp8_unfused": Unfused}  # scout -> its recipe change: the build's patches,
 # the constants it binds
 
 
@@ -347,10 +317,6 @@ def scout_options(args, rec: Record, models) -> None:
         for patch in recipe.patches() if recipe else ():
             patched.enter_context(patch)
         path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60)
-    if recipe is FusedGeglu:
-        from export_triton_probe import picked
-
-        rec.put("geglu_picked", picked())
     if path is not None:
         keep_wrapper(path, args.out.with_suffix(".wrapper.cpp.gz"))
         try:

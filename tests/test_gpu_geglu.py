@@ -1,0 +1,76 @@
+"""The fused FP8 feed-forward kernel (engine/kernels/geglu.py) on a GPU (skipped without CUDA or FP8 tensor cores): the
+Triton kernel against `reference` at SDXL's widths and the test model's, rows that fill no tile, and the tiny model's
+FP8 UNet artifact, built here as `bcg capture --fp8` builds it: its export keeps the kernel as one node, and the loaded
+package computes the eager fused UNet."""
+
+import pytest
+import torch
+
+from storyboard_cli.engine.kernels import fp8 as F
+from storyboard_cli.engine.kernels import geglu
+
+pytestmark = pytest.mark.gpu
+SIDE = 128
+
+
+@pytest.fixture(autouse=True)
+def fp8_device():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs a CUDA GPU of compute capability 8.9 or later")
+
+
+@pytest.mark.parametrize("k,inner,m", [(1280, 5120, 2 * 1024 + 37), (640, 2560, 16 * 4096), (64, 256, 37),
+                                       (1280, 5120, 1)])
+def test_the_kernel_computes_the_reference(k, inner, m):
+    """FP8 outputs: the kernel's float32 accumulation order is not torch's, so a value a rounding step away from an
+    FP8 boundary may land on the next FP8 value; all others are equal."""
+    g = torch.Generator(device="cuda").manual_seed(k + m)
+    x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.float16)
+    w = torch.randn(2 * inner, k, device="cuda", generator=g, dtype=torch.float16) / k**0.5
+    b = torch.randn(2 * inner, device="cuda", generator=g, dtype=torch.float16) * 0.1
+    xq, xs = F.quantize(x)
+    wq, ws = F.quantize(w)
+    want = geglu.reference(xq, wq, b, xs, ws, torch.tensor(0.004, device="cuda")).float()
+    got = geglu.op()(xq, wq, b, xs, ws, torch.tensor(0.004, device="cuda")).float()
+    assert got.shape == (m, inner)
+    assert (got == want).float().mean().item() > 0.99
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_the_fp8_artifact_runs_the_kernel_and_computes_the_eager_fused_unet(tmp_path):
+    import copy
+
+    from storyboard_cli.engine.base import Shape
+    from storyboard_cli.engine.eager import unet_call
+    from storyboard_cli.engine.kernels.artifacts import Target
+    from storyboard_cli.engine.kernels.builds import Builds
+    from storyboard_cli.engine.kernels.calls import CompiledKernels
+    from storyboard_cli.engine.kernels.export import export
+    from storyboard_cli.models.loader import load_sdxl
+
+    from helpers.kernels import run_calls, step_inputs
+    from helpers.reference import rel_error
+    from test_fp8 import FP8_TWINS, fp8_reference
+
+    models = load_sdxl("tiny", None, "cuda", torch.float16)
+    exported = export(Target("unet", SIDE, SIDE, "fp8"), copy.deepcopy(models.unet))
+    nodes = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    feed_forwards = [m for m in models.unet.modules() if type(m).__name__ == "FeedForward"]
+    assert feed_forwards and sum("geglu_fp8" in n for n in nodes) == len(feed_forwards)
+
+    events, notes = [], []
+    builds = Builds(torch.device("cuda"), events.append, notes=notes)
+    k = CompiledKernels(models, builds, notes, root=tmp_path / "cache", variant="fp8")
+    shape = Shape(4, SIDE, SIDE, False)
+    k.want(k.targets([shape]))
+    k.start(background=False)
+    builds.wait()
+    k.reserve(shape.batch, SIDE * SIDE)
+    assert k.ready(*shape) is None, notes
+    reference = fp8_reference(models, k.constants["fp8"])
+    for rows in (2, 8):
+        inputs = (*step_inputs(models, rows, False, seed=rows)[:5], None, None)
+        with torch.no_grad():
+            got = run_calls(k, *inputs)
+            want = unet_call(reference, *inputs[:5], None, None)
+        assert rel_error(got, want) < FP8_TWINS
