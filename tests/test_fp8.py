@@ -5,7 +5,6 @@ artifact (128x128) is conftest's `artifacts`, built once a session; the GPU side
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -25,12 +24,11 @@ from storyboard_cli.engine.variants import VARIANTS
 from storyboard_cli.errors import BadInput
 from storyboard_cli.models.loader import load_sdxl
 
-from helpers.kernels import SIDE, run_calls, step_inputs
+from helpers.kernels import FP8_TWINS, SIDE, fp8_reference, run_calls, step_inputs
 from helpers.reference import rel_error
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = Shape(4, SIDE, SIDE, False)
-FP8_TWINS = 1.5e-2  # compiled FP8 against the same FP8 arithmetic in eager PyTorch (below)
 CHECK_RTOL = VARIANTS["fp8"].check_rtol  # the first-replay check's limit
 
 
@@ -39,26 +37,6 @@ def fp8_kernels(models, root, builds=None) -> CompiledKernels:
     k.want(k.targets([SHAPE]))
     k.reserve(SHAPE.batch, SIDE * SIDE)
     return k
-
-
-def fp8_reference(models, scales: F.InputScales, module: str = "unet") -> torch.nn.Module:
-    """The FP8 UNet (or first ControlNet) in eager PyTorch: a copy of the rendering module, fused and rewritten as the
-    export's (its feed-forwards one call: engine/kernels/geglu.py), holding the FP8 weights and scales the artifact is
-    bound to."""
-    live = models.unet if module == "unet" else models.controlnets[0]
-    net = copy.deepcopy(live)
-    fuse_projections(net, processor=True)
-    F.rewrite(net)
-    tensors = scales.tensors(models, live)
-    with torch.no_grad():
-        for name in F.linears(live):  # (the copy's: Fp8Linear is no Linear any more)
-            m = net.get_submodule(name)
-            m.weight.copy_(tensors[f"{name}.weight"])
-            m.w_scale.copy_(tensors[f"{name}.w_scale"])
-            m.x_scale.copy_(tensors[f"{name}.x_scale"])
-            if m.bias is not None:
-                m.bias.copy_(live.get_submodule(name).bias)
-    return net
 
 
 def _unet_only(inputs):

@@ -41,16 +41,16 @@ def test_the_fp8_artifact_runs_the_kernel_and_computes_the_eager_fused_unet(tmp_
     import copy
 
     from storyboard_cli.engine.base import Shape
-    from storyboard_cli.engine.eager import unet_call
+    from storyboard_cli.engine.eager import StepCalls, unet_call
     from storyboard_cli.engine.kernels.artifacts import Target
     from storyboard_cli.engine.kernels.builds import Builds
     from storyboard_cli.engine.kernels.calls import CompiledKernels
     from storyboard_cli.engine.kernels.export import export
+    from storyboard_cli.engine.variants import VARIANTS
     from storyboard_cli.models.loader import load_sdxl
 
-    from helpers.kernels import run_calls, step_inputs
+    from helpers.kernels import FP8_TWINS, fp8_reference, run_calls, step_inputs
     from helpers.reference import rel_error
-    from test_fp8 import FP8_TWINS, fp8_reference
 
     models = load_sdxl("tiny", None, "cuda", torch.float16)
     exported = export(Target("unet", SIDE, SIDE, "fp8"), copy.deepcopy(models.unet))
@@ -69,8 +69,15 @@ def test_the_fp8_artifact_runs_the_kernel_and_computes_the_eager_fused_unet(tmp_
     assert k.ready(*shape) is None, notes
     reference = fp8_reference(models, k.constants["fp8"])
     for rows in (2, 8):
-        inputs = (*step_inputs(models, rows, False, seed=rows)[:5], None, None)
+        latents, t, embeds, pooled, time_ids, _, _ = step_inputs(models, rows, False, seed=rows)
+        half = [x.to("cuda", torch.float16) for x in (latents, embeds, pooled, time_ids)]
+        inputs = (half[0], t.cuda(), *half[1:], None, None)  # the timestep float32, as the step passes it
         with torch.no_grad():
             got = run_calls(k, *inputs)
             want = unet_call(reference, *inputs[:5], None, None)
-        assert rel_error(got, want) < FP8_TWINS
+            full = run_calls(StepCalls.eager(models), *inputs)
+        # in fp16 the compiler's producers round apart from eager's (FP8 values a step apart), far less than FP8 from
+        # fp16; a kernel with a wrong scale, tile or bias is as far off as FP8 itself or more
+        print(f"rows {rows}: artifact vs eager fused {rel_error(got, want):.2e}, eager fused vs fp16 {rel_error(want, full):.2e}")
+        assert rel_error(got, want) < min(FP8_TWINS, 0.6 * rel_error(want, full))
+        assert rel_error(want, full) < VARIANTS["fp8"].check_rtol

@@ -81,11 +81,8 @@ if triton is not None:
     K_FP8_MAX = tl.constexpr(FP8_MAX)
 
     # the product's kernels (engine/kernels/geglu.py: the persistent form is the FP8 artifacts'), and their parts
-    from storyboard_cli.engine.kernels.geglu import kernels as production_kernels
-
-    _PRODUCTION = production_kernels()
-    tile_of, geglu_epilogue, geglu_tile = _PRODUCTION.tile_of, _PRODUCTION.geglu_epilogue, _PRODUCTION.geglu_tile
-    geglu_gemm_persistent_kernel = _PRODUCTION.geglu_gemm_persistent_kernel
+    from storyboard_cli.engine.kernels.geglu_triton import (geglu_epilogue, geglu_gemm_persistent_kernel,  # noqa: F401
+                                                            geglu_tile, tile_of)
 
     @triton.jit
     def geglu_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,

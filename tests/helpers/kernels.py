@@ -1,6 +1,8 @@
 """What the CPU compiled-kernel tests share (tests/test_compiled.py, test_fp8.py; test_gpu_compiled.py loads through a
-new process too): the artifacts' image size, one step's module inputs and calls, a load in a second process."""
+new process too, test_gpu_geglu.py builds the FP8 twin on a GPU): the artifacts' image size, one step's module inputs
+and calls, the eager FP8 module an FP8 artifact computes, a load in a second process."""
 
+import copy
 import subprocess
 import sys
 
@@ -8,9 +10,11 @@ import torch
 
 from storyboard_cli.engine.conditions.control import embed_guide
 from storyboard_cli.engine.eager import StepCalls
-from storyboard_cli.engine.kernels.export import text_dims
+from storyboard_cli.engine.kernels import fp8 as F
+from storyboard_cli.engine.kernels.export import fuse_projections, text_dims
 
 SIDE = 128  # pixels: latent 16 x 16
+FP8_TWINS = 1.5e-2  # a compiled FP8 module against the same FP8 arithmetic in eager PyTorch (`fp8_reference`)
 
 
 def step_inputs(models, rows, control, seed=0):
@@ -28,6 +32,26 @@ def step_inputs(models, rows, control, seed=0):
         scale = torch.full((rows, 1, 1, 1), 0.7)
     return latents, t, embeds, pooled, time_ids, guide, scale
 
+
+
+def fp8_reference(models, scales: F.InputScales, module: str = "unet") -> torch.nn.Module:
+    """The FP8 UNet (or first ControlNet) in eager PyTorch: a copy of the rendering module, fused and rewritten as the
+    export's (its feed-forwards one call: engine/kernels/geglu.py), holding the FP8 weights and scales the artifact is
+    bound to."""
+    live = models.unet if module == "unet" else models.controlnets[0]
+    net = copy.deepcopy(live)
+    fuse_projections(net, processor=True)
+    F.rewrite(net)
+    tensors = scales.tensors(models, live)
+    with torch.no_grad():
+        for name in F.linears(live):  # (the copy's: Fp8Linear is no Linear any more)
+            m = net.get_submodule(name)
+            m.weight.copy_(tensors[f"{name}.weight"])
+            m.w_scale.copy_(tensors[f"{name}.w_scale"])
+            m.x_scale.copy_(tensors[f"{name}.x_scale"])
+            if m.bias is not None:
+                m.bias.copy_(live.get_submodule(name).bias)
+    return net
 
 
 def run_calls(calls: StepCalls, latents, t, embeds, pooled, time_ids, guide, scale):

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-SQRT_HALF = 0.7071067811865476
 TILES = (128, 128, 128, 8, 3, 8)  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M (SDXL's shapes)
 MIN_K = 32  # an FP8 tensor-core product's least depth
 
@@ -47,83 +46,6 @@ def tiles(k: int, inner: int) -> tuple[int, int, int, int, int, int] | None:
     bn = next((b for b in (bn, 64, 32, 16) if b <= bn and inner % b == 0), None)
     bk = next((b for b in (bk, 64, MIN_K) if b <= bk and k % b == 0), None)
     return None if bn is None or bk is None else (bm, bn, bk, warps, stages, group)
-
-
-@functools.cache
-def kernels() -> types.SimpleNamespace:
-    """The Triton kernels, defined at first use (importing Triton costs every bcg process time it would not use)."""
-    import triton
-    import triton.language as tl
-
-    k_sqrt_half, k_fp8_max = tl.constexpr(SQRT_HALF), tl.constexpr(FP8_MAX)
-
-    @triton.jit
-    def tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-        """A program's (row tile, column tile): GROUP_M row tiles at a time down each column tile (the weight's
-        tiles stay in L2 across the group)."""
-        n_tiles = N // BLOCK_N
-        first_m = (pid // (GROUP_M * n_tiles)) * GROUP_M
-        size_m = min((M + BLOCK_M - 1) // BLOCK_M - first_m, GROUP_M)
-        return first_m + (pid % (GROUP_M * n_tiles)) % size_m, (pid % (GROUP_M * n_tiles)) // size_m
-
-    @triton.jit
-    def geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, off_n, N, QUANT: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-        """An output tile from its h and g accumulators: the operands' scales, the bias of its h columns (from off_n)
-        and of the g columns N further, h * gelu(g) (erf form), and with QUANT the output's scale, saturated at the FP8
-        range."""
-        s = tl.load(xs_ptr) * tl.load(ws_ptr)
-        h = acc_h * s
-        g = acc_g * s
-        if HAS_BIAS:
-            rn = off_n + tl.arange(0, BLOCK_N)
-            h += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-            g += tl.load(b_ptr + N + rn).to(tl.float32)[None, :]
-        y = h * (0.5 * g * (1.0 + tl.math.erf(g * k_sqrt_half)))
-        if QUANT:
-            y = tl.minimum(tl.maximum(y / tl.load(os_ptr), -k_fp8_max), k_fp8_max)
-        return y
-
-    @triton.jit
-    def geglu_tile(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K, pid_m, pid_n, QUANT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One output tile (pid_m, pid_n), with pointer tiles: x [M, K], W [2N, K] row-major (the Linear's weight),
-        out [M, N]; K a multiple of BLOCK_K, N of BLOCK_N, the rows past M masked."""
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
-        h_ptrs = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N], K-major
-        g_ptrs = h_ptrs + N * K
-        acc_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            acc_h = tl.dot(a, tl.load(h_ptrs), acc_h)
-            acc_g = tl.dot(a, tl.load(g_ptrs), acc_g)
-            a_ptrs += BLOCK_K
-            h_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-        y = geglu_epilogue(acc_h, acc_g, b_ptr, xs_ptr, ws_ptr, os_ptr, pid_n * BLOCK_N, N, QUANT, HAS_BIAS, BLOCK_N)
-        out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
-
-    @triton.jit
-    def geglu_gemm_persistent_kernel(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K,
-                                     QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        """out[m, n] = h * gelu(g), h = s (x W[n]^T) + b[n], g = s (x W[N + n]^T) + b[N + n], s = x_scale w_scale
-        (QUANT: / out_scale, saturated, FP8), on a persistent grid: each program takes every num_programs-th tile in
-        the grouped order, so no wave of programs ends part-full, and the grid does not depend on M."""
-        tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
-        for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            pid_m, pid_n = tile_of(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            geglu_tile(x_ptr, w_ptr, b_ptr, out_ptr, xs_ptr, ws_ptr, os_ptr, M, N, K, pid_m, pid_n, QUANT, HAS_BIAS,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
-
-    return types.SimpleNamespace(tile_of=tile_of, geglu_epilogue=geglu_epilogue, geglu_tile=geglu_tile,
-                                 geglu_gemm_persistent_kernel=geglu_gemm_persistent_kernel)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
@@ -141,7 +63,7 @@ def op():
     keeps as one node and inductor compiles into the package."""
     from torch.library import triton_op, wrap_triton
 
-    k = kernels()
+    from storyboard_cli.engine.kernels.geglu_triton import geglu_gemm_persistent_kernel
 
     @triton_op("bcg::geglu_fp8", mutates_args={})
     def geglu_fp8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, xs: torch.Tensor, ws: torch.Tensor,
@@ -151,7 +73,7 @@ def op():
         bm, bn, bk, warps, stages, group = tiles(depth, n)
         out = torch.empty(m, n, device=x.device, dtype=FP8)
         grid = (torch.cuda.get_device_properties(x.device).multi_processor_count,)
-        wrap_triton(k.geglu_gemm_persistent_kernel)[grid](
+        wrap_triton(geglu_gemm_persistent_kernel)[grid](
             x, w, b, out, xs, ws, os, m, n, depth, QUANT=True, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             GROUP_M=group, num_warps=warps, num_stages=stages)
         return out
@@ -160,15 +82,13 @@ def op():
 
 
 def fusable(ff: torch.nn.Module) -> bool:
-    """Whether a diffusers FeedForward is GEGLU between two FP8 Linears (engine/kernels/fp8.py Fp8Linear) whose widths
-    a tile fits."""
+    """Whether a diffusers FeedForward is GEGLU between two FP8 Linears (engine/kernels/fp8.py Fp8Linear: FP8 weights)
+    whose widths a tile fits."""
     from diffusers.models.activations import GEGLU
 
-    from storyboard_cli.engine.kernels.fp8 import Fp8Linear
-
     first, last = ff.net[0], ff.net[-1]
-    if not (isinstance(first, GEGLU) and isinstance(first.proj, Fp8Linear) and first.proj.bias is not None
-            and isinstance(last, Fp8Linear)):
+    if not (isinstance(first, GEGLU) and first.proj.weight.dtype == FP8 and first.proj.bias is not None
+            and getattr(last, "weight", None) is not None and last.weight.dtype == FP8):
         return False
     k, n2 = first.proj.weight.shape[1], first.proj.weight.shape[0]
     return tiles(k, n2 // 2) is not None
