@@ -21,21 +21,26 @@ def fp8_device():
 
 @pytest.mark.parametrize("k,inner,m", [(1280, 5120, 2 * 1024 + 37), (640, 2560, 16 * 4096), (64, 256, 37),
                                        (1280, 5120, 1)])
-def test_the_kernel_computes_the_reference(k, inner, m, monkeypatch):
-    """FP8 outputs: the kernel's float32 accumulation order is not torch's, so a value a rounding step away from an
-    FP8 boundary may land on the next FP8 value; all others are equal."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the reference's product in full float32
+def test_the_kernel_computes_the_reference(k, inner, m):
+    """Against the exact product (float64): the kernel's FP8 tensor-core products accumulate at the Hopper's reduced
+    precision (as `torch._scaled_mm` with use_fast_accum), so at SDXL's depths 1.8% to 3.2% of the outputs land one FP8
+    step from the exact value (H200, 2026-12-06), at the test model's depth under 1%. A kernel with a wrong scale, bias,
+    tile or row mask is off in most of them."""
     g = torch.Generator(device="cuda").manual_seed(k + m)
     x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.float16)
     w = torch.randn(2 * inner, k, device="cuda", generator=g, dtype=torch.float16) / k**0.5
     b = torch.randn(2 * inner, device="cuda", generator=g, dtype=torch.float16) * 0.1
     xq, xs = F.quantize(x)
     wq, ws = F.quantize(w)
-    want = geglu.reference(xq, wq, b, xs, ws, torch.tensor(0.004, device="cuda")).float()
+    y = (xq.double() * xs.double()) @ (wq.double() * ws.double()).t() + b.double()  # the exact product
+    h, gate = y.chunk(2, dim=-1)
+    want = (h * torch.nn.functional.gelu(gate) / 0.004).clamp(-448, 448).float().to(F.FP8).float()
     got = geglu.op()(xq, wq, b, xs, ws, torch.tensor(0.004, device="cuda")).float()
     assert got.shape == (m, inner)
-    assert (got == want).float().mean().item() > 0.99
-    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    same = (got == want).float().mean().item()
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"{k} -> 2 x {inner} at {m} rows: {same:.4f} of the outputs exact, relative error {err:.2e}")
+    assert same > 0.95 and err < 4e-2
 
 
 def test_the_fp8_artifact_runs_the_kernel_and_computes_the_eager_fused_unet(tmp_path):
@@ -61,11 +66,14 @@ def test_the_fp8_artifact_runs_the_kernel_and_computes_the_eager_fused_unet(tmp_
 
     events, notes = [], []
     builds = Builds(torch.device("cuda"), events.append, notes=notes)
-    k = CompiledKernels(models, builds, notes, root=tmp_path / "cache", variant="fp8")
     shape = Shape(4, SIDE, SIDE, False)
-    k.want(k.targets([shape]))
-    k.start(background=False)
+    build = CompiledKernels(models, builds, notes, root=tmp_path / "cache", variant="fp8")
+    build.want(build.targets([shape]))
+    build.start(background=False)
     builds.wait()
+    assert [e.module for e in events if e.state == "done"] == ["unet 128x128 fp8"], (events, notes)
+    k = CompiledKernels(models, None, notes, root=tmp_path / "cache", variant="fp8")  # a render's load of it
+    k.want(k.targets([shape]))
     k.reserve(shape.batch, SIDE * SIDE)
     assert k.ready(*shape) is None, notes
     reference = fp8_reference(models, k.constants["fp8"])
