@@ -104,7 +104,7 @@ export BCG_CACHE=/tmp/bcg PYTEST_BCG_CACHE=/tmp/bcg TORCHINDUCTOR_CACHE_DIR=/tmp
 LIMIT=${LIMIT:-560}
 SMOKE=${SMOKE:-0}
 FP8_FLAG=$([ "${FP8:-0}" = 1 ] && echo --fp8)
-GPU_TESTS=gpu_compiled,gpu_fp8,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_references,gpu_source,gpu_refine
+GPU_TESTS=gpu_compiled,gpu_fp8,gpu_fp8_kernels,overlap,gpu,gpu_draft,gpu_lora,groupnorm,gpu_references,gpu_source,gpu_refine
 GPU_TESTS+=,gpu_regions,estimate,dist,capture_beside,vae_attention  # every test file with a GPU test
 R=$(mktemp -d /tmp/gpu-call.XXXX)
 mkdir -p "$OUT" "$BCG_CACHE/compiled"

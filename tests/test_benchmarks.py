@@ -146,8 +146,14 @@ def _script_imports() -> list[tuple[str, str, str, list[str]]]:
 @pytest.mark.parametrize("script, module, name, attrs", _script_imports(), ids=lambda v: v if isinstance(v, str) else "")
 def test_the_scripts_import_what_the_package_has(script, module, name, attrs):
     """A probe is not maintained as an entry point, but it must still name what the package has: a module it reads
-    (`C.text_dims`) or patches (`graphs.CHECK_RTOL = ...`) has that attribute."""
-    mod = importlib.import_module(module)
+    (`C.text_dims`) or patches (`graphs.CHECK_RTOL = ...`) has that attribute. The product's Triton kernels import
+    where Triton is (a GPU's torch has it; CI's CPU torch has not)."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        pytest.skip("needs Triton")
     obj = getattr(mod, name, None)
     if obj is None and importlib.util.find_spec(f"{module}.{name}"):
         obj = importlib.import_module(f"{module}.{name}")

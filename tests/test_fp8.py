@@ -24,7 +24,7 @@ from storyboard_cli.engine.variants import VARIANTS
 from storyboard_cli.errors import BadInput
 from storyboard_cli.models.loader import load_sdxl
 
-from helpers.kernels import FP8_TWINS, SIDE, fp8_reference, run_calls, step_inputs
+from helpers.kernels import FP8_TWINS, FP8_UNET_TWINS, SIDE, fp8_reference, run_calls, step_inputs
 from helpers.reference import rel_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,9 +72,9 @@ def test_the_artifact_computes_the_fp8_unet(artifacts):
             got = run_calls(k, *inputs)
             want = unet_call(reference, *inputs[:5], None, None)
             full = run_calls(StepCalls.eager(models), *inputs)
-        # fp8 rounds to 3 mantissa bits: where the compiler's fused producer (LayerNorm, GEGLU) differs from eager's
-        # in the last fp32 bit, an element can land on the next fp8 value (9e-3 measured, against 3.3e-2 to float)
-        assert rel_error(got, want) < min(FP8_TWINS, rel_error(want, full) / 2)
+        # fp8 rounds to 3 mantissa bits: where the compiler's fused producer (LayerNorm, GroupNorm) differs from
+        # eager's in the last fp32 bit, an element can land on the next fp8 value (FP8_UNET_TWINS)
+        assert rel_error(got, want) < FP8_UNET_TWINS * rel_error(want, full)
         assert 1e-3 < rel_error(got, full) < CHECK_RTOL
 
 
@@ -86,7 +86,7 @@ def test_scales_are_calibrated_once_per_model_and_stored(tmp_path):
     assert "calibrated now" in first[0] and "stored" in second[0]
     scales = k.constants["fp8"]
     stored = json.loads(scales.file.read_text())
-    assert set(stored["amax"]) == set(F.linears(models.unet)) and all(a > 0 for a in stored["amax"].values())
+    assert set(stored["amax"]) == set(F.quantised(models.unet)) and all(a > 0 for a in stored["amax"].values())
     assert set(scales.x_scales) == {"unet"}  # no ControlNet loaded: none calibrated
     assert scales.x_scales["unet"][next(iter(scales.x_scales["unet"]))].dtype == torch.float32
     other = load_sdxl("tiny", None, "cpu", torch.float32)
@@ -122,11 +122,12 @@ def test_a_lora_swap_requantizes_the_fp8_weights_in_place(artifacts):
         applier.apply({"x": (lora, 0.8)})
         after = run_calls(k, *inputs)
         want = unet_call(fp8_reference(models, k.constants["fp8"]), *inputs[:5], None, None)
+        full = run_calls(StepCalls.eager(models), *inputs)
         assert not torch.equal(q.view(torch.uint8), q0.view(torch.uint8))
         applier.restore()
         restored = run_calls(k, *inputs)
     assert (q.data_ptr(), s.data_ptr(), ff.data_ptr()) == ptrs
-    assert rel_error(after, before) > 1e-3 and rel_error(after, want) < FP8_TWINS
+    assert rel_error(after, before) > 1e-3 and rel_error(after, want) < FP8_UNET_TWINS * rel_error(want, full)
     assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
     assert torch.equal(restored, before)
 
@@ -166,7 +167,7 @@ def test_the_fp8_controlnet_artifact_computes_the_fp8_net(artifacts):
     assert set(scales.x_scales) == {"unet", "controlnet"} and len(scales.files) == 2
     assert "UNet and ControlNet kernels in FP8" in scales.note
     net = models.controlnets[0]
-    assert set(json.loads(scales.files[1].read_text())["amax"]) == set(F.linears(net))
+    assert set(json.loads(scales.files[1].read_text())["amax"]) == set(F.quantised(net)) == set(F.linears(net))
     reference = fp8_reference(models, scales, "controlnet")
     assert k.bind("compiled", SIDE, SIDE, True)  # the fp16 kernels to compare with: spare until a graph needs them
     k.reserve(CONTROL.batch, SIDE * SIDE)

@@ -1,6 +1,6 @@
 """The FP8 kernels' fused feed-forwards (engine/kernels/geglu.py) on the CPU: which feed-forwards fuse, the fused call
 computing exactly what the unfused FP8 feed-forward computes, the tiles the kernel takes at each width, and the FP8
-artifact's key naming the fusion. The Triton kernel itself runs on a GPU only (tests/test_gpu_geglu.py); the CPU
+artifact's key naming the fusion. The Triton kernel itself runs on a GPU only (tests/test_gpu_fp8_kernels.py); the CPU
 artifacts run `reference`, which tests/test_fp8.py checks against the eager module."""
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_the_tiles_fit_sdxls_widths_and_the_test_models_and_refuse_what_no_tile_
 
 def test_the_fp8_artifacts_key_names_the_fusion():
     """An FP8 artifact built before the fusion is another recipe: a cache's old FP8 UNet is never looked up."""
-    assert VARIANTS["fp8"].recipe == ("fp8-linears", "fused-geglu") and VARIANTS["fp8"].rewrite is F.rewrite
+    assert VARIANTS["fp8"].recipe == ("fp8-linears", "fused-geglu", "fp8-convs-inner") and VARIANTS["fp8"].rewrite is F.rewrite
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     target = Target("unet", 128, 128, "fp8")
     key = artifact_key(target, models.unet)

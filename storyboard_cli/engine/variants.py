@@ -82,8 +82,10 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     # or 4 of 8 images alone round as far apart as one (1.1e-2 to 1.24e-1 by guidance, H100:
     # benchmarks/results/fp8/2026-12-05-a923270-check-parts-h100.json): no part of the batch checks it cheaper.
     # Each feed-forward's first Linear, GEGLU and quantisation are one kernel of ours (engine/kernels/geglu.py: 3.5%
-    # of the 8 x 1024² step on an H100).
-    Variant(FP8, COMPILED, 8e-2, "fp8", ("fp8-linears", "fused-geglu"), fp8.OPTIONS, fp8.rewrite, fp8.InputScales,
+    # of the 8 x 1024² step on an H100), and the UNet's convolutions at its inner levels FP8 kernels of ours
+    # (engine/kernels/conv8.py).
+    Variant(FP8, COMPILED, 8e-2, "fp8", ("fp8-linears", "fused-geglu", "fp8-convs-inner"), fp8.OPTIONS, fp8.rewrite,
+            fp8.InputScales,
             asked=True,
             capability=(8, 9), hardware="FP8 tensor cores: Ada, Hopper or later", refuses=COMPILED_ONLY,
             without=("ip_adapter", "region_layout")),

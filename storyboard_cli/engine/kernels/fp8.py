@@ -4,12 +4,17 @@ of the `fp8` row of engine/variants.py. The UNet and the job's first ControlNet 
 
 - Which Linears: every Linear of a transformer block that reads image tokens (the fused q/k/v of self-attention,
   the cross-attention's query, the attention outputs, the GEGLU and feed-forward output, proj_in/proj_out). The
-  cross-attention's key/value read the 77 text tokens and stay fp16, as do the embeddings and the convolutions.
+  cross-attention's key/value read the 77 text tokens and stay fp16, as do the embeddings. Each feed-forward's first
+  Linear, GEGLU and the last Linear's quantisation are one kernel of ours (engine/kernels/geglu.py).
+- The UNet's convolutions at its inner levels are FP8 too, a kernel of ours (engine/kernels/conv8.py: input per tensor,
+  weight per output channel); the others, and all of the ControlNet's, stay fp16. `quantised` names every module
+  whose input is quantised.
 - Static scales: an input's scale is a constant, so its quantisation is a pointwise op the compiler fuses into the
   kernel that produces the input (LayerNorm, GEGLU); a dynamic scale needs a reduction first (55 ms per
   image-step measured, slower than fp16). The input scales come from calibration: a few eager calls of the module on
   the base model (`calibrate`; the ControlNet's with a sparse control image, `calibrate_controlnet`), once per
-  module's weights, stored in the cache beside the artifacts (`scales`). A weight's scale is its own amax / 448.
+  module's weights, stored in the cache beside the artifacts (`scales`; a stored file that lacks a module the recipe now
+  quantises is calibrated again). A Linear weight's scale is its own amax / 448.
 - The FP8 weights and their scales are tensors derived from the rendering modules' own weights
   (SdxlModels.derive): an in-place write (a LoRA swap) re-quantises them in place, so the artifact's bound
   pointers stay valid. The input scales stay the base model's: a LoRA that makes an input larger saturates at
@@ -30,6 +35,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+
+from storyboard_cli.engine.kernels import conv8, geglu
 
 log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
@@ -103,6 +110,12 @@ def linears(unet: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def quantised(unet: torch.nn.Module) -> dict[str, str]:
+    """`linears`, and a UNet's FP8 convolutions (engine/kernels/conv8.py `convs`: each its own input's module): every
+    module whose input the FP8 kernels quantise at a calibrated scale."""
+    return {**linears(unet), **{name: name for name in conv8.convs(unet)}}
+
+
 def swap_in(unet: torch.nn.Module) -> int:
     """Replaces the FP8 Linears of a fused UNet (what the export sees) by Fp8Linear; returns how many."""
     names = linears(unet)
@@ -115,11 +128,10 @@ def swap_in(unet: torch.nn.Module) -> int:
 
 def rewrite(unet: torch.nn.Module) -> int:
     """The `fp8` row's change to the module the export sees (a fused UNet or ControlNet): its FP8 Linears swapped in,
-    then each feed-forward's first Linear, GEGLU and the last Linear's quantisation made one kernel
-    (engine/kernels/geglu.py); returns how many Linears are FP8."""
-    from storyboard_cli.engine.kernels import geglu
-
+    a UNet's inner convolutions too (engine/kernels/conv8.py), then each feed-forward's first Linear, GEGLU and the
+    last Linear's quantisation made one kernel (engine/kernels/geglu.py); returns how many Linears are FP8."""
     count = swap_in(unet)
+    conv8.swap_in(unet)
     geglu.fuse(unet)
     return count
 
@@ -141,8 +153,8 @@ def module_name(models: Any, module: torch.nn.Module) -> str:
 
 def weights(models: Any, unet: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Constant name (without the module prefix) -> tensor, for every FP8 Linear of `unet` (the UNet or a
-    ControlNet): its FP8 weight and weight scale (derived from the live weight, re-quantised in place after any write to
-    it or to a q/k/v view of it)."""
+    ControlNet) and FP8 convolution: its FP8 weight and weight scale (derived from the live weight, re-quantised in
+    place after any write to it or to a q/k/v view of it)."""
     out, kind = {}, module_name(models, unet)
     for name in linears(unet):
         linear = unet.get_submodule(name)
@@ -160,13 +172,23 @@ def weights(models: Any, unet: torch.nn.Module) -> dict[str, torch.Tensor]:
 
         q, s = models.derive(f"fp8:{kind}:{name}", [w, *views], make, refresh)
         out[f"{name}.weight"], out[f"{name}.w_scale"] = q, s
+    for name in conv8.convs(unet):  # [N, R, S, C] FP8 and a scale per output channel, re-quantised in place as above
+        w = unet.get_submodule(name).weight
+
+        def refresh_conv(pair, w=w):
+            q, s = conv8.quantize(w)
+            pair[0].copy_(q)
+            pair[1].copy_(s)
+
+        q, s = models.derive(f"fp8:{kind}:{name}", [w], partial(conv8.quantize, w), refresh_conv)
+        out[f"{name}.weight"], out[f"{name}.w_scale"] = q, s
     return out
 
 
 def input_scales(amax: dict[str, float], unet: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
-    """Constant name -> the x_scale tensor of each FP8 Linear, from the calibrated input amax."""
+    """Constant name -> the x_scale tensor of each FP8 Linear and convolution, from the calibrated input amax."""
     out = {}
-    for name in linears(unet):
+    for name in quantised(unet):
         if name not in amax:
             raise RuntimeError(f"no calibrated FP8 input scale for {name}")
         out[f"{name}.x_scale"] = torch.tensor(max(amax[name], 1e-12) / FP8_MAX, dtype=torch.float32, device=device)
@@ -192,7 +214,7 @@ def fingerprint(models: Any, module: torch.nn.Module | None = None) -> str:
 
 
 def input_amax(module: torch.nn.Module, run: Callable[[], None]) -> dict[str, float]:
-    """name -> the amax of each FP8 Linear's input in `module` (a fused UNet or ControlNet, `linears`) over the calls
+    """name -> the amax of each FP8 module's input in `module` (a fused UNet or ControlNet, `quantised`) over the calls
     `run()` makes, read by hooks on the modules whose input is theirs in the rendering process."""
     seen: dict[str, torch.Tensor] = {}
 
@@ -202,7 +224,7 @@ def input_amax(module: torch.nn.Module, run: Callable[[], None]) -> dict[str, fl
             seen[name] = amax if name not in seen else torch.maximum(seen[name], amax)
 
     by_input: dict[str, list[str]] = {}
-    for name, source in linears(module).items():
+    for name, source in quantised(module).items():
         by_input.setdefault(source, []).append(name)
     hooks = [module.get_submodule(s).register_forward_pre_hook(partial(record, names))
              for s, names in by_input.items()]
@@ -211,9 +233,9 @@ def input_amax(module: torch.nn.Module, run: Callable[[], None]) -> dict[str, fl
     finally:
         for h in hooks:
             h.remove()
-    missing = [n for n in linears(module) if n not in seen]
+    missing = [n for n in quantised(module) if n not in seen]
     if missing:
-        raise RuntimeError(f"calibration never reached {len(missing)} FP8 Linears, e.g. {missing[0]}")
+        raise RuntimeError(f"calibration never reached {len(missing)} FP8 modules, e.g. {missing[0]}")
     return {n: a.item() for n, a in seen.items()}
 
 
@@ -276,7 +298,10 @@ def scales(models: Any, root: Path, module: str = "unet") -> tuple[dict[str, flo
     path = root / f"fp8-scales-{fingerprint(models, net)}.json"
     if path.is_file():
         try:
-            return json.loads(path.read_text())["amax"], path, False
+            amax = json.loads(path.read_text())["amax"]
+            if not set(quantised(net)) - set(amax):
+                return amax, path, False
+            log.warning("stored FP8 scales %s lack modules FP8 now quantises: calibrating again", path.name)
         except (ValueError, KeyError, OSError) as e:
             log.warning("stored FP8 scales %s unreadable (%s): calibrating again", path.name, e)
     amax = calibrate(models) if module == "unet" else calibrate_controlnet(models)

@@ -22,7 +22,7 @@ read back.
   model). No autotuning: a build never times kernels on a GPU a render may be using.
 - Its FP8 tensor-core products accumulate at the Hopper's reduced precision (Triton's default for FP8 dots; cuBLASLt's
   in production accumulates fully, `use_fast_accum=False`): at SDXL's depths 1.8% to 3.2% of its outputs land one FP8
-  step from the exact value, at the test model's under 1% (tests/test_gpu_geglu.py, H200). Whether that costs PSNR is
+  step from the exact value, at the test model's under 1% (tests/test_gpu_fp8_kernels.py, H200). Whether that costs PSNR is
   the bench job's FP8 drift to say (a `max_num_imprecise_acc` on the dots would promote the sums, at some speed).
 - In the export, a `torch.library.triton_op` (`bcg::geglu_fp8`): inductor compiles the kernel into the package beside
   its own, and a process that never imported this module loads and runs it (the load check's child). On the CPU (the
