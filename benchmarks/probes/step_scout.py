@@ -21,6 +21,8 @@
   fp8_inverse the production FP8 UNet with its inputs quantised by multiplying with a bound inverse scale, not by
               dividing by the scale (Fp8Linear.quantise; built with RECIPES' change), against the cache's artifact at
               2 and 8 images
+  fp8_noconv  the production FP8 UNet with its inner convolutions on cuDNN in fp16 (engine/kernels/conv8.py names
+              none; RECIPES' change), against the cache's artifact at 2 and 8 images: what the FP8 convolutions give
   fp8_unfused the production FP8 UNet with its feed-forwards unfused (cuBLASLt's FP8 GEMM, then the compiler's GEGLU and
               quantisation: the recipe before engine/kernels/geglu.py; RECIPES' change), against the cache's
               artifact at 2 and 8 images: what the fused kernel gives on the GPU it runs on
@@ -244,6 +246,7 @@ OPTIONS = {  # scout -> (the UNet's variant, the inductor options added to produ
     "tune_fp8": ("fp8", {"max_autotune_pointwise": True, "coordinate_descent_tuning": True}),
     "fp8_inverse": ("fp8", {}),  # with RECIPES' change
     "fp8_unfused": ("fp8", {}),
+    "fp8_noconv": ("fp8", {}),
 }
 
 
@@ -295,7 +298,25 @@ class Unfused:
         return [mock.patch.object(geglu, "fuse", lambda model: 0)]
 
 
-RECIPES = {"fp8_inverse": InverseScale, "fp8_unfused": Unfused}  # scout -> its recipe change: the build's patches,
+class NoConvs(Unfused):
+    """The FP8 recipe without its FP8 convolutions (engine/kernels/conv8.py `convs` names none): the inner convolutions
+    on cuDNN in fp16, as the FP8 artifacts were built until 2026-12-06. Its constants leave out the FP8 convolutions'
+    (the artifact reads those names' fp16 channels_last weights)."""
+
+    def tensors(self, models, model) -> dict:
+        from storyboard_cli.engine.kernels import conv8
+
+        drop = {f"{n}.{t}" for n in conv8.convs(model) for t in ("weight", "w_scale", "x_scale")}
+        return {k: v for k, v in self.base.tensors(models, model).items() if k not in drop}
+
+    @staticmethod
+    def patches():
+        from storyboard_cli.engine.kernels import conv8
+
+        return [mock.patch.object(conv8, "convs", lambda model: [])]
+
+
+RECIPES = {"fp8_inverse": InverseScale, "fp8_unfused": Unfused, "fp8_noconv": NoConvs}  # scout -> its recipe change: the build's patches,
 # the constants it binds
 
 
