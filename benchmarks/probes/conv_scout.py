@@ -58,44 +58,8 @@ CONFIGS = [  # BLOCK_M, BLOCK_N, num_warps, num_stages
 SMOKE_CONFIGS = [(32, 32, 4, 1)]
 
 if triton is not None:
-    @triton.jit
-    def conv_kernel(x_ptr, w_ptr, out_ptr, scale_ptr, bias_ptr, x_scale,
-                    M, H, W, C, P, Q, N,
-                    R: tl.constexpr, S: tl.constexpr, STRIDE: tl.constexpr, PAD: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """out[m, n] = x_scale * scale[n] * sum_{r, s, c} x[img, p*STRIDE - PAD + r, q*STRIDE - PAD + s, c] w[n, r, s, c]
-        (+ bias[n]); x NHWC [imgs, H, W, C], w [N, R, S, C], out NHWC [imgs, P, Q, N]; m = (img, p, q). C a multiple
-        of BLOCK_K."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        img = rm // (P * Q)
-        pq = rm % (P * Q)
-        p = pq // Q
-        q = pq % Q
-        m_ok = rm < M
-        n_ok = rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for rs in range(R * S):
-            r = rs // S
-            s = rs % S
-            h = p * STRIDE - PAD + r
-            w = q * STRIDE - PAD + s
-            ok = m_ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)
-            x_row = ((img * H + h) * W + w).to(tl.int64) * C
-            w_row = (rn.to(tl.int64) * (R * S) + rs) * C
-            for c0 in range(0, C, BLOCK_K):
-                a = tl.load(x_ptr + x_row[:, None] + (c0 + rk)[None, :], mask=ok[:, None], other=0.0)
-                b = tl.load(w_ptr + w_row[:, None] + (c0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
-                acc = tl.dot(a, tl.trans(b), acc)
-        scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0) * x_scale
-        acc = acc * scale[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(out, acc.to(tl.float16), mask=m_ok[:, None] & n_ok[None, :])
+    # the pointer kernel is the product's (engine/kernels/conv8_triton.py): x_scale read from a pointer, fp16 or FP8
+    from storyboard_cli.engine.kernels.conv8_triton import conv_fp8_kernel as conv_kernel  # noqa: E402
 
 
 if triton is not None:
@@ -228,8 +192,10 @@ def triton_conv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: tor
     grid = (triton.cdiv(m, bm), triton.cdiv(shape.n, bn))
     bk = min(block_k(shape.c), 64 if x.dtype == torch.float16 else 128)
 
+    xs = torch.tensor(x_scale, dtype=torch.float32, device=x.device)
+
     def call():
-        conv_kernel[grid](x, w, out, scale, bias if bias is not None else scale, x_scale,
+        conv_kernel[grid](x, w, out, scale, xs, bias if bias is not None else scale,
                           m, shape.h, shape.w, shape.c, shape.p, shape.q, shape.n,
                           R=shape.r, S=shape.s, STRIDE=shape.stride, PAD=shape.pad, BLOCK_M=bm, BLOCK_N=bn,
                           BLOCK_K=bk, HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages)

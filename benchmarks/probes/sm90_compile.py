@@ -129,7 +129,7 @@ def conv() -> list[dict]:
     for dt, bk in (("fp8e4nv", 128), ("fp16", 64)):
         for bm, bn, warps, stages in s.CONFIGS:
             rows.append(compile_one(s.conv_kernel, {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "out_ptr": "*fp16",
-                                                    "scale_ptr": "*fp32", "bias_ptr": "*fp32", "x_scale": "fp32",
+                                                    "ws_ptr": "*fp32", "xs_ptr": "*fp32", "bias_ptr": "*fp32",
                                                     **{k: "i32" for k in ("M", "H", "W", "C", "P", "Q", "N")}},
                                     {"R": 3, "S": 3, "STRIDE": 1, "PAD": 1, "BLOCK_M": bm, "BLOCK_N": bn,
                                      "BLOCK_K": bk, "HAS_BIAS": True}, SIZES, num_warps=warps, num_stages=stages))

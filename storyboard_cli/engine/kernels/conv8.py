@@ -144,11 +144,16 @@ class Fp8Conv2d(torch.nn.Module):
         return reference(xq, self.weight, self.w_scale, self.x_scale, self.bias, self.stride, self.pad).to(self.out_dtype)
 
 
-def swap_in(model: torch.nn.Module) -> int:
-    """Replaces the FP8 convolutions of a UNet (what the export sees) by Fp8Conv2d; returns how many."""
-    names = convs(model)
+def replace(model: torch.nn.Module, names: list[str], make) -> int:
+    """Each named submodule of `model` replaced by `make(it)` (an FP8 twin: fp8.py's Linears, the convolutions here);
+    returns how many."""
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent)
-        setattr(owner, child, Fp8Conv2d(getattr(owner, child)))
+        setattr(owner, child, make(getattr(owner, child)))
     return len(names)
+
+
+def swap_in(model: torch.nn.Module) -> int:
+    """Replaces the FP8 convolutions of a UNet (what the export sees) by Fp8Conv2d; returns how many."""
+    return replace(model, convs(model), Fp8Conv2d)

@@ -118,12 +118,7 @@ def quantised(unet: torch.nn.Module) -> dict[str, str]:
 
 def swap_in(unet: torch.nn.Module) -> int:
     """Replaces the FP8 Linears of a fused UNet (what the export sees) by Fp8Linear; returns how many."""
-    names = linears(unet)
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = unet.get_submodule(parent)
-        setattr(owner, child, Fp8Linear(getattr(owner, child)))
-    return len(names)
+    return conv8.replace(unet, list(linears(unet)), Fp8Linear)
 
 
 def rewrite(unet: torch.nn.Module) -> int:
