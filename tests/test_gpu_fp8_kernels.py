@@ -47,8 +47,9 @@ def test_the_kernel_computes_the_reference(k, inner, m):
                                           (64, 64, 8, 2), (32, 64, 16, 5)])
 def test_the_convolution_kernel_computes_the_exact_arithmetic(c, n, side, rows):
     """Against the exact convolution (float64) of the same FP8 values: the padding's zeros, the rows past a tile and
-    the channels past N. Its products accumulate at the Hopper's FP8 precision, as the feed-forward's do: fp16 outputs
-    differ from the exact ones by far less than FP8's rounding (3.7e-2)."""
+    the channels past N. Its products accumulate at the Hopper's reduced FP8 precision, as the feed-forward's do
+    (Triton's default on sm_90 never promotes the sums), over up to 9 x 2560 terms: the outputs stay well inside FP8's
+    own rounding (3.7e-2), where a wrong tap, padding or mask is off by a tenth and more."""
     g = torch.Generator(device="cuda").manual_seed(c + side)
     x = torch.randn(rows, c, side, side, device="cuda", generator=g, dtype=torch.float16)
     x = x.contiguous(memory_format=torch.channels_last)
@@ -64,7 +65,7 @@ def test_the_convolution_kernel_computes_the_exact_arithmetic(c, n, side, rows):
     want = torch.nn.functional.conv2d(xq.double() * xs.double(), weight, bias.double(), 1, 1)
     err = ((got.double() - want).norm() / want.norm()).item()
     print(f"{c} -> {n} 3x3 at {side}x{side}, {rows} rows: relative error {err:.2e}")
-    assert err < 5e-3
+    assert err < 2e-2
 
 
 def test_the_fp8_artifact_runs_the_kernels_and_computes_the_eager_fp8_unet(tmp_path):
