@@ -112,6 +112,7 @@ mkdir -p "$OUT" "$BCG_CACHE/compiled"
 ARTZ=${ARTZ:-}
 for a in ${ARTZ//,/ }; do tar xzf "$a" -C "$BCG_CACHE/compiled"; done
 ls "$BCG_CACHE/compiled" > "$R/cache_at_start.txt"
+touch "$R/at_start"  # ARTZ's files keep their archived times: a file of theirs the call rewrites is newer
 
 pack() {
   for f in "$R"/*/*-server.pid; do [ -f "$f" ] && kill -KILL -- "-$(cat "$f")" 2>/dev/null; done  # serve's servers
@@ -119,10 +120,12 @@ pack() {
   ls -la --full-time "$BCG_CACHE/compiled" > "$R/cache_at_end.txt" 2>&1
   mkdir -p "$R/builds"; cp "$BCG_CACHE"/compiled/*.{log,build.json} "$R/builds/" 2>/dev/null
   tar czf "$OUT/logs.tgz" -C "$R" .
-  # what the call added to the cache (ARTZ holds the rest): a file back from a call is at most 16 MiB
+  # what the call added to the cache or rewrote in it (stored FP8 scales calibrated again under the same name; ARTZ
+  # holds the rest): a file back from a call is at most 16 MiB
   local added
-  added=$(cd "$BCG_CACHE/compiled" && ls *.pt2 *.ok *.build.json fp8-scales-*.json checked-*.json 2>/dev/null \
-    | grep -vxFf "$R/cache_at_start.txt")
+  added=$(cd "$BCG_CACHE/compiled" && find . -maxdepth 1 -type f -newer "$R/at_start" \( -name '*.pt2' -o \
+    -name '*.ok' -o -name '*.build.json' -o -name 'fp8-scales-*.json' -o -name 'checked-*.json' \) -printf '%f\n' \
+    | sort)
   [ -n "$added" ] && (cd "$BCG_CACHE/compiled" && tar czf "$OUT/art.tgz" $added)
   # a whole build (18 MB) is over that: in parts, `cat art.tgz.part-* > art.tgz` puts it together again
   if [ -f "$OUT/art.tgz" ] && [ "$(stat -c %s "$OUT/art.tgz")" -gt $((15 << 20)) ]; then

@@ -115,6 +115,36 @@ def test_gpu_sh_runs_a_leg_with_no_artz_and_packs_its_logs(tmp_path):
     assert re.search(r"^1-tests-gpu0-no_such_file rc=\d+ ", walls, re.M), walls
 
 
+def test_gpu_sh_sends_back_no_file_of_artz_the_call_left_alone(tmp_path):
+    """`art.tgz` carries what a call wrote into the cache, by time (a stored FP8 scales file calibrated again keeps its
+    name): ARTZ's files keep their archived times when unpacked, so one the call left alone does not come back."""
+    import os
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "fp8-scales-0123456789abcdef0123.json").write_text("{}\n")
+    (src / "unet-fp8-64x64-0123456789abcdef0123.pt2").write_bytes(b"x")
+    for f in src.iterdir():
+        os.utime(f, (1.6e9, 1.6e9))
+    artz = tmp_path / "artz.tgz"
+    with tarfile.open(artz, "w:gz") as tar:
+        for f in sorted(src.iterdir()):
+            tar.add(f, arcname=f.name)
+    out = tmp_path / "out"
+    try:
+        run = subprocess.run(["bash", str(GPU_SH), "tests:no_such_file"], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "SMOKE": "1", "OUT": str(out), "LIMIT": "120", "ARTZ": str(artz)},
+                             timeout=150)
+    finally:  # gpu.sh's cache is its machine's /tmp/bcg
+        for f in src.iterdir():
+            Path("/tmp/bcg/compiled", f.name).unlink(missing_ok=True)
+    assert (out / "logs.tgz").is_file(), run.stderr
+    with tarfile.open(out / "logs.tgz") as logs:
+        at_start = logs.extractfile("./cache_at_start.txt").read().decode().split()
+    assert {f.name for f in src.iterdir()} <= set(at_start)
+    assert not (out / "art.tgz").exists()
+
+
 def test_the_readme_names_only_legs_gpu_sh_has():
     _, legs = _legs()
     text = README.read_text(encoding="utf-8")

@@ -10,6 +10,7 @@ import torch
 
 from storyboard_cli.engine.conditions.control import embed_guide
 from storyboard_cli.engine.eager import StepCalls
+from storyboard_cli.engine.kernels import conv8
 from storyboard_cli.engine.kernels import fp8 as F
 from storyboard_cli.engine.kernels.export import fuse_projections, text_dims
 
@@ -40,17 +41,21 @@ def step_inputs(models, rows, control, seed=0):
 
 
 
-def fp8_reference(models, scales: F.InputScales, module: str = "unet") -> torch.nn.Module:
+def fp8_reference(models, scales: F.InputScales, module: str = "unet", convs: bool = True) -> torch.nn.Module:
     """The FP8 UNet (or first ControlNet) in eager PyTorch: a copy of the rendering module, fused and rewritten as the
     export's (its feed-forwards one call: engine/kernels/geglu.py; a UNet's inner convolutions FP8: conv8.py), holding
-    the FP8 weights and scales the artifact is bound to."""
+    the FP8 weights and scales the artifact is bound to. `convs=False`: the same with every convolution in the
+    module's own precision (the arithmetic before conv8.py, an artifact's wrong twin)."""
     live = models.unet if module == "unet" else models.controlnets[0]
     net = copy.deepcopy(live)
     fuse_projections(net, processor=True)
     F.rewrite(net)
+    kept = [] if convs else conv8.convs(live)
+    for name in kept:
+        conv8.replace(net, [name], lambda _, name=name: copy.deepcopy(live.get_submodule(name)))
     tensors = scales.tensors(models, live)
     with torch.no_grad():
-        for name in F.quantised(live):  # (the live module's: the copy's are FP8 modules now)
+        for name in sorted(set(F.quantised(live)) - set(kept)):  # (the live module's: the copy's are FP8 modules now)
             m = net.get_submodule(name)
             m.weight.copy_(tensors[f"{name}.weight"])
             m.w_scale.copy_(tensors[f"{name}.w_scale"])
@@ -58,6 +63,19 @@ def fp8_reference(models, scales: F.InputScales, module: str = "unet") -> torch.
             if m.bias is not None:
                 m.bias.copy_(live.get_submodule(name).bias)
     return net
+
+
+def assert_computes_fp8(got, want, wrong, full, rtol: float) -> None:
+    """An FP8 UNet artifact's output `got` computes the eager FP8 UNet's arithmetic (`want`, `fp8_reference`), not its
+    wrong twin's (`wrong`: its convolutions left fp16), and lies within FP8's error `rtol` of the float UNet (`full`).
+    Closer to the right twin than to the wrong one, not equal to it: where the compiler's fused producers (GroupNorm,
+    LayerNorm) differ from eager's in the last bit, and on a GPU where the FP8 kernels' sums are rounded apart, an
+    element lands on the next FP8 value, which the random test model amplifies (on the CPU a 1e-6 change of its input
+    moves the eager FP8 UNet 2.3e-2, at 5.2e-2 from float, 2026-12-06)."""
+    from helpers.reference import rel_error
+
+    assert rel_error(got, want) < rel_error(got, wrong), (rel_error(got, want), rel_error(got, wrong))
+    assert 1e-3 < rel_error(got, full) < rtol
 
 
 def run_calls(calls: StepCalls, latents, t, embeds, pooled, time_ids, guide, scale):
