@@ -8,6 +8,7 @@ import importlib
 import json
 import re
 import subprocess
+import sys
 import tarfile
 import types
 from pathlib import Path
@@ -143,6 +144,31 @@ def test_gpu_sh_sends_back_no_file_of_artz_the_call_left_alone(tmp_path):
         at_start = logs.extractfile("./cache_at_start.txt").read().decode().split()
     assert {f.name for f in src.iterdir()} <= set(at_start)
     assert not (out / "art.tgz").exists()
+
+
+def test_the_fast_accumulation_scout_exports_the_fp8_gemms_with_the_flag():
+    """`step_scout.py fp8_fastaccum` builds production's FP8 UNet with one change: every FP8 Linear's `_scaled_mm` in
+    the export carries `use_fast_accum=True`, and production's does not. On the CPU the Linears run a float matmul, so
+    the scout's CPU run cannot show it; an export on the meta device takes the GPU's branch."""
+    code = """
+import sys, torch
+from contextlib import ExitStack
+sys.path.insert(0, "benchmarks/probes")
+import step_scout
+from storyboard_cli.engine.kernels import fp8
+net = torch.nn.Sequential(fp8.Fp8Linear(torch.nn.Linear(64, 32, device="meta", dtype=torch.float16)))
+x = torch.empty(16, 64, device="meta", dtype=torch.float16)
+for fast in (False, True):
+    with ExitStack() as patched:
+        for patch in step_scout.FastAccum.patches() if fast else ():
+            patched.enter_context(patch)
+        graph = torch.export.export(net, (x,)).graph
+    flags = [(n.args + (False,) * 8)[7] or n.kwargs.get("use_fast_accum", False) for n in graph.nodes
+             if "_scaled_mm" in str(n.target)]
+    print(fast, flags)
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.stdout.split("\n")[:2] == ["False [False]", "True [True]"], run.stdout + run.stderr[-2000:]
 
 
 def test_the_readme_names_only_legs_gpu_sh_has():

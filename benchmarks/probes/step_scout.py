@@ -26,6 +26,10 @@
   fp8_unfused the production FP8 UNet with its feed-forwards unfused (cuBLASLt's FP8 GEMM, then the compiler's GEGLU and
               quantisation: the recipe before engine/kernels/geglu.py; RECIPES' change), against the cache's
               artifact at 2 and 8 images: what the fused kernel gives on the GPU it runs on
+  fp8_fastaccum  the production FP8 UNet with its FP8 Linears' GEMMs on cuBLASLt's fast accumulation
+              (`use_fast_accum=True`: the Hopper's FP8 sums are no longer promoted to float32 every few steps, as
+              torchao's FP8 inference runs them; RECIPES' change), against the cache's artifact at 2 and 8 images and
+              its error against it: the FP8 GEMMs are half the FP8 step at a quarter of the chip's FP8 rate
   skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
               fp16 and FP8 UNets at 1024² against the artifacts of the recipe before it (the other unet-*.pt2 of
               the size in the cache), waiting for builds that run beside it (gpu.sh build build:fp8@0b)
@@ -247,6 +251,7 @@ OPTIONS = {  # scout -> (the UNet's variant, the inductor options added to produ
     "fp8_inverse": ("fp8", {}),  # with RECIPES' change
     "fp8_unfused": ("fp8", {}),
     "fp8_noconv": ("fp8", {}),
+    "fp8_fastaccum": ("fp8", {}),
 }
 
 
@@ -316,8 +321,24 @@ class NoConvs(Unfused):
         return [mock.patch.object(conv8, "convs", lambda model: [])]
 
 
-RECIPES = {"fp8_inverse": InverseScale, "fp8_unfused": Unfused, "fp8_noconv": NoConvs}  # scout -> its recipe change: the build's patches,
-# the constants it binds
+class FastAccum(Unfused):
+    """The FP8 Linears' GEMMs with cuBLASLt's fast accumulation (`torch._scaled_mm(..., use_fast_accum=True)`), the
+    rest of production's recipe as it is: the export records the flag on each `_scaled_mm` it traces, the artifact's
+    cuBLASLt call takes it. The fused feed-forward and the FP8 convolutions (Triton kernels of ours) accumulate at the
+    Hopper's reduced precision already."""
+
+    @staticmethod
+    def patches():
+        real = torch._scaled_mm
+
+        def fast(*args, **kwargs):
+            return real(*args, **{**kwargs, "use_fast_accum": True})
+
+        return [mock.patch.object(fp8.torch, "_scaled_mm", fast)]
+
+
+RECIPES = {"fp8_inverse": InverseScale, "fp8_unfused": Unfused, "fp8_noconv": NoConvs,  # scout -> its recipe change:
+           "fp8_fastaccum": FastAccum}  # the build's patches, the constants it binds
 
 
 def scout_options(args, rec: Record, models) -> None:
