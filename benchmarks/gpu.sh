@@ -54,7 +54,8 @@
 #                     FP8 UNet quantising by a bound inverse scale against the cache's artifact; fp8_unfused: the
 #                     FP8 UNet with its feed-forwards unfused (the recipe before engine/kernels/geglu.py), the same;
 #                     fp8_noconv: the FP8 UNet with its inner convolutions in fp16 (before conv8.py), the same;
-#                     fp8_fastaccum: the FP8 UNet's Linears on cuBLASLt's fast accumulation, the same
+#                     fp8_fastaccum: the FP8 UNet's Linears on cuBLASLt's fast accumulation, the same; autotune,
+#                     fp8_autotune: the fp16 and the FP8 UNet with their GEMMs autotuned over cuBLAS and Triton
 #   profile[:ROWS]    probes/step_profile.py: one compiled 8 x 1024² step's kernels grouped (GEMMs, FP8 GEMMs, attention,
 #                     convolutions, the compiler's), from the cache (ROWS: the variants, default compiled,fp8)
 #   attention         probes/attention_scout.py: cuDNN, flash and efficient SDPA against a Triton FP8 attention kernel

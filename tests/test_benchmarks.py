@@ -171,6 +171,35 @@ for fast in (False, True):
     assert run.stdout.split("\n")[:2] == ["False [False]", "True [True]"], run.stdout + run.stderr[-2000:]
 
 
+def test_the_autotuning_scouts_build_with_the_gemm_backends_production_leaves_out():
+    """`step_scout.py autotune` and `fp8_autotune` build production's UNets with inductor's GEMM autotuning over cuBLAS
+    and Triton: the build's options (`artifacts.options`, the row's own last) name both backends under the scout's
+    change, and production's FP8 builds name cuBLASLt alone."""
+    code = """
+import sys
+from contextlib import ExitStack
+sys.path.insert(0, "benchmarks/probes")
+import step_scout
+from storyboard_cli.engine.kernels import artifacts
+from storyboard_cli.engine.kernels.artifacts import Target
+from storyboard_cli.engine.variants import VARIANTS
+def backends(variant):
+    got = artifacts.options(Target("unet", 1024, 1024, VARIANTS[variant].precision))
+    return got.get("max_autotune_gemm_backends"), got.get("max_autotune_gemm", False)
+print("fp8", *backends("fp8"))
+for scout in ("autotune", "fp8_autotune"):
+    variant, extra = step_scout.OPTIONS[scout]
+    with ExitStack() as patched:
+        for patch in step_scout.RECIPES[scout].patches() if scout in step_scout.RECIPES else ():
+            patched.enter_context(patch)
+        artifacts.INDUCTOR_OPTIONS.update(extra)
+        print(scout, *backends(variant))
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.stdout.split("\n")[:3] == ["fp8 ATEN False", "autotune ATEN,TRITON True",
+                                          "fp8_autotune ATEN,TRITON True"], run.stdout + run.stderr[-2000:]
+
+
 def test_the_readme_names_only_legs_gpu_sh_has():
     _, legs = _legs()
     text = README.read_text(encoding="utf-8")

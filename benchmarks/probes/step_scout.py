@@ -31,6 +31,12 @@
               torchao's FP8 inference runs them; RECIPES' change), against the cache's artifact at 2 and 8 images and
               its error against it: the FP8 GEMMs are half the FP8 step, at about 730 TFLOPS on an H100 (69.7 TFLOP
               in 95.1 ms, 2026-12-06), 37% of its FP8 peak, where the fp16 GEMMs run at 64% of theirs
+  autotune    the production fp16 UNet built with inductor's GEMM autotuning (max_autotune_gemm over cuBLAS and its
+              Triton templates, benchmarked on the GPU at build time, which production's background builds must not
+              do while a render runs), against the cache's artifact at 2 and 8 images: the fp16 GEMMs are half the
+              compiled step (109.9 of 226.2 ms at 8 x 1024² on an H100), at 64% of the chip's fp16 peak
+  fp8_autotune  the same for the FP8 UNet, its `_scaled_mm`s offered inductor's Triton templates beside cuBLASLt
+              (production's FP8 builds name cuBLASLt alone: fp8.OPTIONS; RECIPES' change)
   skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
               fp16 and FP8 UNets at 1024² against the artifacts of the recipe before it (the other unet-*.pt2 of
               the size in the cache), waiting for builds that run beside it (gpu.sh build build:fp8@0b)
@@ -253,6 +259,8 @@ OPTIONS = {  # scout -> (the UNet's variant, the inductor options added to produ
     "fp8_unfused": ("fp8", {}),
     "fp8_noconv": ("fp8", {}),
     "fp8_fastaccum": ("fp8", {}),
+    "autotune": ("compiled", {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}),
+    "fp8_autotune": ("fp8", {"max_autotune_gemm": True}),
 }
 
 
@@ -338,8 +346,17 @@ class FastAccum(Unfused):
         return [mock.patch.object(fp8.torch, "_scaled_mm", fast)]
 
 
+class Fp8Autotune(Unfused):
+    """Production's FP8 UNet with its `_scaled_mm`s autotuned over cuBLASLt and inductor's Triton templates: the FP8 row's
+    own options (fp8.OPTIONS, which name cuBLASLt alone and come after the scout's) opened to both."""
+
+    @staticmethod
+    def patches():
+        return [mock.patch.dict(fp8.OPTIONS, {"max_autotune_gemm_backends": "ATEN,TRITON"})]
+
+
 RECIPES = {"fp8_inverse": InverseScale, "fp8_unfused": Unfused, "fp8_noconv": NoConvs,  # scout -> its recipe change:
-           "fp8_fastaccum": FastAccum}  # the build's patches, the constants it binds
+           "fp8_fastaccum": FastAccum, "fp8_autotune": Fp8Autotune}  # the build's patches, the constants it binds
 
 
 def scout_options(args, rec: Record, models) -> None:
