@@ -200,6 +200,33 @@ for scout in ("autotune", "fp8_autotune"):
                                           "fp8_autotune ATEN,TRITON True"], run.stdout + run.stderr[-2000:]
 
 
+def test_an_autotuning_build_waits_for_the_other_lanes_timing(tmp_path):
+    """Two scouts run as lanes on one GPU; their timings take turns on a file lock. An autotuning build times candidate
+    kernels on the GPU as it builds, so it takes the same turn: it waits while the other lane holds it."""
+    code = f"""
+import fcntl, sys, threading, time
+from types import SimpleNamespace
+sys.path.insert(0, "benchmarks/probes")
+import step_scout
+print(*[n for n in step_scout.OPTIONS if step_scout.tunes_on_gpu(n)])
+args = SimpleNamespace(build_dir=__import__("pathlib").Path({str(tmp_path / "build")!r}))
+class Rec(dict):
+    put = dict.__setitem__
+rec = Rec()
+other = open(args.build_dir.parent / "step-scout-timing.lock", "w")
+fcntl.flock(other, fcntl.LOCK_EX)
+def build():
+    with step_scout.timing_turn(args, rec, "build_lock_wait_s"):
+        rec["built_at"] = time.perf_counter()
+t = threading.Thread(target=build); t.start()
+time.sleep(0.6)
+released = time.perf_counter(); other.close(); t.join(10)
+print(rec["built_at"] >= released, rec["build_lock_wait_s"] >= 0.5)
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.stdout.split("\n")[:2] == ["autotune fp8_autotune", "True True"], run.stdout + run.stderr[-2000:]
+
+
 def test_the_readme_names_only_legs_gpu_sh_has():
     _, legs = _legs()
     text = README.read_text(encoding="utf-8")

@@ -42,7 +42,8 @@
               the size in the cache), waiting for builds that run beside it (gpu.sh build build:fp8@0b)
   persistent  the same A/B for the UNet's inner reductions persistent up to 2048 elements (artifacts.persistent_choices,
               UNET_RECIPE): the cache's UNets against those of the recipe before, carried in ARTZ
-  (these scouts run as lanes side by side, builds at once; their timings take turns on a file lock)
+  (these scouts run as lanes side by side, builds at once; their timings take turns on a file lock, and an
+  autotuning build, which times kernels on the GPU, takes that turn for the whole build)
 
 Each build is artifacts.build (the production code) into --build-dir, stopped at --budget; the JSON is rewritten
 after every stage (fp8_scout.py's Record).
@@ -59,7 +60,7 @@ import faulthandler
 import os
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -359,10 +360,26 @@ RECIPES = {"fp8_inverse": InverseScale, "fp8_unfused": Unfused, "fp8_noconv": No
            "fp8_fastaccum": FastAccum, "fp8_autotune": Fp8Autotune}  # the build's patches, the constants it binds
 
 
-def scout_options(args, rec: Record, models) -> None:
-    """The production UNet (OPTIONS' variant) built with more inductor options, against the cache's artifact."""
+def tunes_on_gpu(name: str) -> bool:
+    """Whether the scout's build autotunes its GEMMs: inductor times each candidate kernel on the GPU as it builds."""
+    return bool(OPTIONS[name][1].get("max_autotune_gemm"))
+
+
+@contextmanager
+def timing_turn(args, rec: Record, key: str):
+    """The lanes' one turn at the GPU's clock (a file lock beside the build folders): held while a scout times, and
+    while an autotuning build benchmarks; how long it waited in the record under `key`."""
     import fcntl
 
+    with open(args.build_dir.parent / "step-scout-timing.lock", "w") as lock:
+        t0 = time.perf_counter()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rec.put(key, round(time.perf_counter() - t0, 1))
+        yield
+
+
+def scout_options(args, rec: Record, models) -> None:
+    """The production UNet (OPTIONS' variant) built with more inductor options, against the cache's artifact."""
     side = args.side
     name = args.what
     variant, extra = OPTIONS[name]
@@ -376,6 +393,8 @@ def scout_options(args, rec: Record, models) -> None:
     with ExitStack() as patched:
         for patch in recipe.patches() if recipe else ():
             patched.enter_context(patch)
+        if tunes_on_gpu(name):  # its build benchmarks kernels on the GPU: not while the other lane times
+            patched.enter_context(timing_turn(args, rec, "build_lock_wait_s"))
         path = built(rec, name, target, models, args.build_dir, args.budget - rec.elapsed() - 60)
     if path is not None:
         keep_wrapper(path, args.out.with_suffix(".wrapper.cpp.gz"))
@@ -384,10 +403,7 @@ def scout_options(args, rec: Record, models) -> None:
             calls[name] = load(target, models, path, recipe(constants) if recipe else constants)
         except Exception as e:  # noqa: BLE001
             rec.put(f"load_{name}", {"error": f"{type(e).__name__}: {str(e)[:1500]}"})
-    with open(args.build_dir.parent / "step-scout-timing.lock", "w") as lock, torch.no_grad():
-        t0 = time.perf_counter()
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other lane's timings first, if they began first
-        rec.put("lock_wait_s", round(time.perf_counter() - t0, 1))
+    with timing_turn(args, rec, "lock_wait_s"), torch.no_grad():  # the other lane's timings first, if they began first
         make = partial(lambda rows: inputs("unet", models.unet, rows, side, 500.0, 11))
         if "prod" in calls and name in calls:
             x = make(16)
