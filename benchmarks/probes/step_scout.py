@@ -34,7 +34,9 @@
   autotune    the production fp16 UNet built with inductor's GEMM autotuning (max_autotune_gemm over cuBLAS and its
               Triton templates, benchmarked on the GPU at build time, which production's background builds must not
               do while a render runs), against the cache's artifact at 2 and 8 images: the fp16 GEMMs are half the
-              compiled step (109.9 of 226.2 ms at 8 x 1024² on an H100), at 64% of the chip's fp16 peak
+              compiled step (109.9 of 226.2 ms at 8 x 1024² on an H100), at 64% of the chip's fp16 peak. Inductor
+              tunes each GEMM at the export's example rows (2), not at a bucket's; on an H100 the build ran past
+              466 s (2026-12-06, docs/PERFORMANCE.md thirty-second session)
   fp8_autotune  the same for the FP8 UNet, its `_scaled_mm`s offered inductor's Triton templates beside cuBLASLt
               (production's FP8 builds name cuBLASLt alone: fp8.OPTIONS; RECIPES' change)
   skip_cat    the up blocks' concatenations exported NHWC (export.SkipCatNhwc, in production since it): the cache's
