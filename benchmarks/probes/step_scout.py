@@ -297,9 +297,9 @@ class InverseScale:
                 mock.patch.object(fp8.Fp8Linear, "quantise", quantise)]
 
 
-class Unfused:
-    """The FP8 recipe before its feed-forwards were fused (engine/kernels/geglu.py `fuse` does nothing): the GEMM on
-    cuBLASLt and the compiler's GEGLU and quantisation kernel, as the FP8 artifacts were built until 2026-12-06."""
+class Production:
+    """A recipe change that binds production's constants as they are (the FP8 row's scales and weights): only its
+    build's patches differ."""
 
     def __init__(self, constants):
         self.base = constants
@@ -308,6 +308,11 @@ class Unfused:
     def tensors(self, models, model) -> dict:
         return self.base.tensors(models, model)
 
+
+class Unfused(Production):
+    """The FP8 recipe before its feed-forwards were fused (engine/kernels/geglu.py `fuse` does nothing): the GEMM on
+    cuBLASLt and the compiler's GEGLU and quantisation kernel, as the FP8 artifacts were built until 2026-12-06."""
+
     @staticmethod
     def patches():
         from storyboard_cli.engine.kernels import geglu
@@ -315,7 +320,7 @@ class Unfused:
         return [mock.patch.object(geglu, "fuse", lambda model: 0)]
 
 
-class NoConvs(Unfused):
+class NoConvs(Production):
     """The FP8 recipe without its FP8 convolutions (engine/kernels/conv8.py `convs` names none): the inner convolutions
     on cuDNN in fp16, as the FP8 artifacts were built until 2026-12-06. Its constants leave out the FP8 convolutions'
     (the artifact reads those names' fp16 channels_last weights)."""
@@ -333,7 +338,7 @@ class NoConvs(Unfused):
         return [mock.patch.object(conv8, "convs", lambda model: [])]
 
 
-class FastAccum(Unfused):
+class FastAccum(Production):
     """The FP8 Linears' GEMMs with cuBLASLt's fast accumulation (`torch._scaled_mm(..., use_fast_accum=True)`), the
     rest of production's recipe as it is: the export records the flag on each `_scaled_mm` it traces, the artifact's
     cuBLASLt call takes it. The fused feed-forward and the FP8 convolutions (Triton kernels of ours) accumulate at the
@@ -349,7 +354,7 @@ class FastAccum(Unfused):
         return [mock.patch.object(fp8.torch, "_scaled_mm", fast)]
 
 
-class Fp8Autotune(Unfused):
+class Fp8Autotune(Production):
     """Production's FP8 UNet with its `_scaled_mm`s autotuned over cuBLASLt and inductor's Triton templates: the FP8 row's
     own options (fp8.OPTIONS, which name cuBLASLt alone and come after the scout's) opened to both."""
 
