@@ -376,30 +376,3 @@ def test_on_a_gpu_the_decode_beside_the_next_batch_writes_the_same_bytes(job, tm
     assert result.status == seq.status == "done" and result.engine == "graph"
     assert lines == seq_lines and files == seq_files
     assert result.report.stages_s["denoise"] > 0 and set(result.report.hidden_s) == {"encode", "decode", "save"}
-
-
-@pytest.mark.gpu
-def test_on_a_gpu_the_loops_run_on_one_stream_above_the_decodes_and_the_inputs(job, tmp_path, monkeypatch):
-    """engine/streams.py `unet_lane`: every batch of a render is queued on a stream of higher priority than the
-    decode's and the inputs' (a decode beside a loop takes only what the loop's kernels leave), the same stream in a
-    second render of the process (the graphs' pool and buffers stay that stream's), and the stream current before a
-    render is current again after it."""
-    import torch
-
-    seen = []
-    real = BatchRunner.run_batch
-
-    def run_batch(self, *args, **kwargs):
-        stream = torch.cuda.current_stream()
-        seen.append((stream.cuda_stream, stream.priority, self.lanes._decode.priority, self.lanes._inputs.priority))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(BatchRunner, "run_batch", run_batch)
-    before = torch.cuda.current_stream()
-    first, _, _ = _render(job, tmp_path / "first", None, device="cuda", compile="off")
-    second, _, _ = _render(job, tmp_path / "second", None, device="cuda", compile="off")
-    assert first.status == second.status == "done" and first.engine == "graph"
-    assert torch.cuda.current_stream() == before
-    assert len(seen) >= 4 and len({handle for handle, *_ in seen}) == 1, seen
-    assert all(unet < decode and unet < inputs for _, unet, decode, inputs in seen), seen
-    assert seen[0][0] != before.cuda_stream

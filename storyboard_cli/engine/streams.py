@@ -17,14 +17,6 @@ The rest of that batch's inputs (its kinds' tensors, noise, first latents and gu
 its prompts (run/batch.py `inputs_ahead`), and its own run_batch makes the UNet's stream wait for them: the loops no
 longer wait for inputs made after the loop before was queued (docs/PERFORMANCE.md, twenty-sixth session).
 
-The UNet's stream outranks the other two (`unet_lane`): a render's main thread runs on a stream of high priority, so
-that when the GPU's block scheduler has blocks of a loop's kernels and of a decode or the next batch's inputs waiting,
-the loop's go first. Without it a decode beside a one-image loop, whose kernels leave most of the GPU free, took the
-free SMs with long convolutions, and the loop's next kernels waited behind them: a one-image fp16 loop at 1024² replayed
-at 70-74 ms a step beside the decode of the batch before, 32 ms alone (docs/PERFORMANCE.md, thirty-third session).
-A CUDA graph runs at the priority of the stream it is launched into. The stream is one per device and process: the
-static buffers and the graphs' pool are that stream's in the allocator across renders.
-
 A copy from pageable host memory waits for its whole stream: on the UNet's stream it would wait for the batch before
 to finish denoising, so the inputs have a stream of their own. A tensor made on one stream and read on another is
 handed over (`hand_over`): the caching allocator keeps its memory until the reading stream's work queued so far is
@@ -37,41 +29,11 @@ import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import cache
 from typing import Callable, TypeVar
 
 import torch
 
 T = TypeVar("T")
-
-# the UNet's stream's priority: lower is higher, torch maps it into the device's range (the others' is 0, the lowest)
-UNET_PRIORITY = -1
-
-
-@cache
-def _unet_stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(torch.device("cuda", index), priority=UNET_PRIORITY)
-
-
-@contextmanager
-def unet_lane(device: torch.device):
-    """The calling thread's work on `device` on the UNet's stream (one per device and process, of high priority), which
-    waits for the stream current before it on entry and is waited for by it on exit. Nested: the same stream. On the
-    CPU, nothing."""
-    if device.type != "cuda":
-        yield
-        return
-    stream = _unet_stream(torch.cuda.current_device() if device.index is None else device.index)
-    before = torch.cuda.current_stream(stream.device)
-    if before == stream:
-        yield
-        return
-    stream.wait_stream(before)
-    try:
-        with torch.cuda.stream(stream):
-            yield
-    finally:
-        before.wait_stream(stream)
 
 
 class Timer:

@@ -19,7 +19,6 @@ import torch
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
 from storyboard_cli.engine.device import probe
-from storyboard_cli.engine.streams import unet_lane
 from storyboard_cli.engine.variants import AUTO, VARIANTS
 from storyboard_cli.costs import EAGER, device_of
 from storyboard_cli.errors import JobError, Status, StoryboardError, folder_error, one_line
@@ -133,10 +132,9 @@ def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:
     items = work_items(job)
     batches = render_batches(job, items)  # the hires passes' shapes too
     shapes = batch_shapes(batches)
-    with unet_lane(device):  # the stream its renders run on (`RenderSession.execute`)
-        models = load_models(job, items, device, dtype)
-        engine = build_engine(models, opts.engine, shapes, [], opts.compile, kernels=kernels)
-        engine.prepare(shapes, batch_kinds(batches))
+    models = load_models(job, items, device, dtype)
+    engine = build_engine(models, opts.engine, shapes, [], opts.compile, kernels=kernels)
+    engine.prepare(shapes, batch_kinds(batches))
     return models, engine
 
 
@@ -168,9 +166,7 @@ class RenderSession:
     def execute(self) -> RenderResult:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        # the GPU's work on the UNet's stream of high priority: a decode or the next batch's inputs beside a loop
-        # take what its kernels leave (engine/streams.py)
-        with self.lock(), stop_signals(self._stopping) as stop, unet_lane(self.device):
+        with self.lock(), stop_signals(self._stopping) as stop:
             status, error = Status.ERROR, None
             try:
                 self.prepare(stop)
