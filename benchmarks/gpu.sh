@@ -10,8 +10,9 @@
 # Every step stops at its own cap or at LIMIT seconds after the start, whichever comes first (a step that runs past
 # it dumps every thread's Python stack into its log). ARTZ: tarballs of compiled artifacts, commas between, to start
 # the shared cache with (the art.tgz of an earlier call, its checks against eager included: engine/graph/ledger.py;
-# name each GPU's: a call for one kind may run on another, and an artifact's key names its GPU). FP8=1: build,
-# cold, ready, curves and first with --fp8. CLOCKS=1: the GPUs' clocks, power and throttle reasons every second
+# an artifact's key names the GPU's chip by its capability and properties, not its name: one set serves an H100 SXM
+# and an H200 where their properties match, machine.txt shows them). FP8=1: build, cold, ready, curves and first with
+# --fp8. CLOCKS=1: the GPUs' clocks, power and throttle reasons every second
 # (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and Markdown, walls.txt, machine.txt); the files a leg
 # added to the shared cache (artifacts it built, checks against eager), ARTZ's left out: $OUT/art.tgz (over 15 MiB: in
 # parts, art.tgz.part-00 and on, which `cat` puts together).
@@ -324,7 +325,10 @@ leg() {  # LEG ARG NAME
 }
 
 { nproc; grep -m1 "model name" /proc/cpuinfo; free -g | head -2; nvidia-smi -L; git log --oneline -1
-  python -c "import torch, diffusers; print(torch.__version__, diffusers.__version__)"; } > "$R/machine.txt" 2>&1
+  python -c "import torch, diffusers; print(torch.__version__, diffusers.__version__)"
+  python -c "import torch; from storyboard_cli.engine.kernels.artifacts import gpu_facts
+[print('gpu', i, torch.cuda.get_device_name(i), gpu_facts(torch.device('cuda', i))) for i in range(torch.cuda.device_count())]"
+} > "$R/machine.txt" 2>&1
 if [ "${CLOCKS:-0}" = 1 ]; then
   nvidia-smi --query-gpu=index,timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
     --format=csv -l 1 > "$R/clocks.csv" 2>&1 &

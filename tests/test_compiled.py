@@ -9,8 +9,10 @@ on two cores; the tests that ask for them are `slow`); the GPU side (compiled ke
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -148,6 +150,50 @@ def test_the_key_follows_what_changes_the_code(models_cn):
     assert key != artifact_key(Target("controlnet", 128, 128), unet)
     half = load_sdxl("tiny", None, "cpu", torch.bfloat16).unet
     assert artifact_key(square, half) != key
+
+
+class _OnGpu:
+    """A model as `artifact_key` sees one on GPU 0: its config and parameters, its device CUDA."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+
+    def parameters(self):
+        yield SimpleNamespace(device=torch.device("cuda", 0))
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+
+def test_a_gpus_key_names_its_chip_not_its_name(models_cn, monkeypatch):
+    """An artifact built on one card is the one another card of the same chip and configuration looks up (an H100
+    SXM's and an H200's: the same 132 SMs, other memory and name), never one whose SMs, capability or shared memory
+    differ; a property an older torch lacks counts as None."""
+    from storyboard_cli.engine.kernels import artifacts
+
+    h100 = dict(name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, multi_processor_count=132,
+                regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, max_threads_per_block=1024,
+                warp_size=32, shared_memory_per_block_optin=232448, L2_cache_size=50 << 20, capability=(9, 0))
+    card: dict = {}
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__="3.5.0"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(**card))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: card["name"])
+    monkeypatch.setattr(artifacts, "capability", lambda device: card["capability"])
+    square = Target("unet", 128, 128)
+
+    def key(**change) -> str:
+        card.clear()
+        card.update(h100, **change)
+        return artifact_key(square, _OnGpu(models_cn.unet))
+
+    built = key()
+    assert key(name="NVIDIA H200", total_memory=141 << 30) == built
+    assert key(multi_processor_count=114, name="NVIDIA H100 PCIe") != built
+    assert key(capability=(8, 9)) != built
+    assert key(shared_memory_per_block_optin=101376) != built
+    assert built != artifact_key(square, models_cn.unet)  # the CPU's
+    card.pop("L2_cache_size")
+    assert artifacts.gpu_facts(torch.device("cuda", 0))["L2_cache_size"] is None
 
 
 def test_the_unets_skip_concatenations_are_exported_nhwc(models_cn):

@@ -12,9 +12,12 @@ another compiled row of engine/variants.py).
   tensors (`load_constants(user_managed=True)`, engine/kernels/calls.py): no second copy of the weights beyond the
   conv copies.
 - An artifact's key covers everything that changes the generated code: module class and config,
-  parameter names/shapes/dtypes (not values), the size, torch/triton/CUDA versions, GPU name and
-  capability, the row range, the recipe and the compile options. A stale key is never looked up; a corrupt file
-  fails to load and that size keeps its plain graph.
+  parameter names/shapes/dtypes (not values), the size, torch/triton/CUDA versions, the GPU's capability and the
+  properties the compiler reads of it (`gpu_facts`), the row range, the recipe and the compile options. A stale key
+  is never looked up; a corrupt file fails to load and that size keeps its plain graph.
+- Not the GPU's name: a cache built on one card serves every card of the same chip and configuration (a farm's H100
+  SXMs and H200s, where their facts match: the same GH100 with 132 SMs, only the memory differs). Each card model's
+  first replay of a graph is still checked against the eager step (engine/graph/ledger.py names the card).
 """
 
 from __future__ import annotations
@@ -99,14 +102,26 @@ def options(target: Target) -> dict:
     return {**INDUCTOR_OPTIONS, **target.variant.options}
 
 
+# what of a GPU the generated code depends on: inductor's device properties (its kernels' launch and reduction
+# heuristics read the SM count, the registers and threads per SM, the warp) and Triton's shared memory per block;
+# the L2's size as well, for safety. Missing ones (an older torch) count as None.
+GPU_FACTS = ("multi_processor_count", "regs_per_multiprocessor", "max_threads_per_multi_processor",
+             "max_threads_per_block", "warp_size", "shared_memory_per_block_optin", "L2_cache_size")
+
+
+def gpu_facts(dev: torch.device) -> dict:
+    """The GPU as an artifact's key names it: its capability and `GPU_FACTS`, not its name."""
+    props = torch.cuda.get_device_properties(dev)
+    return {"capability": list(capability(dev)), **{f: getattr(props, f, None) for f in GPU_FACTS}}
+
+
 def artifact_key(target: Target, model: torch.nn.Module) -> str:
     """Everything that changes the generated code (not the weight values, which are passed in)."""
     dev = next(model.parameters()).device
     if dev.type == "cuda":
         import triton
 
-        where = {"triton": triton.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(dev),
-                 "capability": capability(dev)}
+        where = {"triton": triton.__version__, "cuda": torch.version.cuda, "gpu": gpu_facts(dev)}
     else:
         where = {"cpu": platform.machine(), "compiler": platform.python_compiler()}
         if target.precision == "fp8":  # FP8 on the CPU is the dequantised matmul (fp8.Fp8Linear), not _scaled_mm
