@@ -12,10 +12,10 @@
 # the shared cache with (the art.tgz of an earlier call, its checks against eager included: engine/graph/ledger.py;
 # an artifact's key names the GPU's chip by its capability and properties, not its name: one set serves an H100 SXM
 # and an H200 where their properties match, machine.txt shows them). FP8=1: build, cold, ready, curves and first with
-# --fp8. CLOCKS=1: the GPUs' clocks, power and throttle reasons every second
-# (clocks.csv). Results: $OUT/logs.tgz (each step's log, JSON and Markdown, walls.txt, machine.txt); the files a leg
-# added to the shared cache (artifacts it built, checks against eager), ARTZ's left out: $OUT/art.tgz (over 15 MiB: in
-# parts, art.tgz.part-00 and on, which `cat` puts together).
+# --fp8. CLOCKS=1: the GPUs' clocks, power and throttle reasons every second (clocks.csv). Results: $OUT/logs.tgz
+# (each step's log, JSON and Markdown, walls.txt, machine.txt); the files a leg added to the shared cache (artifacts it
+# built, checks against eager), ARTZ's left out: $OUT/art.tgz (over 15 MiB: in parts, art.tgz.part-00 and on, which
+# `cat` puts together).
 #
 # Legs (ARG where a leg takes one):
 #   tests[:FILES]     pytest -m gpu, each file in a process of its own; FILES: names of tests/test_*.py joined by
