@@ -303,3 +303,56 @@ def test_neither_the_package_nor_the_tests_import_the_benchmarks():
             if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
                 importing.append(path.relative_to(ROOT).as_posix())
     assert not importing
+
+
+def test_rekey_renames_what_was_built_on_the_card_named_to_this_cards_key(tmp_path):
+    """`probes/rekey.py`: an artifact whose key is the one the code before f9ffd5c gave on the card named (by its GPU
+    name) is renamed, with its marker and build record, to the key this card gives (by its properties); one built on
+    another card, or a file of another kind, keeps its name. On a faked H100 SXM with the tiny models."""
+    code = f"""
+import sys, torch, pytest
+from pathlib import Path
+from types import SimpleNamespace
+sys.path[:0] = ["benchmarks/probes", "tests"]
+import rekey
+from helpers.kernels import H100_SXM, OnGpu, fake_gpu
+from storyboard_cli.engine.kernels.artifacts import artifact_key, artifact_path
+from storyboard_cli.engine.kernels.export import Target
+from storyboard_cli.models.loader import load_sdxl
+tiny = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+models = SimpleNamespace(unet=OnGpu(tiny.unet), controlnets=(OnGpu(tiny.controlnets[0]),))
+root = Path({str(tmp_path)!r})
+with pytest.MonkeyPatch.context() as mp:
+    fake_gpu(mp, dict(H100_SXM))
+    unet, net = Target("unet", 128, 128), Target("controlnet", 192, 128, "fp8")
+    for target, card in ((unet, H100_SXM["name"]), (net, H100_SXM["name"]), (Target("unet", 64, 64), "NVIDIA A100")):
+        model = models.unet if target.module == "unet" else models.controlnets[0]
+        stem = artifact_path(target, model, root).name.removesuffix(".pt2").rsplit("-", 1)[0]
+        stem += "-" + rekey.legacy_key(target, model, card)
+        for suffix in (".pt2", ".ok", ".build.json"):
+            (root / (stem + suffix)).write_text(suffix)
+    (root / "checked-0123456789abcdef0123.json").write_text("{{}}")
+    with mp.context() as old_torch:
+        old_torch.setattr(torch, "__version__", "2.0.0")
+        print("legacy", rekey.legacy_key(unet, models.unet, H100_SXM["name"]))
+    for line in rekey.rekey(root, models, H100_SXM["name"]):
+        print(line)
+    print("keys", artifact_key(unet, models.unet), artifact_key(net, models.controlnets[0]))
+print("files", *sorted(p.name for p in root.iterdir()))
+"""
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout.splitlines()
+    # the key 79d0e16's artifacts.py gave the tiny UNet at 128x128 on this faked H100 under torch "2.0.0" (run with
+    # that tree first on the path): rekey's legacy key is the old code's. A new recipe leaves the sets rekey.py is
+    # for stale; then the probe and this test go
+    assert "legacy a345a21c4ac8200b636f" in out, out
+    unet_key, net_key = out[-2].split()[1:]
+    files = set(out[-1].split()[1:])
+    renamed = [line for line in out if " -> " in line]
+    assert len(renamed) == 2 and any("kept" in line and "64x64" in line for line in out), out
+    for stem in (f"unet-128x128-{unet_key}", f"controlnet-fp8-128x192-{net_key}"):
+        assert {stem + s for s in (".pt2", ".ok", ".build.json")} <= files, files
+    assert len([f for f in files if f.startswith("unet-64x64-")]) == 3 and "checked-0123456789abcdef0123.json" in files
+    assert len(files) == 10, files
+    assert all(line.split(" -> ")[0] not in files for line in renamed)

@@ -9,10 +9,8 @@ on two cores; the tests that ask for them are `slow`); the GPU side (compiled ke
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +25,7 @@ from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.export import example_inputs
 from storyboard_cli.models.loader import load_sdxl
 
-from helpers.kernels import SIDE, loads_in_a_new_process, run_calls, step_inputs
+from helpers.kernels import H100_SXM, SIDE, OnGpu, fake_gpu, loads_in_a_new_process, run_calls, step_inputs
 from helpers.reference import rel_error
 
 
@@ -152,39 +150,20 @@ def test_the_key_follows_what_changes_the_code(models_cn):
     assert artifact_key(square, half) != key
 
 
-class _OnGpu:
-    """A model as `artifact_key` sees one on GPU 0: its config and parameters, its device CUDA."""
-
-    def __init__(self, model):
-        self.model, self.config = model, model.config
-
-    def parameters(self):
-        yield SimpleNamespace(device=torch.device("cuda", 0))
-
-    def state_dict(self):
-        return self.model.state_dict()
-
-
 def test_a_gpus_key_names_its_chip_not_its_name(models_cn, monkeypatch):
     """An artifact built on one card is the one another card of the same chip and configuration looks up (an H100
     SXM's and an H200's: the same 132 SMs, other memory and name), never one whose SMs, capability or shared memory
     differ; a property an older torch lacks counts as None."""
     from storyboard_cli.engine.kernels import artifacts
 
-    h100 = dict(name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, multi_processor_count=132,
-                regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, max_threads_per_block=1024,
-                warp_size=32, shared_memory_per_block_optin=232448, L2_cache_size=50 << 20, capability=(9, 0))
     card: dict = {}
-    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__="3.5.0"))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(**card))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: card["name"])
-    monkeypatch.setattr(artifacts, "capability", lambda device: card["capability"])
+    fake_gpu(monkeypatch, card)
     square = Target("unet", 128, 128)
 
     def key(**change) -> str:
         card.clear()
-        card.update(h100, **change)
-        return artifact_key(square, _OnGpu(models_cn.unet))
+        card.update(H100_SXM, **change)
+        return artifact_key(square, OnGpu(models_cn.unet))
 
     built = key()
     assert key(name="NVIDIA H200", total_memory=141 << 30) == built

@@ -1,10 +1,12 @@
 """What the CPU compiled-kernel tests share (tests/test_compiled.py, test_fp8.py; test_gpu_compiled.py loads through a
 new process too, test_gpu_fp8_kernels.py builds the FP8 twin on a GPU): the artifacts' image size, one step's module inputs
-and calls, the eager FP8 module an FP8 artifact computes, a load in a second process."""
+and calls, the eager FP8 module an FP8 artifact computes, a load in a second process, a GPU as an artifact's key sees
+one (tests/test_compiled.py, test_benchmarks.py)."""
 
 import copy
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -22,6 +24,36 @@ FP8_TWINS = 1.5e-2  # a compiled FP8 ControlNet against the same FP8 arithmetic 
 # FP8 UNet 2.3e-2, at 5.2e-2 from float; the artifact is 2.7e-2 from it and 5.7e-2 from an eager UNet without FP8
 # convolutions, 2026-12-06): an artifact that left them out would be as far off as FP8 itself
 FP8_UNET_TWINS = 0.75
+
+
+# an H100 SXM's properties as torch gives them, its capability, its name
+H100_SXM = dict(name="NVIDIA H100 80GB HBM3", total_memory=80 << 30, multi_processor_count=132,
+                regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, max_threads_per_block=1024,
+                warp_size=32, shared_memory_per_block_optin=232448, L2_cache_size=50 << 20, capability=(9, 0))
+
+
+class OnGpu:
+    """A model as `artifact_key` sees one on GPU 0: its config and parameters, its device CUDA."""
+
+    def __init__(self, model):
+        self.model, self.config = model, model.config
+
+    def parameters(self):
+        yield SimpleNamespace(device=torch.device("cuda", 0))
+
+    def state_dict(self):
+        return self.model.state_dict()
+
+
+def fake_gpu(monkeypatch, card: dict) -> None:
+    """torch and Triton as a machine with `card` (H100_SXM's fields) shows them to `artifact_key`, read at each call:
+    changing the dict changes the card."""
+    from storyboard_cli.engine.kernels import artifacts
+
+    monkeypatch.setitem(sys.modules, "triton", SimpleNamespace(__version__="3.5.0"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(**card))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: card["name"])
+    monkeypatch.setattr(artifacts, "capability", lambda device: card["capability"])
 
 
 def step_inputs(models, rows, control, seed=0):

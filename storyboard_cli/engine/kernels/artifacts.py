@@ -110,9 +110,9 @@ GPU_FACTS = ("multi_processor_count", "regs_per_multiprocessor", "max_threads_pe
 
 
 def gpu_facts(dev: torch.device) -> dict:
-    """The GPU as an artifact's key names it: its capability and `GPU_FACTS`, not its name."""
+    """The GPU as an artifact's key names it beside its capability: `GPU_FACTS`, not its name."""
     props = torch.cuda.get_device_properties(dev)
-    return {"capability": list(capability(dev)), **{f: getattr(props, f, None) for f in GPU_FACTS}}
+    return {f: getattr(props, f, None) for f in GPU_FACTS}
 
 
 def artifact_key(target: Target, model: torch.nn.Module) -> str:
@@ -121,7 +121,8 @@ def artifact_key(target: Target, model: torch.nn.Module) -> str:
     if dev.type == "cuda":
         import triton
 
-        where = {"triton": triton.__version__, "cuda": torch.version.cuda, "gpu": gpu_facts(dev)}
+        where = {"triton": triton.__version__, "cuda": torch.version.cuda, "gpu": gpu_facts(dev),
+                 "capability": capability(dev)}
     else:
         where = {"cpu": platform.machine(), "compiler": platform.python_compiler()}
         if target.precision == "fp8":  # FP8 on the CPU is the dequantised matmul (fp8.Fp8Linear), not _scaled_mm
