@@ -306,8 +306,8 @@ def test_neither_the_package_nor_the_tests_import_the_benchmarks():
 
 
 def test_rekey_renames_what_was_built_on_the_card_named_to_this_cards_key(tmp_path):
-    """`probes/rekey.py`: an artifact whose key is the one the code before f9ffd5c gave on the card named (by its GPU
-    name) is renamed, with its marker and build record, to the key this card gives (by its properties); one built on
+    """`probes/rekey.py`: an artifact whose name is the one the code before f9ffd5c gave on the card named (by its GPU
+    name) is renamed, with its marker and build record, to the name this card gives (by its properties); one built on
     another card, or a file of another kind, keeps its name. On a faked H100 SXM with the tiny models."""
     code = f"""
 import sys, torch, pytest
@@ -316,7 +316,7 @@ from types import SimpleNamespace
 sys.path[:0] = ["benchmarks/probes", "tests"]
 import rekey
 from helpers.kernels import H100_SXM, OnGpu, fake_gpu
-from storyboard_cli.engine.kernels.artifacts import artifact_key, artifact_path
+from storyboard_cli.engine.kernels.artifacts import artifact_key
 from storyboard_cli.engine.kernels.export import Target
 from storyboard_cli.models.loader import load_sdxl
 tiny = load_sdxl("tiny", "tiny", "cpu", torch.float32)
@@ -324,18 +324,17 @@ models = SimpleNamespace(unet=OnGpu(tiny.unet), controlnets=(OnGpu(tiny.controln
 root = Path({str(tmp_path)!r})
 with pytest.MonkeyPatch.context() as mp:
     fake_gpu(mp, dict(H100_SXM))
-    unet, net = Target("unet", 128, 128), Target("controlnet", 192, 128, "fp8")
-    for target, card in ((unet, H100_SXM["name"]), (net, H100_SXM["name"]), (Target("unet", 64, 64), "NVIDIA A100")):
+    unet, net, other = Target("unet", 128, 128), Target("controlnet", 192, 128, "fp8"), Target("unet", 64, 64)
+    for target, card in ((unet, H100_SXM["name"]), (net, H100_SXM["name"]), (other, "NVIDIA A100")):
         model = models.unet if target.module == "unet" else models.controlnets[0]
-        stem = artifact_path(target, model, root).name.removesuffix(".pt2").rsplit("-", 1)[0]
-        stem += "-" + rekey.legacy_key(target, model, card)
+        stem = rekey.legacy_path(target, model, root, card).name.removesuffix(".pt2")
         for suffix in (".pt2", ".ok", ".build.json"):
             (root / (stem + suffix)).write_text(suffix)
     (root / "checked-0123456789abcdef0123.json").write_text("{{}}")
     with mp.context() as old_torch:
         old_torch.setattr(torch, "__version__", "2.0.0")
-        print("legacy", rekey.legacy_key(unet, models.unet, H100_SXM["name"]))
-    for line in rekey.rekey(root, models, H100_SXM["name"]):
+        print("legacy", rekey.legacy_path(unet, models.unet, root, H100_SXM["name"]).stem.rsplit("-", 1)[1])
+    for line in rekey.rekey(root, models, [unet, net, other], H100_SXM["name"]):
         print(line)
     print("keys", artifact_key(unet, models.unet), artifact_key(net, models.controlnets[0]))
 print("files", *sorted(p.name for p in root.iterdir()))
