@@ -8,6 +8,7 @@ on two cores; the tests that ask for them are `slow`); the GPU side (compiled ke
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -340,6 +341,17 @@ def test_a_size_switches_to_its_compiled_kernels_when_its_build_lands(artifacts,
     assert key.variant == "compiled" and "ready after 12 s" in notes[-1]
     runner.graph(key)
     assert runner.stats[key].compile_s == 12.0
+
+
+def test_a_builds_record_says_where_its_compile_time_went(artifacts):
+    """Each build's record has the compiler's timed phases (`artifacts.compile_phases`), which nest inside its compile:
+    the longest holds most of `compile_s`, none more than all of it."""
+    records = [json.loads(f.read_text()) for f in artifacts.glob("*.build.json")]
+    assert len(records) == 7, records
+    for r in records:
+        phases = r["phases_s"]
+        assert phases and list(phases.values()) == sorted(phases.values(), reverse=True), r
+        assert 0.5 * r["compile_s"] <= max(phases.values()) <= r["compile_s"] + 0.1, r
 
 
 def test_a_second_process_loads_from_the_cache(artifacts):

@@ -214,7 +214,18 @@ def build(target: Target, model: torch.nn.Module, path: Path) -> dict:
         tmp.unlink(missing_ok=True)
         tmp.parent.rmdir()
     return {"export_s": round(t1 - t0, 1), "compile_s": round(t2 - t1, 1), "load_s": round(t3 - t2, 2),
-            "mb": round(path.stat().st_size / 2**20, 1)}
+            "mb": round(path.stat().st_size / 2**20, 1), "phases_s": compile_phases()}
+
+
+def compile_phases(least_s: float = 0.5) -> dict[str, float]:
+    """The compiler's timed phases in this process so far (torch's `compilation_time_metrics`), seconds summed per
+    phase, longest first, those of `least_s` or more: where a build's compile time goes (lowering, scheduling and
+    fusion, kernel code, the C++ wrapper's compile). The phases nest (`fx_codegen_and_compile` holds the rest), and
+    work in the compile workers counts where the build waits for it."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    total = {name: sum(times) for name, times in compilation_time_metrics.items()}
+    return {name: round(s, 1) for name, s in sorted(total.items(), key=lambda kv: -kv[1]) if s >= least_s}
 
 
 def open_package(path: Path) -> Any:
