@@ -90,3 +90,60 @@ def test_bcg_capture_warm_says_its_first_line_before_it_imports_the_engine(tmp_p
     assert lines[0] == "[torch False] bcg: loading torch and the engine", lines
     assert lines[-1].endswith("error: bcg capture --warm needs a CUDA device: CUDA graphs do not exist on the CPU")
     assert len(lines) == 2, lines
+
+
+def _record(folder, name: str, label: str, compile_s: float, mtime: float | None = None) -> None:
+    import json
+    import os
+
+    f = folder / f"{name}.build.json"
+    f.write_text(json.dumps({"target": label, "make_module_s": 5.0, "export_s": 20.0, "compile_s": compile_s,
+                             "load_s": 0.5, "mb": 10.0}) + "\n")
+    if mtime is not None:
+        os.utime(f, (mtime, mtime))
+
+
+def test_a_builds_time_left_is_this_caches_record_of_its_kind_at_any_size(tmp_path):
+    from storyboard_cli.engine.kernels.builds import ESTIMATE_S, estimate_s
+    from storyboard_cli.engine.kernels.export import Target
+
+    _record(tmp_path, "unet-fp8-1024x1024-a", "unet 1024x1024 fp8", 300.0)
+    _record(tmp_path, "unet-fp8-832x1216-b", "unet 1216x832 fp8", 320.0)
+    _record(tmp_path, "unet-1024x1024-c", "unet 1024x1024", 150.0)
+    _record(tmp_path, "unet-refs16-1024x1024-d", "unet 1024x1024 +refs 16", 999.0)
+    (tmp_path / "unet-fp8-1216x832-e.build.json").write_text('{"target": "unet 1216x832 fp8", "comp')  # being written
+    assert estimate_s(Target("unet", 832, 1216, "fp8"), tmp_path) == (325.5 + 345.5) / 2
+    assert estimate_s(Target("unet", 1024, 1024), tmp_path) == 175.5
+    assert estimate_s(Target("unet", 1024, 1024, refs=16), tmp_path) == 1024.5
+    # no record of its kind: the figure measured on the device image
+    assert estimate_s(Target("controlnet", 1024, 1024, "fp8"), tmp_path) == ESTIMATE_S[("controlnet", "fp8")]
+    assert estimate_s(Target("unet", 1024, 1024, tags=("regions2",)), tmp_path) == ESTIMATE_S[("unet", "fp16")]
+    assert estimate_s(Target("unet", 1024, 1024), tmp_path / "none") == ESTIMATE_S[("unet", "fp16")]
+
+
+def test_a_builds_estimate_takes_the_latest_records_of_its_kind(tmp_path):
+    from storyboard_cli.engine.kernels.builds import RECORDS, estimate_s
+    from storyboard_cli.engine.kernels.export import Target
+
+    for i, compile_s in enumerate([900.0, 900.0, 100.0, 110.0, 120.0, 130.0, 140.0]):  # the oldest two: a slower recipe
+        _record(tmp_path, f"controlnet-1024x1024-{i}", "controlnet 1024x1024", compile_s, mtime=1e9 + i)
+    assert RECORDS == 5 and estimate_s(Target("controlnet", 1024, 1024), tmp_path) == 145.5
+
+
+def test_the_progress_of_a_build_says_its_kinds_recorded_time(tmp_path):
+    """Builds' events carry the estimate: a build another process holds, as `bcg capture --warm` reports it."""
+    import fcntl
+
+    import torch
+
+    from storyboard_cli.engine.kernels.builds import Builds
+    from storyboard_cli.engine.kernels.export import Target
+
+    _record(tmp_path, "unet-fp8-1024x1024-a", "unet 1024x1024 fp8", 300.0)
+    path = tmp_path / "unet-fp8-832x1216-b.pt2"
+    with open(path.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another process's build of it
+        events = []
+        builds = Builds(torch.device("cpu"), events.append)
+        builds.want([(Target("unet", 1216, 832, "fp8"), path, torch.nn.Linear(1, 1))])
+    assert [(e.module, e.state, e.estimate_s) for e in events] == [("unet 832x1216 fp8", "compiling", 325.5)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -34,9 +35,13 @@ from storyboard_cli.engine.device import DTYPES, dtype_flag
 CORES_PER_BUILD = 2  # a build is mostly one Python thread (tracing, lowering, scheduling) plus compile workers
 HOST_BYTES_PER_BUILD = 12 << 30  # upper bound of a child's memory, compile workers included (docs/PERFORMANCE.md)
 GPU_HEADROOM = 0.3  # of the GPU's memory a build never takes: the render's graphs and activations
-# Measured on one H200 (docs/PERFORMANCE.md, "Compiled kernels per size"): seconds one build takes
-# when a job's builds run side by side (for the progress bar and the notes)
-ESTIMATE_S = {"unet": 300.0, "controlnet": 200.0}
+# Seconds one build takes when a job's builds run side by side, for the progress lines' time left where the cache has
+# no record of a build of its kind (`estimate_s`): the bench job's six on the device image's 16 cores, an H100
+# (docs/PERFORMANCE.md, 2026-12-06: fp16 UNets ready after 183-198 s, ControlNets 112-132 s; FP8 UNets 349-363 s,
+# ControlNets 212-215 s); a UNet with an IP-Adapter or regions as its precision's UNet, another precision as fp16
+ESTIMATE_S = {("unet", "fp16"): 200.0, ("controlnet", "fp16"): 130.0, ("unet", "fp8"): 365.0,
+              ("controlnet", "fp8"): 215.0}
+RECORDS = 5  # an estimate from records: the median of the latest this many of its kind
 
 
 @dataclass
@@ -54,11 +59,37 @@ def stage(what: str, estimate_s: float = 0.0) -> CompileEvent:
     return CompileEvent(what, "stage", 0.0, estimate_s)
 
 
+def kind(label: str) -> str:
+    """A target's label without its size ("unet 1024x1024 fp8" -> "unet fp8"): builds of one kind take about as long
+    at any size (the bench job's three sizes within 8%)."""
+    words = label.split()
+    return " ".join(words[:1] + words[2:])
+
+
+def estimate_s(target: Target, folder: Path) -> float:
+    """About how many seconds `target`'s build takes: the median of the latest RECORDS build records of its kind at any
+    size in `folder` (the cache's `.build.json`: this machine's builds, or those of a cache copied in), their stages
+    summed; without one, ESTIMATE_S."""
+    want, found = kind(target.label), []
+    for f in folder.glob(f"{target.module}-*.build.json"):
+        try:
+            r = json.loads(f.read_text())
+            if kind(r["target"]) == want:
+                stages = sum(r[k] for k in ("make_module_s", "export_s", "compile_s", "load_s"))
+                found.append((f.stat().st_mtime, stages))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a record being written, or of another format: not evidence
+    if found:
+        return float(statistics.median(s for _, s in sorted(found)[-RECORDS:]))
+    return ESTIMATE_S.get((target.module, target.precision), ESTIMATE_S[(target.module, "fp16")])
+
+
 @dataclass
 class Build:
     target: Target
     path: Path
     model: Any  # the module whose config the child builds from
+    estimate_s: float = 0.0  # about how long it takes (`estimate_s`), for the progress lines
     state: str = "queued"  # "queued" | "building" | "elsewhere" (another process's child) | "done" | "failed"
     proc: subprocess.Popen | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -118,7 +149,7 @@ class Builds:
         for target, path, model in wanted:
             if target in self.builds:
                 continue
-            b = self.builds[target] = Build(target, path, model)
+            b = self.builds[target] = Build(target, path, model, estimate_s(target, path.parent))
             failed = path.with_suffix(".failed")
             if failed.is_file() and not self.retry_failed:
                 self._finish(b, "failed", f"it failed before ({failed.read_text().strip()}); "
@@ -153,7 +184,7 @@ class Builds:
         for b in self.active:
             if b.state != "queued":
                 self.on_event(CompileEvent(b.target.label, "compiling", time.perf_counter() - b.started,
-                                           ESTIMATE_S[b.target.module]))
+                                           b.estimate_s))
         return ready
 
     def wait(self, interval: float = 0.5) -> list[tuple[Target, Path, float]]:
@@ -203,7 +234,7 @@ class Builds:
         elapsed = time.perf_counter() - b.started
         if state == "failed":
             self.notes.append(f"compiling {b.target.label} failed: {message}")
-        self.on_event(CompileEvent(b.target.label, state, elapsed, ESTIMATE_S[b.target.module], message))
+        self.on_event(CompileEvent(b.target.label, state, elapsed, b.estimate_s, message))
 
 
 def _bytes(model: Any) -> int:
