@@ -20,6 +20,7 @@
 # Legs (ARG where a leg takes one):
 #   tests[:FILES]     pytest -m gpu, each file in a process of its own; FILES: names of tests/test_*.py joined by
 #                     commas (gpu,gpu_draft,...; default every GPU test file); each file stops at TESTS_CAP seconds (200)
+#                     (gpu_compiled's and gpu_regions' fixtures build or wait for 1024² kernels: not beside a `build`)
 #   rng               tests/test_gpu_compiled.py with probes/rng_probe.py: after which test the CUDA generator breaks
 #   build[:fp8]       `bcg capture jobs/bench.yaml --warm --compile on --steps 4 --eager` on the shared cache: the
 #                     job's kernels built side by side, then every shape captured, checked and timed beside eager
