@@ -1,7 +1,7 @@
 """What the CPU compiled-kernel tests share (tests/test_compiled.py, test_fp8.py; test_gpu_compiled.py loads through a
 new process too, test_gpu_fp8_kernels.py builds the FP8 twin on a GPU): the artifacts' image size, one step's module inputs
 and calls, the eager FP8 module an FP8 artifact computes, a load in a second process, a GPU as an artifact's key sees
-one (tests/test_compiled.py, test_benchmarks.py)."""
+one (tests/test_compiled.py)."""
 
 import copy
 import subprocess
