@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import warnings
 from collections import Counter
@@ -31,6 +32,7 @@ from storyboard_cli.folder.layout import INDEX, REPLACED, REPORT_JSON, REPORT_MD
 from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import DRAFT_CUTOFF, DRAFT_DEEPCACHE
 from storyboard_cli.job.plan import decimal_size as _size
+from storyboard_cli.run.signals import STOP_SIGNALS
 
 if TYPE_CHECKING:
     from storyboard_cli.folder.report import Report
@@ -432,7 +434,20 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         err.print("interrupted")
+        _exiting_on_a_stop()
         sys.exit(Interrupted.exit_code)
+    except SystemExit as e:
+        if e.code in {128 + sig for sig in STOP_SIGNALS}:
+            _exiting_on_a_stop()
+        raise
+
+
+def _exiting_on_a_stop() -> None:
+    """The process ends on a stop (Ctrl-C, SIGTERM, SIGHUP): one more of them while the interpreter exits (its exit
+    handlers, torch's among them, run after the render restored the default handlers) would end it with a traceback
+    where the render had ended cleanly; once stopping, further stop signals change nothing."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -223,3 +223,24 @@ def test_a_second_ctrl_c_while_the_first_is_announced_waits_for_the_message():
     with pytest.raises(KeyboardInterrupt):
         flag.handler(signal.SIGINT, None)
     assert said == [SOFT_STOP] and flag.hard
+
+
+@pytest.mark.parametrize("ending, sig, code", [("SystemExit(130)", "SIGINT", 130), ("KeyboardInterrupt()", "SIGINT", 130),
+                                               ("SystemExit(143)", "SIGTERM", 143), ("SystemExit(129)", "SIGHUP", 129)])
+def test_a_stop_signal_while_a_stopped_process_exits_changes_nothing(ending, sig, code):
+    """`bcg`'s main, ending on a stop, then a second stop signal while the interpreter runs its exit handlers (torch
+    registers one; a second Ctrl-C 10 ms after the first landed there once, when the render had stopped at a batch's
+    end): the same exit status, no traceback."""
+    script = textwrap.dedent(f"""
+        import atexit, os, signal, time
+        import storyboard_cli.cli as cli
+
+        def app():
+            atexit.register(lambda: (os.kill(os.getpid(), signal.{sig}), time.sleep(0.2)))
+            raise {ending}
+
+        cli.app = app
+        cli.main()
+    """)
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == code and "Traceback" not in run.stderr, (run.returncode, run.stderr)
