@@ -1,5 +1,6 @@
 """Real processes, real signals: kill -9 and Ctrl-C mid-render lose nothing and leave no broken file."""
 
+import importlib
 import json
 import os
 import signal
@@ -48,6 +49,9 @@ def _check_consistent(out):
 @pytest.mark.slow
 def test_kill_9_then_rerun_finishes_what_is_missing(tmp_path):
     """Also: while the first render runs, a second one into the same folder is refused, naming its holder."""
+    # the refused render's modules imported first: their 2 s of imports in this process, on an idle machine, let the
+    # first render finish all its images before the refusal looked at the folder
+    importlib.import_module("storyboard_cli.run.render")
     job = write_job(tmp_path, JOB)
     out = tmp_path / "out"
     proc = _start(job, out)
