@@ -27,6 +27,7 @@ from storyboard_cli.cli_common import styled as _styled
 from storyboard_cli.cli_common import user_path as _user_path
 from storyboard_cli.cli_engine import bench, capture
 from storyboard_cli.cli_progress import render_progress
+from storyboard_cli.cuda_env import launch_queues
 from storyboard_cli.errors import BadInput, Interrupted, Status, exit_code, plural
 from storyboard_cli.folder.layout import INDEX, REPLACED, REPORT_JSON, REPORT_MD, SELECTS
 from storyboard_cli.job.conditions import KINDS
@@ -427,6 +428,7 @@ def submit(job: JobArg, server: ServerOpt, priority: PriorityOpt = "normal",
 
 
 def main() -> None:
+    launch_queues()  # before anything starts CUDA
     logging.basicConfig(level=os.environ.get("BCG_LOG", "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
     # a large control image is the artist's, not an attack: the job file says so once (job/file.py)
     warnings.filterwarnings("ignore", message=r"Image size \(\d+ pixels\) exceeds limit", module="PIL")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import tempfile
 import time
@@ -28,6 +29,7 @@ from storyboard_cli.bench.refine import refine_part
 from storyboard_cli.bench.report import NAMES, markdown
 from storyboard_cli.bench.source import source_steps
 from storyboard_cli.bench.steps import kernel_profile, launch_us, matmul_tflops, step_curve
+from storyboard_cli.cuda_env import LAUNCH_QUEUES_ENV
 from storyboard_cli.engine.device import device_name, dtype_name
 from storyboard_cli.engine.variants import FP8
 from storyboard_cli.errors import BadInput
@@ -104,6 +106,7 @@ def run(*, job_path: Path, model: str | None = None, quick: bool = False, parts:
     log(f"host: {rec['launch_us']:.1f} us per small op")
     if device.type == "cuda":
         rec["cuda_allocator"] = cuda_allocator()  # what load_sdxl set, or the user's PYTORCH_CUDA_ALLOC_CONF
+        rec["launch_queues"] = os.environ.get(LAUNCH_QUEUES_ENV, "default")  # bcg's main set it, or the user did
         rec["matmul_tflops"] = matmul_tflops(device, dtype)
         log(f"fp16 matmul rate: {rec['matmul_tflops']:.0f} TFLOP/s")
     # warm-up outside every contender: CUDA context, cuDNN/cuBLAS handles, first-call lazy inits
