@@ -1,6 +1,7 @@
 """CPU tests of the engine bookkeeping: shape keys, engine choice, fallback to eager with a reason."""
 
 import inspect
+import time
 
 import pytest
 import torch
@@ -163,13 +164,16 @@ def test_graph_runner_buffers_fit_every_batch_of_a_job(tiny_cpu, job_dir):
     assert not runner.buf.fits(Shape(8, 64, 64, False)) and not runner.buf.fits(Shape(1, 256, 64, False))
 
 
-def test_a_loops_pieces_of_work_start_once_replays_are_queued_ahead_of_them(tiny_cpu):
-    """The pieces a loop runs between its replays (the next batch's captures and prompts) start once AHEAD_REPLAYS
-    replays are queued, then one after each replay, the rest after the last one: the GPU has steps to run while the host
-    does each piece. On the CPU the graphs replay their captured step (helpers/graphs.py)."""
+def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_them(tiny_cpu):
+    """The pieces a loop runs between its replays (the next batch's captures and prompts) run while AHEAD_REPLAYS of its
+    replays are queued and not yet run, or when its last launch waited for room in the launch queue; after a piece that
+    let the GPU run down the queue, the loop queues replays again before the next piece; the rest run after the last
+    replay. Here a GPU is simulated (`Pace.in_flight`): each replay queues a step, and a long piece lets the GPU run
+    three. On the CPU the graphs replay their captured step (helpers/graphs.py), and the simulated loop's replays
+    compute nothing."""
     from storyboard_cli.engine.base import Shape
     from storyboard_cli.engine.graph import runner as graph_runner
-    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.graph.runner import GraphRunner, Pace
     from storyboard_cli.engine.sampling import schedule
     from storyboard_cli.run.capture import synthetic_inputs
 
@@ -177,27 +181,50 @@ def test_a_loops_pieces_of_work_start_once_replays_are_queued_ahead_of_them(tiny
 
     runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(64, 64))
     cpu_replays(runner)
-    replays, seen = [], []
+    replays, seen, ran = [], [], [0]  # ran: the steps the simulated GPU has run
     capturer = runner.capturer
+    slow_launch, simulated = {6}, [False]  # the replay whose launch waits for room in the launch queue
 
     def counted(key):
         graph = capturer(key)
         replay = graph.replay
-        graph.replay = lambda: (replays.append(key), replay())
+
+        def launch():  # in the simulated loop a launch takes no time unless it waits, and computes nothing
+            if not simulated[0]:
+                return replay()
+            replays.append(key)
+            if len(replays) in slow_launch:
+                time.sleep(3 * graph_runner.BLOCKED_S)
+        graph.replay = launch
         return graph
 
-    runner.capturer = counted
+    def paced(cuda):
+        pace = Pace(cuda)
+        pace.in_flight = lambda: len(replays) - ran[0]
+        return pace
+
+    runner.capturer, runner.pace = counted, paced
     runner.prepare([Shape(2, 64, 64, 0)])
     x, cond, conds, guidance = synthetic_inputs(tiny_cpu, 2, 64, 64, 0)
-    sched = schedule("euler", 6, tiny_cpu.scheduler_config)
+    sched = schedule("euler", 12, tiny_cpu.scheduler_config)
+
+    def piece(n, long):
+        def run():
+            seen.append((n, len(replays), len(replays) - ran[0]))
+            if long:  # the host's work outlasts three steps: the GPU runs them meanwhile
+                ran[0] = min(len(replays), ran[0] + 3)
+        return run
+
     with torch.no_grad():
         runner.sample(x, sched, None, cond, conds, guidance)  # its graph's check on the first batch's first step
-        replays.clear()  # the next batch's loop: every step a replay
-        pieces = iter([lambda n=n: seen.append((n, len(replays))) for n in range(7)])
-        runner.sample(x, sched, None, cond, conds, guidance, None, pieces)
-    steps = len(replays)
-    assert graph_runner.AHEAD_REPLAYS == 2 and steps == 6
-    first = seen[0][1]
-    assert first >= graph_runner.AHEAD_REPLAYS, seen  # not before two replays were queued
-    assert [r for _, r in seen[: steps - first + 1]] == list(range(first, steps + 1)), seen  # then one a replay
-    assert [n for n, _ in seen] == list(range(7)) and all(r == steps for _, r in seen[steps - first + 1:]), seen
+        simulated[0] = True  # the next batch's loop: every step a replay
+        longs = {0, 3, 7}
+        runner.sample(x, sched, None, cond, conds, guidance, None, iter([piece(n, n in longs) for n in range(10)]))
+    assert graph_runner.AHEAD_REPLAYS == 4 and len(replays) == 12
+    assert seen == [
+        (0, 4, 4),  # the first piece once four replays are queued; it is long: the GPU runs three steps meanwhile
+        (1, 6, 3),  # the sixth launch waited for room in the queue: a piece runs with three in flight
+        (2, 7, 4), (3, 7, 4),  # four queued again: a short piece, and the long one after it while the queue is full
+        (4, 10, 4), (5, 10, 4), (6, 10, 4), (7, 10, 4),  # refilled to four: short pieces one after another
+        (8, 12, 3), (9, 12, 3),  # after the long seventh, the queue never holds four again: the rest after the loop
+    ], seen

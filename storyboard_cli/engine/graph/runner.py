@@ -74,10 +74,56 @@ log = logging.getLogger(__name__)
 # compiled artifact's kernels) for the shapes it runs; a second cost a whole step per graph (a draft render captures
 # 35) and changed nothing the GPU tests see (every kind captured and checked against eager)
 WARMUP_STEPS = 1
-# replays queued in a batch's loop before its first piece of `between` work runs, then a piece after each replay: a
-# piece that takes longer than a step (a warm-up beside the loop takes 0.06-0.5 s of host time, a 1-image step 37 ms)
-# eats into that margin before the GPU idles; the pieces left at the loop's end run after its last replay
-AHEAD_REPLAYS = 2
+# replays a batch's loop keeps queued ahead of the GPU before it runs a piece of `between` work (`Pace`): a piece
+# that takes longer than the steps queued ahead of it (a warm-up or capture beside the loop takes 0.06-1.0 s of host
+# time, a 1-image step 32 ms) leaves the GPU idle. CUDA's launch queue holds about one replay of a step (about 1,900
+# kernels), four at the scale `bcg` sets (cuda_env.py); a launch that finds it full waits, and then the GPU has all
+# the host can give it. The pieces left at the loop's end run after its last replay.
+AHEAD_REPLAYS = 4
+# a launch that took longer than this waited for room in the launch queue (an unblocked one takes tens of µs)
+BLOCKED_S = 0.002
+
+
+class Pace:
+    """When a loop runs its next piece of `between` work: once `ahead` of its replays are queued and not yet run (their
+    end events not reached), or its last launch waited for room in the launch queue. After a piece, the loop queues
+    replays again until one of those holds, so each piece starts with the GPU's queue as full as the host can make
+    it; short pieces run one after another while it stays so. `in_flight`: the replays queued and not yet run (a test
+    replaces it); on the CPU, where a replay has run when its launch returns, every replay counts as queued."""
+
+    def __init__(self, cuda: bool, ahead: int = AHEAD_REPLAYS):
+        self.ahead, self.cuda = ahead, cuda
+        self.events: list[torch.cuda.Event] = []  # the end of each replay queued, oldest first
+        self.launched, self.blocked = 0, False
+        self.in_flight: Callable[[], int] = self._in_flight
+
+    def replay(self, graph) -> None:
+        """Launches one replay of `graph` and notes its end and whether its launch waited."""
+        t = time.perf_counter()
+        graph.replay()
+        self.blocked = time.perf_counter() - t > BLOCKED_S
+        self.launched += 1
+        if self.cuda:
+            self.events.append(torch.cuda.Event())
+            self.events[-1].record()
+
+    def _in_flight(self) -> int:
+        if not self.cuda:
+            return self.launched
+        while self.events and self.events[0].query():
+            self.events.pop(0)
+        return len(self.events)
+
+    def room(self) -> bool:
+        """Whether the next piece may run now: the GPU has the steps queued that it should have."""
+        return self.blocked or self.in_flight() >= self.ahead
+
+    def run(self, between: Iterator[Callable[[], object]] | None) -> Iterator[Callable[[], object]] | None:
+        """Runs `between`'s pieces while `room` holds; returns what is left (None: used up)."""
+        while between is not None and self.room():
+            between = run_between(between)
+            self.blocked = False  # a piece's own launches are not the loop's
+        return between
 
 
 class GraphRunner:
@@ -108,6 +154,7 @@ class GraphRunner:
         # every warm-up and capture runs on a graph's buffers (`step`; a test wraps it to break or probe a capture)
         self.capturer: Callable[[ShapeKey], object] = self._capture
         self.stepper: Callable[[Views], None] = self.step
+        self.pace: Callable[[bool], Pace] = Pace  # a loop's pacing of its `between` pieces (a test's seam)
         # a capture beside the loop before (`ahead`): Views -> captured graph, or raises; and whether one can run now
         self.beside_recorder: Callable[[Views], object] = self._record_beside
         self.beside_ready: Callable[[], bool] = self._beside_ready
@@ -672,6 +719,7 @@ class GraphRunner:
                 return self.sample(x, sched, noise, cond, conds, guidance, plan, between)  # a row down
             start = 1
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
+        pace = self.pace(self.models.device.type == "cuda")
         for i, (key, graph) in enumerate(steps[start:], start):
             if segment is None or segment[0] != key:
                 first = segment is None
@@ -681,9 +729,8 @@ class GraphRunner:
                     self.stats[steps[0][0]].leads.append((entry, segment[1]))
             if noise is not None:
                 v.noise.copy_(noise[i])
-            graph.replay()
-            if i - start + 1 >= AHEAD_REPLAYS:
-                between = run_between(between)  # while the GPU runs the replays queued so far
+            pace.replay(graph)
+            between = pace.run(between)  # while the GPU runs the replays queued so far
         run_between(between, everything=True)
         self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
