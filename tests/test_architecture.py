@@ -91,7 +91,7 @@ def test_the_engine_does_not_import_the_job(path):
 # that folder; a module named on its own is placed before any folder (the base modules that live in a higher
 # stage's folder because that is what they describe).
 STAGES = {
-    "base": {"errors.py", "samplers.py", "steps.py", "costs.py", "costs_h200.py", "folder/layout.py", "models/tiny.py", "models/tokenizers.py",
+    "base": {"errors.py", "samplers.py", "steps.py", "costs.py", "costs_h200.py", "cuda_env.py", "folder/layout.py", "models/tiny.py", "models/tokenizers.py",
              "models/__init__.py"},
     "job": {"job/*", "job/conditions/*"},
     "models": {"models/*"},
@@ -118,7 +118,7 @@ REEXPORTS = {"engine": {"storyboard_cli.engine.base", "storyboard_cli.engine.bas
                                 "storyboard_cli.job.kind.Kind"}}
 # torch-free at run time, through everything they import: `bcg plan`, job validation, the folder's readers and
 # writers, `bcg sheet`, `bcg pick`. A folder: every module in it.
-TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "costs.py", "costs_h200.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
+TORCH_FREE = ["errors.py", "samplers.py", "steps.py", "costs.py", "costs_h200.py", "cuda_env.py", "job/*", "folder/*", "run/signals.py", "serve/schedule.py",
               "serve/intake.py", "serve/store.py", "serve/queue_file.py", "serve/queue_workers.py",
               "serve/queue_stats.py", "serve/metrics.py", "serve/api.py", "serve/client.py", "serve/lease_client.py",
               "serve/server.py", "serve/folders.py", "serve/blobs.py", "serve/blob_routes.py", "serve/edge.py",
