@@ -91,6 +91,10 @@
 #                     rows, eager, channels_last and compiled, and the whole net with it and with it passed in: what
 #                     precomputing it once per batch would take off every +control step
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
+#   rekey[:L2]        probes/rekey.py: the bench job's artifacts in the shared cache, built before the key left out the
+#                     L2's size on a card with L2 bytes (default an H100 SXM's, 52428800), renamed to today's keys
+#                     (ARTZ's sets then serve an H100 SXM and an H200; the renamed files come back in art.tgz); first,
+#                     before the legs that use them
 #   serve[:PHASES]    benchmarks/serve_gpu.py on GPUs 0 and 1 (default render,serve1,serve2; IMAGES=32 STEPS=20)
 #   gpus[:JOB]        benchmarks/two_gpus.py on GPUs 0 and 1: JOB (bench, the default, or tiny) on two against one
 #   refs[:COMPILE]    `bcg capture benchmarks/jobs/references.yaml --warm --compile COMPILE` (default off), then the
@@ -264,6 +268,8 @@ leg() {  # LEG ARG NAME
   profile)
     step "$n" 150 python benchmarks/probes/step_profile.py --out "$R/$n.json" ${arg:+--rows $arg} \
       $([ "$SMOKE" = 1 ] && echo --model tiny --side 128 --batch 2);;
+  rekey)
+    step "$n" 150 python benchmarks/probes/rekey.py ${arg} $([ "$SMOKE" = 1 ] && echo --device cpu --model tiny);;
   attention)
     step "$n" 150 python benchmarks/probes/attention_scout.py --out "$R/$n.json" $([ "$SMOKE" = 1 ] && echo --smoke);;
   capture_thread)

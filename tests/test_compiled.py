@@ -153,8 +153,8 @@ def test_the_key_follows_what_changes_the_code(models_cn):
 
 def test_a_gpus_key_names_its_chip_not_its_name(models_cn, monkeypatch):
     """An artifact built on one card is the one another card of the same chip and configuration looks up (an H100
-    SXM's and an H200's: the same 132 SMs, other memory and name), never one whose SMs, capability or shared memory
-    differ; a property an older torch lacks counts as None."""
+    SXM's and an H200's: the same 132 SMs, other memory, L2 and name; the H200's properties as its device call read
+    them), never one whose SMs, capability or shared memory differ; a property an older torch lacks counts as None."""
     from storyboard_cli.engine.kernels import artifacts
 
     card: dict = {}
@@ -167,13 +167,13 @@ def test_a_gpus_key_names_its_chip_not_its_name(models_cn, monkeypatch):
         return artifact_key(square, OnGpu(models_cn.unet))
 
     built = key()
-    assert key(name="NVIDIA H200", total_memory=141 << 30) == built
+    assert key(name="NVIDIA H200", total_memory=141 << 30, L2_cache_size=60 << 20) == built
     assert key(multi_processor_count=114, name="NVIDIA H100 PCIe") != built
     assert key(capability=(8, 9)) != built
     assert key(shared_memory_per_block_optin=101376) != built
     assert built != artifact_key(square, models_cn.unet)  # the CPU's
-    card.pop("L2_cache_size")
-    assert artifacts.gpu_facts(torch.device("cuda", 0))["L2_cache_size"] is None
+    card.pop("regs_per_multiprocessor")
+    assert artifacts.gpu_facts(torch.device("cuda", 0))["regs_per_multiprocessor"] is None
 
 
 def test_the_unets_skip_concatenations_are_exported_nhwc(models_cn):

@@ -103,10 +103,13 @@ def options(target: Target) -> dict:
 
 
 # what of a GPU the generated code depends on: inductor's device properties (its kernels' launch and reduction
-# heuristics read the SM count, the registers and threads per SM, the warp) and Triton's shared memory per block;
-# the L2's size as well, for safety. Missing ones (an older torch) count as None.
+# heuristics read the SM count, the registers and threads per SM, the warp: torch/_inductor/runtime/hints.py
+# `DeviceProperties`) and Triton's shared memory per block. Not the L2's size: inductor reads it only to flush the
+# cache between autotuning's timings, which a build does not run, and it is what tells an H200 (60 MiB) from an H100
+# SXM (50 MiB), whose other properties match (docs/PERFORMANCE.md, thirty-fifth session). Missing ones (an older
+# torch) count as None.
 GPU_FACTS = ("multi_processor_count", "regs_per_multiprocessor", "max_threads_per_multi_processor",
-             "max_threads_per_block", "warp_size", "shared_memory_per_block_optin", "L2_cache_size")
+             "max_threads_per_block", "warp_size", "shared_memory_per_block_optin")
 
 
 def gpu_facts(dev: torch.device) -> dict:
