@@ -28,7 +28,7 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   less, the same result to the bit (the feature's copy is on the side).
 - Beside the loop (`ahead`): a graph that needs no warm-up (a graph before it ran its kernels) is captured between
   the replays of the batch before its own, from the thread that queues them, while the GPU still runs the replays
-  queued so far: no sync, no memory released, the step index left alone (the loop in flight reads it), capture errors
+  queued so far (`Pace`: with `AHEAD_REPLAYS` of them queued, or the launch queue full): no sync, no memory released, the step index left alone (the loop in flight reads it), capture errors
   kept to this thread. A compiled graph that needs one gets its warm-up there first (`_warm_beside`), at its
   artifact's fewest rows on scratch buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs
   beside the replays too. `prepare(beside=True)` leaves those graphs to it, except the first batch's. A capture on a
