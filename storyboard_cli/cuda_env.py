@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 
-# CUDA's launch queues at four times their default size. The host could queue about one replay of a step's graph
-# (about 1,900 kernels) before a launch blocked (docs/PERFORMANCE.md, 2026-12-02 and the thirty-fifth session). A loop
-# runs the next batch's host work (its kernels' loads, warm-ups, captures, prompts) between its replays, and a piece of
-# that work longer than the GPU time queued ahead of it leaves the GPU idle.
+# CUDA's launch queues at four times their default size. At the default, a launch of a graph of 1,900 kernels with
+# many matmuls (a step's graph has about 1,900) waited with no replay queued ahead of it; at 4x with two
+# (benchmarks/probes/queue_probe.py on an H200, docs/PERFORMANCE.md, thirty-fifth session). A loop runs the next
+# batch's host work (its kernels' loads, warm-ups, captures, prompts) between its replays, and a piece of that work
+# longer than the GPU time queued ahead of it leaves the GPU idle.
 LAUNCH_QUEUES, LAUNCH_QUEUES_ENV = "4x", "CUDA_SCALE_LAUNCH_QUEUES"
 
 

@@ -28,10 +28,10 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   less, the same result to the bit (the feature's copy is on the side).
 - Beside the loop (`ahead`): a graph that needs no warm-up (a graph before it ran its kernels) is captured between
   the replays of the batch before its own, from the thread that queues them, while the GPU still runs the replays
-  queued so far (`Pace`: with `AHEAD_REPLAYS` of them queued, or the launch queue full): no sync, no memory released, the step index left alone (the loop in flight reads it), capture errors
-  kept to this thread. A compiled graph that needs one gets its warm-up there first (`_warm_beside`), at its
-  artifact's fewest rows on scratch buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs
-  beside the replays too. `prepare(beside=True)` leaves those graphs to it, except the first batch's. A capture on a
+  queued so far (`Pace`: with `AHEAD_REPLAYS` of them queued, or the launch queue full): no sync, no memory
+  released, the step index left alone (the loop in flight reads it), capture errors kept to this thread. A compiled
+  graph that needs one gets its warm-up there first (`_warm_beside`), at its artifact's fewest rows on scratch
+  buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs beside the replays too. `prepare(beside=True)` leaves those graphs to it, except the first batch's. A capture on a
   second thread waited for the replays' launches (the launch queue is full): benchmarks/probes/capture_thread.py.
 - Compiled kernels (engine/kernels/) are looked at between batches: a size whose kernels became
   ready since the last batch gets a compiled graph from its next batch on.
@@ -76,12 +76,14 @@ log = logging.getLogger(__name__)
 WARMUP_STEPS = 1
 # replays a batch's loop keeps queued ahead of the GPU before it runs a piece of `between` work (`Pace`): a piece
 # that takes longer than the steps queued ahead of it (a warm-up or capture beside the loop takes 0.06-1.0 s of host
-# time, a 1-image step 32 ms) leaves the GPU idle. CUDA's launch queue holds about one replay of a step (about 1,900
-# kernels), four at the scale `bcg` sets (cuda_env.py); a launch that finds it full waits, and then the GPU has all
-# the host can give it. The pieces left at the loop's end run after its last replay.
+# time, a 1-image step 32 ms) leaves the GPU idle. CUDA's launch queue is counted in the commands' size: at its
+# default scale a launch of a graph of 1,900 kernels with many matmuls waited with none queued ahead, at the 4x `bcg`
+# sets (cuda_env.py) with two (benchmarks/probes/queue_probe.py, H200); a launch that finds the queue full waits,
+# and then the GPU has all the host can give it. The pieces left at the loop's end run after its last replay.
 AHEAD_REPLAYS = 4
-# a launch that took longer than this waited for room in the launch queue (an unblocked one takes tens of µs)
-BLOCKED_S = 0.002
+# a launch that took longer than this waited for room in the launch queue: one that did not took 0.3-3.0 ms of host
+# time, one that waited 29-280 ms, about a step (the probe, graphs of 1,900 kernels)
+BLOCKED_S = 0.010
 
 
 class Pace:
