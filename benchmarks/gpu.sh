@@ -91,6 +91,9 @@
 #                     rows, eager, channels_last and compiled, and the whole net with it and with it passed in: what
 #                     precomputing it once per batch would take off every +control step
 #   load              probes/load_probe.py three times in fresh processes (the third with one compile thread)
+#   queue[:SCALES]    probes/queue_probe.py: how many replays of a graph of 1,900 kernels the host queues before a
+#                     launch waits, at each CUDA_SCALE_LAUNCH_QUEUES of SCALES (default default,4x), and the GPU's idle
+#                     time under pieces of host work, the runner's pacing before and now (`Pace`)
 #   rekey[:L2]        probes/rekey.py: the bench job's artifacts in the shared cache, built before the key left out the
 #                     L2's size on a card with L2 bytes (default an H100 SXM's, 52428800), renamed to today's keys
 #                     (ARTZ's sets then serve an H100 SXM and an H200; the renamed files come back in art.tgz); first,
@@ -268,6 +271,8 @@ leg() {  # LEG ARG NAME
   profile)
     step "$n" 150 python benchmarks/probes/step_profile.py --out "$R/$n.json" ${arg:+--rows $arg} \
       $([ "$SMOKE" = 1 ] && echo --model tiny --side 128 --batch 2);;
+  queue)
+    step "$n" 150 python benchmarks/probes/queue_probe.py "$R/$n.json" --scales "${arg:-default,4x}" --replays 8;;
   rekey)
     step "$n" 150 python benchmarks/probes/rekey.py ${arg} $([ "$SMOKE" = 1 ] && echo --device cpu --model tiny);;
   attention)

@@ -12,10 +12,13 @@ There a graph of `--kernels` kernels is captured whose replay takes about each o
 kernels and enough 4096² fp16 matmuls), and for each:
   launch_ms   the host's ms in each of `--replays` back-to-back `replay()` calls (a blocked launch takes about a step)
   queued      how many replays were queued before the first launch that blocked (over half a step)
-  loop        per piece length P of `--pieces-ms`: the loop of bcg's runner (engine/graph/runner.py `sample`: two
+  loop        per piece length P of `--pieces-ms`: the loop of bcg's runner before the thirty-fifth session (two
               replays queued, then a piece after each replay; the piece a host sleep of P ms), its GPU wall from the
               first replay's start to the last one's end, against the replays' own GPU time (`idle_ms`: the GPU idle
-              under the pieces)"""
+              under the pieces)
+  paced       the same pieces (one fewer than the replays) run by today's loop (engine/graph/runner.py `Pace`:
+              while four replays are queued, or after a launch that waited), the pieces left after its last replay
+              (`left`: how many)"""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from pathlib import Path
 
 def child(kernels: int, steps_ms: list[float], replays: int, pieces_ms: list[float]) -> dict:
     import torch
+
+    from storyboard_cli.engine.graph.runner import Pace
 
     dev = torch.device("cuda")
     a = torch.randn(4096, 4096, device=dev, dtype=torch.float16)
@@ -98,8 +103,24 @@ def child(kernels: int, steps_ms: list[float], replays: int, pieces_ms: list[flo
             wall = first.elapsed_time(last)
             loops.append({"piece_ms": piece, "gpu_wall_ms": round(wall, 2), "idle_ms": round(wall - replays * step_ms, 2),
                           "host_ms": round(host_s * 1e3, 2)})
+        paced = []
+        for piece in pieces_ms:
+            first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            pace, between = Pace(True), iter([lambda: time.sleep(piece / 1e3)] * (replays - 1))
+            first.record()
+            for _ in range(replays):
+                pace.replay(graph)
+                between = pace.run(between)
+            last.record()
+            left = 0 if between is None else len(list(between))  # the pieces the loop would run after its end
+            torch.cuda.synchronize()
+            wall = first.elapsed_time(last)
+            paced.append({"piece_ms": piece, "gpu_wall_ms": round(wall, 2), "idle_ms": round(wall - replays * step_ms, 2),
+                          "left": left})
         out["steps"].append({"target_ms": target, "kernels": kernels, "matmuls": mms, "step_ms": round(step_ms, 3),
-                             "launch_ms": [round(x, 3) for x in launch], "queued": blocked, "loop": loops})
+                             "launch_ms": [round(x, 3) for x in launch], "queued": blocked, "loop": loops,
+                             "paced": paced})
         del graph
     return out
 
@@ -133,8 +154,9 @@ def main() -> None:
         part.unlink(missing_ok=True)
         for step in rows[-1].get("steps", []):
             print(f"{scale:8s} step {step['step_ms']:7.2f} ms  queued before a blocked launch: {step['queued']}  "
-                  + "  ".join(f"piece {x['piece_ms']:.0f} ms: idle {x['idle_ms']:.0f} ms" for x in step["loop"]),
-                  flush=True)
+                  + "  ".join(f"piece {x['piece_ms']:.0f} ms: idle {x['idle_ms']:.0f} ms" for x in step["loop"])
+                  + "  paced: " + "  ".join(f"{x['piece_ms']:.0f} ms: idle {x['idle_ms']:.0f} ms, {x['left']} left"
+                                            for x in step["paced"]), flush=True)
     a.out.write_text(json.dumps({"runs": rows}, indent=1))
 
 
