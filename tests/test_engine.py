@@ -1,7 +1,6 @@
 """CPU tests of the engine bookkeeping: shape keys, engine choice, fallback to eager with a reason."""
 
 import inspect
-import time
 
 import pytest
 import torch
@@ -169,8 +168,8 @@ def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_th
     replays are queued and not yet run, or when its last launch waited for room in the launch queue; after a piece that
     let the GPU run down the queue, the loop queues replays again before the next piece; the rest run after the last
     replay. Here a GPU is simulated (`Pace.in_flight`): each replay queues a step, and a long piece lets the GPU run
-    three. On the CPU the graphs replay their captured step (helpers/graphs.py), and the simulated loop's replays
-    compute nothing."""
+    three, and a launch takes no time on the host's clock unless it waits. On the CPU the graphs replay their captured
+    step (helpers/graphs.py), and the simulated loop's replays compute nothing."""
     from storyboard_cli.engine.base import Shape
     from storyboard_cli.engine.graph import runner as graph_runner
     from storyboard_cli.engine.graph.runner import GraphRunner, Pace
@@ -181,7 +180,7 @@ def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_th
 
     runner = GraphRunner(tiny_cpu, max_batch=2, max_hw=(64, 64))
     cpu_replays(runner)
-    replays, seen, ran = [], [], [0]  # ran: the steps the simulated GPU has run
+    replays, seen, ran, now = [], [], [0], [0.0]  # ran: the steps the simulated GPU has run; now: its host clock
     capturer = runner.capturer
     slow_launch, simulated = {6}, [False]  # the replay whose launch waits for room in the launch queue
 
@@ -194,13 +193,13 @@ def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_th
                 return replay()
             replays.append(key)
             if len(replays) in slow_launch:
-                time.sleep(3 * graph_runner.BLOCKED_S)
+                now[0] += 3 * graph_runner.BLOCKED_S
         graph.replay = launch
         return graph
 
     def paced(cuda):
         pace = Pace(cuda)
-        pace.in_flight = lambda: len(replays) - ran[0]
+        pace.in_flight, pace.clock = lambda: len(replays) - ran[0], lambda: now[0]
         return pace
 
     runner.capturer, runner.pace = counted, paced

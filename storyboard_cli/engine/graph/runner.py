@@ -91,19 +91,21 @@ class Pace:
     end events not reached), or its last launch waited for room in the launch queue. After a piece, the loop queues
     replays again until one of those holds, so each piece starts with the GPU's queue as full as the host can make
     it; short pieces run one after another while it stays so. `in_flight`: the replays queued and not yet run (a test
-    replaces it); on the CPU, where a replay has run when its launch returns, every replay counts as queued."""
+    replaces it, and `clock`, which times a launch); on the CPU, where a replay has run when its launch returns, every
+    replay counts as queued."""
 
     def __init__(self, cuda: bool, ahead: int = AHEAD_REPLAYS):
         self.ahead, self.cuda = ahead, cuda
         self.events: list[torch.cuda.Event] = []  # the end of each replay queued, oldest first
         self.launched, self.blocked = 0, False
         self.in_flight: Callable[[], int] = self._in_flight
+        self.clock: Callable[[], float] = time.perf_counter
 
     def replay(self, graph) -> None:
         """Launches one replay of `graph` and notes its end and whether its launch waited."""
-        t = time.perf_counter()
+        t = self.clock()
         graph.replay()
-        self.blocked = time.perf_counter() - t > BLOCKED_S
+        self.blocked = self.clock() - t > BLOCKED_S
         self.launched += 1
         if self.cuda:
             self.events.append(torch.cuda.Event())
