@@ -109,44 +109,6 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(se
         assert rows[key.label]["batches"] == 1 and rows[key.label]["lead_ms"] > 0, rows[key.label]
 
 
-def test_a_batchs_first_step_is_checked_beside_its_loop_and_a_failed_check_runs_it_a_row_down(setup, monkeypatch):
-    """After the size's graph at 2 images matched the eager step, the 1-image batch's first step is checked against its
-    kernels outside the graph beside its loop (graph/check.py FirstStep: the comparison on the device, read through
-    pinned memory and an event): it passes, the reference's GPU time is timed among the replays (`check_ms`, left out
-    of `replay_ms`), and the loop stays close to eager. Under a limit no rounding meets the same check fails beside the
-    loop, which stops there, and the batch runs on the plain graph, close to eager too."""
-    from dataclasses import replace
-
-    from storyboard_cli.engine.graph.keys import ShapeKey
-    from storyboard_cli.engine.graph.runner import GraphRunner
-    from storyboard_cli.engine.variants import VARIANTS
-
-    models, runner, eager = setup
-    key = ShapeKey(1, SIDE, SIDE, False, "float16", "compiled")
-    against = "against its kernels outside the graph (against eager at 2 images)"
-    for fails in (False, True):
-        fresh = GraphRunner(models, max_batch=2, max_hw=(SIDE, SIDE), compiled=runner.compiled)
-        fresh.sample(*unguided(loop_inputs(models, 2, SIDE, SIDE, False, "euler", steps=3)))  # the eager check
-        if fails:
-            monkeypatch.setitem(VARIANTS, "compiled", replace(VARIANTS["compiled"], check_rtol=-1.0))
-        one = unguided(loop_inputs(models, 1, SIDE, SIDE, False, "euler", steps=8))
-        got = fresh.sample(*one)
-        torch.cuda.synchronize()
-        stats = fresh.stats[key]
-        if fails:
-            assert stats.state == "plain" and stats.reason.startswith("replay check failed: relative error"), \
-                stats.reason
-            assert stats.reason.endswith(against) and not stats.leads, stats.reason
-            plain = fresh.stats[fresh.shape_key(1, SIDE, SIDE, False)]
-            assert plain.key.variant == "plain" and plain.state == "graph" and plain.checked, plain.reason
-        else:
-            assert stats.state == "graph" and stats.checked and stats.reason.endswith(against), stats.reason
-            row = next(r for r in fresh.describe() if r["shape"] == key.label)
-            assert row["replays"] == 8 and row["check_ms"] > 0 and row["replay_ms"] > 0, row
-        assert_rel_close(got, eager.sample(*one), RTOL)
-        monkeypatch.undo()
-
-
 def test_a_second_process_loads_from_the_cache(setup):
     from storyboard_cli.models.tiny import cache_root
 
