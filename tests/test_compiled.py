@@ -531,8 +531,7 @@ def test_the_one_image_check_runs_the_batchs_guide_for_its_first_image(artifacts
 
 def test_a_row_whose_rounding_forbids_the_one_image_check_steps_the_whole_batch(artifacts, monkeypatch):
     """A row without `alone_rtol` (FP8's: its first image alone rounds too near its limit) checks the batch's first
-    step against the whole batch's step outside the graph (on tensors of its own, beside the loop), never the first
-    image alone."""
+    step against the whole batch's step outside the graph, never the first image alone."""
     from dataclasses import replace
 
     from storyboard_cli.engine import variants
@@ -541,13 +540,13 @@ def test_a_row_whose_rounding_forbids_the_one_image_check_steps_the_whole_batch(
     assert variants.VARIANTS["fp8"].alone_rtol is None and variants.VARIANTS["compiled"].alone_rtol is not None
     monkeypatch.setitem(variants.VARIANTS, "compiled", replace(variants.VARIANTS["compiled"], alone_rtol=None))
     models, runner, four, two = _runner_at_two_row_counts(artifacts)
-    rows, part = [], runner.part_step
-    runner.part_step = lambda v, x, noise, n: (rows.append((v.key.batch, n)), part(v, x, noise, n))[1]
+    alone = []
+    runner.part_step = lambda *a: alone.append(a)
     with torch.no_grad():
         got = [runner.sample(*four), runner.sample(*two)]
         want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
     assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
-    assert rows == [(2, 2)]  # the batch at 2 images, checked against its kernels: its whole batch
+    assert not alone
     reasons = {s.key.batch: (s.key.variant, s.state, s.reason) for s in runner.stats.values()}
     assert reasons[2][:2] == ("compiled", "graph"), reasons
     assert reasons[2][2].endswith("against its kernels outside the graph (against eager at 4 images)"), reasons
@@ -571,83 +570,6 @@ def test_the_one_image_check_holds_the_replay_to_its_rows_alone_rtol(artifacts, 
     assert stats[2].state == "plain", stats[2].reason
     assert "replay check failed: relative error" in stats[2].reason and "> -1e+00" in stats[2].reason, stats[2].reason
     assert "outside the graph at 1 image" in stats[2].reason, stats[2].reason
-
-
-def _logged_two(runner, models, two, steps: int, log: list):
-    """`two` with `steps` euler steps, and `runner`'s replays and reference steps written to `log` as (what, variant);
-    the loop's pacing on a clock that stands still (no launch counts as waiting for room: a CPU step may take longer
-    than a blocked launch), so its pieces run once AHEAD_REPLAYS replays are queued."""
-    from storyboard_cli.engine.graph.runner import Pace
-    from storyboard_cli.engine.sampling import schedule
-
-    def paced(cuda):
-        pace = Pace(cuda)
-        pace.clock = lambda: 0.0
-        return pace
-
-    runner.pace = paced
-    step, part = runner.step, runner.part_step
-    runner.stepper = lambda v: (log.append(("replay", v.key.variant)), step(v))
-    runner.part_step = lambda v, x, noise, n: (log.append(("reference", n)), part(v, x, noise, n))[1]
-    return (two[0], schedule("euler", steps, models.scheduler_config), *two[2:])
-
-
-def test_the_first_step_check_runs_beside_the_loop_and_the_loops_pieces_wait_for_its_verdict(artifacts):
-    """A graph checked against its kernels has its batch's first step checked beside the loop: the reference step
-    outside the graph runs as the loop's first piece of `between` work, once the loop has replays queued ahead of it
-    (AHEAD_REPLAYS; on the CPU every replay counts as queued), not before the second replay; the loop's other pieces
-    (the next batch's captures and prompts) run only after its verdict is read. The batch keeps the graph's steps and
-    equals the eager loop."""
-    from storyboard_cli.engine.eager import EagerEngine
-    from storyboard_cli.engine.graph import runner as graph_runner
-
-    models, runner, four, two = _runner_at_two_row_counts(artifacts)
-    log = []
-    with torch.no_grad():
-        runner.sample(*four)
-        two = _logged_two(runner, models, two, 8, log)
-        pieces = iter([lambda n=n: log.append(("piece", n)) for n in range(3)])
-        got = runner.sample(*two, None, pieces)
-        want = EagerEngine(models).sample(*two)
-    ahead = graph_runner.AHEAD_REPLAYS
-    assert ahead == 4
-    replay = ("replay", "compiled")
-    assert log[:ahead + 1] == [replay] * ahead + [("reference", 1)], log  # four replays queued, then the reference
-    assert log[ahead + 1:] == [replay] + [("piece", n) for n in range(3)] + [replay] * 3, log
-    assert rel_error(got, want) < 1e-4
-    stats = next(s for s in runner.stats.values() if s.key.batch == 2)
-    assert stats.state == "graph" and stats.replays == 8, (stats.state, stats.replays)
-    assert stats.reason.endswith("against its kernels outside the graph at 1 image (against eager at 4 images)")
-
-
-def test_a_first_step_check_that_fails_beside_the_loop_stops_it_and_runs_the_batch_a_row_down(artifacts, monkeypatch):
-    """A first-step check that fails beside the loop (here: a limit no rounding meets) stops the loop's replays once its
-    verdict is read, sends the shape a row down with the reason, and runs the batch again there from its own inputs:
-    the loop's pieces of work, held back until the verdict, run once, in the batch's run on the row below, whose result
-    equals the eager loop's."""
-    from dataclasses import replace
-
-    from storyboard_cli.engine import variants
-    from storyboard_cli.engine.eager import EagerEngine
-
-    monkeypatch.setitem(variants.VARIANTS, "compiled", replace(variants.VARIANTS["compiled"], alone_rtol=-1.0))
-    models, runner, four, two = _runner_at_two_row_counts(artifacts)
-    log = []
-    with torch.no_grad():
-        runner.sample(*four)
-        two = _logged_two(runner, models, two, 8, log)
-        pieces = iter([lambda n=n: log.append(("piece", n)) for n in range(3)])
-        got = runner.sample(*two, None, pieces)
-        want = EagerEngine(models).sample(*two)
-    compiled = [e for e in log if e == ("replay", "compiled")]
-    assert len(compiled) == 4 and log[4] == ("reference", 1), log  # stopped at the verdict: 4 of 8 replays
-    after = log[5:]
-    assert [e for e in after if e[0] == "piece"] == [("piece", n) for n in range(3)], log  # once, after the fall
-    assert ("replay", "compiled") not in after and after.count(("replay", "plain")) >= 8, log
-    assert rel_error(got, want) < 1e-4
-    stats = {s.key.variant: s for s in runner.stats.values() if s.key.batch == 2}
-    assert stats["compiled"].state == "plain" and "replay check failed: relative error" in stats["compiled"].reason
-    assert stats["compiled"].leads == [] and stats["plain"].state == "graph", stats
 
 
 def test_a_broken_capture_at_other_rows_fails_its_check_against_the_kernels(artifacts):

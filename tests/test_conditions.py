@@ -187,7 +187,7 @@ def test_artifact_keys_and_the_exported_inputs_are_unchanged(adapter_models):
 
 
 def test_each_kind_gives_the_rows_of_its_first_images():
-    """`first_images(n, b)`, what the one-image check runs (engine/graph/check.py FirstStep): of CFG-doubled
+    """`first_images(n, b)`, what the one-image check runs (engine/graph/check.py first_step_of_part): of CFG-doubled
     rows (negative rows first) the first n of each half, of per-image rows the first n; the rest as it was."""
     from storyboard_cli.engine.conditioning import Cond
     from storyboard_cli.engine.conditions.control import Control

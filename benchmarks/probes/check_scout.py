@@ -3,10 +3,9 @@
 A compiled graph whose kernels were checked against the eager step at other rows is checked on its batch's first step
 against the same kernels outside the graph (engine/graph/check.py). Two references:
 
-  batch   the whole batch's step (`FirstStep` at the batch's images, on tensors of its own): the same kernels at the
-          same rows, 0.0 apart when nothing is broken; it costs one step of the batch (192.7 ms at 8 x 1024², FP8, on
-          the H200)
-  one     the batch's first image alone (`FirstStep` at 1 image): a step of one image, but its GEMMs run at
+  batch   the whole batch's step (`first_step`): the same kernels at the same rows, 0.0 apart when nothing is broken;
+          it costs one step of the batch (192.7 ms at 8 x 1024², FP8, on the H200)
+  one     the batch's first image alone (`first_step_of_part` at 1 image): a step of one image, but its GEMMs run at
           other rows and round apart; FP8 measured 5.0e-2 to 5.2e-2 (limit 8e-2) at the bench job's guidance 6 and
           its row does not use it (`Variant.alone_rtol` None); fp16 compiled 2.2e-3 (limit 2e-2)
   part    the batch's first N images alone (--parts N,...; `part_N` in the rows): a step of N images, its GEMMs at
@@ -43,7 +42,7 @@ from fp8_scout import Record  # noqa: E402
 
 from storyboard_cli.engine.base import Shape  # noqa: E402
 from storyboard_cli.engine.build import graph_runner  # noqa: E402
-from storyboard_cli.engine.graph.check import FirstStep  # noqa: E402
+from storyboard_cli.engine.graph.check import first_step, first_step_of_part  # noqa: E402
 from storyboard_cli.engine.sampling import draw_noise, schedule  # noqa: E402
 from storyboard_cli.engine.variants import VARIANTS  # noqa: E402
 from storyboard_cli.models.loader import cuda_allocator, load_sdxl  # noqa: E402
@@ -65,18 +64,6 @@ def timed(fn, reps: int = 5) -> float:
             torch.cuda.synchronize()
         out.append((time.perf_counter() - t0) * 1000)
     return round(statistics.median(out), 2)
-
-
-def first_step_of_part(v, replay, part, noise, n: int) -> tuple[float, str]:
-    """(error, why it fails) of the graph's first replay (the batch loaded in `v`) against `part`, its step for the
-    batch's first `n` images alone outside the graph: the runner's check on a batch's first step (FirstStep), read at
-    once."""
-    if noise is not None:
-        v.noise.copy_(noise)
-    replay()
-    check = FirstStep(v, n)
-    check.compare(part())
-    return check.result()
 
 
 def shape_rows(models, runner, variant: str, batch: int, control: bool, side: int, guidance: list[float],
@@ -102,7 +89,7 @@ def shape_rows(models, runner, variant: str, batch: int, control: bool, side: in
             v.load(runner.buf, x, sched, cond, conds, scale)
             one, why_one = first_step_of_part(v, replay, lambda: runner.part_step(v, x, first, 1), first, 1)
             v.load(runner.buf, x, sched, cond, conds, scale)
-            whole, why_whole = first_step_of_part(v, replay, lambda: runner.part_step(v, x, first, batch), first, batch)
+            whole, why_whole = first_step(runner.buf, v, replay, runner.step, x, sched, first, cond, conds, scale)
             row = {"variant": key.variant, "asked": variant, "batch": batch, "control": control, "guidance": g,
                    "seed": seed, "one": one, "batch_err": whole, "fails_one": why_one, "fails_batch": why_whole}
             for n in (n for n in parts if 1 < n < batch):

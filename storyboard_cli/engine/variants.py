@@ -57,7 +57,7 @@ class Variant:
     refuses: tuple[str, ...] = ()  # options it cannot run with (INSTEAD's keys): refused before anything loads
     without: tuple[str, ...] = ()  # model parts its kernels are not built with (PARTS' keys): its fallback runs
     # the limit of a graph's check on its batch's first step against the batch's first image stepped alone
-    # (graph/check.py FirstStep), where its kernels at 1 row and at the batch's round apart by far less;
+    # (graph/check.py first_step_of_part), where its kernels at 1 row and at the batch's round apart by far less;
     # None: its check steps the whole batch (the same kernels at the same rows)
     alone_rtol: float | None = None
 

@@ -67,7 +67,7 @@ class Condition(Protocol):
     def first_images(self, n: int, b: int) -> Condition:
         """Its tensors for the first `n` of the batch's `b` images alone (rows CFG-doubled as conditioning.py
         `image_rows` takes them; per image: the first n): what a graph's check on one image runs (engine/graph/check.py
-        `FirstStep`)."""
+        `first_step_of_part`)."""
         ...
 
     def attention(self) -> dict[str, torch.Tensor]:

@@ -1,9 +1,8 @@
 """A graph's first replay checked against a reference step on the same inputs: the one test that a captured graph (its
 variant's kernels, the static buffers it reads) computes the step. The reference is the eager step, or (`direct`) the
 graph's own step run outside the graph on the same buffers, where the runner has checked the same kernels against the
-eager step at other rows (engine/graph/runner.py `_check`); where that replay is a batch's first step, that step for
-the batch's first images alone (or the whole batch), compared beside the batch's loop (`FirstStep`). The limit is the
-variant's (engine/variants.py)."""
+eager step at other rows (engine/graph/runner.py `_check`), or that step for the batch's first images alone
+(`first_step_of_part`). The limit is the variant's (engine/variants.py)."""
 
 from __future__ import annotations
 
@@ -57,75 +56,46 @@ def first_replay(models: SdxlModels, buf: Buffers, key: ShapeKey, replay: Callab
     return _compare(key, pairs)
 
 
-class FirstStep:
-    """A graph's first replay where it is the batch's first step, checked beside the batch's loop. Right after the
-    replay its first `n` images' next latents and prediction are kept (copies queued behind it), with whether the other
-    images' latents are finite (a capture that breaks the static buffers, the pool or the launch order breaks the first
-    images' rows too). `compare` takes the reference, the graph's step for those `n` images alone outside the graph
-    (the kernels the runner checked against the eager step at other rows: GraphRunner.part_step), and compares on the
-    device into a few numbers copied to the host; `result` reads them once the GPU has got there (`ready`). So the
-    loop's replays are queued while the reference's host-bound launches run, and no sync waits for them: the check costs
-    the reference's GPU time, where a check before the loop also left the GPU idle for the reference's host time (50-230
-    ms a batch, docs/PERFORMANCE.md). `n` is the batch: the same kernels at the same rows, the variant's check_rtol;
-    fewer: its alone_rtol where it has one (the two sides run the kernels at other rows, which may round apart)."""
-
-    def __init__(self, v: Views, n: int):
-        self.key, self.n = v.key, n
-        variant = VARIANTS[v.key.variant]
-        self.limit = variant.alone_rtol if n < v.key.batch and variant.alone_rtol is not None else variant.check_rtol
-        self.got = [v.x[:n].clone(), v.prev[:n].clone()]  # the next replay overwrites the static buffers
-        self.others = torch.isfinite(v.x[n:]).all()
-        self.values: torch.Tensor | None = None  # [error, NaN/inf pattern differs, another image not finite]
-        self.event: torch.cuda.Event | None = None
-        self.span: tuple | None = None  # the reference's (start, end) CUDA events, where its caller timed it
-
-    def compare(self, want: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Queues the comparison with `want` (the reference's next latents and prediction) and the copy of its
-        numbers to the host."""
-        err, differs = _device_compare(list(zip(self.got, want)))
-        values = torch.stack([err, differs.float(), (~self.others).float()])
-        self.got = []
-        if values.is_cuda:
-            self.values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.values.copy_(values, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.values = values
-
-    @property
-    def compared(self) -> bool:
-        return self.values is not None
-
-    def ready(self) -> bool:
-        """Whether the comparison is queued and the GPU has run it (`result` does not wait)."""
-        return self.compared and (self.event is None or self.event.query())
-
-    def result(self) -> tuple[float, str]:
-        """(relative error, why it fails or ""), as `_compare` gives them; waits for the GPU where it has not got
-        there."""
-        if self.event is not None:
-            self.event.synchronize()
-        err, differs, others = self.values.tolist()
-        if others:
-            return float("nan"), "NaN/inf in the latents of the batch's other images"
-        if differs:
-            return float("nan"), "NaN/inf pattern differs from eager"
-        return err, f"relative error {err:.2e} > {self.limit:.0e}" if err > self.limit else ""
+def first_step(buf: Buffers, v: Views, replay: Callable[[], None], direct: Callable[[Views], None], x: torch.Tensor,
+               sched: Schedule, noise: torch.Tensor | None, cond: Cond, conds: Conditions,
+               guidance: torch.Tensor) -> tuple[float, str]:
+    """(relative error, why it fails or "") of a graph's first replay where it is the batch's first step (the batch's
+    inputs, guidance and noise loaded in `v`), against `direct`: the graph's step run outside the graph on the same
+    inputs, the kernels the runner checked against the eager step at other rows. At the batch's own guidance: both
+    sides run the same kernels, so CFG has no kernel order to amplify. Leaves the buffers as the replay left them
+    (the next latents, the prediction, the step index at 1): the loop goes on from the second step, and the check
+    costs one step, not a replay and a step beside the batch's 30."""
+    if noise is not None:
+        v.noise.copy_(noise)
+    replay()
+    got = [v.x.clone(), v.prev.clone()]
+    v.load(buf, x, sched, cond, conds, guidance)
+    if noise is not None:
+        v.noise.copy_(noise)
+    direct(v)
+    result = _compare(v.key, list(zip(got, [v.x, v.prev])))
+    v.x.copy_(got[0])  # the graph's own first step, as every later batch of the shape gets it
+    v.prev.copy_(got[1])
+    return result
 
 
-def _device_compare(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_compare`'s error (the largest relative error of `pairs` (got, want) where `want` is finite) and whether a
-    pair's NaN/inf patterns differ, as device tensors: no sync."""
-    err = differs = None
-    for got, want in pairs:
-        finite = torch.isfinite(want)
-        apart = (finite != torch.isfinite(got)).any()
-        diff = torch.linalg.vector_norm(torch.where(finite, got - want, 0), dtype=torch.float32)
-        scale = torch.linalg.vector_norm(torch.where(finite, want, 0), dtype=torch.float32).clamp_min(1e-6)
-        one = diff / scale
-        err, differs = (one, apart) if err is None else (torch.maximum(err, one), differs | apart)
-    return err, differs
+def first_step_of_part(v: Views, replay: Callable[[], None], part: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                       noise: torch.Tensor | None, n: int) -> tuple[float, str]:
+    """(relative error, why it fails or "") of a graph's first replay where it is the batch's first step (the batch
+    loaded in `v`), against `part`: the graph's step for the batch's first `n` images alone, outside the graph (the
+    kernels the runner checked against the eager step at other rows, at fewer rows: (next latents, prediction)). The
+    replay's first `n` images are compared, and the other images' latents must be finite: a capture that breaks the
+    static buffers, the pool or the launch order breaks the first images' rows too. It costs a step of `n` images where
+    `first_step` costs one of the batch, and nothing is loaded again: the buffers keep the replay's step. The two sides
+    run the kernels at different rows, which may round apart: the limit is the variant's `alone_rtol`, far above
+    that."""
+    if noise is not None:
+        v.noise.copy_(noise)
+    replay()
+    x_next, denoised = part()
+    if not torch.isfinite(v.x[n:]).all():
+        return float("nan"), "NaN/inf in the latents of the batch's other images"
+    return _compare(v.key, [(v.x[:n], x_next), (v.prev[:n], denoised)], VARIANTS[v.key.variant].alone_rtol)
 
 
 def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]],

@@ -83,20 +83,12 @@ class GraphStats:
     # (entry, loop) CUDA events of each batch that began on this graph: from `sample`'s entry to its loop's first
     # replay, what ran before the loop (the inputs' copies, the first step and its check, the host's work between)
     leads: list = field(default_factory=list)
-    # (start, end) CUDA events of each first-step check's reference step, run among its batch's timed replays
-    # (GraphRunner._first_check): not counted in `replay_ms`
-    checks: list = field(default_factory=list)
 
     @property
     def replay_ms(self) -> float:
         done = [(s.elapsed_time(e), n) for s, e, n in self.events if e.query()]
         steps = sum(n for _, n in done)
-        return (sum(ms for ms, _ in done) - self.check_ms) / steps if steps else 0.0
-
-    @property
-    def check_ms(self) -> float:
-        """Milliseconds of GPU time its first-step checks' reference steps took among its replays (`checks`)."""
-        return sum(s.elapsed_time(e) for s, e in self.checks if e.query())
+        return sum(ms for ms, _ in done) / steps if steps else 0.0
 
     @property
     def lead_ms(self) -> float:

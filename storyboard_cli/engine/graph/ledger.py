@@ -1,7 +1,7 @@
 """The checks against the eager step, kept across runs. A compiled graph's first replay is compared with the eager step
 once per kernels, weights and machine (engine/graph/runner.py `_check`); the match is written beside the artifacts
 (`checked-<id>.json` in the compiled cache). A later run on the same artifacts, weights and machine checks its graphs
-against their own kernels outside the graph (one step, engine/graph/check.py `FirstStep`), as a run does at other
+against their own kernels outside the graph (one step, engine/graph/check.py `first_step`), as a run does at other
 rows after its own eager check. That leaves out a host-bound eager step per size (0.2-0.9 s each on an H200).
 
 A record's identity holds everything the eager check's outcome depends on: the graph's variant, size, ControlNets, step

@@ -16,10 +16,8 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   a conditional step of B rows after a guided step of B / 2 images, a compiled graph of the size at other rows); a
   capture that fails after less than a warm-up at its rows is tried again after one. The first replay of
   each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
-  rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_check`,
-  whose reference is the step of the batch's first image alone or of the batch, `part_step`, on tensors of its own,
-  run as the loop's first piece of `between` work and compared on the device, its verdict read without a sync before
-  the loop's other pieces run: graph/check.py `FirstStep`);
+  rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`,
+  whose reference is the step of the batch's first image alone, `part_step`);
   a capture failure or a mismatch sends that shape down the variant table (engine/variants.py: FP8 -> compiled ->
   plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
@@ -59,7 +57,7 @@ from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
-from storyboard_cli.engine.graph.check import FirstStep, first_replay
+from storyboard_cli.engine.graph.check import first_replay, first_step, first_step_of_part
 from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.graph.ledger import CheckLedger
 from storyboard_cli.engine.kernels.calls import CompiledKernels
@@ -663,7 +661,7 @@ class GraphRunner:
     def _checked_graph(self, key: ShapeKey, *inputs, first: bool = False) -> torch.cuda.CUDAGraph | None:
         """The graph for `key`, captured and checked; None when the shape has fallen back (why: stats). `first`: the
         graph runs the batch's first step, so a check against its kernels outside the graph is left to that step
-        (`_first_check`)."""
+        (`_first_step`)."""
         graph = self.graph(key)
         if graph is None or self.stats[key].checked or (first and self._first_step_checks(key)):
             return graph
@@ -674,44 +672,26 @@ class GraphRunner:
         at other rows, and the step writes no DeepCache feature (whose check reads the buffer's copy before it)."""
         return not key.step.cache and self._checked_kernels(key) is not None
 
-    def _first_check(self, key: ShapeKey, graph, v: Views, x: torch.Tensor, noise: torch.Tensor | None,
-                     pace: Pace) -> tuple[FirstStep, Callable[[], None]]:
-        """The batch's first step on `key`'s graph (its replay launched now), to be checked beside the loop against the
-        graph's step outside it (graph/check.py `FirstStep`): for the batch's first image alone where the graph has more
-        and is guided (`part_step` at 1 image: a step of one image, not of the batch), else for the batch; both on
-        tensors of their own, from the batch's inputs and the buffers the loop leaves as they are. Returns the check and
-        the piece of `between` work that runs the reference and queues the comparison (`_judge` reads it)."""
-        # the check runs the first image alone where the row's rounding allows
-        one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
+    def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor, sched: Schedule,
+                    noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
+        """The batch's first step on `key`'s graph, checked against the graph's step outside it (the buffers loaded with
+        the batch): for the batch's first image alone where the graph has more and is guided (graph/check.py
+        `first_step_of_part` at 1 image: a step of one image, not of the batch), else for the batch (`first_step`).
+        True and the buffers after that step, or the shape falls back a row with the reason."""
+        seen = self._checked_kernels(key)
         first = None if noise is None else noise[0]
-        if first is not None:
-            v.noise.copy_(first)
-        pace.replay(graph)
-        check = FirstStep(v, 1 if one else key.batch)
-
-        def reference() -> None:
-            start = self._event()
-            check.compare(self.part_step(v, x, first, check.n))
-            if start is not None:
-                check.span = (start, self._event())
-
-        return check, reference
-
-    def _judge(self, check: FirstStep, timed: bool) -> bool:
-        """Reads `check` (waiting for the GPU where it has not got there): True, the graph's first replay counted (and
-        where the loop's replays are `timed`, the reference's GPU time, which ran among them), or the shape falls back
-        a row with the reason."""
-        key = check.key
-        err, problem = check.result()
-        against = (f" against its kernels outside the graph{' at 1 image' if check.n < key.batch else ''} "
-                   f"(against eager {self._checked_kernels(key)})")
+        # the check runs the first image alone (check.py first_step_of_part) where the row's rounding allows
+        one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
+        if one:
+            err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x, first, 1), first, 1)
+        else:
+            err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, first, cond, conds, guidance)
+        against = f" against its kernels outside the graph{' at 1 image' if one else ''} (against eager {seen})"
         if problem:
             self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
         stats = self.stats[key]
         stats.checked, stats.reason, stats.replays = True, f"checked: rel. error {err:.1e}{against}", stats.replays + 1
-        if timed and check.span is not None:
-            stats.checks.append(check.span)
         return True
 
     @torch.no_grad()
@@ -735,12 +715,15 @@ class GraphRunner:
         steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
         v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, conds, guidance)
-        pace = self.pace(self.models.device.type == "cuda")
-        start, check, held, failed = 0, None, between, False
+        start = 0
         if not self.stats[steps[0][0]].checked:  # left to the batch's first step (`_checked_graph`)
-            check, reference = self._first_check(*steps[0], v, x, noise, pace)
-            start, between = 1, iter([reference])  # the other pieces wait for its verdict
+            if not self._first_step(*steps[0], v, x, sched, noise, cond, conds, guidance):
+                del steps, graphs, v  # the failed graph: freed before the shape's next row is captured
+                self._settle()
+                return self.sample(x, sched, noise, cond, conds, guidance, plan, between)  # a row down
+            start = 1
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
+        pace = self.pace(self.models.device.type == "cuda")
         for i, (key, graph) in enumerate(steps[start:], start):
             if segment is None or segment[0] != key:
                 first = segment is None
@@ -752,20 +735,6 @@ class GraphRunner:
                 v.noise.copy_(noise[i])
             pace.replay(graph)
             between = pace.run(between)  # while the GPU runs the replays queued so far
-            if check is not None and check.ready():
-                failed = not self._judge(check, segment is not None)
-                if failed:
-                    break
-                check, between = None, held
-        if check is not None and not failed:  # its reference's piece runs now where it has not, and is read
-            run_between(between, everything=True)
-            failed, between = not self._judge(check, segment is not None), held
-        if failed:  # the batch again, on the shape's next row; the failed loop's replays are not counted
-            if segment is not None and entry is not None:
-                self.stats[steps[0][0]].leads.pop()
-            steps = graphs = v = segment = graph = None  # the failed graph: freed before the next row is captured
-            self._settle()
-            return self.sample(x, sched, noise, cond, conds, guidance, plan, held)  # a row down
         run_between(between, everything=True)
         self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
@@ -807,6 +776,5 @@ class GraphRunner:
                  "end_s": round(s.end_s, 3), "beside": s.beside,
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
                  "replay_ms": round(s.replay_ms, 3), "batches": len(s.leads), "lead_ms": round(s.lead_ms, 3),
-                 "check_ms": round(s.check_ms, 3),
                  "load_s": round(s.load_s, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
