@@ -87,6 +87,106 @@ def test_a_graph_that_needs_a_warm_up_is_captured_before_the_first_batch(job_dir
     assert beside["1x64x64 float32"] is True  # the ControlNet shot's graph ran its kernels
 
 
+def test_a_loops_end_runs_the_pieces_it_must_and_drops_the_spare_ones():
+    """`run_between`: one piece at a time, spare ones too, while the loop has room; at its end every piece left up to
+    the first `Spare` one, which is dropped with the rest (they come last), and none of them is even asked for."""
+    from storyboard_cli.engine.base import Spare, run_between
+
+    ran, asked = [], []
+
+    def pieces():
+        for name in ("encode", "inputs"):
+            yield lambda name=name: ran.append(name)
+        for name in ("capture c", "capture d"):
+            asked.append(name)
+            yield Spare(lambda name=name: ran.append(name))
+
+    left = run_between(run_between(pieces()))
+    assert ran == ["encode", "inputs"] and asked == []
+    assert run_between(left) is left and ran[-1] == "capture c"  # a spare piece, while the loop has room
+    assert run_between(left, everything=True) is None and ran[-1] == "capture c" and asked == ["capture c",
+                                                                                             "capture d"]
+    every = pieces()
+    assert run_between(every, everything=True) is None and ran[-2:] == ["encode", "inputs"]
+    assert asked[-1] == "capture c"  # the first spare piece reached ends it, unrun
+
+
+JOB_SIZES = """version: 1
+model: tiny
+buckets: [1]
+defaults: {steps: STEPS, size: 64x64}
+shots:
+  - {id: a, prompt: a cliff, seed: 9}
+  - {id: b, prompt: a lighthouse, seed: 1, size: 64x128}
+  - {id: c, prompt: a harbour, seed: 7, size: 128x64}
+  - {id: d, prompt: a boat, seed: 3, size: 128x64}
+"""
+
+
+class _AskedEngine:
+    """The eager engine, whose `ahead` is asked for pieces (one each, logged with its `spare`): a graph engine's
+    captures for a batch, as BatchRunner hands them to the loop."""
+
+    def __init__(self, models, log):
+        from storyboard_cli.engine.eager import EagerEngine
+
+        self.eager, self.log, self.name = EagerEngine(models), log, "eager"
+
+    def __getattr__(self, name):
+        return getattr(self.eager, name)
+
+    def ahead(self, shape, kinds, spare=False):
+        self.log.append(("asked", (shape.height, shape.width), spare))
+        return iter([lambda: self.log.append(("ran", (shape.height, shape.width), spare))])
+
+
+@pytest.mark.parametrize("steps", [40, 1])
+def test_a_loop_captures_the_next_batchs_graphs_then_spares_for_the_batches_after(job_dir, tiny_cpu, steps):
+    """Beside a batch's loop: the next batch's captures first (with its prompts, noise and inputs), then, while the
+    loop has room, `Spare` captures for the batches after it, each shape once, asked of the engine only as the loop
+    reaches them. A loop too short to reach them (one step: its pieces run after its last one) drops them: the next
+    batch's pieces are all that must run there."""
+    from storyboard_cli.job.plan import make_batches, work_items
+    from storyboard_cli.run.batch import BatchRunner
+
+    job = load_job(write_job(job_dir, JOB_SIZES.replace("STEPS", str(steps))))
+    batches = make_batches(work_items(job), job.buckets)
+    sizes = [(b.key.height, b.key.width) for b in batches]
+    assert len(batches) == 4 and len(set(sizes)) == 3 and sizes[2] == sizes[3] != sizes[1]
+    log = []
+    runner = BatchRunner(tiny_cpu, _AskedEngine(tiny_cpu, log))
+    assert runner.ahead
+    runner.run_batch(batches[0], upcoming=batches[1:])
+    if steps > 1:
+        assert log == [("asked", sizes[1], False), ("ran", sizes[1], False), ("asked", sizes[2], True),
+                       ("ran", sizes[2], True)], log  # the fourth batch's shape is the third's: asked once
+    else:
+        assert log == [("asked", sizes[1], False), ("ran", sizes[1], False), ("asked", sizes[2], True)], log
+    log.clear()
+    runner.run_batch(batches[0], fallback=True, upcoming=batches[1:])
+    assert log == []  # a batch on the fallback engine captures nothing for the others
+
+
+def test_a_spare_capture_waits_for_its_sizes_kernels_to_be_built(tiny_cpu):
+    """A graph runner asked for a spare capture of a shape whose compiled kernels this run still builds gives none (the
+    compiled graph will replace one captured now); the next batch's capture is asked as before."""
+    from types import SimpleNamespace
+
+    from storyboard_cli.engine.base import Shape
+    from storyboard_cli.steps import FULL
+
+    runner = GraphRunner(tiny_cpu, max_batch=1, max_hw=(64, 64))
+    runner.beside_ready = lambda: True
+    shape, building = Shape(1, 64, 64, 0), object()
+    runner.compiled = SimpleNamespace(waiting=[building], targets=lambda shapes: [building])
+    assert runner.ahead(shape, {FULL}, spare=True) is None
+    assert runner._kernels_to_come(shape)
+    runner.compiled.waiting = []
+    assert not runner._kernels_to_come(shape)
+    runner.compiled = None
+    assert not runner._kernels_to_come(shape)
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_a_graph_captured_beside_the_loop_before_renders_what_one_captured_ahead_renders(job_dir, tmp_path):
     """The real capture while the ControlNet shot's replays run (thread-local mode, torch's capture stream, the pool

@@ -35,7 +35,7 @@ def _render(lora_models, job, ahead: bool = False):
     batches = make_batches(work_items(job), job.buckets)
     try:
         for i, batch in enumerate(batches):
-            done = runner.run_batch(batch, upcoming=batches[i + 1] if i + 1 < len(batches) else None)
+            done = runner.run_batch(batch, upcoming=batches[i + 1:])
             for item, lat in done:
                 latents[item.outputs[0]] = lat
             for d in runner.decode(done):

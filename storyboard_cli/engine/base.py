@@ -65,9 +65,11 @@ class Engine(Protocol):
         caller hands each batch's `ahead` pieces to the loop before it, so what they can do is left to them."""
         ...
 
-    def ahead(self, shape: Shape, kinds: set[StepKind]) -> Iterator[Callable[[], object]] | None:
-        """Pieces of `between` work for the loop before a batch of `shape` running `kinds`: they get that batch ready
-        (a graph engine captures its graphs there); None when there is nothing to do."""
+    def ahead(self, shape: Shape, kinds: set[StepKind], spare: bool = False) -> Iterator[Callable[[], object]] | None:
+        """Pieces of `between` work for a loop before a batch of `shape` running `kinds`: they get that batch ready
+        (a graph engine captures its graphs there); None when there is nothing to do. `spare`: for a loop further
+        before it than the last (its pieces are `Spare`), None where what they would make may not be what the batch
+        runs by then."""
         ...
 
     def release(self) -> None:
@@ -83,12 +85,27 @@ class Engine(Protocol):
         ...
 
 
+class Spare:
+    """A piece of `between` work that a loop may leave undone: work for a batch after the next one (capturing its
+    graphs beside a long loop rather than the short one before it), which a loop runs only while it has room for
+    pieces, never after its last replay (`run_between`'s `everything`), where it would hold up the next batch; a later
+    loop offers what it left again. Spare pieces come after the others."""
+
+    def __init__(self, piece: Callable[[], object]):
+        self.piece = piece
+
+    def __call__(self) -> object:
+        return self.piece()
+
+
 def run_between(between: Iterator[Callable[[], object]] | None, everything: bool = False) -> Iterator | None:
-    """Runs the next piece of an engine's `between` work (every piece left: `everything`); returns the iterator, or None
-    once it is used up."""
+    """Runs the next piece of an engine's `between` work (every piece left: `everything`, up to the first `Spare` one,
+    which with the rest is dropped); returns the iterator, or None once it is used up."""
     if between is None:
         return None
     for piece in between:
+        if everything and isinstance(piece, Spare):
+            return None
         piece()
         if not everything:
             return between

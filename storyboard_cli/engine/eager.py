@@ -158,7 +158,7 @@ class EagerEngine:
                 later: list[Shape] = (), beside: bool = False) -> None:
         pass
 
-    def ahead(self, shape: Shape, kinds: set[StepKind]) -> Iterator[Callable[[], object]] | None:
+    def ahead(self, shape: Shape, kinds: set[StepKind], spare: bool = False) -> Iterator[Callable[[], object]] | None:
         return None
 
     def release(self) -> None:

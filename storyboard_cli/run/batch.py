@@ -14,11 +14,11 @@ from concurrent.futures import Future
 from functools import partial
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from storyboard_cli.engine.base import Engine, Shape
+from storyboard_cli.engine.base import Engine, Shape, Spare
 from storyboard_cli.engine.conditioning import Cond, PromptCache, conditioning, guided_rows
 from storyboard_cli.engine.conditions import KINDS
 from storyboard_cli.engine.conditions.kind import Conditions, Unreadable
@@ -288,13 +288,14 @@ class BatchRunner:
         """The batch's values of every kind it uses, in the table's order."""
         return Conditions.of(*(reader.batch(rows, key) for reader in self.readers))
 
-    def run_batch(self, batch: Batch, fallback: bool = False, upcoming: Batch | None = None) -> Denoised:
+    def run_batch(self, batch: Batch, fallback: bool = False, upcoming: Sequence[Batch] = ()) -> Denoised:
         """Denoises one batch (on the fallback engine if told); returns (item, latents [4, h, w]) for its
         real rows, and the rows it could not run in `.failed`. On a GPU nothing here waits for the GPU: the inputs
         are made on their own stream while the batch before still denoises (`inputs_ahead`, or here), and the loop is
-        queued behind it. `upcoming`: the batch that runs next, where the caller knows it: its prompts are encoded,
-        its noise drawn and its inputs made between this batch's steps (`encode_ahead`, `noise_ahead`,
-        `inputs_ahead`)."""
+        queued behind it. `upcoming`: the batches that run after it, in order, where the caller knows them: the next
+        one's graphs are captured, its prompts encoded, its noise drawn and its inputs made between this batch's steps
+        (`capture_ahead`, `encode_ahead`, `noise_ahead`, `inputs_ahead`); after those, while the loop has room, the
+        graphs of the batches after it (`spare_captures`)."""
         key = batch.key
         made, self.made = self.made, None
         if made is not None and made[0] is batch:  # made beside the loop before, under the text encoders' LoRAs now
@@ -315,10 +316,12 @@ class BatchRunner:
         before = last.end if last is not None and not last.counted else None  # that loop still ran, or was not read
         start = self.lanes.timer()
         between = None
-        if upcoming is not None and self.ahead:
-            between = chain_pieces(None if fallback else self.capture_ahead(upcoming),
-                                   self.encode_ahead(upcoming, text_loras), self.noise_ahead(upcoming),
-                                   self.inputs_ahead(upcoming, text_loras))
+        if upcoming and self.ahead:
+            after = upcoming[0]
+            between = chain_pieces(None if fallback else self.capture_ahead(after),
+                                   self.encode_ahead(after, text_loras), self.noise_ahead(after),
+                                   self.inputs_ahead(after, text_loras),
+                                   None if fallback else self.spare_captures(upcoming[1:]))
         latents = engine.sample(inputs.x, inputs.sched, inputs.noise, inputs.cond, inputs.conds, inputs.guidance,
                                 key.plan, between)
         timing = BatchTiming(bucket_label(batch), inputs.seconds, inputs.ready, start, self.lanes.timer(), before)
@@ -383,10 +386,11 @@ class BatchRunner:
             return False
         return set_key(active, text_only=True) == text_loras
 
-    def capture_ahead(self, batch: Batch) -> Iterator[Callable[[], None]] | None:
+    def capture_ahead(self, batch: Batch, spare: bool = False) -> Iterator[Callable[[], None]] | None:
         """The engine's pieces of work that capture `batch`'s graphs beside the loop before it (Engine.ahead), each
-        one's host seconds counted as capture, hidden (the captures before the first batch: exposed)."""
-        pieces = self.engine.ahead(batch_shapes([batch])[0], set(batch.key.plan))
+        one's host seconds counted as capture, hidden (the captures before the first batch: exposed). `spare`: for a
+        loop further before it (Engine.ahead's `spare`)."""
+        pieces = self.engine.ahead(batch_shapes([batch])[0], set(batch.key.plan), spare)
         if pieces is None:
             return None
 
@@ -398,6 +402,27 @@ class BatchRunner:
             self.timings.add("capture", time.perf_counter() - t0)
 
         return (partial(timed, piece) for piece in pieces)
+
+    def spare_captures(self, later: Sequence[Batch]) -> Iterator[Callable[[], None]] | None:
+        """`Spare` pieces (engine/base.py) that capture the graphs of the batches after the next one beside this
+        loop, each shape once, in their order, asked of the engine only as the loop reaches them: the setup of a new
+        size (its kernels' load, its warm-up, its capture: 0.1-1.0 s of host time each) runs beside a long loop of
+        heavy steps, not only beside the one loop before its batch, which may be a one-image loop of 30 ms steps whose
+        queue holds less than such a piece. The loop drops what it has no room for; the next loop offers it again."""
+        if not later:
+            return None
+
+        def pieces() -> Iterator[Callable[[], None]]:
+            seen = set()
+            for batch in later:
+                shape, kinds = batch_shapes([batch])[0], frozenset(batch.key.plan)
+                if (shape, kinds) in seen:
+                    continue
+                seen.add((shape, kinds))
+                for piece in self.capture_ahead(batch, spare=True) or ():
+                    yield Spare(piece)
+
+        return pieces()
 
     def encode_ahead(self, batch: Batch, text_loras: tuple) -> Iterator[Callable[[], None]] | None:
         """The pieces of work that encode `batch`'s prompts and negative prompts into the prompt cache, one prompt

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Sequence
 
 import torch
 
@@ -68,10 +69,10 @@ class OutOfMemoryPolicy:
                 self.sink.submit(d.item, d.pixels, label)
 
     def process(self, batch: Batch, buckets: tuple[int, ...], fallback: bool = False,
-                upcoming: Batch | None = None) -> None:
+                upcoming: Sequence[Batch] = ()) -> None:
         """One batch, end to end, under the out-of-memory policy; a batch whose LoRA the models reject
-        fails alone. `upcoming`: the batch after it, where known (BatchRunner.run_batch: its prompts are encoded beside
-        this one's loop)."""
+        fails alone. `upcoming`: the batches after it, in order, where known (BatchRunner.run_batch: the next one's
+        prompts are encoded beside this one's loop, and its graphs and those of the batches after it captured)."""
         problem = self.runner.lora_problem(batch)
         if problem:
             self.flush()
@@ -83,7 +84,7 @@ class OutOfMemoryPolicy:
         elif not self._attempt(batch, fallback, upcoming):
             self._out_of_memory(batch, buckets, fallback)
 
-    def _attempt(self, batch: Batch, fallback: bool, upcoming: Batch | None = None) -> bool:
+    def _attempt(self, batch: Batch, fallback: bool, upcoming: Sequence[Batch] = ()) -> bool:
         """Runs the batch and queues its decode; False if it ran out of memory. The batch before is delivered
         once this one's loop is queued (its decode ran beside it). A failure of this batch alone is recorded
         against its images and the job goes on."""

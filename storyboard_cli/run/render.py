@@ -298,13 +298,13 @@ class RenderSession:
 
         def loop(batches: Iterable[Batch]) -> set[str]:
             done, last = set(), None
-            # the batch after each one, where the order is known ahead (a torchrun worker claims its batches one by one)
+            # the batches after each one, where the order is known ahead (a torchrun worker claims its batches one by one)
             listed = batches if isinstance(batches, list) else None
             try:
                 for i, batch in enumerate(batches):
                     stop.check()
                     self.on_event(Event("batch", self.sink.delivered, total, batch.items[0].shot, batch.key.label))
-                    upcoming = listed[i + 1] if listed is not None and i + 1 < len(listed) else None
+                    upcoming = listed[i + 1:] if listed is not None else ()
                     # delivers the batch before (this one's decode is in flight)
                     r.process(batch, self.job.buckets, upcoming=upcoming)
                     done.update(p for i in batch.items for p in i.outputs)

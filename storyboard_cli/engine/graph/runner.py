@@ -31,7 +31,7 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   queued so far (`Pace`: with `AHEAD_REPLAYS` of them queued, or the launch queue full): no sync, no memory
   released, the step index left alone (the loop in flight reads it), capture errors kept to this thread. A compiled
   graph that needs one gets its warm-up there first (`_warm_beside`), at its artifact's fewest rows on scratch
-  buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs beside the replays too. `prepare(beside=True)` leaves those graphs to it, except the first batch's. A capture on a
+  buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs beside the replays too. `prepare(beside=True)` leaves those graphs to it, except the first batch's. The batches after the next one get `Spare` pieces (`ahead(spare=True)`, run/batch.py `spare_captures`): run while the loop has room, dropped at its end. A capture on a
   second thread waited for the replays' launches (the launch queue is full): benchmarks/probes/capture_thread.py.
 - Compiled kernels (engine/kernels/) are looked at between batches: a size whose kernels became
   ready since the last batch gets a compiled graph from its next batch on.
@@ -458,12 +458,13 @@ class GraphRunner:
         if self.compiled is not None:
             self.compiled.start()
 
-    def ahead(self, shape: Shape, kinds: set[StepKind]) -> Iterator[Callable[[], object]] | None:
+    def ahead(self, shape: Shape, kinds: set[StepKind], spare: bool = False) -> Iterator[Callable[[], object]] | None:
         """Pieces of `between` work (Engine.sample) that capture `shape`'s graphs of `kinds` (a batch that runs after
         the loop they go to), one graph each, where it can be captured beside that loop (`_can_capture_beside`), each
         after a piece that warms it up there where it needs that and can (`_can_warm_beside`); None when none can. Each
-        piece looks again when it runs; what it leaves is captured on first use."""
-        if not self.beside_ready():
+        piece looks again when it runs; what it leaves is captured on first use. `spare` (a batch after the next one):
+        None while kernels of its size are still to be built, whose graph would replace one captured now."""
+        if not self.beside_ready() or (spare and self._kernels_to_come(shape)):
             return None
         self._share(shape, kinds)
         keys = sorted({self.shape_key(*shape, k) for k in kinds}, key=self._capture_order, reverse=True)
@@ -476,6 +477,10 @@ class GraphRunner:
             if pieces or self._can_capture_beside(key):  # after a warm-up piece: its capture looks when it runs
                 pieces.append(lambda key=key: self._capture_beside(key))
         return iter(pieces) if pieces else None
+
+    def _kernels_to_come(self, shape: Shape) -> bool:
+        """Whether compiled kernels this run wants for `shape`'s size are not in the cache yet (they build)."""
+        return self.compiled is not None and any(t in self.compiled.waiting for t in self.compiled.targets([shape]))
 
     def _left_to_beside(self, key: ShapeKey) -> bool:
         """What a graph's capture beside another batch's loop needs, warmed up or not: it is not captured and has not
