@@ -31,7 +31,10 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   queued so far (`Pace`: with `AHEAD_REPLAYS` of them queued, or the launch queue full): no sync, no memory
   released, the step index left alone (the loop in flight reads it), capture errors kept to this thread. A compiled
   graph that needs one gets its warm-up there first (`_warm_beside`), at its artifact's fewest rows on scratch
-  buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs beside the replays too. `prepare(beside=True)` leaves those graphs to it, except the first batch's. The batches after the next one get `Spare` pieces (`ahead(spare=True)`, run/batch.py `spare_captures`): run while the loop has room, dropped at its end. A capture on a
+  buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs beside the replays too.
+  `prepare(beside=True)` leaves those graphs to it, except the first batch's. The batches after the next one get
+  `Spare` pieces (`ahead(spare=True)`, run/batch.py `spare_captures`): run while the loop has room, dropped at its
+  end. A capture on a
   second thread waited for the replays' launches (the launch queue is full): benchmarks/probes/capture_thread.py.
 - Compiled kernels (engine/kernels/) are looked at between batches: a size whose kernels became
   ready since the last batch gets a compiled graph from its next batch on.
