@@ -169,7 +169,8 @@ def test_a_loop_captures_the_next_batchs_graphs_then_spares_for_the_batches_afte
 
 def test_a_spare_capture_waits_for_its_sizes_kernels_to_be_built(tiny_cpu):
     """A graph runner asked for a spare capture of a shape whose compiled kernels this run still builds gives none (the
-    compiled graph will replace one captured now); the next batch's capture is asked as before."""
+    compiled graph will replace one captured now); once they are in the cache, or where the run compiles nothing, the
+    shape's captures are what they would be for the next batch."""
     from types import SimpleNamespace
 
     from storyboard_cli.engine.base import Shape

@@ -37,6 +37,12 @@ from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora
 from storyboard_cli.steps import StepKind
 
 
+# how many batches after the next one a loop captures graphs for (`BatchRunner.spare_captures`): a job's new shapes
+# come within a few batches of each other (the plan groups a shape's batches), and a loop's end scans up to these
+# for its first spare piece
+SPARE_BATCHES = 16
+
+
 def batch_shapes(batches: list[Batch]) -> list[Shape]:
     """The shape of each batch's denoising loop: what an engine prepares (a graph is captured) for."""
     return [Shape(b.size, b.key.height, b.key.width, b.key.control_mask) for b in batches]
@@ -408,13 +414,14 @@ class BatchRunner:
         loop, each shape once, in their order, asked of the engine only as the loop reaches them: the setup of a new
         size (its kernels' load, its warm-up, its capture: 0.1-1.0 s of host time each) runs beside a long loop of
         heavy steps, not only beside the one loop before its batch, which may be a one-image loop of 30 ms steps whose
-        queue holds less than such a piece. The loop drops what it has no room for; the next loop offers it again."""
+        queue holds less than such a piece. The loop drops what it has no room for; the next loop offers it again.
+        The next SPARE_BATCHES batches: a loop's end looks for its first spare piece, past the shapes captured."""
         if not later:
             return None
 
         def pieces() -> Iterator[Callable[[], None]]:
             seen = set()
-            for batch in later:
+            for batch in later[:SPARE_BATCHES]:
                 shape, kinds = batch_shapes([batch])[0], frozenset(batch.key.plan)
                 if (shape, kinds) in seen:
                     continue
