@@ -60,12 +60,15 @@ def test_graphs_that_need_no_warm_up_are_captured_beside_the_loop_before_theirs(
         assert by_beside, runner_b.describe()
     assert not any(s.beside for s in runner_a.stats.values())
     assert sorted(captured_a) == sorted(captured_b)  # the same graphs, captured at another time
+    labels = {k.label for k in runner_b.stats}
     for key in by_beside:
         stats = runner_b.stats[key]
         assert stats.state == "graph" and stats.checked and not stats.warmup and stats.replays > 0
         assert key.control == 0 and captured_b.index(key) > 0
+        assert stats.beside_of in labels - {key.label}, stats.beside_of  # the graph whose loop it ran beside
     rows = {r["shape"]: r for r in beside.report.graphs}
-    assert all(rows[k.label]["beside"] for k in by_beside)
+    assert all(rows[k.label]["beside"] and rows[k.label]["beside_of"] == runner_b.stats[k].beside_of
+               for k in by_beside)
     a, b = _pixels(tmp_path / "ahead"), _pixels(tmp_path / "beside")
     assert a.keys() == b.keys() and len(a) == 3
     for name in a:

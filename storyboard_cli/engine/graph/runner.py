@@ -168,6 +168,7 @@ class GraphRunner:
         self.beside_warmer: Callable[[ShapeKey], None] = self._warm_on_scratch  # a warm-up there (`_warm_beside`)
         self._warmed_beside: set[ShapeKey] = set()  # warmed up beside a loop, their capture still to come
         self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
+        self._looping = ""  # the label of the graph whose loop runs now (`sample`): what a capture beside it names
         self._allocate(max_batch, max_hw[0] * max_hw[1])
 
     def _allocate(self, max_batch: int, max_pixels: int) -> None:
@@ -583,7 +584,7 @@ class GraphRunner:
         if key not in self._warmed_beside:  # else its warm-up beside counts in (`_warm_beside`)
             stats.warmup, stats.warmup_rows, stats.warmup_s = False, 0, 0.0
         self._warmed_beside.discard(key)
-        stats.beside, stats.end_s = True, self._spent[1]
+        stats.beside, stats.beside_of, stats.end_s = True, self._looping, self._spent[1]
         stats.capture_s = stats.warmup_s + time.perf_counter() - t0
         # grown by: nothing was emptied first
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20 if cuda else 0.0
@@ -732,6 +733,7 @@ class GraphRunner:
             start = 1
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
         pace = self.pace(self.models.device.type == "cuda")
+        self._looping = steps[0][0].label
         for i, (key, graph) in enumerate(steps[start:], start):
             if segment is None or segment[0] != key:
                 first = segment is None
@@ -744,6 +746,7 @@ class GraphRunner:
             pace.replay(graph)
             between = pace.run(between)  # while the GPU runs the replays queued so far
         run_between(between, everything=True)
+        self._looping = ""
         self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
 
@@ -781,7 +784,7 @@ class GraphRunner:
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
                  "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
-                 "end_s": round(s.end_s, 3), "beside": s.beside,
+                 "end_s": round(s.end_s, 3), "beside": s.beside, "beside_of": s.beside_of,
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
                  "replay_ms": round(s.replay_ms, 3), "batches": len(s.leads), "lead_ms": round(s.lead_ms, 3),
                  "load_s": round(s.load_s, 3)}
