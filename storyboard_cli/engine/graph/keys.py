@@ -78,7 +78,7 @@ class GraphStats:
     load_s: float = 0.0  # loading its kernels from the cache before its capture (deferred: GraphRunner._bind)
     pool_mb: float = 0.0
     beside: bool = False  # captured between the replays of the batch before its own (GraphRunner.ahead)
-    beside_of: str = ""  # the label of the graph whose loop it was captured beside (a spare capture: not the one before)
+    beside_of: str = ""  # the label of the graph whose loop it was captured beside (spare: not the one before)
     replays: int = 0
     events: list = field(default_factory=list)  # (start, end, steps) CUDA events, read lazily
     # (entry, loop) CUDA events of each batch that began on this graph: from `sample`'s entry to its loop's first
