@@ -37,9 +37,9 @@ from storyboard_cli.models.lora import LoraApplier, LoraWeights, Swap, read_lora
 from storyboard_cli.steps import StepKind
 
 
-# how many batches after the next one a loop captures graphs for (`BatchRunner.spare_captures`): a job's new shapes
-# come within a few batches of each other (the plan groups a shape's batches), and a loop's end scans up to these
-# for its first spare piece
+# how many batches after the next one a loop captures graphs for (`BatchRunner.spare_captures`): the plan puts the
+# batches of one bucket key one after another, so a job's new shapes come within a few batches of each other, and a
+# loop's end scans up to these for its first spare piece
 SPARE_BATCHES = 16
 
 

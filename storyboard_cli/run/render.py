@@ -298,8 +298,7 @@ class RenderSession:
 
         def loop(batches: Iterable[Batch]) -> set[str]:
             done, last = set(), None
-            # the batches after each one, where the order is known ahead (a torchrun worker claims its batches one by
-            # one)
+            # the batches after each one, where the order is known ahead (a torchrun worker claims them one at a time)
             listed = batches if isinstance(batches, list) else None
             try:
                 for i, batch in enumerate(batches):
