@@ -13,6 +13,10 @@ image at one size, in one process, variants interleaved loop by loop (median of 
   fused_cl    fused, channels_last: the statistics and the pass over NHWC, cuDNN's convolutions without conversions
               (as bcg loads the decoder on a GPU since the twenty-second session)
   fp32_graph  fp32, the decoder call captured in a CUDA graph
+  fused_cl_h  fused_cl with every convolution of the decoder in fp16: its input divided by the input's largest
+              magnitude (nothing can overflow, whatever the weights), rounded to fp16, the output back in fp32 times
+              that scale plus the bias (`half_convs`)
+  fused_cl_h_raw  the same without the scale: the input rounded to fp16 as it is (the scale's cost, an fp16 bound)
   bf16 / bf16_cl / fp16   a copy of the VAE in that dtype (NCHW / channels_last)
   compiled    torch.compile(decoder) in fp32 (its compile time is reported)
   compiled_bf16   the same on the bf16 copy
@@ -41,7 +45,7 @@ from storyboard_cli.models.vae_attention import attend, unattend
 from storyboard_cli.run.batch import decode
 
 VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fused", "fused_cl", "fp32_graph",
-            "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16", "compiled_fast")
+            "fused_cl_h", "fused_cl_h_raw", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16", "compiled_fast")
 
 
 def timed(fn, n: int) -> float:
@@ -69,6 +73,28 @@ def group_norm_cl(x: torch.Tensor, groups: int, weight, bias, eps: float) -> tor
     b = -mean.view(n, groups, 1).expand(n, groups, c // groups).reshape(n, c) * a
     b = b + bias if bias is not None else b
     return torch.addcmul(b.view(n, c, 1, 1), x, a.view(n, c, 1, 1))
+
+
+def half_convs(module: torch.nn.Module, scaled: bool = True) -> int:
+    """Every Conv2d of `module` computed in fp16 with float32 in and out: the input divided by its largest magnitude
+    (`scaled`; so |input| <= 1 and each output is at most the sum of its weights' magnitudes), rounded to fp16, the
+    fp16 output times the scale plus the bias in float32. The number of convolutions changed."""
+    n = 0
+    for conv in module.modules():
+        if not isinstance(conv, torch.nn.Conv2d):
+            continue
+        w16 = conv.weight.detach().half().contiguous(memory_format=torch.channels_last)
+        bias = None if conv.bias is None else conv.bias.detach().view(1, -1, 1, 1)
+
+        def forward(x, conv=conv, w16=w16, bias=bias):
+            s = x.abs().amax().clamp_min(1e-30) if scaled else None
+            y = torch.nn.functional.conv2d((x / s if scaled else x).half(), w16, None, conv.stride, conv.padding,
+                                           conv.dilation, conv.groups).float()
+            y = y * s if scaled else y
+            return y + bias if bias is not None else y
+        conv.forward = forward
+        n += 1
+    return n
 
 
 def sync() -> None:
@@ -157,6 +183,12 @@ def main() -> None:
                 m.decoder.to(memory_format=torch.contiguous_format)
             zz = z.contiguous(memory_format=torch.channels_last) if channels_last(m.decoder) else z
             fns[v] = (lambda m=m, zz=zz: m.decode(zz, return_dict=False)[0])
+        elif v in ("fused_cl_h", "fused_cl_h_raw"):
+            m = copy.deepcopy(fast)
+            fuse(m.decoder)
+            result.setdefault("half_convs", {})[v] = half_convs(m.decoder, scaled=v == "fused_cl_h")
+            zz = z.contiguous(memory_format=torch.channels_last) if channels_last(m.decoder) else z
+            fns[v] = (lambda m=m, zz=zz: m.decode(zz, return_dict=False)[0])
         elif v == "product":
             fns[v] = lambda: decode(models, latents)  # uint8 [B, H, W, 3] on the CPU
         elif v == "fp32_bench":
@@ -233,7 +265,7 @@ def main() -> None:
             print(json.dumps(result, indent=1))
             return
         from torch.profiler import ProfilerActivity, profile
-        for v in ("fp32", "wide", "fast", "fused", "fused_cl"):
+        for v in ("fp32", "wide", "fast", "fused", "fused_cl", "fused_cl_h"):
             if v not in fns:
                 continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
