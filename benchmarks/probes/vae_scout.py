@@ -13,6 +13,8 @@ image at one size, in one process, variants interleaved loop by loop (median of 
   fused_cl    fused, channels_last: the statistics and the pass over NHWC, cuDNN's convolutions without conversions
               (as bcg loads the decoder on a GPU since the twenty-second session)
   fp32_graph  fp32, the decoder call captured in a CUDA graph
+  fused_cl_apart  fused_cl with diffusers' resnet block forward back (each convolution's bias a pass of its own, the
+              block's end an addition and a division): bcg's decoder before `fused_resnet_forward`
   fused_cl_h  fused_cl with every convolution of the decoder in fp16: its input divided by the input's largest
               magnitude (nothing can overflow, whatever the weights), rounded to fp16, the output back in fp32 times
               that scale plus the bias (`half_convs`)
@@ -45,7 +47,7 @@ from storyboard_cli.models.vae_attention import attend, unattend
 from storyboard_cli.run.batch import decode
 
 VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fused", "fused_cl", "fp32_graph",
-            "fused_cl_h", "fused_cl_h_raw", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16", "compiled_fast")
+            "fused_cl_apart", "fused_cl_h", "fused_cl_h_raw", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16", "compiled_fast")
 
 
 def timed(fn, n: int) -> float:
@@ -176,11 +178,14 @@ def main() -> None:
                                  else WideGroupNorm.forward(m, x))
             zc = z.contiguous(memory_format=torch.channels_last)
             fns[v] = lambda: cl.decode(zc, return_dict=False)[0]
-        elif v in ("fused", "fused_cl"):
+        elif v in ("fused", "fused_cl", "fused_cl_apart"):
             m = copy.deepcopy(fast)
             result.setdefault("silus_fused", {})[v] = fuse(m.decoder)  # 0 where the kernels do not run
             if v == "fused":
                 m.decoder.to(memory_format=torch.contiguous_format)
+            if v == "fused_cl_apart":
+                result.setdefault("blocks_apart", {})[v] = sum(b.__dict__.pop("forward", None) is not None
+                                                               for b in m.decoder.modules())
             zz = z.contiguous(memory_format=torch.channels_last) if channels_last(m.decoder) else z
             fns[v] = (lambda m=m, zz=zz: m.decode(zz, return_dict=False)[0])
         elif v in ("fused_cl_h", "fused_cl_h_raw"):
@@ -265,7 +270,7 @@ def main() -> None:
             print(json.dumps(result, indent=1))
             return
         from torch.profiler import ProfilerActivity, profile
-        for v in ("fp32", "wide", "fast", "fused", "fused_cl", "fused_cl_h"):
+        for v in ("fp32", "wide", "fast", "fused", "fused_cl", "fused_cl_apart", "fused_cl_h"):
             if v not in fns:
                 continue
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

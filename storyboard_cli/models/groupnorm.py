@@ -8,7 +8,7 @@ decode (docs/PERFORMANCE.md, "The VAE decode"). `WideGroupNorm` computes the sam
 affine one `addcmul` per element. Only in float32, SDXL's decode dtype: in fp16 or bf16 the affine would round twice
 where torch's kernel rounds once (2x its error against float32 in bf16), so those keep torch's kernel.
 
-On a GPU with Triton (`fuse`, after the check in `works_on`), two more passes go:
+On a GPU with Triton (`fuse`, after the check in `works_on`), more passes go:
 - the SiLU that a resnet block, or the decoder's output, applies right after a GroupNorm moves into the norm's
   normalising kernel (`norm_nchw_kernel`, `norm_nhwc_kernel`): one pass over the activations where there were two
   (3.4 ms of the 75 ms decode in SiLU kernels);
@@ -16,7 +16,15 @@ On a GPU with Triton (`fuse`, after the check in `works_on`), two more passes go
   before and after each (9.9 ms of the decode). A channels_last input's statistics come from `stats_nhwc_kernel`: each
   program reads a run of positions, all channels, and keeps each group's mean and centred sum of squares, combined
   chunk by chunk as Chan et al. combine partial moments; `affine_nhwc_kernel` combines the programs' partials in
-  float64 and writes each channel's scale and shift. Three launches a norm, and nothing waits for the device.
+  float64 and writes each channel's scale and shift. Three launches a norm, and nothing waits for the device;
+- a resnet block's convolutions add no bias in a pass of their own. Torch's convolution adds it after cuDNN's output,
+  in an elementwise kernel that does not vectorise a bias broadcast over channels_last: in the profile of a 1024x1024
+  decode on an H100 (benchmarks/results/decode/2026-12-07-5f2fe19-vae-h100.json, 53.3 ms) one such kernel ran 36
+  times for 7.0 ms, as many calls as the decoder has convolutions with a bias (35) give or take one, and the blocks'
+  ends took 3.0 ms in additions and 2.0 in divisions by their output scale of 1. Here the first convolution's bias
+  is added as the second norm reads its input, and the second's and the shortcut's at the block's end, in one pass
+  with the input's addition (`fused_resnet_forward`, `residual_kernel`): 30 of the 35 bias passes and the 14
+  divisions go, with the same additions in the same order, so the same bits.
 The same function in float32 as torch's GroupNorm and SiLU. `narrow` undoes all of it for a copy that is to run as
 users run diffusers (the bench's diffusers loop).
 """
@@ -24,6 +32,7 @@ users run diffusers (the bench's diffusers loop).
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 import torch.nn.functional as F
@@ -54,11 +63,12 @@ if triton is not None:
         tl.store(y_ptr + base + offs, y, mask=ok)
 
     @triton.jit(do_not_specialize=["P"])
-    def norm_nhwc_kernel(x_ptr, a_ptr, b_ptr, y_ptr, P, C: tl.constexpr, SILU: tl.constexpr,
-                         BLOCK_P: tl.constexpr):
-        """y[n, p, c] = f(x[n, p, c] a[n, c] + b[n, c]); x, y [N, P, C] contiguous (a channels_last NCHW tensor). The
-        position blocks on the grid's first axis: a 2048 x 2048 decode has 131072 of them, past the other axes'
-        65535."""
+    def norm_nhwc_kernel(x_ptr, pre_ptr, a_ptr, b_ptr, y_ptr, P, C: tl.constexpr, SILU: tl.constexpr,
+                         HAS_PRE: tl.constexpr, BLOCK_P: tl.constexpr):
+        """y[n, p, c] = f((x[n, p, c] + pre[c]) a[n, c] + b[n, c]) (`HAS_PRE`: the bias of the convolution before,
+        added here as torch's convolution would have added it); x, y [N, P, C] contiguous (a channels_last NCHW
+        tensor). The position blocks on the grid's first axis: a 2048 x 2048 decode has 131072 of them, past the
+        other axes' 65535."""
         rp = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
         n = tl.program_id(1)
         rc = tl.arange(0, C)
@@ -66,17 +76,21 @@ if triton is not None:
         off = (n * P + rp).to(tl.int64)[:, None] * C + rc[None, :]
         a = tl.load(a_ptr + n * C + rc)
         b = tl.load(b_ptr + n * C + rc)
-        y = tl.load(x_ptr + off, mask=ok, other=0.0) * a[None, :] + b[None, :]
+        x = tl.load(x_ptr + off, mask=ok, other=0.0)
+        if HAS_PRE:
+            x = x + tl.load(pre_ptr + rc)[None, :]
+        y = x * a[None, :] + b[None, :]
         if SILU:
             y = y / (1.0 + tl.exp(-y))
         tl.store(y_ptr + off, y, mask=ok)
 
     @triton.jit(do_not_specialize=["P", "PER_PROG"])
-    def stats_nhwc_kernel(x_ptr, mean_ptr, m2_ptr, P, PER_PROG, C: tl.constexpr, G: tl.constexpr,
-                          BLOCK_P: tl.constexpr):
-        """For image n and program j: over positions [j PER_PROG, (j + 1) PER_PROG) of x [N, P, C] (contiguous), each
-        group's mean and centred sum of squares in float32, written to mean, m2 [N, programs, G]; chunks of BLOCK_P
-        positions combined as Chan et al. combine partial moments. PER_PROG a multiple of BLOCK_P."""
+    def stats_nhwc_kernel(x_ptr, pre_ptr, mean_ptr, m2_ptr, P, PER_PROG, C: tl.constexpr, G: tl.constexpr,
+                          HAS_PRE: tl.constexpr, BLOCK_P: tl.constexpr):
+        """For image n and program j: over positions [j PER_PROG, (j + 1) PER_PROG) of x [N, P, C] (contiguous; plus
+        pre [C] where `HAS_PRE`), each group's mean and centred sum of squares in float32, written to mean, m2
+        [N, programs, G]; chunks of BLOCK_P positions combined as Chan et al. combine partial moments. PER_PROG a
+        multiple of BLOCK_P."""
         n = tl.program_id(0)
         j = tl.program_id(1)
         rc = tl.arange(0, C)
@@ -87,6 +101,8 @@ if triton is not None:
             rp = start + tl.arange(0, BLOCK_P)
             ok = rp < P
             x = tl.load(x_ptr + (n * P + rp).to(tl.int64)[:, None] * C + rc[None, :], mask=ok[:, None], other=0.0)
+            if HAS_PRE:  # positions past the end stay 0, as the sums below take them
+                x = tl.where(ok[:, None], x + tl.load(pre_ptr + rc)[None, :], 0.0)
             # each group's elements in this chunk; a chunk past the end (the last program's) has none and changes
             # nothing, and a program's first chunk always has some (no branch: the loop's loads stay pipelined)
             valid = tl.sum(ok.to(tl.float32), axis=0) * (C // G)
@@ -147,9 +163,30 @@ if triton is not None:
         tl.store(a_ptr + n * C + rc, a)
         tl.store(c_ptr + n * C + rc, c)
 
+    @triton.jit(do_not_specialize=["N", "HW"])
+    def residual_kernel(x_ptr, xb_ptr, h_ptr, hb_ptr, y_ptr, N, HW, C: tl.constexpr, NHWC: tl.constexpr,
+                        HAS_XB: tl.constexpr, HAS_HB: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+        """A decoder resnet block's end, y = ((x + xb[c]) + (h + hb[c])) / SCALE, over N elements of x, h, y (one
+        layout, NHWC or NCHW, contiguous in it): h the second convolution's output before its bias hb (`HAS_HB`), x
+        the block's input or its shortcut convolution's output before its bias xb (`HAS_XB`). The order of torch's
+        additions, so the same bits as the block's own forward; no division where SCALE is 1."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        c = offs % C if NHWC else (offs // HW) % C
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+        if HAS_XB:
+            x = x + tl.load(xb_ptr + c, mask=ok, other=0.0)
+        h = tl.load(h_ptr + offs, mask=ok, other=0.0)
+        if HAS_HB:
+            h = h + tl.load(hb_ptr + c, mask=ok, other=0.0)
+        y = x + h
+        if SCALE != 1.0:
+            y = y / SCALE
+        tl.store(y_ptr + offs, y, mask=ok)
+
 
 else:  # the names exist without Triton (kernels_take is then False everywhere)
-    norm_nchw_kernel = norm_nhwc_kernel = stats_nhwc_kernel = affine_nhwc_kernel = None
+    norm_nchw_kernel = norm_nhwc_kernel = stats_nhwc_kernel = affine_nhwc_kernel = residual_kernel = None
 
 
 class WideGroupNorm(nn.GroupNorm):
@@ -160,9 +197,13 @@ class WideGroupNorm(nn.GroupNorm):
     silu = False
     kernels = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm (and SiLU) of x, or of x + pre [C] per channel (`pre`: the bias of the convolution before, which
+        the fused resnet block leaves to the norm: `fused_resnet_forward`)."""
         if self.kernels and kernels_take(x, self.num_channels, self.num_groups):
-            return group_norm_kernels(x, self.num_groups, self.weight, self.bias, self.eps, self.silu)
+            return group_norm_kernels(x, self.num_groups, self.weight, self.bias, self.eps, self.silu, pre)
+        if pre is not None:
+            x = x + pre.view(1, -1, *(1,) * (x.dim() - 2))
         if x.dim() < 3 or not x.is_contiguous() or x.dtype != torch.float32:
             y = super().forward(x)
         else:
@@ -210,12 +251,15 @@ def kernels_take(x: torch.Tensor, channels: int, groups: int) -> bool:
 
 
 def group_norm_kernels(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                       eps: float, silu: bool) -> torch.Tensor:
-    """F.group_norm (then F.silu where `silu`) of a `kernels_take` x, in x's memory format. NCHW: the statistics are
-    torch's `var_mean` (as the wide path's); channels_last: `stats_nhwc_kernel`, combined by `affine_nhwc_kernel`.
-    Then one normalising pass. Nothing waits for the device."""
+                       eps: float, silu: bool, pre: torch.Tensor | None = None) -> torch.Tensor:
+    """F.group_norm (then F.silu where `silu`) of a `kernels_take` x (or of x + pre [C] per channel), in x's memory
+    format. NCHW: the statistics are torch's `var_mean` (as the wide path's); channels_last: `stats_nhwc_kernel`,
+    combined by `affine_nhwc_kernel`, each adding `pre` as it reads x. Then one normalising pass. Nothing waits for
+    the device."""
     n, c, h, w = x.shape
     p = h * w
+    if pre is not None and x.is_contiguous():  # NCHW (not the decoder's layout): the sum first
+        x, pre = x + pre.view(1, c, 1, 1), None
     y = torch.empty_like(x)
     if x.is_contiguous():
         var, mean = torch.var_mean(x.view(n, groups, -1), dim=2, correction=0)
@@ -227,14 +271,58 @@ def group_norm_kernels(x: torch.Tensor, groups: int, weight: torch.Tensor | None
     progs = triton.cdiv(p, per)
     mean = torch.empty(n, progs, groups, device=x.device, dtype=torch.float32)
     m2 = torch.empty_like(mean)
-    stats_nhwc_kernel[(n, progs)](x, mean, m2, p, per, C=c, G=groups, BLOCK_P=block_p, num_warps=8)
+    stats_nhwc_kernel[(n, progs)](x, x if pre is None else pre, mean, m2, p, per, C=c, G=groups,
+                                  HAS_PRE=pre is not None, BLOCK_P=block_p, num_warps=8)
     a = torch.empty(n, c, device=x.device, dtype=torch.float32)
     b = torch.empty_like(a)
     affine_nhwc_kernel[(n,)](mean, m2, weight if weight is not None else a, bias if bias is not None else a, a, b, p,
                              per, progs, eps, C=c, G=groups, BLOCK_J=32,
                              HAS_W=weight is not None, HAS_B=bias is not None, num_warps=4)
-    norm_nhwc_kernel[(triton.cdiv(p, block_p), n)](x, a, b, y, p, C=c, SILU=silu, BLOCK_P=block_p, num_warps=8)
+    norm_nhwc_kernel[(triton.cdiv(p, block_p), n)](x, x if pre is None else pre, a, b, y, p, C=c, SILU=silu,
+                                                   HAS_PRE=pre is not None, BLOCK_P=block_p, num_warps=8)
     return y
+
+
+def residual(x: torch.Tensor, xb: torch.Tensor | None, h: torch.Tensor, hb: torch.Tensor | None,
+             scale: float) -> torch.Tensor:
+    """((x + xb) + (h + hb)) / scale, the biases [C] per channel (either may be None): a decoder resnet block's end
+    with its convolutions' biases (`fused_resnet_forward`). One pass of `residual_kernel` where x and h are float32
+    4D tensors of one shape and layout that the kernels take; else torch's operations, in the same order."""
+    view = (1, -1) + (1,) * (x.dim() - 2)
+    if (residual_kernel is not None and x.shape == h.shape and x.stride() == h.stride() and x.dim() == 4
+            and x.dtype == h.dtype == torch.float32 and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+            and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))):
+        n, c, hh, ww = x.shape
+        y = torch.empty_like(x)
+        total = x.numel()
+        residual_kernel[(triton.cdiv(total, BLOCK),)](
+            x, x if xb is None else xb, h, h if hb is None else hb, y, total, hh * ww, C=c,
+            NHWC=not x.is_contiguous(), HAS_XB=xb is not None, HAS_HB=hb is not None, SCALE=float(scale),
+            BLOCK=BLOCK, num_warps=8)
+        return y
+    x = x if xb is None else x + xb.view(view)
+    h = h if hb is None else h + hb.view(view)
+    return (x + h) / scale
+
+
+def fused_resnet_forward(block: nn.Module, input_tensor: torch.Tensor, temb: torch.Tensor | None = None, *args,
+                         **kwargs) -> torch.Tensor:
+    """diffusers' ResnetBlock2D.forward for a block of the decoder that `fuse` changed (no time embedding, no up- or
+    downsampling, its SiLUs inside its norms), with no pass of its own for its convolutions' biases: the first
+    convolution's goes into the second norm's reading of its input (`WideGroupNorm.forward`'s `pre`), the second's
+    and the shortcut's into the block's end (`residual`), which also adds the input and divides by the output scale.
+    Where the norms take the kernels that is three passes over the activations fewer per block, the same values
+    (torch's convolution adds its bias as a pass of its own after cuDNN's output, in this order)."""
+    if temb is not None or args or kwargs:
+        return type(block).forward(block, input_tensor, temb, *args, **kwargs)
+    conv1, conv2, shortcut = block.conv1, block.conv2, block.conv_shortcut
+    h = block.norm1(input_tensor)
+    h = block.norm2(conv1._conv_forward(h, conv1.weight, None), pre=conv1.bias)
+    h = conv2._conv_forward(block.dropout(h), conv2.weight, None)
+    x, xb = input_tensor, None
+    if shortcut is not None:
+        x, xb = shortcut._conv_forward(input_tensor, shortcut.weight, None), shortcut.bias
+    return residual(x, xb, h, conv2.bias, block.output_scale_factor)
 
 
 def widen(module: nn.Module) -> int:
@@ -247,7 +335,9 @@ def fuse(decoder: nn.Module) -> int:
     """A widened VAE decoder's SiLUs move into the GroupNorms before them, and the decoder goes channels_last, where
     the kernels give torch's answer on its device (`works_on`). The SiLUs that move: a resnet block's (no time
     embedding projection, so its SiLU follows each of its norms straight away; the decoder's never shift and scale
-    by a time embedding) and the decoder's output's. Returns how many norms took a SiLU (0: nothing changed)."""
+    by a time embedding) and the decoder's output's. Those resnet blocks, where they neither up- nor downsample,
+    also leave their convolutions' biases to the norm and the block's end (`fused_resnet_forward`). Returns how many
+    norms took a SiLU (0: nothing changed)."""
     from diffusers.models.resnet import ResnetBlock2D
 
     norms = [m for m in decoder.modules() if type(m) is WideGroupNorm]
@@ -263,6 +353,9 @@ def fuse(decoder: nn.Module) -> int:
             m.norm1.silu = m.norm2.silu = True
             m.nonlinearity = SiluInNorm()
             took += 2
+            if (m.upsample is None and m.downsample is None and type(m.conv1) is type(m.conv2) is nn.Conv2d
+                    and type(m.conv_shortcut) in (type(None), nn.Conv2d)):
+                m.forward = types.MethodType(fused_resnet_forward, m)
     if type(getattr(decoder, "conv_act", None)) is nn.SiLU and type(decoder.conv_norm_out) is WideGroupNorm:
         decoder.conv_norm_out.silu = True
         decoder.conv_act = SiluInNorm()
@@ -275,6 +368,8 @@ def narrow(module: nn.Module) -> int:
     """The inverse of `widen` and `fuse`: torch's GroupNorm, the SiLUs back in their blocks, the weights NCHW again
     (for a copy of the VAE that is to run as users run it). Returns how many norms."""
     for parent in module.modules():
+        if getattr(parent.__dict__.get("forward"), "__func__", None) is fused_resnet_forward:
+            del parent.forward
         for name, child in list(parent.named_children()):
             if type(child) is SiluInNorm:
                 setattr(parent, name, nn.SiLU())
@@ -305,13 +400,25 @@ def works_on(device: torch.device, shapes: list[tuple[int, int]] = ((64, 32),)) 
             if not kernels_take(x, c, groups):
                 return False
             w, b = torch.randn(c, device=device, generator=g), torch.randn(c, device=device, generator=g)
+            pre = torch.randn(c, device=device, generator=g)
             norm = F.group_norm(x, groups, w, b, 1e-6)
+            norm_pre = F.group_norm(x + pre.view(1, c, 1, 1), groups, w, b, 1e-6)
             for silu in (False, True):
                 want = F.silu(norm) if silu else norm
+                want_pre = F.silu(norm_pre) if silu else norm_pre
                 for layout in (torch.contiguous_format, torch.channels_last):
-                    got = group_norm_kernels(x.contiguous(memory_format=layout), groups, w, b, 1e-6, silu)
-                    if not ((got - want).abs().max() < 1e-4):
+                    xx = x.contiguous(memory_format=layout)
+                    got = group_norm_kernels(xx, groups, w, b, 1e-6, silu)
+                    got_pre = group_norm_kernels(xx, groups, w, b, 1e-6, silu, pre)
+                    if not ((got - want).abs().max() < 1e-4 and (got_pre - want_pre).abs().max() < 1e-4):
                         return False
+                    # a resnet block's end, with a shortcut's bias and without, at a scale and at 1
+                    hh = torch.randn(x.shape, device=device, generator=g).contiguous(memory_format=layout)
+                    for xb, scale in ((pre, 2.0), (None, 1.0)):
+                        end = residual(xx, xb, hh, b, scale)
+                        want_end = ((x if xb is None else x + xb.view(1, c, 1, 1)) + (hh + b.view(1, c, 1, 1))) / scale
+                        if not ((end - want_end).abs().max() < 1e-5 and end.stride() == xx.stride()):
+                            return False
         return True
     except Exception:  # noqa: BLE001 - any compiler or driver failure: the torch paths
         return False
