@@ -47,7 +47,8 @@ from storyboard_cli.models.vae_attention import attend, unattend
 from storyboard_cli.run.batch import decode
 
 VARIANTS = ("fp32", "wide", "fast", "product", "fp32_bench", "fp32_cl", "fast_cl", "fused", "fused_cl", "fp32_graph",
-            "fused_cl_apart", "fused_cl_h", "fused_cl_h_raw", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16", "compiled_fast")
+            "fused_cl_apart", "fused_cl_h", "fused_cl_h_raw", "bf16", "bf16_cl", "fp16", "compiled", "compiled_bf16",
+            "compiled_fast")
 
 
 def timed(fn, n: int) -> float:

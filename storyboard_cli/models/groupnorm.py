@@ -334,8 +334,7 @@ def fuse(decoder: nn.Module) -> int:
     embedding projection, so its SiLU follows each of its norms straight away; the decoder's never shift and scale
     by a time embedding) and the decoder's output's. Those resnet blocks, where they neither up- nor downsample and
     their output scale is 1, also leave their convolutions' biases to the norm and the block's end
-    (`fused_resnet_forward`). Returns how many
-    norms took a SiLU (0: nothing changed)."""
+    (`fused_resnet_forward`). Returns how many norms took a SiLU (0: nothing changed)."""
     from diffusers.models.resnet import ResnetBlock2D
 
     norms = [m for m in decoder.modules() if type(m) is WideGroupNorm]
@@ -351,8 +350,8 @@ def fuse(decoder: nn.Module) -> int:
             m.norm1.silu = m.norm2.silu = True
             m.nonlinearity = SiluInNorm()
             took += 2
-            if (m.upsample is None and m.downsample is None and m.output_scale_factor == 1
-                    and type(m.conv1) is type(m.conv2) is nn.Conv2d and type(m.conv_shortcut) in (type(None), nn.Conv2d)):
+            convs = type(m.conv1) is type(m.conv2) is nn.Conv2d and type(m.conv_shortcut) in (type(None), nn.Conv2d)
+            if convs and m.upsample is None and m.downsample is None and m.output_scale_factor == 1:
                 m.forward = types.MethodType(fused_resnet_forward, m)
     if type(getattr(decoder, "conv_act", None)) is nn.SiLU and type(decoder.conv_norm_out) is WideGroupNorm:
         decoder.conv_norm_out.silu = True
