@@ -251,8 +251,8 @@ def test_on_a_gpu_the_blocks_with_their_biases_at_the_norm_and_the_end_give_the_
     """The decoder's resnet blocks with their convolutions' biases added in the second norm's kernels and at the
     block's end (`fused_resnet_forward`) against the same decoder with diffusers' block forward, where torch's
     convolution adds each bias in a pass of its own after cuDNN's output: the same floats bit for bit (the same
-    additions in the same order) at 1024x1024 and 832x1216, and at 1024x1024 at least 3% faster (the passes a block
-    saves: the bias additions and the division were about 12 of the 53 ms of a decode on an H100,
+    additions in the same order) at 1024x1024 and 832x1216, and at 1024x1024 at least 3% faster (the kinds of pass
+    the blocks drop, the bias additions and the divisions, were 7.0 and 2.0 of the 53 ms of a decode on an H100,
     benchmarks/results/decode/2026-12-07-5f2fe19-vae-h100.json, `profile_fused_cl_ms`)."""
     from storyboard_cli.models.loader import load_sdxl
     from storyboard_cli.run.batch import decode_on_device
