@@ -74,6 +74,10 @@
 #   pointwise         probes/pointwise_scout.py: the FP8 step's quantisation kernels (GEGLU's, LayerNorm's, the
 #                     attention output's) compiled alone at 8 x 1024², production's options against inductor's
 #                     tuning options, against the bound their bytes give
+#   firstbatch[:VARIANT]  probes/first_batch.py: a render's first batch (8 x 1024², 30 steps, the cache's UNet of
+#                     VARIANT, compiled by default) in a fresh process, its setup before its loop (ahead, as today)
+#                     against its graph captured beside its own first steps run outside the graph (beside); twice
+#                     each, alternating
 #   check[:VARIANTS]  probes/check_scout.py: a healthy graph's first step against the whole batch's step, its first
 #                     image alone and its first 2 and 4 alone, at guidance 1.5 to 30 (VARIANTS: fp8,compiled by
 #                     default), 8 x 1024² and 2 x 1024² with a ControlNet, and each reference step's ms
@@ -289,6 +293,13 @@ leg() {  # LEG ARG NAME
     for v in $(tr , " " <<< "${arg:-compiled,fp8}"); do  # each in a fresh process: what a first call at new rows costs
       step "$n-$v" 120 python benchmarks/probes/shape_setup.py "$R/$n-$v.json" --variant "$v" \
         $([ "$SMOKE" = 1 ] && echo --model tiny --side 128)
+    done;;
+  firstbatch)
+    local m i=0
+    for m in ahead beside ahead beside; do  # each in a fresh process: the first batch's setup is per process
+      i=$((i + 1))
+      step "$n-$m-$i" 90 python benchmarks/probes/first_batch.py "$R/$n-$m-$i.json" --mode "$m" \
+        --variant "${arg:-compiled}" $([ "$SMOKE" = 1 ] && echo --model tiny --side 128)
     done;;
   check)
     step "$n" 200 python benchmarks/probes/check_scout.py "$R/$n.json" ${arg:+--variants $arg} --parts 2,4 \
