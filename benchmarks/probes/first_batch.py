@@ -32,10 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_scout import Record  # noqa: E402
+from shape_setup import cache_unet  # noqa: E402
 
-from storyboard_cli.engine.kernels.calls import CompiledKernels  # noqa: E402
-from storyboard_cli.engine.kernels.export import example_inputs  # noqa: E402
-from storyboard_cli.models.loader import cuda_allocator, load_sdxl  # noqa: E402
+from storyboard_cli.models.loader import cuda_allocator  # noqa: E402
 
 
 def main() -> None:
@@ -52,30 +51,13 @@ def main() -> None:
     a = ap.parse_args()
     allocator = cuda_allocator()  # the product's settings, before CUDA starts
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    dtype = torch.float16 if cuda else torch.float32
     rec = Record(a.out, mode=a.mode, variant=a.variant, model=a.model, side=a.side, rows=a.rows, steps=a.steps,
                  direct=a.direct if a.mode == "beside" else 0, torch=torch.__version__,
                  gpu=torch.cuda.get_device_name() if cuda else None, allocator=allocator)
-    t0 = time.perf_counter()
-    models = load_sdxl(a.model, None, device, dtype)
-    rec.put("load_s", round(time.perf_counter() - t0, 1))
-    k = CompiledKernels(models, root=a.cache, variant=a.variant)
-    target = k.unet_target(a.side, a.side)
-    path = k.path(target)
-    t0 = time.perf_counter()
-    if not path.is_file() or not k.add(target, path):
-        rec.put("error", f"no {target.label} artifact in the cache ({path}); {k.notes}")
+    loaded = cache_unet(rec, a.model, a.variant, a.side, a.cache)
+    if loaded is None:
         return
-    call = k.calls[target]
-    rec.put("artifact", path.name)
-    rec.put("artifact_load_s", round(time.perf_counter() - t0, 3))
-    lat = a.side // 8
-
-    def inputs(rows: int) -> tuple:
-        args = list(example_inputs("unet", models.unet, rows, lat, lat))
-        args[1] = torch.tensor(500.0, dtype=torch.float32, device=device)
-        return tuple(args)
+    call, inputs = loaded
 
     def sync() -> None:
         if cuda:

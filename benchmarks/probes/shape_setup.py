@@ -73,6 +73,33 @@ def profiled(fn) -> tuple[float, dict]:
     return s, groups
 
 
+def cache_unet(rec: Record, model: str, variant: str, side: int, cache: Path | None):
+    """The cache's UNet artifact of `variant` at `side`, loaded as a render loads it (on the GPU in fp16, on the CPU in
+    fp32): (its call, inputs(rows) -> its example inputs at those rows), or None once the record says why not. The
+    record gets the weights' load seconds, the artifact's name and its load seconds."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    models = load_sdxl(model, None, device, torch.float16 if device == "cuda" else torch.float32)
+    rec.put("load_s", round(time.perf_counter() - t0, 1))
+    k = CompiledKernels(models, root=cache, variant=variant)
+    target = k.unet_target(side, side)
+    path = k.path(target)
+    t0 = time.perf_counter()
+    if not path.is_file() or not k.add(target, path):
+        rec.put("error", f"no {target.label} artifact in the cache ({path}); {k.notes}")
+        return None
+    rec.put("artifact", path.name)
+    rec.put("artifact_load_s", round(time.perf_counter() - t0, 3))
+    lat = side // 8
+
+    def inputs(rows: int) -> tuple:
+        args = list(example_inputs("unet", models.unet, rows, lat, lat))
+        args[1] = torch.tensor(500.0, dtype=torch.float32, device=device)
+        return tuple(args)
+
+    return k.calls[target], inputs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -86,26 +113,12 @@ def main() -> None:
     allocator = cuda_allocator()  # the product's settings, before CUDA starts
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    dtype = torch.float16 if cuda else torch.float32
     rec = Record(a.out, variant=a.variant, model=a.model, side=a.side, torch=torch.__version__,
                  gpu=torch.cuda.get_device_name() if cuda else None, allocator=allocator)
-    t0 = time.perf_counter()
-    models = load_sdxl(a.model, None, device, dtype)
-    rec.put("load_s", round(time.perf_counter() - t0, 1))
-    k = CompiledKernels(models, root=a.cache, variant=a.variant)
-    target = k.unet_target(a.side, a.side)
-    path = k.path(target)
-    if not path.is_file() or not k.add(target, path):
-        rec.put("error", f"no {target.label} artifact in the cache ({path}); {k.notes}")
+    loaded = cache_unet(rec, a.model, a.variant, a.side, a.cache)
+    if loaded is None:
         return
-    call = k.calls[target]
-    rec.put("artifact", path.name)
-    lat = a.side // 8
-
-    def inputs(rows: int) -> tuple:
-        args = list(example_inputs("unet", models.unet, rows, lat, lat))
-        args[1] = torch.tensor(500.0, dtype=torch.float32, device=device)
-        return tuple(args)
+    call, inputs = loaded
 
     with torch.no_grad():
         first_cuda, _ = synced(lambda: torch.zeros(1, device=device) + 1)
