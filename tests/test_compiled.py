@@ -856,3 +856,100 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
     assert stats.load_s > 0 and not kernels.deferred()  # the ControlNet's artifact, loaded by the piece before
     assert stats.checked and "against" not in stats.reason  # the ControlNet's kernels: checked against eager
     assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("sampler", ["dpmpp_2m", "euler_a"])
+def test_a_graph_whose_kernels_were_checked_is_captured_beside_its_own_batchs_first_steps(artifacts, sampler):
+    """A 4-image batch whose kernels were checked against the eager step at other rows (a render's first batch with the
+    ledger's check): `prepare(beside=True)` leaves its graph to its batch, whose `sample` runs its first OWN_STEPS steps
+    on the kernels outside the graph, captures the graph beside them and checks its first replay against the first
+    image's step alone, from the latents and prediction the steps before left (a multistep sampler reads the
+    prediction; an ancestral one each step's noise). The latents are the bits of the same batch on a graph captured
+    before its loop. A capture that fails there is logged and the batch runs again from its start on a graph captured
+    before its loop; a replay that fails the check sends the shape a row down, the batch again from its start."""
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.graph.keys import Warmed
+    from storyboard_cli.engine.graph.runner import OWN_STEPS, GraphRunner
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+    from storyboard_cli.steps import FULL
+
+    from helpers.graphs import cpu_replays
+
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    one, four = Shape(1, SIDE, SIDE, 0), Shape(4, SIDE, SIDE, 0)
+    sched = schedule(sampler, 6, models.scheduler_config)
+
+    def inputs(n: int) -> tuple:
+        x, cond, conds, guidance = synthetic_inputs(models, n, SIDE, SIDE, 0)
+        g = torch.Generator().manual_seed(n)
+        noise = torch.randn((sched.steps, *x.shape), generator=g) if sched.ancestral else None
+        return x, sched, noise, cond, conds, guidance
+
+    def runner_of(behind: bool, recorder=None, part=None):
+        runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=CompiledKernels(models, None,
+                                                                                                 root=artifacts))
+        captured, steps = cpu_replays(runner), []
+        replay, stepper = runner.capturer, runner.stepper
+
+        def capture(key):  # the bookkeeping of a real capture (GraphRunner._capture): what it ran
+            graph = replay(key)
+            runner.warmed.append(Warmed.of(key))
+            return graph
+
+        def step(v):
+            steps.append((v.key, int(v.buf.index)))
+            stepper(v)
+
+        runner.capturer, runner.stepper, runner.beside_ready = capture, step, lambda: behind
+        runner.beside_recorder = recorder or (lambda v: replay(v.key))
+        if part is not None:
+            runner.part_step = part(runner.part_step)
+        runner.prepare([one])
+        with torch.no_grad():  # the kernels checked against eager at 1 image: the ledger's "earlier run"
+            runner.sample(*inputs(1))
+        assert runner.against_eager and captured == [runner.shape_key(*one, FULL)]
+        steps.clear()
+        runner.prepare([four], beside=True)
+        return runner, captured, steps
+
+    ahead, captured_a, _ = runner_of(False)
+    behind, captured_b, steps = runner_of(True)
+    key = behind.shape_key(*four, FULL)
+    assert key.variant == "compiled" and key.batch == 4
+    assert captured_a == captured_b[:1] + [key] and captured_b == captured_a[:1]  # left to its batch by `prepare`
+    with torch.no_grad():
+        want = ahead.sample(*inputs(4))
+        got = behind.sample(*inputs(4))
+        eager = EagerEngine(models).sample(*inputs(4))
+    assert torch.equal(got, want) and rel_error(got, eager) < 1e-4
+    # its first steps outside the graph, then its capture (here a 'graph' records nothing), then the replays
+    assert steps[:OWN_STEPS] == [(key, i) for i in range(OWN_STEPS)] and captured_b[1:] == [key]
+    stats = behind.stats[key]
+    assert (stats.state, stats.beside, stats.beside_of, stats.warmup, stats.warmup_rows) == (
+        "graph", True, key.label, True, 8), behind.describe()
+    assert stats.checked and f"beside its batch's first {OWN_STEPS} steps" in stats.reason
+    assert "at 1 image" in stats.reason and "at 1 images" in stats.reason  # checked at 1 image; against eager at 1
+    assert stats.replays == sched.steps - OWN_STEPS
+    with torch.no_grad():  # the next batch of the shape replays the graph from its first step
+        assert torch.equal(behind.sample(*inputs(4)), want) and stats.replays == 2 * sched.steps - OWN_STEPS
+
+    def broken(v):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    failed, captured_f, steps = runner_of(True, recorder=broken)
+    with torch.no_grad():
+        assert torch.equal(failed.sample(*inputs(4)), want)
+    stats = failed.stats[key]
+    assert stats.state == "graph" and stats.checked and not stats.beside and captured_f[1:] == [key]
+    assert key in failed._not_behind and [i for _, i in steps[:OWN_STEPS + 1]] == [0, 1, 0]  # again from its start
+
+    def off(part_step):  # the first image's reference step, wrong: the replay fails its check
+        return lambda *a, **k: tuple(t + 1 for t in part_step(*a, **k))
+
+    down, _, _ = runner_of(True, part=off)
+    with torch.no_grad():
+        plain = down.sample(*inputs(4))
+    stats = down.stats[key]
+    assert stats.state == "plain" and "replay check failed" in stats.reason and key not in down.graphs
+    assert down.stats[down.shape_key(*four, FULL)].checked and rel_error(plain, eager) < 1e-4

@@ -150,3 +150,42 @@ def test_a_later_run_checks_its_graph_against_its_kernels_on_the_first_runs_reco
         reasons.append(stats.reason)
     assert "against" not in reasons[0] and len(list(tmp_path.glob("checked-*.json"))) == 1, reasons
     assert reasons[1].endswith("(against eager at 2 images in an earlier run)"), reasons
+
+
+def test_a_first_batch_whose_kernels_were_checked_runs_its_first_steps_while_its_graph_is_captured(setup, tmp_path):
+    """A render's first batch on kernels the ledger checked against eager (every run after a machine's first): the
+    runner's `prepare(beside=True)` leaves its graph to its batch, which runs its first OWN_STEPS steps on the kernels
+    outside the graph while the graph is captured beside them on torch's capture stream (no sync), and checks its
+    first replay against the first image's step alone. The loop matches the uncompiled eager loop, and the same
+    batch again (every step a replay) matches it closely: the steps outside the graph ran the graph's kernels."""
+    from storyboard_cli.engine.base import Shape
+    from storyboard_cli.engine.graph.ledger import CheckLedger
+    from storyboard_cli.engine.graph.runner import OWN_STEPS, GraphRunner
+    from storyboard_cli.steps import FULL
+
+    models, runner, eager = setup
+    args = unguided(loop_inputs(models, 2, SIDE, SIDE, False, "dpmpp_2m", steps=6))
+    shape = Shape(2, SIDE, SIDE, 0)
+
+    def fresh() -> GraphRunner:  # at most the setup's 2 images (the kernels' shared zero residuals)
+        return GraphRunner(models, max_batch=2, max_hw=(SIDE, SIDE), compiled=runner.compiled,
+                           ledger=CheckLedger(models, runner.compiled, tmp_path))
+
+    first = fresh()
+    first.prepare([shape], beside=True)  # no check on record: captured before its batch, checked against eager
+    key = first.shape_key(*shape, FULL)
+    assert key.variant == "compiled" and key in first.graphs
+    want = first.sample(*args)
+    behind = fresh()
+    behind.prepare([shape], beside=True)
+    assert key not in behind.graphs  # left to its batch
+    got = behind.sample(*args)
+    stats = behind.stats[key]
+    assert (stats.state, stats.beside, stats.beside_of, stats.warmup_rows) == ("graph", True, key.label, 4), \
+        behind.describe()
+    assert stats.checked and f"first {OWN_STEPS} steps" in stats.reason and stats.replays == 6 - OWN_STEPS
+    again = behind.sample(*args)
+    assert stats.replays == 12 - OWN_STEPS
+    assert_rel_close(got, again, 1e-3)
+    assert_rel_close(got, want, 1e-3)
+    assert_rel_close(got, eager.sample(*args), RTOL)

@@ -97,7 +97,9 @@ def main() -> None:
             done.record()
             stages["direct_host_s"] = time.perf_counter() - t1
             t2 = time.perf_counter()
-            with torch.cuda.stream(torch.cuda.graph.default_capture_stream):  # recorded, not run: no wait needed
+            # a stream of its own (torch.cuda.graph makes its default capture stream at its first use, and a capture
+            # on the default stream is refused); recorded, not run: no wait needed
+            with torch.cuda.stream(torch.cuda.Stream()):
                 graph.capture_begin(pool, capture_error_mode="thread_local")
                 try:
                     call(*x)

@@ -32,7 +32,10 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   released, the step index left alone (the loop in flight reads it), capture errors kept to this thread. A compiled
   graph that needs one gets its warm-up there first (`_warm_beside`), at its artifact's fewest rows on scratch
   buffers of its own, so the host's setup of new shapes (cuDNN's plans) runs beside the replays too.
-  `prepare(beside=True)` leaves those graphs to it, except the first batch's. The batches after the next one get
+  `prepare(beside=True)` leaves those graphs to it. The first batch's graph, where its kernels were checked against
+  the eager step at other rows, is captured beside its own batch's first `OWN_STEPS` steps, which run on the same
+  kernels outside the graph (`_behind`): they are its warm-up, at its rows, and the GPU runs them while the host
+  records the graph; its first replay is checked against its first image's step alone. The batches after the next one get
   `Spare` pieces (`ahead(spare=True)`, run/batch.py `spare_captures`): run while the loop has room, dropped at its
   end. A capture on a
   second thread waited for the replays' launches (the launch queue is full): benchmarks/probes/capture_thread.py.
@@ -87,6 +90,11 @@ AHEAD_REPLAYS = 4
 # a launch that took longer than this waited for room in the launch queue: one that did not took 0.3-3.0 ms of host
 # time, one that waited 29-280 ms, about a step (the probe, graphs of 1,900 kernels)
 BLOCKED_S = 0.010
+# the steps a graph's own batch runs on its kernels outside the graph while the graph is captured beside them
+# (`_behind`): the first is the warm-up (the libraries' setup at its rows, the host's, with the GPU running what the
+# host has launched), the second is queued while the first runs, and the capture's host time hides behind both on the
+# GPU (two steps of an 8 x 1024² batch: 0.35-0.5 s)
+OWN_STEPS = 2
 
 
 class Pace:
@@ -167,6 +175,7 @@ class GraphRunner:
         self.beside_ready: Callable[[], bool] = self._beside_ready
         self.beside_warmer: Callable[[ShapeKey], None] = self._warm_on_scratch  # a warm-up there (`_warm_beside`)
         self._warmed_beside: set[ShapeKey] = set()  # warmed up beside a loop, their capture still to come
+        self._not_behind: set[ShapeKey] = set()  # whose capture beside their own first steps failed (`_behind`)
         self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
         self._looping = ""  # the label of the graph whose loop runs now (`sample`): what a capture beside it names
         self._allocate(max_batch, max_hw[0] * max_hw[1])
@@ -247,17 +256,18 @@ class GraphRunner:
         v.prev.copy_(denoised)
         index.add_(1)
 
-    def part_step(self, v: Views, x: torch.Tensor, noise: torch.Tensor | None,
-                  n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step of `v.key`'s graph for the batch's first `n` images alone, outside the graph, on tensors of their
-        own: `x` the batch's latents, `noise` its first step's; the text, guidance and kinds read from `v`, loaded with
-        the batch (the replay leaves them as they are). (next latents, prediction) at the first step."""
+    def part_step(self, v: Views, x: torch.Tensor, noise: torch.Tensor | None, n: int, i: int = 0,
+                  prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `i` of `v.key`'s graph for the batch's first `n` images alone, outside the graph, on tensors of their
+        own: `x` the batch's latents at that step, `prev` its prediction of the step before (None at the first step),
+        `noise` that step's; the text, guidance and kinds read from `v`, loaded with the batch (the replay leaves them
+        as they are). (next latents, prediction)."""
         key, b = v.key, v.key.batch
         calls = None if key.variant == PLAIN else self.compiled.calls_for(key.variant)
         zero = torch.zeros_like(x[:n])
-        return sample_step(self.models, x[:n].clone(), zero, zero if noise is None else noise[:n].clone(),
-                           self.buf.table[0], v.cond.first_images(n, b), v.conds.first_images(n, b).at(0),
-                           v.guidance[:n].clone(), calls, key.step, None, 0)
+        return sample_step(self.models, x[:n].clone(), zero if prev is None else prev[:n].clone(),
+                           zero if noise is None else noise[:n].clone(), self.buf.table[i], v.cond.first_images(n, b),
+                           v.conds.first_images(n, b).at(i), v.guidance[:n].clone(), calls, key.step, None, i)
 
     def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
         if self.models.device.type != "cuda":
@@ -450,8 +460,11 @@ class GraphRunner:
         # the most rows x pixels first (the pool's blocks are reused by what follows); at equal rows and size the
         # graphs whose kernels cover the others' first, so those skip their warm-up: a 4-image guided step before
         # an 8-image batch's conditional step, the ControlNet's before the plain one, a full step before a shallow
+        own = beside and len(first) == 1 and self._can_capture_behind(*first)  # `_behind`, at its batch's `sample`
         for key in sorted(keys, key=self._capture_order, reverse=True):
             if beside and key not in first and (self._can_capture_beside(key) or self._can_warm_beside(key)):
+                continue
+            if own and key in first:
                 continue
             try:
                 self.graph(key)
@@ -488,8 +501,8 @@ class GraphRunner:
 
     def _left_to_beside(self, key: ShapeKey) -> bool:
         """What a graph's capture beside another batch's loop needs, warmed up or not: it is not captured and has not
-        fallen back, it needs no bigger buffer, it writes no DeepCache feature, its kernels are loaded, and a capture
-        before it made the pool and torch's capture stream (`beside_ready`)."""
+        fallen back, it needs no bigger buffer, it writes no DeepCache feature, its kernels are loaded, and the device
+        captures beside (`beside_ready`)."""
         stats = self.stats.get(key)
         return (self.beside_ready() and key not in self.graphs and not key.step.cache and self._bound(key, spare=True)
                 and (stats is None or stats.state in ("pending", "released")) and self.buf.fits(key.shape))
@@ -524,8 +537,7 @@ class GraphRunner:
         return self._left_to_beside(key) and not self._bound(key) and self._bind(key)
 
     def _beside_ready(self) -> bool:
-        return (self.models.device.type == "cuda" and self.pool is not None
-                and torch.cuda.graph.default_capture_stream is not None)
+        return self.models.device.type == "cuda"  # the pool and the capture stream: made by the first (`_record_beside`)
 
     def _warm_beside(self, key: ShapeKey) -> bool:
         """`key`'s warm-up while the replays queued before still run (`ahead`): a step at its artifact's fewest rows on
@@ -594,7 +606,14 @@ class GraphRunner:
         return True
 
     def _record_beside(self, v: Views) -> torch.cuda.CUDAGraph:
-        """`_capture_beside`'s capture: raises after putting the pool and the CUDA generator right again."""
+        """`_capture_beside`'s capture (and `_behind`'s): raises after putting the pool and the CUDA generator right
+        again. The first capture of the runner makes the pool, and torch's capture stream where no capture of the
+        process made it (torch.cuda.graph makes it so at its first use; every capture records on it, so the library
+        handles' workspaces, kept per stream, are made once)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        if torch.cuda.graph.default_capture_stream is None:
+            torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
         try:
             with torch.cuda.stream(torch.cuda.graph.default_capture_stream):
@@ -718,6 +737,13 @@ class GraphRunner:
         shape = Shape(b, 8 * h, 8 * w, conds.bits)
         plan = plan or (FULL,) * sched.steps
         self._share(shape, set(plan))
+        own = self.shape_key(*shape, plan[0])
+        if len(set(plan)) == 1 and len(plan) > OWN_STEPS + 1 and self._can_capture_behind(own):
+            start = self._behind(own, x, sched, noise, cond, conds, guidance)
+            if start is None:  # it fell back, or its capture failed: the batch again from its start, captured before
+                return self.sample(x, sched, noise, cond, conds, guidance, plan, between)
+            steps, v = [(own, self.graphs[own])] * len(plan), self.buf.view(own)
+            return self._loop(steps, start, v, noise, entry, between)
         graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, conds, guidance), len(set(plan)) == 1)
         if graphs is None:
             return self.eager.sample(x, sched, noise, cond, conds, guidance, plan, between)
@@ -731,6 +757,13 @@ class GraphRunner:
                 self._settle()
                 return self.sample(x, sched, noise, cond, conds, guidance, plan, between)  # a row down
             start = 1
+        return self._loop(steps, start, v, noise, entry, between)
+
+    def _loop(self, steps: list[tuple[ShapeKey, torch.cuda.CUDAGraph]], start: int, v: Views,
+              noise: torch.Tensor | None, entry: torch.cuda.Event | None,
+              between: Iterator[Callable[[], object]] | None) -> torch.Tensor:
+        """`sample`'s loop: the replays of `steps` from step `start` on (the steps before it ran already), `between`'s
+        pieces between them; the final latents."""
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
         pace = self.pace(self.models.device.type == "cuda")
         self._looping = steps[0][0].label
@@ -749,6 +782,84 @@ class GraphRunner:
         self._looping = ""
         self._time(segment, len(steps))
         return v.x.clone()  # clone: the next batch overwrites the static buffer
+
+    def _can_capture_behind(self, key: ShapeKey) -> bool:
+        """Whether `key`'s graph can be captured beside its own batch's first steps (`_behind`): it is not captured, has
+        not fallen back and has not failed so, its kernels were checked against the eager step at other rows (a
+        compiled graph: its first replay is checked against its kernels outside the graph, `_first_step_checks`), it is
+        checked on its first image alone (a guided batch of more than one image, a variant with `alone_rtol`), and it
+        fits the buffers; on a device where captures beside run (`beside_ready`)."""
+        stats = self.stats.get(key)
+        return (self.beside_ready() and key not in self.graphs and key not in self._not_behind
+                and (stats is None or stats.state in ("pending", "released")) and key.batch > 1 and key.step.guided
+                and VARIANTS[key.variant].alone_rtol is not None and self._first_step_checks(key)
+                and self.buf.fits(key.shape))
+
+    def _behind(self, key: ShapeKey, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
+                conds: Conditions, guidance: torch.Tensor) -> int | None:
+        """The batch's first `OWN_STEPS` steps on `key`'s kernels outside the graph, on its static buffers, then its
+        graph captured beside them (`beside_recorder`: no sync, the capture stream) while the GPU runs them, then its
+        first replay (the next step) checked against that step for the first image alone (check.py
+        `first_step_of_part`). The first step is the graph's warm-up at its own rows: where a capture ahead warms up at
+        the artifact's fewest rows and then meets the libraries' setup at the batch's rows again in the capture, with
+        the GPU idle throughout (1.05-1.16 s before the bench job's first loop, docs/PERFORMANCE.md), here that setup
+        is paid once, while the GPU runs the kernels launched so far, and the capture's host time is behind the steps.
+        Returns the step the loop goes on from; None where a step outside the graph failed or the check did (the shape
+        has fallen back a row) or the capture failed (logged; the graph is captured before its loop then): the batch
+        runs again from its start."""
+        if not self._bind(key):  # fell back a row (`_bind`)
+            return None
+        stats = self.stats.setdefault(key, GraphStats(key))
+        cuda = self.models.device.type == "cuda"
+        v = self.buf.view(key)
+        v.load(self.buf, x, sched, cond, conds, guidance)
+        t0 = time.perf_counter()
+        try:
+            for i in range(OWN_STEPS):
+                if noise is not None:
+                    v.noise.copy_(noise[i])
+                self.stepper(v)
+        except torch.cuda.OutOfMemoryError:
+            raise  # not this shape's fault: the caller splits the batch, as at a capture (`graph`)
+        except Exception as e:  # noqa: BLE001 - a kernel that fails outside the graph fails inside it too
+            self._settle()
+            self._fall_back(key, f"its first steps outside the graph failed: {one_line(e, 200)}")
+            return None
+        stepped = time.perf_counter()
+        reserved = torch.cuda.memory_reserved() if cuda else 0
+        try:
+            graph = self.beside_recorder(v)
+        except Exception as e:  # noqa: BLE001 - out of memory included: captured before its loop, whose policy holds
+            log.warning("capturing %s beside its batch's first steps failed (%s): captured before its loop", key.label,
+                        one_line(e, 200))
+            self._not_behind.add(key)
+            self._settle()
+            return None
+        stats.warmup, stats.warmup_rows, stats.warmup_s = True, Warmed.of(key).rows, stepped - t0
+        stats.beside, stats.beside_of, stats.end_s = True, key.label, self._spent[1]
+        stats.capture_s = time.perf_counter() - t0
+        stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20 if cuda else 0.0
+        self.warmed.append(Warmed.of(key))
+        self.graphs[key] = graph
+        self._adopt(key)
+        # the first replay, step OWN_STEPS, against the first image's step alone from the latents and prediction the
+        # steps outside the graph left
+        i = OWN_STEPS
+        x_i, prev_i = v.x[:1].clone(), v.prev[:1].clone()
+        noise_i = None if noise is None else noise[i]
+        err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x_i, noise_i, 1, i, prev_i),
+                                          noise_i, 1)
+        seen = self._checked_kernels(key)
+        if problem:
+            del graph
+            self._fall_back(key, f"replay check failed: {problem} against its kernels outside the graph at 1 image "
+                                 f"(against eager {seen})")
+            self._settle()
+            return None
+        stats.checked, stats.replays = True, stats.replays + 1
+        stats.reason = (f"checked: rel. error {err:.1e} against its kernels outside the graph at 1 image (against "
+                        f"eager {seen}); captured beside its batch's first {OWN_STEPS} steps")
+        return i + 1
 
     def _plan_graphs(self, shape: Shape, kinds: set[StepKind], inputs: tuple, first: bool = False) -> dict | None:
         """kind -> (key, graph) for each of `kinds`, captured and checked (DeepCache's full step before its shallow
