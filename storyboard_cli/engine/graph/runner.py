@@ -590,8 +590,8 @@ class GraphRunner:
         try:
             graph = self.beside_recorder(self.buf.view(key))
         except Exception as e:  # noqa: BLE001 - out of memory included: the loop in flight is not this graph's
-            log.warning("capturing %s beside the loop before failed (%s): captured on first use", key.label,
-                        one_line(e, 200))
+            log.warning("capturing %s beside the loop of %s failed (%s): captured on first use", key.label,
+                        self._looping or "the batch before", one_line(e, 200))
             return False
         if key not in self._warmed_beside:  # else its warm-up beside counts in (`_warm_beside`)
             stats.warmup, stats.warmup_rows, stats.warmup_s = False, 0, 0.0
@@ -798,7 +798,7 @@ class GraphRunner:
     def _behind(self, key: ShapeKey, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
                 conds: Conditions, guidance: torch.Tensor) -> int | None:
         """The batch's first `OWN_STEPS` steps on `key`'s kernels outside the graph, on its static buffers, then its
-        graph captured beside them (`beside_recorder`: no sync, the capture stream) while the GPU runs them, then its
+        graph captured beside them (`_capture_beside`: no sync, the capture stream) while the GPU runs them, then its
         first replay (the next step) checked against that step for the first image alone (check.py
         `first_step_of_part`). The first step is the graph's warm-up at its own rows: where a capture ahead warms up at
         the artifact's fewest rows and then meets the libraries' setup at the batch's rows again in the capture, with
@@ -810,7 +810,6 @@ class GraphRunner:
         if not self._bind(key):  # fell back a row (`_bind`)
             return None
         stats = self.stats.setdefault(key, GraphStats(key))
-        cuda = self.models.device.type == "cuda"
         v = self.buf.view(key)
         v.load(self.buf, x, sched, cond, conds, guidance)
         t0 = time.perf_counter()
@@ -825,23 +824,20 @@ class GraphRunner:
             self._settle()
             self._fall_back(key, f"its first steps outside the graph failed: {one_line(e, 200)}")
             return None
-        stepped = time.perf_counter()
-        reserved = torch.cuda.memory_reserved() if cuda else 0
-        try:
-            graph = self.beside_recorder(v)
-        except Exception as e:  # noqa: BLE001 - out of memory included: captured before its loop, whose policy holds
-            log.warning("capturing %s beside its batch's first steps failed (%s): captured before its loop", key.label,
-                        one_line(e, 200))
+        # the steps ran every kernel of the graph: its warm-up, counted in its capture beside them (`_capture_beside`,
+        # whose loop is the batch's own; out of memory included, a failure leaves it to a capture before its loop)
+        stats.warmup, stats.warmup_rows, stats.warmup_s = True, Warmed.of(key).rows, time.perf_counter() - t0
+        self.warmed.append(Warmed.of(key))
+        self._warmed_beside.add(key)
+        self._looping = key.label
+        captured = self._capture_beside(key)
+        self._looping = ""
+        if not captured:
+            self._warmed_beside.discard(key)
             self._not_behind.add(key)
             self._settle()
             return None
-        stats.warmup, stats.warmup_rows, stats.warmup_s = True, Warmed.of(key).rows, stepped - t0
-        stats.beside, stats.beside_of, stats.end_s = True, key.label, self._spent[1]
-        stats.capture_s = time.perf_counter() - t0
-        stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20 if cuda else 0.0
-        self.warmed.append(Warmed.of(key))
-        self.graphs[key] = graph
-        self._adopt(key)
+        graph = self.graphs[key]
         # the first replay, step OWN_STEPS, against the first image's step alone from the latents and prediction the
         # steps outside the graph left
         i = OWN_STEPS
