@@ -48,7 +48,10 @@ class CheckLedger:
         """The images of the graph whose first replay an earlier run checked `key`'s kernels with, or None."""
         memo = (key, self.models.writes)
         if memo not in self._seen:
-            self._seen[memo] = self._read(self._path(key))
+            path = self._path(key)
+            if path is None:  # its kernels are not built yet: read again once they are
+                return None
+            self._seen[memo] = self._read(path)
         return self._seen[memo]
 
     def record(self, key: ShapeKey, err: float) -> None:
@@ -79,12 +82,14 @@ class CheckLedger:
 
     def _path(self, key: ShapeKey) -> Path | None:
         """The record's file for `key`, None when its kernels have no marked artifact (nothing to name them by). The
-        artifacts named are the ones its graph runs: the size's UNet, and its ControlNet's where it has a guide."""
+        artifacts named are the ones its graph runs, loaded or not yet (a render loads its first batch's kernels just
+        before that batch: CompiledKernels.want's `defer`): the size's UNet, and its ControlNet's where it has a
+        guide."""
         variant = VARIANTS[key.variant]
-        artifacts = sorted(self._marker(t) for t in self.compiled.calls
-                           if (t.height, t.width, t.precision) == (key.height, key.width, variant.precision)
-                           and (t.module == "unet" or key.control))
-        if not artifacts or None in artifacts:
+        targets = [self.compiled.unet_target(key.height, key.width, key.variant)]
+        targets += [self.compiled.controlnet_target(key.height, key.width, key.variant)] if key.control & 1 else []
+        artifacts = sorted(self._marker(t) for t in targets)
+        if None in artifacts:
             return None
         constants = self.compiled.constants.get(variant.name)
         files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in getattr(constants, "files", ())]
