@@ -698,6 +698,45 @@ def test_a_later_run_on_the_same_kernels_and_weights_checks_against_its_kernels_
     assert torch.equal(got, was) and rel_error(got, want) < 1e-4
 
 
+def test_a_later_render_reads_its_record_before_its_kernels_load_and_leaves_its_first_graph_to_its_batch(artifacts,
+                                                                                                         tmp_path):
+    """A render loads its first batch's kernels just before that batch (CompiledKernels.want's `defer`): the record of
+    an earlier run's eager check is read before they load, so `prepare(beside=True)` leaves the first graph to its
+    batch (GraphRunner._behind), captured beside the batch's first steps and checked against its kernels, not against
+    the eager step; the latents are the earlier run's bits."""
+    from storyboard_cli.engine.graph.ledger import CheckLedger
+    from storyboard_cli.engine.graph.runner import OWN_STEPS, GraphRunner
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+    from storyboard_cli.steps import FULL
+
+    from helpers.graphs import cpu_replays
+
+    models, first, _, _ = _runs_with_a_ledger(artifacts, tmp_path)
+    x, cond, conds, guidance = synthetic_inputs(models, 4, SIDE, SIDE, 0)
+    four = (x, schedule("euler", OWN_STEPS + 3, models.scheduler_config), None, cond, conds, guidance)
+    with torch.no_grad():
+        was = first.sample(*four)
+    assert "against" not in _first_reason(first, 4)  # checked against the eager step, and recorded
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)  # the later run: new models, kernels and runner
+    k = CompiledKernels(models, None, root=artifacts)
+    later = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=k, ledger=CheckLedger(models, k, tmp_path))
+    cpu_replays(later)
+    later.beside_ready, later.beside_recorder = (lambda: True), (lambda v: later.capturer(v.key))
+    shape = Shape(4, SIDE, SIDE, 0)
+    later.prepare([shape], beside=True)
+    key = later.shape_key(*shape, FULL)
+    assert not k.calls and k.deferred() and key not in later.graphs  # its kernels not loaded yet, its graph left
+    with torch.no_grad():
+        got = later.sample(*four)
+    stats = later.stats[key]
+    assert (stats.state, stats.beside, stats.beside_of) == ("graph", True, key.label), later.describe()
+    assert f"beside its batch's first {OWN_STEPS} steps" in stats.reason and "at 4 images in an earlier run" in (
+        stats.reason), stats.reason
+    assert torch.equal(got, was)
+
+
 def test_a_check_record_holds_only_for_its_weights_and_limit_and_a_broken_one_is_none(artifacts, tmp_path,
                                                                                         monkeypatch):
     """Other weights (a fine-tune, a LoRA written in place), another limit for the variant's check, or a record that
