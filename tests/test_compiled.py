@@ -517,8 +517,8 @@ def test_the_one_image_check_runs_the_batchs_guide_for_its_first_image(artifacts
     models, runner, four, two = _runner_at_two_row_counts(artifacts, control=1)
     rows = []
     part = runner.part_step
-    runner.part_step = lambda v, x, noise, n: (rows.append(v.conds.first_images(n, v.key.batch)),
-                                               part(v, x, noise, n))[1]
+    runner.part_step = lambda v, x, noise, n, *at: (rows.append(v.conds.first_images(n, v.key.batch)),
+                                                    part(v, x, noise, n, *at))[1]
     with torch.no_grad():
         got = [runner.sample(*four), runner.sample(*two)]
         want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
@@ -635,7 +635,7 @@ def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step
     replays, direct = [], []
     step, part = runner.step, runner.part_step
     runner.step = lambda v: (direct.append(v.key.batch), step(v))[1]
-    runner.part_step = lambda v, x, noise, n: (direct.append(n), part(v, x, noise, n))[1]
+    runner.part_step = lambda v, x, noise, n, *at: (direct.append(n), part(v, x, noise, n, *at))[1]
     # each replay a hair off the step outside the graph (within the check's limit): what the batch keeps is visible
     runner.stepper = lambda v: (replays.append(v.key.batch), step(v), v.x.mul_(1 + 1e-5))
     steps = four[1].steps
@@ -687,7 +687,7 @@ def test_a_later_run_on_the_same_kernels_and_weights_checks_against_its_kernels_
     replays, direct = [], []
     step, part = later.step, later.part_step
     later.step = lambda v: (direct.append(v.key.batch), step(v))[1]
-    later.part_step = lambda v, x, noise, n: (direct.append(n), part(v, x, noise, n))[1]
+    later.part_step = lambda v, x, noise, n, *at: (direct.append(n), part(v, x, noise, n, *at))[1]
     later.stepper = lambda v: (replays.append(v.key.batch), step(v))
     with torch.no_grad():
         got = later.sample(*four)

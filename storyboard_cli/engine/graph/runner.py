@@ -701,17 +701,21 @@ class GraphRunner:
         return not key.step.cache and self._checked_kernels(key) is not None
 
     def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor, sched: Schedule,
-                    noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
+                    noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor, i: int = 0,
+                    prev: torch.Tensor | None = None, note: str = "") -> bool:
         """The batch's first step on `key`'s graph, checked against the graph's step outside it (the buffers loaded with
         the batch): for the batch's first image alone where the graph has more and is guided (graph/check.py
         `first_step_of_part` at 1 image: a step of one image, not of the batch), else for the batch (`first_step`).
-        True and the buffers after that step, or the shape falls back a row with the reason."""
+        The graph's first replay may be a later step `i` (`_behind`, which checks on the first image alone): `x` and
+        `prev` are then the latents and prediction the steps before left; `note` ends the reason. True and the buffers
+        after that step, or the shape falls back a row with the reason."""
         seen = self._checked_kernels(key)
-        first = None if noise is None else noise[0]
+        first = None if noise is None else noise[i]
         # the check runs the first image alone (check.py first_step_of_part) where the row's rounding allows
         one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
         if one:
-            err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x, first, 1), first, 1)
+            err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x, first, 1, i, prev), first,
+                                              1)
         else:
             err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, first, cond, conds, guidance)
         against = f" against its kernels outside the graph{' at 1 image' if one else ''} (against eager {seen})"
@@ -719,7 +723,8 @@ class GraphRunner:
             self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
         stats = self.stats[key]
-        stats.checked, stats.reason, stats.replays = True, f"checked: rel. error {err:.1e}{against}", stats.replays + 1
+        stats.checked, stats.reason = True, f"checked: rel. error {err:.1e}{against}{note}"
+        stats.replays += 1
         return True
 
     @torch.no_grad()
@@ -837,25 +842,14 @@ class GraphRunner:
             self._not_behind.add(key)
             self._settle()
             return None
-        graph = self.graphs[key]
-        # the first replay, step OWN_STEPS, against the first image's step alone from the latents and prediction the
-        # steps outside the graph left
-        i = OWN_STEPS
-        x_i, prev_i = v.x[:1].clone(), v.prev[:1].clone()
-        noise_i = None if noise is None else noise[i]
-        err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x_i, noise_i, 1, i, prev_i),
-                                          noise_i, 1)
-        seen = self._checked_kernels(key)
-        if problem:
-            del graph
-            self._fall_back(key, f"replay check failed: {problem} against its kernels outside the graph at 1 image "
-                                 f"(against eager {seen})")
+        # the first replay, step OWN_STEPS, against the first image's step alone (`_can_capture_behind`) from the
+        # latents and prediction the steps outside the graph left
+        note = f"; captured beside its batch's first {OWN_STEPS} steps"
+        if not self._first_step(key, self.graphs[key], v, v.x[:1].clone(), sched, noise, cond, conds, guidance,
+                                OWN_STEPS, v.prev[:1].clone(), note):
             self._settle()
             return None
-        stats.checked, stats.replays = True, stats.replays + 1
-        stats.reason = (f"checked: rel. error {err:.1e} against its kernels outside the graph at 1 image (against "
-                        f"eager {seen}); captured beside its batch's first {OWN_STEPS} steps")
-        return i + 1
+        return OWN_STEPS + 1
 
     def _plan_graphs(self, shape: Shape, kinds: set[StepKind], inputs: tuple, first: bool = False) -> dict | None:
         """kind -> (key, graph) for each of `kinds`, captured and checked (DeepCache's full step before its shallow
