@@ -84,6 +84,9 @@ class GraphStats:
     # (entry, loop) CUDA events of each batch that began on this graph: from `sample`'s entry to its loop's first
     # replay, what ran before the loop (the inputs' copies, the first step and its check, the host's work between)
     leads: list = field(default_factory=list)
+    # (end of a replay, start of the next) CUDA events in its batches' loops (`Pace`): the GPU idles between them
+    # where the host had queued nothing more (a piece of work beside the loop that outlasted the replays queued)
+    gaps: list = field(default_factory=list)
 
     @property
     def replay_ms(self) -> float:
@@ -95,3 +98,9 @@ class GraphStats:
     def lead_ms(self) -> float:
         """Milliseconds from its batches' entries to their loops, summed (`leads`)."""
         return sum(s.elapsed_time(e) for s, e in self.leads if e.query())
+
+    @property
+    def idle_ms(self) -> float:
+        """Milliseconds the GPU idled between the replays of its batches' loops, summed (`gaps`; a replay queued
+        behind the one before it starts a few microseconds after its end, counted too)."""
+        return sum(s.elapsed_time(e) for s, e in self.gaps if e.query())

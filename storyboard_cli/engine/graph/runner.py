@@ -108,19 +108,30 @@ class Pace:
     def __init__(self, cuda: bool, ahead: int = AHEAD_REPLAYS):
         self.ahead, self.cuda = ahead, cuda
         self.events: list[torch.cuda.Event] = []  # the end of each replay queued, oldest first
+        # (end of a replay, start of the next): where the GPU waited for the host (GraphStats.gaps)
+        self.gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.last: torch.cuda.Event | None = None  # the end of the last replay launched
         self.launched, self.blocked = 0, False
         self.in_flight: Callable[[], int] = self._in_flight
         self.clock: Callable[[], float] = time.perf_counter
 
-    def replay(self, graph) -> None:
-        """Launches one replay of `graph` and notes its end and whether its launch waited."""
+    def replay(self, graph, inputs: Callable[[], object] | None = None) -> None:
+        """Launches one replay of `graph`, after `inputs` (its step's copies into the static buffers), and notes its
+        end, whether its launch waited and the gap on the GPU since the replay before."""
+        if self.cuda and self.last is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.gaps.append((self.last, start))
+        if inputs is not None:
+            inputs()
         t = self.clock()
         graph.replay()
         self.blocked = self.clock() - t > BLOCKED_S
         self.launched += 1
         if self.cuda:
-            self.events.append(torch.cuda.Event())
-            self.events[-1].record()
+            self.last = torch.cuda.Event(enable_timing=True)
+            self.last.record()
+            self.events.append(self.last)
 
     def _in_flight(self) -> int:
         if not self.cuda:
@@ -779,13 +790,12 @@ class GraphRunner:
                 segment = (key, self._event(), i)
                 if first and entry is not None:  # the batch's lead: its entry to its loop's first replay
                     self.stats[steps[0][0]].leads.append((entry, segment[1]))
-            if noise is not None:
-                v.noise.copy_(noise[i])
-            pace.replay(graph)
+            pace.replay(graph, None if noise is None else lambda i=i: v.noise.copy_(noise[i]))
             between = pace.run(between)  # while the GPU runs the replays queued so far
         run_between(between, everything=True)
         self._looping = ""
         self._time(segment, len(steps))
+        self.stats[steps[0][0]].gaps += pace.gaps
         return v.x.clone()  # clone: the next batch overwrites the static buffer
 
     def _can_capture_behind(self, key: ShapeKey) -> bool:
@@ -887,6 +897,7 @@ class GraphRunner:
                  "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
                  "end_s": round(s.end_s, 3), "beside": s.beside, "beside_of": s.beside_of,
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
-                 "replay_ms": round(s.replay_ms, 3), "batches": len(s.leads), "lead_ms": round(s.lead_ms, 3),
+                 "replay_ms": round(s.replay_ms, 3), "idle_ms": round(s.idle_ms, 3), "batches": len(s.leads),
+                 "lead_ms": round(s.lead_ms, 3),
                  "load_s": round(s.load_s, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
