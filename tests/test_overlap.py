@@ -376,3 +376,51 @@ def test_on_a_gpu_the_decode_beside_the_next_batch_writes_the_same_bytes(job, tm
     assert result.status == seq.status == "done" and result.engine == "graph"
     assert lines == seq_lines and files == seq_files
     assert result.report.stages_s["denoise"] > 0 and set(result.report.hidden_s) == {"encode", "decode", "save"}
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_loops_pace_counts_the_time_the_gpu_waited_for_the_host():
+    """`Pace`'s gaps (GraphStats.idle_ms): a host stall longer than the replays queued before it shows as the GPU's
+    idle time, and a loop whose launches stay ahead of the GPU shows almost none."""
+    import time
+
+    import torch
+
+    from storyboard_cli.engine.graph.keys import GraphStats
+    from storyboard_cli.engine.graph.runner import Pace
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            a @ a  # the library's setup outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(8):
+            b = a @ a
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay_ms = start.elapsed_time(end)
+
+    def loop(stall_s: float) -> float:
+        pace, stats = Pace(True), GraphStats(None)
+        for i in range(6):
+            pace.replay(graph)
+            if i == 2:
+                time.sleep(stall_s)  # one replay queued, or none left: the GPU waits for the next launch
+        torch.cuda.synchronize()
+        stats.gaps += pace.gaps
+        assert len(stats.gaps) == 5
+        return stats.idle_ms
+
+    stall = max(0.1, 5 * replay_ms / 1000)
+    assert loop(0.0) < 0.5
+    assert 1000 * stall - 2 * replay_ms < loop(stall) < 1000 * stall + 5
+    del b
