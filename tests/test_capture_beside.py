@@ -69,6 +69,10 @@ def test_graphs_that_need_no_warm_up_are_captured_beside_the_loop_before_theirs(
     rows = {r["shape"]: r for r in beside.report.graphs}
     assert all(rows[k.label]["beside"] and rows[k.label]["beside_of"] == runner_b.stats[k].beside_of
                for k in by_beside)
+    # the GPU's idle time between replays: no CUDA events on the CPU, so none; the report's table shows the column
+    assert all(r["idle_ms"] == 0.0 for r in rows.values())
+    graphs_md = (tmp_path / "beside" / "report.md").read_text().split("## Graphs")[1]
+    assert "| replay ms | GPU idle ms | note |" in graphs_md and graphs_md.count(" | 0.0 | ") >= len(rows)
     a, b = _pixels(tmp_path / "ahead"), _pixels(tmp_path / "beside")
     assert a.keys() == b.keys() and len(a) == 3
     for name in a:
