@@ -71,6 +71,9 @@
 #   setup[:VARIANTS]  probes/shape_setup.py, each variant (compiled,fp8 by default) in a fresh process: the cache's
 #                     UNet at 1024x1024, its first call at new rows against its second, per library, and a capture at
 #                     new rows against one at rows already captured
+#   plans[:VARIANTS]  probes/plan_prewarm.py, each variant (compiled by default) in a fresh process: the cache's UNet at
+#                     1024x1024, its first call at new rows with the libraries' plans made ahead (engine/kernels/plans.py)
+#                     against without, and a capture the same
 #   pointwise         probes/pointwise_scout.py: the FP8 step's quantisation kernels (GEGLU's, LayerNorm's, the
 #                     attention output's) compiled alone at 8 x 1024², production's options against inductor's
 #                     tuning options, against the bound their bytes give
@@ -292,6 +295,12 @@ leg() {  # LEG ARG NAME
     local v
     for v in $(tr , " " <<< "${arg:-compiled,fp8}"); do  # each in a fresh process: what a first call at new rows costs
       step "$n-$v" 120 python benchmarks/probes/shape_setup.py "$R/$n-$v.json" --variant "$v" \
+        $([ "$SMOKE" = 1 ] && echo --model tiny --side 128)
+    done;;
+  plans)
+    local v
+    for v in $(tr , " " <<< "${arg:-compiled}"); do  # each in a fresh process: the plans for new rows made ahead
+      step "$n-$v" 120 python benchmarks/probes/plan_prewarm.py "$R/$n-$v.json" --variant "$v" \
         $([ "$SMOKE" = 1 ] && echo --model tiny --side 128)
     done;;
   firstbatch)
