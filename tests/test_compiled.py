@@ -897,6 +897,73 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
     assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
 
 
+def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first_one_call_a_piece(artifacts, monkeypatch):
+    """The ControlNet batch's warm-up beside the loop before records its step's library calls (the convolutions, at
+    its artifact's fewest rows); before its capture, each of them at the batch's own rows runs in a piece of its own
+    (engine/kernels/plans.py: the libraries' per-shape setup out of the capture's one piece), once per process. Both
+    loops still equal the eager loop's."""
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.graph import runner as runner_mod
+    from storyboard_cli.engine.graph.keys import Warmed
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.kernels import plans as plans_mod
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+    from storyboard_cli.steps import FULL
+
+    from helpers.graphs import cpu_replays
+
+    monkeypatch.setattr(plans_mod, "MADE", set())
+    models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
+    shapes = [Shape(4, SIDE, SIDE, 0), Shape(2, SIDE, SIDE, 1)]
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=CompiledKernels(models, None, root=artifacts))
+    runner.plans.enabled = True  # the CPU's convolutions stand for cuDNN's
+    captured = cpu_replays(runner)
+    replay, order = runner.capturer, []
+
+    def capture(key):
+        graph = replay(key)
+        runner.warmed.append(Warmed.of(key))
+        return graph
+
+    def beside(v):
+        order.append(("capture", v.key))
+        return replay(v.key)
+
+    def warm(small):
+        order.append(("warm", small))
+        GraphRunner._warm_on_scratch(runner, small)
+
+    def make(call):
+        order.append(("plan", call))
+        plans_mod.make(call)
+
+    monkeypatch.setattr(runner_mod, "make", make)
+    runner.capturer, runner.beside_warmer, runner.beside_recorder = capture, warm, beside
+    runner.beside_ready = lambda: True
+    runner.prepare(shapes, beside=True)
+    control = runner.shape_key(*shapes[1], FULL)
+    sched = schedule("euler", 3, models.scheduler_config)
+    four, two = ((x, sched, None, cond, conds, guidance)
+                 for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, s.control)
+                                                  for n, s in zip((4, 2), shapes)))
+    with torch.no_grad():
+        got = [runner.sample(*four, None, runner.ahead(shapes[1], {FULL})), runner.sample(*two)]
+        want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
+    identity, rows = GraphRunner._plan_id(control)
+    recorded = runner.plans.records[identity]
+    assert rows == 4 and {c.rows for c in recorded} == {2}  # recorded at the warm-up's rows: one guided image
+    assert {c.op for c in recorded} == {"aten._convolution.default"} and len(recorded) > 10
+    planned = [c for what, c in order if what == "plan"]
+    assert [what for what, _ in order] == ["warm"] + ["plan"] * len(recorded) + ["capture"], order
+    assert planned == [c.at(4) for c in recorded] and all(c in plans_mod.MADE for c in planned)
+    assert all(a.shape[0] == 2 * b.shape[0] for c, r in zip(planned, recorded)
+               for a, b in zip(c.args, r.args) if isinstance(a, plans_mod.Operand) and a.batched)
+    assert captured[1:] == [control] and runner.stats[control].beside
+    assert runner.plans.to_make(identity, 4) == []  # made once: a second graph at these rows plans nothing
+    assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("sampler", ["dpmpp_2m", "euler_a"])
 def test_a_graph_whose_kernels_were_checked_is_captured_beside_its_own_batchs_first_steps(artifacts, sampler):
     """A 4-image batch whose kernels were checked against the eager step at other rows (a render's first batch with the

@@ -68,6 +68,7 @@ from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.graph.ledger import CheckLedger
 from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.export import MAX_ROWS, MIN_ROWS
+from storyboard_cli.engine.kernels.plans import Plans, make
 from storyboard_cli.engine.sampling import Schedule
 from storyboard_cli.engine.variants import EAGER, PLAIN, VARIANTS
 from storyboard_cli.errors import one_line
@@ -170,6 +171,9 @@ class GraphRunner:
         self.graphs: dict[ShapeKey, torch.cuda.CUDAGraph] = {}
         self.stats: dict[ShapeKey, GraphStats] = {}
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
+        # the library calls each warm-up made, and the pieces that plan them at a graph's rows before its capture
+        # beside a loop (engine/kernels/plans.py)
+        self.plans = Plans(models.device.type == "cuda")
         # compiled graphs whose first replay matched the eager step, and the weights' writes then (`_check`)
         self.against_eager: list[tuple[ShapeKey, int]] = []
         # DeepCache's full steps by (shape, guided): today's step of that shape and rows replays the same graph (one
@@ -313,6 +317,7 @@ class GraphRunner:
         stats.warmup_rows = Warmed.of(key if small is None else small.key).rows if stats.warmup else 0
         stats.warmup_s, stats.end_s = self._spent
         self.warmed.append(ran)
+        self.plans.made(*self._plan_id(key))
         stats.capture_s = time.perf_counter() - t0
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20
         return graph
@@ -342,10 +347,12 @@ class GraphRunner:
                 self.side = torch.cuda.Stream()  # of cuBLAS workspace each, measured as the pool growth of a capture)
             side = self.side
             side.wait_stream(torch.cuda.current_stream())
+            ran = v if small is None else small
             with torch.cuda.stream(side):  # lazy inits outside the graph
                 for _ in range(WARMUP_STEPS):
                     self.buf.index.zero_()
-                    self.stepper(v if small is None else small)
+                    with self.plans.recording(*self._plan_id(ran.key)):
+                        self.stepper(ran)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
         warmed = time.perf_counter()
@@ -503,8 +510,34 @@ class GraphRunner:
             if self._can_warm_beside(key):  # then captured in the next piece (the warm-up may cover the keys after)
                 pieces.append(lambda key=key: self._warm_beside(key))
             if pieces or self._can_capture_beside(key):  # after a warm-up piece: its capture looks when it runs
+                pieces.append(key)  # its libraries' plans at its rows first, one call a piece (`_plan_pieces`)
                 pieces.append(lambda key=key: self._capture_beside(key))
-        return iter(pieces) if pieces else None
+        return self._with_plans(pieces) if pieces else None
+
+    def _with_plans(self, pieces: list) -> Iterator[Callable[[], object]]:
+        """`ahead`'s pieces, each ShapeKey among them replaced, when the iteration reaches it (after the pieces
+        before it ran: its warm-up's record), by the pieces that make that graph's library plans at its rows
+        (`_plan_pieces`)."""
+        for piece in pieces:
+            if isinstance(piece, ShapeKey):
+                yield from self._plan_pieces(piece)
+            else:
+                yield piece
+
+    def _plan_pieces(self, key: ShapeKey) -> list[Callable[[], object]]:
+        """The library calls the warm-up of `key`'s kernels made (engine/kernels/plans.py), at `key`'s rows, one piece
+        each, where this process has not made them and the graph is still to be captured beside the loop: the
+        libraries' setup at new rows (cuDNN's plans: 0.3-0.45 s of host time at 16 rows) in pieces of a few
+        milliseconds instead of inside the capture's one piece."""
+        if not self._can_capture_beside(key):
+            return []
+        return [lambda call=call: make(call) for call in self.plans.to_make(*self._plan_id(key))]
+
+    @staticmethod
+    def _plan_id(key: ShapeKey) -> tuple[Warmed, int]:
+        """What a graph's library calls are recorded under (`Plans`): what its step runs, rows aside; and its rows."""
+        ran = Warmed.of(key)
+        return replace(ran, rows=0), ran.rows
 
     def _kernels_to_come(self, shape: Shape) -> bool:
         """Whether compiled kernels this run wants for `shape`'s size are not in the cache yet (they build)."""
@@ -585,7 +618,8 @@ class GraphRunner:
             self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side) if cuda else nullcontext():
             scratch = Buffers(self.models, small.batch, small.height * small.width)
-            self.stepper(scratch.view(small))
+            with self.plans.recording(*self._plan_id(small)):
+                self.stepper(scratch.view(small))
 
     def _capture_beside(self, key: ShapeKey) -> bool:
         """Captures `key`'s graph while the replays queued before still run (`ahead`): on torch's capture stream, into
@@ -612,6 +646,7 @@ class GraphRunner:
         # grown by: nothing was emptied first
         stats.pool_mb = (torch.cuda.memory_reserved() - reserved) / 2**20 if cuda else 0.0
         self.warmed.append(Warmed.of(key))
+        self.plans.made(*self._plan_id(key))
         self.graphs[key] = graph
         self._adopt(key)
         return True
@@ -832,7 +867,8 @@ class GraphRunner:
             for i in range(OWN_STEPS):
                 if noise is not None:
                     v.noise.copy_(noise[i])
-                self.stepper(v)
+                with self.plans.recording(*self._plan_id(key)) if i == 0 else nullcontext():
+                    self.stepper(v)
         except torch.cuda.OutOfMemoryError:
             raise  # not this shape's fault: the caller splits the batch, as at a capture (`graph`)
         except Exception as e:  # noqa: BLE001 - a kernel that fails outside the graph fails inside it too

@@ -16,11 +16,14 @@ capture then makes its plan as before.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+log = logging.getLogger(__name__)
 
 # operator name -> the positions of its operands whose first dimension is the step's rows; the rest (weights, bias,
 # options) are the same at any rows
@@ -145,3 +148,65 @@ class Recorder(TorchDispatchMode):
 
     def recorded(self) -> list[LibraryCall]:
         return list(self.calls)
+
+
+# the calls whose plans this process has made (made ahead, or run by a warm-up or a capture at their rows): cuDNN's
+# caches are the process's (per thread: a render's captures and its pieces beside a loop run on one thread)
+MADE: set[LibraryCall] = set()
+
+
+class Plans:
+    """The library calls of each warm-up a runner ran, by what it ran (a graph's `Warmed`, its rows aside), and the
+    pieces that make them at a graph's rows ahead of its capture (GraphRunner.ahead). `enabled`: on a GPU (a test
+    turns it on for the CPU's convolutions)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.records: dict[object, list[LibraryCall]] = {}
+
+    def recording(self, identity: object, rows: int):
+        """A context that records the step run inside it, where `identity` has no record yet; else does nothing."""
+        if not self.enabled or identity in self.records:
+            return _Nothing()
+        return _Recording(self, identity, rows)
+
+    def made(self, identity: object, rows: int) -> None:
+        """`identity`'s calls at `rows` have their plans: a capture or a step ran there."""
+        MADE.update(c.at(rows) for c in self.records.get(identity, ()))
+
+    def to_make(self, identity: object, rows: int) -> list[LibraryCall]:
+        """`identity`'s calls at `rows` whose plans this process has not made."""
+        return [c for c in (c.at(rows) for c in self.records.get(identity, ())) if c not in MADE]
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _Recording:
+    def __init__(self, plans: Plans, identity: object, rows: int):
+        self.plans, self.identity, self.recorder = plans, identity, Recorder(rows)
+
+    def __enter__(self):
+        self.recorder.__enter__()
+        return self.recorder
+
+    def __exit__(self, *exc) -> None:
+        self.recorder.__exit__(*exc)
+        if exc[0] is None:
+            calls = self.recorder.recorded()
+            self.plans.records[self.identity] = calls
+            MADE.update(calls)
+
+
+def make(call: LibraryCall) -> None:
+    """One call made ahead (a piece beside a loop); a failure leaves its plan to the capture, as without it."""
+    MADE.add(call)
+    try:
+        call.run()
+    except Exception as e:  # noqa: BLE001 - the capture makes the plan, or meets the error, as it would have
+        log.debug("making %s's plan ahead failed: %s", call.op, e)

@@ -1,0 +1,109 @@
+"""The library calls a step makes, recorded and made again at other rows (engine/kernels/plans.py): which calls scale,
+that a scaled call is the call the step makes at those rows, and that a call made ahead is made once per process."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from storyboard_cli.engine.kernels import plans
+from storyboard_cli.engine.kernels.plans import LibraryCall, Operand, Plans, Recorder
+
+
+def _step(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Two convolutions, the second on channels_last input, and pointwise work between (not recorded)."""
+    y = F.conv2d(x, w, padding=1).relu()
+    return F.conv2d(y.contiguous(memory_format=torch.channels_last), w2, stride=2)
+
+
+def _recorded(rows: int, w, w2) -> list[LibraryCall]:
+    x = torch.randn(rows, 3, 16, 16)
+    with Recorder(rows) as r:
+        _step(x, w, w2)
+    return r.recorded()
+
+
+def test_a_steps_convolutions_recorded_at_some_rows_and_scaled_are_what_it_calls_at_others():
+    w, w2 = torch.randn(8, 3, 3, 3), torch.randn(4, 8, 1, 1)
+    at_two, at_six = _recorded(2, w, w2), _recorded(6, w, w2)
+    assert [c.op for c in at_two] == ["aten.convolution.default"] * 2 or \
+        [c.op for c in at_two] == ["aten._convolution.default"] * 2, at_two
+    assert [c.at(6) for c in at_two] == at_six
+    weight = at_two[1].args[1]
+    assert isinstance(weight, Operand) and not weight.batched and weight.shape == (4, 8, 1, 1)
+    x = at_six[1].args[0]
+    assert x.shape == (6, 8, 16, 16) and x.stride == (2048, 1, 128, 8)  # channels_last kept at the new rows
+    for call in at_six:
+        call.run()  # on uninitialised operands of those layouts
+
+
+def test_a_call_whose_rows_are_not_its_outermost_dimension_or_do_not_divide_is_not_recorded():
+    w = torch.randn(8, 3, 3, 3)
+    x = torch.randn(3, 16, 4, 4).permute(1, 0, 2, 3)  # 16 rows inside: dimension 0 strides less than the rest spans
+    with Recorder(16) as r:
+        F.conv2d(x, w, padding=1)
+    with Recorder(3) as r3:
+        F.conv2d(torch.randn(4, 3, 4, 4), w)  # 4 rows in a step of 3: not the step's rows
+    assert r.recorded() == [] and r3.recorded() == []
+    assert Operand.of(torch.empty(2, 3, 4), True).outermost()
+    assert not Operand.of(torch.empty(4, 3, 2).transpose(0, 2), True).outermost()
+
+
+def test_a_runners_plans_record_a_warm_up_once_and_make_each_call_once_per_process(monkeypatch):
+    monkeypatch.setattr(plans, "MADE", set())
+    w, w2 = torch.randn(8, 3, 3, 3), torch.randn(4, 8, 1, 1)
+    p = Plans(enabled=True)
+    with p.recording("size", 2):
+        _step(torch.randn(2, 3, 16, 16), w, w2)
+    with p.recording("size", 4) as again:  # recorded already: nothing records
+        _step(torch.randn(4, 3, 16, 16), w, w2)
+    assert again is None and len(p.records["size"]) == 2 and {c.rows for c in p.records["size"]} == {2}
+    assert p.to_make("size", 2) == []  # the warm-up ran them at its rows
+    todo = p.to_make("size", 8)
+    assert [c.rows for c in todo] == [8, 8]
+    for call in todo:
+        plans.make(call)
+    assert p.to_make("size", 8) == [] and p.to_make("other", 8) == []
+    p.made("size", 16)  # a capture at 16 rows made them there
+    assert p.to_make("size", 16) == []
+    off = Plans(enabled=False)
+    with off.recording("size", 2) as nothing:
+        _step(torch.randn(2, 3, 16, 16), w, w2)
+    assert nothing is None and off.records == {}
+
+
+def test_a_call_made_ahead_that_fails_leaves_its_plan_to_the_capture(monkeypatch, caplog):
+    monkeypatch.setattr(plans, "MADE", set())
+    bad = LibraryCall("aten.convolution.default", (Operand((2, 3, 4, 4), (48, 16, 4, 1), torch.float32, "cpu", True),
+                                                   Operand((8, 5, 3, 3), (45, 9, 3, 1), torch.float32, "cpu", False),
+                                                   None, (1, 1), (0, 0), (1, 1), False, (0, 0), 1), (), 2)
+    with caplog.at_level("DEBUG", logger="storyboard_cli.engine.kernels.plans"):
+        plans.make(bad)  # channels disagree: the library raises, the piece does not
+    assert bad in plans.MADE and "failed" in caplog.text
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_cudnn_attention_and_convolutions_are_recorded_and_made_at_other_rows():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def step(rows: int):
+        q = torch.randn(rows, 1024, 10, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+        x = torch.randn(rows, 64, 32, 32, device="cuda", dtype=torch.float16).contiguous(
+            memory_format=torch.channels_last)
+        w = torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            F.scaled_dot_product_attention(q, q, q)
+        F.conv2d(x, w, padding=1)
+
+    with torch.no_grad():
+        with Recorder(2) as r:
+            step(2)
+        ops = {c.op for c in r.recorded()}
+        assert any("cudnn_attention" in op for op in ops) and any("convolution" in op for op in ops), ops
+        with Recorder(8) as r8:
+            step(8)
+        assert [c.at(8) for c in r.recorded()] == r8.recorded()
+        for call in r.recorded():
+            call.at(16).run()
+        torch.cuda.synchronize()
