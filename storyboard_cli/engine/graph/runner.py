@@ -527,8 +527,8 @@ class GraphRunner:
     def _plan_pieces(self, key: ShapeKey) -> list[Callable[[], object]]:
         """The library calls the warm-up of `key`'s kernels made (engine/kernels/plans.py), at `key`'s rows, one piece
         each, where this process has not made them and the graph is still to be captured beside the loop: the
-        libraries' setup at new rows (cuDNN's plans: 0.3-0.45 s of host time at 16 rows) in pieces of a few
-        milliseconds instead of inside the capture's one piece."""
+        libraries' setup at new rows (cuDNN's plans: 0.32-0.40 s of a first call's host time, benchmarks/probes/
+        plan_prewarm.py) in pieces of at most about 80 ms instead of inside the capture's one piece."""
         if not self._can_capture_beside(key):
             return []
         return [lambda call=call: make(call) for call in self.plans.to_make(*self._plan_id(key))]
