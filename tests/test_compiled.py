@@ -841,6 +841,24 @@ def test_a_unets_build_makes_inner_reductions_persistent_up_to_2048_elements(tmp
     assert (persistent(1024), persistent(1280)) == (True, False)  # the build's choices end with it
 
 
+def _four_then_two_beside(models, runner, shapes):
+    """A batch of 4 images of `shapes[0]` with `shapes[1]`'s graphs ahead beside its loop, then one of 2 of
+    `shapes[1]`: the runner's final latents, and the eager engine's."""
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+    from storyboard_cli.steps import FULL
+
+    sched = schedule("euler", 3, models.scheduler_config)
+    four, two = ((x, sched, None, cond, conds, guidance)
+                 for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, s.control)
+                                                  for n, s in zip((4, 2), shapes)))
+    with torch.no_grad():
+        got = [runner.sample(*four, None, runner.ahead(shapes[1], {FULL})), runner.sample(*two)]
+        want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
+    return got, want
+
+
 def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(artifacts):
     """The ControlNet batch's compiled graph runs kernels no graph before ran (the ControlNet's): its warm-up runs
     between the replays of the batch before, on scratch buffers at its artifact's fewest rows, and its capture in the
@@ -849,11 +867,8 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
     only the first batch's (the ControlNet's artifact is deferred to its graph's capture)."""
     from dataclasses import replace
 
-    from storyboard_cli.engine.eager import EagerEngine
     from storyboard_cli.engine.graph.keys import Warmed
     from storyboard_cli.engine.graph.runner import GraphRunner
-    from storyboard_cli.engine.sampling import schedule
-    from storyboard_cli.run.capture import synthetic_inputs
     from storyboard_cli.steps import FULL
 
     from helpers.graphs import cpu_replays
@@ -881,13 +896,7 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
     control = runner.shape_key(*shapes[1], FULL)
     assert captured == [runner.shape_key(*shapes[0], FULL)]  # the ControlNet batch's graph is left to the loop
     assert [t.module for t in kernels.calls] == ["unet"] and [t.module for t in kernels.deferred()] == ["controlnet"]
-    sched = schedule("euler", 3, models.scheduler_config)
-    four, two = ((x, sched, None, cond, conds, guidance)
-                 for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, s.control)
-                                                  for n, s in zip((4, 2), shapes)))
-    with torch.no_grad():
-        got = [runner.sample(*four, None, runner.ahead(shapes[1], {FULL})), runner.sample(*two)]
-        want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
+    got, want = _four_then_two_beside(models, runner, shapes)
     assert warmed == [replace(control, batch=1)]  # one guided image: the artifact's fewest rows
     assert captured[1:] == [control]
     stats = runner.stats[control]
@@ -902,13 +911,10 @@ def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first
     its artifact's fewest rows); before its capture, each of them at the batch's own rows runs in a piece of its own
     (engine/kernels/plans.py: the libraries' per-shape setup out of the capture's one piece), once per process. Both
     loops still equal the eager loop's."""
-    from storyboard_cli.engine.eager import EagerEngine
     from storyboard_cli.engine.graph import runner as runner_mod
     from storyboard_cli.engine.graph.keys import Warmed
     from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.engine.kernels import plans as plans_mod
-    from storyboard_cli.engine.sampling import schedule
-    from storyboard_cli.run.capture import synthetic_inputs
     from storyboard_cli.steps import FULL
 
     from helpers.graphs import cpu_replays
@@ -943,13 +949,7 @@ def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first
     runner.beside_ready = lambda: True
     runner.prepare(shapes, beside=True)
     control = runner.shape_key(*shapes[1], FULL)
-    sched = schedule("euler", 3, models.scheduler_config)
-    four, two = ((x, sched, None, cond, conds, guidance)
-                 for x, cond, conds, guidance in (synthetic_inputs(models, n, SIDE, SIDE, s.control)
-                                                  for n, s in zip((4, 2), shapes)))
-    with torch.no_grad():
-        got = [runner.sample(*four, None, runner.ahead(shapes[1], {FULL})), runner.sample(*two)]
-        want = [EagerEngine(models).sample(*four), EagerEngine(models).sample(*two)]
+    got, want = _four_then_two_beside(models, runner, shapes)
     identity, rows = GraphRunner._plan_id(control)
     recorded = runner.plans.records[identity]
     assert rows == 4 and {c.rows for c in recorded} == {2}  # recorded at the warm-up's rows: one guided image

@@ -18,7 +18,6 @@ plans (no warm-up there) against one at rows with none.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 import time
@@ -27,11 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fp8_scout import Record  # noqa: E402
-from shape_setup import cache_unet, synced  # noqa: E402
+from shape_setup import _capture, start_unet_probe, synced, unet_probe_args  # noqa: E402
 
 from storyboard_cli.engine.kernels.plans import Recorder  # noqa: E402
-from storyboard_cli.models.loader import cuda_allocator  # noqa: E402
 
 
 def first_and_second(call, inputs, rows: int) -> dict:
@@ -66,22 +63,14 @@ def ahead(recorded, rows: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--model", default="sdxl-random")
-    ap.add_argument("--variant", default="compiled", choices=("compiled", "fp8"))
-    ap.add_argument("--side", type=int, default=1024)
+    ap = unet_probe_args(__doc__)
     ap.add_argument("--warm", type=int, default=2)
     ap.add_argument("--plain-rows", default="4,12")
     ap.add_argument("--ahead-rows", default="6,16")
     ap.add_argument("--capture-rows", default="8,10")
-    ap.add_argument("--cache", type=Path, default=None)
     a = ap.parse_args()
-    allocator = cuda_allocator()
     cuda = torch.cuda.is_available()
-    rec = Record(a.out, variant=a.variant, model=a.model, side=a.side, torch=torch.__version__,
-                 gpu=torch.cuda.get_device_name() if cuda else None, allocator=allocator)
-    loaded = cache_unet(rec, a.model, a.variant, a.side, a.cache)
+    rec, loaded = start_unet_probe(a)
     if loaded is None:
         return
     call, inputs = loaded
@@ -112,11 +101,6 @@ def main() -> None:
                 captures[name] = got
                 rec.put("capture", captures)
     rec.put("done", True)
-
-
-def _capture(graph: torch.cuda.CUDAGraph, pool, call, x: tuple) -> None:
-    with torch.cuda.graph(graph, pool=pool):
-        call(*x)
 
 
 if __name__ == "__main__":

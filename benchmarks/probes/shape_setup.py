@@ -100,22 +100,35 @@ def cache_unet(rec: Record, model: str, variant: str, side: int, cache: Path | N
     return k.calls[target], inputs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def unet_probe_args(doc: str) -> argparse.ArgumentParser:
+    """The arguments of a probe on the cache's UNet artifact (`cache_unet`): OUT, --model, --variant, --side, --cache."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--model", default="sdxl-random")
     ap.add_argument("--variant", default="compiled", choices=("compiled", "fp8"))
     ap.add_argument("--side", type=int, default=1024)
-    ap.add_argument("--call-rows", default="16,4")
-    ap.add_argument("--capture-rows", default="8,2")
     ap.add_argument("--cache", type=Path, default=None, help="the compiled artifacts' folder (default: $BCG_CACHE's)")
-    a = ap.parse_args()
-    allocator = cuda_allocator()  # the product's settings, before CUDA starts
+    return ap
+
+
+def start_unet_probe(a: argparse.Namespace) -> tuple[Record, tuple | None]:
+    """The allocator's settings (before CUDA starts), the run's record, and `cache_unet`'s artifact (None: the record
+    says why not), for `unet_probe_args`' arguments."""
+    allocator = cuda_allocator()
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     rec = Record(a.out, variant=a.variant, model=a.model, side=a.side, torch=torch.__version__,
                  gpu=torch.cuda.get_device_name() if cuda else None, allocator=allocator)
-    loaded = cache_unet(rec, a.model, a.variant, a.side, a.cache)
+    return rec, cache_unet(rec, a.model, a.variant, a.side, a.cache)
+
+
+def main() -> None:
+    ap = unet_probe_args(__doc__)
+    ap.add_argument("--call-rows", default="16,4")
+    ap.add_argument("--capture-rows", default="8,2")
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    rec, loaded = start_unet_probe(a)
     if loaded is None:
         return
     call, inputs = loaded
