@@ -186,6 +186,7 @@ def install(warmups: str) -> None:
     traced(runner_mod.GraphRunner, "_capture", "capture", with_events=True)
     traced(runner_mod.GraphRunner, "_warm_beside", "warm-up beside")
     traced(runner_mod.GraphRunner, "_capture_beside", "capture beside")
+    traced(runner_mod, "make", "plan ahead")  # a library call made at a graph's rows before its capture (plans.py)
     traced(sink.OutputSink, "_land", "PNG encode+write")  # its thumbnail's too (`thumbnail`, within it)
     traced(sink.ContactSheet, "thumb", "thumbnail")
     traced(sink.OutputSink, "drain", "drain the files")
