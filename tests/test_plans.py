@@ -65,6 +65,11 @@ def test_a_runners_plans_record_a_warm_up_once_and_make_each_call_once_per_proce
     assert p.to_make("size", 8) == [] and p.to_make("other", 8) == []
     p.made("size", 16)  # a capture at 16 rows made them there
     assert p.to_make("size", 16) == []
+    with pytest.raises(RuntimeError):
+        with p.recording("broken", 2):
+            _step(torch.randn(2, 3, 16, 16), w, w2)
+            raise RuntimeError("the step failed")
+    assert "broken" not in p.records  # a step that raised leaves no record: the next warm-up records
     off = Plans(enabled=False)
     with off.recording("size", 2) as nothing:
         _step(torch.randn(2, 3, 16, 16), w, w2)

@@ -17,6 +17,7 @@ capture then makes its plan as before.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,11 +165,17 @@ class Plans:
         self.enabled = enabled
         self.records: dict[object, list[LibraryCall]] = {}
 
+    @contextmanager
     def recording(self, identity: object, rows: int):
-        """A context that records the step run inside it, where `identity` has no record yet; else does nothing."""
+        """Records the step run inside it, where `identity` has no record yet (yields the Recorder); else yields None
+        and records nothing. A step that raises leaves no record."""
         if not self.enabled or identity in self.records:
-            return _Nothing()
-        return _Recording(self, identity, rows)
+            yield None
+            return
+        with Recorder(rows) as recorder:
+            yield recorder
+        self.records[identity] = recorder.recorded()
+        MADE.update(self.records[identity])
 
     def made(self, identity: object, rows: int) -> None:
         """`identity`'s calls at `rows` have their plans: a capture or a step ran there."""
@@ -177,30 +184,6 @@ class Plans:
     def to_make(self, identity: object, rows: int) -> list[LibraryCall]:
         """`identity`'s calls at `rows` whose plans this process has not made."""
         return [c for c in (c.at(rows) for c in self.records.get(identity, ())) if c not in MADE]
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-class _Recording:
-    def __init__(self, plans: Plans, identity: object, rows: int):
-        self.plans, self.identity, self.recorder = plans, identity, Recorder(rows)
-
-    def __enter__(self):
-        self.recorder.__enter__()
-        return self.recorder
-
-    def __exit__(self, *exc) -> None:
-        self.recorder.__exit__(*exc)
-        if exc[0] is None:
-            calls = self.recorder.recorded()
-            self.plans.records[self.identity] = calls
-            MADE.update(calls)
 
 
 def make(call: LibraryCall) -> None:
