@@ -906,13 +906,14 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(ar
     assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
 
 
-def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first_one_call_a_piece(artifacts, monkeypatch):
-    """The ControlNet batch's warm-up beside the loop before records its step's library calls (the convolutions, at
-    its artifact's fewest rows); before its capture, each of them at the batch's own rows runs in a piece of its own
-    (engine/kernels/plans.py: the libraries' per-shape setup out of the capture's one piece), once per process. Both
-    loops still equal the eager loop's."""
+def _plans_beside(artifacts, monkeypatch, ledger_root: Path | None = None):
+    """`_four_then_two_beside` on the tiny compiled kernels with the library plans made ahead (the CPU's convolutions
+    standing for cuDNN's), in a fresh process's state (no plan made yet): the runner, the order of its warm-ups, plan
+    pieces and captures beside the loop, the ControlNet batch's key, and the loops' latents against eager's.
+    `ledger_root`: the runner's check ledger there (the plans' records kept across runs beside it)."""
     from storyboard_cli.engine.graph import runner as runner_mod
     from storyboard_cli.engine.graph.keys import Warmed
+    from storyboard_cli.engine.graph.ledger import CheckLedger
     from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.engine.kernels import plans as plans_mod
     from storyboard_cli.steps import FULL
@@ -922,7 +923,9 @@ def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first
     monkeypatch.setattr(plans_mod, "MADE", set())
     models = load_sdxl("tiny", "tiny", "cpu", torch.float32)
     shapes = [Shape(4, SIDE, SIDE, 0), Shape(2, SIDE, SIDE, 1)]
-    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=CompiledKernels(models, None, root=artifacts))
+    kernels = CompiledKernels(models, None, root=artifacts)
+    ledger = None if ledger_root is None else CheckLedger(models, kernels, ledger_root)
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=kernels, ledger=ledger)
     runner.plans.enabled = True  # the CPU's convolutions stand for cuDNN's
     captured = cpu_replays(runner)
     replay, order = runner.capturer, []
@@ -933,7 +936,8 @@ def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first
         return graph
 
     def beside(v):
-        order.append(("capture", v.key))
+        if v.key.control:  # the ControlNet batch's (the first batch's may be captured beside its own steps)
+            order.append(("capture", v.key))
         return replay(v.key)
 
     def warm(small):
@@ -950,6 +954,20 @@ def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first
     runner.prepare(shapes, beside=True)
     control = runner.shape_key(*shapes[1], FULL)
     got, want = _four_then_two_beside(models, runner, shapes)
+    assert captured[-1] == control and runner.stats[control].beside
+    assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
+    return runner, order, control
+
+
+def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first_one_call_a_piece(artifacts, monkeypatch):
+    """The ControlNet batch's warm-up beside the loop before records its step's library calls (the convolutions, at
+    its artifact's fewest rows); before its capture, each of them at the batch's own rows runs in a piece of its own
+    (engine/kernels/plans.py: the libraries' per-shape setup out of the capture's one piece), once per process. Both
+    loops still equal the eager loop's."""
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.kernels import plans as plans_mod
+
+    runner, order, control = _plans_beside(artifacts, monkeypatch)
     identity, rows = GraphRunner._plan_id(control)
     recorded = runner.plans.records[identity]
     assert rows == 4 and {c.rows for c in recorded} == {2}  # recorded at the warm-up's rows: one guided image
@@ -959,9 +977,37 @@ def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first
     assert planned == [c.at(4) for c in recorded] and all(c in plans_mod.MADE for c in planned)
     assert all(a.shape[0] == 2 * b.shape[0] for c, r in zip(planned, recorded)
                for a, b in zip(c.args, r.args) if isinstance(a, plans_mod.Operand) and a.batched)
-    assert captured[1:] == [control] and runner.stats[control].beside
     assert runner.plans.to_make(identity, 4) == []  # made once: a second graph at these rows plans nothing
-    assert all(rel_error(g, w) < 1e-4 for g, w in zip(got, want))
+
+
+def test_a_later_run_makes_a_new_sizes_plans_ahead_of_its_warm_up_from_the_record_an_earlier_run_kept(
+        artifacts, monkeypatch, tmp_path):
+    """The first run's warm-up beside the loop keeps its library calls beside the check ledger (`plans-<id>.json`:
+    the artifacts it ran and the machine name it). A later run, a new process that has made none of them, makes each
+    at the warm-up's rows in a piece of its own before that warm-up (whose setup at a new size is otherwise one piece
+    of host time), then at the batch's rows before the capture; the warm-up records the same calls and leaves the
+    file as it was. Both runs' loops equal the eager loop's."""
+    from storyboard_cli.engine.graph.keys import Warmed
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.kernels.plans import LibraryCall
+
+    first, order, control = _plans_beside(artifacts, monkeypatch, tmp_path)
+    identity, rows = GraphRunner._plan_id(control)
+    kept = first.ledger.plans_path(identity)
+    recorded = first.plans.records[identity]
+    assert kept is not None and kept.parent == tmp_path and kept.name.startswith("plans-"), kept
+    assert [LibraryCall.from_json(d) for d in json.loads(kept.read_text())["calls"]] == recorded
+    assert [what for what, _ in order] == ["warm"] + ["plan"] * len(recorded) + ["capture"]  # nothing kept before
+    # the UNet's warm-up has its own record: another artifact set, another file
+    assert first.ledger.plans_path(Warmed("compiled", 0, SIDE, SIDE, True, 0)) not in (None, kept)
+    written = kept.stat().st_mtime_ns
+
+    later, order, _ = _plans_beside(artifacts, monkeypatch, tmp_path)
+    n = len(recorded)
+    assert [what for what, _ in order] == ["plan"] * n + ["warm"] + ["plan"] * n + ["capture"], order
+    planned = [c for what, c in order if what == "plan"]
+    assert planned[:n] == recorded and planned[n:] == [c.at(rows) for c in recorded]
+    assert later.plans.records[identity] == recorded and kept.stat().st_mtime_ns == written
 
 
 @pytest.mark.parametrize("sampler", ["dpmpp_2m", "euler_a"])

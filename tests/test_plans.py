@@ -1,6 +1,8 @@
 """The library calls a step makes, recorded and made again at other rows (engine/kernels/plans.py): which calls scale,
 that a scaled call is the call the step makes at those rows, and that a call made ahead is made once per process."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,63 @@ def test_a_call_made_ahead_that_fails_leaves_its_plan_to_the_capture(monkeypatch
     with caplog.at_level("DEBUG", logger="storyboard_cli.engine.kernels.plans"):
         plans.make(bad)  # channels disagree: the library raises, the piece does not
     assert bad in plans.MADE and "failed" in caplog.text
+
+
+def test_a_kept_record_is_read_back_by_a_later_process_on_its_own_device_and_rewritten_only_when_it_changes(
+        monkeypatch, tmp_path):
+    monkeypatch.setattr(plans, "MADE", set())
+    w, w2 = torch.randn(8, 3, 3, 3), torch.randn(4, 8, 1, 1)
+    files = []
+
+    def where(identity):
+        return None if identity == "unnamed" else tmp_path / f"plans-{identity}.json"
+
+    first = Plans(enabled=True, where=where)
+    with first.recording("size", 2):
+        _step(torch.randn(2, 3, 16, 16), w, w2)
+    kept = tmp_path / "plans-size.json"
+    assert kept.is_file() and first.kept("size") == first.records["size"]
+
+    monkeypatch.setattr(plans, "MADE", set())  # a later process: no plan made yet
+    later = Plans(enabled=True, where=where)
+    assert later.records == {} and later.to_make("size", 2) == first.records["size"]
+    assert later.to_make("size", 6) == [c.at(6) for c in first.records["size"]]
+    monkeypatch.setattr(Plans, "_keep", lambda self, identity, calls: files.append(identity))
+    with later.recording("size", 2):  # the same calls: the file stays as it was
+        _step(torch.randn(2, 3, 16, 16), w, w2)
+    with later.recording("other", 2):  # none kept: written
+        _step(torch.randn(2, 3, 16, 16), w, w2)
+    with later.recording("unnamed", 2):  # no file to keep it in: recorded all the same
+        _step(torch.randn(2, 3, 16, 16), w, w2)
+    assert files == ["other", "unnamed"] and later.records["unnamed"] == first.records["size"]
+    monkeypatch.undo()
+
+    kept.write_text('{"calls": [{"op": "aten.convolution.default", "args": [{"operand": [[2]]}]}]}')
+    assert Plans(enabled=True, where=where).kept("size") == []  # unreadable: no record, no error
+    kept.write_text("not json")
+    assert Plans(enabled=True, where=where).kept("size") == []
+    assert Plans(enabled=False, where=where).kept("other") == []  # off: nothing read
+    nowhere = Plans(enabled=True, where=lambda i: tmp_path / "gone" / "plans-x.json")
+    with nowhere.recording("x", 2):  # a cache that cannot be written: recorded, not kept, no error
+        _step(torch.randn(2, 3, 16, 16), w, w2)
+    assert nowhere.records["x"] == first.records["size"] and not (tmp_path / "gone").exists()
+
+
+def test_a_recorded_calls_file_form_keeps_every_argument_and_moves_its_operands_to_the_readers_gpu():
+    q = Operand((4, 10, 1024, 64), (655360, 64, 640, 1), torch.float16, "cuda:1", True)
+    call = LibraryCall("aten._cudnn_attention_forward.default", (q, q, q, None, None, None, None, 1024, 1024, True,
+                                                                  0.0, False, False, float("inf"), float("nan")),
+                       (("dtype", torch.bfloat16), ("device", torch.device("cuda:1")),
+                        ("memory_format", torch.channels_last), ("padding", (1, 1)), ("name", "x")), 2)
+    back = LibraryCall.from_json(json.loads(json.dumps(call.to_json())))
+    assert back.args[:13] == call.args[:13] and back.kwargs == call.kwargs and back.rows == 2
+    assert back.args[13] == float("inf") and back.args[14] != back.args[14]  # nan
+    moved = back.on("cuda:0")
+    assert moved.args[0].device == "cuda:0" and dict(moved.kwargs)["device"] == torch.device("cuda:0")
+    cpu = LibraryCall("aten.convolution.default", (Operand((2, 3), (3, 1), torch.float32, "cpu", True),), (), 2)
+    assert cpu.on("cuda:0") == cpu  # another device type: left as it is
+    with pytest.raises(ValueError):
+        LibraryCall.from_json({"op": "x", "args": [{"dtype": "nn"}], "kwargs": [], "rows": 2})
 
 
 @pytest.mark.gpu

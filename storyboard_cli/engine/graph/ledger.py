@@ -9,7 +9,10 @@ kind and dtype; the artifacts it runs at that size and precision (the UNet's, an
 the digest its load marker names (a rebuilt artifact is another); the weights (the UNet with its attention processors and each ControlNet, by sampled values: a
 LoRA, a fine-tune or another file is other weights) and the files of the variant's constants (FP8's input scales);
 the device's name, torch's and CUDA's versions; and the variant's limit. A record that cannot be read or written is
-no record: the eager check runs."""
+no record: the eager check runs.
+
+Beside them, the library calls a warm-up of each size's kernels made (`plans-<id>.json`, engine/kernels/plans.py), by
+the artifacts and the machine: a later run makes them ahead of that size's warm-up."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from storyboard_cli.engine.graph.keys import ShapeKey
+from storyboard_cli.engine.graph.keys import ShapeKey, Warmed
 from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.fp8 import fingerprint
 from storyboard_cli.engine.variants import VARIANTS
@@ -86,19 +89,39 @@ class CheckLedger:
         before that batch: CompiledKernels.want's `defer`): the size's UNet, and its ControlNet's where it has a
         guide."""
         variant = VARIANTS[key.variant]
-        targets = [self.compiled.unet_target(key.height, key.width, key.variant)]
-        targets += [self.compiled.controlnet_target(key.height, key.width, key.variant)] if key.control & 1 else []
-        artifacts = sorted(self._marker(t) for t in targets)
-        if None in artifacts:
+        artifacts = self._artifacts(key.variant, key.height, key.width, key.control)
+        if artifacts is None:
             return None
         constants = self.compiled.constants.get(variant.name)
         files = [hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in getattr(constants, "files", ())]
+        identity = [key.variant, key.height, key.width, key.control, key.dtype, key.step.label, variant.check_rtol,
+                    artifacts, self._fingerprints(), files, *self._machine()]
+        return self._named("checked", identity)
+
+    def plans_path(self, ran: Warmed) -> Path | None:
+        """The file of the library calls a warm-up of `ran`'s kernels made (engine/kernels/plans.py `Plans`), kept for a
+        later run: they follow from the artifacts it runs and the machine, not the weights. None where its kernels have
+        no marked artifact."""
+        artifacts = self._artifacts(ran.variant, ran.height, ran.width, ran.control)
+        if artifacts is None:
+            return None
+        return self._named("plans", [ran.variant, ran.height, ran.width, ran.whole, ran.control, artifacts,
+                                     *self._machine()])
+
+    def _named(self, kind: str, identity: list) -> Path:
+        return self.root / f"{kind}-{hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]}.json"
+
+    def _artifacts(self, variant: str, height: int, width: int, control: int) -> list[str] | None:
+        """The artifacts a graph of that variant, size and ControlNets runs (`_marker`), None where one has none."""
+        targets = [self.compiled.unet_target(height, width, variant)]
+        targets += [self.compiled.controlnet_target(height, width, variant)] if control & 1 else []
+        artifacts = sorted(self._marker(t) for t in targets)
+        return None if None in artifacts else artifacts
+
+    def _machine(self) -> list[str | None]:
         device = self.models.device
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
-        identity = [key.variant, key.height, key.width, key.control, key.dtype, key.step.label, variant.check_rtol,
-                    artifacts, self._fingerprints(), files, machine, torch.__version__, torch.version.cuda]
-        digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
-        return self.root / f"checked-{digest}.json"
+        return [machine, torch.__version__, torch.version.cuda]
 
     def _marker(self, target) -> str | None:
         """`target`'s artifact by the digest its load marker names (engine/kernels/artifacts.py `loads_here`)."""

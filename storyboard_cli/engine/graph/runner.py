@@ -98,6 +98,13 @@ BLOCKED_S = 0.010
 OWN_STEPS = 2
 
 
+def _device_name(device: torch.device) -> str:
+    """`device` as its tensors name it (a GPU with its index): a kept plans record's calls are made there."""
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
 class Pace:
     """When a loop runs its next piece of `between` work: once `ahead` of its replays are queued and not yet run (their
     end events not reached), or its last launch waited for room in the launch queue. After a piece, the loop queues
@@ -173,7 +180,8 @@ class GraphRunner:
         self.warmed: list[Warmed] = []  # what earlier warm-ups and captures ran (kept when graphs are released)
         # the library calls each warm-up made, and the pieces that plan them at a graph's rows before its capture
         # beside a loop (engine/kernels/plans.py)
-        self.plans = Plans(models.device.type == "cuda")
+        self.plans = Plans(models.device.type == "cuda", None if ledger is None else ledger.plans_path,
+                           _device_name(models.device))
         # compiled graphs whose first replay matched the eager step, and the weights' writes then (`_check`)
         self.against_eager: list[tuple[ShapeKey, int]] = []
         # DeepCache's full steps by (shape, guided): today's step of that shape and rows replays the same graph (one
@@ -508,30 +516,34 @@ class GraphRunner:
             if self._left_to_beside(key) and not self._bound(key):  # its kernels loaded first, in a piece of their own
                 pieces.append(lambda key=key: self._bind_beside(key))
             if self._can_warm_beside(key):  # then captured in the next piece (the warm-up may cover the keys after)
+                pieces.append((key, True))  # the plans an earlier run's warm-up made, one call a piece
                 pieces.append(lambda key=key: self._warm_beside(key))
             if pieces or self._can_capture_beside(key):  # after a warm-up piece: its capture looks when it runs
-                pieces.append(key)  # its libraries' plans at its rows first, one call a piece (`_plan_pieces`)
+                pieces.append((key, False))  # its libraries' plans at its rows first, one call a piece
                 pieces.append(lambda key=key: self._capture_beside(key))
         return self._with_plans(pieces) if pieces else None
 
     def _with_plans(self, pieces: list) -> Iterator[Callable[[], object]]:
-        """`ahead`'s pieces, each ShapeKey among them replaced, when the iteration reaches it (after the pieces
-        before it ran: its warm-up's record), by the pieces that make that graph's library plans at its rows
-        (`_plan_pieces`)."""
+        """`ahead`'s pieces, each (ShapeKey, warm-up) among them replaced, when the iteration reaches it (after the
+        pieces before it ran: its warm-up's record), by the pieces that make that graph's library plans at its rows,
+        or at its warm-up's (`_plan_pieces`)."""
         for piece in pieces:
-            if isinstance(piece, ShapeKey):
-                yield from self._plan_pieces(piece)
+            if isinstance(piece, tuple):
+                yield from self._plan_pieces(*piece)
             else:
                 yield piece
 
-    def _plan_pieces(self, key: ShapeKey) -> list[Callable[[], object]]:
-        """The library calls the warm-up of `key`'s kernels made (engine/kernels/plans.py), at `key`'s rows, one piece
-        each, where this process has not made them and the graph is still to be captured beside the loop: the
-        libraries' setup at new rows (cuDNN's plans: 0.32-0.40 s of a first call's host time, benchmarks/probes/
-        plan_prewarm.py) in pieces of at most about 80 ms instead of inside the capture's one piece."""
-        if not self._can_capture_beside(key):
+    def _plan_pieces(self, key: ShapeKey, warm: bool = False) -> list[Callable[[], object]]:
+        """The library calls a warm-up of `key`'s kernels made (engine/kernels/plans.py: this process's, else the one
+        an earlier run kept), at `key`'s rows, one piece each, where this process has not made them and the graph is
+        still to be captured beside the loop: the libraries' setup at new rows (cuDNN's plans: 0.32-0.40 s of a first
+        call's host time, benchmarks/probes/plan_prewarm.py) in pieces of at most about 80 ms instead of inside the
+        capture's one piece. `warm`: at its warm-up's rows, where it is still to be warmed up beside the loop
+        (`_warm_beside`; a new size's first step, whose setup is otherwise that piece's)."""
+        if not (self._can_warm_beside(key) if warm else self._can_capture_beside(key)):
             return []
-        return [lambda call=call: make(call) for call in self.plans.to_make(*self._plan_id(key))]
+        at = self._warm_key(key) if warm else key
+        return [lambda call=call: make(call) for call in self.plans.to_make(*self._plan_id(at))]
 
     @staticmethod
     def _plan_id(key: ShapeKey) -> tuple[Warmed, int]:

@@ -12,14 +12,24 @@ dispatcher. `LibraryCall.at(rows)` is the same call at other rows (its batch-car
 scaled, their strides kept), and running it makes that shape's plan on uninitialised operands: a few milliseconds of
 GPU work, one call per piece of work beside a loop. A call whose operands do not scale that way is not made ahead; the
 capture then makes its plan as before.
+
+A runner's records are also kept across runs (`Plans.where`: a file per warm-up's kernels and machine, beside the
+check ledger, engine/graph/ledger.py): a later run makes a new size's calls at its warm-up's rows ahead of that
+warm-up, one call a piece, so the warm-up beside a loop (a new size's first step: 0.2-1.2 s of host time in one piece,
+docs/PERFORMANCE.md, fortieth session) keeps only its kernels' own first launches. The file is written where a warm-up
+recorded other calls than it holds; one that cannot be read is no record.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,6 +77,11 @@ class Operand:
     def make(self) -> torch.Tensor:
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
 
+    def on(self, device: str) -> Operand:
+        """The same layout on `device` where it is on one of that type (a record kept by a process on another GPU)."""
+        same = torch.device(self.device).type == torch.device(device).type
+        return Operand(self.shape, self.stride, self.dtype, device, self.batched) if same else self
+
 
 @dataclass(frozen=True)
 class LibraryCall:
@@ -91,6 +106,78 @@ class LibraryCall:
         op = _operator(self.op)
         args = [a.make() if isinstance(a, Operand) else a for a in self.args]
         op(*args, **dict(self.kwargs))
+
+
+    def on(self, device: str) -> LibraryCall:
+        return LibraryCall(self.op, tuple(_on(a, device) for a in self.args),
+                           tuple((k, _on(v, device)) for k, v in self.kwargs), self.rows)
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "args": [_to_json(a) for a in self.args],
+                "kwargs": [[k, _to_json(v)] for k, v in self.kwargs], "rows": self.rows}
+
+    @staticmethod
+    def from_json(d: dict) -> LibraryCall:
+        return LibraryCall(str(d["op"]), tuple(_from_json(a) for a in d["args"]),
+                           tuple((str(k), _from_json(v)) for k, v in d["kwargs"]), int(d["rows"]))
+
+
+def _on(value: Any, device: str) -> Any:
+    if isinstance(value, Operand):
+        return value.on(device)
+    if isinstance(value, torch.device) and value.type == torch.device(device).type:
+        return torch.device(device)
+    if isinstance(value, tuple):
+        return tuple(_on(v, device) for v in value)
+    return value
+
+
+# the plain values' types in a record's file, by tag (a float that JSON has no literal for as its repr)
+_TORCH = {"dtype": torch.dtype, "memory_format": torch.memory_format}
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, Operand):
+        return {"operand": [list(value.shape), list(value.stride), _torch_name(value.dtype), value.device,
+                            value.batched]}
+    if isinstance(value, tuple):
+        return {"tuple": [_to_json(v) for v in value]}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    for tag, kind in _TORCH.items():
+        if isinstance(value, kind):
+            return {tag: _torch_name(value)}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"float": repr(value)}
+    return value  # None, bool, int, float, str
+
+
+def _from_json(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    (tag, v), = value.items()
+    if tag == "operand":
+        shape, stride, dtype, device, batched = v
+        return Operand(tuple(map(int, shape)), tuple(map(int, stride)), _torch_value(dtype, torch.dtype), str(device),
+                       bool(batched))
+    if tag == "tuple":
+        return tuple(_from_json(i) for i in v)
+    if tag == "device":
+        return torch.device(v)
+    if tag == "float":
+        return float(v)
+    return _torch_value(v, _TORCH[tag])
+
+
+def _torch_name(value: Any) -> str:
+    return str(value).removeprefix("torch.")
+
+
+def _torch_value(name: str, kind: type) -> Any:
+    value = getattr(torch, name)
+    if not isinstance(value, kind):
+        raise ValueError(f"{name} is not a {kind.__name__}")
+    return value
 
 
 def _operator(name: str):
@@ -159,31 +246,74 @@ MADE: set[LibraryCall] = set()
 class Plans:
     """The library calls of each warm-up a runner ran, by what it ran (a graph's `Warmed`, its rows aside), and the
     pieces that make them at a graph's rows ahead of its capture (GraphRunner.ahead). `enabled`: on a GPU (a test
-    turns it on for the CPU's convolutions)."""
+    turns it on for the CPU's convolutions). `where`: an identity's file of the calls kept across runs (None: not kept,
+    or its kernels have nothing to name them by); `device`: the device a kept record's calls are made on."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.records: dict[object, list[LibraryCall]] = {}
+    def __init__(self, enabled: bool, where: Callable[[object], Path | None] | None = None, device: str = "cpu"):
+        self.enabled, self.where, self.device = enabled, where, device
+        self.records: dict[object, list[LibraryCall]] = {}  # recorded by this process
+        self._kept: dict[object, list[LibraryCall]] = {}  # read from `where`, once per identity
 
     @contextmanager
     def recording(self, identity: object, rows: int):
-        """Records the step run inside it, where `identity` has no record yet (yields the Recorder); else yields None
-        and records nothing. A step that raises leaves no record."""
+        """Records the step run inside it, where `identity` has no record yet in this process (yields the Recorder);
+        else yields None and records nothing. A step that raises leaves no record. A record that differs from the
+        kept one is kept in its place."""
         if not self.enabled or identity in self.records:
             yield None
             return
         with Recorder(rows) as recorder:
             yield recorder
-        self.records[identity] = recorder.recorded()
-        MADE.update(self.records[identity])
+        calls = self.records[identity] = recorder.recorded()
+        MADE.update(calls)
+        if calls and calls != self.kept(identity):
+            self._keep(identity, calls)
+
+    def calls(self, identity: object) -> list[LibraryCall]:
+        """`identity`'s calls: this process's record, else the one kept by an earlier run."""
+        return self.records[identity] if identity in self.records else self.kept(identity)
 
     def made(self, identity: object, rows: int) -> None:
         """`identity`'s calls at `rows` have their plans: a capture or a step ran there."""
-        MADE.update(c.at(rows) for c in self.records.get(identity, ()))
+        MADE.update(c.at(rows) for c in self.calls(identity))
 
     def to_make(self, identity: object, rows: int) -> list[LibraryCall]:
         """`identity`'s calls at `rows` whose plans this process has not made."""
-        return [c for c in (c.at(rows) for c in self.records.get(identity, ())) if c not in MADE]
+        return [c for c in (c.at(rows) for c in self.calls(identity)) if c not in MADE]
+
+    def kept(self, identity: object) -> list[LibraryCall]:
+        """The calls an earlier run recorded for `identity` (`where`), on this runner's device; none where there is
+        no such file or it cannot be read."""
+        if identity not in self._kept:
+            self._kept[identity] = self._read(identity)
+        return self._kept[identity]
+
+    def _file(self, identity: object) -> Path | None:
+        return self.where(identity) if self.enabled and self.where is not None else None
+
+    def _read(self, identity: object) -> list[LibraryCall]:
+        path = self._file(identity)
+        if path is None or not path.is_file():
+            return []
+        try:
+            return [LibraryCall.from_json(d).on(self.device) for d in json.loads(path.read_text())["calls"]]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.debug("plans record %s unreadable (%s): its calls are made by the warm-up", path.name, e)
+            return []
+
+    def _keep(self, identity: object, calls: list[LibraryCall]) -> None:
+        """Writes `calls` as `identity`'s kept record (atomically); a cache that cannot be written keeps none."""
+        path = self._file(identity)
+        if path is None:
+            return
+        try:
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"calls": [c.to_json() for c in calls]}) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            log.debug("plans record %s not written: %s", path.name, e)
+            return
+        self._kept[identity] = calls
 
 
 def make(call: LibraryCall) -> None:
