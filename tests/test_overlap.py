@@ -414,7 +414,7 @@ def test_on_a_gpu_a_loops_pace_counts_the_time_the_gpu_waited_for_the_host():
         for i in range(6):
             pace.replay(graph)
             if i == 2:
-                time.sleep(stall_s)  # one replay queued, or none left: the GPU waits for the next launch
+                time.sleep(stall_s)  # at most the three replays launched so far queued: then the GPU waits
         torch.cuda.synchronize()
         stats.gaps += pace.gaps
         assert len(stats.gaps) == 5
@@ -422,5 +422,6 @@ def test_on_a_gpu_a_loops_pace_counts_the_time_the_gpu_waited_for_the_host():
 
     stall = max(0.1, 5 * replay_ms / 1000)
     assert loop(0.0) < 0.5
-    assert 1000 * stall - 2 * replay_ms < loop(stall) < 1000 * stall + 5
+    # an H100 ran the three queued replays in 4.4 ms of a 100 ms stall and idled 96.0 ms (2026-12-07)
+    assert 1000 * stall - 3 * replay_ms < loop(stall) < 1000 * stall + 5
     del b
