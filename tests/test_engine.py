@@ -163,10 +163,48 @@ def test_graph_runner_buffers_fit_every_batch_of_a_job(tiny_cpu, job_dir):
     assert not runner.buf.fits(Shape(8, 64, 64, False)) and not runner.buf.fits(Shape(1, 256, 64, False))
 
 
+def test_a_pace_learns_the_launch_queues_room_from_the_most_replays_in_flight_at_a_launch_that_waited():
+    """`Pace.full`: a launch that waits finds the queue full, so as many replays as are then in flight are what the
+    queue takes of this graph; one that waited with fewer in flight (the host's turn, not the queue's room) leaves the
+    larger count. Before any launch waited, pieces wait for `ahead`."""
+    from storyboard_cli.engine.graph.runner import BLOCKED_S, Pace
+
+    class Graph:
+        def replay(self):
+            now[0] += wait.pop(0)
+
+    now, wait, queued = [0.0], [], [0]
+    pace = Pace(False, ahead=4)
+    pace.in_flight, pace.clock = lambda: queued[0], lambda: now[0]
+
+    def launch(waits: bool, in_flight: int) -> None:
+        wait.append(2 * BLOCKED_S if waits else 0.0)
+        queued[0] = in_flight
+        pace.replay(Graph())
+
+    launch(False, 3)
+    assert not pace.room() and pace.full == 0  # three queued, none waited: four wanted
+    launch(True, 3)
+    assert pace.room() and pace.full == 3
+    pace.blocked = False  # a piece ran
+    assert pace.room()  # three still queued: the queue's room
+    queued[0] = 2
+    assert not pace.room()
+    launch(True, 2)  # waited with two in flight: the queue's room stays three
+    assert pace.full == 3
+    pace.blocked = False
+    assert not pace.room()
+    launch(True, 5)
+    pace.blocked = False
+    queued[0] = 4
+    assert pace.full == 5 and pace.room()  # more than `ahead` fit: `ahead` is enough
+
+
 def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_them(tiny_cpu):
     """The pieces a loop runs between its replays (the next batch's captures and prompts) run while AHEAD_REPLAYS of its
-    replays are queued and not yet run, or when its last launch waited for room in the launch queue; after a piece that
-    let the GPU run down the queue, the loop queues replays again before the next piece; the rest run after the last
+    replays are queued and not yet run, or when its last launch waited for room in the launch queue, and from then on
+    while as many are queued as were then (the queue's room for this graph: `Pace.full`); after a piece that let the
+    GPU run down the queue, the loop queues replays again before the next piece; the rest run after the last
     replay. Here a GPU is simulated (`Pace.in_flight`): each replay queues a step, and a long piece lets the GPU run
     three, and a launch takes no time on the host's clock unless it waits. On the CPU the graphs replay their captured
     step (helpers/graphs.py), and the simulated loop's replays compute nothing."""
@@ -222,8 +260,8 @@ def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_th
     assert graph_runner.AHEAD_REPLAYS == 4 and len(replays) == 12
     assert seen == [
         (0, 4, 4),  # the first piece once four replays are queued; it is long: the GPU runs three steps meanwhile
-        (1, 6, 3),  # the sixth launch waited for room in the queue: a piece runs with three in flight
-        (2, 7, 4), (3, 7, 4),  # four queued again: a short piece, and the long one after it while the queue is full
-        (4, 10, 4), (5, 10, 4), (6, 10, 4), (7, 10, 4),  # refilled to four: short pieces one after another
-        (8, 12, 3), (9, 12, 3),  # after the long seventh, the queue never holds four again: the rest after the loop
+        (1, 6, 3),  # the sixth launch waited for room in the queue, with three in flight: the queue holds three
+        (2, 6, 3), (3, 6, 3),  # so the next pieces run with three queued: a short one, then the long one
+        (4, 9, 3), (5, 9, 3), (6, 9, 3), (7, 9, 3),  # refilled to three: short pieces one after another
+        (8, 12, 3), (9, 12, 3),  # after the long seventh, three queued again at the last launch: the rest
     ], seen

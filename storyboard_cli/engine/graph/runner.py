@@ -107,11 +107,13 @@ def _device_name(device: torch.device) -> str:
 
 class Pace:
     """When a loop runs its next piece of `between` work: once `ahead` of its replays are queued and not yet run (their
-    end events not reached), or its last launch waited for room in the launch queue. After a piece, the loop queues
+    end events not reached), or as many as the launch queue held when a launch last waited for room there (`full`:
+    a heavy graph's queue holds fewer than `ahead`), or its last launch waited so. After a piece, the loop queues
     replays again until one of those holds, so each piece starts with the GPU's queue as full as the host can make
-    it; short pieces run one after another while it stays so. `in_flight`: the replays queued and not yet run (a test
-    replaces it, and `clock`, which times a launch); on the CPU, where a replay has run when its launch returns, every
-    replay counts as queued."""
+    it; short pieces run one after another while it stays so (a loop of 8 x 1024² steps, whose queue held three,
+    ran one 3 ms piece a replay before `full`: docs/PERFORMANCE.md, forty-first session). `in_flight`: the replays
+    queued and not yet run (a test replaces it, and `clock`, which times a launch); on the CPU, where a replay has run
+    when its launch returns, every replay counts as queued."""
 
     def __init__(self, cuda: bool, ahead: int = AHEAD_REPLAYS):
         self.ahead, self.cuda = ahead, cuda
@@ -120,6 +122,9 @@ class Pace:
         self.gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.last: torch.cuda.Event | None = None  # the end of the last replay launched
         self.launched, self.blocked = 0, False
+        # the most replays in flight after a launch that waited (one waiting for the host's turn, the GIL, counts
+        # fewer): the launch queue's room for this graph's replays
+        self.full = 0
         self.in_flight: Callable[[], int] = self._in_flight
         self.clock: Callable[[], float] = time.perf_counter
 
@@ -140,6 +145,8 @@ class Pace:
             self.last = torch.cuda.Event(enable_timing=True)
             self.last.record()
             self.events.append(self.last)
+        if self.blocked:
+            self.full = max(self.full, self.in_flight())
 
     def _in_flight(self) -> int:
         if not self.cuda:
@@ -149,8 +156,9 @@ class Pace:
         return len(self.events)
 
     def room(self) -> bool:
-        """Whether the next piece may run now: the GPU has the steps queued that it should have."""
-        return self.blocked or self.in_flight() >= self.ahead
+        """Whether the next piece may run now: the GPU has the steps queued that it should have, or that the launch
+        queue takes."""
+        return self.blocked or self.in_flight() >= min(self.ahead, self.full or self.ahead)
 
     def run(self, between: Iterator[Callable[[], object]] | None) -> Iterator[Callable[[], object]] | None:
         """Runs `between`'s pieces while `room` holds; returns what is left (None: used up)."""
