@@ -258,7 +258,7 @@ class Plans:
     def recording(self, identity: object, rows: int):
         """Records the step run inside it, where `identity` has no record yet in this process (yields the Recorder);
         else yields None and records nothing. A step that raises leaves no record. A record that differs from the
-        kept one is kept in its place."""
+        kept one, at its rows, is kept in its place."""
         if not self.enabled or identity in self.records:
             yield None
             return
@@ -266,7 +266,7 @@ class Plans:
             yield recorder
         calls = self.records[identity] = recorder.recorded()
         MADE.update(calls)
-        if calls and calls != self.kept(identity):
+        if calls and calls != [c.at(rows) for c in self.kept(identity)]:  # at other rows, the same calls: kept as is
             self._keep(identity, calls)
 
     def calls(self, identity: object) -> list[LibraryCall]:
