@@ -167,7 +167,7 @@ def test_a_pace_learns_the_launch_queues_room_from_the_most_replays_in_flight_at
     """`Pace.full`: a launch that waits finds the queue full, so as many replays as are then in flight are what the
     queue takes of this graph; one that waited with fewer in flight (the host's turn, not the queue's room) leaves the
     larger count. Before any launch waited, pieces wait for `ahead`."""
-    from storyboard_cli.engine.graph.runner import BLOCKED_S, Pace
+    from storyboard_cli.engine.graph.pace import BLOCKED_S, Pace
 
     class Graph:
         def replay(self):
@@ -209,8 +209,9 @@ def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_th
     three, and a launch takes no time on the host's clock unless it waits. On the CPU the graphs replay their captured
     step (helpers/graphs.py), and the simulated loop's replays compute nothing."""
     from storyboard_cli.engine.base import Shape
-    from storyboard_cli.engine.graph import runner as graph_runner
-    from storyboard_cli.engine.graph.runner import GraphRunner, Pace
+    from storyboard_cli.engine.graph import pace as graph_pace
+    from storyboard_cli.engine.graph.pace import Pace
+    from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.engine.sampling import schedule
     from storyboard_cli.run.capture import synthetic_inputs
 
@@ -231,7 +232,7 @@ def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_th
                 return replay()
             replays.append(key)
             if len(replays) in slow_launch:
-                now[0] += 3 * graph_runner.BLOCKED_S
+                now[0] += 3 * graph_pace.BLOCKED_S
         graph.replay = launch
         return graph
 
@@ -257,7 +258,7 @@ def test_a_loops_pieces_of_work_run_while_the_gpu_has_replays_queued_ahead_of_th
         simulated[0] = True  # the next batch's loop: every step a replay
         longs = {0, 3, 7}
         runner.sample(x, sched, None, cond, conds, guidance, None, iter([piece(n, n in longs) for n in range(10)]))
-    assert graph_runner.AHEAD_REPLAYS == 4 and len(replays) == 12
+    assert graph_pace.AHEAD_REPLAYS == 4 and len(replays) == 12
     assert seen == [
         (0, 4, 4),  # the first piece once four replays are queued; it is long: the GPU runs three steps meanwhile
         (1, 6, 3),  # the sixth launch waited for room in the queue, with three in flight: the queue holds three

@@ -387,7 +387,7 @@ def test_on_a_gpu_a_loops_pace_counts_the_time_the_gpu_waited_for_the_host():
     import torch
 
     from storyboard_cli.engine.graph.keys import GraphStats
-    from storyboard_cli.engine.graph.runner import Pace
+    from storyboard_cli.engine.graph.pace import Pace
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

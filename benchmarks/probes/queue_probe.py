@@ -16,7 +16,7 @@ kernels and enough 4096² fp16 matmuls), and for each:
               replays queued, then a piece after each replay; the piece a host sleep of P ms), its GPU wall from the
               first replay's start to the last one's end, against the replays' own GPU time (`idle_ms`: the GPU idle
               under the pieces)
-  paced       the same pieces (one fewer than the replays) run by today's loop (engine/graph/runner.py `Pace`:
+  paced       the same pieces (one fewer than the replays) run by today's loop (engine/graph/pace.py `Pace`:
               while four replays are queued, or after a launch that waited), the pieces left after its last replay
               (`left`: how many)"""
 
@@ -34,7 +34,7 @@ from pathlib import Path
 def child(kernels: int, steps_ms: list[float], replays: int, pieces_ms: list[float]) -> dict:
     import torch
 
-    from storyboard_cli.engine.graph.runner import Pace
+    from storyboard_cli.engine.graph.pace import Pace
 
     dev = torch.device("cuda")
     a = torch.randn(4096, 4096, device=dev, dtype=torch.float16)
