@@ -211,6 +211,42 @@ def test_a_render_joins_the_cache_table_and_later_ones_average(tmp_path, monkeyp
     assert table.render_s == pytest.approx(4.1 - 2.0 - 0.6 - 0.7 - 0.2 - 0.3 - 0.05)
 
 
+def test_a_graph_renders_timings_are_kept_under_the_variant_most_of_its_graphs_ran(tmp_path, monkeypatch):
+    """A render's cost-table rows name the kernels its graphs ran (GraphStats.ran, in the report's graph rows), the
+    variant an estimate of `--kernels fp8` or `compiled` looks up: a graph, or one released after it ran, counts as
+    its own variant, one that fell back to eager as eager, one that fell back to another variant's graph not at all
+    (that graph has its own row). Before, a render whose graphs all ran was kept as "eager", and the bench's (e) and
+    (f) renders were averaged into one figure that estimated both (docs/PERFORMANCE.md, forty-first session)."""
+    from types import SimpleNamespace
+
+    from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.run.batch import bucket_label
+    from storyboard_cli.run.render import RenderSession
+
+    def stats(batch: int, variant: str, state: str) -> GraphStats:
+        s = GraphStats(ShapeKey(batch, 64, 64, 0, "float16", variant))
+        s.state = state
+        return s
+
+    graphs = [stats(4, "fp8", "graph"), stats(2, "fp8", "released"), stats(1, "fp8", "compiled"),
+              stats(1, "compiled", "graph"), stats(3, "plain", "eager"), stats(5, "fp8", "pending")]
+    rows = GraphRunner.describe(SimpleNamespace(stats={i: s for i, s in enumerate(graphs)}))
+    assert sorted((r["shape"], r["variant"] or "") for r in rows) == sorted(
+        (g.key.label, v) for g, v in zip(graphs, ["fp8", "fp8", "", "compiled", "eager", ""])), rows
+
+    monkeypatch.setenv("BCG_CACHE", str(tmp_path / "cache"))
+    job, batches = _batches(tmp_path, TWO_SHOTS)
+    report = SimpleNamespace(graphs=rows, device="cuda (NVIDIA H100 80GB HBM3)", stages_s={"denoise": 1.0},
+                             hidden_s={}, buckets=[{"bucket": bucket_label(b), "batches": 1, "rows": 2 * len(b.items),
+                                                    "steps": 10, "denoise_s": 0.5} for b in batches])
+    RenderSession.record_costs(SimpleNamespace(batches=batches, job=job, t_start=time.perf_counter()), report)
+    table = costs.read()["NVIDIA H100 80GB HBM3", "tiny"]
+    assert table.steps and {shape.variant for shape in table.steps} == {"fp8"}, table.steps
+    step = table.step(StepShape(64, 64, 4, variant="fp8"))  # the two-image batch: 0.5 s over 10 steps
+    assert step.measured and step.ms == pytest.approx(50.0)
+
+
 def test_the_wordings():
     assert duration(12.4) == "12 s" and duration(185) == "3 min 5 s" and duration(840) == "14 min"
     assert span(720, 960) == "12-16 min" and span(40.2, 49.4) == "40-49 s"

@@ -19,7 +19,7 @@ import torch
 from storyboard_cli.engine.base import Engine, Shape
 from storyboard_cli.engine.build import build_engine, check_engine, device_name, dtype_name, resolve_device
 from storyboard_cli.engine.device import probe
-from storyboard_cli.engine.variants import AUTO, VARIANTS
+from storyboard_cli.engine.variants import AUTO
 from storyboard_cli.costs import EAGER, device_of
 from storyboard_cli.errors import JobError, Status, StoryboardError, folder_error, one_line
 from storyboard_cli.folder.layout import REPLACED, REPORT_JSON
@@ -382,9 +382,10 @@ class RenderSession:
 
     def record_costs(self, report: Report) -> None:
         """This render's timings into the cache's cost table (job/estimate.py `observe`): the next `bcg plan` on this
-        machine is calibrated on it. Its variant: the one most of its graphs ran (the eager engine's "eager")."""
-        states = [g["state"] for g in report.graphs if g.get("state") in VARIANTS]
-        variant = max(set(states), key=states.count) if states else EAGER
+        machine is calibrated on it. Its variant: the one most of its graphs ran (GraphStats.ran; the eager engine's
+        "eager"), the one an estimate of the same kernels looks up."""
+        ran = [g["variant"] for g in report.graphs if g.get("variant")]
+        variant = max(set(ran), key=ran.count) if ran else EAGER
         shapes = {bucket_label(b): b for b in self.batches}
         buckets = [(shapes[row["bucket"]], row) for row in report.buckets if row["bucket"] in shapes]
         items = [i for b in self.batches for i in b.items]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from storyboard_cli.engine.base import Shape, shape_label
-from storyboard_cli.engine.variants import PLAIN
+from storyboard_cli.engine.variants import EAGER, PLAIN
 from storyboard_cli.steps import FULL, StepKind
 
 
@@ -87,6 +87,14 @@ class GraphStats:
     # (end of a replay, start of the next) CUDA events in its batches' loops (`Pace`): the GPU idles between them
     # where the host had queued nothing more (a piece of work beside the loop that outlasted the replays queued)
     gaps: list = field(default_factory=list)
+
+    @property
+    def ran(self) -> str | None:
+        """The variant its batches ran: its own where it is a graph (or was, until released), eager where it fell
+        back there; None where it fell back to another variant's graph (a row of its own) or never ran."""
+        if self.state in ("graph", "released"):
+            return self.key.variant
+        return EAGER if self.state == EAGER else None
 
     @property
     def replay_ms(self) -> float:

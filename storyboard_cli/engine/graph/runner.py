@@ -877,7 +877,8 @@ class GraphRunner:
                 stats.events.append((start, self._event(), stop - first))
 
     def describe(self) -> list[dict]:
-        return [{"shape": s.key.label, "state": s.state, "reason": s.reason, "capture_s": round(s.capture_s, 3),
+        return [{"shape": s.key.label, "state": s.state, "variant": s.ran, "reason": s.reason,
+                 "capture_s": round(s.capture_s, 3),
                  "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
                  "end_s": round(s.end_s, 3), "beside": s.beside, "beside_of": s.beside_of,
                  "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
