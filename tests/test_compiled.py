@@ -998,8 +998,11 @@ def test_a_later_run_makes_a_new_sizes_plans_ahead_of_its_warm_up_from_the_recor
     assert kept is not None and kept.parent == tmp_path and kept.name.startswith("plans-"), kept
     assert [LibraryCall.from_json(d) for d in json.loads(kept.read_text())["calls"]] == recorded
     assert [what for what, _ in order] == ["warm"] + ["plan"] * len(recorded) + ["capture"]  # nothing kept before
-    # the UNet's warm-up has its own record: another artifact set, another file
+    # the UNet's warm-up has its own record: another artifact set, another file; a plain graph's (the modules'
+    # kernels: no artifact names them) and eager have none
     assert first.ledger.plans_path(Warmed("compiled", 0, SIDE, SIDE, True, 0)) not in (None, kept)
+    assert first.ledger.plans_path(Warmed("plain", 0, SIDE, SIDE, True, 1)) is None
+    assert first.ledger.plans_path(Warmed("eager", 0, SIDE, SIDE, True, 0)) is None
     written = kept.stat().st_mtime_ns
 
     later, order, _ = _plans_beside(artifacts, monkeypatch, tmp_path)

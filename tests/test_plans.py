@@ -122,6 +122,13 @@ def test_a_kept_record_is_read_back_by_a_later_process_on_its_own_device_and_rew
     kept.write_text("not json")
     assert Plans(enabled=True, where=where).kept("size") == []
     assert Plans(enabled=False, where=where).kept("other") == []  # off: nothing read
+    def unnameable(identity):
+        raise KeyError(identity)
+
+    broken = Plans(enabled=True, where=unnameable)  # a name that cannot be made: recorded, not kept, no error
+    with broken.recording("x", 2):
+        _step(torch.randn(2, 3, 16, 16), w, w2)
+    assert broken.records["x"] == first.records["size"] and broken.kept("x") == []
     nowhere = Plans(enabled=True, where=lambda i: tmp_path / "gone" / "plans-x.json")
     with nowhere.recording("x", 2):  # a cache that cannot be written: recorded, not kept, no error
         _step(torch.randn(2, 3, 16, 16), w, w2)

@@ -101,7 +101,9 @@ class CheckLedger:
     def plans_path(self, ran: Warmed) -> Path | None:
         """The file of the library calls a warm-up of `ran`'s kernels made (engine/kernels/plans.py `Plans`), kept for a
         later run: they follow from the artifacts it runs and the machine, not the weights. None where its kernels have
-        no marked artifact."""
+        no marked artifact, or are the modules' (a plain graph's warm-up: no artifact names it)."""
+        if ran.variant not in VARIANTS or not VARIANTS[ran.variant].compiled:
+            return None
         artifacts = self._artifacts(ran.variant, ran.height, ran.width, ran.control)
         if artifacts is None:
             return None
