@@ -178,3 +178,31 @@ def test_on_a_gpu_cudnn_attention_and_convolutions_are_recorded_and_made_at_othe
         for call in r.recorded():
             call.at(16).run()
         torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_plain_graph_captured_beside_a_compiled_cache_records_its_calls_and_keeps_no_file(tmp_path):
+    """A size without kernels runs a plain graph (its kernels still building, or none for it) in a render whose runner
+    has the check ledger: its warm-up's record has no artifact to be named by, so nothing is kept, and its capture
+    replays what the eager step computes (before, naming its record raised inside the capture)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.graph.ledger import CheckLedger
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.kernels.calls import CompiledKernels
+    from storyboard_cli.models.loader import load_sdxl
+
+    from helpers.gpu import assert_rel_close, loop_inputs
+
+    models = load_sdxl("tiny", None, "cuda", torch.float32)
+    kernels = CompiledKernels(models, None, root=tmp_path)  # an empty cache: every size plain
+    runner = GraphRunner(models, max_batch=2, max_hw=(256, 256), compiled=kernels,
+                         ledger=CheckLedger(models, kernels, tmp_path))
+    args = loop_inputs(models, 2, 256, 256, False)
+    with torch.no_grad():
+        got, want = runner.sample(*args), EagerEngine(models).sample(*args)
+    stats = runner.stats[runner.shape_key(2, 256, 256, False)]
+    assert (stats.key.variant, stats.state) == ("plain", "graph"), stats.reason
+    assert runner.plans.records and not list(tmp_path.glob("plans-*.json"))
+    assert_rel_close(got, want, 1e-4)
