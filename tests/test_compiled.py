@@ -978,6 +978,7 @@ def test_a_graph_captured_beside_a_loop_gets_its_library_plans_at_its_rows_first
     assert all(a.shape[0] == 2 * b.shape[0] for c, r in zip(planned, recorded)
                for a, b in zip(c.args, r.args) if isinstance(a, plans_mod.Operand) and a.batched)
     assert runner.plans.to_make(identity, 4) == []  # made once: a second graph at these rows plans nothing
+    assert runner.stats[control].planned == len(recorded)  # the report's `planned`
 
 
 def test_a_later_run_makes_a_new_sizes_plans_ahead_of_its_warm_up_from_the_record_an_earlier_run_kept(
@@ -1011,6 +1012,7 @@ def test_a_later_run_makes_a_new_sizes_plans_ahead_of_its_warm_up_from_the_recor
     planned = [c for what, c in order if what == "plan"]
     assert planned[:n] == recorded and planned[n:] == [c.at(rows) for c in recorded]
     assert later.plans.records[identity] == recorded and kept.stat().st_mtime_ns == written
+    assert later.stats[control].planned == 2 * n and first.stats[control].planned == n
 
 
 @pytest.mark.parametrize("sampler", ["dpmpp_2m", "euler_a"])

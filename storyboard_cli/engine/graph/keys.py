@@ -77,6 +77,7 @@ class GraphStats:
     compile_s: float = 0.0  # the background build of this size's kernels, when this run made them
     load_s: float = 0.0  # loading its kernels from the cache before its capture (deferred: GraphRunner._bind)
     pool_mb: float = 0.0
+    planned: int = 0  # library calls made ahead for it beside a loop, at its warm-up's rows and its own (plans.py)
     beside: bool = False  # captured between the replays of the batch before its own (GraphRunner.ahead)
     beside_of: str = ""  # the label of the graph whose loop it was captured beside (spare: not the one before)
     replays: int = 0

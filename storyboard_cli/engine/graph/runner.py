@@ -479,7 +479,11 @@ class GraphRunner:
         if not (self._can_warm_beside(key) if warm else self._can_capture_beside(key)):
             return []
         at = self._warm_key(key) if warm else key
-        return [lambda call=call: make(call) for call in self.plans.to_make(*self._plan_id(at))]
+        return [lambda call=call: self._make_plan(key, call) for call in self.plans.to_make(*self._plan_id(at))]
+
+    def _make_plan(self, key: ShapeKey, call) -> None:
+        make(call)
+        self.stats.setdefault(key, GraphStats(key)).planned += 1
 
     @staticmethod
     def _plan_id(key: ShapeKey) -> tuple[Warmed, int]:
@@ -881,7 +885,8 @@ class GraphRunner:
                  "capture_s": round(s.capture_s, 3),
                  "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
                  "end_s": round(s.end_s, 3), "beside": s.beside, "beside_of": s.beside_of,
-                 "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "replays": s.replays,
+                 "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "planned": s.planned,
+                 "replays": s.replays,
                  "replay_ms": round(s.replay_ms, 3), "idle_ms": round(s.idle_ms, 3), "batches": len(s.leads),
                  "lead_ms": round(s.lead_ms, 3),
                  "load_s": round(s.load_s, 3)}
