@@ -349,7 +349,8 @@ def markdown(report: dict) -> str:
             f"{b['denoise_s']:.3f} | {b['ms_per_step']:.1f} |" for b in r["buckets"]]
     if r["graphs"]:
         out += ["", "## Graphs", "", "GPU idle: the time the GPU waited for the host between the replays of the "
-                "graph's loops.", "", "| shape | state | capture s | pool MB | replays | replay ms | GPU idle ms | note |",
+                "graph's loops.", "",
+                "| shape | state | capture s | pool MB | replays | replay ms | GPU idle ms | note |",
                 "|---|---|---:|---:|---:|---:|---:|---|"]
         out += [f"| {g['shape']} | {g['state']} | {g['capture_s']:.2f} | {g['pool_mb']:.0f} | {g['replays']} | "
                 f"{g['replay_ms']:.2f} | {g.get('idle_ms', 0.0):.1f} | {g.get('reason') or ''} |" for g in r["graphs"]]

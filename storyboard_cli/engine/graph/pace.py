@@ -16,7 +16,8 @@ from storyboard_cli.engine.base import run_between
 # time, a 1-image step 32 ms) leaves the GPU idle. How many replays CUDA's launch queue holds depends on the graph's
 # kernels: at its default scale a launch of a graph of 1,900 kernels with many matmuls waited with none queued
 # ahead, at the 4x `bcg` sets (cuda_env.py) with two (benchmarks/probes/queue_probe.py, H200); a launch that finds
-# the queue full waits, and then the GPU has all the host can give it. The pieces left at the loop's end run after its last replay.
+# the queue full waits, and then the GPU has all the host can give it. The pieces left at the loop's end run after
+# its last replay.
 AHEAD_REPLAYS = 4
 # a launch that took longer than this waited for room in the launch queue: one that did not took 0.3-3.0 ms of host
 # time, one that waited 29-280 ms, about a step (the probe, graphs of 1,900 kernels)

@@ -482,8 +482,11 @@ class GraphRunner:
         return [lambda call=call: self._make_plan(key, call) for call in self.plans.to_make(*self._plan_id(at))]
 
     def _make_plan(self, key: ShapeKey, call) -> None:
+        """One of `_plan_pieces`: the call made, counted in `key`'s `planned`."""
         make(call)
-        self.stats.setdefault(key, GraphStats(key)).planned += 1
+        if key not in self.stats:
+            self.stats[key] = GraphStats(key)
+        self.stats[key].planned += 1
 
     @staticmethod
     def _plan_id(key: ShapeKey) -> tuple[Warmed, int]:
@@ -882,12 +885,10 @@ class GraphRunner:
 
     def describe(self) -> list[dict]:
         return [{"shape": s.key.label, "state": s.state, "variant": s.ran, "reason": s.reason,
-                 "capture_s": round(s.capture_s, 3),
-                 "warmup": s.warmup, "warmup_rows": s.warmup_rows, "warmup_s": round(s.warmup_s, 3),
-                 "end_s": round(s.end_s, 3), "beside": s.beside, "beside_of": s.beside_of,
-                 "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1), "planned": s.planned,
-                 "replays": s.replays,
-                 "replay_ms": round(s.replay_ms, 3), "idle_ms": round(s.idle_ms, 3), "batches": len(s.leads),
-                 "lead_ms": round(s.lead_ms, 3),
+                 "capture_s": round(s.capture_s, 3), "warmup": s.warmup, "warmup_rows": s.warmup_rows,
+                 "warmup_s": round(s.warmup_s, 3), "end_s": round(s.end_s, 3), "beside": s.beside,
+                 "beside_of": s.beside_of, "compile_s": round(s.compile_s, 3), "pool_mb": round(s.pool_mb, 1),
+                 "planned": s.planned, "replays": s.replays, "replay_ms": round(s.replay_ms, 3),
+                 "idle_ms": round(s.idle_ms, 3), "batches": len(s.leads), "lead_ms": round(s.lead_ms, 3),
                  "load_s": round(s.load_s, 3)}
                 for s in sorted(self.stats.values(), key=lambda s: s.key, reverse=True)]
