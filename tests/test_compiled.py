@@ -1110,3 +1110,30 @@ def test_a_graph_whose_kernels_were_checked_is_captured_beside_its_own_batchs_fi
     stats = down.stats[key]
     assert stats.state == "plain" and "replay check failed" in stats.reason and key not in down.graphs
     assert down.stats[down.shape_key(*four, FULL)].checked and rel_error(plain, eager) < 1e-4
+
+
+def test_a_plain_graph_in_a_run_with_the_ledger_is_checked_against_eager_and_keeps_no_record(tmp_path):
+    """A size without kernels (still building, or none for it) runs a plain graph in a render whose runner has the
+    check ledger: its check against the eager step has no artifact to name a record by, so none is kept, and its loop
+    equals the eager loop (before, naming the record raised KeyError out of the batch, found on a GPU)."""
+    from storyboard_cli.engine.eager import EagerEngine
+    from storyboard_cli.engine.graph.ledger import CheckLedger
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.engine.sampling import schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+
+    from helpers.graphs import cpu_replays
+
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    kernels = CompiledKernels(models, None, root=tmp_path / "empty")  # an empty cache: every size plain
+    runner = GraphRunner(models, max_batch=2, max_hw=(SIDE, SIDE), compiled=kernels,
+                         ledger=CheckLedger(models, kernels, tmp_path))
+    cpu_replays(runner)
+    x, cond, conds, guidance = synthetic_inputs(models, 2, SIDE, SIDE, 0)
+    args = (x, schedule("euler", 3, models.scheduler_config), None, cond, conds, guidance)
+    with torch.no_grad():
+        got, want = runner.sample(*args), EagerEngine(models).sample(*args)
+    stats = runner.stats[runner.shape_key(2, SIDE, SIDE, False)]
+    assert (stats.key.variant, stats.state, stats.checked) == ("plain", "graph", True), stats.reason
+    assert not list(tmp_path.glob("checked-*.json")) and not list(tmp_path.glob("plans-*.json"))
+    assert rel_error(got, want) < 1e-4

@@ -84,10 +84,10 @@ class CheckLedger:
             return None
 
     def _path(self, key: ShapeKey) -> Path | None:
-        """The record's file for `key`, None when its kernels have no marked artifact (nothing to name them by). The
-        artifacts named are the ones its graph runs, loaded or not yet (a render loads its first batch's kernels just
-        before that batch: CompiledKernels.want's `defer`): the size's UNet, and its ControlNet's where it has a
-        guide."""
+        """The record's file for `key`, None when its kernels have no marked artifact (nothing to name them by: a plain
+        graph's are the modules'). The artifacts named are the ones its graph runs, loaded or not yet (a render loads
+        its first batch's kernels just before that batch: CompiledKernels.want's `defer`): the size's UNet, and its
+        ControlNet's where it has a guide."""
         variant = VARIANTS[key.variant]
         artifacts = self._artifacts(key.variant, key.height, key.width, key.control)
         if artifacts is None:
@@ -102,8 +102,6 @@ class CheckLedger:
         """The file of the library calls a warm-up of `ran`'s kernels made (engine/kernels/plans.py `Plans`), kept for a
         later run: they follow from the artifacts it runs and the machine, not the weights. None where its kernels have
         no marked artifact, or are the modules' (a plain graph's warm-up: no artifact names it)."""
-        if ran.variant not in VARIANTS or not VARIANTS[ran.variant].compiled:
-            return None
         artifacts = self._artifacts(ran.variant, ran.height, ran.width, ran.control)
         if artifacts is None:
             return None
@@ -114,7 +112,11 @@ class CheckLedger:
         return self.root / f"{kind}-{hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]}.json"
 
     def _artifacts(self, variant: str, height: int, width: int, control: int) -> list[str] | None:
-        """The artifacts a graph of that variant, size and ControlNets runs (`_marker`), None where one has none."""
+        """The artifacts a graph of that variant, size and ControlNets runs (`_marker`), None where one has none or the
+        variant has no artifacts (a plain graph runs the modules' kernels: its check and its warm-up's calls are not
+        kept)."""
+        if variant not in VARIANTS or not VARIANTS[variant].compiled:
+            return None
         targets = [self.compiled.unet_target(height, width, variant)]
         targets += [self.compiled.controlnet_target(height, width, variant)] if control & 1 else []
         artifacts = sorted(self._marker(t) for t in targets)
