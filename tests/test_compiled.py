@@ -597,11 +597,17 @@ def test_the_first_steps_check_runs_beside_the_loop_and_its_failure_stops_the_lo
     batch's latents are those the check before the loop gave. Where it fails, the loop stops at the next replay, the
     shape falls back a row and the batch runs again from its start, to what the eager loop computes."""
     from storyboard_cli.engine.eager import EagerEngine
-    from storyboard_cli.engine.graph.pace import AHEAD_REPLAYS
+    from storyboard_cli.engine.graph.pace import AHEAD_REPLAYS, Pace
     from storyboard_cli.engine.sampling import schedule
+
+    def steady(cuda: bool) -> Pace:  # no launch counts as one that waited, however long a CPU step takes
+        pace = Pace(cuda)
+        pace.clock = lambda: 0.0
+        return pace
 
     steps = AHEAD_REPLAYS + 4
     models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    runner.pace = steady
     four, two = ((t[0], schedule("euler", steps, models.scheduler_config), *t[2:]) for t in (four, two))
     order = []
     step, part = runner.step, runner.part_step
@@ -616,6 +622,7 @@ def test_the_first_steps_check_runs_beside_the_loop_and_its_failure_stops_the_lo
     assert order.count(("replay", 2, "compiled")) == steps and rel_error(got, want) < 1e-4
 
     models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    runner.pace = steady
     four, two = ((t[0], schedule("euler", steps, models.scheduler_config), *t[2:]) for t in (four, two))
     order = []
     runner.stepper = lambda v: (order.append(("replay", v.key.batch, v.key.variant)), runner.step(v),
