@@ -612,7 +612,8 @@ def test_the_first_steps_check_runs_beside_the_loop_and_its_failure_stops_the_lo
     order = []
     step, part = runner.step, runner.part_step
     runner.stepper = lambda v: (order.append(("replay", v.key.batch, v.key.variant)), step(v))
-    runner.part_step = lambda v, x, noise, n, *at: (order.append(("check", v.key.batch, n)), part(v, x, noise, n, *at))[1]
+    runner.part_step = lambda v, x, noise, n, *at: (order.append(("check", v.key.batch, n)),
+                                                    part(v, x, noise, n, *at))[1]
     with torch.no_grad():
         runner.sample(*four)
         order.clear()

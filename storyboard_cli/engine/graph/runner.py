@@ -787,7 +787,8 @@ class GraphRunner:
 
     def _looped(self, steps: list[tuple[ShapeKey, torch.cuda.CUDAGraph]], start: int, v: Views,
                 noise: torch.Tensor | None, entry: torch.cuda.Event | None,
-                between: Iterator[Callable[[], object]] | None, checking: _Checking | None, batch: tuple) -> torch.Tensor:
+                between: Iterator[Callable[[], object]] | None, checking: _Checking | None,
+                batch: tuple) -> torch.Tensor:
         """`_loop`'s latents; where the check of its first step failed (the shape has fallen back a row), the batch
         again from its start (`batch`: `sample`'s arguments) with the `between` work the loop left."""
         latents, left = self._loop(steps, start, v, noise, entry, between, checking)
