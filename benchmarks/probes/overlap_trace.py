@@ -175,10 +175,8 @@ def install(warmups: str) -> None:
     # a batch's lead (its loop's entry to its second step's replay: (f)'s leads were 2.15 s beyond a replay each,
     # twenty-fifth session): the graphs planned, the check on its first step and the step outside the graph in it
     traced(runner_mod.GraphRunner, "_plan_graphs", "plan graphs", with_events=True)
-    # the first step's check: its reference queued beside the loop's later replays (check.py FirstStep), and the
-    # wait for its outcome where the loop's end came first
-    traced(runner_mod.FirstStep, "against", "first-step check's reference", with_events=True)
-    traced(runner_mod.GraphRunner, "_verified", "first-step check's outcome", with_events=True)
+    traced(runner_mod, "first_step", "first-step check", with_events=True)
+    traced(runner_mod, "first_step_of_part", "first-step check, first images", with_events=True)
     traced(runner_mod.GraphRunner, "step", "step outside graph", with_events=True)
     traced(runner_mod.GraphRunner, "sample", "sample", with_events=True)
     # what can stay exposed at a render's start and end (the (f) job's 1.55 s outside denoising, twenty-third session)

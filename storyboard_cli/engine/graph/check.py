@@ -1,9 +1,8 @@
 """A graph's first replay checked against a reference step on the same inputs: the one test that a captured graph (its
 variant's kernels, the static buffers it reads) computes the step. The reference is the eager step, or (`direct`) the
 graph's own step run outside the graph on the same buffers, where the runner has checked the same kernels against the
-eager step at other rows (engine/graph/runner.py `_check`), or that step for the batch's first images alone on tensors
-of their own (`FirstStep`, `first_step_of_part`), which can run beside the batch's later replays. The limit is the
-variant's (engine/variants.py)."""
+eager step at other rows (engine/graph/runner.py `_check`), or that step for the batch's first images alone
+(`first_step_of_part`). The limit is the variant's (engine/variants.py)."""
 
 from __future__ import annotations
 
@@ -80,90 +79,36 @@ def first_step(buf: Buffers, v: Views, replay: Callable[[], None], direct: Calla
     return result
 
 
-class FirstStep:
-    """A graph's first replay where it is the batch's first step (the batch loaded in `v`), with its check against
-    the graph's step for the batch's first `n` images outside the graph (`against`) to come: the replay's first `n`
-    images (next latents, prediction) are copied, and whether the other images' latents are finite is taken, on the
-    device as the replay leaves them, so the loop's next replays may follow at once. The reference reads tensors of its
-    own and the batch's text, guidance and kinds, which the loop leaves as they are: it can be queued between the
-    loop's later replays, its host's work (launches, a library's setup at its rows) beside the GPU's, and its outcome
-    read once the GPU has run it (`ran`, `result`). At other rows than the batch's the two sides round apart: `limit`
-    is the row's `alone_rtol` there, its `check_rtol` for the whole batch."""
-
-    def __init__(self, v: Views, replay: Callable[[], None], noise: torch.Tensor | None, n: int, limit: float):
-        if noise is not None:
-            v.noise.copy_(noise)
-        replay()
-        self.key, self.n, self.limit = v.key, n, limit
-        # clones, queued behind the replay: the next replay overwrites the static buffers
-        self.got = (v.x[:n].clone(), v.prev[:n].clone())
-        # a capture that breaks the static buffers, the pool or the launch order breaks the first images' rows too
-        self.others = torch.isfinite(v.x[n:]).all()
-        self.measured: torch.Tensor | None = None
-        self.end: torch.cuda.Event | None = None
-
-    def against(self, part: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Queues the reference (`part`: the graph's step for the first `n` images outside the graph: next latents,
-        prediction) and the comparison, without a wait."""
-        x_next, denoised = part()
-        self.measured = _measure([(self.got[0], x_next), (self.got[1], denoised)])
-        if self.measured.is_cuda:
-            self.end = torch.cuda.Event()
-            self.end.record()
-
-    def ran(self) -> bool:
-        """Whether the reference and the comparison were queued and the GPU has run them (`result` does not wait)."""
-        return self.measured is not None and (self.end is None or self.end.query())
-
-    def result(self) -> tuple[float, str]:
-        """(relative error, why it fails or ""), after `against`; waits for the GPU where it has not run them."""
-        if not bool(self.others):
-            return float("nan"), "NaN/inf in the latents of the batch's other images"
-        return _verdict(self.measured, self.key, self.limit)
-
-
 def first_step_of_part(v: Views, replay: Callable[[], None], part: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                        noise: torch.Tensor | None, n: int) -> tuple[float, str]:
     """(relative error, why it fails or "") of a graph's first replay where it is the batch's first step (the batch
     loaded in `v`), against `part`: the graph's step for the batch's first `n` images alone, outside the graph (the
-    kernels the runner checked against the eager step at other rows, at fewer rows: (next latents, prediction)), at
-    once (`FirstStep` without the loop between). The replay's first `n` images are compared, and the other images'
-    latents must be finite. It costs a step of `n` images where `first_step` costs one of the batch, and nothing is
-    loaded again: the buffers keep the replay's step. The two sides run the kernels at different rows, which may round
-    apart: the limit is the variant's `alone_rtol`, far above that."""
-    check = FirstStep(v, replay, noise, n, VARIANTS[v.key.variant].alone_rtol)
-    check.against(part)
-    return check.result()
+    kernels the runner checked against the eager step at other rows, at fewer rows: (next latents, prediction)). The
+    replay's first `n` images are compared, and the other images' latents must be finite: a capture that breaks the
+    static buffers, the pool or the launch order breaks the first images' rows too. It costs a step of `n` images where
+    `first_step` costs one of the batch, and nothing is loaded again: the buffers keep the replay's step. The two sides
+    run the kernels at different rows, which may round apart: the limit is the variant's `alone_rtol`, far above
+    that."""
+    if noise is not None:
+        v.noise.copy_(noise)
+    replay()
+    x_next, denoised = part()
+    if not torch.isfinite(v.x[n:]).all():
+        return float("nan"), "NaN/inf in the latents of the batch's other images"
+    return _compare(v.key, [(v.x[:n], x_next), (v.prev[:n], denoised)], VARIANTS[v.key.variant].alone_rtol)
 
 
 def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]],
              limit: float | None = None) -> tuple[float, str]:
     """The largest relative error of `pairs` (got, want), and why it fails `limit` (`key`'s variant's check_rtol where
     None) or ""."""
-    return _verdict(_measure(pairs), key, limit)
-
-
-def _measure(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Per pair (got, want), on the device and without a wait: 1 where got's NaN/inf pattern is want's (else 0), and
-    got's relative L2 error over want's finite values (in float32)."""
-    out = []
+    err = 0.0
     for got, want in pairs:
         finite = torch.isfinite(want)
-        out.append((finite == torch.isfinite(got)).all().float())
-        diff = torch.linalg.vector_norm(torch.where(finite, got - want, 0), dtype=torch.float32)
-        scale = torch.linalg.vector_norm(torch.where(finite, want, 0), dtype=torch.float32).clamp_min(1e-6)
-        out.append(diff / scale)
-    return torch.stack(out)
-
-
-def _verdict(measured: torch.Tensor, key: ShapeKey, limit: float | None) -> tuple[float, str]:
-    """`_measure`'s values read (a wait where the GPU has not made them): the largest relative error, and why it fails
-    `limit` (`key`'s variant's check_rtol where None) or ""; a NaN/inf pattern that differs fails whatever the error."""
-    values = measured.tolist()
-    err = 0.0
-    for same, rel in zip(values[::2], values[1::2]):
-        if not same:
+        if not torch.equal(finite, torch.isfinite(got)):
             return float("nan"), "NaN/inf pattern differs from eager"
-        err = max(err, rel)
+        diff = torch.linalg.vector_norm((got - want)[finite], dtype=torch.float32)
+        scale = torch.linalg.vector_norm(want[finite], dtype=torch.float32).clamp_min(1e-6)
+        err = max(err, (diff / scale).item())
     limit = VARIANTS[key.variant].check_rtol if limit is None else limit
     return err, f"relative error {err:.2e} > {limit:.0e}" if err > limit else ""

@@ -17,8 +17,7 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   capture that fails after less than a warm-up at its rows is tried again after one. The first replay of
   each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
   rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`,
-  whose reference, the step of the batch's first image alone or of the whole batch, `part_step`, is queued beside the
-  loop's later replays and its outcome read once the GPU has run it, `_loop`);
+  whose reference is the step of the batch's first image alone, `part_step`);
   a capture failure or a mismatch sends that shape down the variant table (engine/variants.py: FP8 -> compiled ->
   plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
@@ -53,7 +52,6 @@ import logging
 import time
 import warnings
 from contextlib import nullcontext
-from itertools import chain
 from dataclasses import replace
 from typing import Callable, Iterator
 
@@ -65,7 +63,7 @@ from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
-from storyboard_cli.engine.graph.check import FirstStep, first_replay
+from storyboard_cli.engine.graph.check import first_replay, first_step, first_step_of_part
 from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.graph.ledger import CheckLedger
 from storyboard_cli.engine.graph.pace import Pace
@@ -96,19 +94,6 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda" and device.index is None:
         return f"cuda:{torch.cuda.current_device()}"
     return str(device)
-
-
-class _Checking:
-    """A batch's first step on a graph whose check against the graph's kernels outside it is still to run
-    (`GraphRunner._first_step`): `queue` is the loop's first piece of `between` work, the reference queued beside the
-    replays; `why` ends the graph's reason."""
-
-    def __init__(self, key: ShapeKey, check: FirstStep, part: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-                 why: str):
-        self.key, self.check, self.part, self.why = key, check, part, why
-
-    def queue(self) -> None:
-        self.check.against(self.part)
 
 
 class GraphRunner:
@@ -716,38 +701,31 @@ class GraphRunner:
         at other rows, and the step writes no DeepCache feature (whose check reads the buffer's copy before it)."""
         return not key.step.cache and self._checked_kernels(key) is not None
 
-    def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor,
-                    noise: torch.Tensor | None, i: int = 0, prev: torch.Tensor | None = None,
-                    note: str = "") -> _Checking:
-        """The batch's first step on `key`'s graph (the buffers loaded with the batch), its check against the graph's
-        step outside it to run beside the loop's later replays (`_loop`): for the batch's first image alone where the
-        graph has more and is guided (a step of one image, not of the batch, at the row's `alone_rtol`), else for the
-        whole batch (at its `check_rtol`), on tensors of their own (`part_step`, check.py `FirstStep`). The graph's
-        first replay may be a later step `i` (`_behind`, which checks on the first image alone): `x` and `prev` are
-        then the latents and prediction the steps before left; `note` ends the reason."""
+    def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor, sched: Schedule,
+                    noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor, i: int = 0,
+                    prev: torch.Tensor | None = None, note: str = "") -> bool:
+        """The batch's first step on `key`'s graph, checked against the graph's step outside it (the buffers loaded with
+        the batch): for the batch's first image alone where the graph has more and is guided (graph/check.py
+        `first_step_of_part` at 1 image: a step of one image, not of the batch), else for the batch (`first_step`).
+        The graph's first replay may be a later step `i` (`_behind`, which checks on the first image alone): `x` and
+        `prev` are then the latents and prediction the steps before left; `note` ends the reason. True and the buffers
+        after that step, or the shape falls back a row with the reason."""
+        seen = self._checked_kernels(key)
         first = None if noise is None else noise[i]
+        # the check runs the first image alone (check.py first_step_of_part) where the row's rounding allows
         one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
-        n = 1 if one else key.batch
-        check = FirstStep(v, graph.replay, first, n,
-                          VARIANTS[key.variant].alone_rtol if one else VARIANTS[key.variant].check_rtol)
-        self.stats[key].replays += 1
-        against = (f" against its kernels outside the graph{' at 1 image' if one else ''}"
-                   f" (against eager {self._checked_kernels(key)})")
-        return _Checking(key, check, lambda: self.part_step(v, x, first, n, i, prev), against + note)
-
-    def _verified(self, checking: _Checking) -> bool:
-        """`checking`'s outcome (a wait where the GPU has not run its reference yet, which is queued first where the
-        loop had no room for it): the graph checked, or, after the replays queued so far have run, fallen back a row
-        with the reason."""
-        if checking.check.measured is None:
-            checking.queue()
-        err, problem = checking.check.result()
+        if one:
+            err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x, first, 1, i, prev), first,
+                                              1)
+        else:
+            err, problem = first_step(self.buf, v, graph.replay, self.step, x, sched, first, cond, conds, guidance)
+        against = f" against its kernels outside the graph{' at 1 image' if one else ''} (against eager {seen})"
         if problem:
-            self._settle()  # the replays queued on the failed graph have run before it is freed
-            self._fall_back(checking.key, f"replay check failed: {problem}{checking.why}")
+            self._fall_back(key, f"replay check failed: {problem}{against}")
             return False
-        stats = self.stats[checking.key]
-        stats.checked, stats.reason = True, f"checked: rel. error {err:.1e}{checking.why}"
+        stats = self.stats[key]
+        stats.checked, stats.reason = True, f"checked: rel. error {err:.1e}{against}{note}"
+        stats.replays += 1
         return True
 
     @torch.no_grad()
@@ -767,50 +745,34 @@ class GraphRunner:
         self._share(shape, set(plan))
         own = self.shape_key(*shape, plan[0])
         if len(set(plan)) == 1 and len(plan) > OWN_STEPS + 1 and self._can_capture_behind(own):
-            behind = self._behind(own, x, sched, noise, cond, conds, guidance)
-            if behind is None:  # it fell back, or its capture failed: the batch again from its start, captured before
+            start = self._behind(own, x, sched, noise, cond, conds, guidance)
+            if start is None:  # it fell back, or its capture failed: the batch again from its start, captured before
                 return self.sample(x, sched, noise, cond, conds, guidance, plan, between)
             steps, v = [(own, self.graphs[own])] * len(plan), self.buf.view(own)
-            return self._looped(steps, behind[0], v, noise, entry, between, behind[1],
-                                (x, sched, noise, cond, conds, guidance, plan))
+            return self._loop(steps, start, v, noise, entry, between)
         graphs = self._plan_graphs(shape, set(plan), (x, sched, cond, conds, guidance), len(set(plan)) == 1)
         if graphs is None:
             return self.eager.sample(x, sched, noise, cond, conds, guidance, plan, between)
         steps = [graphs[kind] for kind in plan]  # (key, graph) of each step
         v = self.buf.view(steps[0][0])  # every kind of the shape views the same buffers
         v.load(self.buf, x, sched, cond, conds, guidance)
-        start, checking = 0, None
+        start = 0
         if not self.stats[steps[0][0]].checked:  # left to the batch's first step (`_checked_graph`)
-            checking, start = self._first_step(*steps[0], v, x, noise), 1
-        return self._looped(steps, start, v, noise, entry, between, checking,
-                            (x, sched, noise, cond, conds, guidance, plan))
-
-    def _looped(self, steps: list[tuple[ShapeKey, torch.cuda.CUDAGraph]], start: int, v: Views,
-                noise: torch.Tensor | None, entry: torch.cuda.Event | None,
-                between: Iterator[Callable[[], object]] | None, checking: _Checking | None,
-                batch: tuple) -> torch.Tensor:
-        """`_loop`'s latents; where the check of its first step failed (the shape has fallen back a row), the batch
-        again from its start (`batch`: `sample`'s arguments) with the `between` work the loop left."""
-        latents, left = self._loop(steps, start, v, noise, entry, between, checking)
-        if latents is not None:
-            return latents
-        del steps, v  # the failed graph: freed before the shape's next row is captured
-        self._settle()
-        return self.sample(*batch, left)
+            if not self._first_step(*steps[0], v, x, sched, noise, cond, conds, guidance):
+                del steps, graphs, v  # the failed graph: freed before the shape's next row is captured
+                self._settle()
+                return self.sample(x, sched, noise, cond, conds, guidance, plan, between)  # a row down
+            start = 1
+        return self._loop(steps, start, v, noise, entry, between)
 
     def _loop(self, steps: list[tuple[ShapeKey, torch.cuda.CUDAGraph]], start: int, v: Views,
               noise: torch.Tensor | None, entry: torch.cuda.Event | None,
-              between: Iterator[Callable[[], object]] | None,
-              checking: _Checking | None = None) -> tuple[torch.Tensor | None, Iterator | None]:
+              between: Iterator[Callable[[], object]] | None) -> torch.Tensor:
         """`sample`'s loop: the replays of `steps` from step `start` on (the steps before it ran already), `between`'s
-        pieces between them; (the final latents, None). `checking`: the check of the batch's first step, whose
-        reference is the loop's first piece and whose outcome is read once the GPU has run it; where it fails the loop
-        stops there: (None, the `between` work left)."""
+        pieces between them; the final latents."""
         segment = None  # (key, start event, first step): consecutive steps of one kind, timed together
         pace = self.pace(self.models.device.type == "cuda")
         self._looping = steps[0][0].label
-        if checking is not None:
-            between = chain((checking.queue,), () if between is None else between)
         for i, (key, graph) in enumerate(steps[start:], start):
             if segment is None or segment[0] != key:
                 first = segment is None
@@ -820,26 +782,11 @@ class GraphRunner:
                     self.stats[steps[0][0]].leads.append((entry, segment[1]))
             pace.replay(graph, None if noise is None else lambda i=i: v.noise.copy_(noise[i]))
             between = pace.run(between)  # while the GPU runs the replays queued so far
-            if checking is not None and checking.check.ran():
-                if not self._verified(checking):
-                    return self._stopped(segment, i + 1, steps, pace), between
-                checking = None
-        if checking is not None and checking.check.measured is None:
-            between = run_between(between)  # its reference first: the pieces after it may be spare
         run_between(between, everything=True)
-        if checking is not None and not self._verified(checking):
-            return self._stopped(segment, len(steps), steps, pace), None
         self._looping = ""
         self._time(segment, len(steps))
         self.stats[steps[0][0]].gaps += pace.gaps
-        return v.x.clone(), None  # clone: the next batch overwrites the static buffer
-
-    def _stopped(self, segment: tuple | None, stop: int, steps: list, pace: Pace) -> None:
-        """A loop stopped by its first step's failed check: its replays so far counted, its latents none."""
-        self._looping = ""
-        self._time(segment, stop)
-        self.stats[steps[0][0]].gaps += pace.gaps
-        return None
+        return v.x.clone()  # clone: the next batch overwrites the static buffer
 
     def _can_capture_behind(self, key: ShapeKey) -> bool:
         """Whether `key`'s graph can be captured beside its own batch's first steps (`_behind`): it is not captured, has
@@ -854,17 +801,17 @@ class GraphRunner:
                 and self.buf.fits(key.shape))
 
     def _behind(self, key: ShapeKey, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-                conds: Conditions, guidance: torch.Tensor) -> tuple[int, _Checking] | None:
+                conds: Conditions, guidance: torch.Tensor) -> int | None:
         """The batch's first `OWN_STEPS` steps on `key`'s kernels outside the graph, on its static buffers, then its
         graph captured beside them (`_capture_beside`: no sync, the capture stream) while the GPU runs them, then its
-        first replay (the next step), to be checked against that step for the first image alone beside the loop
-        (`_first_step`). The first step is the graph's warm-up at its own rows: where a capture ahead warms up at
+        first replay (the next step) checked against that step for the first image alone (check.py
+        `first_step_of_part`). The first step is the graph's warm-up at its own rows: where a capture ahead warms up at
         the artifact's fewest rows and then meets the libraries' setup at the batch's rows again in the capture, with
         the GPU idle throughout (1.05-1.16 s before the bench job's first loop, docs/PERFORMANCE.md), here that setup
         is paid once, while the GPU runs the kernels launched so far, and the capture's host time is behind the steps.
-        Returns the step the loop goes on from and the first replay's check; None where a step outside the graph failed
-        (the shape has fallen back a row) or the capture failed (logged; the graph is captured before its loop then):
-        the batch runs again from its start."""
+        Returns the step the loop goes on from; None where a step outside the graph failed or the check did (the shape
+        has fallen back a row) or the capture failed (logged; the graph is captured before its loop then): the batch
+        runs again from its start."""
         if not self._bind(key):  # fell back a row (`_bind`)
             return None
         stats = self.stats.setdefault(key, GraphStats(key))
@@ -899,8 +846,11 @@ class GraphRunner:
         # the first replay, step OWN_STEPS, against the first image's step alone (`_can_capture_behind`) from the
         # latents and prediction the steps outside the graph left
         note = f"; captured beside its batch's first {OWN_STEPS} steps"
-        return OWN_STEPS + 1, self._first_step(key, self.graphs[key], v, v.x[:1].clone(), noise, OWN_STEPS,
-                                               v.prev[:1].clone(), note)
+        if not self._first_step(key, self.graphs[key], v, v.x[:1].clone(), sched, noise, cond, conds, guidance,
+                                OWN_STEPS, v.prev[:1].clone(), note):
+            self._settle()
+            return None
+        return OWN_STEPS + 1
 
     def _plan_graphs(self, shape: Shape, kinds: set[StepKind], inputs: tuple, first: bool = False) -> dict | None:
         """kind -> (key, graph) for each of `kinds`, captured and checked (DeepCache's full step before its shallow
