@@ -176,6 +176,49 @@ def test_render_graph_equals_eager(tmp_path):
         assert np.abs(a - b).max() <= 2, png.name
 
 
+def _stop_builds(cache) -> None:
+    """Kills the kernel builds a render started on `cache`: they run in sessions of their own and outlive it
+    (engine/kernels/builds.py)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    mark = f"BCG_CACHE={cache}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark in environ.read_bytes().split(b"\0"):
+                os.kill(int(environ.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+def test_a_first_render_on_an_empty_kernel_cache_renders_every_image_on_plain_graphs(tmp_path, monkeypatch):
+    """`--compile auto` on a cache without the job's kernels, a new machine's first render: its sizes run plain graphs
+    while their kernels build, in a runner that has the check ledger (engine/build.py), and every image renders, as
+    with `--compile off`. A plain graph's check once raised KeyError naming its ledger record, failing every such
+    batch."""
+    import shutil
+    from pathlib import Path
+
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.render import RenderOptions, render
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("BCG_CACHE", str(cache))
+    root = Path(__file__).resolve().parent.parent
+    for folder in ("control", "loras"):  # what the example job names, relative to it
+        shutil.copytree(root / "jobs" / folder, tmp_path / folder)
+    (tmp_path / "j.yaml").write_text((root / "jobs" / "episode1.yaml").read_text())
+    job = load_job(tmp_path / "j.yaml")
+    try:
+        auto = render(job, RenderOptions(out_dir=tmp_path / "auto", device="cuda", engine="graph", compile="auto"))
+    finally:
+        _stop_builds(cache)
+    assert auto.status == "done" and auto.rendered == 23, auto.report.graphs
+    plain = [g for g in auto.report.graphs if g["variant"] == "plain"]
+    assert plain and all(g["state"] == "graph" and g["reason"].startswith("checked") for g in plain), plain
+
+
 def _largest_live_blocks(n: int = 8) -> list:
     """The n largest CUDA blocks allocated now: (MB, whether in a graph's pool, the innermost frame of ours that
     allocated it), from torch's memory snapshot (its history must be recording for the frames)."""
