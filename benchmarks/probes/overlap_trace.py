@@ -141,6 +141,7 @@ def traced(owner, name: str, label: str, with_events: bool = False):
 
 def install(warmups: str) -> None:
     import storyboard_cli.engine.conditioning as conditioning_mod
+    import storyboard_cli.engine.graph.check as check_mod
     import storyboard_cli.engine.graph.runner as runner_mod
     import storyboard_cli.folder.sink as sink
     import storyboard_cli.run.batch as batch
@@ -177,6 +178,10 @@ def install(warmups: str) -> None:
     traced(runner_mod.GraphRunner, "_plan_graphs", "plan graphs", with_events=True)
     traced(runner_mod, "first_step", "first-step check", with_events=True)
     traced(runner_mod, "first_step_of_part", "first-step check, first images", with_events=True)
+    # within it: the reference step's host time (its launches, a library's setup at its rows) against its GPU time,
+    # and the comparison's wait (the forty-second session moved the check beside the loop and lost: which one to cut)
+    traced(runner_mod.GraphRunner, "part_step", "check's reference step", with_events=True)
+    traced(check_mod, "_compare", "check's comparison", with_events=True)
     traced(runner_mod.GraphRunner, "step", "step outside graph", with_events=True)
     traced(runner_mod.GraphRunner, "sample", "sample", with_events=True)
     # what can stay exposed at a render's start and end (the (f) job's 1.55 s outside denoising, twenty-third session)
