@@ -1137,3 +1137,22 @@ def test_a_plain_graph_in_a_run_with_the_ledger_is_checked_against_eager_and_kee
     assert (stats.key.variant, stats.state, stats.checked) == ("plain", "graph", True), stats.reason
     assert not list(tmp_path.glob("checked-*.json")) and not list(tmp_path.glob("plans-*.json"))
     assert rel_error(got, want) < 1e-4
+
+
+def test_a_check_record_whose_name_fails_is_no_record_and_the_batch_renders(artifacts, tmp_path, caplog):
+    """Naming a check's record can fail (a plain graph's once raised KeyError there): the graph is checked against the
+    eager step, nothing is kept, a warning says so, and the batch renders what the eager loop computes."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    models, runner, four, _ = _runs_with_a_ledger(artifacts, tmp_path)
+
+    def broken(*_):
+        raise RuntimeError("a marker that cannot be read")
+
+    runner.ledger._artifacts = broken
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        got, want = runner.sample(*four), EagerEngine(models).sample(*four)
+    assert "against" not in _first_reason(runner, 4) and _first_reason(runner, 4).startswith("checked")
+    assert not list(tmp_path.glob("checked-*.json"))
+    assert "no check record for" in caplog.text and "a marker that cannot be read" in caplog.text
+    assert rel_error(got, want) < 1e-4

@@ -8,8 +8,8 @@ A record's identity holds everything the eager check's outcome depends on: the g
 kind and dtype; the artifacts it runs at that size and precision (the UNet's, and with a guide the ControlNet's), by
 the digest its load marker names (a rebuilt artifact is another); the weights (the UNet with its attention processors and each ControlNet, by sampled values: a
 LoRA, a fine-tune or another file is other weights) and the files of the variant's constants (FP8's input scales);
-the device's name, torch's and CUDA's versions; and the variant's limit. A record that cannot be read or written is
-no record: the eager check runs.
+the device's name, torch's and CUDA's versions; and the variant's limit. A record that cannot be named, read or
+written is no record: the eager check runs.
 
 Beside them, the library calls a warm-up of each size's kernels made (`plans-<id>.json`, engine/kernels/plans.py), by
 the artifacts and the machine: a later run makes them ahead of that size's warm-up."""
@@ -30,6 +30,7 @@ from storyboard_cli.engine.graph.keys import ShapeKey, Warmed
 from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.fp8 import fingerprint
 from storyboard_cli.engine.variants import VARIANTS
+from storyboard_cli.errors import one_line
 from storyboard_cli.models.tiny import cache_root
 
 
@@ -51,7 +52,7 @@ class CheckLedger:
         """The images of the graph whose first replay an earlier run checked `key`'s kernels with, or None."""
         memo = (key, self.models.writes)
         if memo not in self._seen:
-            path = self._path(key)
+            path = self._record_path(key)
             if path is None:  # its kernels are not built yet: read again once they are
                 return None
             self._seen[memo] = self._read(path)
@@ -62,7 +63,7 @@ class CheckLedger:
         weights the kernels were bound to (no LoRA then, engine/kernels/calls.py): after an in-place write
         (SdxlModels.written, a LoRA swap) nothing is kept, so the records stay as many as the sizes and kinds a cache's
         models render, however many LoRA sets a farm's jobs bring."""
-        path = None if self.models.writes != self.bound_writes else self._path(key)
+        path = None if self.models.writes != self.bound_writes else self._record_path(key)
         if path is None:
             return
         try:
@@ -81,6 +82,16 @@ class CheckLedger:
             return int(json.loads(path.read_text())["batch"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("check record %s unreadable (%s): checking against the eager step", path.name, e)
+            return None
+
+    def _record_path(self, key: ShapeKey) -> Path | None:
+        """`_path`, or None where naming the record fails: a record saves an eager check, and its name failing costs
+        only the record, never the batch whose graph is checked (a plain graph's once raised KeyError here)."""
+        try:
+            return self._path(key)
+        except Exception as e:  # noqa: BLE001 - see above
+            log.warning("no check record for %s (%s): checked against the eager step, nothing kept", key.label,
+                        one_line(e, 160))
             return None
 
     def _path(self, key: ShapeKey) -> Path | None:
