@@ -46,6 +46,7 @@ class CheckLedger:
         self.root = root or compiled.root or cache_root() / "compiled"
         self._weights: tuple[int, list[str]] | None = None  # (the models' writes then, the fingerprints)
         self._seen: dict[tuple[ShapeKey, int], int | None] = {}  # read once per key and weights
+        self._unnamed: set[ShapeKey] = set()  # whose record's name failed (said once)
         self.bound_writes = models.writes  # the weights' writes when the kernels were bound (`record`)
 
     def seen(self, key: ShapeKey) -> int | None:
@@ -90,8 +91,10 @@ class CheckLedger:
         try:
             return self._path(key)
         except Exception as e:  # noqa: BLE001 - see above
-            log.warning("no check record for %s (%s): checked against the eager step, nothing kept", key.label,
-                        one_line(e, 160))
+            if key not in self._unnamed:  # once per graph: `seen` asks again at each look
+                self._unnamed.add(key)
+                log.warning("no check record for %s (%s): checked against the eager step, nothing kept", key.label,
+                            one_line(e, 160))
             return None
 
     def _path(self, key: ShapeKey) -> Path | None:
