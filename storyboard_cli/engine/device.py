@@ -39,12 +39,20 @@ def probe(device: torch.device) -> None:
         raise DeviceUnusable(f"{device}: the device does not work ({first_line(e, 200)})") from None
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index where it is a GPU named without one (the current one): as its tensors name it, and as a
+    child process or a record kept for another process must name it."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def capability(device: torch.device) -> tuple[int, int] | None:
     """The device's CUDA compute capability (None: not a CUDA device), asked of the driver once per GPU and process:
     every check of a kernel row (engine/variants.py) and every artifact key read it from here."""
     if device.type != "cuda":
         return None
-    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+    return _capability(indexed(device).index)
 
 
 @cache

@@ -60,7 +60,7 @@ import torch
 from storyboard_cli.engine.base import Shape, run_between
 from storyboard_cli.engine.conditioning import Cond
 from storyboard_cli.engine.conditions.kind import Conditions
-from storyboard_cli.engine.device import dtype_name
+from storyboard_cli.engine.device import dtype_name, indexed
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
 from storyboard_cli.engine.graph.check import first_replay, first_step, first_step_of_part
@@ -89,13 +89,6 @@ WARMUP_STEPS = 1
 OWN_STEPS = 2
 
 
-def _device_name(device: torch.device) -> str:
-    """`device` as its tensors name it (a GPU with its index): a kept plans record's calls are made there."""
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
-
-
 class GraphRunner:
     name = "graph"
 
@@ -117,7 +110,7 @@ class GraphRunner:
         # the library calls each warm-up made, and the pieces that plan them at a graph's rows before its capture
         # beside a loop (engine/kernels/plans.py)
         self.plans = Plans(models.device.type == "cuda", None if ledger is None else ledger.plans_path,
-                           _device_name(models.device))
+                           str(indexed(models.device)))  # a kept record's calls are made on this device
         # compiled graphs whose first replay matched the eager step, and the weights' writes then (`_check`)
         self.against_eager: list[tuple[ShapeKey, int]] = []
         # DeepCache's full steps by (shape, guided): today's step of that shape and rows replays the same graph (one

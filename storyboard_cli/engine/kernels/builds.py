@@ -30,7 +30,7 @@ import torch
 
 from storyboard_cli.engine.kernels.artifacts import Target, build
 from storyboard_cli.engine.kernels.export import tagged
-from storyboard_cli.engine.device import DTYPES, dtype_flag
+from storyboard_cli.engine.device import DTYPES, dtype_flag, indexed
 
 CORES_PER_BUILD = 2  # a build is mostly one Python thread (tracing, lowering, scheduling) plus compile workers
 HOST_BYTES_PER_BUILD = 12 << 30  # upper bound of a child's memory, compile workers included (docs/PERFORMANCE.md)
@@ -199,8 +199,7 @@ class Builds:
         b.path.parent.mkdir(parents=True, exist_ok=True)
         config = b.path.with_suffix(".config.json")
         config.write_text(json.dumps(dict(b.model.config), default=str))
-        device = self.device if self.device.index is not None or self.device.type != "cuda" else \
-            torch.device("cuda", torch.cuda.current_device())
+        device = indexed(self.device)
         cmd = [sys.executable, "-m", "storyboard_cli.engine.kernels.builds", b.target.module, type(b.model).__name__,
                str(config), dtype_flag(b.model.dtype), str(device), str(b.target.height), str(b.target.width), str(b.path),
                b.target.precision, str(b.target.refs), ",".join(b.target.tags)]
