@@ -656,6 +656,103 @@ def test_a_graph_checked_against_its_kernels_is_checked_on_its_batchs_first_step
         stats.reason)
 
 
+def _two_after_four_with_its_reference(artifacts, sampler: str = "euler", rows: int = 2):
+    """`_runner_at_two_row_counts` (the second batch `rows` images) with captures beside a loop, and each step
+    outside the graph at the batch's start counted (`direct`: its images); the inputs of both batches."""
+    from storyboard_cli.engine.sampling import draw_noise, schedule
+    from storyboard_cli.run.capture import synthetic_inputs
+
+    models, runner, four, two = _runner_at_two_row_counts(artifacts)
+    if rows != 2:
+        x, cond, conds, guidance = synthetic_inputs(models, rows, SIDE, SIDE, 0)
+        runner.prepare([Shape(rows, SIDE, SIDE, 0)])
+        two = (x, two[1], None, cond, conds, guidance)
+    if sampler != "euler":
+        sched = schedule(sampler, 3, models.scheduler_config)
+        x, noise = draw_noise(list(range(5, 5 + rows)), 3, tuple(two[0].shape[1:]), sched)
+        two = (x, sched, noise, *two[3:])
+    runner.beside_ready = lambda: True
+    direct, part = [], runner.part_step
+    runner.part_step = lambda v, x, noise, n, *at: (direct.append(n), part(v, x, noise, n, *at))[1]
+    return models, runner, four, two, direct
+
+
+@pytest.mark.parametrize("sampler", ["euler", "euler_a"])
+def test_a_batchs_first_step_check_takes_the_reference_made_beside_the_loop_before(artifacts, sampler):
+    """The reference of a batch's first-step check (its first image's step outside the graph, from its inputs) is
+    made between the replays of the loop before it (`check_ahead`), so the batch's start runs no step outside the
+    graph. Its latents are the same bits as where the check made the reference there, and equal the eager loop's."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    models, runner, four, two, direct = _two_after_four_with_its_reference(artifacts, sampler)
+    with torch.no_grad():
+        runner.sample(*four, None, runner.check_ahead(*two))
+        assert runner._reference is not None and runner._reference.n == 1
+        got = runner.sample(*two)
+        assert direct == [] and runner._reference is None  # taken
+        stats = next(s for s in runner.stats.values() if s.key.batch == 2)
+        assert stats.checked and stats.reason.endswith(
+            "against its kernels outside the graph at 1 image (against eager at 4 images); its reference made beside "
+            "the loop before"), stats.reason
+        _, again, _, two_again, direct_again = _two_after_four_with_its_reference(artifacts, sampler)
+        again.sample(*four)
+        want = again.sample(*two_again)
+        assert direct_again == [1]  # without it: the step at the batch's start
+        assert torch.equal(got, want)
+        assert rel_error(got, EagerEngine(models).sample(*two)) < 1e-3
+
+
+def test_a_reference_made_ahead_that_disagrees_with_the_replay_fails_the_check(artifacts):
+    """The reference made beside the loop before is what the replay is compared with: a wrong one (here, its latents
+    moved) fails the check like a wrong replay, and the shape falls back a row; the batch still renders the eager
+    loop's latents."""
+    from storyboard_cli.engine.eager import EagerEngine
+
+    models, runner, four, two, direct = _two_after_four_with_its_reference(artifacts)
+    with torch.no_grad():
+        runner.sample(*four, None, runner.check_ahead(*two))
+        runner._reference.out[0].add_(1.0)
+        got = runner.sample(*two)
+        want = EagerEngine(models).sample(*two)
+    failed = next(s for s in runner.stats.values() if s.key.batch == 2 and s.key.variant == "compiled")
+    assert failed.state != "graph" and "replay check failed" in failed.reason, failed.reason
+    assert rel_error(got, want) < 1e-3
+
+
+def test_a_reference_made_ahead_counts_only_for_its_batch_and_weights(artifacts):
+    """The reference stands for the batch whose inputs it was made from, on the weights as they were: another batch
+    of the same shape makes its own at its start; after a weight write (a LoRA swap) the graph is checked against the
+    eager step again, and the reference is not read."""
+    models, runner, four, two, direct = _two_after_four_with_its_reference(artifacts)
+    other = (two[0] + 0.5, *two[1:])
+    with torch.no_grad():
+        runner.sample(*four, None, runner.check_ahead(*two))
+        runner.sample(*other)
+        assert direct == [1]
+        stats = next(s for s in runner.stats.values() if s.key.batch == 2)
+        assert "beside the loop before" not in stats.reason
+
+    models, runner, four, two, direct = _two_after_four_with_its_reference(artifacts)
+    with torch.no_grad():
+        runner.sample(*four, None, runner.check_ahead(*two))
+        models.written(models.unet.conv_in.weight)
+        runner.sample(*two)
+    stats = next(s for s in runner.stats.values() if s.key.batch == 2)
+    assert direct == [] and stats.checked and "against" not in stats.reason, stats.reason  # against eager
+
+
+def test_a_one_image_batchs_reference_made_ahead_is_its_whole_step(artifacts):
+    """A batch of one image is checked on its whole step: the reference made ahead is that step, held to the
+    variant's limit for the same rows."""
+    models, runner, four, one, direct = _two_after_four_with_its_reference(artifacts, rows=1)
+    with torch.no_grad():
+        runner.sample(*four, None, runner.check_ahead(*one))
+        assert runner._reference.n == 1
+        runner.sample(*one)
+    stats = next(s for s in runner.stats.values() if s.key.batch == 1 and s.key.variant == "compiled")
+    assert direct == [] and stats.checked and stats.reason.endswith("its reference made beside the loop before")
+
+
 def _runs_with_a_ledger(artifacts, root):
     """`_runner_at_two_row_counts` with the checks of earlier runs under `root` read and written (a run: new models
     loaded from the cache, new kernels, a new runner)."""
