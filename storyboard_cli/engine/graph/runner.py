@@ -17,7 +17,8 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   capture that fails after less than a warm-up at its rows is tried again after one. The first replay of
   each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
   rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`,
-  whose reference is the step of the batch's first image alone, `part_step`);
+  whose reference is the step of the batch's first image alone, `part_step`, made beside the loop before where the
+  batch's inputs were made there, `check_ahead`);
   a capture failure or a mismatch sends that shape down the variant table (engine/variants.py: FP8 -> compiled ->
   plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
