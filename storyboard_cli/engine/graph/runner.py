@@ -72,6 +72,7 @@ from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.export import MAX_ROWS, MIN_ROWS
 from storyboard_cli.engine.kernels.plans import Plans, make
 from storyboard_cli.engine.sampling import Schedule
+from storyboard_cli.engine.streams import hand_over
 from storyboard_cli.engine.variants import EAGER, PLAIN, VARIANTS
 from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
@@ -624,6 +625,7 @@ class GraphRunner:
                 done = torch.cuda.Event() if cuda else None
                 if done is not None:
                     done.record()
+                    hand_over((x, noise, cond, conds, guidance), self.side)  # read here, whoever frees them
         except Exception as e:  # noqa: BLE001 - out of memory included: the loop in flight is not this batch's
             log.warning("the first-step check's reference of %s beside the loop of %s failed (%s): made at its batch",
                         key.label, self._looping or "the batch before", one_line(e, 200))
