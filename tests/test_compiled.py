@@ -753,6 +753,79 @@ def test_a_one_image_batchs_reference_made_ahead_is_its_whole_step(artifacts):
     assert direct == [] and stats.checked and stats.reason.endswith("its reference made beside the loop before")
 
 
+REFERENCE_JOB = """version: 1
+model: tiny
+buckets: [4, 2]
+defaults: {steps: 3, size: 128x128}
+shots:
+  - {id: a, prompt: a cliff, seed: 9, candidates: 4}
+  - {id: b, prompt: a lighthouse, seed: 1, candidates: 2}
+"""
+
+
+def _render_on_compiled_graphs(artifacts, tmp_path, out: str, beside: bool):
+    """`bcg render`'s path (run/render.py `render`) on a graph runner over the tiny UNet's compiled kernels (CPU
+    replays), captures beside the loops where `beside`: the result, the runner, the PNGs' pixels."""
+    import numpy as np
+    from PIL import Image
+
+    from storyboard_cli.engine.graph.keys import Warmed
+    from storyboard_cli.engine.graph.runner import GraphRunner
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.render import RenderOptions, render
+
+    from helpers.graphs import cpu_replays
+
+    (tmp_path / "job.yaml").write_text(REFERENCE_JOB)
+    models = load_sdxl("tiny", None, "cpu", torch.float32)
+    runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=CompiledKernels(models, None,
+                                                                                              root=artifacts))
+    cpu_replays(runner)
+    replay = runner.capturer
+
+    def capture(key):  # the bookkeeping of a real capture (GraphRunner._capture): what it ran
+        graph = replay(key)
+        runner.warmed.append(Warmed.of(key))
+        return graph
+
+    runner.capturer = capture
+    runner.beside_ready = lambda: beside
+    runner.beside_recorder = lambda v: replay(v.key)
+    result = render(load_job(tmp_path / "job.yaml"), RenderOptions(out_dir=tmp_path / out), models=models,
+                    engine=runner)
+    pixels = {p.name: np.asarray(Image.open(p)) for p in sorted((tmp_path / out).glob("*/*.png"))}
+    return result, runner, pixels
+
+
+def test_a_render_checks_its_second_batch_on_the_reference_made_beside_the_first_batchs_loop(artifacts, tmp_path,
+                                                                                              monkeypatch):
+    """`render` with captures beside the loops: the second batch's graph (the same kernels at other rows) is captured
+    beside the first batch's loop, with its inputs and then its first-step check's reference; its own start runs no
+    step outside the graph, and every picture is the same as where every graph was captured before the first
+    batch and the check made its reference at the batch's start."""
+    import numpy as np
+
+    from storyboard_cli.engine.graph.runner import GraphRunner
+
+    ahead, _, want = _render_on_compiled_graphs(artifacts, tmp_path, "ahead", beside=False)
+    direct, part = [], GraphRunner.part_step
+
+    def counted(self, v, x, noise, n, *at):  # a step outside the graph at a batch's start
+        direct.append(n)
+        return part(self, v, x, noise, n, *at)
+
+    monkeypatch.setattr(GraphRunner, "part_step", counted)
+    beside, runner, got = _render_on_compiled_graphs(artifacts, tmp_path, "beside", beside=True)
+    assert ahead.status == beside.status == "done" and ahead.rendered == beside.rendered == 6
+    stats = {s.key.batch: s for s in runner.stats.values() if s.key.variant == "compiled"}
+    assert stats[2].beside and stats[2].checked, runner.describe()
+    assert stats[2].reason.endswith("at 1 image (against eager at 4 images); its reference made beside the loop "
+                                    "before"), stats[2].reason
+    assert direct == []
+    assert want.keys() == got.keys() and len(got) == 6
+    assert all(np.array_equal(want[name], got[name]) for name in want)
+
+
 def _runs_with_a_ledger(artifacts, root):
     """`_runner_at_two_row_counts` with the checks of earlier runs under `root` read and written (a run: new models
     loaded from the cache, new kernels, a new runner)."""
