@@ -585,7 +585,7 @@ class GraphRunner:
         made beside that loop): the reference of its graph's first-step check (`_first_step`: its first image's step
         outside the graph, or its whole batch's), made there on the warm-ups' stream (`_reference_beside`). The
         batch's lead then holds its first replay and the comparison; otherwise it holds that step too, whose host
-        time the GPU waits through where the replay is shorter (a batch of one or two images): 0.05-0.26 s a
+        time the GPU waits through where the replay is shorter (a batch of one or two images): 0.03-0.25 s a
         batch of the bench job beyond a replay (docs/PERFORMANCE.md, forty-third session). None where the batch's
         plan has more than one kind of step or no capture runs beside a loop."""
         plan = plan or (FULL,) * sched.steps
