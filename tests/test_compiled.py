@@ -769,28 +769,17 @@ def _render_on_compiled_graphs(artifacts, tmp_path, out: str, beside: bool):
     import numpy as np
     from PIL import Image
 
-    from storyboard_cli.engine.graph.keys import Warmed
     from storyboard_cli.engine.graph.runner import GraphRunner
     from storyboard_cli.job.file import load_job
     from storyboard_cli.run.render import RenderOptions, render
 
-    from helpers.graphs import cpu_replays
+    from helpers.graphs import beside_replays
 
     (tmp_path / "job.yaml").write_text(REFERENCE_JOB)
     models = load_sdxl("tiny", None, "cpu", torch.float32)
     runner = GraphRunner(models, max_batch=4, max_hw=(SIDE, SIDE), compiled=CompiledKernels(models, None,
                                                                                               root=artifacts))
-    cpu_replays(runner)
-    replay = runner.capturer
-
-    def capture(key):  # the bookkeeping of a real capture (GraphRunner._capture): what it ran
-        graph = replay(key)
-        runner.warmed.append(Warmed.of(key))
-        return graph
-
-    runner.capturer = capture
-    runner.beside_ready = lambda: beside
-    runner.beside_recorder = lambda v: replay(v.key)
+    beside_replays(runner, beside)
     result = render(load_job(tmp_path / "job.yaml"), RenderOptions(out_dir=tmp_path / out), models=models,
                     engine=runner)
     pixels = {p.name: np.asarray(Image.open(p)) for p in sorted((tmp_path / out).glob("*/*.png"))}
