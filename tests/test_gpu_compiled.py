@@ -129,7 +129,10 @@ def test_a_batchs_first_step_check_takes_its_reference_made_beside_the_loop_befo
     first, second = (unguided(loop_inputs(models, s.batch, SIDE, SIDE, False, "euler_a", steps=4)) for s in shapes)
     direct, part = [], fresh.part_step
     fresh.part_step = lambda v, x, noise, n, *at: (direct.append(n), part(v, x, noise, n, *at))[1]
-    between = itertools.chain(fresh.ahead(shapes[1], {FULL}) or (), fresh.check_ahead(*second))
+    def asked(make):  # asked for as the loop reaches it, after the pieces before ran
+        yield from make() or ()
+
+    between = itertools.chain(asked(lambda: fresh.ahead(shapes[1], {FULL})), asked(lambda: fresh.check_ahead(*second)))
     got = [fresh.sample(*first, None, between)]
     key = fresh.shape_key(*shapes[1], FULL)
     assert key in fresh.graphs and fresh.stats[key].beside and fresh._reference is not None, fresh.describe()

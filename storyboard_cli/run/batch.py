@@ -375,9 +375,9 @@ class BatchRunner:
         the engine between the steps of the loop before `batch`'s, after the pieces that encode its prompts and draw
         its noise; `batch`'s run_batch takes them. The host's work between two loops is then the loop's own: a loop
         whose queueing returns with about one replay left on the GPU (engine/streams.py) no longer waits for the next
-        batch's inputs to be made. Then, in a piece of their own, the engine's pieces for those inputs
-        (Engine.check_ahead: a graph engine makes the batch's first-step check's reference), after the UNet's stream
-        waited for them. Only under the text encoders' LoRA set applied now (`encode_ahead`'s rule)."""
+        batch's inputs to be made. Then, in a piece of their own, the engine's pieces for those inputs where it has
+        any (Engine.check_ahead: a graph engine makes the batch's first-step check's reference), after the UNet's
+        stream waited for them. Only under the text encoders' LoRA set applied now (`encode_ahead`'s rule)."""
         if self.lora_problem(batch) or not self._same_text_loras(batch, text_loras):
             return None
 

@@ -586,15 +586,25 @@ class GraphRunner:
         outside the graph, or its whole batch's), made there on the warm-ups' stream (`_reference_beside`). The
         batch's lead then holds its first replay and the comparison; otherwise it holds that step too, whose host
         time the GPU waits through where the replay is shorter (a batch of one or two images): 0.03-0.25 s a
-        batch of the bench job beyond a replay (docs/PERFORMANCE.md, forty-third session). None where the batch's
-        plan has more than one kind of step or no capture runs beside a loop."""
+        batch of the bench job beyond a replay (docs/PERFORMANCE.md, forty-third session). None where there is none
+        to make now (`_wants_reference`), or the batch's plan has more than one kind of step."""
         plan = plan or (FULL,) * sched.steps
         if not self.beside_ready() or len(set(plan)) != 1:
             return None
         b, _, h, w = x.shape
         conds = conds or Conditions()
         shape = Shape(b, 8 * h, 8 * w, conds.bits)
+        self._share(shape, {plan[0]})
+        if not self._wants_reference(self.shape_key(*shape, plan[0])):
+            return None
         return iter([lambda: self._reference_beside(shape, plan[0], x, sched, noise, cond, conds, guidance)])
+
+    def _wants_reference(self, key: ShapeKey) -> bool:
+        """Whether `key`'s graph is captured and still to be checked on its batch's first step against its kernels
+        outside the graph (`_first_step_checks`), with those kernels loaded."""
+        stats = self.stats.get(key)
+        return (key in self.graphs and stats is not None and not stats.checked and self._first_step_checks(key)
+                and self._bound(key))
 
     def _reference_beside(self, shape: Shape, kind: StepKind, x: torch.Tensor, sched: Schedule,
                           noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
@@ -606,9 +616,7 @@ class GraphRunner:
         self._reference = None
         self._share(shape, {kind})
         key = self.shape_key(*shape, kind)
-        stats = self.stats.get(key)
-        if (key not in self.graphs or stats is None or stats.checked or not self._first_step_checks(key)
-                or not self._bound(key)):
+        if not self._wants_reference(key):
             return False
         n = 1 if self._one_image(key) else key.batch
         cuda = self.models.device.type == "cuda"
