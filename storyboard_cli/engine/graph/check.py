@@ -18,6 +18,7 @@ from storyboard_cli.engine.eager import sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
 from storyboard_cli.engine.graph.keys import ShapeKey
 from storyboard_cli.engine.sampling import Schedule
+from storyboard_cli.engine.streams import hand_over
 from storyboard_cli.engine.variants import VARIANTS
 from storyboard_cli.models.loader import SdxlModels
 
@@ -101,10 +102,8 @@ class Reference:
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Its step, for the current stream: that stream waits for it, and its memory stays its until read."""
         if self.done is not None:
-            stream = torch.cuda.current_stream()
-            stream.wait_event(self.done)
-            for t in self.out:
-                t.record_stream(stream)
+            torch.cuda.current_stream().wait_event(self.done)
+            hand_over(self.out)
         return self.out
 
 

@@ -595,9 +595,10 @@ class GraphRunner:
         conds = conds or Conditions()
         shape = Shape(b, 8 * h, 8 * w, conds.bits)
         self._share(shape, {plan[0]})
-        if not self._wants_reference(self.shape_key(*shape, plan[0])):
+        key = self.shape_key(*shape, plan[0])
+        if not self._wants_reference(key):
             return None
-        return iter([lambda: self._reference_beside(shape, plan[0], x, sched, noise, cond, conds, guidance)])
+        return iter([lambda: self._reference_beside(key, x, sched, noise, cond, conds, guidance)])
 
     def _wants_reference(self, key: ShapeKey) -> bool:
         """Whether `key`'s graph is captured and still to be checked on its batch's first step against its kernels
@@ -606,17 +607,15 @@ class GraphRunner:
         return (key in self.graphs and stats is not None and not stats.checked and self._first_step_checks(key)
                 and self._bound(key))
 
-    def _reference_beside(self, shape: Shape, kind: StepKind, x: torch.Tensor, sched: Schedule,
-                          noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
+    def _reference_beside(self, key: ShapeKey, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None,
+                          cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
         """`check_ahead`'s piece: where the batch's graph is captured and still to be checked on its first step
         against its kernels outside the graph (`_first_step_checks`), that step of its first image (of the whole
         batch where the check takes it: `_one_image`) on the warm-ups' stream, after the work queued so far (no host
         wait), kept for the batch's `sample`. A failure is logged and leaves the step to the check. Returns whether
         it made one."""
         self._reference = None
-        self._share(shape, {kind})
-        key = self.shape_key(*shape, kind)
-        if not self._wants_reference(key):
+        if not self._wants_reference(key):  # as when it was offered, unless a piece before changed that
             return False
         n = 1 if self._one_image(key) else key.batch
         cuda = self.models.device.type == "cuda"
