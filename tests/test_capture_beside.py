@@ -163,40 +163,6 @@ def test_a_loop_captures_the_next_batchs_graphs_then_spares_for_the_batches_afte
     assert log == []  # a batch on the fallback engine captures nothing for the others
 
 
-class _CheckedEngine(_AskedEngine):
-    """`_AskedEngine` whose `check_ahead` is asked too (its piece logged with the latents it was given), and whose
-    `sample` logs the latents each batch starts from."""
-
-    def check_ahead(self, x, sched, noise, cond, conds, guidance, plan=None):
-        self.log.append(("check asked", x))
-        return iter([lambda: self.log.append(("check ran", x))])
-
-    def sample(self, x, *args, **kwargs):
-        self.log.append(("sample", x))
-        return self.eager.sample(x, *args, **kwargs)
-
-
-def test_the_next_batchs_inputs_made_beside_the_loop_are_what_its_check_is_made_ahead_from(job_dir, tiny_cpu):
-    """Beside a batch's loop, once the next batch's inputs are made there, the engine is asked for its pieces for
-    those inputs (a graph engine makes that batch's first-step check's reference) and they run in the same loop: from
-    the very latents the next batch's own loop then starts from."""
-    from storyboard_cli.job.plan import make_batches, work_items
-    from storyboard_cli.run.batch import BatchRunner
-
-    job = load_job(write_job(job_dir, JOB_SIZES.replace("STEPS", "40")))
-    batches = make_batches(work_items(job), job.buckets)
-    log = []
-    runner = BatchRunner(tiny_cpu, _CheckedEngine(tiny_cpu, log))
-    runner.run_batch(batches[0], upcoming=batches[1:])
-    first = [entry for entry in log if entry[0] != "asked" and entry[0] != "ran"]
-    assert [e[0] for e in first] == ["sample", "check asked", "check ran"], first
-    assert first[1][1] is first[2][1] and first[1][1] is not first[0][1]
-    log.clear()
-    runner.run_batch(batches[1], upcoming=batches[2:])
-    started = next(entry[1] for entry in log if entry[0] == "sample")
-    assert started is first[1][1]  # the next batch starts from the latents its check was made from
-
-
 def test_a_spare_capture_waits_for_its_sizes_kernels_to_be_built(tiny_cpu):
     """A graph runner asked for a spare capture of a shape whose compiled kernels this run still builds gives none (the
     compiled graph will replace one captured now); once they are in the cache, or where the run compiles nothing, the

@@ -1,7 +1,6 @@
 """CPU tests of the engine bookkeeping: shape keys, engine choice, fallback to eager with a reason."""
 
 import inspect
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,7 +60,7 @@ def test_both_engines_implement_the_protocol(tiny_cpu):
     """isinstance against a runtime-checkable Protocol only looks the names up: each method's parameters are held to
     the Protocol's too, so a call written against Engine runs on either engine."""
     methods = [n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")]
-    assert methods == ["sample", "prepare", "ahead", "check_ahead", "release", "can_run", "describe"]
+    assert methods == ["sample", "prepare", "ahead", "release", "can_run", "describe"]
     assert not _fits(inspect.signature(lambda self, shapes: None), inspect.signature(Engine.prepare))
     for engine, name in ((EagerEngine(tiny_cpu), "eager"), (GraphRunner(tiny_cpu), "graph")):
         assert isinstance(engine, Engine) and engine.name == name
@@ -74,10 +73,6 @@ def test_both_engines_implement_the_protocol(tiny_cpu):
     assert eager.can_run(Shape(8, 64, 64, True)) and eager.describe() == []
     assert eager.ahead(Shape(8, 64, 64, True), {FULL}) is None  # nothing to get ready beside a loop
     assert GraphRunner(tiny_cpu).ahead(Shape(1, 64, 64, False), {FULL}) is None  # no CUDA: no capture
-    x = torch.zeros(1, 4, 8, 8)
-    inputs = (x, None, None, None, None, torch.ones(1))
-    assert eager.check_ahead(*inputs) is None  # no check to make ahead
-    assert GraphRunner(tiny_cpu).check_ahead(x, SimpleNamespace(steps=2), *inputs[2:]) is None  # no CUDA: none
 
 
 def test_auto_engine_on_cpu_is_eager_with_a_note(tiny_cpu):

@@ -109,42 +109,6 @@ def test_a_compiled_graph_that_needs_a_warm_up_gets_it_beside_the_loop_before(se
         assert rows[key.label]["batches"] == 1 and rows[key.label]["lead_ms"] > 0, rows[key.label]
 
 
-def test_a_batchs_first_step_check_takes_its_reference_made_beside_the_loop_before(setup):
-    """The next batch's graph captured beside a loop, then its first-step check's reference (its first image's step
-    outside the graph, from its inputs) made there on the warm-ups' stream with no sync (`check_ahead`): its own start
-    runs no step outside the graph, its first replay is checked against that reference once the current stream waited
-    for it, and both loops stay close to the uncompiled eager loops."""
-    import itertools
-
-    from storyboard_cli.engine.base import Shape
-    from storyboard_cli.engine.graph.runner import GraphRunner
-    from storyboard_cli.engine.kernels.calls import CompiledKernels
-    from storyboard_cli.steps import FULL
-
-    models, runner, eager = setup
-    kernels = CompiledKernels(models, None, root=runner.compiled.root)
-    fresh = GraphRunner(models, max_batch=2, max_hw=(SIDE, SIDE), compiled=kernels)
-    shapes = [Shape(1, SIDE, SIDE, 0), Shape(2, SIDE, SIDE, 0)]
-    fresh.prepare(shapes[:1])
-    first, second = (unguided(loop_inputs(models, s.batch, SIDE, SIDE, False, "euler_a", steps=4)) for s in shapes)
-    direct, part = [], fresh.part_step
-    fresh.part_step = lambda v, x, noise, n, *at: (direct.append(n), part(v, x, noise, n, *at))[1]
-    def asked(make):  # asked for as the loop reaches it, after the pieces before ran
-        yield from make() or ()
-
-    between = itertools.chain(asked(lambda: fresh.ahead(shapes[1], {FULL})), asked(lambda: fresh.check_ahead(*second)))
-    got = [fresh.sample(*first, None, between)]
-    key = fresh.shape_key(*shapes[1], FULL)
-    assert key in fresh.graphs and fresh.stats[key].beside and fresh._reference is not None, fresh.describe()
-    got.append(fresh.sample(*second))
-    stats = fresh.stats[key]
-    assert direct == [] and stats.state == "graph" and stats.checked, fresh.describe()
-    assert stats.reason.endswith("at 1 image (against eager at 1 images); its reference made beside the loop before"), (
-        stats.reason)
-    assert_rel_close(got[0], eager.sample(*first), RTOL)
-    assert_rel_close(got[1], eager.sample(*second), RTOL)
-
-
 def test_a_second_process_loads_from_the_cache(setup):
     from storyboard_cli.models.tiny import cache_root
 

@@ -182,8 +182,6 @@ def install(warmups: str) -> None:
     # and the comparison's wait (the forty-second session moved the check beside the loop and lost: which one to cut)
     traced(runner_mod.GraphRunner, "part_step", "check's reference step", with_events=True)
     traced(check_mod, "_compare", "check's comparison", with_events=True)
-    # the reference made beside the loop before the batch (GraphRunner.check_ahead): its host and GPU times there
-    traced(runner_mod.GraphRunner, "_reference_beside", "check's reference beside", with_events=True)
     traced(runner_mod.GraphRunner, "step", "step outside graph", with_events=True)
     traced(runner_mod.GraphRunner, "sample", "sample", with_events=True)
     # what can stay exposed at a render's start and end (the (f) job's 1.55 s outside denoising, twenty-third session)

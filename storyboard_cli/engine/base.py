@@ -72,14 +72,6 @@ class Engine(Protocol):
         runs by then."""
         ...
 
-    def check_ahead(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-                    conds: Conditions | None, guidance: torch.Tensor,
-                    plan: StepPlan | None = None) -> Iterator[Callable[[], object]] | None:
-        """Pieces of `between` work for the loop before the batch of these inputs (`sample`'s, made there): what
-        that batch's own start would do with them (a graph engine makes its first-step check's reference); None
-        when there is nothing to do."""
-        ...
-
     def release(self) -> None:
         """Give back the memory held for speed (after an out-of-memory); later batches still run."""
         ...

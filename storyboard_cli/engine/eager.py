@@ -161,11 +161,6 @@ class EagerEngine:
     def ahead(self, shape: Shape, kinds: set[StepKind], spare: bool = False) -> Iterator[Callable[[], object]] | None:
         return None
 
-    def check_ahead(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-                    conds: Conditions | None, guidance: torch.Tensor,
-                    plan: StepPlan | None = None) -> Iterator[Callable[[], object]] | None:
-        return None
-
     def release(self) -> None:
         if self.models.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -375,28 +375,14 @@ class BatchRunner:
         the engine between the steps of the loop before `batch`'s, after the pieces that encode its prompts and draw
         its noise; `batch`'s run_batch takes them. The host's work between two loops is then the loop's own: a loop
         whose queueing returns with about one replay left on the GPU (engine/streams.py) no longer waits for the next
-        batch's inputs to be made. Then, in a piece of their own, the engine's pieces for those inputs where it has
-        any (Engine.check_ahead: a graph engine makes the batch's first-step check's reference), after the UNet's
-        stream waited for them. Only under the text encoders' LoRA set applied now (`encode_ahead`'s rule)."""
+        batch's inputs to be made. Only under the text encoders' LoRA set applied now (`encode_ahead`'s rule)."""
         if self.lora_problem(batch) or not self._same_text_loras(batch, text_loras):
             return None
 
         def make() -> None:
             self.made = (batch, self.make_inputs(batch, text_loras)[0])
 
-        def check() -> None:
-            made = self.made[1] if self.made is not None and self.made[0] is batch else None
-            if made is None or not made.items:
-                return
-            pieces = self.engine.check_ahead(made.x, made.sched, made.noise, made.cond, made.conds, made.guidance,
-                                             batch.key.plan)
-            if pieces is not None:
-                with self.lanes.inputs():  # the UNet's stream waits for the inputs, and what it queues after
-                    pass
-                for piece in pieces:
-                    piece()
-
-        return iter([make, check])
+        return iter([make])
 
     def _same_text_loras(self, batch: Batch, text_loras: tuple) -> bool:
         """Whether `batch`'s text-encoder LoRA set is `text_loras` (the set applied now)."""

@@ -2,12 +2,10 @@
 variant's kernels, the static buffers it reads) computes the step. The reference is the eager step, or (`direct`) the
 graph's own step run outside the graph on the same buffers, where the runner has checked the same kernels against the
 eager step at other rows (engine/graph/runner.py `_check`), or that step for the batch's first images alone
-(`first_step_of_part`), made beside the loop before the batch where its inputs were made there (`Reference`). The
-limit is the variant's (engine/variants.py)."""
+(`first_step_of_part`). The limit is the variant's (engine/variants.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,7 +16,6 @@ from storyboard_cli.engine.eager import sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
 from storyboard_cli.engine.graph.keys import ShapeKey
 from storyboard_cli.engine.sampling import Schedule
-from storyboard_cli.engine.streams import hand_over
 from storyboard_cli.engine.variants import VARIANTS
 from storyboard_cli.models.loader import SdxlModels
 
@@ -82,31 +79,6 @@ def first_step(buf: Buffers, v: Views, replay: Callable[[], None], direct: Calla
     return result
 
 
-@dataclass
-class Reference:
-    """A first-step check's reference made ahead of its batch (engine/graph/runner.py `check_ahead`): the step of the
-    batch's first `n` images (all of them where the check takes the whole batch) outside the graph, from the batch's
-    own inputs, on the warm-ups' stream beside the loop before. It stands for `first_step_of_part`'s `part` only for
-    the batch of the latents `x` it was made from, on the graph `key` and the weights as they were (`writes`)."""
-
-    key: ShapeKey
-    x: torch.Tensor
-    writes: int
-    n: int
-    out: tuple[torch.Tensor, torch.Tensor]  # (next latents, prediction) of the first n images
-    done: torch.cuda.Event | None  # on its stream, after it (None on the CPU)
-
-    def fits(self, key: ShapeKey, x: torch.Tensor, writes: int) -> bool:
-        return self.key == key and self.x is x and self.writes == writes
-
-    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Its step, for the current stream: that stream waits for it, and its memory stays its until read."""
-        if self.done is not None:
-            torch.cuda.current_stream().wait_event(self.done)
-            hand_over(self.out)
-        return self.out
-
-
 def first_step_of_part(v: Views, replay: Callable[[], None], part: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                        noise: torch.Tensor | None, n: int) -> tuple[float, str]:
     """(relative error, why it fails or "") of a graph's first replay where it is the batch's first step (the batch
@@ -116,15 +88,14 @@ def first_step_of_part(v: Views, replay: Callable[[], None], part: Callable[[], 
     static buffers, the pool or the launch order breaks the first images' rows too. It costs a step of `n` images where
     `first_step` costs one of the batch, and nothing is loaded again: the buffers keep the replay's step. The two sides
     run the kernels at different rows, which may round apart: the limit is the variant's `alone_rtol`, far above
-    that; where `n` is the whole batch (a reference made ahead of it: `Reference`), the variant's `check_rtol`."""
+    that."""
     if noise is not None:
         v.noise.copy_(noise)
     replay()
     x_next, denoised = part()
     if not torch.isfinite(v.x[n:]).all():
         return float("nan"), "NaN/inf in the latents of the batch's other images"
-    limit = VARIANTS[v.key.variant].alone_rtol if n < v.key.batch else None
-    return _compare(v.key, [(v.x[:n], x_next), (v.prev[:n], denoised)], limit)
+    return _compare(v.key, [(v.x[:n], x_next), (v.prev[:n], denoised)], VARIANTS[v.key.variant].alone_rtol)
 
 
 def _compare(key: ShapeKey, pairs: list[tuple[torch.Tensor, torch.Tensor]],

@@ -17,8 +17,7 @@ methods (`shape_key`, `stats_of`, `stats`, `describe`, `feature_mb`).
   capture that fails after less than a warm-up at its rows is tried again after one. The first replay of
   each is checked against the eager step on the same inputs (a compiled graph whose kernels were checked so at other
   rows: against its own step outside the graph, `_check`, and that replay is its batch's first step, `_first_step`,
-  whose reference is the step of the batch's first image alone, `part_step`, made beside the loop before where the
-  batch's inputs were made there, `check_ahead`);
+  whose reference is the step of the batch's first image alone, `part_step`);
   a capture failure or a mismatch sends that shape down the variant table (engine/variants.py: FP8 -> compiled ->
   plain -> eager), with the reason.
 - Draft mode's step kinds (steps.StepKind: the conditional rows alone after the guidance cut-off or at
@@ -64,7 +63,7 @@ from storyboard_cli.engine.conditions.kind import Conditions
 from storyboard_cli.engine.device import dtype_name, indexed
 from storyboard_cli.engine.eager import EagerEngine, sample_step
 from storyboard_cli.engine.graph.buffers import Buffers, Views
-from storyboard_cli.engine.graph.check import Reference, first_replay, first_step, first_step_of_part
+from storyboard_cli.engine.graph.check import first_replay, first_step, first_step_of_part
 from storyboard_cli.engine.graph.keys import GraphStats, ShapeKey, Warmed
 from storyboard_cli.engine.graph.ledger import CheckLedger
 from storyboard_cli.engine.graph.pace import Pace
@@ -72,7 +71,6 @@ from storyboard_cli.engine.kernels.calls import CompiledKernels
 from storyboard_cli.engine.kernels.export import MAX_ROWS, MIN_ROWS
 from storyboard_cli.engine.kernels.plans import Plans, make
 from storyboard_cli.engine.sampling import Schedule
-from storyboard_cli.engine.streams import hand_over
 from storyboard_cli.engine.variants import EAGER, PLAIN, VARIANTS
 from storyboard_cli.errors import one_line
 from storyboard_cli.models.loader import SdxlModels
@@ -130,7 +128,6 @@ class GraphRunner:
         self.beside_warmer: Callable[[ShapeKey], None] = self._warm_on_scratch  # a warm-up there (`_warm_beside`)
         self._warmed_beside: set[ShapeKey] = set()  # warmed up beside a loop, their capture still to come
         self._not_behind: set[ShapeKey] = set()  # whose capture beside their own first steps failed (`_behind`)
-        self._reference: Reference | None = None  # the next batch's first-step check's, made ahead (`check_ahead`)
         self._spent = (0.0, 0.0)  # the last capture's warm-up and end-of-capture seconds (`_record`)
         self._looping = ""  # the label of the graph whose loop runs now (`sample`): what a capture beside it names
         self._allocate(max_batch, max_hw[0] * max_hw[1])
@@ -217,18 +214,12 @@ class GraphRunner:
         own: `x` the batch's latents at that step, `prev` its prediction of the step before (None at the first step),
         `noise` that step's; the text, guidance and kinds read from `v`, loaded with the batch (the replay leaves them
         as they are). (next latents, prediction)."""
-        return self._step_alone(v.key, x, noise, n, self.buf.table[i], v.cond, v.conds, v.guidance, i, prev)
-
-    def _step_alone(self, key: ShapeKey, x: torch.Tensor, noise: torch.Tensor | None, n: int, row: torch.Tensor,
-                    cond: Cond, conds: Conditions, guidance: torch.Tensor, i: int = 0,
-                    prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`part_step` from the batch's inputs as given (`row`: the schedule's row of step `i`)."""
-        b = key.batch
+        key, b = v.key, v.key.batch
         calls = None if key.variant == PLAIN else self.compiled.calls_for(key.variant)
         zero = torch.zeros_like(x[:n])
         return sample_step(self.models, x[:n].clone(), zero if prev is None else prev[:n].clone(),
-                           zero if noise is None else noise[:n].clone(), row, cond.first_images(n, b),
-                           conds.first_images(n, b).at(i), guidance[:n].clone(), calls, key.step, None, i)
+                           zero if noise is None else noise[:n].clone(), self.buf.table[i], v.cond.first_images(n, b),
+                           v.conds.first_images(n, b).at(i), v.guidance[:n].clone(), calls, key.step, None, i)
 
     def _capture(self, key: ShapeKey) -> torch.cuda.CUDAGraph:
         if self.models.device.type != "cuda":
@@ -578,68 +569,6 @@ class GraphRunner:
             with self.plans.recording(*self._plan_id(small)):
                 self.stepper(scratch.view(small))
 
-    def check_ahead(self, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
-                    conds: Conditions | None, guidance: torch.Tensor,
-                    plan: StepPlan | None = None) -> Iterator[Callable[[], object]] | None:
-        """A piece of `between` work for the loop before the batch of these inputs (as its `sample` will get them,
-        made beside that loop): the reference of its graph's first-step check (`_first_step`: its first image's step
-        outside the graph, or its whole batch's), made there on the warm-ups' stream (`_reference_beside`). The
-        batch's lead then holds its first replay and the comparison; otherwise it holds that step too, whose host
-        time the GPU waits through where the replay is shorter (a batch of one or two images): 0.03-0.25 s a
-        batch of the bench job beyond a replay (docs/PERFORMANCE.md, forty-third session). None where there is none
-        to make now (`_wants_reference`), or the batch's plan has more than one kind of step."""
-        plan = plan or (FULL,) * sched.steps
-        if not self.beside_ready() or len(set(plan)) != 1:
-            return None
-        b, _, h, w = x.shape
-        conds = conds or Conditions()
-        shape = Shape(b, 8 * h, 8 * w, conds.bits)
-        self._share(shape, {plan[0]})
-        key = self.shape_key(*shape, plan[0])
-        if not self._wants_reference(key):
-            return None
-        return iter([lambda: self._reference_beside(key, x, sched, noise, cond, conds, guidance)])
-
-    def _wants_reference(self, key: ShapeKey) -> bool:
-        """Whether `key`'s graph is captured and still to be checked on its batch's first step against its kernels
-        outside the graph (`_first_step_checks`), with those kernels loaded."""
-        stats = self.stats.get(key)
-        return (key in self.graphs and stats is not None and not stats.checked and self._first_step_checks(key)
-                and self._bound(key))
-
-    def _reference_beside(self, key: ShapeKey, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None,
-                          cond: Cond, conds: Conditions, guidance: torch.Tensor) -> bool:
-        """`check_ahead`'s piece: where the batch's graph is captured and still to be checked on its first step
-        against its kernels outside the graph (`_first_step_checks`), that step of its first image (of the whole
-        batch where the check takes it: `_one_image`) on the warm-ups' stream, after the work queued so far (no host
-        wait), kept for the batch's `sample`. A failure is logged and leaves the step to the check. Returns whether
-        it made one."""
-        self._reference = None
-        if not self._wants_reference(key):  # as when it was offered, unless a piece before changed that
-            return False
-        n = 1 if self._one_image(key) else key.batch
-        cuda = self.models.device.type == "cuda"
-        if cuda and self.side is None:
-            self.side = torch.cuda.Stream()
-        if cuda:
-            self.side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(self.side) if cuda else nullcontext():
-                # from pinned memory: a copy from pageable memory would wait for the stream (engine/streams.py)
-                row = sched.table[0].pin_memory().to(x.device, non_blocking=True) if cuda else sched.table[0]
-                first = None if noise is None else noise[0]
-                out = self._step_alone(key, x, first, n, row, cond, conds.like(self.buf.view(key).conds), guidance)
-                done = torch.cuda.Event() if cuda else None
-                if done is not None:
-                    done.record()
-                    hand_over((x, noise, cond, conds, guidance), self.side)  # read here, whoever frees them
-        except Exception as e:  # noqa: BLE001 - out of memory included: the loop in flight is not this batch's
-            log.warning("the first-step check's reference of %s beside the loop of %s failed (%s): made at its batch",
-                        key.label, self._looping or "the batch before", one_line(e, 200))
-            return False
-        self._reference = Reference(key, x, self.models.writes, n, out, done)
-        return True
-
     def _capture_beside(self, key: ShapeKey) -> bool:
         """Captures `key`'s graph while the replays queued before still run (`ahead`): on torch's capture stream, into
         the shared pool, in thread-local mode (the decode thread's calls stay legal), with none of a capture's usual
@@ -707,7 +636,6 @@ class GraphRunner:
             stats.state, stats.reason, stats.checked = "released", reason, False
         self.graphs.clear()
         self._warmed_beside.clear()
-        self._reference = None
         self.pool = None
         self.buf.feature = None  # DeepCache's: no graph points at it any more
         gc.collect()
@@ -761,12 +689,6 @@ class GraphRunner:
             return graph
         return graph if self._check(key, graph, *inputs) else None
 
-    @staticmethod
-    def _one_image(key: ShapeKey) -> bool:
-        """Whether `key`'s first-step check takes its first image alone (check.py `first_step_of_part`): a guided
-        batch of more than one image, on a variant whose rows round close enough (`alone_rtol`)."""
-        return key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
-
     def _first_step_checks(self, key: ShapeKey) -> bool:
         """Whether `key`'s graph is checked on its batch's first step: its kernels were checked against the eager step
         at other rows, and the step writes no DeepCache feature (whose check reads the buffer's copy before it)."""
@@ -774,22 +696,18 @@ class GraphRunner:
 
     def _first_step(self, key: ShapeKey, graph: torch.cuda.CUDAGraph, v: Views, x: torch.Tensor, sched: Schedule,
                     noise: torch.Tensor | None, cond: Cond, conds: Conditions, guidance: torch.Tensor, i: int = 0,
-                    prev: torch.Tensor | None = None, note: str = "", ref: Reference | None = None) -> bool:
+                    prev: torch.Tensor | None = None, note: str = "") -> bool:
         """The batch's first step on `key`'s graph, checked against the graph's step outside it (the buffers loaded with
         the batch): for the batch's first image alone where the graph has more and is guided (graph/check.py
         `first_step_of_part` at 1 image: a step of one image, not of the batch), else for the batch (`first_step`).
         The graph's first replay may be a later step `i` (`_behind`, which checks on the first image alone): `x` and
-        `prev` are then the latents and prediction the steps before left; `note` ends the reason. `ref`: the
-        reference made beside the loop before (`check_ahead`), used where it is this batch's. True and the buffers
+        `prev` are then the latents and prediction the steps before left; `note` ends the reason. True and the buffers
         after that step, or the shape falls back a row with the reason."""
         seen = self._checked_kernels(key)
         first = None if noise is None else noise[i]
         # the check runs the first image alone (check.py first_step_of_part) where the row's rounding allows
-        one = self._one_image(key)
-        if ref is not None and i == 0 and ref.fits(key, x, self.models.writes):  # made beside the loop before
-            err, problem = first_step_of_part(v, graph.replay, ref.take, first, ref.n)
-            note = f"; its reference made beside the loop before{note}"
-        elif one:
+        one = key.batch > 1 and key.step.guided and VARIANTS[key.variant].alone_rtol is not None
+        if one:
             err, problem = first_step_of_part(v, graph.replay, lambda: self.part_step(v, x, first, 1, i, prev), first,
                                               1)
         else:
@@ -813,7 +731,6 @@ class GraphRunner:
         if self.compiled is not None:
             self.compiled.poll()  # between batches: kernels finished in the background since the last one
         entry = self._event()  # what runs before the loop counts from here (GraphStats.leads)
-        ref, self._reference = self._reference, None  # made for this batch beside the loop before, or another's
         b, _, h, w = x.shape
         conds = conds or Conditions()
         shape = Shape(b, 8 * h, 8 * w, conds.bits)
@@ -834,7 +751,7 @@ class GraphRunner:
         v.load(self.buf, x, sched, cond, conds, guidance)
         start = 0
         if not self.stats[steps[0][0]].checked:  # left to the batch's first step (`_checked_graph`)
-            if not self._first_step(*steps[0], v, x, sched, noise, cond, conds, guidance, ref=ref):
+            if not self._first_step(*steps[0], v, x, sched, noise, cond, conds, guidance):
                 del steps, graphs, v  # the failed graph: freed before the shape's next row is captured
                 self._settle()
                 return self.sample(x, sched, noise, cond, conds, guidance, plan, between)  # a row down
@@ -872,8 +789,9 @@ class GraphRunner:
         fits the buffers; on a device where captures beside run (`beside_ready`)."""
         stats = self.stats.get(key)
         return (self.beside_ready() and key not in self.graphs and key not in self._not_behind
-                and (stats is None or stats.state in ("pending", "released")) and self._one_image(key)
-                and self._first_step_checks(key) and self.buf.fits(key.shape))
+                and (stats is None or stats.state in ("pending", "released")) and key.batch > 1 and key.step.guided
+                and VARIANTS[key.variant].alone_rtol is not None and self._first_step_checks(key)
+                and self.buf.fits(key.shape))
 
     def _behind(self, key: ShapeKey, x: torch.Tensor, sched: Schedule, noise: torch.Tensor | None, cond: Cond,
                 conds: Conditions, guidance: torch.Tensor) -> int | None:
