@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from conftest import write_job
-from helpers.graphs import beside_replays
+from helpers.graphs import cpu_replays
+from storyboard_cli.engine.graph.keys import Warmed
 from storyboard_cli.engine.graph.runner import GraphRunner
 from storyboard_cli.job.file import as_draft, load_job
 from storyboard_cli.run.render import RenderOptions, render
@@ -26,7 +27,17 @@ shots:
 
 def _render(job, out, models, beside: bool):
     runner = GraphRunner(models, max_batch=1, max_hw=(64, 64))
-    captured = beside_replays(runner, beside)
+    captured = cpu_replays(runner)
+    replay = runner.capturer
+
+    def capture(key):  # the bookkeeping of a real capture: what it ran, so that later captures skip the warm-up
+        graph = replay(key)
+        runner.warmed.append(Warmed.of(key))
+        return graph
+
+    runner.capturer = capture
+    runner.beside_ready = lambda: beside
+    runner.beside_recorder = lambda v: replay(v.key)
     result = render(job, RenderOptions(out_dir=out), models=models, engine=runner)
     return result, runner, captured
 

@@ -21,22 +21,3 @@ def cpu_replays(runner: GraphRunner) -> list:
     runner.capturer = Replay
     return captured
 
-
-
-def beside_replays(runner: GraphRunner, beside: bool) -> list:
-    """`cpu_replays` with a real capture's bookkeeping (what it ran, so that later captures skip the warm-up), and
-    captures beside the loops where `beside` (each 'captured' there the same way)."""
-    from storyboard_cli.engine.graph.keys import Warmed
-
-    captured = cpu_replays(runner)
-    replay = runner.capturer
-
-    def capture(key):
-        graph = replay(key)
-        runner.warmed.append(Warmed.of(key))
-        return graph
-
-    runner.capturer = capture
-    runner.beside_ready = lambda: beside
-    runner.beside_recorder = lambda v: replay(v.key)
-    return captured
