@@ -86,6 +86,7 @@ def test_a_graph_that_needs_a_warm_up_is_captured_before_the_first_batch(job_dir
     """Plain graphs at other rows run other kernels: a warm-up on the static buffers the loop in flight reads would
     break that loop, so such a graph is never left to the loop before it."""
     text = JOB.replace("{id: b, prompt: a lighthouse, seed: 1}", "{id: b, prompt: a lighthouse, seed: 1, candidates: 2}")
+    text = text.replace("controlnet: tiny\n", "controlnet: tiny\nbuckets: [1, 2, 4, 8]\n")  # b and d: 2 + 1 images
     job = load_job(write_job(job_dir, text + "  - {id: d, prompt: a boat, seed: 3}\n"))
     result, runner, _ = _render(job, tmp_path / "out", tiny_cpu, beside=True)
     assert result.status == "done" and result.rendered == 5

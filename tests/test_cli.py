@@ -115,9 +115,9 @@ def test_capture_lists_a_jobs_draft_loops():
     job = str(ROOT / "jobs" / "bench.yaml")
     plain, draft = (runner.invoke(app, ["capture", job, *extra], terminal_width=200) for extra in ([], ["--draft"]))
     assert plain.exit_code == 0 and "draft loops" not in plain.output
-    assert draft.exit_code == 0 and "11 draft loops on them:" in draft.output
+    assert draft.exit_code == 0 and "8 draft loops on them:" in draft.output
     assert "8x1024x1024 16/30 guided, deepcache 10 full + 20 shallow b0" in draft.output
-    assert "4x832x1216 +control 16/30 guided, deepcache 5 full + 9 shallow b0, ControlNet 16/30" in draft.output
+    assert "7x832x1216 +control 16/30 guided, deepcache 5 full + 9 shallow b0, ControlNet 16/30" in draft.output
     alone = runner.invoke(app, ["capture", "--draft"])
     assert alone.exit_code == 2 and "--draft needs a job" in alone.output
 

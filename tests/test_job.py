@@ -66,7 +66,7 @@ shots:
     a, b = job.shots
     assert (a.width, a.height, a.steps, a.guidance, a.sampler) == (832, 1216, 12, 4.0, "euler")
     assert (b.width, b.height, b.steps) == (512, 768, 20)
-    assert job.buckets == (1, 2, 4, 8)
+    assert job.buckets == (1, 2, 3, 4, 5, 6, 7, 8)
     assert job.output_dir == Path("outputs") / "t"
 
 

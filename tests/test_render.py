@@ -147,6 +147,33 @@ def test_out_of_memory_splits_the_batch(job, tmp_path, tiny_cpu, monkeypatch):
     assert any("out of GPU memory at 4 x" in n for n in result.notes)
 
 
+def test_out_of_memory_halves_a_batch_of_every_bucket_size(job_dir, tmp_path, tiny_cpu, monkeypatch):
+    """With the default buckets (every size up to 8), a batch of 8 that does not fit is retried as 4 + 4, not 7 + 1
+    (then 6 + 1, ...: one more out-of-memory for each size on the way down), and a later batch of 8 is split so before
+    it runs; the pictures are the ones the batch renders when it fits."""
+    text = JOB.replace("candidates: 4}", "candidates: 8}").replace("shots:", "shots:\n  - {id: z, prompt: a gull,"
+                                                                    " seed: 90, candidates: 8}")
+    job = load_job(write_job(job_dir, text))
+    assert job.buckets == tuple(range(1, 9))
+    real, sizes = EagerEngine.sample, []
+
+    def small_memory(self, x, *args):
+        sizes.append(x.shape[0])
+        if x.shape[0] > 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, x, *args)
+
+    fits = render(job, RenderOptions(out_dir=tmp_path / "fits"), models=tiny_cpu)
+    monkeypatch.setattr(EagerEngine, "sample", small_memory)
+    result = render(job, RenderOptions(out_dir=tmp_path / "o"), models=tiny_cpu)
+    assert result.status == "done" and result.rendered == fits.rendered == 18
+    ran_out = [n for n in result.notes if "out of GPU memory at" in n]
+    assert len(ran_out) == 1 and "at 8 x" in ran_out[0] and "retried in buckets of at most 4" in ran_out[0], ran_out
+    assert sizes.count(8) == 1 and sizes.count(4) == 4, sizes  # the second batch of 8: split before it ran
+    for png in sorted((tmp_path / "fits").glob("*/*.png")):
+        assert np.abs(_pixels(png) - _pixels(tmp_path / "o" / png.parent.name / png.name)).max() <= 1, png
+
+
 def test_out_of_memory_at_capture_frees_graphs_and_splits(job, tmp_path, tiny_cpu, monkeypatch):
     """Capture runs out of memory at every size: the batch is split down to one image, then eager."""
     from storyboard_cli.engine.graph.runner import GraphRunner

@@ -36,7 +36,7 @@ NAMED_SIZES = {
     "landscape": (1216, 832),
     "wide": (1344, 768),
 }
-DEFAULT_BUCKETS = (1, 2, 4, 8)
+DEFAULT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8)  # every size up to 8: a group never splits into more batches than it must
 MIN_SIDE, MAX_SIDE = 64, 4096
 MAX_CANDIDATES = 64
 MAX_BUCKET = 64
