@@ -245,6 +245,26 @@ def test_a_wrong_value_is_said_in_plain_words(tmp_path, case):
     assert not any(python in message for python in ("None", "b'", "datetime", "True")), message
 
 
+SUB_MAPPINGS = {  # a shot's optional mappings: not a mapping, an unknown key, the key each needs left out (a block
+    # mapping's line is its first key's)
+    "hires_string": ("    hires: big\n", 6, "hires", "must be a mapping like {scale: 1.5, strength: 0.35, steps: 12}, "
+                                                  "or off; got a string ('big')"),
+    "hires_unknown": ("    hires:\n      scale: 1.5\n      scael: 2\n", 8, "hires.scael", "unknown key; did you mean "
+                                                                                          "'scale'?"),
+    "hires_no_scale": ("    hires:\n      strength: 0.3\n", 7, "hires.scale", "missing (the upscale factor, e.g. "
+                                                                              "1.5)"),
+    "deepcache_no_interval": ("    deepcache: {branch: 1}\n", 6, "deepcache.interval", "missing (the full UNet runs "
+                                                                                         "every N-th step)"),
+}
+
+
+@pytest.mark.parametrize("case", SUB_MAPPINGS, ids=str)
+def test_a_shots_sub_mapping_names_its_line_and_the_key_at_fault(tmp_path, case):
+    text, line, field, expect = SUB_MAPPINGS[case]
+    message = _load_error(tmp_path, f"version: 1\nmodel: tiny\nshots:\n  - id: s1\n    prompt: x\n{text}")
+    assert message == f":{line} shot 's1' field '{field}': {expect}", message
+
+
 def test_a_wrong_top_level_value_is_said_in_plain_words(tmp_path):
     message = _load_error(tmp_path, "version: 2024-01-02\nmodel: tiny\nshots:\n  - {id: s1, prompt: x}\n")
     assert message.endswith("field 'version': must be 1, got 2024-01-02"), message

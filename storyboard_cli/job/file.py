@@ -25,7 +25,7 @@ from storyboard_cli.job.kind import ShotSource
 from storyboard_cli.job.lora_files import LORA_TAG
 from storyboard_cli.job.preflight import expanded, job_spec
 from storyboard_cli.job.values import (SAFE_NAME, SAFE_NAME_RULE, Context, as_float, as_int, as_str, check_keys,
-                                       given, line_of, type_name)
+                                       given, line_of, sub_mapping, type_name)
 from storyboard_cli.job.yaml_loader import SHOT_ID, Located, clip, read_yaml, short_repr
 from storyboard_cli.samplers import MAX_STEPS, SAMPLERS
 from storyboard_cli.steps import NO_DEEPCACHE, DeepCache, guided_steps
@@ -204,14 +204,10 @@ def _resolve_shot(ctx: Context, raw: Any, index: int, defaults: Located, job_dir
 
 def _deepcache(ctx: Context, raw: Any, line: int | None, shot_id: str) -> DeepCache:
     """`deepcache: {interval: N, branch: K}` (branch 0 when left out); `off`, `false` or nothing: off."""
-    if raw is None or raw is False:
+    raw = sub_mapping(ctx, raw, line, shot_id, "deepcache", DEEPCACHE_KEYS, "{interval: 3, branch: 0}", "interval",
+                      "the full UNet runs every N-th step")
+    if raw is None:
         return NO_DEEPCACHE
-    if not isinstance(raw, Located):
-        raise ctx.fail(line, shot_id, "deepcache", f"must be a mapping like {{interval: 3, branch: 0}}, or off; "
-                       f"got {given(raw)}")
-    check_keys(ctx, raw, DEEPCACHE_KEYS, shot_id, prefix="deepcache.")
-    if "interval" not in raw:
-        raise ctx.fail(raw.line, shot_id, "deepcache.interval", "missing (the full UNet runs every N-th step)")
     interval = as_int(ctx, raw["interval"], line_of(raw, "interval"), shot_id, "deepcache.interval", 2,
                        MAX_INTERVAL)
     branch = as_int(ctx, raw.get("branch", 0), line_of(raw, "branch", raw.line), shot_id, "deepcache.branch", 0,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from storyboard_cli.job.values import Context, as_float, as_int, as_str, check_keys, given, line_of
-from storyboard_cli.job.yaml_loader import Located, short_repr
+from storyboard_cli.job.values import Context, as_float, as_int, as_str, line_of, sub_mapping
+from storyboard_cli.job.yaml_loader import short_repr
 from storyboard_cli.samplers import MAX_STEPS
 
 HIRES_KEYS = ("scale", "strength", "steps", "upscaler")
@@ -62,14 +62,10 @@ def read_hires(ctx: Context, raw: Any, line: int | None, shot_id: str, width: in
                steps: int) -> Hires | None:
     """`hires: {scale, strength, steps, upscaler}`; `off`, `false` or nothing: none. The size it makes must fit
     `MAX_HIRES_SIDE`, and the pass must run a step."""
-    if raw is None or raw is False:
+    raw = sub_mapping(ctx, raw, line, shot_id, "hires", HIRES_KEYS, "{scale: 1.5, strength: 0.35, steps: 12}",
+                      "scale", "the upscale factor, e.g. 1.5")
+    if raw is None:
         return None
-    if not isinstance(raw, Located):
-        raise ctx.fail(line, shot_id, "hires", f"must be a mapping like {{scale: 1.5, strength: 0.35, steps: 12}}, "
-                       f"or off; got {given(raw)}")
-    check_keys(ctx, raw, HIRES_KEYS, shot_id, prefix="hires.")
-    if "scale" not in raw:
-        raise ctx.fail(raw.line, shot_id, "hires.scale", "missing (the upscale factor, e.g. 1.5)")
     scale_line = line_of(raw, "scale")
     scale = as_float(ctx, raw["scale"], scale_line, shot_id, "hires.scale", 1.0, MAX_SCALE)
     w, h = hires_size(width, height, scale)

@@ -140,6 +140,20 @@ def given(value: Any) -> str:
     return f"{type_name(value)} ({short_repr(value)})"
 
 
+def sub_mapping(ctx: Context, raw: Any, line: int | None, shot: str, field: str, allowed: tuple[str, ...],
+                like: str, required: str, meaning: str) -> Located | None:
+    """A shot's optional mapping `field: {...}` (`off`, `false` or nothing: None), its keys checked and `required`
+    present (`meaning` says what it is, in the message when it is missing)."""
+    if raw is None or raw is False:
+        return None
+    if not isinstance(raw, Located):
+        raise ctx.fail(line, shot, field, f"must be a mapping like {like}, or off; got {given(raw)}")
+    check_keys(ctx, raw, allowed, shot, prefix=f"{field}.")
+    if required not in raw:
+        raise ctx.fail(raw.line, shot, f"{field}.{required}", f"missing ({meaning})")
+    return raw
+
+
 def as_int(ctx: Context, value: Any, line: int | None, shot: str | None, field: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ctx.fail(line, shot, field, f"must be an integer, got {given(value)}")
