@@ -176,6 +176,39 @@ def test_render_graph_equals_eager(tmp_path):
         assert np.abs(a - b).max() <= 2, png.name
 
 
+
+def test_a_plain_job_on_models_and_graphs_kept_from_a_controlnet_job_equals_its_own_render(tmp_path):
+    """What a service's worker does when a job without a ControlNet follows one with (serve/lease_session.py's
+    Hot.covers): the plain job renders on the models and engine warmed and used for the ControlNet job, its net
+    loaded and unused; its pixels are those of its own render on models loaded for it alone, exactly."""
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.render import RenderOptions, render, warm
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "jobs" / "control", tmp_path / "control")
+    head = "version: 1\nmodel: tiny\n{nets}defaults: {{steps: 4, size: 256x256, candidates: 2}}\nshots:\n"
+    (tmp_path / "cn.yaml").write_text(head.format(nets="controlnet: tiny\n") + (
+        "  - {id: c, prompt: a keeper, seed: 7, control: {image: control/hero_pose.png, scale: 0.8}}\n"
+        "  - {id: n, prompt: a keeper at rest, seed: 8}\n"))
+    (tmp_path / "plain.yaml").write_text(head.format(nets="") + "  - {id: p, prompt: a pier at dusk, seed: 9}\n")
+    opts = dict(device="cuda", dtype="fp16", engine="graph", compile="off")
+    cn = load_job(tmp_path / "cn.yaml")
+    models, engine = warm(cn, RenderOptions(out_dir=tmp_path / "cn", **opts))
+    assert render(cn, RenderOptions(out_dir=tmp_path / "cn", **opts), models=models, engine=engine).rendered == 4
+    plain = load_job(tmp_path / "plain.yaml")
+    kept = render(plain, RenderOptions(out_dir=tmp_path / "kept", **opts), models=models, engine=engine)
+    alone = render(plain, RenderOptions(out_dir=tmp_path / "alone", **opts))
+    assert kept.rendered == alone.rendered == 2 and models.controlnets
+    for png in (tmp_path / "alone").rglob("*.png"):
+        a = np.asarray(Image.open(png))
+        assert np.array_equal(a, np.asarray(Image.open(tmp_path / "kept" / png.relative_to(tmp_path / "alone"))))
+
 def _stop_builds(cache) -> None:
     """Kills the kernel builds a render started on `cache`: they run in sessions of their own and outlive it
     (engine/kernels/builds.py)."""

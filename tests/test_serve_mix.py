@@ -14,7 +14,7 @@ from storyboard_cli.folder.layout import MANIFEST, REPORT_JSON
 from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, render
 
-from conftest import write_job
+from conftest import ROOT, write_job
 from helpers.serve import Server, free_port, pixels, start_worker, stop
 
 HEAD = """version: 1
@@ -121,6 +121,54 @@ def test_a_worker_loads_again_for_more_region_slots_and_keeps_its_models_for_few
             spare = name in ("again", "none")
             assert np.abs(pixels(served / png) - pixels(alone / png)).max() <= (1 if spare else 0), name
         assert loads == [1, 2, 2, 2]
+    finally:
+        stop(worker)
+        server.kill_everything()
+
+
+KEPT = """version: 1
+model: tiny
+MODELS
+buckets: [1]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: s, prompt: a lighthouse keeper on the stairs, seed: SEED SHOT}
+"""
+NETS = ("controlnet: tiny", ", control: {image: CONTROL, scale: 0.8}")
+ADAPTER = ("ip_adapter: tiny", ", reference: {image: REF, scale: 0.6}")
+PLAIN = ("", "")
+
+
+@pytest.mark.slow  # a server and a rendering worker process, five jobs one after another
+def test_a_worker_keeps_its_controlnet_for_a_job_without_one_and_loads_again_after_an_adapter(tmp_path):
+    """A job without a ControlNet after one with runs on the models loaded for that one (its net stays, unused), and
+    a ControlNet job after it too; the IP-Adapter's UNet is not kept for a job without references (its attention
+    runs in every step), nor a plain UNet for one with. Every PNG equals `bcg render`'s of its job alone, exactly."""
+    from helpers.serve import metric
+
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "pose.png").write_bytes((ROOT / "jobs/control/hero_pose.png").read_bytes())
+    (inputs / "mei.png").write_bytes((ROOT / "jobs/refs/mei.png").read_bytes())
+    server = Server(tmp_path / "root", free_port())
+    server.start(lease_s=10, gpus="none", extra=("--allow-dir", str(inputs)))
+    worker = start_worker(server.url, "w")
+    try:
+        loads = []
+        order = (("control", NETS), ("plain", PLAIN), ("control-again", NETS), ("reference", ADAPTER),
+                 ("plain-again", PLAIN))
+        for seed, (name, (models, shot)) in enumerate(order):
+            text = (KEPT.replace("MODELS", models).replace("SEED", str(seed)).replace(" SHOT", shot)
+                    .replace("CONTROL", str(inputs / "pose.png")).replace("REF", str(inputs / "mei.png")))
+            job_id = httpx.post(server.url + "/v1/jobs", content=text, headers=YAML).json()["id"]
+            assert server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"))["state"] == "succeeded", name
+            loads.append(metric(server.url, "bcg_model_loads_total"))
+            alone = render(load_job(write_job(tmp_path, text, f"{name}.yaml")),
+                           RenderOptions(out_dir=tmp_path / name)).out_dir  # its own models, loaded for it alone
+            served = server.root / "jobs" / job_id / "out"
+            (png,) = sorted(p.relative_to(served).as_posix() for p in served.glob("*/*.png"))
+            assert np.array_equal(pixels(served / png), pixels(alone / png)), name
+        assert loads == [1, 1, 1, 2, 3]
     finally:
         stop(worker)
         server.kill_everything()

@@ -60,6 +60,9 @@ class Kind(Protocol):
     # (the key naming the image a picture starts from, the key of the area it repaints) where the kind is what a
     # picture starts from (`bcg refine` and a hires pass start theirs from a candidate through it); else ()
     start_keys: tuple[str, ...]
+    # whether its models, loaded for an earlier job, stay loaded for a job that names none of them: that job's images
+    # render on those models as on models without them (a service's worker then loads nothing for it)
+    kept_unused: bool
     JobPart: type  # the frozen, keyword-only dataclasses whose fields Job, Shot, WorkItem and BucketKey inherit
     ShotPart: type
     ItemPart: type
@@ -189,6 +192,7 @@ class Quiet:
     steps skipped, no A1111 fields, no boxes on the sheet...): a row overrides what it does."""
 
     start_keys: tuple[str, ...] = ()
+    kept_unused: bool = True  # a kind without models has none to drop
 
     def resolve_job(self, ctx: Any, doc: Any, model: str, job_dir: Path, loras: dict) -> dict:
         return {}

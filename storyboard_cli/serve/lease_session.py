@@ -68,12 +68,22 @@ class Hot:
         self.warm.clear()
 
     def for_job(self, job: Job) -> None:
+        """Drops the models unless they serve `job`; `spec` stays what the kept models were loaded for."""
         spec = (job.model, *(tuple(spec for _, spec in kind.models(job)) for kind in KINDS))
         m = self.models
         lacking = m is not None and any(kind.needs(job) and not kind.loaded(m, job) for kind in KINDS)
-        if spec != self.spec or lacking:  # other models, or a kind's (a ControlNet) the first job did not need
+        if not self.covers(spec, job) or lacking:  # other models, or a kind's (a ControlNet) the first job did not need
             self.forget()
             self.spec = spec
+
+    def covers(self, spec: tuple, job: Job) -> bool:
+        """Whether the models loaded for `self.spec` are `job`'s (of `spec`): the same model and, kind by kind, the
+        same models, or models the job does not need of a kind whose unused models stay (`Kind.kept_unused`: a
+        ControlNet job's worker renders a job without one on its models, loading nothing)."""
+        if self.spec is None or spec[0] != self.spec[0]:
+            return False
+        return all(mine == theirs or (kind.kept_unused and not kind.needs(job))
+                   for kind, mine, theirs in zip(KINDS, self.spec[1:], spec[1:]))
 
 
 @dataclass

@@ -102,6 +102,7 @@ class Control(Quiet):
     report_keys = ("controlnets",)
     names = ("ShotControl", "SHORTHAND_NET", "control_mask")
     shown = 1  # after the references
+    kept_unused = True  # a net runs only for an image with a control image: the others run the UNet alone
     JobPart, ShotPart, ItemPart, KeyPart, SummaryPart = JobPart, ShotPart, ItemPart, KeyPart, SummaryPart
 
     # ------------------------------------------------------------ the YAML

@@ -100,6 +100,8 @@ class References(Quiet):
     report_keys = ("characters", "references")
     names = ("Reference", "Character", "REFERENCE_SLOTS")
     shown = 0  # a shot's references before its guides
+    # the adapter's attention runs in every UNet step, with its own kernels: a job without references loads a plain UNet
+    kept_unused = False
     JobPart, ShotPart, ItemPart, KeyPart, SummaryPart = JobPart, ShotPart, ItemPart, KeyPart, SummaryPart
 
     # ------------------------------------------------------------ the YAML
