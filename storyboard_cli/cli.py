@@ -379,6 +379,9 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
                                                      "visible here (they are sent whenever they are not).")] = False,
            root: Annotated[Path, typer.Option(help="Where this worker keeps its copies of job folders when it does "
                                                    "not share the server's filesystem.")] = Path("bcg-worker"),
+           max_inputs_gb: Annotated[float, typer.Option(min=0, help="Most disk the input files downloaded into "
+                                                        "--root (control images, LoRAs) may take: the least recently "
+                                                        "used go first, and come again when a job needs them.")] = 20.0,
            warm: WarmOpt = None, token: WorkerTokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto", kernels: KernelsOpt = None,
            fp8: Fp8Opt = False) -> None:
@@ -390,7 +393,7 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
     with _domain_errors():  # a device or options it cannot render with: one line, exit 2, before it registers
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
                                  compile=compile, token=token, upload=upload, root=root, warm=warm,
-                                 kernels=kernels_name(kernels, fp8)))
+                                 kernels=kernels_name(kernels, fp8), max_inputs_gb=max_inputs_gb))
 
 
 @app.command()

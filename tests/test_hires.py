@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from conftest import write_job
 from storyboard_cli.cli import app
 from storyboard_cli.errors import JobError
+from storyboard_cli.folder.layout import MANIFEST
 from storyboard_cli.folder.outputs import manifest_record, parameters_text
 from storyboard_cli.job.file import load_job
 from storyboard_cli.job.hires import Hires, hires_size
@@ -177,27 +178,38 @@ def test_a_hires_render_keeps_the_base_writes_the_candidate_at_the_new_size_and_
 
 
 @pytest.mark.slow
-def test_a_hires_job_served_to_a_worker_without_the_servers_files(tmp_path):
-    """`bcg serve` + `bcg worker --upload --root elsewhere`: the candidates land in the server's folder at the pass's
-    size with the planned fingerprints (the first passes stay on the worker)."""
+@pytest.mark.parametrize("remote", [False, True], ids=["shared", "upload"])
+def test_a_hires_job_served_lands_in_one_lease_as_bcg_render_writes_it(tmp_path, remote):
+    """`bcg serve` + `bcg worker` (on the server's folders, or `--upload --root elsewhere`): the candidates land in
+    the server's folder at the pass's size with the planned fingerprints, their first passes beside them and in the
+    manifest as `bcg render` writes them, each lease completed at once (the first pass was refused as not the
+    lease's: the lease expired and its images were rendered again)."""
     import httpx
 
-    from helpers.serve import Server, free_port, start_worker, stop
+    from storyboard_cli.run.render import RenderOptions, render
+
+    from helpers.serve import Server, free_port, metric, start_worker, stop
 
     path = write_job(tmp_path, RENDER)
     job = load_job(path)
     server = Server(tmp_path / "root", free_port()).start(lease_s=10, gpus="none")
-    worker = start_worker(server.url, "remote", "--upload", "--root", str(tmp_path / "elsewhere"))
+    worker = start_worker(server.url, "w", *(("--upload", "--root", str(tmp_path / "elsewhere")) if remote else ()))
     try:
         job_id = httpx.post(server.url + "/v1/jobs", content=path.read_bytes(),
                             headers={"Content-Type": "application/yaml"}).json()["id"]
         state = server.wait(job_id, lambda j: j["state"] in ("succeeded", "failed"))
         assert state["state"] == "succeeded", state
+        assert metric(server.url, "bcg_lease_expiries_total") == 0 and all(i["attempts"] == 1 for i in state["images"])
         served = server.root / "jobs" / job_id / "out"
         for item in work_items(job):
             size, meta, _, _ = _png(served / item.outputs[0])
             assert meta["fingerprint"] == item.fingerprint(job.model)
             assert size == ((96, 144) if item.shot == "a" else (128, 192) if item.shot == "b" else (64, 96))
+        alone = render(job, RenderOptions(out_dir=tmp_path / "alone")).out_dir
+        lines = [sorted(json.loads(x)["path"] for x in (out / MANIFEST).read_text().splitlines())
+                 for out in (served, alone)]
+        assert lines[0] == lines[1] and len([p for p in lines[0] if p.endswith(".base.png")]) == 3
+        assert all((served / p).is_file() for p in lines[0])
     finally:
         stop(worker)
         server.kill_everything()

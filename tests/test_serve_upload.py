@@ -105,13 +105,107 @@ def test_a_worker_with_another_root_uploads_what_a_shared_worker_would_write(tmp
         assert all(r["sha256"] == ref_lines[r["path"]]["sha256"] for r in lines)
         assert (served / INDEX).is_file() and json.loads((served / REPORT_JSON).read_text())["status"] == "done"
         copy = (tmp_path / "elsewhere" / "jobs" / job_id / "out").resolve()
-        assert sorted(p.relative_to(copy).as_posix() for p in copy.glob("*/*.png")) == names  # rendered there
+        assert sorted(p.name for p in copy.iterdir()) == ["a", "b"]  # rendered there,
+        assert not list(copy.rglob("*.png"))  # and each PNG removed once sent
 
         again = httpx.post(server.url + "/v1/jobs", content=path.read_bytes(), headers=YAML).json()["id"]
         twin = server.wait(again, lambda j: j["state"] in ("succeeded", "failed"))
         assert twin["state"] == "succeeded" and all(i["cached"] for i in twin["images"])  # twins fetched over HTTP
         for name in names:
             assert np.abs(pixels(server.root / "jobs" / again / "out" / name) - pixels(ref / name)).max() == 0
+        assert not list((tmp_path / "elsewhere").rglob("*.png"))  # neither the copies nor the twins downloaded
+    finally:
+        stop(worker)
+        server.kill_everything()
+
+
+def test_a_workers_store_is_trimmed_least_recently_used_first_and_keeps_what_it_is_told(tmp_path):
+    import os
+
+    from storyboard_cli.serve.blobs import BlobStore
+
+    store = BlobStore(tmp_path / "w")
+    old, kept, mid, new = (store.put(bytes([i]) * 1000) for i in range(4))
+    for age, digest in enumerate((new, mid, kept, old)):  # old: used longest ago
+        os.utime(store.path(digest), (1000 - 100 * age, 1000 - 100 * age))
+    store.path(old, ".png")  # a named link goes with its blob
+    os.utime(store.path(old), (600, 600))
+    assert store.trim(4000, set()) == ([], 0)  # within the bound: nothing
+    assert store.trim(2000, {kept}) == ([old, mid], 2000)  # kept is older than mid, but named
+    assert not store.has(old) and not list(store.dir.glob(f"*/{old}*")) and store.used() == 2000
+    assert store.trim(0, {kept, new}) == ([], 0) and store.has(kept) and store.has(new)
+
+
+
+def test_a_lease_done_removes_only_the_pngs_it_wrote_into_a_copy_never_the_servers_own(tmp_path):
+    """--upload with the server's own root as --root: the copy is the server's folder, and nothing in it is removed."""
+    from storyboard_cli.serve.inputs_cache import InputFiles
+    from storyboard_cli.serve.lease_session import Hot, Outcome
+    from storyboard_cli.serve.wire import Lease
+    from storyboard_cli.serve.worker import tidy
+
+    (tmp_path / "root" / "jobs" / "j1").mkdir(parents=True)
+    served = write_job(tmp_path / "root" / "jobs" / "j1", JOB)  # the server's job folder
+    job = LeasedJob(path=str(served), out_dir=str(served.parent / "out"), job_file="job.yaml", job_text=JOB)
+    lease = Lease(lease="l1", job="j1", jobs={"j1": job}, expires=0, ttl=10, images=[])
+    outcome = Outcome(records={"j1": [{"path": "a/a_c0_s1.png"}]})
+    for root, removed in ((tmp_path / "root", False), (tmp_path / "w", True)):  # the server's root; its own
+        where = place("j1", job, WorkerOptions("http://s", root=root, upload=True))
+        png = where.out_dir / "a" / "a_c0_s1.png"
+        png.parent.mkdir(parents=True, exist_ok=True)
+        png.write_bytes(b"png")
+        other = png.with_name("a_c1_s2.png")  # not the lease's
+        other.write_bytes(b"png")
+        tidy(lease, {"j1": where}, outcome, InputFiles(None, root.resolve()), Hot())
+        assert png.exists() != removed and other.exists(), root
+
+LORA_JOB = """version: 1
+model: tiny
+controlnet: tiny
+loras: {mei: LORA}
+buckets: [1]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a keeper, seed: SEED, lora: {mei: 0.8}, control: {image: CONTROL, scale: 0.8}}
+"""
+
+
+@pytest.mark.slow  # a server and a rendering worker process, four jobs one after another
+def test_a_remote_workers_disk_keeps_neither_the_pngs_it_sent_nor_inputs_past_its_bound(tmp_path):
+    """A worker without the server's files (its own --root, --upload): once a lease is done, its copies of the job
+    folders hold none of the PNGs it sent, and with --max-inputs-gb 0 its store holds only the files of the last
+    lease's jobs: a job whose files were removed downloads them again and renders the same pixels."""
+    import hashlib
+    import shutil
+
+    from storyboard_cli.serve import client
+
+    from conftest import ROOT
+
+    for name, src in (("pose.png", "jobs/control/hero_pose.png"), ("valley.png", "jobs/control/valley_layout.png"),
+                      ("mei.safetensors", "jobs/loras/mei.safetensors")):
+        shutil.copy(ROOT / src, tmp_path / name)
+    digest = {name: hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+              for name in ("pose.png", "valley.png", "mei.safetensors")}
+    server = Server(tmp_path / "root", free_port())
+    server.start(lease_s=10, gpus="none")
+    here = tmp_path / "elsewhere"
+    worker = start_worker(server.url, "remote", "--upload", "--root", str(here), "--max-inputs-gb", "0")
+    try:
+        done = []
+        for name, control, seed in (("a", "pose.png", 1), ("b", "valley.png", 2), ("a2", "pose.png", 1)):
+            path = write_job(tmp_path, LORA_JOB.replace("LORA", "mei.safetensors").replace("CONTROL", control)
+                             .replace("SEED", str(seed)), f"{name}.yaml")
+            job = client.submit(path, server.url)  # uploads the control image and the LoRA
+            assert server.wait(job["id"], lambda j: j["state"] in ("succeeded", "failed"))["state"] == "succeeded"
+            done.append(job["id"])
+            stored = {p.name for p in (here / "blobs").glob("*/*") if "." not in p.name}
+            assert stored == {digest[control], digest["mei.safetensors"]}, name  # the other image: removed
+            assert not list((here / "jobs").rglob("*.png")), name  # every PNG it wrote was sent, then removed
+        first, again = (server.root / "jobs" / j / "out" / "a" for j in (done[0], done[2]))
+        (png,) = [p.name for p in first.glob("*.png")]
+        assert np.array_equal(pixels(first / png), pixels(again / png))
+        assert not (server.root / "jobs" / done[0] / "out" / "a" / png).samefile(again / png)
     finally:
         stop(worker)
         server.kill_everything()

@@ -173,10 +173,30 @@ class BlobStore:
         """Removes every blob that no digest in `named` (the jobs the server keeps) names and that was not stored
         or used in the last `grace_s` seconds, with its named links. Returns (blobs, bytes) removed."""
         now = time.time() if now is None else now
-        removed = freed = 0
-        for digest, size, used in list(self._blobs()):
-            if digest in named or now - used < grace_s:
-                continue
+        drop = [(d, size) for d, size, used in self._blobs() if d not in named and now - used >= grace_s]
+        gone = set(self._remove(drop))
+        return len(gone), sum(size for d, size in drop if d in gone)
+
+    def trim(self, max_bytes: int, keep: set[str]) -> tuple[list[str], int]:
+        """Removes the least recently stored or used blobs that `keep` does not name until the store holds at most
+        `max_bytes` (a worker's copies of the server's blobs: a cache). Returns (the digests, the bytes) removed."""
+        over = self.used() - max_bytes
+        if over <= 0:
+            return [], 0
+        drop = []
+        for digest, size, _ in sorted(self._blobs(), key=lambda b: b[2]):
+            if over <= 0:
+                break
+            if digest not in keep:
+                drop.append((digest, size))
+                over -= size
+        gone = self._remove(drop)
+        return gone, sum(size for digest, size in drop if digest in gone)
+
+    def _remove(self, blobs: list[tuple[str, int]]) -> list[str]:
+        """Removes each (digest, size) with its named links; the digests removed."""
+        removed, freed = [], 0
+        for digest, size in blobs:
             blob = self._file(digest)
             for link in blob.parent.glob(digest + ".*"):  # the named links (path(digest, suffix))
                 link.unlink(missing_ok=True)
@@ -184,10 +204,11 @@ class BlobStore:
                 blob.unlink()
             except FileNotFoundError:
                 continue
-            removed, freed = removed + 1, freed + size
+            removed.append(digest)
+            freed += size
         self._added(-freed)
-        self.collected += removed
-        return removed, freed
+        self.collected += len(removed)
+        return removed
 
     def clear_tmp(self) -> int:
         """Removes the temporary files of uploads cut short (a server killed mid-upload); how many. Only at start:

@@ -4,7 +4,7 @@ line in the transaction that completes the batch, and rebuilds the job's report 
 figures) and contact sheet as batches land. Torch-free.
 
 - `store_upload`: a PNG a worker without the server's filesystem sends, where a worker on it would have written it.
-- `check`: a completion's manifest lines, each for an output of the lease, its file in the job's folder (a
+- `check`: a completion's manifest lines, each for an output of the lease (or a hires candidate's first pass), its file in the job's folder (a
   regular file, not a link) and its bytes hashing to the line's sha256. Read off the event loop, before the
   store's lock is taken.
 - `record`: inside `Store.complete`'s transaction: one line per output of each done image, appended to the
@@ -31,7 +31,7 @@ from typing import Callable
 from pydantic import ValidationError
 
 from storyboard_cli.errors import BadInput, Status, one_line
-from storyboard_cli.folder.layout import REPORT_JSON
+from storyboard_cli.folder.layout import REPORT_JSON, base_name
 from storyboard_cli.folder.outputs import Manifest, atomic_write
 from storyboard_cli.folder.report import Report, Timings, WorkerShare, write_report
 from storyboard_cli.folder.sink import ContactSheet
@@ -61,7 +61,7 @@ def check(held: Held, manifest: dict[str, list[wire.ManifestLine]]) -> dict[str,
         _, out_dir, outputs = held[job_id]
         for line in (sent.model_dump() for sent in lines):
             path = line["path"]
-            if path not in outputs:
+            if path not in written(outputs):
                 raise BadInput(f"manifest line for {str(path)[:80]!r}: not an output of this lease")
             digest = line.get("sha256")
             if not isinstance(digest, str) or _sha256(out_dir / path) != digest:
@@ -84,9 +84,15 @@ def _sha256(path: Path) -> str | None:
         return h.hexdigest()
 
 
+def written(outputs: set[str]) -> set[str]:
+    """What a lease of these outputs may write: each, and a hires candidate's first pass (`base_name`), which the
+    lease renders first where the folder lacks it and records as `bcg render` does."""
+    return outputs | {base_name(path) for path in outputs}
+
+
 def record(held: Held, checked: dict[str, dict[str, dict]], done: dict[str, set[str]]) -> None:
-    """The manifest lines of the done images' outputs, appended to their jobs' manifests (the store's
-    transaction is open: raising refuses the completion)."""
+    """The manifest lines of the done images' outputs (each after its first pass's, where the lease rendered one),
+    appended to their jobs' manifests (the store's transaction is open: raising refuses the completion)."""
     for job_id, outputs in done.items():
         lines = checked.get(job_id, {})
         missing = sorted(outputs - set(lines))
@@ -94,13 +100,15 @@ def record(held: Held, checked: dict[str, dict[str, dict]], done: dict[str, set[
             raise BadInput(f"{missing[0]}: reported done without its manifest line")
         manifest = Manifest(held[job_id][1])
         for path in sorted(outputs):
+            if base_name(path) in lines:
+                manifest.append(lines[base_name(path)])
             manifest.append(lines[path])
 
 
 def store_upload(out_dir: Path, outputs: set[str], path: str, data: bytes) -> None:
     """A PNG of a lease from a worker without the server's filesystem, written atomically where a worker on
-    it would have written it. Raises BadInput for anything but one of the lease's outputs."""
-    if path not in outputs:
+    it would have written it. Raises BadInput for anything but what the lease may write (`written`)."""
+    if path not in written(outputs):
         raise BadInput(f"{path[:80]!r} is not an output of this lease")
     atomic_write(out_dir / path, data)
 

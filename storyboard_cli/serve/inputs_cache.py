@@ -21,8 +21,14 @@ class InputFiles:
     --root, each blob downloaded once (GET /v1/blobs/{sha256}) and checked as it arrives. `shared` False
     (--upload): the server's filesystem is not used even where it is visible."""
 
-    def __init__(self, client: LeaseClient | None, root: Path, shared: bool = True):
+    def __init__(self, client: LeaseClient | None, root: Path, shared: bool = True, max_bytes: int | None = None):
         self.client, self.cache, self.checked, self.shared = client, BlobStore(root), set(), shared
+        self.max_bytes = max_bytes  # the most this worker's store keeps (None: no bound)
+
+    def trim(self, keep: set[str]) -> tuple[list[str], int]:
+        """Bounds this worker's store to `max_bytes`: the least recently used blobs that `keep` does not name go
+        first; each is downloaded again when a job needs it. Returns (the digests, the bytes) removed."""
+        return ([], 0) if self.max_bytes is None else self.cache.trim(self.max_bytes, keep)
 
     def for_job(self, job: LeasedJob) -> Inputs:
         server = BlobStore(root_of(Path(job.path))) if self.shared else None

@@ -56,6 +56,12 @@ class Hot:
             self.jobs[key] = load_job(where.job_file, inputs=where.inputs)
         return self.jobs[key]
 
+    def drop_inputs(self, digests: set[str]) -> None:
+        """Forgets the loaded jobs that name any of these input files (removed from this worker's store: their
+        next lease loads the job again, and its files come again)."""
+        for key in [k for k in self.jobs if any(digest in digests for _, digest in k[2])]:
+            del self.jobs[key]
+
     @property
     def ready(self) -> bool:
         """The model loaded and its engine prepared: graphs captured (or kernels loaded) for the shapes of the

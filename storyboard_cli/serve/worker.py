@@ -134,7 +134,7 @@ def run_worker(opts: WorkerOptions) -> int:
                                 kernels=opts.kernels)
     check_options(render_opts)  # before registering: a worker that cannot render here takes no lease
     client, hot, stop = LeaseClient(opts.server, opts.token), Hot(), _Stop()
-    files = InputFiles(client, opts.root.resolve(), shared=not opts.upload)
+    files = InputFiles(client, opts.root.resolve(), shared=not opts.upload, max_bytes=int(opts.max_inputs_gb * 2**30))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     rendered, backoff, unreachable, retry = 0, opts.poll_s, False, _Retry(MAX_BACKOFF_S, stop)
@@ -190,12 +190,14 @@ def run_worker(opts: WorkerOptions) -> int:
             except DeviceUnusable as e:  # this machine's fault, not the images': they go back with their attempts
                 hot.forget()  # models on a failed device: loaded again (or the next lease fails the same way)
                 _give_back(client, lease, worker, str(e), retry)
+                tidy(lease, places, None, files, hot)
                 continue
             t1 = time.perf_counter()
             rendered += 1
             hot.warm.update(i.mix for i in lease.images if i.mix and i.id in outcome.done)
             if uploaded:
                 _report(client, lease, worker, outcome, retry)
+            tidy(lease, places, outcome, files, hot)
             batches = sum(b.seconds for b in outcome.batches)
             log.info("lease %s: %d images in %.2f s (batches %.2f s, the rest: folder, PNGs, report, sheet), "
                      "completed in %.2f s", lease.lease, len(lease.images), t1 - t0, batches,
@@ -217,6 +219,40 @@ def _pause(seconds: float, stop: _Stop) -> None:
     deadline = time.monotonic() + seconds
     while not stop.requested and time.monotonic() < deadline:
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
+
+
+def tidy(lease: Lease, places: dict[str, Place], outcome: Outcome | None, files: InputFiles, hot: Hot) -> None:
+    """What a finished lease leaves on this worker's disk, removed: the PNGs it wrote into its copies of job folders
+    (sent to the server, or not taken: a lease of those images again renders them anew), the twins it downloaded,
+    and input files past --max-inputs-gb (the least recently used first; the jobs kept loaded that name one are
+    loaded again at their next lease, their files downloaded again). A
+    copy that is the server's own folder (--upload with the server's root as --root) keeps its files."""
+    for job_id, where in places.items():
+        if not where.upload or outcome is None or _same_folder(where.out_dir, Path(lease.jobs[job_id].out_dir)):
+            continue
+        for record in outcome.records.get(job_id, ()):
+            _remove(where.out_dir / record["path"])
+    for image in lease.images:
+        if image.twin and Path(image.twin).parent == files.cache.dir.parent / TWINS:
+            _remove(Path(image.twin))
+    removed, freed = files.trim({digest for job in lease.jobs.values() for digest in job.inputs.values()})
+    if removed:
+        hot.drop_inputs(set(removed))
+        log.info("%d input files (%.1f MB) removed: --max-inputs-gb", len(removed), freed / 2**20)
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:  # left for the next lease of the image to replace
+        log.warning("%s not removed: %s", path, e)
 
 
 def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, places: dict[str, Place],

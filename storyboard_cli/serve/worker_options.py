@@ -21,4 +21,5 @@ class WorkerOptions:
     max_leases: int | None = None  # stop after this many (tests); None: until stopped
     upload: bool = False  # send the PNGs back even when the server's job folders are visible here
     root: Path = Path("bcg-worker")  # copies of job folders, when the server's are not visible here
+    max_inputs_gb: float = 20.0  # the most disk the input files downloaded into root may take
     warm: Path | None = None  # a job whose model and shapes are made ready before the first lease
