@@ -50,6 +50,11 @@ class DeviceUnusable(StoryboardError):
     exit_code = 2
 
 
+class OwnDiskUnusable(DeviceUnusable):
+    """A render service's worker cannot write its own copies of job folders (its --root full, read-only, gone): a
+    fault of this machine as DeviceUnusable is, its models still good."""
+
+
 class RenderFailure(StoryboardError):
     """The render itself broke (not the input)."""
 
@@ -57,9 +62,14 @@ class RenderFailure(StoryboardError):
 
 
 class DiskFull(StoryboardError):
-    """The output disk (or its quota) filled up mid-render; what was written before is kept."""
+    """The output disk (or its quota) filled up mid-render; what was written before is kept. `path`: the file that
+    could not be written."""
 
     exit_code = 2
+
+    def __init__(self, message: str, path: Path | None = None):
+        super().__init__(message)
+        self.path = path
 
 
 class OutputLocked(BadInput):
@@ -127,7 +137,7 @@ def did_you_mean(word: str, choices: Iterable[str], known: bool = False) -> str:
 def write_error(path: Path, e: OSError) -> StoryboardError:
     """An OSError writing an output file: a full disk (exit 2, as a bad destination) or a failed render."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); free some space and run again")
+        return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); free some space and run again", path)
     return RenderFailure(f"cannot write {path}: {e.strerror or e}")
 
 

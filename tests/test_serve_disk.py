@@ -15,36 +15,20 @@ import pytest
 from storyboard_cli.serve import client
 
 from conftest import ROOT
-from helpers.serve import ONE_IMAGE_JOB, YAML, Server, eventually, free_port, metric, register
+from helpers.serve import (MOUNT, ONE_IMAGE_JOB, YAML, Server, eventually, free_port, metric, mount_namespace,
+                           register)
 
 MB = 1 << 20
 TMPFS_MB = 8
-MOUNT = 'mount -t tmpfs -o size={mb}m tmpfs "$0" && exec "$@"'  # $0: the root; "$@": the server's command
-
-
-def _namespace(tmp_path):
-    """The prefix that runs a command in a mount namespace of its own with a tmpfs on its first argument (as a
-    user without privileges too, through a user namespace); skips where neither can be had."""
-    prefix = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    try:
-        ok = subprocess.run([*prefix, "sh", "-c", MOUNT.format(mb=1), str(probe), "true"], capture_output=True,
-                            timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    if not ok:
-        pytest.skip("needs unshare and a tmpfs mount in a mount namespace")
-    return prefix
 
 
 @pytest.fixture
 def full_server(tmp_path):
-    prefix = _namespace(tmp_path)
+    prefix = mount_namespace(tmp_path)
     root = tmp_path / "root"
     root.mkdir()
     s = Server(root, free_port())
-    s.start(lease_s=30, gpus="none", prefix=[*prefix, "sh", "-c", MOUNT.format(mb=TMPFS_MB), str(root)],
+    s.start(lease_s=30, gpus="none", prefix=[*prefix, "sh", "-c", MOUNT.format(size=f"{TMPFS_MB}m"), str(root)],
             extra=["--min-free-mb", "1", "--max-job-kb", "4096"])
     s.inside = f"/proc/{s.proc.pid}/root{root}"  # the root as the server sees it: on its tmpfs
     yield s

@@ -17,8 +17,8 @@ from storyboard_cli.run.oom import OutOfMemoryPolicy
 from storyboard_cli.serve.server import QUICK_FAILURES, QUICK_S, Restarts
 
 from conftest import ROOT
-from helpers.serve import (YAML, Server, device_fault, eventually, free_port, metric, start_worker, stop,
-                           worker_ids)
+from helpers.serve import (MOUNT, YAML, Server, device_fault, eventually, free_port, metric, mount_namespace,
+                           start_worker, stop, worker_ids)
 
 JOB = """version: 1
 model: tiny
@@ -80,6 +80,42 @@ def test_a_worker_without_its_device_never_registers_and_serve_does_not_restart_
         assert "Traceback" not in text and text.count("no CUDA device") == 1, text
     finally:
         stop(server.proc)
+
+
+@pytest.mark.slow  # a server, a worker on a full disk of its own, then a healthy worker rendering 6 tiny images
+def test_a_worker_whose_own_disk_is_full_gives_its_leases_back_and_the_farm_loses_no_image(tmp_path):
+    """`bcg worker --upload --root DIR` with DIR on a tmpfs too small for one PNG (in a mount namespace of its own): a
+    full disk of its own is its machine's fault, as a broken device is: each lease goes back (its images keep their
+    attempts, none fails) until it is quarantined, and a healthy worker renders them all."""
+    prefix = mount_namespace(tmp_path)
+    here = tmp_path / "small"
+    here.mkdir()
+    log, worker_log = tmp_path / "serve.log", tmp_path / "full.log"
+    with open(log, "w") as err:
+        server = Server(tmp_path / "root", free_port()).start(gpus="none", lease_s=5, stderr=err)
+    healthy = None
+    with open(worker_log, "w") as err:  # 24 KB: the job file's copy fits, a 64x64 PNG (12 KB) and its temporary not
+        full = subprocess.Popen([*prefix, "sh", "-c", MOUNT.format(size="24k"), str(here), sys.executable, "-m",
+                                 "storyboard_cli", "worker", "--server", server.url, "--device", "cpu", "--name",
+                                 "full", "--upload", "--root", str(here)], cwd=ROOT, start_new_session=True,
+                                stderr=err)
+    try:
+        eventually(lambda: worker_ids(server.url, "full"), bool, 60)  # registered: it takes the first leases
+        ids = submit_jobs(server.url)
+        assert full.wait(90) == 2  # quarantined
+        healthy = start_worker(server.url, "healthy")
+        all_done(server, ids)
+        assert metric(server.url, "bcg_worker_strikes_total") == 3
+        assert metric(server.url, "bcg_images_failed_total") == 0
+        lines = worker_log.read_text().strip().splitlines()
+        given = [line for line in lines if "given back" in line]
+        assert len(given) == 3 and all("this worker's --root is full: disk full" in line for line in given), lines
+        assert lines[-1].startswith("error: ") and "is quarantined" in lines[-1], lines
+        assert "Traceback" not in worker_log.read_text()
+    finally:
+        for p in (full, healthy, server.proc):
+            if p is not None:
+                stop(p)
 
 
 @pytest.mark.slow  # a server, a CPU worker rendering 16 tiny images and a worker whose device fails

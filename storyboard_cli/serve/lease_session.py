@@ -14,7 +14,8 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from storyboard_cli.errors import DeviceUnusable, Status, StoryboardError, first_line, folder_error
+from storyboard_cli.errors import (DeviceUnusable, DiskFull, OwnDiskUnusable, Status, StoryboardError, first_line,
+                                   folder_error)
 from storyboard_cli.folder.layout import MANIFEST
 from storyboard_cli.folder.outputs import Pending, atomic_write, with_bases
 from storyboard_cli.folder.report import Report
@@ -296,8 +297,8 @@ def place(job_id: str, job: LeasedJob, opts: WorkerOptions, files: InputFiles | 
         try:
             folder.mkdir(parents=True, exist_ok=True)
             atomic_write(job_file, job.job_text.encode())
-        except OSError as e:
-            raise folder_error(folder, e) from None
+        except OSError as e:  # this worker's own folder: its machine's fault
+            raise OwnDiskUnusable(f"this worker's --root cannot be written: {folder_error(folder, e)}") from None
     return Place(job_file, folder / OUT, True, inputs)
 
 
@@ -337,6 +338,11 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
         results = render_together(head, list(sessions.values()))
     except DeviceUnusable:
         raise
+    except DiskFull as e:  # this worker's own copies: its machine's fault, the lease goes back; else the job's
+        if e.path is not None and opts.root.resolve() in Path(e.path).resolve().parents:
+            raise OwnDiskUnusable(f"this worker's --root is full: {first_line(e)}") from None
+        out.failed.update({image.id: first_line(e) for image in lease.images})
+        return out
     except StoryboardError as e:
         out.failed.update({image.id: first_line(e) for image in lease.images})
         return out

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from storyboard_cli.errors import DeviceUnusable, first_line
+from storyboard_cli.errors import DeviceUnusable, OwnDiskUnusable, first_line
 from storyboard_cli.folder.outputs import atomic_write
 from storyboard_cli.job.file import load_job
 from storyboard_cli.run.render import RenderOptions, check_options, warm
@@ -180,15 +180,16 @@ def run_worker(opts: WorkerOptions) -> int:
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
-            places = {job_id: place(job_id, job, opts, files) for job_id, job in lease.jobs.items()}
-            t0 = time.perf_counter()
+            t0, places = time.perf_counter(), {}
             try:
                 with Heartbeat(client, lease, worker, hot):
+                    places = {job_id: place(job_id, job, opts, files) for job_id, job in lease.jobs.items()}
                     lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                     outcome = render_lease(lease, hot, opts, places)
                     uploaded = upload(client, lease, worker, outcome, places, retry)
             except DeviceUnusable as e:  # this machine's fault, not the images': they go back with their attempts
-                hot.forget()  # models on a failed device: loaded again (or the next lease fails the same way)
+                if not isinstance(e, OwnDiskUnusable):
+                    hot.forget()  # models on a failed device: loaded again (or the next lease fails the same way)
                 _give_back(client, lease, worker, str(e), retry)
                 tidy(lease, places, None, files, hot)
                 continue

@@ -30,6 +30,28 @@ shots:
 """
 
 
+# a command run with a tmpfs of {size} (8m, 48k) on a folder: sh -c MOUNT DIR COMMAND... ($0: the folder; "$@": the command)
+MOUNT = 'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"'
+
+
+def mount_namespace(tmp_path):
+    """The prefix that runs a command in a mount namespace of its own, where MOUNT can put a tmpfs on a folder (as a
+    user without privileges too, through a user namespace); skips where neither can be had."""
+    import pytest
+
+    prefix = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    try:
+        ok = subprocess.run([*prefix, "sh", "-c", MOUNT.format(size="1m"), str(probe), "true"], capture_output=True,
+                            timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("needs unshare and a tmpfs mount in a mount namespace")
+    return prefix
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
