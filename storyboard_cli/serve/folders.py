@@ -4,9 +4,9 @@ line in the transaction that completes the batch, and rebuilds the job's report 
 figures) and contact sheet as batches land. Torch-free.
 
 - `store_upload`: a PNG a worker without the server's filesystem sends, where a worker on it would have written it.
-- `check`: a completion's manifest lines, each for an output of the lease (or a hires candidate's first pass), its file in the job's folder (a
-  regular file, not a link) and its bytes hashing to the line's sha256. Read off the event loop, before the
-  store's lock is taken.
+- `check`: a completion's manifest lines, each for an output of the lease (or a hires candidate's first pass), its
+  file in the job's folder (a regular file, not a link) and its bytes hashing to the line's sha256. Read off the
+  event loop, before the store's lock is taken.
 - `record`: inside `Store.complete`'s transaction: one line per output of each done image, appended to the
   folder's manifest.jsonl (the one format `bcg render` writes); an output without a checked line refuses the
   completion, nothing recorded.

@@ -30,7 +30,8 @@ shots:
 """
 
 
-# a command run with a tmpfs of {size} (8m, 48k) on a folder: sh -c MOUNT DIR COMMAND... ($0: the folder; "$@": the command)
+# a command run with a tmpfs of {size} (8m, 24k) on a folder: sh -c MOUNT DIR COMMAND... ($0: the folder, "$@": the
+# command)
 MOUNT = 'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"'
 
 
