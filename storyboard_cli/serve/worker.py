@@ -226,8 +226,8 @@ def tidy(lease: Lease, places: dict[str, Place], outcome: Outcome | None, files:
     """What a finished lease leaves on this worker's disk, removed: the PNGs it wrote into its copies of job folders
     (sent to the server, or not taken: a lease of those images again renders them anew), the twins it downloaded,
     and input files past --max-inputs-gb (the least recently used first; the jobs kept loaded that name one are
-    loaded again at their next lease, their files downloaded again). A
-    copy that is the server's own folder (--upload with the server's root as --root) keeps its files."""
+    loaded again at their next lease, their files downloaded again). A copy that is the server's own folder
+    (--upload with the server's root as --root) keeps its files."""
     for job_id, where in places.items():
         if not where.upload or outcome is None or _same_folder(where.out_dir, Path(lease.jobs[job_id].out_dir)):
             continue
