@@ -4,6 +4,7 @@ where a worker on a shared filesystem would have written them. The upload protoc
 a real server and a real `bcg worker --upload` on the tiny model."""
 
 import json
+import time
 
 import httpx
 import numpy as np
@@ -134,6 +135,27 @@ def test_a_workers_store_is_trimmed_least_recently_used_first_and_keeps_what_it_
     assert store.trim(2000, {kept}) == ([old, mid], 2000)  # kept is older than mid, but named
     assert not store.has(old) and not list(store.dir.glob(f"*/{old}*")) and store.used() == 2000
     assert store.trim(0, {kept, new}) == ([], 0) and store.has(kept) and store.has(new)
+    assert store.trim(0, set(), grace_s=150, now=1000) == ([kept], 1000)  # new: used at 1000, within the grace
+
+
+def test_a_lease_touches_its_files_and_a_job_whose_file_another_worker_removed_is_loaded_again(tmp_path):
+    """Two workers on one --root (a Slurm array's tasks, systemd's instances): one's trim may remove a file the other
+    loaded a job with. At each lease a worker counts its files as used (the other's trim keeps them for the grace)
+    and forgets a loaded job whose file is gone: its next load downloads it again."""
+    import os
+
+    from storyboard_cli.serve.inputs_cache import InputFiles
+    from storyboard_cli.serve.lease_session import Hot
+
+    files = InputFiles(None, tmp_path / "w", shared=False)
+    here, gone = files.cache.put(b"a control image"), "0" * 64
+    os.utime(files.cache.path(here), (1000, 1000))
+    hot = Hot(jobs={("j1", JOB, (("pose.png", here),), None): "job 1", ("j2", JOB, (("pose.png", gone),), None): "2"})
+    assert files.lease_starts({here, gone}) == {gone}
+    assert os.stat(tmp_path / "w" / "blobs" / here[:2] / here).st_mtime > 1000  # used now
+    hot.drop_inputs({gone})
+    assert list(hot.jobs.values()) == ["job 1"]
+    assert InputFiles(None, tmp_path / "w", shared=True).lease_starts({gone}) == set()  # the server's store: its own
 
 
 
@@ -174,9 +196,13 @@ shots:
 def test_a_remote_workers_disk_keeps_neither_the_pngs_it_sent_nor_inputs_past_its_bound(tmp_path):
     """A worker without the server's files (its own --root, --upload): once a lease is done, its copies of the job
     folders hold none of the PNGs it sent, and with --max-inputs-gb 0 its store holds only the files of the last
-    lease's jobs: a job whose files were removed downloads them again and renders the same pixels."""
+    lease's jobs (of those older than the grace a file used lately keeps: each job's are aged past it, as if the
+    jobs came that far apart): a job whose files were removed downloads them again and renders the same pixels."""
     import hashlib
+    import os
     import shutil
+
+    from storyboard_cli.serve.inputs_cache import TRIM_GRACE_S
 
     from storyboard_cli.serve import client
 
@@ -202,6 +228,9 @@ def test_a_remote_workers_disk_keeps_neither_the_pngs_it_sent_nor_inputs_past_it
             stored = {p.name for p in (here / "blobs").glob("*/*") if "." not in p.name}
             assert stored == {digest[control], digest["mei.safetensors"]}, name  # the other image: removed
             assert not list((here / "jobs").rglob("*.png")), name  # every PNG it wrote was sent, then removed
+            long_ago = time.time() - TRIM_GRACE_S - 60
+            for blob in (here / "blobs").glob("*/*"):
+                os.utime(blob, (long_ago, long_ago))
         first, again = (server.root / "jobs" / j / "out" / "a" for j in (done[0], done[2]))
         (png,) = [p.name for p in first.glob("*.png")]
         assert np.array_equal(pixels(first / png), pixels(again / png))

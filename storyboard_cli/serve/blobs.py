@@ -177,15 +177,19 @@ class BlobStore:
         gone = set(self._remove(drop))
         return len(gone), sum(size for d, size in drop if d in gone)
 
-    def trim(self, max_bytes: int, keep: set[str]) -> tuple[list[str], int]:
-        """Removes the least recently stored or used blobs that `keep` does not name until the store holds at most
-        `max_bytes` (a worker's copies of the server's blobs: a cache). Returns (the digests, the bytes) removed."""
+    def trim(self, max_bytes: int, keep: set[str], grace_s: float = 0.0,
+             now: float | None = None) -> tuple[list[str], int]:
+        """Removes the least recently stored or used blobs that `keep` does not name, and that were not stored or
+        used in the last `grace_s` seconds, until the store holds at most `max_bytes` (a worker's copies of the
+        server's blobs: a cache, which other workers on the same folder may be reading). Returns (the digests, the
+        bytes) removed."""
+        now = time.time() if now is None else now
         over = self.used() - max_bytes
         if over <= 0:
             return [], 0
         drop = []
-        for digest, size, _ in sorted(self._blobs(), key=lambda b: b[2]):
-            if over <= 0:
+        for digest, size, used in sorted(self._blobs(), key=lambda b: b[2]):
+            if over <= 0 or now - used < grace_s:
                 break
             if digest not in keep:
                 drop.append((digest, size))

@@ -15,6 +15,9 @@ from storyboard_cli.serve.intake import root_of
 from storyboard_cli.serve.wire import LeasedJob
 
 
+TRIM_GRACE_S = 600.0  # a file used this recently stays whatever --max-inputs-gb says
+
+
 class InputFiles:
     """Where this worker reads the files a leased job names, by their sha256: the server's blob store when this
     machine sees it (a shared filesystem; each blob's bytes checked once per process), else its own store under
@@ -27,8 +30,20 @@ class InputFiles:
 
     def trim(self, keep: set[str]) -> tuple[list[str], int]:
         """Bounds this worker's store to `max_bytes`: the least recently used blobs that `keep` does not name go
-        first; each is downloaded again when a job needs it. Returns (the digests, the bytes) removed."""
-        return ([], 0) if self.max_bytes is None else self.cache.trim(self.max_bytes, keep)
+        first, none used in the last TRIM_GRACE_S (a lease of another worker on the same --root may be reading it);
+        each is downloaded again when a job needs it. Returns (the digests, the bytes) removed."""
+        return ([], 0) if self.max_bytes is None else self.cache.trim(self.max_bytes, keep, TRIM_GRACE_S)
+
+    def lease_starts(self, digests: set[str]) -> set[str]:
+        """A lease's files in use from now (the store's own: its copies of the server's blobs): each one here counts
+        as used now; returns those no longer here (another worker on the same --root removed it), which the jobs
+        loaded with them must be loaded again for."""
+        if self.shared:
+            return set()
+        gone = {d for d in digests if not self.cache.has(d)}
+        for digest in digests - gone:
+            self.cache.touch(digest)
+        return gone
 
     def for_job(self, job: LeasedJob) -> Inputs:
         server = BlobStore(root_of(Path(job.path))) if self.shared else None

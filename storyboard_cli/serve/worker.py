@@ -183,6 +183,7 @@ def run_worker(opts: WorkerOptions) -> int:
             t0, places = time.perf_counter(), {}
             try:
                 with Heartbeat(client, lease, worker, hot):
+                    hot.drop_inputs(files.lease_starts({d for job in lease.jobs.values() for d in job.inputs.values()}))
                     places = {job_id: place(job_id, job, opts, files) for job_id, job in lease.jobs.items()}
                     lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
                     outcome = render_lease(lease, hot, opts, places)
