@@ -59,9 +59,10 @@ def check(held: Held, manifest: dict[str, list[wire.ManifestLine]]) -> dict[str,
         if job_id not in held:
             raise BadInput(f"the lease holds no image of job {job_id}")
         _, out_dir, outputs = held[job_id]
+        allowed = written(outputs)
         for line in (sent.model_dump() for sent in lines):
             path = line["path"]
-            if path not in written(outputs):
+            if path not in allowed:
                 raise BadInput(f"manifest line for {str(path)[:80]!r}: not an output of this lease")
             digest = line.get("sha256")
             if not isinstance(digest, str) or _sha256(out_dir / path) != digest:

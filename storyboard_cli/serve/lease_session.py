@@ -338,12 +338,10 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
         results = render_together(head, list(sessions.values()))
     except DeviceUnusable:
         raise
-    except DiskFull as e:  # this worker's own copies: its machine's fault, the lease goes back; else the job's
-        if e.path is not None and opts.root.resolve() in Path(e.path).resolve().parents:
-            raise OwnDiskUnusable(f"this worker's --root is full: {first_line(e)}") from None
-        out.failed.update({image.id: first_line(e) for image in lease.images})
-        return out
     except StoryboardError as e:
+        if isinstance(e, DiskFull) and e.path is not None and opts.root.resolve() in Path(e.path).resolve().parents:
+            # this worker's own copies: its machine's fault, the lease goes back (elsewhere, the job's)
+            raise OwnDiskUnusable(f"this worker's --root is full: {first_line(e)}") from None
         out.failed.update({image.id: first_line(e) for image in lease.images})
         return out
     except RuntimeError as e:  # a CUDA error loading the models or capturing the graphs: the device's, not the job's
