@@ -80,10 +80,12 @@ def test_a_full_disk_is_a_507_that_leaves_nothing_half_written(full_server):
     assert _files(s.inside) == sorted(before + ["filler"])  # no job folder, no temporary file, no partial PNG
 
     _fill(s, leave=MB // 2)  # under the floor: refused before anything is written, and not ready
-    _full(httpx.post(s.url + "/v1/jobs", content=ONE_IMAGE_JOB, headers=YAML, timeout=10))
-    ready = httpx.get(s.url + "/readyz", timeout=10)
+    floor = httpx.post(s.url + "/v1/jobs", content=ONE_IMAGE_JOB, headers=YAML, timeout=10)
+    _full(floor)
+    assert "MB free" in floor.json()["detail"] and "--min-free-mb" in floor.json()["detail"]
+    ready = httpx.get(s.url + "/readyz", timeout=10)  # the upload refused: no batch is leased either
     assert ready.status_code == 503 and ready.json()["title"] == "disk full", ready.text
-    assert "MB free" in ready.json()["detail"] and "--min-free-mb" in ready.json()["detail"]
+    assert "no batch is leased until" in ready.json()["detail"] and "MB free" in ready.json()["detail"]
     assert metric(s.url, "bcg_root_free_bytes") < MB
     assert metric(s.url, "bcg_disk_full_total") == 4
 
@@ -158,3 +160,159 @@ def _quietly(call, *args, **kw):
         call(*args, **kw)
     except httpx.HTTPError:  # the server was killed mid-request
         pass
+
+
+# four candidates in one batch, each PNG about 640 KB (512x512 of the tiny model's noise)
+FOUR_LARGE = """version: 1
+model: tiny
+defaults: {steps: 2, size: 512x512}
+shots:
+  - {id: a, prompt: a castle, candidates: 4, seed: 1}
+"""
+
+
+@pytest.mark.slow  # a server and a worker in a mount namespace, four 512x512 images rendered twice
+@pytest.mark.parametrize("kind", ["shared", "upload"])
+def test_a_disk_that_fills_mid_batch_fails_no_image_and_the_job_ends_once_space_is_freed(tmp_path, kind, tiny_cpu):
+    """`bcg serve` and a `bcg worker` in one mount namespace, the server's --root on a 16 MB tmpfs. The disk fills
+    (1 MB left) while the worker renders a batch of four 640 KB PNGs: the first lands, the second cannot be written
+    (shared: the worker writes into the server's job folder, ENOSPC; upload: the server's 507). The images that did
+    not land go back to the queue with their attempts, none fails, the worker takes no strike, and no batch is
+    leased until space is freed (/readyz and /metrics say so); once the operator frees it, the job ends with each
+    PNG the pixels `bcg render` writes."""
+    import shlex
+    import sys
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.render import RenderOptions, render
+
+    from helpers.serve import pixels, worker_ids
+
+    prefix = mount_namespace(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    s = Server(root, free_port())
+    worker_log = tmp_path / "worker.log"
+    worker = [sys.executable, "-m", "storyboard_cli", "worker", "--server", s.url, "--device", "cpu", "--name", "w",
+              *(["--upload", "--root", str(tmp_path / "elsewhere")] if kind == "upload" else [])]
+    # the tmpfs, then the worker in the background and the server in the foreground: one namespace, one disk
+    both = f'mount -t tmpfs -o size=16m tmpfs "$0" && {{ {shlex.join(worker)} 2>{shlex.quote(str(worker_log))} & }}' \
+           ' && exec "$@"'
+    with open(tmp_path / "serve.log", "w") as err:
+        s.start(lease_s=10, gpus="none", prefix=[*prefix, "sh", "-c", both, str(root)], extra=["--min-free-mb", "1"],
+                stderr=err)
+    s.inside = f"/proc/{s.proc.pid}/root{root}"
+    try:
+        eventually(lambda: worker_ids(s.url, "w"), bool, 60)
+        assert httpx.post(s.url + "/v1/queue/pause", timeout=10).status_code == 200
+        job = httpx.post(s.url + "/v1/jobs", content=FOUR_LARGE, headers=YAML, timeout=10).json()
+        _fill(s, leave=MB)  # room for one PNG of the batch, not two
+        assert httpx.post(s.url + "/v1/queue/resume", timeout=10).status_code == 200
+
+        images = eventually(lambda: s.job(job["id"])["images"],  # the batch's lease ended
+                            lambda ims: {i["state"] for i in ims} & {"done", "failed"} and
+                            all(i["state"] != "leased" for i in ims), 120)
+        assert all(i["state"] in ("done", "queued") for i in images), images  # none failed
+        assert metric(s.url, "bcg_leases_held") == 1
+        landed = [i for i in images if i["state"] == "done"]
+        assert len(landed) == 1 and landed[0]["candidate"] == 0, images  # the PNG that fitted counts
+        assert all(i["attempts"] == 0 for i in images if i["state"] == "queued"), images  # given back, not spent
+        time.sleep(2)  # held: no batch is leased while the disk is full
+        assert [i["state"] for i in s.job(job["id"])["images"]] == [i["state"] for i in images]
+        ready = httpx.get(s.url + "/readyz", timeout=10)
+        assert ready.status_code == 503 and "no batch is leased" in ready.json()["detail"], ready.text
+        assert metric(s.url, "bcg_images_failed_total") == 0 and metric(s.url, "bcg_worker_strikes_total") == 0
+
+        os.unlink(f"{s.inside}/filler")  # the operator frees space: the batch is leased again and lands
+        done = s.wait(job["id"], lambda j: j["state"] in ("succeeded", "failed"))
+        assert done["state"] == "succeeded", done
+        assert metric(s.url, "bcg_leases_held") == 0 and metric(s.url, "bcg_images_failed_total") == 0
+        assert all(i["attempts"] == 1 for i in done["images"]), done["images"]  # each rendered once that counted
+        served = {p.name: pixels(p) for p in Path(f"{s.inside}/jobs/{job['id']}/out/a").glob("*.png")}
+        if kind == "upload":  # the uploading worker's copy keeps no PNG, sent or not
+            eventually(lambda: list((tmp_path / "elsewhere" / "jobs").rglob("*.png")), lambda left: not left, 20)
+    finally:
+        s.kill_everything()
+    path = tmp_path / "four.yaml"
+    path.write_text(FOUR_LARGE)
+    ref = render(load_job(path), RenderOptions(out_dir=tmp_path / "ref"), models=tiny_cpu).out_dir
+    assert sorted(served) == sorted(p.name for p in (ref / "a").glob("*.png")) and len(served) == 4
+    assert all(np.array_equal(served[name], pixels(ref / "a" / name)) for name in served)
+    wrote = worker_log.read_text()
+    assert "the server's disk is full" in wrote and "Traceback" not in wrote, wrote
+    logged = (tmp_path / "serve.log").read_text()
+    assert logged.count("no batch is leased until") == 1 and logged.count("batches are leased again") == 1, logged
+
+
+def test_a_completion_whose_lines_cannot_be_written_sends_its_images_back_and_holds_the_leases(tmp_path, monkeypatch):
+    """The server cannot append a completion's manifest lines (ENOSPC): a 507, nothing recorded, the lease's images
+    back in the queue with their attempts; no batch is leased until a megabyte more than then is free (the floor's
+    worth, --min-free-mb 1), and then the same images are."""
+    import errno
+
+    from fastapi.testclient import TestClient
+
+    from storyboard_cli.serve import disk, folders
+    from storyboard_cli.serve.api import Settings, create_app
+
+    free = [100 * MB]
+    monkeypatch.setattr(disk.Disk, "free", lambda self: free[0])
+    app = create_app(Settings(tmp_path / "root", lease_s=10, min_free_mb=1), clock=lambda: 0.0)
+    with TestClient(app) as c:
+        job = c.post("/v1/jobs", content=ONE_IMAGE_JOB.replace("seed: 1", "seed: 1, candidates: 2"), headers=YAML)
+        job = job.json()
+        worker = c.post("/v1/workers", json={"name": "w"}).json()["worker"]
+        lease = c.post("/v1/leases", json={"worker": worker}).json()
+        assert len(lease["images"]) == 2
+
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(folders, "record", full)
+        free[0] = MB // 2
+        r = c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": worker})
+        assert r.status_code == 507 and "disk is full" in r.json()["detail"], r.text
+        images = c.get(f"/v1/jobs/{job['id']}").json()["images"]
+        assert [(i["state"], i["attempts"]) for i in images] == [("queued", 0)] * 2
+        assert c.post("/v1/leases", json={"worker": worker}).status_code == 204  # held
+        assert "no batch is leased until" in c.get("/readyz").json()["detail"]
+        free[0] = MB // 2 + MB - 1
+        assert c.post("/v1/leases", json={"worker": worker}).status_code == 204  # not yet a megabyte more
+        free[0] = MB // 2 + MB
+        again = c.post("/v1/leases", json={"worker": worker})
+        assert again.status_code == 200 and [i["id"] for i in again.json()["images"]] == [i["id"] for i in images]
+
+
+def test_a_workers_full_disk_the_server_does_not_see_is_a_strike_not_a_hold(tmp_path, monkeypatch):
+    """A worker on the shared folders says a PNG could not be written for want of space while the server's disk has
+    more than --min-free-mb free (a quota of its own user, another filesystem at that path): its images not named go
+    back with their attempts, the farm goes on leasing, and the worker takes a strike (quarantined at the third);
+    under the floor the same report holds every lease instead."""
+    from fastapi.testclient import TestClient
+
+    from storyboard_cli.serve import disk
+    from storyboard_cli.serve.api import Settings, create_app
+
+    free = [100 * MB]
+    monkeypatch.setattr(disk.Disk, "free", lambda self: free[0])
+    app = create_app(Settings(tmp_path / "root", lease_s=10, min_free_mb=1), clock=lambda: 0.0)
+    with TestClient(app) as c:
+        job = c.post("/v1/jobs", content=ONE_IMAGE_JOB, headers=YAML).json()
+        worker = c.post("/v1/workers", json={"name": "w"}).json()["worker"]
+        for strike in (1, 2, 3):
+            lease = c.post("/v1/leases", json={"worker": worker}).json()
+            r = c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": worker, "disk_full": "disk full"})
+            assert r.status_code == 200, r.text
+            assert c.get(f"/v1/jobs/{job['id']}").json()["images"][0]["attempts"] == 0
+            assert c.get("/metrics").text.count(f"bcg_worker_strikes_total {float(strike)}") == 1
+        assert c.post("/v1/leases", json={"worker": worker}).status_code == 403  # quarantined
+        other = c.post("/v1/workers", json={"name": "v"}).json()["worker"]
+        lease = c.post("/v1/leases", json={"worker": other}).json()
+        free[0] = MB // 2  # under the floor: the server's disk is full, the farm holds
+        r = c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": other, "disk_full": "disk full"})
+        assert r.status_code == 200 and c.post("/v1/leases", json={"worker": other}).status_code == 204
+        assert "bcg_worker_strikes_total 3.0" in c.get("/metrics").text

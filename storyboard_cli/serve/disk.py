@@ -2,6 +2,13 @@
 not ready (--min-free-mb), and a write refused for want of space (ENOSPC, EDQUOT, SQLite's "disk is full")
 answered as one 507 problem. Torch-free.
 
+A write into the job folders refused for want of space (an uploaded PNG, a completion's manifest lines, or a PNG a
+worker that shares the folders could not write) means the floor's room is spent: the server then leases no batch
+(`holding`) until space is freed, RESUME_MB more than it had then (the floor, where that is less; 1 MB at least). A
+batch leased meanwhile would only be rendered to be thrown away, its images spending their attempts; those whose PNGs
+did not land go back to the queue with theirs. An input file or a job refused for its size holds nothing: a smaller
+write may still fit.
+
 507 Insufficient Storage, not 503 with a Retry-After: space comes back when an operator frees it, not after a
 wait a client could be told, and a client that retried would only fill the log. Whatever was half-written is
 removed by the writer that failed (a job's folder, a blob's temporary file, an uploaded PNG's temporary name).
@@ -27,6 +34,7 @@ INSUFFICIENT_STORAGE = 507
 FULL_TITLE = "insufficient storage"
 FULL = "the server's disk is full"
 MB = 1 << 20
+RESUME_MB = 64
 
 
 def is_full(e: BaseException) -> bool:
@@ -44,6 +52,7 @@ class Disk:
         self.root, self.floor = Path(root), min_free_mb * MB
         self.refused = 0
         self._lock = threading.Lock()
+        self._spent: tuple[int, str] | None = None  # the free bytes when a write was refused, and what it was
 
     def free(self) -> int:
         st = os.statvfs(self.root)
@@ -56,6 +65,36 @@ class Disk:
             return None
         return (f"{FULL}: {free / MB:.1f} MB free, under the {self.floor // MB} MB it keeps for the jobs it accepted "
                 "(--min-free-mb); free space on the server, or submit to another")
+
+    def spent(self, what: str) -> None:
+        """A write under the root was refused for want of space (`what`: which, one line): no batch is leased
+        until space is freed (`holding`). Said once, when the hold starts."""
+        free = self.free()
+        with self._lock:
+            started, self._spent = self._spent is None, (free, what)
+        if started:
+            log.warning("%s (%s): no batch is leased until %.0f MB are free; the images it failed to write go back "
+                        "to the queue, their attempts kept", FULL, what, (free + self._resume()) / MB)
+
+    def _resume(self) -> int:
+        return min(RESUME_MB * MB, max(self.floor, MB))
+
+    def holding(self) -> str | None:
+        """Why no batch is leased now (a write refused for want of space, and not enough freed since); None when
+        batches are leased. The hold ends, said once, when the free bytes pass the mark."""
+        if self._spent is None:
+            return None
+        free = self.free()
+        with self._lock:
+            if self._spent is None:
+                return None
+            then, what = self._spent
+            if free < then + self._resume():
+                return (f"{FULL}: no batch is leased until {(then + self._resume()) / MB:.0f} MB are free "
+                        f"({free / MB:.1f} MB free now): free space on the server; a write was refused: {what}")
+            self._spent = None
+        log.warning("batches are leased again: %.1f MB free on the server's disk", free / MB)
+        return None
 
     def refuse(self, why: str) -> Refused:
         """The 507 of a request refused for want of space (counted), for the route to raise."""

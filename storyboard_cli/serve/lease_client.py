@@ -26,6 +26,11 @@ class Quarantined(ServerError):
     exit_code = 2
 
 
+class ServerFull(ServerError):
+    """507 on an uploaded PNG: the server's disk is full (its detail). The lease's images not sent go back to the
+    queue with the completion; the server leases no batch until space is freed."""
+
+
 class LeaseClient:
     """The worker's calls. Connection errors are retried by the caller's loop (the server may restart)."""
 
@@ -89,11 +94,14 @@ class LeaseClient:
 
     def upload(self, lease_id: str, worker: str, job_id: str, path: str, data: bytes) -> bool:
         """One output file of the lease (of one of its jobs), for a server whose filesystem this worker does
-        not share; `worker`: this worker's id (the lease's holder). False when the lease is gone."""
+        not share; `worker`: this worker's id (the lease's holder). False when the lease is gone; ServerFull when
+        the server's disk is."""
         r = self.http.put(f"/v1/leases/{lease_id}/files/{job_id}/{path}", content=data, params={"worker": worker},
                           headers={"Content-Type": "application/octet-stream"})
         if r.status_code == 410:
             return False
+        if r.status_code == 507:
+            raise ServerFull(f"{self.server}: {problem_of(r)}")
         r.raise_for_status()
         return wire.StoredOutput.model_validate_json(r.content).stored == path
 

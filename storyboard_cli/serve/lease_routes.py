@@ -6,6 +6,8 @@ or give it back. Torch-free."""
 from __future__ import annotations
 
 import logging
+import sqlite3
+from contextlib import suppress
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import folders, wire
-from storyboard_cli.serve.api_state import Id, State
+from storyboard_cli.serve.api_state import ApiState, Id, State
+from storyboard_cli.serve.disk import MB, is_full
 from storyboard_cli.serve.edge import JSONRoute, Refused
 from storyboard_cli.serve.intake import stored_inputs
 from storyboard_cli.serve.openapi import (FILE_BODY, LEASE_GONE, NOT_HOLDER, OCTETS, QUARANTINED, UNKNOWN_WORKER,
@@ -67,8 +70,10 @@ async def register(body: wire.Registration, state: State) -> wire.Registered:
 async def lease(report: wire.WorkerReport, state: State):
     if state.draining():
         return Response(status_code=204)
+    held = await run_in_threadpool(state.disk.holding)  # a write into the job folders refused for want of space
     try:
-        got = await run_in_threadpool(_lease, state.store, report, state.clock(), state.settings.lease_s)
+        got = await run_in_threadpool(_lease, state.store, report, state.clock(), state.settings.lease_s,
+                                      held is not None)
     except UnknownWorker as e:
         raise unknown(e) from None
     except Quarantined as e:
@@ -98,6 +103,10 @@ async def upload(lease_id: Id, job_id: Id, path: str, request: Request, worker: 
         await run_in_threadpool(folders.store_upload, held[job_id][1], held[job_id][2], path, data)
     except BadInput as e:
         raise Refused(422, "not this lease's file", str(e)) from None
+    except OSError as e:  # a full disk: a 507 (disk.py), and no batch leased until space is freed
+        if is_full(e):
+            state.disk.spent(f"{path} of job {job_id}, uploaded by worker {worker}")
+        raise
     return wire.StoredOutput(stored=path)
 
 
@@ -168,23 +177,49 @@ async def complete(lease_id: Id, body: wire.Completion, state: State) -> wire.Le
             folders.record(held, checked, done)
             folders.keep_reports(held, lease_id, body.worker, body.reports)
 
+        strike = None if body.disk_full is None else await run_in_threadpool(_disk_full, state, body)
         ok = await run_in_threadpool(store.complete, lease_id, body.done, body.cached,
                                      {int(k): v for k, v in body.failed.items()}, state.clock(), work, record,
-                                     body.worker)
+                                     body.worker, strike)
     except BadInput as e:
         raise Refused(422, "bad manifest", str(e)) from None
     except NotHolder as e:
         raise not_holder(e) from None
+    except (OSError, sqlite3.OperationalError) as e:  # the job folders' disk full: a 507 (disk.py)
+        if not is_full(e):
+            raise
+        await run_in_threadpool(state.disk.spent, f"the manifest lines of lease {lease_id}")
+        with suppress(OSError, sqlite3.OperationalError):  # nothing was recorded: its images go back to the queue,
+            # their attempts kept, rendered again once space is freed (the queue's own disk full too: it expires)
+            await run_in_threadpool(store.complete, lease_id, [], [], {}, state.clock(), None, None, body.worker)
+        raise
     if not ok:
         raise lost(" before this completion")
     await run_in_threadpool(state.landed, held)  # the queue read off the event loop, as every call above
     return wire.LeaseAck(lease=lease_id)
 
 
-def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float) -> wire.Lease | None:
-    """The next batch for the worker, with what a worker that does not share the server's filesystem needs:
-    each job's text and its files' digests."""
-    got = store.lease(report.worker, now, ttl, report.gpu, report.ready, frozenset(report.warm), report.uptime_s)
+def _disk_full(state: ApiState, body: wire.Completion) -> str | None:
+    """A worker on the shared folders could not write a PNG for want of space (its images not named go back to the
+    queue with their attempts). Where the server's disk is under --min-free-mb too, it is full: no batch is leased
+    until space is freed (disk.py). Where it is not, what the worker met is of its own machine (a quota of its user,
+    another filesystem at that path): the reason of its strike, returned, and the farm goes on."""
+    if state.disk.holding() is not None:  # the server saw it too (an upload refused, or another worker's report)
+        return None
+    what = f"worker {body.worker}: {body.disk_full}"
+    if state.disk.low() is not None:
+        state.disk.spent(what)
+        return None
+    log.warning("%s, though the server's disk has %.0f MB free: a strike against the worker", what,
+                state.disk.free() / MB)
+    return f"could not write into the job folders: {body.disk_full}"
+
+
+def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float, held: bool) -> wire.Lease | None:
+    """The next batch for the worker (None while `held`: the server's disk full), with what a worker that does not
+    share the server's filesystem needs: each job's text and its files' digests."""
+    got = store.lease(report.worker, now, ttl, report.gpu, report.ready, frozenset(report.warm), report.uptime_s,
+                      held)
     if got is None:
         return None
     jobs = {job_id: job.model_copy(update={"job_text": Path(job.path).read_text(encoding="utf-8"),

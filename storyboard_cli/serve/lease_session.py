@@ -9,7 +9,9 @@ renders (`place`): the server's job folder, or this worker's copy of it under --
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +34,7 @@ from storyboard_cli.serve.intake import JOBS, OUT
 from storyboard_cli.serve.wire import Lease, LeasedImage, LeasedJob
 from storyboard_cli.serve.worker_options import WorkerOptions
 
+log = logging.getLogger(__name__)
 CACHED_BUCKET = "cached"  # the report's bucket row for copied twins
 JOBS_KEPT = 16  # jobs a worker keeps loaded (their batches come in turn while they render)
 
@@ -106,6 +109,8 @@ class Outcome:
     model_loads: int = 0
     records: dict[str, list[dict]] = field(default_factory=dict)  # job id -> manifest lines of its images written
     reports: dict[str, Report] = field(default_factory=dict)  # job id -> this lease's report of it
+    disk_full: str | None = None  # the server's disk full (its error, one line): the images not done go back
+    unsent: dict[str, list[dict]] = field(default_factory=dict)  # job id -> lines of PNGs written that never landed
 
     def completion(self, worker: str) -> wire.Completion:
         """POST /v1/leases/{lease_id}/complete's body, from `worker` (this worker's id, the lease's holder)."""
@@ -114,7 +119,22 @@ class Outcome:
                                batches=self.batches, out_of_memory=self.out_of_memory, model_loads=self.model_loads,
                                manifest={job_id: [wire.ManifestLine(**line) for line in lines]
                                          for job_id, lines in self.records.items()},
-                               reports={job_id: wire.lease_report(r) for job_id, r in self.reports.items()})
+                               reports={job_id: wire.lease_report(r) for job_id, r in self.reports.items()},
+                               disk_full=self.disk_full[:wire.MAX_TEXT] if self.disk_full else None)
+
+    def landed(self, lease: Lease, on_server: Callable[[str, str], bool], full: str) -> None:
+        """The server's disk full (`full`, one line) while this lease's PNGs went to it: the images whose outputs
+        are all on the server (`on_server(job id, path)`) stay done, with the manifest lines of what is there; the
+        others are named neither done nor failed, so the completion sends them back to the queue with their
+        attempts, and the server leases no batch until space is freed."""
+        images = {image.id: image for image in lease.images}
+        kept = {i for i in self.done if all(on_server(images[i].job, p) for p in images[i].outputs)}
+        self.done, self.cached = [i for i in self.done if i in kept], [i for i in self.cached if i in kept]
+        self.unsent = {job: [r for r in lines if not on_server(job, r["path"])] for job, lines in self.records.items()}
+        self.records = {job: [r for r in lines if on_server(job, r["path"])] for job, lines in self.records.items()}
+        self.disk_full = full
+        log.warning("lease %s: the server's disk is full (%s): %d of its %d images landed, the others go back to "
+                    "the queue", lease.lease, full, len(kept), len(lease.images))
 
 
 class Recorder:
@@ -339,9 +359,15 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
     except DeviceUnusable:
         raise
     except StoryboardError as e:
-        if isinstance(e, DiskFull) and e.path is not None and opts.root.resolve() in Path(e.path).resolve().parents:
-            # this worker's own copies: its machine's fault, the lease goes back (elsewhere, the job's)
-            raise OwnDiskUnusable(f"this worker's --root is full: {first_line(e)}") from None
+        if isinstance(e, DiskFull) and e.path is not None:
+            if opts.root.resolve() in Path(e.path).resolve().parents:  # its own copies: its machine's fault
+                raise OwnDiskUnusable(f"this worker's --root is full: {first_line(e)}") from None
+            # the server's job folders, shared: what landed is done, the rest goes back to the queue
+            for session in (head, *sessions.values()):
+                _collect(out, session, {})
+            out.batches = head.timed
+            out.landed(lease, lambda job, path: True, first_line(e))
+            return out
         out.failed.update({image.id: first_line(e) for image in lease.images})
         return out
     except RuntimeError as e:  # a CUDA error loading the models or capturing the graphs: the device's, not the job's
@@ -352,20 +378,24 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
     if head.models is not None:
         hot.models, hot.engine = head.models, head.engine
     for session, result in results.items():
-        failed = {f["path"]: f["reason"] for f in result.failed}
-        written = session.recorder.records
-        for image in session.images:
-            paths = image.outputs
-            reason = next((failed[p] for p in paths if p in failed), None)
-            if reason is not None:
-                out.failed[image.id] = reason
-            elif all(p in written for p in paths):
-                out.done.append(image.id)
-                if session.copied.issuperset(paths):
-                    out.cached.append(image.id)
-        job_id = session.images[0].job
-        out.records[job_id] = list(written.values())
+        _collect(out, session, {f["path"]: f["reason"] for f in result.failed})
         if session.report is not None:
-            out.reports[job_id] = session.report
+            out.reports[session.images[0].job] = session.report
     out.stopped = results[head].status == Status.INTERRUPTED
     return out
+
+
+def _collect(out: Outcome, session: LeaseSession, failed: dict[str, str]) -> None:
+    """A job's images in the outcome: failed (`failed`: output path -> reason), done (every output written: its
+    manifest line recorded), or neither (left: they go back to the queue)."""
+    written = session.recorder.records
+    for image in session.images:
+        paths = image.outputs
+        reason = next((failed[p] for p in paths if p in failed), None)
+        if reason is not None:
+            out.failed[image.id] = reason
+        elif all(p in written for p in paths):
+            out.done.append(image.id)
+            if session.copied.issuperset(paths):
+                out.cached.append(image.id)
+    out.records[session.images[0].job] = list(written.values())

@@ -174,6 +174,9 @@ class DiskCollector:
                                 value=self.disk.free())
         yield CounterMetricFamily(PREFIX + "disk_full", "Requests refused (507) because the server's disk was full "
                                   "or under --min-free-mb.", value=self.disk.refused)
+        yield GaugeMetricFamily(PREFIX + "leases_held", "1 while no batch is leased: a write into the job folders "
+                                "was refused for want of space, and not enough has been freed since.",
+                                value=int(self.disk.holding() is not None))
         yield GaugeMetricFamily(PREFIX + "blobs_bytes", "Bytes of the stored input files (at most --max-blobs-gb).",
                                 value=self.blobs.used())
         yield CounterMetricFamily(PREFIX + "blobs_collected", "Input files removed because no job named them for "

@@ -33,13 +33,13 @@ def healthz(state: State) -> wire.Health:
 
 @router.get("/readyz", responses=problems({503: "by design, until a worker is ready: no registered worker seen within "
                                                 "--lease-s has its graphs captured (or the server is stopping, or its "
-                                                "disk is under --min-free-mb)"}))
+                                                "disk is under --min-free-mb, or so full that it leases no batch)"}))
 def readyz(state: State) -> wire.Ready:
     """Ready: at least one registered worker seen within --lease-s has its model loaded and its graphs
     captured (it says so with each lease request and heartbeat)."""
     if state.draining():
         raise Refused(503, "draining", "the server is stopping")
-    low = state.disk.low()
+    low = state.disk.holding() or state.disk.low()
     if low is not None:
         raise Refused(503, "disk full", low)
     lease_s = state.settings.lease_s

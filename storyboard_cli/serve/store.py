@@ -258,17 +258,17 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
     # leases
 
     def lease(self, worker: str, now: float, ttl: float, gpu: dict | None = None, ready: bool = False,
-              warm: frozenset[str] = frozenset(), uptime_s: float | None = None) -> Lease | None:
-        """The next batch for `worker`, or None when nothing is free: `job` (the head job, the best ranked),
-        `jobs` (each job of the batch: its job file and output folder; the API adds their text and inputs),
-        `images` (each with its job, mix and twin). `warm`: the mixes the worker has prepared (schedule.pick
-        prefers them). Raises UnknownWorker, Quarantined."""
+              warm: frozenset[str] = frozenset(), uptime_s: float | None = None, held: bool = False) -> Lease | None:
+        """The next batch for `worker`, or None when nothing is free (or `held`: the server's disk full): `job`
+        (the head job, the best ranked), `jobs` (each job of the batch: its job file and output folder; the API adds
+        their text and inputs), `images` (each with its job, mix and twin). `warm`: the mixes the worker has
+        prepared (schedule.pick prefers them). Raises UnknownWorker, Quarantined."""
         with self._tx() as db:
             self._seen(db, worker, gpu, now, ready)
             self._usable(db, worker)  # Quarantined: no lease
             self._expire(db, now)
             self._warm(db, worker, warm)
-            if self._held_back(db, worker):  # the queue paused, or this worker drained (queue_control.py)
+            if held or self._held_back(db, worker):  # the queue paused, this worker drained (queue_control.py)
                 return None
             rows = db.execute("SELECT i.id, i.job, i.key, i.fingerprint, i.ord, i.mix, i.cost, j.priority, "
                               "j.submitted, j.batch, j.front FROM images i JOIN jobs j ON j.id = i.job "
@@ -381,19 +381,26 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
 
     def complete(self, lease_id: str, done: list[int], cached: list[int], failed: dict[int, str], now: float,
                  work: Work | None = None, record: Callable[[dict[str, set[str]]], None] | None = None,
-                 worker: str | None = None) -> bool:
-        """Records a lease's results; its images not named go back to the queue without a strike (a worker
+                 worker: str | None = None, strike: str | None = None) -> bool:
+        """Records a lease's results; its images not named go back to the queue with their attempts (a worker
         stopping). False, and nothing recorded, when the lease is gone; NotHolder when `worker` is not its
         holder. `record({job: outputs of its done images})` runs inside the transaction, before it commits (the
-        job folders' manifest lines): if it raises, nothing is recorded. The holder's strikes in a row end."""
+        job folders' manifest lines): if it raises, nothing is recorded. The holder's strikes in a row end, unless
+        `strike` says what of its own machine left the images not named (a strike, as a give-back's)."""
         work = work or Work()
         with self._tx() as db:
             self._expire(db, now)
             if not self._held(db, lease_id, worker):
                 self._count(db, LATE)
                 return False
-            db.execute("UPDATE workers SET strikes = 0 WHERE id = (SELECT worker FROM leases WHERE id = ?)",
-                       (lease_id,))
+            holder = db.execute("SELECT worker FROM leases WHERE id = ?", (lease_id,)).fetchone()[0]
+            if strike is None:
+                db.execute("UPDATE workers SET strikes = 0 WHERE id = ?", (holder,))
+            else:
+                strikes, quarantined = self._strike(db, holder, strike)
+                self._count(db, STRIKES)
+                if quarantined and strikes == MAX_STRIKES:
+                    self._count(db, QUARANTINES)
             if work.batches:
                 self._calibrate(db, lease_id, worker, sum(b[2] for b in work.batches))
             held = db.execute("SELECT i.id, i.job, j.canceled, i.outputs FROM images i JOIN jobs j ON j.id = i.job "

@@ -151,6 +151,11 @@ class Completion(Body):
     reports: dict[JobId, LeaseReport] = Field({}, max_length=MAX_LEASE_IMAGES,
                                               description="per job, the worker's report of this lease (its stages, "
                                                           "buckets, graphs): merged into the job's report")
+    disk_full: Text | None = Field(None, description="a PNG this worker could not write into the job folders it "
+                                   "shares with the server, for want of space (the error, one line): the images not "
+                                   "named go back to the queue, their attempts kept; the server leases no batch "
+                                   "until space is freed (where its own disk is under --min-free-mb; else a strike "
+                                   "against this worker)")
 
 
 class LeaseFailure(Body):

@@ -29,7 +29,7 @@ from storyboard_cli.run.render import RenderOptions, check_options, warm
 from storyboard_cli.serve import wire
 from storyboard_cli.serve.client import QueueBusy, ServerError
 from storyboard_cli.serve.inputs_cache import InputFiles
-from storyboard_cli.serve.lease_client import LeaseClient, Unregistered
+from storyboard_cli.serve.lease_client import LeaseClient, ServerFull, Unregistered
 from storyboard_cli.serve.lease_session import Hot, Outcome, Place, place, render_lease
 from storyboard_cli.serve.wire import NAME_PATTERN, Lease, LeasedImage
 from storyboard_cli.serve.worker_options import WorkerOptions
@@ -232,7 +232,7 @@ def tidy(lease: Lease, places: dict[str, Place], outcome: Outcome | None, files:
     for job_id, where in places.items():
         if not where.upload or outcome is None or _same_folder(where.out_dir, Path(lease.jobs[job_id].out_dir)):
             continue
-        for record in outcome.records.get(job_id, ()):
+        for record in (*outcome.records.get(job_id, ()), *outcome.unsent.get(job_id, ())):
             _remove(where.out_dir / record["path"])
     for image in lease.images:
         if image.twin and Path(image.twin).parent == files.cache.dir.parent / TWINS:
@@ -260,7 +260,10 @@ def _remove(path: Path) -> None:
 def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, places: dict[str, Place],
            retry: _Retry) -> bool:
     """Sends the finished PNGs of each job rendered in a copy to the server (each tried again until the server
-    answers: `_answered`); False when the lease was lost meanwhile (the images are someone else's now)."""
+    answers: `_answered`); False when the lease was lost meanwhile (the images are someone else's now). The
+    server's disk full: the outcome keeps what was sent (`Outcome.landed`), its other images go back to the queue
+    with the completion."""
+    sent: set[tuple[str, str]] = set()
     for job_id, where in places.items():
         if not where.upload:
             continue
@@ -271,9 +274,13 @@ def upload(client: LeaseClient, lease: Lease, worker: str, outcome: Outcome, pla
                                  f"uploading {path} of lease {lease.lease}"):
                     log.warning("lease %s was lost while uploading: its images went back to the queue", lease.lease)
                     return False
+            except ServerFull as e:
+                outcome.landed(lease, lambda job, p: not places[job].upload or (job, p) in sent, first_line(e))
+                return True
             except (httpx.HTTPError, OSError) as e:  # the lease expires and is rendered again (from the copy)
                 log.warning("uploading %s of lease %s: %s", path, lease.lease, e)
                 return False
+            sent.add((job_id, path))
     return True
 
 
