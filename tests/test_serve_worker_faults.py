@@ -323,3 +323,71 @@ def test_failed_heartbeats_are_one_line_per_outage(caplog):
     lines = [r.getMessage().split(":")[0] for r in caplog.records]
     assert lines == ["heartbeat of lease l-1 failed", "heartbeat of lease l-1 answered again"] * 2, lines
     assert not beat.lost
+
+
+# the server's clock set off from the machine's by the seconds its test writes into BCG_TEST_STEP (read every 0.05 s):
+# NTP stepping a freshly booted machine's clock, or an operator setting it
+STEPPED_CLOCK = """import os, threading, time
+
+_real, _sleep, _offset = time.time, time.sleep, [0.0]
+
+
+def _watch():
+    while True:
+        try:
+            with open(os.environ["BCG_TEST_STEP"]) as f:
+                _offset[0] = float(f.read())
+        except (OSError, ValueError):
+            pass
+        _sleep(0.05)
+
+
+threading.Thread(target=_watch, daemon=True).start()
+time.time = lambda: _real() + _offset[0]
+"""
+
+
+@pytest.mark.slow  # a server whose clock steps an hour forward, then two back, while workers hold leases
+def test_a_step_of_the_servers_clock_neither_expires_a_live_lease_nor_keeps_a_dead_workers(tmp_path, monkeypatch):
+    """The machine's clock set an hour forward while a worker renders a batch: its lease does not expire (the image
+    renders once, on its first attempt). Then set two hours back while a worker killed mid-batch holds a lease: that
+    lease expires within --lease-s as ever, and the other worker renders its image."""
+    one = JOB.replace("candidates: 3", "candidates: 1")
+    clock, step = tmp_path / "clock", tmp_path / "step"
+    clock.mkdir()
+    (clock / "sitecustomize.py").write_text(STEPPED_CLOCK)
+    monkeypatch.setenv("BCG_TEST_STEP", str(step))
+    server = Server(tmp_path / "root", free_port()).start(gpus="none", fault=clock)
+    workers = []
+    try:
+        for name in ("steady", "killed"):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "sitecustomize.py").write_text(HELD_BATCH)
+            monkeypatch.setenv("BCG_TEST_GO", str(tmp_path / f"{name}.go"))
+            workers.append(start_worker(server.url, name, fault=tmp_path / name))
+            ids = eventually(lambda: worker_ids(server.url, name), bool, 60)
+            job = httpx.post(server.url + "/v1/jobs", content=one % len(workers), headers=YAML, timeout=10).json()
+            eventually(lambda: (tmp_path / f"{name}.go.held").exists(), bool, 60)  # its batch waits
+            if name == "steady":
+                steady = ids
+                step.write_text("3600")  # an hour forward, heartbeats and sweeps meanwhile
+                time.sleep(2)
+                (tmp_path / "steady.go").touch()
+                done = server.wait(job["id"], lambda j: j["state"] in ("succeeded", "failed"))
+                assert done["state"] == "succeeded" and done["images"][0]["attempts"] == 1, done
+                assert metric(server.url, "bcg_lease_expiries_total") == 0
+                for worker in steady:  # the next job goes to the next worker
+                    assert httpx.post(f"{server.url}/v1/workers/{worker}/drain", timeout=10).status_code == 200
+            else:
+                step.write_text("-3600")  # two hours back, then the worker holding the lease is killed
+                stop(workers[-1])
+                for worker in steady:
+                    assert httpx.post(f"{server.url}/v1/workers/{worker}/resume", timeout=10).status_code == 200
+                done = eventually(lambda: server.job(job["id"]), lambda j: j["state"] in ("succeeded", "failed"), 30)
+                assert done["state"] == "succeeded" and done["images"][0]["attempts"] == 2, done
+                assert done["images"][0]["worker"] in steady, done
+                assert metric(server.url, "bcg_lease_expiries_total") == 1
+    finally:
+        for p in workers:
+            stop(p)
+        server.kill_everything()

@@ -38,10 +38,21 @@ log = logging.getLogger(__name__)
 COLLECT_EVERY_S = 300.0  # the most seconds between two collections of unused input files
 
 
-def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] = time.time) -> FastAPI:
+def steady_clock() -> Callable[[], float]:
+    """The server's clock, in seconds since the epoch: the wall clock read once, then advanced by the monotonic one.
+    A step of the machine's clock while it serves (NTP setting a freshly booted machine right, an operator) would
+    otherwise expire every lease at once (forward: each image rendered twice, an attempt spent) or keep a dead
+    worker's lease for the step's length (backward: its images stuck). A restart reads the wall clock again; the
+    downtime counts against no lease (Store.restarted)."""
+    wall, start = time.time(), time.monotonic()
+    return lambda: wall + (time.monotonic() - start)
+
+
+def create_app(settings: Settings, store: Store | None = None, clock: Callable[[], float] | None = None) -> FastAPI:
     """The app: the state its routers share, its edge, its routes (blobs, jobs, the workers' leases, ops), its
-    lease sweep and its true /openapi.json."""
+    lease sweep and its true /openapi.json. `clock`: the server's (`steady_clock` unless a test gives one)."""
     store = store or Store(settings.root)
+    clock = clock or steady_clock()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

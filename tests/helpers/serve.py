@@ -64,13 +64,15 @@ class Server:
         self.root, self.port, self.url = root, port, f"http://127.0.0.1:{port}"
         self.proc = None
 
-    def start(self, lease_s=3, gpus="cpu", extra=(), cwd=ROOT, root=None, prefix=(), stderr=None):
+    def start(self, lease_s=3, gpus="cpu", extra=(), cwd=ROOT, root=None, prefix=(), stderr=None, fault=None):
         """`root`: how --root is spelled (default: the absolute path), read from `cwd`; `prefix`: a command the
-        server runs under (a mount namespace); `stderr`: a file for its log."""
+        server runs under (a mount namespace); `stderr`: a file for its log; `fault`: a folder holding a
+        sitecustomize.py that changes something in the server process alone."""
         argv = [*prefix, sys.executable, "-m", "storyboard_cli", "serve", "--root", str(root or self.root),
                 "--port", str(self.port), "--gpus", gpus, "--lease-s", str(lease_s), "--grace-s", "30", *extra]
+        path = os.pathsep.join(str(p) for p in (fault, ROOT) if p is not None)
         self.proc = subprocess.Popen(argv, cwd=cwd, start_new_session=True, stderr=stderr,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                     env={**os.environ, "PYTHONPATH": path})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
