@@ -340,3 +340,16 @@ def test_the_openapi_document_describes_the_page_api(tmp_path):
     assert "last-event-id" in [p["name"].lower() for p in paths["/v1/events"]["get"]["parameters"]]
     assert "security" not in paths["/ui"]["get"]
     assert {"JobPage", "JobRow", "WorkersView", "QueueView", "QueueEvent"} <= set(spec["components"]["schemas"])
+
+
+def test_a_server_started_again_on_a_clock_set_back_holds_a_dead_workers_lease_no_longer_than_lease_s(tmp_path, clock):
+    """The server stops with a lease held, and starts again on a machine whose clock was set an hour back meanwhile:
+    the lease counts as renewed at the new start, expiring --lease-s later as after any restart, not an hour later."""
+    with TestClient(create_app(Settings(tmp_path / "root", lease_s=30), clock=clock)) as c:
+        post(c)
+        assert lease(c, register(c, "gone")).status_code == 200
+        c.app.state.store.close()
+    clock.t -= 3600
+    with TestClient(create_app(Settings(tmp_path / "root", lease_s=30), clock=clock)) as c:
+        clock.t += 31
+        assert lease(c, register(c, "next")).status_code == 200  # the lease expired: its images queued again

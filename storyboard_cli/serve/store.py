@@ -451,10 +451,10 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
         counts as seen now and each lease as renewed now for `ttl` (--lease-s), so a worker that outlived the
         outage keeps its id, its calibration and its lease by calling within `ttl` (a registered worker retries an
         unreachable server at least every ttl / 3: worker.py); one that did not is forgotten, and its lease
-        expires, `ttl` from now."""
+        expires, `ttl` from now (a machine's clock set back since then holds none longer)."""
         with self._tx() as db:
-            db.execute("UPDATE workers SET seen = MAX(seen, ?)", (now,))
-            db.execute("UPDATE leases SET expires = MAX(expires, ?)", (now + ttl,))
+            db.execute("UPDATE workers SET seen = ?", (now,))
+            db.execute("UPDATE leases SET expires = ?", (now + ttl,))
 
     def sweep(self, now: float) -> None:
         """Expired leases ended now (their images queued again, or failed), not at the next worker's call:
