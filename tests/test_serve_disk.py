@@ -316,3 +316,16 @@ def test_a_workers_full_disk_the_server_does_not_see_is_a_strike_not_a_hold(tmp_
         r = c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": other, "disk_full": "disk full"})
         assert r.status_code == 200 and c.post("/v1/leases", json={"worker": other}).status_code == 204
         assert "bcg_worker_strikes_total 3.0" in c.get("/metrics").text
+
+
+def test_a_completion_names_disk_full_only_when_it_happened():
+    """A worker's completion carries `disk_full` only when a PNG could not be written: otherwise its body is the one
+    a server from before the field takes (a farm upgraded worker by worker, its server last)."""
+    import json
+
+    from storyboard_cli.serve.lease_session import Outcome
+
+    plain = Outcome(done=[1])
+    assert "disk_full" not in json.loads(plain.completion("w").model_dump_json(exclude_unset=True))
+    full = Outcome(done=[1], disk_full="disk full: cannot write a.png")
+    assert json.loads(full.completion("w").model_dump_json(exclude_unset=True))["disk_full"] == full.disk_full

@@ -120,7 +120,8 @@ class Outcome:
                                manifest={job_id: [wire.ManifestLine(**line) for line in lines]
                                          for job_id, lines in self.records.items()},
                                reports={job_id: wire.lease_report(r) for job_id, r in self.reports.items()},
-                               disk_full=self.disk_full[:wire.MAX_TEXT] if self.disk_full else None)
+                               # sent only when set: a server from before the field takes the body as it was
+                               **({"disk_full": self.disk_full[:wire.MAX_TEXT]} if self.disk_full else {}))
 
     def landed(self, lease: Lease, on_server: Callable[[str, str], bool], full: str) -> None:
         """The server's disk full (`full`, one line) while this lease's PNGs went to it: the images whose outputs
