@@ -391,3 +391,55 @@ def test_a_step_of_the_servers_clock_neither_expires_a_live_lease_nor_keeps_a_de
         for p in workers:
             stop(p)
         server.kill_everything()
+
+
+@pytest.mark.slow  # a bcg worker against a server whose queue cannot be written (its disk full to the last byte)
+def test_a_worker_whose_server_cannot_lease_for_a_full_disk_says_so_once_and_asks_again(tmp_path):
+    """The server answers a lease request 507 (its disk so full that its queue cannot record the request): the worker
+    says so in one line, not as a server it cannot reach, asks again at its backoff, and says once that the server
+    answers again when it leases (here: nothing to do)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asks, full = [], [True]
+    problem = {"type": "about:blank", "title": "insufficient storage", "status": 507,
+               "detail": "the server's disk is full: nothing of this request was kept; free space on the server, then "
+                         "retry"}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/v1/workers":
+                status, body = 201, {"worker": "w-1", "name": "w", "lease_s": 3}
+            else:
+                asks.append(self.path)
+                status, body = (507, problem) if full[0] else (204, None)
+            data = b"" if body is None else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/problem+json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    log = tmp_path / "worker.log"
+    with open(log, "w") as err:
+        worker = start_worker(f"http://127.0.0.1:{httpd.server_port}", "w", stderr=err)
+    try:
+        eventually(lambda: len(asks), lambda n: n >= 3, 60)  # refused, and asked again
+        full[0] = False  # space freed
+        n = len(asks)
+        eventually(lambda: len(asks), lambda k: k > n + 2, 30)
+        assert worker.poll() is None
+        text = log.read_text()
+        said = [line for line in text.splitlines() if "disk is full" in line]
+        assert len(said) == 1 and "asking again" in said[0] and "cannot reach" not in text, text
+        assert text.count("answers again") == 1, text
+    finally:
+        stop(worker)
+        httpd.shutdown()

@@ -27,8 +27,9 @@ class Quarantined(ServerError):
 
 
 class ServerFull(ServerError):
-    """507 on an uploaded PNG: the server's disk is full (its detail). The lease's images not sent go back to the
-    queue with the completion; the server leases no batch until space is freed."""
+    """507: the server's disk is full (its detail). On an uploaded PNG, the lease's images not sent go back to the
+    queue with the completion; on a lease request (the queue itself cannot be written), the worker asks again
+    later. The server leases no batch until space is freed."""
 
 
 class LeaseClient:
@@ -57,9 +58,11 @@ class LeaseClient:
         return wire.Registered.model_validate_json(r.content)
 
     def lease(self, report: wire.WorkerReport) -> wire.Lease | None:
-        """The next batch, or None. Raises Unregistered, Quarantined."""
+        """The next batch, or None. Raises Unregistered, Quarantined, ServerFull."""
         r = self._post("/v1/leases", report)
         self._registered(r, report.worker)
+        if r.status_code == 507:
+            raise ServerFull(f"{self.server}: {problem_of(r)}")
         if r.status_code == 403:
             raise Quarantined(f"{self.server}: {problem_of(r)}")
         r.raise_for_status()

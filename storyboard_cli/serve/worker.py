@@ -138,6 +138,7 @@ def run_worker(opts: WorkerOptions) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     rendered, backoff, unreachable, retry = 0, opts.poll_s, False, _Retry(MAX_BACKOFF_S, stop)
+    full = False  # the server's disk full (its queue cannot be written): said once, until it answers again
     if opts.warm is not None:  # ready (/readyz) before any job arrives, and its first job starts at once
         job = load_job(opts.warm)
         hot.for_job(job)
@@ -157,6 +158,13 @@ def run_worker(opts: WorkerOptions) -> int:
                 lease = client.lease(wire.WorkerReport(worker=worker, gpu=gpu_stats(hot), ready=hot.ready,
                                                        warm=sorted(hot.warm)[-wire.MAX_WARM:],
                                                        uptime_s=round(time.monotonic() - started, 3)))
+            except ServerFull as e:  # it answers, but cannot lease: ask again as while it cannot be reached
+                if not full:
+                    log.warning("%s: asking again every %.0f s at most", first_line(e, 300), retry.backoff_s)
+                full = True
+                _pause(min(backoff, retry.backoff_s), stop)
+                backoff = min(backoff * 2, retry.backoff_s)
+                continue
             except httpx.HTTPError as e:  # the server is restarting, or gone for a while: wait for it
                 if not unreachable:  # once per outage, not once per retry
                     log.warning("cannot reach %s (%s): retrying every %.0f s at most until it answers", opts.server,
@@ -174,9 +182,9 @@ def run_worker(opts: WorkerOptions) -> int:
                 worker = None
                 continue
             backoff = opts.poll_s
-            if unreachable:
+            if unreachable or full:
                 log.warning("%s answers again", opts.server)
-                unreachable = False
+                unreachable = full = False
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
