@@ -443,3 +443,49 @@ def test_a_worker_whose_server_cannot_lease_for_a_full_disk_says_so_once_and_ask
     finally:
         stop(worker)
         httpd.shutdown()
+
+
+# a worker whose every PNG write into the job folders is refused for its user's quota (the server's disk has room)
+QUOTA = """import errno
+from storyboard_cli.folder import sink
+
+
+def _over_quota(target, data):
+    raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+
+sink.atomic_write = _over_quota
+"""
+
+
+@pytest.mark.slow  # a server, a worker over its quota on the shared folders, then a healthy worker: 6 tiny images
+def test_a_worker_over_its_quota_on_the_shared_folders_takes_strikes_and_the_farm_goes_on(tmp_path):
+    """A worker on the server's folders cannot write a PNG for want of space (its user's quota) while the server's
+    own disk has room: each completion sends its images back with their attempts and says disk_full, which the
+    server counts as a strike against that worker, not as its own disk full: it keeps leasing, quarantines the
+    worker at the third, and a healthy worker renders every image on its first attempt."""
+    (tmp_path / "quota").mkdir()
+    (tmp_path / "quota" / "sitecustomize.py").write_text(QUOTA)
+    log, worker_log = tmp_path / "serve.log", tmp_path / "quota.log"
+    with open(log, "w") as err:
+        server = Server(tmp_path / "root", free_port()).start(gpus="none", lease_s=5, stderr=err,
+                                                              extra=["--min-free-mb", "1"])
+    healthy = None
+    with open(worker_log, "w") as err:
+        over = start_worker(server.url, "over", fault=tmp_path / "quota", stderr=err)
+    try:
+        eventually(lambda: worker_ids(server.url, "over"), bool, 60)  # registered: it takes the first leases
+        ids = submit_jobs(server.url)
+        assert over.wait(90) == 2  # quarantined
+        assert metric(server.url, "bcg_leases_held") == 0  # the farm was never held
+        healthy = start_worker(server.url, "healthy")
+        all_done(server, ids)
+        assert metric(server.url, "bcg_worker_strikes_total") == 3
+        assert metric(server.url, "bcg_images_failed_total") == 0
+        said = worker_log.read_text()
+        assert said.count("the server's disk is full") == 3 and "Disk quota exceeded" in said, said
+        assert log.read_text().count("a strike against the worker") == 3, log.read_text()
+    finally:
+        for p in (over, healthy, server.proc):
+            if p is not None:
+                stop(p)

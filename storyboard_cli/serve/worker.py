@@ -158,18 +158,16 @@ def run_worker(opts: WorkerOptions) -> int:
                 lease = client.lease(wire.WorkerReport(worker=worker, gpu=gpu_stats(hot), ready=hot.ready,
                                                        warm=sorted(hot.warm)[-wire.MAX_WARM:],
                                                        uptime_s=round(time.monotonic() - started, 3)))
-            except ServerFull as e:  # it answers, but cannot lease: ask again as while it cannot be reached
-                if not full:
-                    log.warning("%s: asking again every %.0f s at most", first_line(e, 300), retry.backoff_s)
-                full = True
-                _pause(min(backoff, retry.backoff_s), stop)
-                backoff = min(backoff * 2, retry.backoff_s)
-                continue
-            except httpx.HTTPError as e:  # the server is restarting, or gone for a while: wait for it
-                if not unreachable:  # once per outage, not once per retry
-                    log.warning("cannot reach %s (%s): retrying every %.0f s at most until it answers", opts.server,
-                                first_line(e, 200) or e.__class__.__name__, retry.backoff_s)
-                unreachable = True
+            except (httpx.HTTPError, ServerFull) as e:  # restarting, gone for a while, or its disk full: wait for it
+                if isinstance(e, ServerFull):  # it answers, but cannot lease
+                    if not full:  # once per outage, not once per retry
+                        log.warning("%s: asking again every %.0f s at most", first_line(e, 300), retry.backoff_s)
+                    full = True
+                else:
+                    if not unreachable:
+                        log.warning("cannot reach %s (%s): retrying every %.0f s at most until it answers",
+                                    opts.server, first_line(e, 200) or e.__class__.__name__, retry.backoff_s)
+                    unreachable = True
                 time.sleep(min(backoff, retry.backoff_s))
                 backoff = min(backoff * 2, retry.backoff_s)
                 continue
