@@ -13,5 +13,12 @@
 set -euo pipefail
 : "${BCG_WORKER_TOKEN:?set BCG_WORKER_TOKEN (the --worker-token of the server)}"
 export BCG_WORKER_TOKEN
-srun bcg worker --server "${BCG_SERVER:-http://bcg-server:8188}" \
-  --name "slurm-${SLURM_ARRAY_JOB_ID:-0}-${SLURM_ARRAY_TASK_ID:-0}" "$@"
+# a worker whose render stopped progressing (its GPU hung: --stall-s) exits 75; the task starts it again on a fresh
+# device context. Any other status ends the task with it (0: stopped by the SIGINT above)
+while :; do
+  status=0
+  srun bcg worker --server "${BCG_SERVER:-http://bcg-server:8188}" \
+    --name "slurm-${SLURM_ARRAY_JOB_ID:-0}-${SLURM_ARRAY_TASK_ID:-0}" "$@" || status=$?
+  [ "$status" -eq 75 ] || exit "$status"
+  echo "slurm-workers.sh: the worker's render stalled (exit 75): starting it again" >&2
+done

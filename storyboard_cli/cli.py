@@ -382,18 +382,23 @@ def worker(server: ServerOpt, name: Annotated[str, typer.Option(help="This worke
            max_inputs_gb: Annotated[float, typer.Option(min=0, help="Most disk the input files downloaded into "
                                                         "--root (control images, LoRAs) may take: the least recently "
                                                         "used go first, and come again when a job needs them.")] = 20.0,
+           stall_s: Annotated[float, typer.Option(min=0, help="Seconds a lease's render may show no progress (no batch "
+                                                  "begun or delivered, no kernel build it waits for running) before "
+                                                  "the worker takes its device for hung and exits with status 75, "
+                                                  "for its supervisor to start it again; 0: never.")] = 600.0,
            warm: WarmOpt = None, token: WorkerTokenOpt = None, device: DeviceOpt = None, dtype: DtypeOpt = None,
            engine: EngineOpt = "auto", compile: CompileOpt = "auto", kernels: KernelsOpt = None,
            fp8: Fp8Opt = False) -> None:
     """Render the server's queue on this machine (job folders shared with the server, or uploaded)."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    from storyboard_cli.serve.worker import WorkerOptions, run_worker
+    from storyboard_cli.serve.worker import STALLED, WorkerOptions, run_worker
 
     with _domain_errors():  # a device or options it cannot render with: one line, exit 2, before it registers
         run_worker(WorkerOptions(server=server, name=name, device=device, dtype=dtype, engine=engine,
                                  compile=compile, token=token, upload=upload, root=root, warm=warm,
-                                 kernels=kernels_name(kernels, fp8), max_inputs_gb=max_inputs_gb))
+                                 kernels=kernels_name(kernels, fp8), max_inputs_gb=max_inputs_gb, stall_s=stall_s),
+                   on_stall=lambda: os._exit(STALLED))  # from the heartbeat's thread: the main one is stuck
 
 
 @app.command()

@@ -220,7 +220,8 @@ def test_promtool_checks_the_rules_and_their_unit_tests_pass():
 
 def slurm_calls() -> list[list[str]]:
     script = SLURM.read_text().replace("\\\n", " ")
-    return [line.split("#")[0].split()[1:] for line in script.splitlines() if line.startswith("srun bcg ")]
+    return [line.split("#")[0].split("||")[0].split()[1:] for line in map(str.strip, script.splitlines())
+            if line.startswith("srun bcg ")]
 
 
 def test_the_slurm_script_asks_one_gpu_per_task_and_stops_softly():
@@ -229,6 +230,26 @@ def test_the_slurm_script_asks_one_gpu_per_task_and_stops_softly():
     assert "#SBATCH --signal=INT@" in text  # the worker's soft stop before the time limit
     (argv,) = slurm_calls()
     check_call([a.strip('"') for a in argv], "slurm-workers.sh")
+
+
+@pytest.mark.parametrize("statuses, ends", [((75, 75, 0), 0), ((75, 3), 3), ((2,), 2)])
+def test_the_slurm_script_starts_a_stalled_worker_again_and_ends_with_any_other_status(tmp_path, statuses, ends):
+    """A worker that exits 75 (its render stalled: --stall-s) is started again in the same task; any other status
+    (0 stopped, 2 cannot render here, 3 ...) ends the task with it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "statuses").write_text("\n".join(map(str, statuses)) + "\n")
+    srun = bin_dir / "srun"  # each call: the next status of the list, and its arguments logged
+    srun.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\nn=$(head -1 {tmp_path}/statuses)\n'
+                    f'sed -i 1d {tmp_path}/statuses\nexit "$n"\n')
+    srun.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "BCG_WORKER_TOKEN": "t"}
+    task = subprocess.run(["bash", str(SLURM), "--upload"], env=env, capture_output=True, text=True, timeout=60)
+    assert task.returncode == ends, task.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == len(statuses) and all(c.startswith("bcg worker --server") and c.endswith("--upload")
+                                               for c in calls), calls
+    assert task.stderr.count("stalled (exit 75): starting it again") == statuses.count(75), task.stderr
 
 
 @pytest.mark.slow

@@ -17,8 +17,8 @@ from storyboard_cli.run.oom import OutOfMemoryPolicy
 from storyboard_cli.serve.server import QUICK_FAILURES, QUICK_S, Restarts
 
 from conftest import ROOT
-from helpers.serve import (MOUNT, YAML, Server, device_fault, eventually, free_port, metric, mount_namespace,
-                           start_worker, stop, worker_ids)
+from helpers.serve import (MOUNT, YAML, Server, device_fault, eventually, free_port, holds_a_lease, metric,
+                           mount_namespace, start_worker, stop, worker_ids)
 
 JOB = """version: 1
 model: tiny
@@ -323,6 +323,72 @@ def test_failed_heartbeats_are_one_line_per_outage(caplog):
     lines = [r.getMessage().split(":")[0] for r in caplog.records]
     assert lines == ["heartbeat of lease l-1 failed", "heartbeat of lease l-1 answered again"] * 2, lines
     assert not beat.lost
+
+
+@pytest.mark.slow  # a server, a worker whose render hangs, then a healthy worker: 6 tiny images
+def test_a_worker_whose_render_hangs_exits_and_another_renders_its_images(tmp_path):
+    """A worker whose batch never returns (its device hung: no error reaches the main thread) renews its lease no
+    longer than --stall-s after the render's last sign of progress: one line that says so, exit 75. Its lease
+    expires and a healthy worker renders every image, those of the hung lease on their second attempt. On the code
+    before, the hung worker renewed its lease for as long as it hung, and the healthy worker got nothing."""
+    log = tmp_path / "hung.log"
+    server = Server(tmp_path / "root", free_port()).start(gpus="none", lease_s=3)
+    healthy = None
+    with open(log, "w") as err:
+        hung = start_worker(server.url, "hung", "--stall-s", "4", fault=holds_a_lease(tmp_path / "hold"), stderr=err)
+    try:
+        eventually(lambda: worker_ids(server.url, "hung"), bool, 60)  # registered: it takes the first lease
+        ids = submit_jobs(server.url)
+        started = time.monotonic()
+        assert hung.wait(60) == 75
+        waited = time.monotonic() - started
+        said = log.read_text()
+        assert said.count("no progress for") == 1 and "--stall-s 4" in said and "exits (status 75)" in said, said
+        assert "the last: batch (0 of" in said, said  # what it was doing: the batch it began
+        healthy = start_worker(server.url, "healthy")
+        jobs = [server.wait(i, lambda j: j["state"] in ("succeeded", "failed", "canceled")) for i in ids]
+        images = [image for job in jobs for image in job["images"]]
+        assert [j["state"] for j in jobs] == ["succeeded"] * JOBS, [(i["state"], i["reason"]) for i in images]
+        attempts = sorted(i["attempts"] for i in images)
+        assert attempts == [1] * (3 * JOBS - 2) + [2] * 2, attempts  # buckets [1, 2]: the hung lease held two
+        assert metric(server.url, "bcg_lease_expiries_total") == 1
+        assert waited < 4 + 30, waited  # the stall, plus its heartbeat's period and loading on a loaded machine
+    finally:
+        for p in (hung, healthy, server.proc):
+            if p is not None:
+                stop(p)
+
+
+def test_a_render_that_goes_on_past_stall_s_in_all_is_not_stalled_and_only_the_render_is_watched():
+    """The stall is the time since the render's last sign of progress, not the lease's age: a render whose batches
+    keep coming runs on past --stall-s; one that stops is stalled once, and its lease no longer renewed; the calls
+    to the server before and after the render (downloads, uploads waiting for it) are not watched."""
+    from storyboard_cli.serve import worker as w
+
+    class Client:
+        beats = 0
+
+        def heartbeat(self, lease_id, beat):
+            self.beats += 1
+            return True
+
+    client, stalls = Client(), []
+    lease, hot = SimpleNamespace(lease="l-1", ttl=0.06), SimpleNamespace(ready=True, models=None)
+    pulse = w.Pulse()
+    with w.Heartbeat(client, lease, "w-1", hot, pulse, stall_s=0.3, on_stall=lambda: stalls.append(client.beats)):
+        time.sleep(0.6)  # before the render (its inputs downloaded): not watched
+        with pulse.watch():
+            for _ in range(10):  # 1 s of batches, one every 0.1 s
+                time.sleep(0.1)
+                pulse(SimpleNamespace(kind="batch", done=1, total=4))
+        time.sleep(0.6)  # after it (its PNGs uploaded): not watched
+        assert stalls == []
+        with pulse.watch():
+            pulse(SimpleNamespace(kind="batch", done=2, total=4))
+            eventually(lambda: stalls, bool, 10, poll_s=0.02)
+            time.sleep(0.3)  # five periods more: no beat, no second stall
+    assert len(stalls) == 1 and client.beats == stalls[0], (stalls, client.beats)
+    assert pulse.last == "batch (2 of 4 images delivered)"
 
 
 # the server's clock set off from the machine's by the seconds its test writes into BCG_TEST_STEP (read every 0.05 s):

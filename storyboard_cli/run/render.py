@@ -141,6 +141,8 @@ def warm(job: Job, opts: RenderOptions) -> tuple[SdxlModels, Engine]:
 class RenderSession:
     """One render of one job into one folder: `execute` runs prepare -> run -> finish."""
 
+    on_build: Callable[[object], None] | None = None  # the events of the kernel builds the engine waits for
+
     def __init__(self, job: Job, opts: RenderOptions, on_event: Callable[[Event], None] | None = None,
                  models: SdxlModels | None = None, engine: Engine | None = None):
         self.t_start, self.started = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -244,7 +246,7 @@ class RenderSession:
         with self.timings.stage("capture"):
             if self.engine is None:
                 self.engine = build_engine(self.models, self.opts.engine, shapes + later, self.notes,
-                                           self.opts.compile, kernels=self.kernels)
+                                           self.opts.compile, self.on_build, self.kernels)
         with self.timings.stage("load"):  # the LoRAs are read and registered before anything is captured
             runner = self.batch_runner()
         self.notes.extend(f"{why}: the shots that use LoRA '{name}' fail" for name, why in runner.unusable.items())

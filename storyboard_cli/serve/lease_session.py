@@ -173,8 +173,10 @@ class LeaseSession(RenderSession):
     The head session (the lease's first job) renders; the riders (other jobs' images in the same batches)
     only open their sink, and the head's policy delivers their images to them."""
 
-    def __init__(self, job: Job, opts: RenderOptions, images: list[LeasedImage], hot: Hot):
-        super().__init__(job, opts, None, hot.models, hot.engine)
+    def __init__(self, job: Job, opts: RenderOptions, images: list[LeasedImage], hot: Hot,
+                 on_event: Callable[[object], None] | None = None):
+        super().__init__(job, opts, on_event, hot.models, hot.engine)
+        self.on_build = on_event  # the kernel builds it waits for (--compile on) show progress too
         self.hot = hot
         self.images = images
         self.mine = {p for image in images for p in image.outputs}
@@ -330,10 +332,12 @@ def _reads(path: Path) -> str | None:
         return None
 
 
-def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, Place] | None = None) -> Outcome:
+def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, Place] | None = None,
+                 on_event: Callable[[object], None] | None = None) -> Outcome:
     """Renders one lease into its jobs' folders (or this worker's copies); which of its images landed,
     failed or are left. An image fails for its own job's error (its message, one line); DeviceUnusable (this
-    machine's device, not the job) is raised: the worker gives the whole lease back."""
+    machine's device, not the job) is raised: the worker gives the whole lease back. `on_event`: the render's
+    progress (run/render.py Event, and the kernel builds' CompileEvent), the worker's sign that it is not stuck."""
     out = Outcome()
     if places is None:  # the server's folders, seen here
         files = InputFiles(None, opts.root.resolve())
@@ -347,7 +351,7 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
                 hot.for_job(job)
             ropts = RenderOptions(out_dir=places[job_id].out_dir, device=opts.device, dtype=opts.dtype,
                                   engine=opts.engine, compile=opts.compile, kernels=opts.kernels)
-            sessions[job_id] = LeaseSession(job, ropts, images, hot)
+            sessions[job_id] = LeaseSession(job, ropts, images, hot, on_event)
         except DeviceUnusable:
             raise
         except StoryboardError as e:

@@ -17,8 +17,10 @@ import signal
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
@@ -36,6 +38,7 @@ from storyboard_cli.serve.worker_options import WorkerOptions
 
 log = logging.getLogger(__name__)
 TWINS = "twins"  # under an uploading worker's root: twins' PNGs downloaded from the server
+STALLED = 75  # the exit status of a worker whose render stopped progressing (sysexits' EX_TEMPFAIL: start it again)
 MAX_BACKOFF_S = 10.0  # the longest wait between two calls to a server that cannot be reached (registered: lease_s / 3)
 
 
@@ -77,13 +80,53 @@ def gpu_stats(hot: Hot) -> dict | None:
             "total_memory_bytes": props.total_memory, **nvml.figures(f"GPU-{props.uuid}")}
 
 
+class Pulse:
+    """The lease render's last sign of progress: a batch begun or delivered, a kernel build it waits for still
+    running (`__call__`, the render's events). `watch()` while the render runs: the heartbeat reads `quiet_s`."""
+
+    def __init__(self):
+        self.at, self.last, self.watching = time.monotonic(), "the lease began", False
+
+    def __call__(self, event) -> None:
+        self.at, self.last = time.monotonic(), _sign(event)
+
+    @contextmanager
+    def watch(self):
+        self("the render began")
+        self.watching = True
+        try:
+            yield self
+        finally:
+            self.watching = False
+
+    def quiet_s(self) -> float:
+        """Seconds since the last sign of progress while the render runs; 0 outside it."""
+        return time.monotonic() - self.at if self.watching else 0.0
+
+
+def _sign(event) -> str:
+    if isinstance(event, str):
+        return event
+    kind = getattr(event, "kind", None)
+    if kind is not None:  # run/render.py Event
+        return f"{kind} ({event.done} of {event.total} images delivered)" if event.total else kind
+    return f"{getattr(event, 'module', 'a kernel build')}: {getattr(event, 'state', '')}"  # a CompileEvent
+
+
 class Heartbeat:
     """Renews a lease every third of its time to live while the lease renders (a thread: the render holds
-    the main thread, and its signals)."""
+    the main thread, and its signals). A render that shows no progress (`Pulse`) for --stall-s is stuck: its
+    device hung (a kernel that never ends, a driver or a mount that stopped answering), which no exception
+    reports and the main thread cannot leave. The heartbeat then says so, stops renewing and calls `on_stall`
+    (`bcg worker`'s: the process ends, STALLED): the lease expires, its images go back to the queue with an
+    attempt spent (an image that stalls every worker fails, as a lost one does), and a supervisor (bcg serve's
+    local workers, systemd, Kubernetes, the Slurm script) starts the worker again on a fresh device context."""
 
-    def __init__(self, client: LeaseClient, lease: Lease, worker: str, hot: Hot):
+    def __init__(self, client: LeaseClient, lease: Lease, worker: str, hot: Hot, pulse: Pulse | None = None,
+                 stall_s: float = 0.0, on_stall: Callable[[], None] = lambda: None):
         self.client, self.lease, self.done = client, lease, threading.Event()
         self.worker, self.hot = worker, hot
+        self.pulse, self.stall_s, self.on_stall = pulse or Pulse(), stall_s, on_stall
         self.lost = False
         self.thread = threading.Thread(target=self._beat, daemon=True)
 
@@ -98,6 +141,9 @@ class Heartbeat:
     def _beat(self) -> None:
         failing = False  # while heartbeats fail: one line per outage, not per beat
         while not self.done.wait(self.lease.ttl / 3):
+            if self.stall_s and self.pulse.quiet_s() > self.stall_s:
+                self._stalled()
+                return
             try:
                 beat = wire.WorkerReport(worker=self.worker, gpu=gpu_stats(self.hot), ready=self.hot.ready)
                 if not self.client.heartbeat(self.lease.lease, beat):
@@ -112,6 +158,13 @@ class Heartbeat:
                 log.warning("heartbeat of lease %s answered again", self.lease.lease)
                 failing = False
 
+    def _stalled(self) -> None:
+        log.error("lease %s: no progress for %.0f s (the last: %s; --stall-s %g): the device or a file it reads "
+                  "stopped answering. This worker exits (status %d) without renewing the lease: its images go "
+                  "back to the queue when it expires, and its supervisor starts it again", self.lease.lease,
+                  self.pulse.quiet_s(), self.pulse.last, self.stall_s, STALLED)
+        self.on_stall()  # the main thread is stuck in the device: no exception reaches it
+
 
 class _Stop:
     """SIGINT or SIGTERM between leases: stop before taking the next one."""
@@ -123,11 +176,12 @@ class _Stop:
         self.requested = True
 
 
-def run_worker(opts: WorkerOptions) -> int:
+def run_worker(opts: WorkerOptions, on_stall: Callable[[], None] = lambda: None) -> int:
     """The worker loop: register, lease, render, complete, until stopped (SIGINT/SIGTERM: the running batch
     finishes, the rest of the lease goes back to the queue). It registers again whenever the server no longer
     knows its id (a restart on a fresh root, or a registration that expired while it was stopped). Returns how
-    many leases it rendered."""
+    many leases it rendered. `on_stall`: called from the heartbeat's thread when a lease's render shows no
+    progress for --stall-s (`Heartbeat`); `bcg worker` ends the process there."""
     started = time.monotonic()
     name = opts.name or default_name()
     render_opts = RenderOptions(device=opts.device, dtype=opts.dtype, engine=opts.engine, compile=opts.compile,
@@ -186,13 +240,14 @@ def run_worker(opts: WorkerOptions) -> int:
             if lease is None:
                 time.sleep(opts.poll_s)
                 continue
-            t0, places = time.perf_counter(), {}
+            t0, places, pulse = time.perf_counter(), {}, Pulse()
             try:
-                with Heartbeat(client, lease, worker, hot):
+                with Heartbeat(client, lease, worker, hot, pulse, opts.stall_s, on_stall):
                     hot.drop_inputs(files.lease_starts({d for job in lease.jobs.values() for d in job.inputs.values()}))
                     places = {job_id: place(job_id, job, opts, files) for job_id, job in lease.jobs.items()}
                     lease = fetch_twins(lease, places, client, opts.root.resolve() / TWINS)
-                    outcome = render_lease(lease, hot, opts, places)
+                    with pulse.watch():  # the downloads before and the uploads after wait for the server, not stuck
+                        outcome = render_lease(lease, hot, opts, places, pulse)
                     uploaded = upload(client, lease, worker, outcome, places, retry)
             except DeviceUnusable as e:  # this machine's fault, not the images': they go back with their attempts
                 if not isinstance(e, OwnDiskUnusable):

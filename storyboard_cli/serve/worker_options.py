@@ -23,3 +23,4 @@ class WorkerOptions:
     root: Path = Path("bcg-worker")  # copies of job folders, when the server's are not visible here
     max_inputs_gb: float = 20.0  # the most disk the input files downloaded into root may take
     warm: Path | None = None  # a job whose model and shapes are made ready before the first lease
+    stall_s: float = 600.0  # a lease render with no sign of progress this long: the worker exits (0: never)
