@@ -61,15 +61,20 @@ class RenderFailure(StoryboardError):
     exit_code = 1
 
 
-class DiskFull(StoryboardError):
-    """The output disk (or its quota) filled up mid-render; what was written before is kept. `path`: the file that
-    could not be written."""
+class OutputUnwritable(StoryboardError):
+    """The output folder stopped taking writes mid-render: its disk full (`DiskFull`), read-only (remounted so after
+    an I/O error, an NFS export turned read-only) or no longer permitted; what was written before is kept. `path`:
+    the file that could not be written."""
 
     exit_code = 2
 
     def __init__(self, message: str, path: Path | None = None):
         super().__init__(message)
         self.path = path
+
+
+class DiskFull(OutputUnwritable):
+    """The output disk (or its quota) filled up mid-render."""
 
 
 class OutputLocked(BadInput):
@@ -135,9 +140,13 @@ def did_you_mean(word: str, choices: Iterable[str], known: bool = False) -> str:
 
 
 def write_error(path: Path, e: OSError) -> StoryboardError:
-    """An OSError writing an output file: a full disk (exit 2, as a bad destination) or a failed render."""
+    """An OSError writing an output file: a full disk, or a folder read-only or not permitted (exit 2, as a bad
+    destination), or a failed render."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFull(f"disk full: cannot write {path} ({e.strerror or e}); free some space and run again", path)
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return OutputUnwritable(f"cannot write {path} ({e.strerror or e}); make its folder writable and run again",
+                                path)
     return RenderFailure(f"cannot write {path}: {e.strerror or e}")
 
 

@@ -43,7 +43,7 @@ UNIT_S = {"processes:test_dist": 480, "processes:test_serve_inputs": 315, "proce
           "processes:test_serve_scale": 155,
           # 150 in that run; its full-disk test, 18 s alone (2026-12-07); its clock test, 20 s, its full server
           # disk test, 11 s, and its quota test, 12 s, alone (2026-12-08); 132 s in a run (2026-12-08), and its
-          # hung worker's test, 14 s alone
+          # hung worker's test, 15 s alone
           "processes:test_serve_worker_faults": 230,
           "processes:test_serve_load": 130, "bench": 110, "processes:test_serve_workers": 90,
           # its first two tests measured alone on the loaded cores (2026-12-02): 45 s; the third, 9 s alone (2026-12-07)

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -243,7 +244,8 @@ def test_a_disk_that_fills_mid_batch_fails_no_image_and_the_job_ends_once_space_
     assert sorted(served) == sorted(p.name for p in (ref / "a").glob("*.png")) and len(served) == 4
     assert all(np.array_equal(served[name], pixels(ref / "a" / name)) for name in served)
     wrote = worker_log.read_text()
-    assert "the server's disk is full" in wrote and "Traceback" not in wrote, wrote
+    assert "the server's job folders took no more PNGs" in wrote and "Traceback" not in wrote, wrote
+    assert ("disk full: cannot write" if kind == "shared" else "the server's disk is full") in wrote, wrote
     logged = (tmp_path / "serve.log").read_text()
     assert logged.count("no batch is leased until") == 1 and logged.count("batches are leased again") == 1, logged
 
@@ -283,6 +285,46 @@ def test_a_completion_whose_lines_cannot_be_written_sends_its_images_back_and_ho
         free[0] = MB // 2 + MB - 1
         assert c.post("/v1/leases", json={"worker": worker}).status_code == 204  # not yet a megabyte more
         free[0] = MB // 2 + MB
+        again = c.post("/v1/leases", json={"worker": worker})
+        assert again.status_code == 200 and [i["id"] for i in again.json()["images"]] == [i["id"] for i in images]
+
+
+def test_a_completion_whose_lines_a_read_only_folder_refuses_holds_the_leases_until_it_is_writable(tmp_path,
+                                                                                                    monkeypatch):
+    """The server cannot append a completion's manifest lines because the job's folder turned read-only (EROFS): a
+    507 that says so, nothing recorded, the lease's images back in the queue with their attempts; no batch is leased
+    while the server cannot write that folder, whatever the free space, and the same images are once it can."""
+    import errno
+
+    from fastapi.testclient import TestClient
+
+    from storyboard_cli.job import preflight
+    from storyboard_cli.serve import folders
+    from storyboard_cli.serve.api import Settings, create_app
+
+    read_only = [False]
+    real_access = os.access
+    monkeypatch.setattr(preflight.os, "access", lambda p, mode: not (read_only[0] and "/jobs/" in f"{p}/") and
+                        real_access(p, mode))
+    app = create_app(Settings(tmp_path / "root", lease_s=10, min_free_mb=1), clock=lambda: 0.0)
+    with TestClient(app) as c:
+        job = c.post("/v1/jobs", content=ONE_IMAGE_JOB.replace("seed: 1", "seed: 1, candidates: 2"), headers=YAML)
+        job = job.json()
+        worker = c.post("/v1/workers", json={"name": "w"}).json()["worker"]
+        lease = c.post("/v1/leases", json={"worker": worker}).json()
+
+        def refused(*args):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        monkeypatch.setattr(folders, "record", refused)
+        read_only[0] = True
+        r = c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": worker})
+        assert r.status_code == 507 and "cannot write under its root (Read-only file system)" in r.json()["detail"]
+        images = c.get(f"/v1/jobs/{job['id']}").json()["images"]
+        assert [(i["state"], i["attempts"]) for i in images] == [("queued", 0)] * 2
+        assert c.post("/v1/leases", json={"worker": worker}).status_code == 204  # held
+        assert "cannot write its job folders" in c.get("/readyz").json()["detail"]
+        read_only[0] = False
         again = c.post("/v1/leases", json={"worker": worker})
         assert again.status_code == 200 and [i["id"] for i in again.json()["images"]] == [i["id"] for i in images]
 
@@ -329,3 +371,78 @@ def test_a_completion_names_disk_full_only_when_it_happened():
     assert "disk_full" not in json.loads(plain.completion("w").model_dump_json(exclude_unset=True))
     full = Outcome(done=[1], disk_full="disk full: cannot write a.png")
     assert json.loads(full.completion("w").model_dump_json(exclude_unset=True))["disk_full"] == full.disk_full
+
+
+# six candidates in batches of two: three leases
+SIX_IN_THREE = """version: 1
+model: tiny
+buckets: [2]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, candidates: 6, seed: 1}
+"""
+
+
+def _jobs_mode(server, root, mode):
+    """The job folders (root/jobs) made read-only, or writable again, in the server's mount namespace: a bind mount
+    of them remounted (a file system remounted read-only after an I/O error, an NFS export turned read-only)."""
+    jobs = f"{root}/jobs"
+    bind = f"mount --bind {jobs} {jobs} && " if mode == "ro" else ""
+    subprocess.run(["nsenter", "-t", str(server.proc.pid), "-m", "sh", "-c", f"{bind}mount -o remount,bind,{mode} "
+                    f"{jobs}"], check=True, capture_output=True, timeout=30)
+
+
+@pytest.mark.slow  # a server and a worker in a mount namespace, six tiny images
+@pytest.mark.parametrize("kind", ["shared", "upload"])
+def test_job_folders_turned_read_only_fail_no_image_and_the_job_ends_once_they_are_writable(tmp_path, kind):
+    """`bcg serve` and a `bcg worker` in one mount namespace; the job folders turn read-only before the job's batches
+    are leased. The worker (shared: it cannot write the server's folder; upload: the server cannot write what it
+    sends) sends the images back with their attempts, takes no strike, and no batch is leased while the server cannot
+    write there (/readyz says so); once they are writable again the job ends, every image on its first attempt. On
+    the code before, each image failed at its first attempt (shared) or the uploads were answered 500 (upload)."""
+    import shlex
+    import sys
+
+    from helpers.serve import worker_ids
+
+    prefix = mount_namespace(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    s = Server(root, free_port())
+    worker_log = tmp_path / "worker.log"
+    worker = [sys.executable, "-m", "storyboard_cli", "worker", "--server", s.url, "--device", "cpu", "--name", "w",
+              *(["--upload", "--root", str(tmp_path / "elsewhere")] if kind == "upload" else [])]
+    both = f'mount -t tmpfs -o size=16m tmpfs "$0" && {{ {shlex.join(worker)} 2>{shlex.quote(str(worker_log))} & }}' \
+           ' && exec "$@"'
+    with open(tmp_path / "serve.log", "w") as err:
+        s.start(lease_s=10, gpus="none", prefix=[*prefix, "sh", "-c", both, str(root)], extra=["--min-free-mb", "1"],
+                stderr=err)
+    try:
+        eventually(lambda: worker_ids(s.url, "w"), bool, 60)
+        assert httpx.post(s.url + "/v1/queue/pause", timeout=10).status_code == 200
+        job = httpx.post(s.url + "/v1/jobs", content=SIX_IN_THREE, headers=YAML, timeout=10).json()
+        _jobs_mode(s, root, "ro")
+        assert httpx.post(s.url + "/v1/queue/resume", timeout=10).status_code == 200
+
+        eventually(lambda: metric(s.url, "bcg_leases_held"), lambda n: n == 1, 60)  # a lease's images came back
+        images = eventually(lambda: s.job(job["id"])["images"], lambda ims: all(i["state"] == "queued" for i in ims),
+                            30)
+        assert all(i["attempts"] == 0 for i in images), images  # given back, not spent
+        ready = httpx.get(s.url + "/readyz", timeout=10)
+        assert ready.status_code == 503 and ready.json()["title"] == "job folders not writable", ready.text
+        assert "cannot write its job folders" in ready.json()["detail"], ready.text
+        assert "read-only file system" in ready.json()["detail"], ready.text
+        assert metric(s.url, "bcg_images_failed_total") == 0 and metric(s.url, "bcg_worker_strikes_total") == 0
+
+        _jobs_mode(s, root, "rw")  # the operator makes them writable again: the job ends
+        done = s.wait(job["id"], lambda j: j["state"] in ("succeeded", "failed"))
+        assert done["state"] == "succeeded", [(i["state"], i["reason"]) for i in done["images"]]
+        assert all(i["attempts"] == 1 for i in done["images"]), done["images"]
+        assert metric(s.url, "bcg_leases_held") == 0 and metric(s.url, "bcg_images_failed_total") == 0
+        assert len(list(Path(f"/proc/{s.proc.pid}/root{root}/jobs/{job['id']}/out/a").glob("*.png"))) == 6
+    finally:
+        s.kill_everything()
+    logged = (tmp_path / "serve.log").read_text()
+    assert logged.count("the server cannot write its job folders") == 1, logged
+    assert logged.count("batches are leased again: the server can write") == 1 and "Traceback" not in logged, logged
+    assert "Traceback" not in worker_log.read_text(), worker_log.read_text()

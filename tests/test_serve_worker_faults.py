@@ -549,7 +549,7 @@ def test_a_worker_over_its_quota_on_the_shared_folders_takes_strikes_and_the_far
         assert metric(server.url, "bcg_worker_strikes_total") == 3
         assert metric(server.url, "bcg_images_failed_total") == 0
         said = worker_log.read_text()
-        assert said.count("the server's disk is full") == 3 and "Disk quota exceeded" in said, said
+        assert said.count("the server's job folders took no more PNGs") == 3 and "Disk quota exceeded" in said, said
         assert log.read_text().count("a strike against the worker") == 3, log.read_text()
     finally:
         for p in (over, healthy, server.proc):

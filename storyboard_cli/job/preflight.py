@@ -42,6 +42,21 @@ def check_destination(folder: Path) -> None:
         raise folder_error(folder, OSError(errno.EACCES, f"{existing} is not writable"))
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why this process cannot write into `folder` (or the nearest folder above it that exists): read-only, or not
+    permitted; None when it can."""
+    existing = Path(folder)
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if os.access(existing, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return f"{existing} is on a read-only file system" if read_only else f"{existing} is not writable"
+
+
 def free_bytes(folder: Path) -> int | None:
     """Free space where `folder` is (or would be created); None when it cannot be told."""
     existing = Path(folder)

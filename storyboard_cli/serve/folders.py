@@ -244,6 +244,8 @@ class Refresher:
             for job_id in ready:
                 try:
                     self.rebuild(job_id)
+                except OSError as e:  # its folder full, read-only, not permitted: rebuilt at its next batch
+                    log.warning("job %s: report or sheet not rebuilt: %s", job_id, e)
                 except Exception:  # noqa: BLE001 - a view of the folder: the images and the queue are what count
                     log.warning("job %s: report or sheet not rebuilt", job_id, exc_info=True)
                 with self.wake:

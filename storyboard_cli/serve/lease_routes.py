@@ -17,7 +17,8 @@ from starlette.concurrency import run_in_threadpool
 from storyboard_cli.errors import BadInput
 from storyboard_cli.serve import folders, wire
 from storyboard_cli.serve.api_state import ApiState, Id, State
-from storyboard_cli.serve.disk import MB, is_full
+from storyboard_cli.job.preflight import unwritable
+from storyboard_cli.serve.disk import MB, is_full, is_unwritable
 from storyboard_cli.serve.edge import JSONRoute, Refused
 from storyboard_cli.serve.intake import stored_inputs
 from storyboard_cli.serve.openapi import (FILE_BODY, LEASE_GONE, NOT_HOLDER, OCTETS, QUARANTINED, UNKNOWN_WORKER,
@@ -103,9 +104,10 @@ async def upload(lease_id: Id, job_id: Id, path: str, request: Request, worker: 
         await run_in_threadpool(folders.store_upload, held[job_id][1], held[job_id][2], path, data)
     except BadInput as e:
         raise Refused(422, "not this lease's file", str(e)) from None
-    except OSError as e:  # a full disk: a 507 (disk.py), and no batch leased until space is freed
-        if is_full(e):
-            state.disk.spent(f"{path} of job {job_id}, uploaded by worker {worker}")
+    except OSError as e:  # a full or read-only disk: a 507 (disk.py), and no batch leased until that passes
+        if is_full(e) or is_unwritable(e):
+            state.disk.spent(f"{path} of job {job_id}, uploaded by worker {worker}",
+                             held[job_id][1] if is_unwritable(e) else None)
         raise
     return wire.StoredOutput(stored=path)
 
@@ -177,7 +179,7 @@ async def complete(lease_id: Id, body: wire.Completion, state: State) -> wire.Le
             folders.record(held, checked, done)
             folders.keep_reports(held, lease_id, body.worker, body.reports)
 
-        strike = None if body.disk_full is None else await run_in_threadpool(_disk_full, state, body)
+        strike = None if body.disk_full is None else await run_in_threadpool(_disk_full, state, body, held)
         ok = await run_in_threadpool(store.complete, lease_id, body.done, body.cached,
                                      {int(k): v for k, v in body.failed.items()}, state.clock(), work, record,
                                      body.worker, strike)
@@ -185,10 +187,12 @@ async def complete(lease_id: Id, body: wire.Completion, state: State) -> wire.Le
         raise Refused(422, "bad manifest", str(e)) from None
     except NotHolder as e:
         raise not_holder(e) from None
-    except (OSError, sqlite3.OperationalError) as e:  # the job folders' disk full: a 507 (disk.py)
-        if not is_full(e):
+    except (OSError, sqlite3.OperationalError) as e:  # the job folders' disk full or read-only: a 507 (disk.py)
+        if not (is_full(e) or is_unwritable(e)):
             raise
-        await run_in_threadpool(state.disk.spent, f"the manifest lines of lease {lease_id}")
+        outs = [out for _, out, _ in held.values()]  # the job folder it could not write into, where refused
+        folder = next((out for out in outs if unwritable(out)), outs[0]) if is_unwritable(e) else None
+        await run_in_threadpool(state.disk.spent, f"the manifest lines of lease {lease_id}", folder)
         with suppress(OSError, sqlite3.OperationalError):  # nothing was recorded: its images go back to the queue,
             # their attempts kept, rendered again once space is freed (the queue's own disk full too: it expires)
             await run_in_threadpool(store.complete, lease_id, [], [], {}, state.clock(), None, None, body.worker)
@@ -199,18 +203,20 @@ async def complete(lease_id: Id, body: wire.Completion, state: State) -> wire.Le
     return wire.LeaseAck(lease=lease_id)
 
 
-def _disk_full(state: ApiState, body: wire.Completion) -> str | None:
-    """A worker on the shared folders could not write a PNG for want of space (its images not named go back to the
-    queue with their attempts). Where the server's disk is under --min-free-mb too, it is full: no batch is leased
-    until space is freed (disk.py). Where it is not, what the worker met is of its own machine (a quota of its user,
-    another filesystem at that path): the reason of its strike, returned, and the farm goes on."""
+def _disk_full(state: ApiState, body: wire.Completion, held: dict) -> str | None:
+    """A worker on the shared folders could not write a PNG (its images not named go back to the queue with their
+    attempts): for want of space, or its job folder read-only or not permitted. Where the server cannot write there
+    either (its disk under --min-free-mb, or the folder read-only for it too), no batch is leased until that passes
+    (disk.py). Where it can, what the worker met is of its own machine (a quota of its user, another filesystem or
+    mount at that path): the reason of its strike, returned, and the farm goes on."""
     if state.disk.holding() is not None:  # the server saw it too (an upload refused, or another worker's report)
         return None
     what = f"worker {body.worker}: {body.disk_full}"
-    if state.disk.low() is not None:
-        state.disk.spent(what)
+    folder = next((out for _, out, _ in held.values() if unwritable(out)), None)
+    if folder is not None or state.disk.low() is not None:
+        state.disk.spent(what, folder)
         return None
-    log.warning("%s, though the server's disk has %.0f MB free: a strike against the worker", what,
+    log.warning("%s, though the server can write its job folders (%.0f MB free): a strike against the worker", what,
                 state.disk.free() / MB)
     return f"could not write into the job folders: {body.disk_full}"
 

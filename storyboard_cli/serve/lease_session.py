@@ -16,8 +16,8 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from storyboard_cli.errors import (DeviceUnusable, DiskFull, OwnDiskUnusable, Status, StoryboardError, first_line,
-                                   folder_error)
+from storyboard_cli.errors import (DeviceUnusable, DiskFull, OutputUnwritable, OwnDiskUnusable, Status,
+                                   StoryboardError, first_line, folder_error)
 from storyboard_cli.folder.layout import MANIFEST
 from storyboard_cli.folder.outputs import Pending, atomic_write, with_bases
 from storyboard_cli.folder.report import Report
@@ -26,6 +26,7 @@ from storyboard_cli.job.conditions import KINDS
 from storyboard_cli.job.file import Job, load_job
 from storyboard_cli.job.inputs import Inputs
 from storyboard_cli.job.plan import first_pass, make_batches, work_items
+from storyboard_cli.job.preflight import unwritable
 from storyboard_cli.run.oom import device_failure
 from storyboard_cli.run.render import RenderOptions, RenderResult, RenderSession
 from storyboard_cli.serve import wire
@@ -109,7 +110,7 @@ class Outcome:
     model_loads: int = 0
     records: dict[str, list[dict]] = field(default_factory=dict)  # job id -> manifest lines of its images written
     reports: dict[str, Report] = field(default_factory=dict)  # job id -> this lease's report of it
-    disk_full: str | None = None  # the server's disk full (its error, one line): the images not done go back
+    disk_full: str | None = None  # the job folders refused a write (its error, one line): the images not done go back
     unsent: dict[str, list[dict]] = field(default_factory=dict)  # job id -> lines of PNGs written that never landed
 
     def completion(self, worker: str) -> wire.Completion:
@@ -124,18 +125,19 @@ class Outcome:
                                **({"disk_full": self.disk_full[:wire.MAX_TEXT]} if self.disk_full else {}))
 
     def landed(self, lease: Lease, on_server: Callable[[str, str], bool], full: str) -> None:
-        """The server's disk full (`full`, one line) while this lease's PNGs went to it: the images whose outputs
-        are all on the server (`on_server(job id, path)`) stay done, with the manifest lines of what is there; the
-        others are named neither done nor failed, so the completion sends them back to the queue with their
-        attempts, and the server leases no batch until space is freed."""
+        """The server's job folders refused this lease's PNGs (`full`, one line: the disk full, or the folder
+        read-only or not permitted): the images whose outputs are all on the server (`on_server(job id, path)`) stay
+        done, with the manifest lines of what is there; the others are named neither done nor failed, so the
+        completion sends them back to the queue with their attempts, and the server leases no batch until it can
+        write there again."""
         images = {image.id: image for image in lease.images}
         kept = {i for i in self.done if all(on_server(images[i].job, p) for p in images[i].outputs)}
         self.done, self.cached = [i for i in self.done if i in kept], [i for i in self.cached if i in kept]
         self.unsent = {job: [r for r in lines if not on_server(job, r["path"])] for job, lines in self.records.items()}
         self.records = {job: [r for r in lines if on_server(job, r["path"])] for job, lines in self.records.items()}
         self.disk_full = full
-        log.warning("lease %s: the server's disk is full (%s): %d of its %d images landed, the others go back to "
-                    "the queue", lease.lease, full, len(kept), len(lease.images))
+        log.warning("lease %s: the server's job folders took no more PNGs (%s): %d of its %d images landed, the "
+                    "others go back to the queue", lease.lease, full, len(kept), len(lease.images))
 
 
 class Recorder:
@@ -345,6 +347,12 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
     sessions: dict[str, LeaseSession] = {}
     for job_id in sorted(lease.jobs, key=lambda j: j != lease.job):  # the head first: it picks the models
         images = [i for i in lease.images if i.job == job_id]
+        shut = None if places[job_id].upload else unwritable(places[job_id].out_dir)
+        if shut is not None:  # the server's job folder, read-only here: its images go back with their attempts
+            out.disk_full = f"cannot write into the job's folder: {shut}"
+            log.warning("lease %s: %s: its images of job %s go back to the queue", lease.lease, out.disk_full,
+                        job_id)
+            continue
         try:
             job = hot.job(job_id, lease.jobs[job_id], places[job_id])
             if job_id == lease.job:
@@ -364,9 +372,10 @@ def render_lease(lease: Lease, hot: Hot, opts: WorkerOptions, places: dict[str, 
     except DeviceUnusable:
         raise
     except StoryboardError as e:
-        if isinstance(e, DiskFull) and e.path is not None:
+        if isinstance(e, OutputUnwritable) and e.path is not None:
             if opts.root.resolve() in Path(e.path).resolve().parents:  # its own copies: its machine's fault
-                raise OwnDiskUnusable(f"this worker's --root is full: {first_line(e)}") from None
+                state = "is full" if isinstance(e, DiskFull) else "cannot be written"
+                raise OwnDiskUnusable(f"this worker's --root {state}: {first_line(e)}") from None
             # the server's job folders, shared: what landed is done, the rest goes back to the queue
             for session in (head, *sessions.values()):
                 _collect(out, session, {})

@@ -8,6 +8,7 @@ from fastapi.responses import PlainTextResponse
 
 from storyboard_cli.serve import metrics, wire
 from storyboard_cli.serve.api_state import State
+from storyboard_cli.serve.disk import UNWRITABLE
 from storyboard_cli.serve.edge import JSONRoute, Refused
 from storyboard_cli.serve.openapi import problems
 
@@ -33,7 +34,8 @@ def healthz(state: State) -> wire.Health:
 
 @router.get("/readyz", responses=problems({503: "by design, until a worker is ready: no registered worker seen within "
                                                 "--lease-s has its graphs captured (or the server is stopping, or its "
-                                                "disk is under --min-free-mb, or so full that it leases no batch)"}))
+                                                "disk is under --min-free-mb, or so full that it leases no batch, or its job folders "
+                                                "cannot be written)"}))
 def readyz(state: State) -> wire.Ready:
     """Ready: at least one registered worker seen within --lease-s has its model loaded and its graphs
     captured (it says so with each lease request and heartbeat)."""
@@ -41,7 +43,7 @@ def readyz(state: State) -> wire.Ready:
         raise Refused(503, "draining", "the server is stopping")
     low = state.disk.holding() or state.disk.low()
     if low is not None:
-        raise Refused(503, "disk full", low)
+        raise Refused(503, "job folders not writable" if low.startswith(UNWRITABLE) else "disk full", low)
     lease_s = state.settings.lease_s
     seen, ready = state.store.readiness(state.clock(), lease_s)
     if not ready:
