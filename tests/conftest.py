@@ -45,7 +45,9 @@ UNIT_S = {"processes:test_dist": 480, "processes:test_serve_inputs": 315, "proce
           # disk test, 11 s, and its quota test, 12 s, alone (2026-12-08); 132 s in a run (2026-12-08), and its
           # hung worker's test, 15 s alone
           "processes:test_serve_worker_faults": 230,
-          "processes:test_serve_load": 130, "bench": 110, "processes:test_serve_workers": 90,
+          "processes:test_serve_load": 130,
+          # 34.5 s in a run (2026-12-08, five slow tests); 64 s alone with its read-only and last-byte tests
+          "processes:test_serve_disk": 90, "bench": 110, "processes:test_serve_workers": 90,
           # its first two tests measured alone on the loaded cores (2026-12-02): 45 s; the third, 9 s alone (2026-12-07)
           "processes:test_serve_mix": 65,
           "processes:test_serve_ui": 75}  # the queue page in Chromium: measured alone on the loaded cores, not in a run

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -446,3 +447,65 @@ def test_job_folders_turned_read_only_fail_no_image_and_the_job_ends_once_they_a
     assert logged.count("the server cannot write its job folders") == 1, logged
     assert logged.count("batches are leased again: the server can write") == 1 and "Traceback" not in logged, logged
     assert "Traceback" not in worker_log.read_text(), worker_log.read_text()
+
+
+def _fill_to_the_last_byte(server):
+    """A file of the operator's that takes every byte left on the server's disk."""
+    fd = os.open(f"{server.inside}/filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+TWO_IN_TWO = """version: 1
+model: tiny
+buckets: [1]
+defaults: {steps: 2, size: 64x64}
+shots:
+  - {id: a, prompt: a castle, candidates: 2, seed: 1}
+"""
+
+
+@pytest.mark.slow  # a server on an 8 MB tmpfs, an uploading worker whose batches take 3 s, two tiny images
+def test_a_queue_disk_full_to_the_last_byte_for_longer_than_lease_s_loses_no_lease_nor_registration(tmp_path):
+    """The server's disk full to the last byte (its queue cannot record a heartbeat) for three times --lease-s while a
+    worker renders: the worker is not forgotten and its lease does not expire (the time the queue could not be
+    written counts against no lease, as a server's downtime does not); its completion, refused meanwhile, is sent
+    again until it lands; once space is freed the job ends, each image on its first attempt, the worker never
+    registered again. On the code before, the worker was forgotten (404: it registered again) and its lease
+    expired, the image's attempt spent."""
+    from helpers.serve import slow_batches, start_worker, stop
+
+    lease_s = 3
+    prefix = mount_namespace(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    s = Server(root, free_port())
+    s.start(lease_s=lease_s, gpus="none", prefix=[*prefix, "sh", "-c", MOUNT.format(size=f"{TMPFS_MB}m"), str(root)],
+            extra=["--min-free-mb", "1"])
+    s.inside = f"/proc/{s.proc.pid}/root{root}"
+    log = tmp_path / "worker.log"
+    worker = None
+    try:
+        with open(log, "w") as err:
+            worker = start_worker(s.url, "w", "--upload", "--root", str(tmp_path / "copies"),
+                                  fault=slow_batches(tmp_path / "slow", 3), stderr=err)
+        job = httpx.post(s.url + "/v1/jobs", content=TWO_IN_TWO, headers=YAML, timeout=10).json()
+        eventually(lambda: s.job(job["id"])["images"], lambda ims: any(i["state"] == "leased" for i in ims), 60)
+        _fill_to_the_last_byte(s)
+        time.sleep(3 * lease_s)
+        os.unlink(f"{s.inside}/filler")
+        done = s.wait(job["id"], lambda j: j["state"] in ("succeeded", "failed"))
+        assert done["state"] == "succeeded", [(i["state"], i["reason"]) for i in done["images"]]
+        assert [i["attempts"] for i in done["images"]] == [1, 1], done["images"]
+        assert metric(s.url, "bcg_lease_expiries_total") == 0
+        said = log.read_text()
+        assert "registering again" not in said and "Traceback" not in said, said
+    finally:
+        if worker is not None:
+            stop(worker)
+        s.kill_everything()

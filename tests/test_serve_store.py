@@ -83,6 +83,30 @@ def test_lease_complete_and_job_state(store):
     assert job["state"] == JobState.FAILED and job["images"][1]["reason"] == "NaN" and job["finished"] == 2
 
 
+@pytest.mark.parametrize("refused", [False, True])
+def test_the_time_the_queue_could_not_be_written_counts_against_no_worker_nor_lease(store, refused):
+    """A transaction refused for want of space (the queue's disk full to the last byte: a heartbeat not recorded)
+    holds nothing against the workers: the first transaction that can be written again counts every registration as
+    seen and every lease as renewed then, as a restart does. Without a refusal, the same silence is a lost worker."""
+    store.submit(planned("j1"), None, 100, now=0)
+    held = store.register_worker("w", now=0, max_workers=64, ttl=5)
+    lease = store.lease(held, now=0, ttl=5)
+    if refused:
+        full = sqlite3.OperationalError("database or disk is full")
+        full.sqlite_errorcode = sqlite3.SQLITE_FULL
+        with pytest.raises(sqlite3.OperationalError), store._tx():
+            raise full  # a heartbeat at 3 that the disk refused
+        assert store.refused
+    if not refused:
+        with pytest.raises(UnknownWorker):  # forgotten, and its lease expired
+            store.heartbeat(lease.lease, now=20, ttl=5, worker=held)
+        return
+    assert store.heartbeat(lease.lease, now=20, ttl=5, worker=held)
+    assert not store.refused  # renewed once, and committed
+    assert store.heartbeat(lease.lease, now=24, ttl=5, worker=held)  # a worker seen, its lease held as any other
+    assert store.stats(0, 60)["counters"].get("lease_expiries", 0) == 0
+
+
 def test_expired_lease_goes_back_to_the_queue_and_its_late_completion_is_ignored(store):
     store.submit(planned("j1"), None, 100, now=0)
     lost = store.lease(worker(store, "w1"), now=0, ttl=5)

@@ -28,8 +28,8 @@ class Quarantined(ServerError):
 
 class ServerFull(ServerError):
     """507: the server's disk is full (its detail). On an uploaded PNG, the lease's images not sent go back to the
-    queue with the completion; on a lease request (the queue itself cannot be written), the worker asks again
-    later. The server leases no batch until space is freed."""
+    queue with the completion; on a lease request, a completion or a give-back (the queue itself cannot be
+    written), the worker asks again later. The server leases no batch until space is freed."""
 
 
 class LeaseClient:
@@ -91,6 +91,8 @@ class LeaseClient:
     def _acked(self, r: httpx.Response, lease_id: str, doing: str) -> bool:
         if r.status_code == 410:
             return False
+        if r.status_code == 507:
+            raise ServerFull(f"{self.server}: {doing} lease: {problem_of(r)}")
         if r.status_code != 200:
             raise ServerError(f"{self.server}: {doing} lease: HTTP {r.status_code}: {problem_of(r)}")
         return wire.LeaseAck.model_validate_json(r.content).lease == lease_id

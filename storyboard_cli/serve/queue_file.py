@@ -6,6 +6,7 @@ tables made or brought up to date. `QueueFile`: its one connection and one lock,
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sqlite3
@@ -62,11 +63,14 @@ class QueueUnusable(BadInput):
 
 
 class QueueFile:
-    """The queue's one connection and the one lock every transaction holds (`_tx`)."""
+    """The queue's one connection and the one lock every transaction holds (`_tx`). `refused`: a transaction was
+    refused for want of space (the disk full to the last byte) since the last one that renewed the live leases
+    (`_outage_over`): the heartbeats it could not record were not the workers' fault."""
 
     def __init__(self, root: Path):
         self.db = _open(root)  # raises QueueUnusable
         self.lock = threading.Lock()
+        self.refused, self._renewed = False, False
         _migrate(self.db)
 
     def close(self) -> None:
@@ -79,10 +83,33 @@ class QueueFile:
             try:
                 yield self.db
                 self.db.execute("COMMIT")
-            except BaseException:
+                self.refused = self.refused and not self._renewed
+            except BaseException as e:
                 if self.db.in_transaction:  # a COMMIT refused (a full disk) may leave it open
                     self.db.execute("ROLLBACK")
+                self.refused = self.refused or _full(e)
                 raise
+            finally:
+                self._renewed = False
+
+    def _outage_over(self, db, now: float) -> None:
+        """Before a transaction judges who is alive (`_forget`, `_expire`): after transactions refused for want of
+        space, the time they could not be written counts against no worker, as a server's downtime does not
+        (`Store.restarted`): every registration counts as seen now, and every lease as renewed now for its worker's
+        ttl. Once this transaction commits, that is done."""
+        if not self.refused:
+            return
+        db.execute("UPDATE workers SET seen = MAX(seen, ?)", (now,))
+        db.execute("UPDATE leases SET expires = MAX(expires, ? + COALESCE((SELECT ttl FROM workers w "
+                   "WHERE w.id = leases.worker), 0))", (now,))
+        self._renewed = True
+
+
+def _full(e: BaseException) -> bool:
+    """Whether a transaction was refused for want of space (SQLite's "database or disk is full", or the OS's)."""
+    if isinstance(e, sqlite3.OperationalError):
+        return getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _migrate(db: sqlite3.Connection) -> None:

@@ -104,6 +104,7 @@ class WorkerRegistry(QueueFile):
 
     def _forget(self, db, now: float) -> None:
         """Registrations not seen within their ttl and holding no live lease: their ids and series are gone."""
+        self._outage_over(db, now)
         db.execute("DELETE FROM workers WHERE seen + ttl < ? AND id NOT IN "
                    "(SELECT worker FROM leases WHERE expires >= ?)", (now, now))
 

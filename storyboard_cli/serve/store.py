@@ -465,6 +465,7 @@ class Store(WorkerRegistry, QueueStats, QueueControl, QueueViews, Estimates):
             self._forget(db, now)
 
     def _expire(self, db, now: float) -> None:
+        self._outage_over(db, now)
         for (lease_id,) in db.execute("SELECT id FROM leases WHERE expires < ?", (now,)).fetchall():
             held = db.execute("SELECT id, job, attempts FROM images WHERE lease = ?", (lease_id,)).fetchall()
             db.execute("UPDATE images SET state = ?, reason = ?, done = ?, lease = NULL WHERE lease = ? "

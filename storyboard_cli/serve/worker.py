@@ -363,20 +363,23 @@ class _Retry:
     stop: _Stop
 
 
-def _answered(call, retry: _Retry, doing: str):
+def _answered(call, retry: _Retry, doing: str, full_too: bool = False):
     """call()'s result, the call tried again while the server cannot be reached (a restart, a network cut: the
-    server does not hold its downtime against a lease, Store.restarted, so the rendered batch still lands). A stop
-    request ends the wait: the last error is raised (the lease then expires and its images are queued again)."""
+    server does not hold its downtime against a lease, Store.restarted, so the rendered batch still lands), and with
+    `full_too` while it answers 507 (its disk full to the last byte: the time its queue could not be written is
+    held against no lease either). A stop request ends the wait: the last error is raised (the lease then expires
+    and its images are queued again)."""
     attempt = 0
     while True:
         try:
             result = call()
-        except httpx.TransportError as e:
-            if retry.stop.requested:
+        except (httpx.TransportError, ServerFull) as e:
+            if retry.stop.requested or isinstance(e, ServerFull) and not full_too:
                 raise
             if not attempt:  # once per outage, not once per try
-                log.warning("%s: the server cannot be reached (%s): trying again every %.0f s at most until it "
-                            "answers", doing, first_line(e, 200) or e.__class__.__name__, retry.backoff_s)
+                why = ("the server cannot take it" if isinstance(e, ServerFull) else "the server cannot be reached")
+                log.warning("%s: %s (%s): trying again every %.0f s at most until it answers", doing, why,
+                            first_line(e, 200) or e.__class__.__name__, retry.backoff_s)
             _pause(min(2 ** attempt * 0.5, retry.backoff_s), retry.stop)
             attempt += 1
             continue
@@ -389,7 +392,7 @@ def _last_call(call, lease: Lease, doing: str, retry: _Retry) -> None:
     """A lease's completion or give-back; a refusal, or a stop while the server cannot be reached, is one warning
     (the lease then expires and its images are queued again)."""
     try:
-        if not _answered(call, retry, f"{doing} lease {lease.lease}"):
+        if not _answered(call, retry, f"{doing} lease {lease.lease}", full_too=True):
             log.warning("lease %s was lost before %s it: the server ignored it", lease.lease, doing)
     except ServerError as e:
         log.warning("%s", e)
