@@ -173,26 +173,14 @@ shots:
 """
 
 
-@pytest.mark.slow  # a server and a worker in a mount namespace, four 512x512 images rendered twice
-@pytest.mark.parametrize("kind", ["shared", "upload"])
-def test_a_disk_that_fills_mid_batch_fails_no_image_and_the_job_ends_once_space_is_freed(tmp_path, kind, tiny_cpu):
-    """`bcg serve` and a `bcg worker` in one mount namespace, the server's --root on a 16 MB tmpfs. The disk fills
-    (1 MB left) while the worker renders a batch of four 640 KB PNGs: the first lands, the second cannot be written
-    (shared: the worker writes into the server's job folder, ENOSPC; upload: the server's 507). The images that did
-    not land go back to the queue with their attempts, none fails, the worker takes no strike, and no batch is
-    leased until space is freed (/readyz and /metrics say so); once the operator frees it, the job ends with each
-    PNG the pixels `bcg render` writes."""
+def _paused_with_a_worker(tmp_path, kind):
+    """`bcg serve` (--lease-s 10, --min-free-mb 1) with its --root on a 16 MB tmpfs and a `bcg worker` ("w": on the
+    shared folders, or uploading from a root of its own) in one mount namespace, the worker registered and the queue
+    paused: (the server, its root, the worker's log). `server.inside`: the root as the server sees it."""
     import shlex
     import sys
-    import time
-    from pathlib import Path
 
-    import numpy as np
-
-    from storyboard_cli.job.file import load_job
-    from storyboard_cli.run.render import RenderOptions, render
-
-    from helpers.serve import pixels, worker_ids
+    from helpers.serve import worker_ids
 
     prefix = mount_namespace(tmp_path)
     root = tmp_path / "root"
@@ -211,6 +199,30 @@ def test_a_disk_that_fills_mid_batch_fails_no_image_and_the_job_ends_once_space_
     try:
         eventually(lambda: worker_ids(s.url, "w"), bool, 60)
         assert httpx.post(s.url + "/v1/queue/pause", timeout=10).status_code == 200
+    except BaseException:
+        s.kill_everything()
+        raise
+    return s, root, worker_log
+
+
+@pytest.mark.slow  # a server and a worker in a mount namespace, four 512x512 images rendered twice
+@pytest.mark.parametrize("kind", ["shared", "upload"])
+def test_a_disk_that_fills_mid_batch_fails_no_image_and_the_job_ends_once_space_is_freed(tmp_path, kind, tiny_cpu):
+    """`bcg serve` and a `bcg worker` in one mount namespace, the server's --root on a 16 MB tmpfs. The disk fills
+    (1 MB left) while the worker renders a batch of four 640 KB PNGs: the first lands, the second cannot be written
+    (shared: the worker writes into the server's job folder, ENOSPC; upload: the server's 507). The images that did
+    not land go back to the queue with their attempts, none fails, the worker takes no strike, and no batch is
+    leased until space is freed (/readyz and /metrics say so); once the operator frees it, the job ends with each
+    PNG the pixels `bcg render` writes."""
+    import numpy as np
+
+    from storyboard_cli.job.file import load_job
+    from storyboard_cli.run.render import RenderOptions, render
+
+    from helpers.serve import pixels
+
+    s, root, worker_log = _paused_with_a_worker(tmp_path, kind)
+    try:
         job = httpx.post(s.url + "/v1/jobs", content=FOUR_LARGE, headers=YAML, timeout=10).json()
         _fill(s, leave=MB)  # room for one PNG of the batch, not two
         assert httpx.post(s.url + "/v1/queue/resume", timeout=10).status_code == 200
@@ -251,6 +263,25 @@ def test_a_disk_that_fills_mid_batch_fails_no_image_and_the_job_ends_once_space_
     assert logged.count("no batch is leased until") == 1 and logged.count("batches are leased again") == 1, logged
 
 
+def _raising(e):
+    """A function that raises `e`, whatever it is called with."""
+
+    def call(*args, **kwargs):
+        raise e
+
+    return call
+
+
+def _two_leased(c):
+    """A job of two images submitted to the app `c` (a TestClient), and leased by a worker "w": (the job, the
+    worker's id, the lease)."""
+    job = c.post("/v1/jobs", content=ONE_IMAGE_JOB.replace("seed: 1", "seed: 1, candidates: 2"), headers=YAML).json()
+    worker = c.post("/v1/workers", json={"name": "w"}).json()["worker"]
+    lease = c.post("/v1/leases", json={"worker": worker}).json()
+    assert len(lease["images"]) == 2
+    return job, worker, lease
+
+
 def test_a_completion_whose_lines_cannot_be_written_sends_its_images_back_and_holds_the_leases(tmp_path, monkeypatch):
     """The server cannot append a completion's manifest lines (ENOSPC): a 507, nothing recorded, the lease's images
     back in the queue with their attempts; no batch is leased until a megabyte more than then is free (the floor's
@@ -266,16 +297,9 @@ def test_a_completion_whose_lines_cannot_be_written_sends_its_images_back_and_ho
     monkeypatch.setattr(disk.Disk, "free", lambda self: free[0])
     app = create_app(Settings(tmp_path / "root", lease_s=10, min_free_mb=1), clock=lambda: 0.0)
     with TestClient(app) as c:
-        job = c.post("/v1/jobs", content=ONE_IMAGE_JOB.replace("seed: 1", "seed: 1, candidates: 2"), headers=YAML)
-        job = job.json()
-        worker = c.post("/v1/workers", json={"name": "w"}).json()["worker"]
-        lease = c.post("/v1/leases", json={"worker": worker}).json()
-        assert len(lease["images"]) == 2
+        job, worker, lease = _two_leased(c)
 
-        def full(*args):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(folders, "record", full)
+        monkeypatch.setattr(folders, "record", _raising(OSError(errno.ENOSPC, "No space left on device")))
         free[0] = MB // 2
         r = c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": worker})
         assert r.status_code == 507 and "disk is full" in r.json()["detail"], r.text
@@ -309,15 +333,9 @@ def test_a_completion_whose_lines_a_read_only_folder_refuses_holds_the_leases_un
                         real_access(p, mode))
     app = create_app(Settings(tmp_path / "root", lease_s=10, min_free_mb=1), clock=lambda: 0.0)
     with TestClient(app) as c:
-        job = c.post("/v1/jobs", content=ONE_IMAGE_JOB.replace("seed: 1", "seed: 1, candidates: 2"), headers=YAML)
-        job = job.json()
-        worker = c.post("/v1/workers", json={"name": "w"}).json()["worker"]
-        lease = c.post("/v1/leases", json={"worker": worker}).json()
+        job, worker, lease = _two_leased(c)
 
-        def refused(*args):
-            raise OSError(errno.EROFS, "Read-only file system")
-
-        monkeypatch.setattr(folders, "record", refused)
+        monkeypatch.setattr(folders, "record", _raising(OSError(errno.EROFS, "Read-only file system")))
         read_only[0] = True
         r = c.post(f"/v1/leases/{lease['lease']}/complete", json={"worker": worker})
         assert r.status_code == 507 and "cannot write under its root (Read-only file system)" in r.json()["detail"]
@@ -401,26 +419,8 @@ def test_job_folders_turned_read_only_fail_no_image_and_the_job_ends_once_they_a
     sends) sends the images back with their attempts, takes no strike, and no batch is leased while the server cannot
     write there (/readyz says so); once they are writable again the job ends, every image on its first attempt. On
     the code before, each image failed at its first attempt (shared) or the uploads were answered 500 (upload)."""
-    import shlex
-    import sys
-
-    from helpers.serve import worker_ids
-
-    prefix = mount_namespace(tmp_path)
-    root = tmp_path / "root"
-    root.mkdir()
-    s = Server(root, free_port())
-    worker_log = tmp_path / "worker.log"
-    worker = [sys.executable, "-m", "storyboard_cli", "worker", "--server", s.url, "--device", "cpu", "--name", "w",
-              *(["--upload", "--root", str(tmp_path / "elsewhere")] if kind == "upload" else [])]
-    both = f'mount -t tmpfs -o size=16m tmpfs "$0" && {{ {shlex.join(worker)} 2>{shlex.quote(str(worker_log))} & }}' \
-           ' && exec "$@"'
-    with open(tmp_path / "serve.log", "w") as err:
-        s.start(lease_s=10, gpus="none", prefix=[*prefix, "sh", "-c", both, str(root)], extra=["--min-free-mb", "1"],
-                stderr=err)
+    s, root, worker_log = _paused_with_a_worker(tmp_path, kind)
     try:
-        eventually(lambda: worker_ids(s.url, "w"), bool, 60)
-        assert httpx.post(s.url + "/v1/queue/pause", timeout=10).status_code == 200
         job = httpx.post(s.url + "/v1/jobs", content=SIX_IN_THREE, headers=YAML, timeout=10).json()
         _jobs_mode(s, root, "ro")
         assert httpx.post(s.url + "/v1/queue/resume", timeout=10).status_code == 200
