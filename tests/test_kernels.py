@@ -200,7 +200,7 @@ def test_worker_and_capture_carry_the_name(argv, want, monkeypatch, tmp_path):
     from storyboard_cli.serve import worker
 
     seen = []
-    monkeypatch.setattr(worker, "run_worker", lambda opts: seen.append(opts.kernels))
+    monkeypatch.setattr(worker, "run_worker", lambda opts, on_stall: seen.append(opts.kernels))
     monkeypatch.setattr(capture, "capture", lambda **kw: (seen.append(kw["kernels"]), ([], [], []))[1])
     runner = CliRunner()
     assert runner.invoke(app, ["worker", "--server", "http://127.0.0.1:9", *argv]).exit_code == 0

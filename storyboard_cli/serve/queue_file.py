@@ -36,6 +36,7 @@ CREATE INDEX IF NOT EXISTS images_state ON images(state);
 CREATE INDEX IF NOT EXISTS images_job ON images(job);
 CREATE INDEX IF NOT EXISTS images_fingerprint ON images(fingerprint, state);
 CREATE INDEX IF NOT EXISTS images_done ON images(done);
+CREATE INDEX IF NOT EXISTS images_lease ON images(lease) WHERE lease IS NOT NULL;
 CREATE TABLE IF NOT EXISTS leases (id TEXT PRIMARY KEY, worker TEXT NOT NULL, job TEXT NOT NULL, expires REAL NOT NULL,
   started REAL, est REAL NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
