@@ -86,8 +86,8 @@ def test_lease_complete_and_job_state(store):
 def test_a_batch_costs_the_queue_the_same_however_many_images_it_has_finished(store):
     """A farm's queue keeps every job it finished: a batch's lease, heartbeat and completion read no more of the
     queue with 9,600 finished images than with none (SQLite's instructions counted), where each once scanned every
-    image by its lease (a job of two batches took 27.5 ms at 160,000 finished images against 1.3 ms at none:
-    benchmarks/queue_history.py)."""
+    image by its lease (a job of two batches took 28.4 ms at 160,000 finished images against 1.5 ms at none:
+    benchmarks/queue_history.py --before)."""
     held = worker(store, "w")
 
     def job(name, now):
@@ -111,6 +111,39 @@ def test_a_batch_costs_the_queue_the_same_however_many_images_it_has_finished(st
     assert store.stats(0, 10**4)["counters"]["images_rendered"] == 16 * 601
     full = instructions("last", 10**4)
     assert full <= 2 * empty + 5, (empty, full)
+
+
+def test_a_scrape_reads_the_images_of_a_finished_job_once_and_a_retry_counts_it_again(store):
+    """/metrics' jobs per state: a finished job's state is read from its images once and kept, so a scrape of a
+    queue that finished 600 jobs reads a fraction of what the first did (it read every image the queue held, each
+    scrape); a failed job retried counts as queued again, then succeeded once it ends."""
+    held = worker(store, "w")
+    for n in range(600):
+        store.submit(planned(f"done{n}", n=16, batch=16), None, 10**6, now=n)
+        lease = store.lease(held, now=n, ttl=60)
+        store.complete(lease.lease, done=[i.id for i in lease.images], cached=[], failed={}, now=n)
+
+    def scrape():
+        steps = [0]
+        store.db.set_progress_handler(lambda: steps.__setitem__(0, steps[0] + 1), 100)
+        try:
+            return store.stats(10**4, 60)["jobs"], steps[0]
+        finally:
+            store.db.set_progress_handler(None, 0)
+
+    (first, cold), (again, warm) = scrape(), scrape()
+    assert first == again and first[JobState.SUCCEEDED] == 600
+    assert warm * 4 < cold, (cold, warm)
+    store.submit(planned("bad", n=2), None, 10**6, now=10**4)
+    lease = store.lease(held, now=10**4, ttl=60)
+    bad, good = lease.images
+    store.complete(lease.lease, done=[good.id], cached=[], failed={bad.id: "x"}, now=10**4)
+    assert scrape()[0][JobState.FAILED] == 1
+    store.retry("bad", now=10**4 + 1)
+    assert scrape()[0][JobState.FAILED] == 0 and scrape()[0][JobState.RUNNING] + scrape()[0][JobState.QUEUED] == 1
+    lease = store.lease(held, now=10**4 + 2, ttl=60)
+    store.complete(lease.lease, done=[i.id for i in lease.images], cached=[], failed={}, now=10**4 + 2)
+    assert scrape()[0][JobState.SUCCEEDED] == 601 and scrape()[0][JobState.FAILED] == 0
 
 
 @pytest.mark.parametrize("refused", [False, True])

@@ -39,6 +39,10 @@ def bounds(name: str) -> tuple[float, ...]:
 class QueueStats(QueueFile):
     """Counters, histograms and the reads /metrics shows."""
 
+    def __init__(self, root):
+        super().__init__(root)
+        self._final: dict[str, tuple[float, str]] = {}  # a finished job: (when it finished, its state)
+
     def _count(self, db, name: str, n: int = 1) -> None:
         if n:
             db.execute("INSERT INTO counters VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + ?",
@@ -75,10 +79,7 @@ class QueueStats(QueueFile):
                     "SELECT j.priority, COUNT(*), COUNT(DISTINCT j.id) FROM images i JOIN jobs j ON j.id = i.job "
                     "WHERE i.state IN (?, ?) GROUP BY j.priority", ImageState.OPEN):
                 depth[prio] = [images, jobs]
-            per_job: dict[str, Counter] = {}
-            canceled = {r[0]: bool(r[1]) for r in db.execute("SELECT id, canceled FROM jobs")}
-            for job, state, n in db.execute("SELECT job, state, COUNT(*) FROM images GROUP BY job, state"):
-                per_job.setdefault(job, Counter())[state] = n
+            jobs = self._job_states(db)
             counters = {r[0]: r[1] for r in db.execute("SELECT name, value FROM counters")}
             leases = db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]
             histograms: dict[tuple[str, str], tuple[list[int], float]] = {}
@@ -89,12 +90,31 @@ class QueueStats(QueueFile):
             seen = db.execute("SELECT id, name, gpu, ready, quarantined FROM workers WHERE seen >= ? ORDER BY id",
                               (now - worker_window_s,)).fetchall()
             rate = self._drain_rate(db, now)
-        jobs = Counter(schedule.job_state(c, canceled[j]) for j, c in per_job.items())
         return {"depth": depth, "jobs": {s: jobs[s] for s in JobState.ALL}, "counters": counters, "leases": leases,
                 "histograms": histograms,
                 "workers": [Seen(r["id"], r["name"], json.loads(r["gpu"] or "null"), bool(r["ready"]), r["quarantined"])
                             for r in seen],
                 "images_per_s": rate or 0.0}
+
+    def _job_states(self, db) -> Counter:
+        """Jobs per state. A finished job's state is read from its images once and kept (`_final`, with the time it
+        finished: a retry that runs it again changes that), so a scrape reads the images of the open jobs only, not
+        every image the queue ever finished."""
+        final, jobs = self._final, Counter()
+        for job_id, canceled, finished in db.execute("SELECT id, canceled, finished FROM jobs").fetchall():
+            kept = final.get(job_id)
+            if finished is not None and kept is not None and kept[0] == finished:
+                jobs[kept[1]] += 1
+                continue
+            states = Counter(dict(db.execute("SELECT state, COUNT(*) FROM images WHERE job = ? GROUP BY state",
+                                             (job_id,)).fetchall()))
+            if not states:
+                continue
+            state = schedule.job_state(states, bool(canceled))
+            if finished is not None:
+                final[job_id] = (finished, state)
+            jobs[state] += 1
+        return jobs
 
     def slo_stats(self, now: float) -> dict:
         """What /metrics shows beside `stats` for the service objectives: per priority, the seconds the
