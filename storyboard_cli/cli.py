@@ -345,6 +345,9 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
           worker_token: Annotated[Optional[str], typer.Option("--worker-token", envvar="BCG_WORKER_TOKEN",
                                                               show_envvar=True, help="Bearer token of the worker "
                                                               "routes (default: --token).")] = None,
+          stall_s: Annotated[float, typer.Option(min=0, help="Each local worker's --stall-s: seconds its render may "
+                                                  "show no progress before it exits 75 and is started again; 0: "
+                                                  "never.")] = 600.0,
           warm: WarmOpt = None, token: TokenOpt = None, dtype: DtypeOpt = None, engine: EngineOpt = "auto",
           compile: CompileOpt = "auto", kernels: KernelsOpt = None, fp8: Fp8Opt = False) -> None:
     """Run the render service: the HTTP API, the queue, and one hot worker per GPU."""
@@ -363,7 +366,7 @@ def serve(root: Annotated[Path, typer.Option(help="Folder of the queue (SQLite) 
                             dtype=dtype, engine=engine, compile=compile, inputs=tuple(allow_dir or ()), warm=warm,
                             kernels=kernels, worker_token=worker_token, max_job_kb=max_job_kb, max_blob_mb=max_blob_mb,
                             max_workers=max_workers, allow_models=tuple(allow_model or ()), min_free_mb=min_free_mb,
-                            max_blobs_gb=max_blobs_gb, blob_grace_s=blob_grace_s)
+                            max_blobs_gb=max_blobs_gb, blob_grace_s=blob_grace_s, stall_s=stall_s)
         service = Service(opts)  # the queue opened and the port bound: a start-up error is one line, before this
         err.print(f"bcg serve: {service.url} (docs at {service.url}/docs), root {root}, workers: "
                   f"{', '.join(opts.gpus)}")

@@ -43,8 +43,8 @@ UNIT_S = {"processes:test_dist": 480, "processes:test_serve_inputs": 315, "proce
           "processes:test_serve_scale": 155,
           # 150 in that run; its full-disk test, 18 s alone (2026-12-07); its clock test, 20 s, its full server
           # disk test, 11 s, and its quota test, 12 s, alone (2026-12-08); 132 s in a run (2026-12-08), and its
-          # hung worker's test, 15 s alone
-          "processes:test_serve_worker_faults": 230,
+          # hung worker's test, 15 s alone, and its stalled local worker's, 11 s alone
+          "processes:test_serve_worker_faults": 245,
           "processes:test_serve_load": 130,
           # 34.5 s in a run (2026-12-08, five slow tests); 64 s alone with its read-only and last-byte tests
           "processes:test_serve_disk": 90, "bench": 110, "processes:test_serve_workers": 90,

@@ -170,7 +170,9 @@ def test_the_local_workers_url_and_token():
     fallback = ServeOptions(root=ROOT, token="client")
     assert worker_command("http://[::1]:8188", "cpu", fallback)[1]["BCG_WORKER_TOKEN"] == "client"
     argv = worker_command("http://[::1]:8188", "cpu", opts)[0]
-    assert argv[argv.index("--server") + 1] == "http://[::1]:8188"
+    assert argv[argv.index("--server") + 1] == "http://[::1]:8188" and argv[argv.index("--stall-s") + 1] == "600"
+    argv = worker_command("http://[::1]:8188", "cpu", ServeOptions(root=ROOT, stall_s=2.5))[0]
+    assert argv[argv.index("--stall-s") + 1] == "2.5"
 
 
 JOB = """version: 1

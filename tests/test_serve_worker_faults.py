@@ -359,6 +359,23 @@ def test_a_worker_whose_render_hangs_exits_and_another_renders_its_images(tmp_pa
                 stop(p)
 
 
+@pytest.mark.slow  # a server whose local CPU worker hangs in its first batch
+def test_serve_starts_its_local_worker_again_once_its_render_stalled(tmp_path):
+    """`bcg serve --stall-s` reaches its local workers: one whose batch never returns exits 75 that long after the
+    batch began, and the server starts it again, each said in one line."""
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        server = Server(tmp_path / "root", free_port()).start(gpus="cpu", lease_s=3, extra=["--stall-s", "3"],
+                                                              stderr=err, fault=holds_a_lease(tmp_path / "hold"))
+    try:
+        r = httpx.post(server.url + "/v1/jobs", content=JOB % 1, headers=YAML, timeout=10)
+        assert r.status_code == 202, r.text
+        said = eventually(log.read_text, lambda t: "exited with 75; starting it again" in t, 120)
+        assert "no progress for" in said and "--stall-s 3)" in said, said
+    finally:
+        stop(server.proc)
+
+
 def test_a_render_that_goes_on_past_stall_s_in_all_is_not_stalled_and_only_the_render_is_watched():
     """The stall is the time since the render's last sign of progress, not the lease's age: a render whose batches
     keep coming runs on past --stall-s; one that stops is stalled once, and its lease no longer renewed; the calls

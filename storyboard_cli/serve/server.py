@@ -61,6 +61,7 @@ class ServeOptions:
     kernels: str = "auto"  # the kernels' row every local worker renders on (bcg render --kernels)
     inputs: tuple[Path, ...] = ()  # --allow-dir: folders jobs may read besides --root
     warm: Path | None = None  # each local worker makes this job's model and shapes ready before its first lease
+    stall_s: float = 600.0  # each local worker's --stall-s: a render with no progress this long, the worker exits 75
     worker_token: str | None = None  # the worker routes' token (None: --token)
     max_job_kb: int = 1024
     max_blob_mb: int = 2048
@@ -134,6 +135,7 @@ def worker_command(url: str, gpu: str, opts: ServeOptions, index: int = 0) -> tu
         argv += ["--dtype", opts.dtype]
     if opts.warm:
         argv += ["--warm", str(opts.warm)]
+    argv += ["--stall-s", f"{opts.stall_s:g}"]
     env.pop(WORKER_TOKEN_ENV, None)
     if opts.worker_token or opts.token:  # the worker routes' token
         env[WORKER_TOKEN_ENV] = opts.worker_token or opts.token
