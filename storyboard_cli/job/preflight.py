@@ -31,23 +31,18 @@ def check_destination(folder: Path) -> None:
             raise BadInput(f"output folder {folder}: exists and is not a folder")
     except OSError as e:  # a name too long for the file system
         raise folder_error(folder, e) from None
-    existing = folder
-    while not existing.exists():
-        if existing.parent == existing:
-            break
-        existing = existing.parent
+    existing = _existing(folder)
     if existing.exists() and not existing.is_dir():
         raise folder_error(folder, OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)))
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise folder_error(folder, OSError(errno.EACCES, f"{existing} is not writable"))
+    why = unwritable(existing)
+    if why is not None:
+        raise folder_error(folder, OSError(errno.EACCES, why))
 
 
 def unwritable(folder: Path) -> str | None:
     """Why this process cannot write into `folder` (or the nearest folder above it that exists): read-only, or not
     permitted; None when it can."""
-    existing = Path(folder)
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
+    existing = _existing(folder)
     if os.access(existing, os.W_OK | os.X_OK):
         return None
     try:
@@ -59,13 +54,18 @@ def unwritable(folder: Path) -> str | None:
 
 def free_bytes(folder: Path) -> int | None:
     """Free space where `folder` is (or would be created); None when it cannot be told."""
+    try:
+        return shutil.disk_usage(_existing(folder)).free
+    except OSError:
+        return None
+
+
+def _existing(folder: Path) -> Path:
+    """`folder`, or the nearest folder above it that exists (where it would be created)."""
     existing = Path(folder)
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
-    try:
-        return shutil.disk_usage(existing).free
-    except OSError:
-        return None
+    return existing
 
 
 def is_hub_id(spec: str) -> bool:

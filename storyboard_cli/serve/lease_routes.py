@@ -190,8 +190,7 @@ async def complete(lease_id: Id, body: wire.Completion, state: State) -> wire.Le
     except (OSError, sqlite3.OperationalError) as e:  # the job folders' disk full or read-only: a 507 (disk.py)
         if not (is_full(e) or is_unwritable(e)):
             raise
-        outs = [out for _, out, _ in held.values()]  # the job folder it could not write into, where refused
-        folder = next((out for out in outs if unwritable(out)), outs[0]) if is_unwritable(e) else None
+        folder = (_unwritable_folder(held) or next(iter(held.values()))[1]) if is_unwritable(e) else None
         await run_in_threadpool(state.disk.spent, f"the manifest lines of lease {lease_id}", folder)
         with suppress(OSError, sqlite3.OperationalError):  # nothing was recorded: its images go back to the queue,
             # their attempts kept, rendered again once space is freed (the queue's own disk full too: it expires)
@@ -212,13 +211,19 @@ def _disk_full(state: ApiState, body: wire.Completion, held: dict) -> str | None
     if state.disk.holding() is not None:  # the server saw it too (an upload refused, or another worker's report)
         return None
     what = f"worker {body.worker}: {body.disk_full}"
-    folder = next((out for _, out, _ in held.values() if unwritable(out)), None)
+    folder = _unwritable_folder(held)
     if folder is not None or state.disk.low() is not None:
         state.disk.spent(what, folder)
         return None
     log.warning("%s, though the server can write its job folders (%.0f MB free): a strike against the worker", what,
                 state.disk.free() / MB)
     return f"could not write into the job folders: {body.disk_full}"
+
+
+def _unwritable_folder(held: dict) -> Path | None:
+    """The first of a lease's job folders (`Store.lease_outputs`) that the server cannot write; None when it can
+    write them all."""
+    return next((out for _, out, _ in held.values() if unwritable(out)), None)
 
 
 def _lease(store: Store, report: wire.WorkerReport, now: float, ttl: float, held: bool) -> wire.Lease | None:
